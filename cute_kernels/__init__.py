@@ -1,0 +1,25 @@
+"""cute-kernels: attention kernels for LLM serving in the CuTe Python DSL.
+
+Public ops (each in its own module under ``cute_kernels.ops``) are imported lazily, so that
+``import cute_kernels`` and the dispatch layer stay cheap on machines without the DSL or a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_OPS = {
+    "merge_states": "cute_kernels.ops.merge_states",
+}
+
+__all__ = sorted(_OPS) + ["reference", "__version__"]
+
+
+def __getattr__(name):
+    if name in _OPS:
+        return getattr(importlib.import_module(_OPS[name]), name)
+    if name == "reference":
+        return importlib.import_module("cute_kernels.reference")
+    raise AttributeError(f"module 'cute_kernels' has no attribute {name!r}")

@@ -1,0 +1,127 @@
+"""LSE merge of split-KV partial states (the combine step of split-KV decode and QSA split-K).
+
+Given fp32 partial outputs ``O_s`` and base-2 log-sum-exps ``L_s`` of S splits of the same rows,
+the merged state is ``L = log2(sum_s 2^L_s)`` and ``O = sum_s 2^(L_s - L) O_s``. Splits whose
+``L_s`` is -inf (empty) are skipped without reading their partial output, so garbage there
+cannot leak into the result; a row whose splits are all empty gets O = 0 and L = -inf.
+
+Memory-bound: every partial element is read once with 16-byte loads (``vec`` fp32 per thread)
+and the output written once. One row (n, h) is handled by ``head_dim / vec`` consecutive
+threads; the few LSE loads of a row hit L1 because its threads read the same addresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..jit.compiler import ALL_TARGETS, KernelConfig
+from ..jit.dtypes import DTYPE_BITS, cute_dtype
+from ..jit.spec import TensorArg
+
+_MAX_THREADS = 128
+
+
+class MergeStates:
+    """Kernel: merge ``mPartialO [S, N, H, D]`` / ``mPartialLse [S, N, H]`` into ``mO``/``mLse``."""
+
+    def __init__(self, out_dtype, head_dim: int, vec: int):
+        self.out_dtype = out_dtype
+        self.head_dim = head_dim
+        self.vec = vec
+        self.threads_per_row = head_dim // vec
+        self.rows_per_cta = max(1, _MAX_THREADS // self.threads_per_row)
+        self.num_threads = self.rows_per_cta * self.threads_per_row
+
+    @cute.jit
+    def __call__(
+        self,
+        mPartialO: cute.Tensor,
+        mPartialLse: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        stream,
+    ):
+        num_rows = mO.shape[0] * mO.shape[1]
+        grid_x = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
+        self.kernel(mPartialO, mPartialLse, mO, mLse).launch(
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mPartialO: cute.Tensor, mPartialLse: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_splits = mPartialO.shape[0]
+        num_heads = mO.shape[1]
+        row = bidx * self.rows_per_cta + tidx // self.threads_per_row
+        lane = tidx % self.threads_per_row
+        if row < mO.shape[0] * num_heads:
+            n = row // num_heads
+            h = row - n * num_heads
+            lse_max = -Float32.inf
+            for s in cutlass.range(num_splits, unroll=4):
+                lse_max = cute.arch.fmax(lse_max, mPartialLse[s, n, h])
+            # All splits empty: shift by 0 so every weight is exp2(-inf) = 0 (no inf - inf NaN).
+            shift = lse_max if lse_max != -Float32.inf else Float32(0.0)
+            acc = cute.make_rmem_tensor((self.vec,), Float32)
+            acc.fill(0.0)
+            weight_sum = Float32(0.0)
+            for s in cutlass.range(num_splits, unroll=4):
+                w = cute.math.exp2(mPartialLse[s, n, h] - shift, fastmath=True)
+                if w > Float32(0.0):
+                    weight_sum += w
+                    gPartial = cute.local_tile(mPartialO[s, n, h, None], (self.vec,), (lane,))
+                    acc.store(acc.load() + gPartial.load() * w)
+            inv = Float32(0.0)
+            if weight_sum > Float32(0.0):
+                inv = cute.arch.rcp_approx(weight_sum)
+            gO = cute.local_tile(mO[n, h, None], (self.vec,), (lane,))
+            gO.store((acc.load() * inv).to(self.out_dtype))
+            if lane == Int32(0):
+                lse = -Float32.inf
+                if weight_sum > Float32(0.0):
+                    lse = shift + cute.math.log2(weight_sum, fastmath=True)
+                mLse[n, h] = lse
+
+
+@dataclass(frozen=True)
+class MergeStatesConfig(KernelConfig):
+    """Compile key of :class:`MergeStates`: output dtype, head dim and vector width (fp32 lanes).
+
+    ``vec`` fp32 elements per thread: 4 gives 16-byte loads and needs every partial stride and
+    the data pointer 16-byte aligned; the op picks the widest width the tensors allow.
+    """
+
+    out_dtype: str = "bf16"
+    head_dim: int = 128
+    vec: int = 4
+
+    kernel_id = "common.merge_states"
+    targets = ALL_TARGETS
+    # 16-byte loads of the partials are what makes it run at bandwidth
+    evidence = {t: (r"ld\.global(\.\w+)*\.(v4\.[bf]32|v2\.[bf]64)",) for t in ALL_TARGETS}
+
+    def __post_init__(self):
+        if self.out_dtype not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"merge_states output dtype must be bf16/fp16/fp32, got {self.out_dtype}")
+        if self.vec not in (1, 2, 4) or self.head_dim % self.vec:
+            raise ValueError(f"head_dim {self.head_dim} is not a multiple of vec {self.vec}")
+        if self.head_dim // self.vec > 1024:
+            raise ValueError(f"head_dim {self.head_dim} too large for merge_states (max {1024 * self.vec})")
+
+    def signature(self):
+        D = self.head_dim
+        out_align = max(DTYPE_BITS[self.out_dtype] * self.vec // 8, DTYPE_BITS[self.out_dtype] // 8)
+        return (
+            TensorArg("partial_out", "fp32", ("S", "N", "H", D), align=4 * self.vec),
+            TensorArg("partial_lse", "fp32", ("S", "N", "H"), align=4),
+            TensorArg("out", self.out_dtype, ("N", "H", D), align=out_align),
+            TensorArg("lse", "fp32", ("N", "H"), align=4),
+        )
+
+    def build(self):
+        return MergeStates(cute_dtype(self.out_dtype), self.head_dim, self.vec)

@@ -1,0 +1,277 @@
+"""Compile kernel configs for a chosen arch, with an in-memory and an on-disk cache.
+
+Works on a machine with no GPU: the arch is always named explicitly (``--gpu-arch`` and
+``CUTE_DSL_ARCH``; without both, a GPU-less DSL silently targets sm_100a) and every argument is a
+fake tensor built from the config's signature. Compiled functions use TVM-FFI with the
+environment stream, so a call takes torch tensors directly and launches on the current torch
+stream (which is what CUDA-graph capture needs).
+
+Disk cache: each compiled variant is exported as an object file under
+``$CUTE_KERNELS_CACHE_DIR`` (default ``~/.cache/cute_kernels``), in a folder named by a
+fingerprint of this package's sources and the DSL / TVM-FFI / Python versions, so an edit to any
+kernel invalidates it. ``CUTE_KERNELS_DISK_CACHE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, ClassVar
+
+from .spec import Arg, fake_arguments
+
+# Targets this package compiles for. Arch-specific kernels name their own subset; arch-neutral
+# ones (merge) compile for every target the DSL knows from SM80 on.
+ALL_TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_103a", "sm_120a", "sm_121a")
+COMPILE_TARGETS = ("sm_90a", "sm_100a")
+
+_lock = threading.RLock()
+_memory: dict[tuple, Any] = {}
+
+
+class KernelConfig:
+    """Base of every kernel's frozen config dataclass.
+
+    A subclass is a ``@dataclass(frozen=True)`` whose fields are exactly what changes code
+    generation; the instance itself is the compile key. It provides:
+
+    - ``kernel_id``: the registered id (``"common.merge_states"``, ``"sm90.decode"``...);
+    - ``targets``: the compile targets it supports;
+    - ``evidence``: per target, PTX substrings that prove it uses the hardware it claims;
+    - ``signature()``: the runtime arguments, in order (see :mod:`cute_kernels.jit.spec`);
+    - ``build()``: the kernel object (a class with a ``@cute.jit __call__``) to compile.
+    """
+
+    kernel_id: ClassVar[str]
+    targets: ClassVar[tuple[str, ...]] = COMPILE_TARGETS
+    evidence: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def signature(self) -> tuple[Arg, ...]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def build(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def label(self) -> str:
+        fields = getattr(self, "__dataclass_fields__", {})
+        return self.kernel_id + "[" + ",".join(f"{k}={getattr(self, k)}" for k in fields) + "]"
+
+
+@dataclass
+class CompiledKernel:
+    """A compiled variant with what the compile matrix reports about it."""
+
+    config: KernelConfig
+    arch: str
+    fn: Any
+    seconds: float
+    ptx: str | None = None
+    sass: str | None = None
+
+
+def normalize_target(arch) -> str:
+    """``"sm_90"``, ``"sm90a"``, ``90``, ``(9, 0)`` -> ``"sm_90a"`` (the arch-specific variant
+    for the archs that have one, since WGMMA and tcgen05 need it)."""
+    if isinstance(arch, tuple):
+        arch = f"{arch[0]}{arch[1]}"
+    a = str(arch).lower().replace("sm_", "").replace("sm", "").rstrip("af")
+    for target in ALL_TARGETS:
+        if target[3:].rstrip("a") == a:
+            return target
+    raise ValueError(f"compile target {arch!r} is not supported; expected one of {ALL_TARGETS}")
+
+
+def _options(arch: str, dump_dir: str | None) -> str:
+    opts = ["--enable-tvm-ffi", f"--gpu-arch {arch}"]
+    if dump_dir is not None:
+        opts += ["--keep-ptx", "--keep-cubin", f"--dump-dir {dump_dir}"]
+    return " ".join(opts)
+
+
+@lru_cache(maxsize=1)
+def nvdisasm_path() -> str | None:
+    """SASS needs an nvdisasm at least as new as the DSL's CUDA (the nvidia-cuda-nvdisasm wheel)."""
+    try:
+        from cutlass.base_dsl.env_manager import _find_nvdisasm_binary
+
+        return str(_find_nvdisasm_binary())
+    except Exception:
+        return None
+
+
+def _disassemble(cubin, workdir: str) -> str | None:
+    """SASS of a cubin (bytes or a path), or None without a usable nvdisasm."""
+    tool = nvdisasm_path()
+    if tool is None or not cubin:
+        return None
+    if isinstance(cubin, bytes):
+        path = os.path.join(workdir, "kernel.cubin")
+        Path(path).write_bytes(cubin)
+    elif isinstance(cubin, str) and os.path.isfile(cubin):
+        path = cubin
+    else:
+        return None
+    import subprocess
+
+    res = subprocess.run([tool, "-c", path], capture_output=True, text=True)
+    return res.stdout if res.returncode == 0 else None
+
+
+def compile_config(config: KernelConfig, arch: str, *, artifacts: bool = False) -> CompiledKernel:
+    """Compile ``config`` for ``arch`` (no cache). With ``artifacts``, keep PTX (and SASS)."""
+    import cutlass.cute as cute
+
+    arch = normalize_target(arch)
+    if arch not in config.targets:
+        raise ValueError(f"{config.kernel_id} does not compile for {arch}; targets: {config.targets}")
+    with _lock:
+        os.environ.setdefault("CUTE_DSL_ARCH", arch)
+        previous = os.environ["CUTE_DSL_ARCH"]
+        os.environ["CUTE_DSL_ARCH"] = arch
+        dump = tempfile.mkdtemp(prefix="cute_kernels_") if artifacts else None
+        try:
+            args = fake_arguments(config.signature())
+            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+            t0 = time.perf_counter()
+            fn = cute.compile(
+                config.build(), *args, stream,
+                options=_options(arch, dump),
+            )
+            seconds = time.perf_counter() - t0
+            if "TVMFFI" not in type(fn).__name__:
+                raise RuntimeError(f"expected a TVM-FFI function, got {type(fn).__name__}")
+            ptx = sass = None
+            if artifacts:
+                ptx = _read_artifact(fn.__ptx__)
+                sass = _disassemble(fn.__cubin__, dump)
+        finally:
+            os.environ["CUTE_DSL_ARCH"] = previous
+            if dump is not None:
+                shutil.rmtree(dump, ignore_errors=True)
+    return CompiledKernel(config, arch, fn, seconds, ptx, sass)
+
+
+def _read_artifact(value) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and os.path.isfile(value):
+        return Path(value).read_text()
+    return value if isinstance(value, str) else None
+
+
+# --------------------------------------------------------------------------------------------
+# cached entry point used by the ops
+# --------------------------------------------------------------------------------------------
+
+
+def get_kernel(config: KernelConfig, arch: str):
+    """The compiled function for ``config`` on ``arch``: memory, then disk, then compile."""
+    key = (config, arch)
+    fn = _memory.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _memory.get(key)
+        if fn is not None:
+            return fn
+        path = _disk_path(config, arch)
+        if path is not None and path.exists():
+            try:
+                fn = _load_object(path)
+            except Exception:
+                fn = None
+        if fn is None:
+            compiled = compile_config(config, arch)
+            fn = compiled.fn
+            if path is not None:
+                _store_object(compiled.fn, path)
+        _memory[key] = fn
+        return fn
+
+
+def is_cached(config: KernelConfig, arch: str) -> bool:
+    if (config, arch) in _memory:
+        return True
+    path = _disk_path(config, arch)
+    return path is not None and path.exists()
+
+
+def clear_memory_cache() -> None:
+    _memory.clear()
+
+
+def cache_dir() -> Path | None:
+    if os.environ.get("CUTE_KERNELS_DISK_CACHE", "1") == "0":
+        return None
+    root = os.environ.get("CUTE_KERNELS_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "cute_kernels"
+    )
+    return Path(root) / _fingerprint()
+
+
+@lru_cache(maxsize=1)
+def _fingerprint() -> str:
+    import cutlass
+
+    h = hashlib.sha256()
+    pkg = Path(__file__).resolve().parents[1]
+    for f in sorted(pkg.rglob("*.py")):
+        h.update(str(f.relative_to(pkg)).encode())
+        h.update(f.read_bytes())
+    try:
+        import tvm_ffi
+
+        tvm_version = getattr(tvm_ffi, "__version__", "?")
+    except Exception:
+        tvm_version = "none"
+    h.update(f"{getattr(cutlass, '__version__', '?')}|{tvm_version}|{sys.version_info[:2]}".encode())
+    return h.hexdigest()[:16]
+
+
+def _disk_path(config: KernelConfig, arch: str) -> Path | None:
+    root = cache_dir()
+    if root is None:
+        return None
+    digest = hashlib.sha256(repr((config, arch)).encode()).hexdigest()[:24]
+    return root / f"{config.kernel_id}-{arch}-{digest}.o"
+
+
+_FUNCTION_NAME = "cute_kernels_entry"
+_runtime_loaded = False
+_loaded_modules: list = []
+
+
+def _load_object(path: Path):
+    global _runtime_loaded
+    import cutlass.cute as cute
+
+    if not _runtime_loaded:
+        # Exported objects reference the DSL runtime; make its symbols global before the first
+        # load, or a process that has not compiled anything yet fails to resolve them.
+        for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True):
+            if os.path.exists(lib):
+                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+        _runtime_loaded = True
+    module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+    _loaded_modules.append(module)  # the function's code lives as long as its module
+    return getattr(module, _FUNCTION_NAME)
+
+
+def _store_object(fn, path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".o.tmp")
+        os.close(fd)
+        fn.export_to_c(tmp, function_name=_FUNCTION_NAME)
+        os.replace(tmp, path)  # atomic: concurrent writers leave one whole file
+    except Exception:
+        pass  # the disk cache is an optimisation; the in-memory function is already usable

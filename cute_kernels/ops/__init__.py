@@ -1,0 +1,1 @@
+"""Torch-facing public ops, one module per op."""

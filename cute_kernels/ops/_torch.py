@@ -1,0 +1,108 @@
+"""Torch-side helpers shared by the ops: dtype maps, device arch, argument validation.
+
+Validation never reads tensor data and never synchronizes: it looks at dtype, shape, strides,
+device and data-pointer alignment only, and raises ``ValueError``/``TypeError`` naming the
+argument and what was expected.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+TORCH_TO_NAME = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.uint8: "uint8",
+}
+NAME_TO_TORCH = {v: k for k, v in TORCH_TO_NAME.items()}
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    try:
+        return TORCH_TO_NAME[dt]
+    except KeyError:
+        raise TypeError(f"unsupported dtype {dt}") from None
+
+
+@lru_cache(maxsize=None)
+def _device_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@lru_cache(maxsize=None)
+def device_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    return _device_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def compile_target(device: torch.device) -> str:
+    """The compile target of a CUDA device (``sm_90a`` for an H100/H200...)."""
+    from ..jit.compiler import normalize_target
+
+    return normalize_target(device_capability(device))
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtype=None,
+    ndim: int | None = None,
+    shape: tuple | None = None,
+    device: torch.device | None = None,
+    last_dim_contiguous: bool = True,
+    align_bytes: int = 0,
+):
+    """Validate one tensor argument; ``shape`` entries may be None (any extent)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
+        if t.dtype not in allowed:
+            exp = " or ".join(str(d).replace("torch.", "") for d in allowed)
+            raise TypeError(f"{name} must have dtype {exp}, got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(e is not None and e != s for e, s in zip(shape, t.shape)):
+            exp = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+            raise ValueError(f"{name} must have shape {exp}, got {list(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    if align_bytes:
+        esize = t.element_size()
+        if t.data_ptr() % align_bytes:
+            raise ValueError(f"{name} data pointer must be {align_bytes}-byte aligned")
+        for d in range(t.dim() - 1):
+            if t.shape[d] > 1 and (t.stride(d) * esize) % align_bytes:
+                raise ValueError(
+                    f"{name} stride of dim {d} ({t.stride(d)} elements) must be a multiple of "
+                    f"{align_bytes} bytes"
+                )
+    return t
+
+
+def widest_vector(tensors_and_bytes, max_bytes: int = 16) -> int:
+    """Largest power-of-two byte width (≤ max_bytes) that divides every pointer and stride given."""
+    width = max_bytes
+    for t in tensors_and_bytes:
+        esize = t.element_size()
+        while width > esize:
+            ok = t.data_ptr() % width == 0 and all(
+                (t.stride(d) * esize) % width == 0 for d in range(t.dim() - 1) if t.shape[d] > 1
+            ) and (t.shape[-1] * esize) % width == 0
+            if ok:
+                break
+            width //= 2
+    return width

@@ -1,0 +1,269 @@
+"""Reference semantics: the contract every kernel of this package is tested against.
+
+Pure torch, any device, math in float32 (``float64=True`` for float64). Slow on purpose: it
+gathers each request's pages and runs plain softmax attention, so it is easy to audit.
+
+Conventions shared by all ops
+-----------------------------
+- **KV cache.** One tensor ``[P, 2, Hkv, page, D]`` (``kv_layout="HND"``) or
+  ``[P, 2, page, Hkv, D]`` (``"NHD"``), index 0 of dim 1 = K, 1 = V; or a ``(k_cache, v_cache)``
+  tuple of the 4-D halves ``[P, Hkv, page, D]`` / ``[P, page, Hkv, D]``. Dtype bf16, fp16 or
+  float8_e4m3fn; last dim contiguous, other strides free.
+- **Pages.** ``block_table`` int32 ``[B, max_pages]``; request b's token t lives in physical page
+  ``block_table[b, t // page]`` at offset ``t % page``. Only the first ``ceil(seq_len / page)``
+  entries of a row are used. A page id outside ``[0, P)`` reads as a page of zeros (kernels
+  never dereference it).
+- **Lengths.** ``seq_lens`` int32 ``[B]`` = each request's total KV length *including* its
+  ``q_len`` new tokens. Query token j (0-based within its request) sees KV positions
+  ``< seq_len - q_len + j + 1`` (causal within the speculative draft).
+- **Scales.** ``logits = (q · (k · k_scale)) · sm_scale`` (times ``q_scale`` for an FP8 query),
+  ``sm_scale`` defaults to ``D ** -0.5``; ``out = softmax(logits) · (v · v_scale)``. A scale is a
+  Python float or a 1-element fp32 tensor. FP8 values are stored as ``x / scale``, so ``scale``
+  multiplies them back.
+- **LSE.** Base 2: ``lse = log2(sum_j 2^(logits_j · log2 e)) = logsumexp(logits) / ln 2`` of the
+  scaled logits, fp32. A row that sees no KV has output 0 and lse ``-inf``.
+- **FP8 conversion.** ``saturate(round_to_nearest_even(x / scale))`` to float8_e4m3fn (±448).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_LN2 = math.log(2.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def scale_value(scale, name: str = "scale") -> float | torch.Tensor:
+    """A float, or a 1-element tensor returned as a 0-d fp32 tensor (no host sync)."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"{name} must be a float or a 1-element tensor, got shape {tuple(scale.shape)}")
+        return scale.reshape(()).float()
+    return float(scale)
+
+
+def split_kv_cache(kv_cache, kv_layout: str = "HND") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, v)`` as ``[P, Hkv, page, D]`` views (HND order) whatever the input layout."""
+    if kv_layout not in ("HND", "NHD"):
+        raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
+    if isinstance(kv_cache, (tuple, list)):
+        if len(kv_cache) != 2:
+            raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
+        k, v = kv_cache
+        if k.dim() != 4 or v.dim() != 4 or k.shape != v.shape:
+            raise ValueError(f"k_cache/v_cache must be 4-D of one shape, got {tuple(k.shape)}, {tuple(v.shape)}")
+    else:
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+            raise ValueError(f"kv_cache must be [P, 2, ...] 5-D, got {tuple(kv_cache.shape)}")
+        k, v = kv_cache[:, 0], kv_cache[:, 1]
+    if kv_layout == "NHD":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return k, v
+
+
+def _to_float(x: torch.Tensor, dtype) -> torch.Tensor:
+    return x.to(dtype)
+
+
+def _gather_request(cache: torch.Tensor, pages: torch.Tensor, length: int, dtype) -> torch.Tensor:
+    """``[Hkv, length, D]`` of one request from HND-ordered ``cache [P, Hkv, page, D]``."""
+    P, Hkv, page, D = cache.shape
+    n_pages = (length + page - 1) // page
+    ids = pages[:n_pages].long()
+    valid = (ids >= 0) & (ids < P)
+    rows = cache[ids.clamp(0, max(P - 1, 0))].to(dtype)  # [n_pages, Hkv, page, D]
+    rows = rows * valid.view(-1, 1, 1, 1).to(dtype)
+    return rows.permute(1, 0, 2, 3).reshape(Hkv, n_pages * page, D)[:, :length]
+
+
+# ----------------------------------------------------------------------------------------------
+# paged decode
+# ----------------------------------------------------------------------------------------------
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_layout: str = "HND",
+    q_len_per_req: int = 1,
+    sm_scale: float | None = None,
+    q_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse: bool = False,
+    float64: bool = False,
+):
+    """Paged decode attention (see the module docstring for the conventions).
+
+    Args:
+        q: ``[B * q_len_per_req, Hq, D]`` bf16/fp16, or float8_e4m3fn with ``q_scale``. Rows of a
+            request are consecutive (request-major, then draft token).
+        kv_cache: see module docstring. ``Hq`` must be a multiple of ``Hkv``; query head h reads
+            KV head ``h // (Hq // Hkv)``.
+        block_table: int32 ``[B, max_pages]``.
+        seq_lens: int32 ``[B]``, total KV length of each request including its new tokens.
+        q_len_per_req: draft tokens per request (1 for plain decode).
+        sm_scale: softmax scale, default ``D ** -0.5``.
+        q_scale: required for (and only for) an FP8 query.
+        k_scale, v_scale: KV dequantization scales.
+        return_lse: also return the base-2 LSE ``[B * q_len, Hq]`` fp32.
+
+    Returns:
+        ``out`` ``[B * q_len, Hq, D]`` in q's dtype (bf16 for an FP8 q), and ``lse`` if asked.
+    """
+    acc = torch.float64 if float64 else torch.float32
+    k_cache, v_cache = split_kv_cache(kv_cache, kv_layout)
+    T, Hq, D = q.shape
+    P, Hkv, page, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"head dim mismatch: q has {D}, kv_cache has {Dk}")
+    if Hq % Hkv:
+        raise ValueError(f"num q heads {Hq} must be a multiple of num kv heads {Hkv}")
+    B = block_table.shape[0]
+    if T != B * q_len_per_req:
+        raise ValueError(f"q has {T} rows, expected batch {B} x q_len_per_req {q_len_per_req}")
+    if q.dtype == FP8:
+        if q_scale is None:
+            raise ValueError("an FP8 query needs q_scale")
+        out_dtype = torch.bfloat16
+    else:
+        if q_scale is not None:
+            raise ValueError("q_scale applies only to an FP8 query; a bf16/fp16 query is never rescaled")
+        out_dtype = q.dtype
+    group = Hq // Hkv
+    scale = (D ** -0.5) if sm_scale is None else float(sm_scale)
+    qs = 1.0 if q_scale is None else scale_value(q_scale, "q_scale")
+    ks = scale_value(k_scale, "k_scale")
+    vs = scale_value(v_scale, "v_scale")
+
+    out = torch.zeros((T, Hq, D), dtype=acc, device=q.device)
+    lse = torch.full((T, Hq), float("-inf"), dtype=acc, device=q.device)
+    lens = seq_lens.tolist()
+    for b in range(B):
+        L = int(lens[b])
+        if L <= 0:
+            continue
+        k = _gather_request(k_cache, block_table[b], L, acc) * ks  # [Hkv, L, D]
+        v = _gather_request(v_cache, block_table[b], L, acc) * vs
+        k = k.repeat_interleave(group, dim=0)  # [Hq, L, D]
+        v = v.repeat_interleave(group, dim=0)
+        rows = q[b * q_len_per_req:(b + 1) * q_len_per_req].to(acc) * qs  # [q_len, Hq, D]
+        logits = torch.einsum("jhd,hld->jhl", rows, k) * scale  # [q_len, Hq, L]
+        pos = torch.arange(L, device=q.device)
+        limit = L - q_len_per_req + torch.arange(q_len_per_req, device=q.device) + 1  # [q_len]
+        visible = pos.view(1, 1, L) < limit.view(-1, 1, 1)
+        logits = logits.masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(logits, dim=-1)  # [q_len, Hq]
+        has_any = visible.any(dim=-1).expand_as(row_lse)
+        probs = torch.where(has_any.unsqueeze(-1), torch.exp(logits - row_lse.unsqueeze(-1)), 0.0)
+        o = torch.einsum("jhl,hld->jhd", probs, v)
+        out[b * q_len_per_req:(b + 1) * q_len_per_req] = o
+        lse[b * q_len_per_req:(b + 1) * q_len_per_req] = torch.where(
+            has_any, row_lse / _LN2, torch.full_like(row_lse, float("-inf"))
+        )
+    out = out.to(out_dtype)
+    if return_lse:
+        return out, lse.float()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# merge
+# ----------------------------------------------------------------------------------------------
+
+
+def merge_states(partial_out: torch.Tensor, partial_lse: torch.Tensor, *, float64: bool = False):
+    """Merge split partial states.
+
+    Args:
+        partial_out: fp32 ``[S, N, H, D]``.
+        partial_lse: fp32 ``[S, N, H]``, base 2.
+
+    Returns:
+        ``(out fp32 [N, H, D], lse fp32 [N, H])`` with ``lse = log2(sum_s 2^lse_s)`` and
+        ``out = sum_s 2^(lse_s - lse) partial_out_s``. Splits with lse -inf contribute nothing
+        (even if their partial output holds NaN); all-empty rows give 0 and -inf.
+    """
+    acc = torch.float64 if float64 else torch.float32
+    lse_s = partial_lse.to(acc)
+    m = lse_s.max(dim=0).values
+    m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    w = torch.exp2(lse_s - m_safe)  # 0 for empty splits
+    empty = torch.isneginf(lse_s)
+    po = torch.where(empty.unsqueeze(-1), torch.zeros((), dtype=acc, device=partial_out.device),
+                     partial_out.to(acc))
+    total = w.sum(dim=0)
+    out = (w.unsqueeze(-1) * po).sum(dim=0) / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+    lse = torch.where(total > 0, m_safe + torch.log2(torch.where(total > 0, total, 1.0)),
+                      torch.full_like(total, float("-inf")))
+    return out.float(), lse.float()
+
+
+# ----------------------------------------------------------------------------------------------
+# layer glue: query quantization and KV-cache writes
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize_fp8(x: torch.Tensor, scale) -> torch.Tensor:
+    """float8_e4m3fn = saturate(round-to-nearest-even(x / scale)), computed in fp32."""
+    y = x.float() / scale
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_query(q: torch.Tensor, q_scale) -> torch.Tensor:
+    """Quantize a bf16/fp16 query ``[T, Hq, D]`` (any strides) to float8_e4m3fn.
+
+    ``q_scale``: a float or 1-element fp32 tensor (per tensor), or an fp32 ``[Hkv]`` tensor (per
+    KV head: query head h uses ``q_scale[h // (Hq // Hkv)]``).
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
+    if isinstance(q_scale, torch.Tensor) and q_scale.numel() > 1:
+        Hq = q.shape[1]
+        if q_scale.dim() != 1 or Hq % q_scale.numel():
+            raise ValueError(f"per-head q_scale must be [Hkv] with Hq % Hkv == 0, got {tuple(q_scale.shape)}")
+        s = q_scale.float().repeat_interleave(Hq // q_scale.numel()).view(1, Hq, 1)
+    else:
+        s = scale_value(q_scale, "q_scale")
+    return quantize_fp8(q, s)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache,
+    slot_mapping: torch.Tensor,
+    *,
+    kv_layout: str = "HND",
+    k_scale=1.0,
+    v_scale=1.0,
+) -> None:
+    """Write new keys/values ``[T, Hkv, D]`` into the paged cache, in place.
+
+    Token i goes to slot ``s = slot_mapping[i]``: page ``s // page``, offset ``s % page``. Slots
+    outside ``[0, P * page)`` (``-1`` marks padding) are skipped. The cache stores ``x / scale``,
+    saturated to ±448 and rounded to nearest even for float8_e4m3fn, cast for bf16/fp16.
+    """
+    k_cache, v_cache = split_kv_cache(kv_cache, kv_layout)  # HND views of the caller's memory
+    P, Hkv, page, D = k_cache.shape
+    slots = slot_mapping.long()
+    keep = (slots >= 0) & (slots < P * page)
+    idx = keep.nonzero().flatten()
+    s = slots[idx]
+    pg, off = s // page, s % page
+    for cache, x, sc in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        sc = scale_value(sc)
+        y = x[idx].float() / sc
+        y = y.clamp(-FP8_MAX, FP8_MAX).to(FP8) if cache.dtype == FP8 else y.to(cache.dtype)
+        cache[pg, :, off] = y
