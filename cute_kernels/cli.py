@@ -1,0 +1,170 @@
+"""Command line: ``cute-kernels <command>`` (or ``python -m cute_kernels <command>``).
+
+Commands live in :data:`COMMANDS` and are registered with :func:`command`. Each one imports what
+it needs inside its run function: ``matrix`` and ``plan`` use only the pure-Python ``dispatch``
+package, so they run instantly on a machine without a GPU, torch or the CuTe DSL. Commands that
+compile or launch kernels must import ``cutlass``/``torch`` inside ``run`` for the same reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dispatch import SUPPORTED_ARCHS, UnsupportedConfig, capability_table, plan
+from dispatch.kernels import PHASES
+
+MATRIX_KV_DTYPES = ("bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``add_arguments(parser)`` declares its flags, ``run(args)`` returns the exit code."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None]):
+    """Decorator registering ``run`` as subcommand ``name``."""
+
+    def register(run: Callable[[argparse.Namespace], int]):
+        COMMANDS[name] = Command(help, add_arguments, run)
+        return run
+
+    return register
+
+
+# ----------------------------------------------------------------------------------------------
+# shared flags and formatting
+# ----------------------------------------------------------------------------------------------
+
+
+def _shape_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dtype", default="bf16", help="bf16 or fp16 (default bf16)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--num-q-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _shape_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model_dtype=args.model_dtype, head_dim=args.head_dim, num_q_heads=args.num_q_heads,
+                num_kv_heads=args.num_kv_heads, page_size=args.page_size)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned columns separated by two spaces; the last column is not padded."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+
+    def line(cells):
+        return "  ".join([c.ljust(w) for c, w in zip(cells, widths)] + [cells[-1]]).rstrip()
+
+    return "\n".join([line(header), line(["-" * len(h) for h in header]), *map(line, rows)])
+
+
+# ----------------------------------------------------------------------------------------------
+# matrix
+# ----------------------------------------------------------------------------------------------
+
+
+@command("matrix", "arch x phase x KV-dtype table of the planned kernel and query dtype", _shape_args)
+def run_matrix(args: argparse.Namespace) -> int:
+    plans = [
+        plan(arch=arch, phase=phase, kv_cache_dtype=kv, **_shape_kwargs(args))
+        for arch in SUPPORTED_ARCHS for phase in PHASES for kv in MATRIX_KV_DTYPES
+    ]
+    if args.json:
+        out = {"inputs": _shape_kwargs(args), "rows": [p.to_dict() for p in plans],
+               "capabilities": capability_table()}
+        print(json.dumps(out, indent=2))
+        return 0
+    p0 = plans[0]
+    print(f"model {p0.model_dtype}, head_dim {p0.head_dim}, {p0.num_q_heads} q / {p0.num_kv_heads} kv heads "
+          f"(GQA {p0.gqa_ratio}), page {p0.page_size}, q_len {p0.q_len}, {p0.kv_layout}\n")
+    header = ["arch", "phase", "kv cache", "kernel", "query dtype", "q_scale applied", "reason"]
+    rows = [[p.arch, p.phase, p.kv_cache_dtype, p.kernel, p.q_dtype, _yes(p.applies_q_scale), p.reason]
+            for p in plans]
+    print(format_table(header, rows))
+    print("\narchs:")
+    seen = set()
+    for row in capability_table():
+        if row["arch"] not in seen:
+            seen.add(row["arch"])
+            print(f"  {row['arch']:<6} {row['summary']}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# plan
+# ----------------------------------------------------------------------------------------------
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", required=True, help=f"one of {' '.join(SUPPORTED_ARCHS)} (or sm_90a, 9.0...)")
+    p.add_argument("--phase", required=True, help="prefill or decode")
+    p.add_argument("--kv-cache-dtype", required=True, help="auto, bf16, fp16 or fp8")
+    _shape_args(p)
+    p.add_argument("--q-len", type=int, default=1, help="query tokens per request (default 1)")
+    p.add_argument("--kv-layout", default="HND", help="HND or NHD (default HND)")
+    p.add_argument("--backend", default=None, help="a kernel id or 'reference' (default: automatic)")
+
+
+@command("plan", "plan one attention call and explain the choice", _plan_args)
+def run_plan(args: argparse.Namespace) -> int:
+    p = plan(arch=args.arch, phase=args.phase, kv_cache_dtype=args.kv_cache_dtype, q_len=args.q_len,
+             kv_layout=args.kv_layout, backend=args.backend, **_shape_kwargs(args))
+    if args.json:
+        print(json.dumps(p.to_dict(), indent=2))
+        return 0
+    kernel = f"{p.kernel} (reference fallback)" if p.is_fallback else p.kernel
+    print(f"{p.arch} {p.phase}: kv cache {p.kv_cache_dtype}, model {p.model_dtype}, head_dim {p.head_dim}, "
+          f"{p.num_q_heads} q / {p.num_kv_heads} kv heads, page {p.page_size}, q_len {p.q_len}, "
+          f"{p.kv_layout}")
+    print(f"kernel           {kernel}")
+    print(f"query dtype      {p.q_dtype}")
+    print(f"quantize query   {_yes(p.quantize_query)}")
+    print(f"q_scale applied  {_yes(p.applies_q_scale)}")
+    print(f"reason           {p.reason}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# compile / bench / profile: to be registered here (lead). Use the @command decorator and import
+# cutlass/torch inside run(), so that `matrix` and `plan` never load the DSL.
+# ----------------------------------------------------------------------------------------------
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cute-kernels", description="cute-kernels: attention kernels for LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name, cmd in COMMANDS.items():
+        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; an unsupported configuration prints ``error: ...`` and returns 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args)
+    except UnsupportedConfig as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

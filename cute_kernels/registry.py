@@ -1,0 +1,67 @@
+"""Every kernel variant this package compiles, for the compile matrix and ``cute-kernels compile``.
+
+A variant is a kernel config instance; the matrix compiles each for every target it names and
+checks its instruction evidence (``KernelConfig.evidence``: regexes that must match the PTX).
+Later kernels add their variants here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .jit.compiler import CompiledKernel, KernelConfig, compile_config, normalize_target
+
+# SASS mnemonics worth reporting per family (the PTX evidence is what tests assert)
+SASS_FAMILIES = ("HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "UTCHMMA", "UTCQMMA", "LDSM", "LDG.E.128", "STL", "LDL")
+
+
+def variants() -> list[KernelConfig]:
+    from .common.merge import MergeStatesConfig
+    from .sm90.probe import Sm90ProbeConfig
+    from .sm100.probe import Sm100ProbeConfig
+
+    out: list[KernelConfig] = [
+        MergeStatesConfig(out_dtype=dt, head_dim=d, vec=4)
+        for dt in ("fp32", "bf16", "fp16")
+        for d in (64, 128, 256)
+    ]
+    out += [Sm90ProbeConfig(), Sm100ProbeConfig()]
+    return out
+
+
+def variants_for(arch: str) -> list[KernelConfig]:
+    target = normalize_target(arch)
+    return [v for v in variants() if target in v.targets]
+
+
+@dataclass
+class Evidence:
+    """What one compile proved: each PTX pattern's match count and a SASS mnemonic summary."""
+
+    ptx_target: str | None
+    ptx: dict[str, int] = field(default_factory=dict)
+    sass: dict[str, int] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+
+
+def evidence_of(compiled: CompiledKernel) -> Evidence:
+    ptx = compiled.ptx or ""
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
+    ev = Evidence(ptx_target=target.group(1) if target else None)
+    for pattern in compiled.config.evidence.get(compiled.arch, ()):
+        n = len(re.findall(pattern, ptx))
+        ev.ptx[pattern] = n
+        if n == 0:
+            ev.missing.append(pattern)
+    if compiled.sass:
+        for fam in SASS_FAMILIES:
+            n = len(re.findall(r"\b" + re.escape(fam), compiled.sass))
+            if n:
+                ev.sass[fam] = n
+    return ev
+
+
+def compile_with_evidence(config: KernelConfig, arch: str) -> tuple[CompiledKernel, Evidence]:
+    compiled = compile_config(config, arch, artifacts=True)
+    return compiled, evidence_of(compiled)
