@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 
 _OPS = {
     "merge_states": "cute_kernels.ops.merge_states",
+    "paged_decode": "cute_kernels.ops.paged_decode",
+    "warmup": "cute_kernels.warmup",
 }
 
 __all__ = sorted(_OPS) + ["reference", "__version__"]

@@ -142,9 +142,68 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# compile / bench / profile: to be registered here (lead). Use the @command decorator and import
-# cutlass/torch inside run(), so that `matrix` and `plan` never load the DSL.
+# compile / bench: they import cutlass/torch inside run(), so `matrix` and `plan` never load them
 # ----------------------------------------------------------------------------------------------
+
+
+def _compile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", default="sm_90a", help="compile target: sm_90a or sm_100a (no GPU needed)")
+    p.add_argument("--kernel", default=None, help="only variants whose label contains this text")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+@command("compile", "compile every registered kernel variant for an arch and show the instruction evidence",
+         _compile_args)
+def run_compile(args: argparse.Namespace) -> int:
+    from .jit.compiler import normalize_target
+    from .registry import compile_with_evidence, variants_for
+
+    arch = normalize_target(args.arch)
+    results, failed = [], 0
+    for config in variants_for(arch):
+        if args.kernel and args.kernel not in config.label():
+            continue
+        try:
+            compiled, ev = compile_with_evidence(config, arch)
+            ok = not ev.missing and ev.ptx_target == arch
+            results.append(dict(kernel=config.label(), seconds=round(compiled.seconds, 2), ok=ok,
+                                ptx=ev.ptx, sass=ev.sass, missing=ev.missing))
+        except Exception as e:  # report and go on: one broken variant must not hide the rest
+            ok = False
+            results.append(dict(kernel=config.label(), seconds=None, ok=False, error=f"{type(e).__name__}: {e}"))
+        failed += not ok
+        if not args.json:
+            r = results[-1]
+            status = "ok  " if ok else "FAIL"
+            secs = f"{r['seconds']:6.2f}s" if r.get("seconds") is not None else "   -   "
+            detail = r.get("error") or " ".join(f"{k}x{v}" for k, v in {**r["ptx"], **r["sass"]}.items())
+            print(f"{status} {secs} {r['kernel']}\n           {detail}", flush=True)
+    if args.json:
+        print(json.dumps(dict(arch=arch, results=results), indent=1))
+    else:
+        print(f"{len(results) - failed}/{len(results)} variants compiled with their evidence for {arch}")
+    return 1 if failed else 0
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=["decode", "merge", "qsa", "layer"], help="which benchmark")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+
+
+@command("bench", "run a GPU benchmark from profiling/ (needs a source checkout and a GPU)", _bench_args)
+def run_bench(args: argparse.Namespace) -> int:
+    import importlib
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isdir(os.path.join(root, "profiling")):
+        print("error: benchmarks live in profiling/ of a source checkout", file=sys.stderr)
+        return 2
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    module = importlib.import_module(f"profiling.bench_{args.what}")
+    module.main(args.rest)
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------

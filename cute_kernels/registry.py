@@ -27,7 +27,22 @@ def variants() -> list[KernelConfig]:
         for d in (64, 128, 256)
     ]
     out += [Sm90ProbeConfig(), Sm100ProbeConfig()]
+    out += decode_matrix()
     return out
+
+
+def decode_matrix() -> list[KernelConfig]:
+    """SM90 decode: each head dim x KV dtype x (split / no split), GQA 8, page 16."""
+    from .ops.paged_decode import choose_stages
+    from .sm90.decode import Sm90DecodeConfig
+
+    return [
+        Sm90DecodeConfig(q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=d, group=8,
+                         page_size=16, stages=choose_stages(1 if kv == "fp8_e4m3" else 2, d), split=split)
+        for kv in ("fp8_e4m3", "bf16", "fp16")
+        for d in (64, 128, 256)
+        for split in (False, True)
+    ]
 
 
 def variants_for(arch: str) -> list[KernelConfig]:

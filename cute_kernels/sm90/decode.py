@@ -1,0 +1,639 @@
+"""SM90 paged decode: BF16/FP16 queries against an FP8 (or BF16/FP16) paged KV cache.
+
+Design (numbers and the alternatives measured are in profiling/NOTES.md):
+
+- **One CTA per (split, KV head, request)**, 4 consumer warps (one warpgroup) plus one producer
+  warp. The producer walks the CTA's 64-token KV tiles, looks the pages up in the block table
+  (32 page ids per warp-wide load, ahead of use) and issues one TMA box per page piece into a
+  ``stages``-deep mbarrier pipeline for K and one for V. TMA zero-fills boxes whose page id is
+  out of range, so no page id can make the kernel read outside the cache.
+- **Swap-AB WGMMA.** The query rows of the KV group (``group`` heads x ``q_len`` draft tokens,
+  padded to a multiple of 8 = ``n_pad``) are the MMA's N; the 64 tokens of a tile are its M:
+  ``S^T[64, n] = K[64, D] . Q^T`` and ``O^T[D, n] += V^T[D, 64] . P^T``. Q (once) and P (per
+  tile) live in shared memory as the B operand.
+- **FP8 cache: register-sourced A.** K and V^T fragments are read from the TMA'd FP8 tile with
+  ``ldmatrix`` (V with ``.trans``) and widened exactly to the query's 16-bit type with bit
+  operations (see ``fragments.py``), then fed to RS WGMMA: QK keeps 16-bit precision and no
+  16-bit copy of the tile is ever written to shared memory. The widening scales K and V by a
+  power of two; Q and P are pre-scaled by powers of two so every product stays in fp32's normal
+  range, and all of it folds into the logit scale and the output scale.
+- **16-bit cache: SS WGMMA** straight from the TMA'd tiles (V^T as an MN-major A operand).
+- Online softmax over tokens (the M dim): per-column maxima cross the 4 warps through shared
+  memory once per tile; row sums stay per thread until the end.
+- ``split``: fp32 partial outputs and base-2 LSE per split for ``merge_states``; otherwise the
+  output (in the query dtype) and the LSE are written directly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from ..jit.compiler import KernelConfig
+from ..jit.dtypes import cute_dtype
+from ..jit.spec import ScalarArg, TensorArg
+from .fragments import WIDEN_SHIFT_LOG2, ldmatrix_x4, q_permutation, widen_e4m3x4
+
+TILE = 64  # KV tokens per tile = the WGMMA M of one warpgroup
+MMA_WARPS = 4
+PRODUCER_WARP = MMA_WARPS
+NUM_THREADS = (MMA_WARPS + 1) * 32
+BAR_MMA = 1  # named barrier of the consumer warpgroup (0 is __syncthreads)
+LOG2E = math.log2(math.e)
+# Powers of two applied to Q and P before they enter an MMA whose K/V operand was widened from
+# FP8 (K/V scaled by 2^-WIDEN): keeps every product and partial sum in fp32's normal range.
+Q_PRESCALE_LOG2 = {"bf16": 64, "fp16": 0}
+P_PRESCALE_LOG2 = {"bf16": 64, "fp16": 0}
+
+
+class Sm90PagedDecode:
+    """Kernel object; all fields are compile-time (see :class:`Sm90DecodeConfig`)."""
+
+    def __init__(self, cfg: Sm90DecodeConfig):
+        self.cfg = cfg
+        self.q_dtype = cute_dtype(cfg.q_dtype)
+        self.kv_dtype = cute_dtype(cfg.kv_dtype)
+        self.fp8 = cfg.kv_dtype == "fp8_e4m3"
+        self.D = cfg.head_dim
+        self.G = cfg.group
+        self.q_len = cfg.q_len
+        self.rows = cfg.group * cfg.q_len
+        self.N = cfg.n_pad
+        self.page = cfg.page_size
+        self.box = min(cfg.page_size, TILE)  # tokens per TMA box
+        self.boxes_per_tile = TILE // self.box
+        self.stages = cfg.stages
+        if self.fp8:
+            widen = WIDEN_SHIFT_LOG2[cfg.q_dtype]
+            self.q_pre = Q_PRESCALE_LOG2[cfg.q_dtype]
+            self.p_pre = P_PRESCALE_LOG2[cfg.q_dtype]
+            self.logit_log2 = widen - self.q_pre  # logits = S_acc * 2^this * sm_scale * k_scale
+            self.out_log2 = widen - self.p_pre  # O = O_acc * 2^this * v_scale / l
+        else:
+            self.q_pre = self.p_pre = self.logit_log2 = self.out_log2 = 0
+
+    # ------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [T, Hq, D]
+        mKc: cute.Tensor,  # [P, Hkv, page, D] (any strides, D contiguous)
+        mVc: cute.Tensor,
+        mBlockTable: cute.Tensor,  # [B, max_pages] int32
+        mSeqLens: cute.Tensor,  # [B] int32
+        mO: cute.Tensor,  # [T, Hq, D] or split: [S, T, Hq, D] fp32
+        mLse: cute.Tensor,  # [T, Hq] or split: [S, T, Hq]
+        k_scale,  # Float32 or [1] fp32 tensor
+        v_scale,
+        sm_scale: Float32,
+        stream,
+    ):
+        D, N = self.D, self.N
+        cfg = self.cfg
+        # (token, d, head, page) views of the caches: one kernel serves HND, NHD and tuples
+        mK = cute.make_tensor(mKc.iterator, cute.select(mKc.layout, mode=[2, 3, 1, 0]))
+        mVt = cute.make_tensor(mVc.iterator, cute.select(mVc.layout, mode=[3, 2, 1, 0]))  # (d, tok, ...)
+        mV = cute.make_tensor(mVc.iterator, cute.select(mVc.layout, mode=[2, 3, 1, 0]))
+
+        mma_dtype = self.q_dtype
+        a_src = warpgroup.OperandSource.RMEM if const_expr(self.fp8) else warpgroup.OperandSource.SMEM
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            mma_dtype, mma_dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+            tiler_mn=(TILE, N), a_source=a_src,
+        )
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            mma_dtype, mma_dtype,
+            OperandMajorMode.K if const_expr(self.fp8) else OperandMajorMode.MN,
+            OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(TILE, N), a_source=a_src,
+        )
+        # shared-memory layouts. K tiles are (tokens, D) K-major for both paths; V is stored
+        # the same way for FP8 (ldmatrix.trans reads it) and as MN-major V^T for 16-bit SS.
+        k_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, N, D), self.kv_dtype, self.stages)
+        if const_expr(self.fp8):
+            v_layout = k_layout
+        else:
+            v_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, N, TILE), self.kv_dtype, self.stages)
+        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, N, D), mma_dtype, 1)
+        p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, N, TILE), mma_dtype, 1)
+
+        # one TMA box = `box` tokens of one page x the full head dim
+        box = self.box
+        k_box_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (box, N, D), self.kv_dtype, 1)
+        tma_k, tma_tK = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(k_box_layout, (None, None, 0)), (box, D)
+        )
+        if const_expr(self.fp8):
+            tma_v, tma_tV = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mV, cute.slice_(k_box_layout, (None, None, 0)), (box, D)
+            )
+        else:
+            v_box_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, N, box), self.kv_dtype, 1)
+            tma_v, tma_tV = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mVt, cute.slice_(v_box_layout, (None, None, 0)), (D, box)
+            )
+
+        @cute.struct
+        class Storage:
+            k_bar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+            v_bar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+            red: cute.struct.MemRange[Float32, MMA_WARPS * cfg.n_pad]
+            sK: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(k_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(v_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(q_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(p_layout)], 1024]
+
+        self.storage = Storage
+        num_splits = mO.shape[0] if const_expr(cfg.split) else 1
+        num_kv_heads = mKc.shape[1]
+        batch = mBlockTable.shape[0]
+        self.kernel(
+            mQ, tma_k, tma_tK, tma_v, tma_tV, mKc.shape[0], mBlockTable, mSeqLens, mO, mLse,
+            k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
+        ).launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        num_pages: Int32,
+        mBlockTable: cute.Tensor,
+        mSeqLens: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        k_scale,
+        v_scale,
+        sm_scale: Float32,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        k_layout,
+        v_layout,
+        q_layout,
+        p_layout,
+    ):
+        cfg = self.cfg
+        D, N, G = self.D, self.N, self.G
+        tidx, _, _ = cute.arch.thread_idx()
+        split, kv_head, batch_idx = cute.arch.block_idx()
+        num_splits = cute.arch.grid_dim()[0]
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        sRed = storage.red.get_tensor(cute.make_layout((MMA_WARPS, N), stride=(N, 1)))
+
+        kv_bytes = TILE * D * self.kv_dtype.width // 8
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.k_bar.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
+            tx_count=kv_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True,
+        )
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.v_bar.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
+            tx_count=kv_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # this CTA's tiles: split s takes a contiguous chunk of the request's tiles
+        seq_len = mSeqLens[batch_idx]
+        num_tiles = (seq_len + TILE - 1) // TILE
+        per_split = (num_tiles + num_splits - 1) // num_splits
+        tile_begin = split * per_split
+        tile_end = cutlass.min(tile_begin + per_split, num_tiles)
+
+        if warp == PRODUCER_WARP:
+            self.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
+                         batch_idx, kv_head, seq_len, tile_begin, tile_end, lane)
+        else:
+            k_base = storage.sK.data_ptr().toint()
+            v_base = storage.sV.data_ptr().toint()
+            self.consume(mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
+                         qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
+                         seq_len, tile_begin, tile_end, tidx, warp, lane)
+
+    # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def produce(self, tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
+                batch_idx, kv_head, seq_len, tile_begin, tile_end, lane):
+        D, box, nb = self.D, self.box, self.boxes_per_tile
+        max_pages = mBlockTable.shape[1]
+        # (box, D, box-in-page, page) views of this KV head; the stage tile split into boxes
+        gK = cute.local_tile(mK[None, None, kv_head, None], (box, D), (None, 0, None))
+        sK_boxes = cute.flat_divide(sK, (box, D))  # (box, D, nb, 1, stages)
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK_boxes, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        if const_expr(self.fp8):
+            gV = cute.local_tile(mV[None, None, kv_head, None], (box, D), (None, 0, None))
+            sV_boxes = cute.flat_divide(sV, (box, D))
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_v, 0, cute.make_layout(1), cute.group_modes(sV_boxes, 0, 2), cute.group_modes(gV, 0, 2)
+            )
+        else:
+            gV = cute.local_tile(mV[None, None, kv_head, None], (D, box), (0, None, None))
+            sV_boxes = cute.flat_divide(sV, (D, box))  # (D, box, 1, nb, stages)
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_v, 0, cute.make_layout(1), cute.group_modes(sV_boxes, 0, 2), cute.group_modes(gV, 0, 2)
+            )
+
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        boxes_per_page = self.page // box
+        # Page ids are fetched 32 boxes at a time, one per lane, well ahead of their TMA.
+        page_id = Int32(0)
+        for tile in cutlass.range(tile_begin, tile_end, unroll=1):
+            rel = (tile - tile_begin) * nb  # box index relative to this CTA's first box
+            if rel % 32 == 0:
+                box_idx = tile * nb + lane
+                token = box_idx * box
+                logical_page = token // self.page
+                page_id = Int32(num_pages)  # out of range => TMA zero-fill
+                if token < seq_len and logical_page < max_pages:
+                    page_id = mBlockTable[batch_idx, logical_page]
+                # negative ids are out of range as well; clamp only to keep the coordinate int32
+                if page_id < 0 or page_id >= num_pages:
+                    page_id = Int32(num_pages)
+            pipe_k.producer_acquire(state_k)
+            for j in cutlass.range_constexpr(nb):
+                pid = cute.arch.shuffle_sync(page_id, (rel + j) % 32)
+                sub = ((tile * nb + j) % boxes_per_page) if const_expr(boxes_per_page > 1) else 0
+                cute.copy(tma_k, tKgK[None, sub, pid], tKsK[None, j, 0, state_k.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(state_k))
+            pipe_k.producer_commit(state_k)
+            state_k.advance()
+            pipe_v.producer_acquire(state_v)
+            for j in cutlass.range_constexpr(nb):
+                pid = cute.arch.shuffle_sync(page_id, (rel + j) % 32)
+                sub = ((tile * nb + j) % boxes_per_page) if const_expr(boxes_per_page > 1) else 0
+                if const_expr(self.fp8):
+                    cute.copy(tma_v, tVgV[None, sub, pid], tVsV[None, j, 0, state_v.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(state_v))
+                else:
+                    cute.copy(tma_v, tVgV[None, sub, pid], tVsV[None, 0, j, state_v.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(state_v))
+            pipe_v.producer_commit(state_v)
+            state_v.advance()
+
+    # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def stage_q(self, mQ, sQ, batch_idx, kv_head, tidx):
+        """Q rows of this KV group -> sQ (B operand), zero padding rows, FP8 path: permuted
+        within 16-column blocks to match the widened K fragments, and pre-scaled."""
+        D, N, G = self.D, self.N, self.G
+        chunks = D // 16
+        for it in cutlass.range_constexpr((N * chunks + MMA_WARPS * 32 - 1) // (MMA_WARPS * 32)):
+            idx = it * MMA_WARPS * 32 + tidx
+            if idx < N * chunks:
+                n = idx // chunks
+                c = idx % chunks
+                vals = cute.make_rmem_tensor((16,), Float32)
+                vals.fill(0.0)
+                if n < self.rows:
+                    token = batch_idx * self.q_len + n // G
+                    head = kv_head * G + n % G
+                    gq = cute.local_tile(mQ[token, head, None], (16,), (c,))
+                    vals.store(gq.load().to(Float32) * Float32(2.0 ** self.q_pre))
+                for k in cutlass.range_constexpr(16):
+                    src = q_permutation(k) if const_expr(self.fp8) else k
+                    sQ[n, c * 16 + k, 0] = vals[src].to(sQ.element_type)
+
+    @cute.jit
+    def consume(self, mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
+                qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
+                seq_len, tile_begin, tile_end, tidx, warp, lane):
+        cfg = self.cfg
+        D, N, G = self.D, self.N, self.G
+        self.stage_q(mQ, sQ, batch_idx, kv_head, tidx)
+        cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+
+        if const_expr(isinstance(k_scale, cute.Tensor)):
+            ks = k_scale[0]
+        else:
+            ks = Float32(k_scale)
+        if const_expr(isinstance(v_scale, cute.Tensor)):
+            vs = v_scale[0]
+        else:
+            vs = Float32(v_scale)
+        # logits in log2 units = S_acc * c
+        c = sm_scale * ks * Float32(LOG2E * 2.0 ** self.logit_log2)
+
+        thr_qk = qk_mma.get_slice(tidx)
+        thr_pv = pv_mma.get_slice(tidx)
+        # static per-element coordinates of thread 0 plus this thread's offset: register indices
+        # stay compile-time while rows/columns are exact
+        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE, N)))
+        cS = thr_qk.partition_C(cute.make_identity_tensor((TILE, N)))
+        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((D, N)))
+        acc_s = cute.make_rmem_tensor(cS.shape, Float32)
+        acc_o = cute.make_rmem_tensor(cO0.shape, Float32)
+        acc_o.fill(0.0)
+        nS = cute.size(acc_s)
+        n_base = cS[0][1] - cS0[0][1]  # this thread's column offset (2 * (lane % 4))
+        m_base = cS[0][0] - cS0[0][0]  # this thread's row offset (lane / 4 + 16 * warp)
+        nslots = N // 4  # columns owned by a thread: 8 * j + n_base + {0, 1}
+
+        def slot_of(n_static):
+            return (n_static // 8) * 2 + n_static % 8
+
+        row_max = cute.make_rmem_tensor((nslots,), Float32)
+        row_sum = cute.make_rmem_tensor((nslots,), Float32)
+        limit = cute.make_rmem_tensor((nslots,), Int32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        for s in cutlass.range_constexpr(nslots):
+            n = (s // 2) * 8 + s % 2 + n_base
+            # query row n is draft token n // G: it sees positions < seq_len - q_len + j + 1
+            limit[s] = seq_len - self.q_len + n // G + 1
+
+        tSrQ = qk_mma.make_fragment_B(thr_qk.partition_B(sQ))
+        tOrP = pv_mma.make_fragment_B(thr_pv.partition_B(sP))
+        if const_expr(self.fp8):
+            tSrK = cute.make_rmem_tensor(thr_qk.partition_A(cute.make_identity_tensor((TILE, D))).shape, self.q_dtype)
+            tOrV = cute.make_rmem_tensor(thr_pv.partition_A(cute.make_identity_tensor((D, TILE))).shape, self.q_dtype)
+        else:
+            tSrK = qk_mma.make_fragment_A(thr_qk.partition_A(sK))
+            tOrV = pv_mma.make_fragment_A(thr_pv.partition_A(sV))
+
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for tile in cutlass.range(tile_begin, tile_end, unroll=1):
+            # ---------------- S^T = K Q^T ----------------
+            pipe_k.consumer_wait(state_k)
+            if const_expr(self.fp8):
+                self.load_k_fragments(tSrK, k_base, k_layout, state_k.index, warp, lane)
+            qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(D // 16):
+                if const_expr(self.fp8):
+                    cute.gemm(qk_mma, acc_s, tSrK[None, None, kb], tSrQ[None, None, kb, 0], acc_s)
+                else:
+                    cute.gemm(qk_mma, acc_s, tSrK[None, None, kb, state_k.index], tSrQ[None, None, kb, 0], acc_s)
+                qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(state_k)
+            state_k.advance()
+
+            # ---------------- online softmax over the tile's tokens ----------------
+            masked = (tile + 1) * TILE > seq_len - self.q_len + 1
+            tile_max = cute.make_rmem_tensor((nslots,), Float32)
+            tile_max.fill(-Float32.inf)
+            for i in cutlass.range_constexpr(nS):
+                s_val = acc_s[i] * c
+                sl = slot_of(cS0[i][1])
+                if masked:
+                    pos = tile * TILE + cS0[i][0] + m_base
+                    if pos >= limit[sl]:
+                        s_val = -Float32.inf
+                acc_s[i] = s_val
+                tile_max[sl] = cute.arch.fmax(tile_max[sl], s_val)
+            for s in cutlass.range_constexpr(nslots):
+                v = tile_max[s]
+                for off in (4, 8, 16):
+                    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, off))
+                tile_max[s] = v
+            if lane < 4:
+                for s in cutlass.range_constexpr(nslots):
+                    sRed[warp, (s // 2) * 8 + s % 2 + n_base] = tile_max[s]
+            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+            alpha = cute.make_rmem_tensor((nslots,), Float32)
+            for s in cutlass.range_constexpr(nslots):
+                n = (s // 2) * 8 + s % 2 + n_base
+                t_max = cute.arch.fmax(cute.arch.fmax(sRed[0, n], sRed[1, n]), cute.arch.fmax(sRed[2, n], sRed[3, n]))
+                new_max = cute.arch.fmax(row_max[s], t_max)
+                safe = new_max if new_max != -Float32.inf else Float32(0.0)
+                alpha[s] = cute.math.exp2(row_max[s] - safe, fastmath=True)
+                row_max[s] = new_max
+                row_sum[s] = row_sum[s] * alpha[s]
+            for i in cutlass.range_constexpr(nS):
+                sl = slot_of(cS0[i][1])
+                safe = row_max[sl] if row_max[sl] != -Float32.inf else Float32(0.0)
+                p = cute.math.exp2(acc_s[i] - safe, fastmath=True)
+                row_sum[sl] = row_sum[sl] + p
+                sP[cS0[i][1] + n_base, cS0[i][0] + m_base, 0] = (p * Float32(2.0 ** self.p_pre)).to(sP.element_type)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * alpha[slot_of(cO0[i][1])]
+            cute.arch.fence_proxy("async.shared", space="cta")  # sP is read by WGMMA
+            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+
+            # ---------------- O^T += V^T P^T ----------------
+            pipe_v.consumer_wait(state_v)
+            if const_expr(self.fp8):
+                self.load_v_fragments(tOrV, v_base, v_layout, state_v.index, warp, lane)
+            else:
+                if masked:
+                    self.zero_v_tail(sV, state_v.index, seq_len - tile * TILE, tidx)
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(TILE // 16):
+                if const_expr(self.fp8):
+                    cute.gemm(pv_mma, acc_o, tOrV[None, None, kb], tOrP[None, None, kb, 0], acc_o)
+                else:
+                    cute.gemm(pv_mma, acc_o, tOrV[None, None, kb, state_v.index], tOrP[None, None, kb, 0], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(state_v)
+            state_v.advance()
+
+        # ---------------- epilogue ----------------
+        for s in cutlass.range_constexpr(nslots):
+            v = row_sum[s]
+            for off in (4, 8, 16):
+                v = v + cute.arch.shuffle_sync_bfly(v, off)
+            row_sum[s] = v
+        if lane < 4:
+            for s in cutlass.range_constexpr(nslots):
+                sRed[warp, (s // 2) * 8 + s % 2 + n_base] = row_sum[s]
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+        inv = cute.make_rmem_tensor((nslots,), Float32)
+        for s in cutlass.range_constexpr(nslots):
+            n = (s // 2) * 8 + s % 2 + n_base
+            total = sRed[0, n] + sRed[1, n] + sRed[2, n] + sRed[3, n]
+            inv[s] = Float32(0.0)
+            lse = -Float32.inf
+            if total > Float32(0.0):
+                inv[s] = vs * Float32(2.0 ** self.out_log2) / total
+                lse = row_max[s] + cute.math.log2(total, fastmath=True)
+            if warp == 0:
+                if lane < 4:
+                    if n < self.rows:
+                        token = batch_idx * self.q_len + n // G
+                        head = kv_head * G + n % G
+                        if const_expr(cfg.split):
+                            mLse[split, token, head] = lse
+                        else:
+                            mLse[token, head] = lse
+        cO = thr_pv.partition_C(cute.make_identity_tensor((D, N)))
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            n = cO[i][1]
+            if n < self.rows:
+                d = self.physical_d(cO0[i][0], cO[i][0] - cO0[i][0])
+                token = batch_idx * self.q_len + n // G
+                head = kv_head * G + n % G
+                val = acc_o[i] * inv[slot_of(cO0[i][1])]
+                if const_expr(cfg.split):
+                    mO[split, token, head, d] = val
+                else:
+                    mO[token, head, d] = val.to(mO.element_type)
+
+    # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def physical_d(self, m_static, m_thread):
+        """Head-dim index of logical O^T row ``m`` (identity for 16-bit caches). For FP8, the
+        V^T fragments put the even d of a byte pair on logical row r and the odd on r + 8."""
+        if const_expr(self.fp8):
+            m = m_static + m_thread
+            r16 = m % 16
+            return (m - r16) + (r16 % 8) * 2 + r16 // 8
+        else:
+            return m_static + m_thread
+
+    @cute.jit
+    def load_k_fragments(self, tSrK, k_base, k_layout, stage, warp, lane):
+        """K tile (FP8, tokens x D) -> widened A fragments of S^T = K Q^T, two k16 blocks per
+        ldmatrix.x4: matrices (rows 0-7 | 8-15) x (chunk c | c+1) of this warp's 16 tokens."""
+        q = lane // 8
+        row = warp * 16 + (q % 2) * 8 + lane % 8
+        regs = cute.recast_tensor(tSrK, Int32)  # 4 x 32-bit per k16 block: R0..R3
+        for cc in cutlass.range_constexpr(self.D // 32):
+            col = (2 * cc + q // 2) * 16
+            addr = k_base + cute.crd2idx((row, col, stage), k_layout)
+            r = ldmatrix_x4(addr, False)
+            for j in cutlass.range_constexpr(4):
+                lo, hi = widen_e4m3x4(r[j], self.cfg.q_dtype)
+                kb = 2 * cc + j // 2
+                # register j: rows (r | r+8) = j % 2; lo -> (2t, 2t+1) = R0/R1, hi -> (2t+8, 2t+9) = R2/R3
+                regs[kb * 4 + (j % 2)] = lo
+                regs[kb * 4 + 2 + (j % 2)] = hi
+
+    @cute.jit
+    def load_v_fragments(self, tOrV, v_base, v_layout, stage, warp, lane):
+        """V tile (FP8, tokens x D) -> widened A fragments of O^T = V^T P^T. ldmatrix.trans of
+        8 tokens x 8 byte-pairs gives lane (pair p, tokens 2t, 2t+1): widening puts d = 2p on
+        logical row r (lo) and d = 2p + 1 on row r + 8 (hi); see :meth:`physical_d`."""
+        q = lane // 8
+        regs = cute.recast_tensor(tOrV, Int32)  # index: (m_tile * 4 + kb) * 4 + R
+        m_tiles = self.D // 64
+        for mt in cutlass.range_constexpr(m_tiles):
+            col = (mt * 4 + warp) * 16  # this warp's 16 head dims of the m-tile
+            for kk in cutlass.range_constexpr(TILE // 32):
+                row = kk * 32 + q * 8 + lane % 8
+                addr = v_base + cute.crd2idx((row, col, stage), v_layout)
+                r = ldmatrix_x4(addr, True)
+                for j in cutlass.range_constexpr(4):
+                    lo, hi = widen_e4m3x4(r[j], self.cfg.q_dtype)
+                    kb = 2 * kk + j // 2
+                    base = (kb * m_tiles + mt) * 4
+                    regs[base + 2 * (j % 2)] = lo
+                    regs[base + 2 * (j % 2) + 1] = hi
+
+    @cute.jit
+    def zero_v_tail(self, sV, stage, valid, tidx):
+        """16-bit caches: zero V^T columns (tokens) >= valid in this stage, so that stale
+        (possibly NaN) cache rows past the sequence end cannot turn 0 * NaN into NaN."""
+        D = self.D
+        for it in cutlass.range_constexpr((D * TILE + MMA_WARPS * 32 - 1) // (MMA_WARPS * 32)):
+            idx = it * MMA_WARPS * 32 + tidx
+            d = idx % D
+            t = idx // D
+            if t < TILE and t >= valid:
+                sV[d, t, stage] = sV.element_type(0.0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+
+
+@dataclass(frozen=True)
+class Sm90DecodeConfig(KernelConfig):
+    """Compile key of :class:`Sm90PagedDecode`.
+
+    ``n_pad`` = ``group * q_len`` rounded up to a multiple of 8 (the WGMMA N). ``split`` selects
+    fp32 partial outputs (for ``merge_states``) over a direct write. ``k_scale_tensor`` /
+    ``v_scale_tensor``: the scale arrives as a 1-element fp32 device tensor (read by the kernel,
+    so CUDA-graph replays see new values) instead of a float argument.
+    """
+
+    q_dtype: str = "bf16"
+    kv_dtype: str = "fp8_e4m3"
+    head_dim: int = 128
+    group: int = 8
+    q_len: int = 1
+    page_size: int = 16
+    stages: int = 4
+    split: bool = False
+    k_scale_tensor: bool = False
+    v_scale_tensor: bool = False
+
+    kernel_id = "sm90.decode"
+    targets = ("sm_90a",)
+    evidence = {"sm_90a": (r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor", r"mbarrier\.try_wait")}
+
+    def __post_init__(self):
+        if self.q_dtype not in ("bf16", "fp16"):
+            raise ValueError(f"q dtype must be bf16 or fp16, got {self.q_dtype}")
+        if self.kv_dtype not in ("bf16", "fp16", "fp8_e4m3"):
+            raise ValueError(f"kv dtype must be bf16, fp16 or fp8_e4m3, got {self.kv_dtype}")
+        if self.kv_dtype != "fp8_e4m3" and self.kv_dtype != self.q_dtype:
+            raise ValueError("a 16-bit KV cache must have the query's dtype")
+        if self.head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
+        if self.page_size not in (16, 32, 64, 128):
+            raise ValueError(f"page_size must be 16, 32, 64 or 128, got {self.page_size}")
+        if not 1 <= self.group * self.q_len <= 64:
+            raise ValueError("group * q_len must be in [1, 64]")
+
+    @property
+    def n_pad(self) -> int:
+        return max(8, (self.group * self.q_len + 7) // 8 * 8)
+
+    def signature(self):
+        D = self.head_dim
+        out = "fp32" if self.split else self.q_dtype
+        o_shape = ("S", "T", "Hq", D) if self.split else ("T", "Hq", D)
+        lse_shape = ("S", "T", "Hq") if self.split else ("T", "Hq")
+        kscale = TensorArg("k_scale", "fp32", (1,), align=4) if self.k_scale_tensor else ScalarArg("k_scale", "fp32")
+        vscale = TensorArg("v_scale", "fp32", (1,), align=4) if self.v_scale_tensor else ScalarArg("v_scale", "fp32")
+        return (
+            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
+            TensorArg("k_cache", self.kv_dtype, ("P", "Hkv", self.page_size, D)),
+            TensorArg("v_cache", self.kv_dtype, ("P", "Hkv", self.page_size, D)),
+            TensorArg("block_table", "int32", ("B", "W"), align=4),
+            TensorArg("seq_lens", "int32", ("B",), align=4),
+            TensorArg("out", out, o_shape, align=4),
+            TensorArg("lse", "fp32", lse_shape, align=4),
+            kscale,
+            vscale,
+            ScalarArg("sm_scale", "fp32"),
+        )
+
+    def build(self):
+        return Sm90PagedDecode(self)

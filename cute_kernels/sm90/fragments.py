@@ -1,0 +1,96 @@
+"""Register-fragment helpers for the SM90 FP8-KV decode: ldmatrix and exact FP8 -> 16-bit widening.
+
+**Why bit tricks.** WGMMA has no BF16 x E4M3 form, so FP8 K/V must be widened before the MMA.
+The DSL's generic conversion goes e4m3 -> f16 -> f32 -> bf16 (four SASS ops per pair), which is
+too much ALU at HBM speed. An e4m3 code ``s eeee mmm`` maps *exactly* onto a 16-bit float with
+the same sign, exponent bits in the low end of the wider exponent field and mantissa bits at the
+top of the wider mantissa: the value is the e4m3 value times a fixed power of two (2^-120 for
+bf16, 2^-8 for fp16), subnormals included. The power of two is folded into the softmax and
+output scales, so the MMA sees exact values. NaN codes (0x7F/0xFF) become finite numbers,
+which also means stale cache bytes can never inject NaN into P·V.
+
+**Byte pairing.** One 32-bit register ``x = [b3 b2 b1 b0]`` (four consecutive e4m3 along the
+row) widens to two 16-bit pairs: ``lo = (b0, b2)`` and ``hi = (b1, b3)``. Both are a shift and a
+masked merge away from ``x``. The MMA then sees the K columns in a permuted order, which the
+kernel compensates by permuting Q the same way when it stages Q in shared memory (QK), and by
+un-permuting the rows of O (PV) — see ``decode.py``.
+"""
+
+from __future__ import annotations
+
+from cutlass import Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+# log2 of the factor the widened values are *smaller* than the e4m3 values by
+WIDEN_SHIFT_LOG2 = {"bf16": 120, "fp16": 8}
+
+# per 16-bit lane: sign mask, exponent+mantissa mask after the shift, and the shift amount
+# that moves ``e4m3 << 8`` (bits 14:8) to the target's position (bf16: 10:4, fp16: 13:7)
+_WIDEN = {
+    "bf16": (0x80008000, 0x07F007F0, 4),
+    "fp16": (0x80008000, 0x3F803F80, 1),
+}
+
+
+@dsl_user_op
+def widen_e4m3x4(x: Int32, target: str, *, loc=None, ip=None) -> tuple[Int32, Int32]:
+    """Four e4m3 bytes -> (lo, hi) 16-bit pairs, ``lo = (b0, b2)``, ``hi = (b1, b3)``."""
+    sign, em, sh = _WIDEN[target]
+    # f = (a & c) | b  ->  LUT (0xF0 & 0xAA) | 0xCC = 0xEC
+    asm = (
+        "{\n\t.reg .b32 t, u;\n\t"
+        f"shl.b32 t, $2, {8 - sh};\n\t"
+        f"and.b32 t, t, {em:#x};\n\t"
+        "shl.b32 u, $2, 8;\n\t"
+        f"lop3.b32 $0, u, t, {sign:#x}, 0xEC;\n\t"
+        f"shr.b32 t, $2, {sh};\n\t"
+        f"and.b32 t, t, {em:#x};\n\t"
+        f"lop3.b32 $1, $2, t, {sign:#x}, 0xEC;\n\t"
+        "}"
+    )
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32(), T.i32()]),
+        [Int32(x).ir_value(loc=loc, ip=ip)],
+        asm,
+        "=r,=r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    lo = Int32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip))
+    hi = Int32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip))
+    return lo, hi
+
+
+@dsl_user_op
+def ldmatrix_x4(smem_addr: Int32, transpose: bool, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``: lane l addresses row l % 8 of
+    matrix l // 8; result register j holds this lane's part of matrix j."""
+    trans = ".trans" if transpose else ""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        f"ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
+        "=r,=r,=r,=r,r",
+        # it reads shared memory written by TMA: it must stay behind the mbarrier wait
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [j], loc=loc, ip=ip)) for j in range(4))
+
+
+def q_permutation(k: int) -> int:
+    """Physical column (within a 16-column block) that logical MMA column ``k`` reads.
+
+    The A fragment of a k16 block holds logical columns (2t, 2t+1) and (2t+8, 2t+9) for lane
+    group t; widening the four bytes 4t..4t+3 of one ldmatrix register gives (b0, b2) and
+    (b1, b3), so: 2t <- 4t, 2t+1 <- 4t+2, 2t+8 <- 4t+1, 2t+9 <- 4t+3.
+    """
+    t, r = (k % 8) // 2, k % 2
+    return 4 * t + (2 if r else 0) + (1 if k >= 8 else 0)

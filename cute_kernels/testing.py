@@ -1,0 +1,117 @@
+"""Input builders shared by the GPU tests and the benchmarks (torch only).
+
+They build realistic serving inputs: a KV pool with more pages than used, a randomly permuted
+block table, ragged sequence lengths with partial last pages, stale (even NaN) cache contents
+past each sequence's end, and optionally a query that is a view of a fused QKV tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass
+class PagedDecodeCase:
+    q: torch.Tensor
+    kv_cache: object  # tensor or (k, v)
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    kv_layout: str
+    q_len: int
+    k_scale: float | torch.Tensor
+    v_scale: float | torch.Tensor
+    meta: dict = field(default_factory=dict)
+
+    def kwargs(self):
+        return dict(kv_layout=self.kv_layout, q_len_per_req=self.q_len, k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def visible_kv_bytes(self) -> int:
+        """Bytes of K and V the attention must read (each request's seq_len tokens)."""
+        per_token = 2 * self.meta["num_kv_heads"] * self.meta["head_dim"] * self.meta["kv_bytes"]
+        return int(self.seq_lens.sum().item()) * per_token
+
+
+def make_paged_decode_case(
+    *,
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    seq_lens,
+    kv_dtype=FP8,
+    q_dtype=torch.bfloat16,
+    q_len: int = 1,
+    kv_layout: str = "HND",
+    container: str = "single",
+    k_scale: float = 0.0625,
+    v_scale: float = 0.03125,
+    fused_qkv: bool = False,
+    poison_tail: bool = True,
+    spare_pages: int = 7,
+    generator: torch.Generator | None = None,
+    device: str = "cuda",
+) -> PagedDecodeCase:
+    """A random paged-decode problem. ``seq_lens``: an int (all equal) or a list of B ints."""
+    g = generator
+    lens = [int(seq_lens)] * batch if isinstance(seq_lens, int) else [int(x) for x in seq_lens]
+    assert len(lens) == batch
+    pages_per = [math.ceil(L / page_size) for L in lens]
+    width = max(max(pages_per), 1) + 1  # one extra column of junk ids
+    used = sum(pages_per)
+    P = used + spare_pages
+    perm = torch.randperm(P, generator=g, device="cpu" if g is None or g.device.type == "cpu" else device)
+    perm = perm.to(device)
+    table = torch.randint(0, P, (batch, width), dtype=torch.int32, device=device, generator=g)
+    ofs = 0
+    for b, n in enumerate(pages_per):
+        table[b, :n] = perm[ofs:ofs + n].int()
+        ofs += n
+    D, Hkv = head_dim, num_kv_heads
+    shape = (P, 2, Hkv, page_size, D) if kv_layout == "HND" else (P, 2, page_size, Hkv, D)
+    if kv_dtype == FP8:
+        kv = (torch.randn(shape, device=device, generator=g) * 64).clamp(-448, 448).to(FP8)
+    else:
+        kv = torch.randn(shape, device=device, generator=g).to(kv_dtype)
+    if poison_tail:
+        # stale bytes past each request's end (NaN for 16-bit caches, NaN codes for FP8):
+        # kernels must never let them reach the output
+        bad = torch.tensor(float("nan"), device=device).to(kv_dtype) if kv_dtype != FP8 else None
+        for b, L in enumerate(lens):
+            if L % page_size:
+                pid = int(table[b, L // page_size])
+                sl = (slice(pid, pid + 1), slice(None))
+                tail = (slice(None), slice(L % page_size, None)) if kv_layout == "HND" else (slice(L % page_size, None), slice(None))
+                view = kv[sl + tail]
+                if bad is None:
+                    view.view(torch.uint8).fill_(0x7F)
+                else:
+                    view.fill_(bad)
+    if container == "tuple":
+        k = kv[:, 0].clone()
+        v = kv[:, 1].clone()
+        kv_cache = (k, v)
+    else:
+        kv_cache = kv
+    T = batch * q_len
+    if fused_qkv:
+        qkv = torch.randn(T, (num_q_heads + 2 * Hkv) * D, device=device, generator=g).to(q_dtype)
+        q = qkv[:, : num_q_heads * D].view(T, num_q_heads, D)
+    else:
+        q = torch.randn(T, num_q_heads, D, device=device, generator=g).to(q_dtype)
+    return PagedDecodeCase(
+        q=q, kv_cache=kv_cache, block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        kv_layout=kv_layout, q_len=q_len, k_scale=k_scale, v_scale=v_scale,
+        meta=dict(num_kv_heads=Hkv, head_dim=D, kv_bytes=1 if kv_dtype == FP8 else 2, page_size=page_size),
+    )
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()

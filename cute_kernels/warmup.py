@@ -1,0 +1,54 @@
+"""``cute_kernels.warmup``: precompile the kernel variants a deployment will hit.
+
+Cold variants compile in a few seconds each; a serving engine should not pay that on its first
+request (nor inside CUDA-graph capture, where compiling is impossible). This enumerates the
+decode variants for a model's shapes and compiles the missing ones in parallel processes into
+the on-disk cache, with a progress bar, then loads them into memory.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+
+from .common.merge import MergeStatesConfig
+from .jit.compiler import KernelConfig, normalize_target
+from .jit.parallel import precompile
+from .sm90.decode import Sm90DecodeConfig
+
+
+def decode_variants(
+    *,
+    head_dim: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    kv_dtypes=("fp8_e4m3",),
+    q_dtype: str = "bf16",
+    q_lens=(1,),
+    scale_tensors=(False, True),
+) -> list[KernelConfig]:
+    """Every SM90 decode config (split and not) plus the merge that a model shape can reach."""
+    from .ops.paged_decode import choose_stages
+
+    group = num_q_heads // num_kv_heads
+    out: list[KernelConfig] = []
+    for kv, q_len, split, st in product(kv_dtypes, q_lens, (False, True), scale_tensors):
+        kv = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}.get(kv, kv)
+        ebytes = 1 if kv == "fp8_e4m3" else 2
+        out.append(Sm90DecodeConfig(
+            q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, q_len=q_len,
+            page_size=page_size, stages=choose_stages(ebytes, head_dim), split=split,
+            k_scale_tensor=st, v_scale_tensor=st,
+        ))
+    out.append(MergeStatesConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4))
+    return out
+
+
+def warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, **shape) -> list[KernelConfig]:
+    """Compile (in parallel, into the disk cache) and load every decode variant for ``shape``.
+
+    ``shape`` takes the keyword arguments of :func:`decode_variants`. Returns the configs.
+    """
+    configs = decode_variants(**shape)
+    precompile(configs, normalize_target(arch), workers=workers, progress=progress)
+    return configs
