@@ -80,7 +80,8 @@ def _gather_request(cache: torch.Tensor, pages: torch.Tensor, length: int, dtype
     ids = pages[:n_pages].long()
     valid = (ids >= 0) & (ids < P)
     rows = cache[ids.clamp(0, max(P - 1, 0))].to(dtype)  # [n_pages, Hkv, page, D]
-    rows = rows * valid.view(-1, 1, 1, 1).to(dtype)
+    # select, not multiply: the clamped-to page may hold NaN/inf, and 0 * NaN is NaN
+    rows = torch.where(valid.view(-1, 1, 1, 1), rows, torch.zeros((), dtype=dtype, device=rows.device))
     return rows.permute(1, 0, 2, 3).reshape(Hkv, n_pages * page, D)[:, :length]
 
 
@@ -193,9 +194,14 @@ def merge_states(partial_out: torch.Tensor, partial_lse: torch.Tensor, *, float6
     Returns:
         ``(out fp32 [N, H, D], lse fp32 [N, H])`` with ``lse = log2(sum_s 2^lse_s)`` and
         ``out = sum_s 2^(lse_s - lse) partial_out_s``. Splits with lse -inf contribute nothing
-        (even if their partial output holds NaN); all-empty rows give 0 and -inf.
+        (even if their partial output holds NaN); all-empty rows (and every row when S = 0) give
+        0 and -inf.
     """
     acc = torch.float64 if float64 else torch.float32
+    if partial_lse.shape[0] == 0:  # no splits: every row is empty
+        _, N, H, D = partial_out.shape
+        return (torch.zeros((N, H, D), dtype=torch.float32, device=partial_out.device),
+                torch.full((N, H), float("-inf"), dtype=torch.float32, device=partial_out.device))
     lse_s = partial_lse.to(acc)
     m = lse_s.max(dim=0).values
     m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
@@ -215,9 +221,19 @@ def merge_states(partial_out: torch.Tensor, partial_lse: torch.Tensor, *, float6
 # ----------------------------------------------------------------------------------------------
 
 
+def _div_fp32(x: torch.Tensor, scale) -> torch.Tensor:
+    """``x / scale`` as a true fp32 division on any device.
+
+    The scale is made an fp32 tensor on x's device first: CUDA computes ``tensor / host scalar``
+    (a Python float or a CPU 0-d tensor) as ``tensor * (1 / scalar)``, which is off by one ulp for
+    a large share of inputs and then flips some FP8 roundings away from RNE(x / scale).
+    """
+    return x.float() / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+
+
 def quantize_fp8(x: torch.Tensor, scale) -> torch.Tensor:
     """float8_e4m3fn = saturate(round-to-nearest-even(x / scale)), computed in fp32."""
-    y = x.float() / scale
+    y = _div_fp32(x, scale)
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
@@ -264,6 +280,6 @@ def write_kv_cache(
     pg, off = s // page, s % page
     for cache, x, sc in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
         sc = scale_value(sc)
-        y = x[idx].float() / sc
+        y = _div_fp32(x[idx], sc)
         y = y.clamp(-FP8_MAX, FP8_MAX).to(FP8) if cache.dtype == FP8 else y.to(cache.dtype)
         cache[pg, :, off] = y

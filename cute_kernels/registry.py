@@ -33,16 +33,16 @@ def variants() -> list[KernelConfig]:
 
 def decode_matrix() -> list[KernelConfig]:
     """SM90 decode: each head dim x KV dtype x (split / no split), GQA 8, page 16."""
-    from .ops.paged_decode import choose_stages
-    from .sm90.decode import Sm90DecodeConfig
+    from .sm90.decode import Sm90DecodeConfig, decode_tuning
 
-    return [
-        Sm90DecodeConfig(q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=d, group=8,
-                         page_size=16, stages=choose_stages(1 if kv == "fp8_e4m3" else 2, d), split=split)
-        for kv in ("fp8_e4m3", "bf16", "fp16")
-        for d in (64, 128, 256)
-        for split in (False, True)
-    ]
+    out = []
+    for kv in ("fp8_e4m3", "bf16", "fp16"):
+        for d in (64, 128, 256):
+            stages, occ = decode_tuning(1 if kv == "fp8_e4m3" else 2, d, 8)
+            for split in (False, True):
+                out.append(Sm90DecodeConfig(q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=d,
+                                            group=8, page_size=16, stages=stages, split=split, occupancy=occ))
+    return out
 
 
 def variants_for(arch: str) -> list[KernelConfig]:

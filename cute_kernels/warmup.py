@@ -13,7 +13,7 @@ from itertools import product
 from .common.merge import MergeStatesConfig
 from .jit.compiler import KernelConfig, normalize_target
 from .jit.parallel import precompile
-from .sm90.decode import Sm90DecodeConfig
+from .sm90.decode import Sm90DecodeConfig, decode_tuning
 
 
 def decode_variants(
@@ -26,19 +26,24 @@ def decode_variants(
     q_dtype: str = "bf16",
     q_lens=(1,),
     scale_tensors=(False, True),
+    kv_layouts=("HND",),
+    kv_forms=("single",),
 ) -> list[KernelConfig]:
-    """Every SM90 decode config (split and not) plus the merge that a model shape can reach."""
-    from .ops.paged_decode import choose_stages
+    """Every SM90 decode config (split and not) plus the merge that a model shape can reach.
 
+    ``kv_forms``: ``"single"`` for one ``[P, 2, ...]`` cache tensor, ``"pair"`` for a (K, V) tuple.
+    """
     group = num_q_heads // num_kv_heads
     out: list[KernelConfig] = []
-    for kv, q_len, split, st in product(kv_dtypes, q_lens, (False, True), scale_tensors):
+    for kv, q_len, split, st, layout, form in product(kv_dtypes, q_lens, (False, True), scale_tensors,
+                                                      kv_layouts, kv_forms):
         kv = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}.get(kv, kv)
-        ebytes = 1 if kv == "fp8_e4m3" else 2
+        n_pad = max(8, (group * q_len + 7) // 8 * 8)
+        stages, occupancy = decode_tuning(1 if kv == "fp8_e4m3" else 2, head_dim, n_pad)
         out.append(Sm90DecodeConfig(
             q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, q_len=q_len,
-            page_size=page_size, stages=choose_stages(ebytes, head_dim), split=split,
-            k_scale_tensor=st, v_scale_tensor=st,
+            page_size=page_size, stages=stages, split=split, k_scale_tensor=st, v_scale_tensor=st,
+            kv_form=form, kv_layout=layout, occupancy=occupancy,
         ))
     out.append(MergeStatesConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4))
     return out

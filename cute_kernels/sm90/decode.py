@@ -88,7 +88,7 @@ class Sm90PagedDecode:
     def __call__(
         self,
         mQ: cute.Tensor,  # [T, Hq, D]
-        mKc: cute.Tensor,  # [P, Hkv, page, D] (any strides, D contiguous)
+        mKc: cute.Tensor,  # see Sm90DecodeConfig.signature: 5-D cache (passed twice) or K and V
         mVc: cute.Tensor,
         mBlockTable: cute.Tensor,  # [B, max_pages] int32
         mSeqLens: cute.Tensor,  # [B] int32
@@ -101,10 +101,17 @@ class Sm90PagedDecode:
     ):
         D, N = self.D, self.N
         cfg = self.cfg
-        # (token, d, head, page) views of the caches: one kernel serves HND, NHD and tuples
-        mK = cute.make_tensor(mKc.iterator, cute.select(mKc.layout, mode=[2, 3, 1, 0]))
-        mVt = cute.make_tensor(mVc.iterator, cute.select(mVc.layout, mode=[3, 2, 1, 0]))  # (d, tok, ...)
-        mV = cute.make_tensor(mVc.iterator, cute.select(mVc.layout, mode=[2, 3, 1, 0]))
+        # (token, d, head, page) views of the caches, taken inside the kernel's host function so
+        # that the torch side never slices (each torch view op costs microseconds per call)
+        if const_expr(cfg.kv_form == "single"):
+            mK4 = mKc[None, 0, None, None, None]
+            mV4 = mVc[None, 1, None, None, None]
+        else:
+            mK4, mV4 = mKc, mVc
+        tok, head = (2, 1) if const_expr(cfg.kv_layout == "HND") else (1, 2)
+        mK = cute.make_tensor(mK4.iterator, cute.select(mK4.layout, mode=[tok, 3, head, 0]))
+        mVt = cute.make_tensor(mV4.iterator, cute.select(mV4.layout, mode=[3, tok, head, 0]))  # (d, tok, ...)
+        mV = cute.make_tensor(mV4.iterator, cute.select(mV4.layout, mode=[tok, 3, head, 0]))
 
         mma_dtype = self.q_dtype
         a_src = warpgroup.OperandSource.RMEM if const_expr(self.fp8) else warpgroup.OperandSource.SMEM
@@ -155,12 +162,13 @@ class Sm90PagedDecode:
 
         self.storage = Storage
         num_splits = mO.shape[0] if const_expr(cfg.split) else 1
-        num_kv_heads = mKc.shape[1]
+        num_kv_heads = mK4.shape[head]
         batch = mBlockTable.shape[0]
         self.kernel(
-            mQ, tma_k, tma_tK, tma_v, tma_tV, mKc.shape[0], mBlockTable, mSeqLens, mO, mLse,
+            mQ, tma_k, tma_tK, tma_v, tma_tV, mK4.shape[0], mBlockTable, mSeqLens, mO, mLse,
             k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
-        ).launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream)
+        ).launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream,
+                 min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -374,6 +382,7 @@ class Sm90PagedDecode:
             # query row n is draft token n // G: it sees positions < seq_len - q_len + j + 1
             limit[s] = seq_len - self.q_len + n // G + 1
 
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         tSrQ = qk_mma.make_fragment_B(thr_qk.partition_B(sQ))
         tOrP = pv_mma.make_fragment_B(thr_pv.partition_B(sP))
         if const_expr(self.fp8):
@@ -385,21 +394,13 @@ class Sm90PagedDecode:
 
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        mma = (qk_mma, pv_mma, acc_s, acc_o, tSrK, tSrQ, tOrV, tOrP)
+        # Software pipeline: QK(t+1) is issued right behind PV(t), so the widening of K(t+1)
+        # runs while PV(t) is in the tensor cores and the two MMAs overlap.
+        if tile_begin < tile_end:
+            self.issue_qk(mma, pipe_k, state_k, k_base, k_layout, warp, lane)
         for tile in cutlass.range(tile_begin, tile_end, unroll=1):
-            # ---------------- S^T = K Q^T ----------------
-            pipe_k.consumer_wait(state_k)
-            if const_expr(self.fp8):
-                self.load_k_fragments(tSrK, k_base, k_layout, state_k.index, warp, lane)
-            qk_mma.set(warpgroup.Field.ACCUMULATE, False)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(D // 16):
-                if const_expr(self.fp8):
-                    cute.gemm(qk_mma, acc_s, tSrK[None, None, kb], tSrQ[None, None, kb, 0], acc_s)
-                else:
-                    cute.gemm(qk_mma, acc_s, tSrK[None, None, kb, state_k.index], tSrQ[None, None, kb, 0], acc_s)
-                qk_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            warpgroup.wait_group(0)  # S(tile) is complete (O(tile - 1) was waited for below)
             pipe_k.consumer_release(state_k)
             state_k.advance()
 
@@ -445,14 +446,13 @@ class Sm90PagedDecode:
             cute.arch.fence_proxy("async.shared", space="cta")  # sP is read by WGMMA
             cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
 
-            # ---------------- O^T += V^T P^T ----------------
+            # ---------------- O^T += V^T P^T, then S^T(tile + 1) = K Q^T ----------------
             pipe_v.consumer_wait(state_v)
             if const_expr(self.fp8):
                 self.load_v_fragments(tOrV, v_base, v_layout, state_v.index, warp, lane)
             else:
                 if masked:
                     self.zero_v_tail(sV, state_v.index, seq_len - tile * TILE, tidx)
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.fence()
             for kb in cutlass.range_constexpr(TILE // 16):
                 if const_expr(self.fp8):
@@ -460,7 +460,11 @@ class Sm90PagedDecode:
                 else:
                     cute.gemm(pv_mma, acc_o, tOrV[None, None, kb, state_v.index], tOrP[None, None, kb, 0], acc_o)
             warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            if tile + 1 < tile_end:
+                self.issue_qk(mma, pipe_k, state_k, k_base, k_layout, warp, lane)
+                warpgroup.wait_group(1)  # O(tile) done; S(tile + 1) may still run
+            else:
+                warpgroup.wait_group(0)
             pipe_v.consumer_release(state_v)
             state_v.advance()
 
@@ -506,6 +510,28 @@ class Sm90PagedDecode:
                     mO[token, head, d] = val.to(mO.element_type)
 
     # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def issue_qk(self, mma, pipe_k, state_k, k_base, k_layout, warp, lane):
+        """Wait for K(tile), widen it (FP8) and issue S^T = K Q^T as one commit group."""
+        qk_mma, pv_mma, acc_s, acc_o, tSrK, tSrQ, tOrV, tOrP = mma
+        pipe_k.consumer_wait(state_k)
+        if const_expr(self.fp8):
+            self.load_k_fragments(tSrK, k_base, k_layout, state_k.index, warp, lane)
+        # local atoms: mutating the shared tiled MMA's accumulate flag inside a branch would leak
+        # a value out of that branch
+        first = cute.make_mma_atom(qk_mma.op)
+        first.set(warpgroup.Field.ACCUMULATE, False)
+        rest = cute.make_mma_atom(qk_mma.op)
+        rest.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(self.D // 16):
+            atom = first if kb == 0 else rest
+            if const_expr(self.fp8):
+                cute.gemm(atom, acc_s, tSrK[None, None, kb], tSrQ[None, None, kb, 0], acc_s)
+            else:
+                cute.gemm(atom, acc_s, tSrK[None, None, kb, state_k.index], tSrQ[None, None, kb, 0], acc_s)
+        warpgroup.commit_group()
 
     @cute.jit
     def physical_d(self, m_static, m_thread):
@@ -576,10 +602,14 @@ class Sm90PagedDecode:
 class Sm90DecodeConfig(KernelConfig):
     """Compile key of :class:`Sm90PagedDecode`.
 
+    ``stages`` and ``occupancy`` normally come from :func:`decode_tuning`.
     ``n_pad`` = ``group * q_len`` rounded up to a multiple of 8 (the WGMMA N). ``split`` selects
     fp32 partial outputs (for ``merge_states``) over a direct write. ``k_scale_tensor`` /
     ``v_scale_tensor``: the scale arrives as a 1-element fp32 device tensor (read by the kernel,
-    so CUDA-graph replays see new values) instead of a float argument.
+    so CUDA-graph replays see new values) instead of a float argument. ``kv_form``: one 5-D
+    ``[P, 2, ...]`` cache tensor (``"single"``) or separate K and V tensors (``"pair"``);
+    ``kv_layout``: HND or NHD. ``occupancy``: CTAs per SM the register allocation must allow
+    (``__launch_bounds__`` min blocks; 0 = no constraint).
     """
 
     q_dtype: str = "bf16"
@@ -592,6 +622,9 @@ class Sm90DecodeConfig(KernelConfig):
     split: bool = False
     k_scale_tensor: bool = False
     v_scale_tensor: bool = False
+    kv_form: str = "single"
+    kv_layout: str = "HND"
+    occupancy: int = 0
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -610,6 +643,8 @@ class Sm90DecodeConfig(KernelConfig):
             raise ValueError(f"page_size must be 16, 32, 64 or 128, got {self.page_size}")
         if not 1 <= self.group * self.q_len <= 64:
             raise ValueError("group * q_len must be in [1, 64]")
+        if self.kv_form not in ("single", "pair") or self.kv_layout not in ("HND", "NHD"):
+            raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
 
     @property
     def n_pad(self) -> int:
@@ -622,10 +657,13 @@ class Sm90DecodeConfig(KernelConfig):
         lse_shape = ("S", "T", "Hq") if self.split else ("T", "Hq")
         kscale = TensorArg("k_scale", "fp32", (1,), align=4) if self.k_scale_tensor else ScalarArg("k_scale", "fp32")
         vscale = TensorArg("v_scale", "fp32", (1,), align=4) if self.v_scale_tensor else ScalarArg("v_scale", "fp32")
+        page = self.page_size
+        inner = ("Hkv", page) if self.kv_layout == "HND" else (page, "Hkv")
+        cache = ("P", 2, *inner, D) if self.kv_form == "single" else ("P", *inner, D)
         return (
             TensorArg("q", self.q_dtype, ("T", "Hq", D)),
-            TensorArg("k_cache", self.kv_dtype, ("P", "Hkv", self.page_size, D)),
-            TensorArg("v_cache", self.kv_dtype, ("P", "Hkv", self.page_size, D)),
+            TensorArg("k_cache", self.kv_dtype, cache),  # "single": both are the 5-D cache
+            TensorArg("v_cache", self.kv_dtype, cache),
             TensorArg("block_table", "int32", ("B", "W"), align=4),
             TensorArg("seq_lens", "int32", ("B",), align=4),
             TensorArg("out", out, o_shape, align=4),
@@ -637,3 +675,31 @@ class Sm90DecodeConfig(KernelConfig):
 
     def build(self):
         return Sm90PagedDecode(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# host-side tuning (no GPU, no tensors)
+# ----------------------------------------------------------------------------------------------
+
+SMEM_PER_SM = 227 * 1024  # usable per SM on H100/H200 (228 KB minus the 1 KB reserved per CTA)
+
+
+def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int) -> tuple[int, int]:
+    """(stages, CTAs per SM) for a decode variant.
+
+    More resident CTAs hide the per-tile chain (ldmatrix -> widen -> WGMMA -> softmax) better
+    than deeper pipelines, as long as each CTA keeps >= 2-3 tiles in flight. Register budget:
+    ``occupancy`` CTAs of 160 threads must fit 64K registers, and the O^T accumulator alone is
+    ``head_dim * n_pad / 128`` registers per thread, so large D x N lowers the target.
+    """
+    stage = 2 * TILE * head_dim * kv_bytes
+    fixed = n_pad * head_dim * 2 + n_pad * TILE * 2 + MMA_WARPS * n_pad * 4 + 4 * 1024
+    acc_regs = head_dim * n_pad // 128
+    max_occ = 4 if acc_regs <= 16 else 3 if acc_regs <= 32 else 2 if acc_regs <= 64 else 1
+    for occ in range(max_occ, 0, -1):
+        stages = min(8, (SMEM_PER_SM // occ - fixed) // stage)
+        # >= ~96 KB of KV in flight per SM keeps HBM busy (measured: BF16 D=256 reaches the
+        # roofline with a single CTA holding 2 x 64 KB)
+        if stages >= 2 and occ * stages * stage >= 96 * 1024:
+            return stages, occ
+    return 2, 1

@@ -72,9 +72,10 @@ def _precompile():
     configs = decode_variants(head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16, scale_tensors=(True,))
     configs += decode_variants(head_dim=128, num_q_heads=32, num_kv_heads=4, page_size=16, scale_tensors=(True,))
     configs += decode_variants(head_dim=128, num_q_heads=8, num_kv_heads=1, page_size=16, scale_tensors=(False,))
-    for kv, q, D, Hq, Hkv, page, ql, *_ in CASES:
+    for kv, q, D, Hq, Hkv, page, ql, layout, container, _ in CASES:
         configs += decode_variants(head_dim=D, num_q_heads=Hq, num_kv_heads=Hkv, page_size=page,
-                                   kv_dtypes=(names[kv],), q_dtype=names[q], q_lens=(ql,), scale_tensors=(False,))
+                                   kv_dtypes=(names[kv],), q_dtype=names[q], q_lens=(ql,), scale_tensors=(False,),
+                                   kv_layouts=(layout,), kv_forms=("pair" if container == "tuple" else "single",))
     precompile(configs, "sm_90a", progress=False)
 
 
