@@ -23,6 +23,7 @@ from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import TensorArg
 
 _MAX_THREADS = 128
+_UNROLL = 8  # splits whose loads are in flight together
 
 
 class MergeStates:
@@ -70,12 +71,21 @@ class MergeStates:
             acc = cute.make_rmem_tensor((self.vec,), Float32)
             acc.fill(0.0)
             weight_sum = Float32(0.0)
-            for s in cutlass.range(num_splits, unroll=4):
-                w = cute.math.exp2(mPartialLse[s, n, h] - shift, fastmath=True)
-                if w > Float32(0.0):
-                    weight_sum += w
-                    gPartial = cute.local_tile(mPartialO[s, n, h, None], (self.vec,), (lane,))
-                    acc.store(acc.load() + gPartial.load() * w)
+            # Branch-free accumulation: every split's 16-byte load is issued (so several stay in
+            # flight), and an empty split's value is *selected away*, never multiplied, so NaN
+            # garbage in its partial cannot leak (0 * NaN would).
+            # Groups of UNROLL splits: all loads of a group are issued before any is used, so
+            # UNROLL x 16 bytes per thread are in flight.
+            full = num_splits - num_splits % _UNROLL
+            for s0 in cutlass.range(0, full, _UNROLL, unroll=1):
+                lses = [mPartialLse[s0 + j, n, h] for j in range(_UNROLL)]
+                parts = [cute.local_tile(mPartialO[s0 + j, n, h, None], (self.vec,), (lane,)).load()
+                         for j in range(_UNROLL)]
+                for j in cutlass.range_constexpr(_UNROLL):
+                    weight_sum = self.accumulate(acc, parts[j], lses[j], shift, weight_sum)
+            for s in cutlass.range(full, num_splits, unroll=1):
+                part = cute.local_tile(mPartialO[s, n, h, None], (self.vec,), (lane,)).load()
+                weight_sum = self.accumulate(acc, part, mPartialLse[s, n, h], shift, weight_sum)
             inv = Float32(0.0)
             if weight_sum > Float32(0.0):
                 inv = cute.arch.rcp_approx(weight_sum)
@@ -86,6 +96,19 @@ class MergeStates:
                 if weight_sum > Float32(0.0):
                     lse = shift + cute.math.log2(weight_sum, fastmath=True)
                 mLse[n, h] = lse
+
+
+    @cute.jit
+    def accumulate(self, acc, part, lse, shift, weight_sum):
+        """acc += 2^(lse - shift) * part, with an empty split (lse = -inf) *selected away*, never
+        multiplied: its partial may hold NaN garbage and 0 * NaN is NaN."""
+        w = cute.math.exp2(lse - shift, fastmath=True)
+        keep = w > Float32(0.0)
+        vals = cute.make_rmem_tensor((self.vec,), Float32)
+        vals.store(part)
+        for e in cutlass.range_constexpr(self.vec):
+            acc[e] = acc[e] + (vals[e] * w if keep else Float32(0.0))
+        return weight_sum + w
 
 
 @dataclass(frozen=True)
