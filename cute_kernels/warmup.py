@@ -13,7 +13,7 @@ from itertools import product
 from .common.merge import MergeStatesConfig
 from .jit.compiler import KernelConfig, normalize_target
 from .jit.parallel import precompile
-from .sm90.decode import Sm90DecodeConfig, decode_tuning
+from .sm90.decode import make_decode_config
 
 
 def decode_variants(
@@ -28,6 +28,7 @@ def decode_variants(
     scale_tensors=(False, True),
     kv_layouts=("HND",),
     kv_forms=("single",),
+    **override,
 ) -> list[KernelConfig]:
     """Every SM90 decode config (split and not) plus the merge that a model shape can reach.
 
@@ -38,14 +39,11 @@ def decode_variants(
     for kv, q_len, split, st, layout, form in product(kv_dtypes, q_lens, (False, True), scale_tensors,
                                                       kv_layouts, kv_forms):
         kv = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}.get(kv, kv)
-        n_pad = max(8, (group * q_len + 7) // 8 * 8)
-        stages, occupancy = decode_tuning(1 if kv == "fp8_e4m3" else 2, head_dim, n_pad)
-        out.append(Sm90DecodeConfig(
-            q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, q_len=q_len,
-            page_size=page_size, stages=stages, split=split, k_scale_tensor=st, v_scale_tensor=st,
-            kv_form=form, kv_layout=layout, occupancy=occupancy,
+        out.append(make_decode_config(
+            q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, q_len=q_len, page_size=page_size,
+            split=split, k_scale_tensor=st, v_scale_tensor=st, kv_form=form, kv_layout=layout, **override,
         ))
-    out.append(MergeStatesConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4))
+    out.append(MergeStatesConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4, pdl=True))
     return out
 
 

@@ -104,7 +104,7 @@ _REFERENCE_LIMITS = dict(
 _REGISTRY = (
     KernelInfo(
         id="sm90.decode",
-        status="planned",  # flip to "available" when the issue-3 kernel lands
+        status="available",
         kv_dtypes=_ALL_KV, qk_dtype="model", supports_quant_query_input=False,
         description="SM90 paged decode with WGMMA and TMA; FP8 K/V converted on chip, QK in the model dtype",
         planned_in="issue 3",

@@ -141,6 +141,25 @@ def peer_sdpa(case, sm_scale, q_len):
 
 PEERS = {"xqa": peer_xqa, "fi": peer_fi, "fa4": peer_fa4, "sdpa": peer_sdpa}
 
+# our tuning variants (cute_kernels.ops.paged_decode.tuning_override); "ours" is the default
+VARIANTS = {"bits": dict(widen="bits"), "cvt": dict(widen="cvt"), "t128": dict(tile=128),
+            "bits128": dict(widen="bits", tile=128)}
+
+
+def variant(name):
+    from cute_kernels.ops.paged_decode import tuning_override
+
+    def make(case, sm_scale, q_len):
+        out = torch.empty_like(case.q)
+
+        def fn():
+            with tuning_override(**VARIANTS[name]):
+                return cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out=out,
+                                                 **case.kwargs())
+        return fn, out
+
+    return make
+
 
 def run(peers=("xqa", "fi", "fa4", "sdpa"), kv_dtypes=("fp8", "bf16"), shapes=None, out_json=None, out_png=None,
         quick=False):
@@ -167,7 +186,9 @@ def run(peers=("xqa", "fi", "fa4", "sdpa"), kv_dtypes=("fp8", "bf16"), shapes=No
                 return cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out=out,
                                                  **case.kwargs())
 
-            entries = [("ours", lambda: (ours, out))] + [(p, (lambda p=p: PEERS[p](case, sm_scale, q_len))) for p in peers]
+            makers = {p: (VARIANTS and variant(p)) if p in VARIANTS else PEERS[p] for p in peers}
+            entries = [("ours", lambda: (ours, out))] + [(p, (lambda p=p: makers[p](case, sm_scale, q_len)))
+                                                         for p in peers if not (p in VARIANTS and kvn != "fp8")]
             for pname, make in entries:
                 try:
                     fn, o = make()

@@ -29,7 +29,8 @@ _UNROLL = 8  # splits whose loads are in flight together
 class MergeStates:
     """Kernel: merge ``mPartialO [S, N, H, D]`` / ``mPartialLse [S, N, H]`` into ``mO``/``mLse``."""
 
-    def __init__(self, out_dtype, head_dim: int, vec: int):
+    def __init__(self, out_dtype, head_dim: int, vec: int, pdl: bool = False):
+        self.pdl = pdl
         self.out_dtype = out_dtype
         self.head_dim = head_dim
         self.vec = vec
@@ -49,7 +50,7 @@ class MergeStates:
         num_rows = mO.shape[0] * mO.shape[1]
         grid_x = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
         self.kernel(mPartialO, mPartialLse, mO, mLse).launch(
-            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
@@ -60,6 +61,10 @@ class MergeStates:
         num_heads = mO.shape[1]
         row = bidx * self.rows_per_cta + tidx // self.threads_per_row
         lane = tidx % self.threads_per_row
+        if cutlass.const_expr(self.pdl):
+            # launched as a programmatic dependent of split-KV decode: the launch overlapped the
+            # producer's tail; its partials are only complete (and flushed) after this wait
+            cute.arch.griddepcontrol_wait()
         if row < mO.shape[0] * num_heads:
             n = row // num_heads
             h = row - n * num_heads
@@ -122,6 +127,7 @@ class MergeStatesConfig(KernelConfig):
     out_dtype: str = "bf16"
     head_dim: int = 128
     vec: int = 4
+    pdl: bool = False  # programmatic dependent launch behind the kernel that wrote the partials
 
     kernel_id = "common.merge_states"
     targets = ALL_TARGETS
@@ -147,4 +153,4 @@ class MergeStatesConfig(KernelConfig):
         )
 
     def build(self):
-        return MergeStates(cute_dtype(self.out_dtype), self.head_dim, self.vec)
+        return MergeStates(cute_dtype(self.out_dtype), self.head_dim, self.vec, self.pdl)

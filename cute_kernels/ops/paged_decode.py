@@ -22,7 +22,7 @@ from .. import reference
 from .._nvtx import ENABLED as _NVTX, op_range
 from ..common.merge import MergeStatesConfig
 from ..jit.compiler import get_kernel
-from ..sm90.decode import TILE, Sm90DecodeConfig, decode_tuning
+from ..sm90.decode import make_decode_config
 from ._torch import check_tensor, compile_target, device_sm_count, dtype_name
 
 FP8 = torch.float8_e4m3fn
@@ -32,7 +32,8 @@ MAX_ROWS = 64  # group * q_len: the WGMMA N of one CTA
 MAX_SPLITS = 64
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int, ctas_per_sm: int) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int, ctas_per_sm: int,
+                      tile: int = 64) -> int:
     """Split count from shapes only (the block-table width bounds the context; no data read).
 
     Cost model in units of one CTA-tile: ``ceil(CTAs / slots) * (tiles per split + 2)``, plus one
@@ -41,7 +42,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     """
     items = batch * num_kv_heads
     slots = num_sms * ctas_per_sm
-    max_tiles = max(1, math.ceil(max_context / TILE))
+    max_tiles = max(1, math.ceil(max_context / tile))
     best, best_cost = 1, None
     for s in range(1, min(MAX_SPLITS, max_tiles) + 1):
         cost = math.ceil(items * s / slots) * (math.ceil(max_tiles / s) + 2) + (1 if s > 1 else 0)
@@ -91,6 +92,32 @@ class _Launch:
 
 _LAUNCHES: dict[tuple, _Launch] = {}
 _MAX_LAUNCHES = 4096
+_OVERRIDE: dict = {}
+
+
+_override_key: tuple = ()
+
+
+class tuning_override:
+    """``with tuning_override(widen="bits", tile=128): ...`` forces kernel tuning fields (for
+    benchmarks comparing variants). The override is part of the launch-cache key."""
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+    def __enter__(self):
+        global _override_key
+        self.saved = dict(_OVERRIDE)
+        _OVERRIDE.update(self.fields)
+        _override_key = tuple(sorted(_OVERRIDE.items()))
+        return self
+
+    def __exit__(self, *exc):
+        global _override_key
+        _OVERRIDE.clear()
+        _OVERRIDE.update(self.saved)
+        _override_key = tuple(sorted(_OVERRIDE.items()))
+        return False
 
 
 def _key(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
@@ -102,7 +129,7 @@ def _key(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_sca
             k.data_ptr() % 16, (v.stride(), v.data_ptr() % 16, v.shape, v.dtype) if pair else None,
             block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
             seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
-            kv_layout, q_len, sm_scale, ks, vs, o, return_lse, num_splits)
+            kv_layout, q_len, sm_scale, ks, vs, o, return_lse, num_splits, _override_key)
 
 
 def _check_scale(name: str, value, device):
@@ -172,18 +199,22 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     if out is not None:  # 8-byte alignment: the split-KV merge stores 4 elements at a time
         check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=device, align_bytes=8)
 
-    n_pad = max(8, (group * q_len + 7) // 8 * 8)
-    stages, occupancy = decode_tuning(k.element_size(), D, n_pad)
-    if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, block_table.shape[1] * page, device_sm_count(device.index or 0), occupancy)
-    elif not isinstance(num_splits, int) or num_splits < 1:
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+
+    def config_for(split):
+        return make_decode_config(
+            q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=group, q_len=q_len,
+            page_size=page, split=split, k_scale_tensor=ks_t, v_scale_tensor=vs_t,
+            kv_form="pair" if pair else "single", kv_layout=kv_layout, **_OVERRIDE,
+        )
+
+    if num_splits is None:
+        probe = config_for(False)
+        num_splits = choose_num_splits(B, Hkv, block_table.shape[1] * page, device_sm_count(device.index or 0),
+                                       probe.occupancy, probe.tile)
     split = num_splits > 1
-    config = Sm90DecodeConfig(
-        q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=group, q_len=q_len,
-        page_size=page, stages=stages, split=split, k_scale_tensor=ks_t, v_scale_tensor=vs_t,
-        kv_form="pair" if pair else "single", kv_layout=kv_layout, occupancy=occupancy,
-    )
+    config = config_for(split)
     target = compile_target(device)
     fn = get_kernel(config, target)
     part_o = part_lse = scratch = merge_fn = None
@@ -194,7 +225,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     if split:
         part_o = ws[:part_numel].view(num_splits, T, Hq, D)
         part_lse = ws[part_numel:part_numel + plse_numel].view(num_splits, T, Hq)
-        merge_fn = get_kernel(MergeStatesConfig(out_dtype=dtype_name(q.dtype), head_dim=D, vec=4), target)
+        merge_fn = get_kernel(MergeStatesConfig(out_dtype=dtype_name(q.dtype), head_dim=D, vec=4, pdl=True), target)
     if not return_lse:
         base = part_numel + plse_numel
         scratch = ws[base:base + lse_numel].view(T, Hq)

@@ -40,9 +40,10 @@ from cutlass.tensor_utils import LayoutEnum
 from ..jit.compiler import KernelConfig
 from ..jit.dtypes import cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
-from .fragments import WIDEN_SHIFT_LOG2, ldmatrix_x4, q_permutation, widen_e4m3x4
+from .fragments import WIDEN_SHIFT_LOG2, cvt_e4m3x4_f16, ldmatrix_x4, q_permutation, widen_e4m3x4
 
-TILE = 64  # KV tokens per tile = the WGMMA M of one warpgroup
+TILE = 64  # default KV tokens per tile (one WGMMA M); 128 = two M blocks per iteration
+MMA_M = 64
 MMA_WARPS = 4
 PRODUCER_WARP = MMA_WARPS
 NUM_THREADS = (MMA_WARPS + 1) * 32
@@ -68,10 +69,17 @@ class Sm90PagedDecode:
         self.rows = cfg.group * cfg.q_len
         self.N = cfg.n_pad
         self.page = cfg.page_size
-        self.box = min(cfg.page_size, TILE)  # tokens per TMA box
-        self.boxes_per_tile = TILE // self.box
+        self.tile = cfg.tile
+        self.box = min(cfg.page_size, self.tile)  # tokens per TMA box
+        self.boxes_per_tile = self.tile // self.box
         self.stages = cfg.stages
-        if self.fp8:
+        # FP8 "bits": exact widening to the query's type by bit operations (values x 2^-shift);
+        # FP8 "cvt": exact hardware e4m3 -> f16 conversion, so the MMAs run in fp16 and a BF16
+        # query is rescaled by a power of two into fp16's range (``dynamic_q_scale``).
+        self.cvt = self.fp8 and cfg.widen == "cvt"
+        self.mma_dtype = cute_dtype("fp16") if self.cvt else self.q_dtype
+        self.dynamic_q_scale = self.cvt and cfg.q_dtype == "bf16"
+        if self.fp8 and not self.cvt:
             widen = WIDEN_SHIFT_LOG2[cfg.q_dtype]
             self.q_pre = Q_PRESCALE_LOG2[cfg.q_dtype]
             self.p_pre = P_PRESCALE_LOG2[cfg.q_dtype]
@@ -113,26 +121,26 @@ class Sm90PagedDecode:
         mVt = cute.make_tensor(mV4.iterator, cute.select(mV4.layout, mode=[3, tok, head, 0]))  # (d, tok, ...)
         mV = cute.make_tensor(mV4.iterator, cute.select(mV4.layout, mode=[tok, 3, head, 0]))
 
-        mma_dtype = self.q_dtype
+        mma_dtype = self.mma_dtype
         a_src = warpgroup.OperandSource.RMEM if const_expr(self.fp8) else warpgroup.OperandSource.SMEM
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             mma_dtype, mma_dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
-            tiler_mn=(TILE, N), a_source=a_src,
+            tiler_mn=(MMA_M, N), a_source=a_src,
         )
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             mma_dtype, mma_dtype,
             OperandMajorMode.K if const_expr(self.fp8) else OperandMajorMode.MN,
-            OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(TILE, N), a_source=a_src,
+            OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(MMA_M, N), a_source=a_src,
         )
         # shared-memory layouts. K tiles are (tokens, D) K-major for both paths; V is stored
         # the same way for FP8 (ldmatrix.trans reads it) and as MN-major V^T for 16-bit SS.
-        k_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, N, D), self.kv_dtype, self.stages)
+        k_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile, N, D), self.kv_dtype, self.stages)
         if const_expr(self.fp8):
             v_layout = k_layout
         else:
-            v_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, N, TILE), self.kv_dtype, self.stages)
-        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, N, D), mma_dtype, 1)
-        p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, N, TILE), mma_dtype, 1)
+            v_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, N, self.tile), self.kv_dtype, self.stages)
+        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile, N, D), mma_dtype, 1)
+        p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, N, self.tile), mma_dtype, 1)
 
         # one TMA box = `box` tokens of one page x the full head dim
         box = self.box
@@ -205,6 +213,9 @@ class Sm90PagedDecode:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
 
+        if const_expr(cfg.split):
+            # let the merge kernel (programmatic dependent launch) get scheduled behind us
+            cute.arch.griddepcontrol_launch_dependents()
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
@@ -212,7 +223,7 @@ class Sm90PagedDecode:
         sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
         sRed = storage.red.get_tensor(cute.make_layout((MMA_WARPS, N), stride=(N, 1)))
 
-        kv_bytes = TILE * D * self.kv_dtype.width // 8
+        kv_bytes = self.tile * D * self.kv_dtype.width // 8
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.k_bar.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -230,7 +241,7 @@ class Sm90PagedDecode:
 
         # this CTA's tiles: split s takes a contiguous chunk of the request's tiles
         seq_len = mSeqLens[batch_idx]
-        num_tiles = (seq_len + TILE - 1) // TILE
+        num_tiles = (seq_len + self.tile - 1) // self.tile
         per_split = (num_tiles + num_splits - 1) // num_splits
         tile_begin = split * per_split
         tile_end = cutlass.min(tile_begin + per_split, num_tiles)
@@ -312,26 +323,63 @@ class Sm90PagedDecode:
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
-    def stage_q(self, mQ, sQ, batch_idx, kv_head, tidx):
-        """Q rows of this KV group -> sQ (B operand), zero padding rows, FP8 path: permuted
-        within 16-column blocks to match the widened K fragments, and pre-scaled."""
-        D, N, G = self.D, self.N, self.G
+    def load_q_chunk(self, mQ, idx, batch_idx, kv_head):
+        """16 consecutive Q elements (row n, 16-column chunk c) of work item ``idx`` as fp32;
+        zeros for padding rows."""
+        chunks = self.D // 16
+        n = idx // chunks
+        vals = cute.make_rmem_tensor((16,), Float32)
+        vals.fill(0.0)
+        if n < self.rows:
+            token = batch_idx * self.q_len + n // self.G
+            head = kv_head * self.G + n % self.G
+            vals.store(cute.local_tile(mQ[token, head, None], (16,), (idx % chunks,)).load().to(Float32))
+        return vals
+
+    @cute.jit
+    def stage_q(self, mQ, sQ, sRed, batch_idx, kv_head, tidx, warp, lane):
+        """Q rows of this KV group -> sQ (B operand), zero padding rows. FP8 caches: columns
+        permuted within 16-column blocks to match the widened K fragments, values pre-scaled by a
+        power of two. Returns log2 of that scale (the logits divide it out)."""
+        D, N = self.D, self.N
         chunks = D // 16
-        for it in cutlass.range_constexpr((N * chunks + MMA_WARPS * 32 - 1) // (MMA_WARPS * 32)):
+        work = N * chunks
+        iters = (work + MMA_WARPS * 32 - 1) // (MMA_WARPS * 32)
+        q_log2 = Float32(self.q_pre)
+        if const_expr(self.dynamic_q_scale):
+            # BF16 -> FP16: scale by 2^(14 - e), e = exponent of max|q|, so that the largest
+            # element lands in [2^14, 2^15) and nothing overflows fp16; the scale is exact.
+            amax = Float32(0.0)
+            for it in cutlass.range_constexpr(iters):
+                idx = it * MMA_WARPS * 32 + tidx
+                if idx < work:
+                    vals = self.load_q_chunk(mQ, idx, batch_idx, kv_head)
+                    for k in cutlass.range_constexpr(16):
+                        amax = cute.arch.fmax(amax, cute.arch.fmax(vals[k], -vals[k]))
+            for off in (1, 2, 4, 8, 16):
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, off))
+            if lane == 0:
+                sRed[warp, 0] = amax
+            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+            amax = cute.arch.fmax(cute.arch.fmax(sRed[0, 0], sRed[1, 0]), cute.arch.fmax(sRed[2, 0], sRed[3, 0]))
+            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)  # sRed reused later
+            # e within 1 of floor(log2 amax) (truncation, approximate log2): fp16's range
+            # (max 2^16) leaves room for that
+            e = Int32(0)
+            if amax > Float32(0.0):
+                e = Int32(cute.math.log2(amax, fastmath=True))
+            q_log2 = Float32(cutlass.min(cutlass.max(Int32(14) - e, Int32(-100)), Int32(100)))
+        scale = cute.math.exp2(q_log2, fastmath=False)
+        for it in cutlass.range_constexpr(iters):
             idx = it * MMA_WARPS * 32 + tidx
-            if idx < N * chunks:
+            if idx < work:
+                vals = self.load_q_chunk(mQ, idx, batch_idx, kv_head)
                 n = idx // chunks
                 c = idx % chunks
-                vals = cute.make_rmem_tensor((16,), Float32)
-                vals.fill(0.0)
-                if n < self.rows:
-                    token = batch_idx * self.q_len + n // G
-                    head = kv_head * G + n % G
-                    gq = cute.local_tile(mQ[token, head, None], (16,), (c,))
-                    vals.store(gq.load().to(Float32) * Float32(2.0 ** self.q_pre))
                 for k in cutlass.range_constexpr(16):
-                    src = q_permutation(k) if const_expr(self.fp8) else k
-                    sQ[n, c * 16 + k, 0] = vals[src].to(sQ.element_type)
+                    src = q_permutation(k, self.cfg.widen) if const_expr(self.fp8) else k
+                    sQ[n, c * 16 + k, 0] = (vals[src] * scale).to(sQ.element_type)
+        return q_log2
 
     @cute.jit
     def consume(self, mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
@@ -339,7 +387,7 @@ class Sm90PagedDecode:
                 seq_len, tile_begin, tile_end, tidx, warp, lane):
         cfg = self.cfg
         D, N, G = self.D, self.N, self.G
-        self.stage_q(mQ, sQ, batch_idx, kv_head, tidx)
+        q_log2 = self.stage_q(mQ, sQ, sRed, batch_idx, kv_head, tidx, warp, lane)
         cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
         cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
 
@@ -352,14 +400,14 @@ class Sm90PagedDecode:
         else:
             vs = Float32(v_scale)
         # logits in log2 units = S_acc * c
-        c = sm_scale * ks * Float32(LOG2E * 2.0 ** self.logit_log2)
+        c = sm_scale * ks * Float32(LOG2E * 2.0 ** self.logit_log2) * cute.math.exp2(-q_log2 + Float32(self.q_pre), fastmath=False)
 
         thr_qk = qk_mma.get_slice(tidx)
         thr_pv = pv_mma.get_slice(tidx)
         # static per-element coordinates of thread 0 plus this thread's offset: register indices
         # stay compile-time while rows/columns are exact
-        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE, N)))
-        cS = thr_qk.partition_C(cute.make_identity_tensor((TILE, N)))
+        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile, N)))
+        cS = thr_qk.partition_C(cute.make_identity_tensor((self.tile, N)))
         cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((D, N)))
         acc_s = cute.make_rmem_tensor(cS.shape, Float32)
         acc_o = cute.make_rmem_tensor(cO0.shape, Float32)
@@ -386,8 +434,8 @@ class Sm90PagedDecode:
         tSrQ = qk_mma.make_fragment_B(thr_qk.partition_B(sQ))
         tOrP = pv_mma.make_fragment_B(thr_pv.partition_B(sP))
         if const_expr(self.fp8):
-            tSrK = cute.make_rmem_tensor(thr_qk.partition_A(cute.make_identity_tensor((TILE, D))).shape, self.q_dtype)
-            tOrV = cute.make_rmem_tensor(thr_pv.partition_A(cute.make_identity_tensor((D, TILE))).shape, self.q_dtype)
+            tSrK = cute.make_rmem_tensor(thr_qk.partition_A(cute.make_identity_tensor((self.tile, D))).shape, self.mma_dtype)
+            tOrV = cute.make_rmem_tensor(thr_pv.partition_A(cute.make_identity_tensor((D, self.tile))).shape, self.mma_dtype)
         else:
             tSrK = qk_mma.make_fragment_A(thr_qk.partition_A(sK))
             tOrV = pv_mma.make_fragment_A(thr_pv.partition_A(sV))
@@ -405,14 +453,14 @@ class Sm90PagedDecode:
             state_k.advance()
 
             # ---------------- online softmax over the tile's tokens ----------------
-            masked = (tile + 1) * TILE > seq_len - self.q_len + 1
+            masked = (tile + 1) * self.tile > seq_len - self.q_len + 1
             tile_max = cute.make_rmem_tensor((nslots,), Float32)
             tile_max.fill(-Float32.inf)
             for i in cutlass.range_constexpr(nS):
                 s_val = acc_s[i] * c
                 sl = slot_of(cS0[i][1])
                 if masked:
-                    pos = tile * TILE + cS0[i][0] + m_base
+                    pos = tile * self.tile + cS0[i][0] + m_base
                     if pos >= limit[sl]:
                         s_val = -Float32.inf
                 acc_s[i] = s_val
@@ -452,9 +500,9 @@ class Sm90PagedDecode:
                 self.load_v_fragments(tOrV, v_base, v_layout, state_v.index, warp, lane)
             else:
                 if masked:
-                    self.zero_v_tail(sV, state_v.index, seq_len - tile * TILE, tidx)
+                    self.zero_v_tail(sV, state_v.index, seq_len - tile * self.tile, tidx)
             warpgroup.fence()
-            for kb in cutlass.range_constexpr(TILE // 16):
+            for kb in cutlass.range_constexpr(self.tile // 16):
                 if const_expr(self.fp8):
                     cute.gemm(pv_mma, acc_o, tOrV[None, None, kb], tOrP[None, None, kb, 0], acc_o)
                 else:
@@ -545,22 +593,31 @@ class Sm90PagedDecode:
             return m_static + m_thread
 
     @cute.jit
+    def widen(self, x, transposed: bool):
+        if const_expr(self.cvt):
+            return cvt_e4m3x4_f16(x, transposed)
+        return widen_e4m3x4(x, self.cfg.q_dtype)
+
+    @cute.jit
     def load_k_fragments(self, tSrK, k_base, k_layout, stage, warp, lane):
         """K tile (FP8, tokens x D) -> widened A fragments of S^T = K Q^T, two k16 blocks per
-        ldmatrix.x4: matrices (rows 0-7 | 8-15) x (chunk c | c+1) of this warp's 16 tokens."""
+        ldmatrix.x4: matrices (rows 0-7 | 8-15) x (chunk c | c+1) of this warp's 16 tokens of
+        each 64-token M block."""
         q = lane // 8
-        row = warp * 16 + (q % 2) * 8 + lane % 8
-        regs = cute.recast_tensor(tSrK, Int32)  # 4 x 32-bit per k16 block: R0..R3
-        for cc in cutlass.range_constexpr(self.D // 32):
-            col = (2 * cc + q // 2) * 16
-            addr = k_base + cute.crd2idx((row, col, stage), k_layout)
-            r = ldmatrix_x4(addr, False)
-            for j in cutlass.range_constexpr(4):
-                lo, hi = widen_e4m3x4(r[j], self.cfg.q_dtype)
-                kb = 2 * cc + j // 2
-                # register j: rows (r | r+8) = j % 2; lo -> (2t, 2t+1) = R0/R1, hi -> (2t+8, 2t+9) = R2/R3
-                regs[kb * 4 + (j % 2)] = lo
-                regs[kb * 4 + 2 + (j % 2)] = hi
+        mblocks = self.tile // MMA_M
+        regs = cute.recast_tensor(tSrK, Int32)  # index (kb * mblocks + mb) * 4 + R
+        for mb in cutlass.range_constexpr(mblocks):
+            row = mb * MMA_M + warp * 16 + (q % 2) * 8 + lane % 8
+            for cc in cutlass.range_constexpr(self.D // 32):
+                col = (2 * cc + q // 2) * 16
+                addr = k_base + cute.crd2idx((row, col, stage), k_layout)
+                r = ldmatrix_x4(addr, False)
+                for j in cutlass.range_constexpr(4):
+                    lo, hi = self.widen(r[j], False)
+                    base = ((2 * cc + j // 2) * mblocks + mb) * 4
+                    # register j: rows (r | r+8) = j % 2; lo -> (2t, 2t+1) = R0/R1, hi -> (2t+8, 2t+9) = R2/R3
+                    regs[base + (j % 2)] = lo
+                    regs[base + 2 + (j % 2)] = hi
 
     @cute.jit
     def load_v_fragments(self, tOrV, v_base, v_layout, stage, warp, lane):
@@ -572,12 +629,12 @@ class Sm90PagedDecode:
         m_tiles = self.D // 64
         for mt in cutlass.range_constexpr(m_tiles):
             col = (mt * 4 + warp) * 16  # this warp's 16 head dims of the m-tile
-            for kk in cutlass.range_constexpr(TILE // 32):
+            for kk in cutlass.range_constexpr(self.tile // 32):
                 row = kk * 32 + q * 8 + lane % 8
                 addr = v_base + cute.crd2idx((row, col, stage), v_layout)
                 r = ldmatrix_x4(addr, True)
                 for j in cutlass.range_constexpr(4):
-                    lo, hi = widen_e4m3x4(r[j], self.cfg.q_dtype)
+                    lo, hi = self.widen(r[j], True)
                     kb = 2 * kk + j // 2
                     base = (kb * m_tiles + mt) * 4
                     regs[base + 2 * (j % 2)] = lo
@@ -588,11 +645,11 @@ class Sm90PagedDecode:
         """16-bit caches: zero V^T columns (tokens) >= valid in this stage, so that stale
         (possibly NaN) cache rows past the sequence end cannot turn 0 * NaN into NaN."""
         D = self.D
-        for it in cutlass.range_constexpr((D * TILE + MMA_WARPS * 32 - 1) // (MMA_WARPS * 32)):
+        for it in cutlass.range_constexpr((D * self.tile + MMA_WARPS * 32 - 1) // (MMA_WARPS * 32)):
             idx = it * MMA_WARPS * 32 + tidx
             d = idx % D
             t = idx // D
-            if t < TILE and t >= valid:
+            if t < self.tile and t >= valid:
                 sV[d, t, stage] = sV.element_type(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
@@ -609,7 +666,11 @@ class Sm90DecodeConfig(KernelConfig):
     so CUDA-graph replays see new values) instead of a float argument. ``kv_form``: one 5-D
     ``[P, 2, ...]`` cache tensor (``"single"``) or separate K and V tensors (``"pair"``);
     ``kv_layout``: HND or NHD. ``occupancy``: CTAs per SM the register allocation must allow
-    (``__launch_bounds__`` min blocks; 0 = no constraint).
+    (``__launch_bounds__`` min blocks; 0 = no constraint). ``widen`` (FP8 caches): ``"bits"``
+    widens exactly to the query's type with integer ops and runs the MMAs in that type;
+    ``"cvt"`` uses the one-instruction exact e4m3 -> f16 conversion and runs the MMAs in fp16
+    (a BF16 query is rescaled by a power of two per CTA to fit fp16's range). ``tile``: KV
+    tokens per iteration (64 or 128, i.e. one or two WGMMA M blocks).
     """
 
     q_dtype: str = "bf16"
@@ -625,6 +686,8 @@ class Sm90DecodeConfig(KernelConfig):
     kv_form: str = "single"
     kv_layout: str = "HND"
     occupancy: int = 0
+    widen: str = "bits"
+    tile: int = 64
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -645,6 +708,8 @@ class Sm90DecodeConfig(KernelConfig):
             raise ValueError("group * q_len must be in [1, 64]")
         if self.kv_form not in ("single", "pair") or self.kv_layout not in ("HND", "NHD"):
             raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
+        if self.widen not in ("bits", "cvt") or self.tile not in (64, 128):
+            raise ValueError(f"bad widen/tile {self.widen}/{self.tile}")
 
     @property
     def n_pad(self) -> int:
@@ -684,18 +749,20 @@ class Sm90DecodeConfig(KernelConfig):
 SMEM_PER_SM = 227 * 1024  # usable per SM on H100/H200 (228 KB minus the 1 KB reserved per CTA)
 
 
-def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int) -> tuple[int, int]:
+def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE) -> tuple[int, int]:
     """(stages, CTAs per SM) for a decode variant.
 
     More resident CTAs hide the per-tile chain (ldmatrix -> widen -> WGMMA -> softmax) better
-    than deeper pipelines, as long as each CTA keeps >= 2-3 tiles in flight. Register budget:
-    ``occupancy`` CTAs of 160 threads must fit 64K registers, and the O^T accumulator alone is
-    ``head_dim * n_pad / 128`` registers per thread, so large D x N lowers the target.
+    than deeper pipelines, as long as the SM keeps enough KV bytes in flight. Registers: a
+    thread holds the O^T accumulator (``D * n / 128``), the S^T accumulator (``tile * n / 128``)
+    and, for FP8, the widened K fragments (``tile * D / 256``); ``occupancy`` CTAs of 160 threads
+    must fit 64K registers.
     """
-    stage = 2 * TILE * head_dim * kv_bytes
-    fixed = n_pad * head_dim * 2 + n_pad * TILE * 2 + MMA_WARPS * n_pad * 4 + 4 * 1024
-    acc_regs = head_dim * n_pad // 128
-    max_occ = 4 if acc_regs <= 16 else 3 if acc_regs <= 32 else 2 if acc_regs <= 64 else 1
+    stage = 2 * tile * head_dim * kv_bytes
+    fixed = n_pad * head_dim * 2 + n_pad * tile * 2 + MMA_WARPS * n_pad * 4 + 4 * 1024
+    regs = 40 + head_dim * n_pad // 128 + tile * n_pad // 128 + n_pad + (tile * head_dim // 256 if kv_bytes == 1 else 0)
+    regs = (regs + 7) // 8 * 8
+    max_occ = max(1, min(4, 65536 // (NUM_THREADS * regs)))
     for occ in range(max_occ, 0, -1):
         stages = min(8, (SMEM_PER_SM // occ - fixed) // stage)
         # >= ~96 KB of KV in flight per SM keeps HBM busy (measured: BF16 D=256 reaches the
@@ -703,3 +770,25 @@ def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int) -> tuple[int, int]:
         if stages >= 2 and occ * stages * stage >= 96 * 1024:
             return stages, occ
     return 2, 1
+
+
+DEFAULT_WIDEN = "cvt"  # chosen by measurement: profiling/NOTES.md "decode v3"
+
+
+def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int, page_size: int,
+                       split: bool, k_scale_tensor: bool = False, v_scale_tensor: bool = False,
+                       kv_form: str = "single", kv_layout: str = "HND", **override) -> Sm90DecodeConfig:
+    """The config the op uses for a problem: tuning (stages, occupancy, tile, widening) filled in
+    here, once, for the op, the warm-up and the compile matrix alike. ``override`` replaces any
+    tuning field (benchmarks compare variants with it)."""
+    tile = override.get("tile", TILE)
+    n_pad = max(8, (group * q_len + 7) // 8 * 8)
+    stages, occupancy = decode_tuning(1 if kv_dtype == "fp8_e4m3" else 2, head_dim, n_pad, tile)
+    fields = dict(
+        q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len, page_size=page_size,
+        stages=stages, split=split, k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
+        kv_form=kv_form, kv_layout=kv_layout, occupancy=occupancy, tile=tile,
+        widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits",
+    )
+    fields.update(override)
+    return Sm90DecodeConfig(**fields)

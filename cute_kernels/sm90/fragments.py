@@ -66,6 +66,38 @@ def widen_e4m3x4(x: Int32, target: str, *, loc=None, ip=None) -> tuple[Int32, In
 
 
 @dsl_user_op
+def cvt_e4m3x4_f16(x: Int32, pair_tokens: bool, *, loc=None, ip=None) -> tuple[Int32, Int32]:
+    """Four e4m3 bytes -> two exact f16x2 with ``cvt.rn.f16x2.e4m3x2`` (one SASS op per pair).
+
+    ``lo = (b0, b1)``, ``hi = (b2, b3)``; with ``pair_tokens`` (V^T from ``ldmatrix.trans``, whose
+    register holds a 2x2 token x dim block) the bytes are first permuted so that ``lo = (b0, b2)``
+    and ``hi = (b1, b3)`` pair the two tokens of one head dim.
+    """
+    src = "p" if pair_tokens else "$2"
+    prmt = "prmt.b32 p, $2, 0, 0x3120;\n\t" if pair_tokens else ""
+    asm = (
+        "{\n\t.reg .b32 p;\n\t.reg .b16 l, h;\n\t" + prmt
+        + f"mov.b32 {{l, h}}, {src};\n\t"
+        "cvt.rn.f16x2.e4m3x2 $0, l;\n\t"
+        "cvt.rn.f16x2.e4m3x2 $1, h;\n\t}"
+    )
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32(), T.i32()]),
+        [Int32(x).ir_value(loc=loc, ip=ip)],
+        asm,
+        "=r,=r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    lo = Int32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip))
+    hi = Int32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip))
+    return lo, hi
+
+
+@dsl_user_op
 def ldmatrix_x4(smem_addr: Int32, transpose: bool, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
     """``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``: lane l addresses row l % 8 of
     matrix l // 8; result register j holds this lane's part of matrix j."""
@@ -85,12 +117,15 @@ def ldmatrix_x4(smem_addr: Int32, transpose: bool, *, loc=None, ip=None) -> tupl
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [j], loc=loc, ip=ip)) for j in range(4))
 
 
-def q_permutation(k: int) -> int:
+def q_permutation(k: int, widen: str) -> int:
     """Physical column (within a 16-column block) that logical MMA column ``k`` reads.
 
     The A fragment of a k16 block holds logical columns (2t, 2t+1) and (2t+8, 2t+9) for lane
-    group t; widening the four bytes 4t..4t+3 of one ldmatrix register gives (b0, b2) and
-    (b1, b3), so: 2t <- 4t, 2t+1 <- 4t+2, 2t+8 <- 4t+1, 2t+9 <- 4t+3.
+    group t, fed from the four bytes 4t..4t+3 of one ldmatrix register:
+    - ``"bits"`` widening pairs (b0, b2) and (b1, b3): 2t <- 4t, 2t+1 <- 4t+2, 2t+8 <- 4t+1, 2t+9 <- 4t+3;
+    - ``"cvt"`` pairs (b0, b1) and (b2, b3): 2t <- 4t, 2t+1 <- 4t+1, 2t+8 <- 4t+2, 2t+9 <- 4t+3.
     """
-    t, r = (k % 8) // 2, k % 2
-    return 4 * t + (2 if r else 0) + (1 if k >= 8 else 0)
+    t, r, hi = (k % 8) // 2, k % 2, k >= 8
+    if widen == "bits":
+        return 4 * t + (2 if r else 0) + (1 if hi else 0)
+    return 4 * t + (2 if hi else 0) + r

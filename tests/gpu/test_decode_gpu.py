@@ -49,6 +49,16 @@ CASES = [
 ]
 
 
+# the non-default tunings stay correct too (benchmarks compare them)
+VARIANT_CASES = [
+    (FP8, BF16, 128, 32, 8, 16, 1, "HND", "single", 2),
+    (FP8, BF16, 64, 32, 2, 64, 4, "NHD", "single", 1),
+    (FP8, FP16, 128, 16, 4, 32, 2, "HND", "tuple", 1),
+    (BF16, BF16, 128, 32, 8, 16, 1, "HND", "single", 3),
+]
+VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128)]
+
+
 def _ids(c):
     kv, q, D, Hq, Hkv, page, ql, lay, cont, s = c
     return f"{str(kv)[6:]}-{str(q)[6:]}-d{D}-h{Hq}/{Hkv}-p{page}-q{ql}-{lay}-{cont}-s{s}"
@@ -76,6 +86,12 @@ def _precompile():
         configs += decode_variants(head_dim=D, num_q_heads=Hq, num_kv_heads=Hkv, page_size=page,
                                    kv_dtypes=(names[kv],), q_dtype=names[q], q_lens=(ql,), scale_tensors=(False,),
                                    kv_layouts=(layout,), kv_forms=("pair" if container == "tuple" else "single",))
+    for kv, q, D, Hq, Hkv, page, ql, layout, container, _ in VARIANT_CASES:
+        for override in VARIANTS:
+            configs += decode_variants(head_dim=D, num_q_heads=Hq, num_kv_heads=Hkv, page_size=page,
+                                       kv_dtypes=(names[kv],), q_dtype=names[q], q_lens=(ql,), scale_tensors=(False,),
+                                       kv_layouts=(layout,), kv_forms=("pair" if container == "tuple" else "single",),
+                                       **override)
     precompile(configs, "sm_90a", progress=False)
 
 
@@ -109,6 +125,30 @@ def test_decode_matches_reference(case, gen):
     _check(c, out, lse)
     # request 0 is empty: exact zeros and -inf
     assert (out[:q_len] == 0).all() and torch.isneginf(lse[:q_len]).all()
+
+
+@pytest.mark.parametrize("override", VARIANTS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=[_ids(c) for c in VARIANT_CASES])
+def test_decode_tuning_variants(case, override, gen):
+    from cute_kernels.ops.paged_decode import tuning_override
+
+    kv, q, D, Hq, Hkv, page, q_len, layout, container, splits = case
+    c = make_paged_decode_case(batch=5, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=page,
+                               seq_lens=_lens(gen, 5, page), kv_dtype=kv, q_dtype=q, q_len=q_len,
+                               kv_layout=layout, container=container, generator=gen)
+    with tuning_override(**override):
+        out, lse = _run(c, splits)
+    _check(c, out, lse)
+
+
+@pytest.mark.parametrize("magnitude", [3e4, 1e-4])
+def test_extreme_query_magnitudes(magnitude, gen):
+    """A BF16 query far outside fp16's comfortable range: the fp16 MMA path rescales it."""
+    c = make_paged_decode_case(batch=3, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                               seq_lens=[500, 64, 1000], generator=gen)
+    c.q = (c.q.float() * magnitude / 128).to(BF16)  # logits ~ magnitude-sized: a peaked softmax
+    out, lse = _run(c, 1)
+    _check(c, out, lse)
 
 
 def test_fused_qkv_view_and_scale_tensors(gen):
