@@ -323,14 +323,14 @@ class Sm90PagedDecode:
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
-    def load_q_chunk(self, mQ, idx, batch_idx, kv_head):
+    def load_q_chunk(self, mQ, idx, batch_idx, kv_head, work):
         """16 consecutive Q elements (row n, 16-column chunk c) of work item ``idx`` as fp32;
-        zeros for padding rows."""
+        zeros for padding rows and for ``idx >= work``."""
         chunks = self.D // 16
         n = idx // chunks
         vals = cute.make_rmem_tensor((16,), Float32)
         vals.fill(0.0)
-        if n < self.rows:
+        if n < self.rows and idx < work:
             token = batch_idx * self.q_len + n // self.G
             head = kv_head * self.G + n % self.G
             vals.store(cute.local_tile(mQ[token, head, None], (16,), (idx % chunks,)).load().to(Float32))
@@ -346,16 +346,21 @@ class Sm90PagedDecode:
         work = N * chunks
         iters = (work + MMA_WARPS * 32 - 1) // (MMA_WARPS * 32)
         q_log2 = Float32(self.q_pre)
+        # Q stays in registers between the max and the store when it is small (the usual case:
+        # one 16-element chunk per thread); larger groups are simply loaded twice.
+        keep = iters <= 2
+        held = []
         if const_expr(self.dynamic_q_scale):
             # BF16 -> FP16: scale by 2^(14 - e), e = exponent of max|q|, so that the largest
-            # element lands in [2^14, 2^15) and nothing overflows fp16; the scale is exact.
+            # element lands near [2^14, 2^15) and nothing overflows fp16; the scale is exact.
             amax = Float32(0.0)
             for it in cutlass.range_constexpr(iters):
                 idx = it * MMA_WARPS * 32 + tidx
-                if idx < work:
-                    vals = self.load_q_chunk(mQ, idx, batch_idx, kv_head)
-                    for k in cutlass.range_constexpr(16):
-                        amax = cute.arch.fmax(amax, cute.arch.fmax(vals[k], -vals[k]))
+                vals = self.load_q_chunk(mQ, idx, batch_idx, kv_head, work)
+                if const_expr(keep):
+                    held.append(vals)
+                for k in cutlass.range_constexpr(16):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(vals[k], -vals[k]))
             for off in (1, 2, 4, 8, 16):
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, off))
             if lane == 0:
@@ -372,8 +377,9 @@ class Sm90PagedDecode:
         scale = cute.math.exp2(q_log2, fastmath=False)
         for it in cutlass.range_constexpr(iters):
             idx = it * MMA_WARPS * 32 + tidx
+            vals = held[it] if const_expr(keep and self.dynamic_q_scale) else self.load_q_chunk(
+                mQ, idx, batch_idx, kv_head, work)
             if idx < work:
-                vals = self.load_q_chunk(mQ, idx, batch_idx, kv_head)
                 n = idx // chunks
                 c = idx % chunks
                 for k in cutlass.range_constexpr(16):
@@ -498,6 +504,9 @@ class Sm90PagedDecode:
             pipe_v.consumer_wait(state_v)
             if const_expr(self.fp8):
                 self.load_v_fragments(tOrV, v_base, v_layout, state_v.index, warp, lane)
+                if const_expr(self.cvt):
+                    if masked:
+                        self.zero_v_fragment_tail(tOrV, seq_len - tile * self.tile, lane)
             else:
                 if masked:
                     self.zero_v_tail(sV, state_v.index, seq_len - tile * self.tile, tidx)
@@ -639,6 +648,25 @@ class Sm90PagedDecode:
                     base = (kb * m_tiles + mt) * 4
                     regs[base + 2 * (j % 2)] = lo
                     regs[base + 2 * (j % 2) + 1] = hi
+
+    @cute.jit
+    def zero_v_fragment_tail(self, tOrV, valid, lane):
+        """FP8 via cvt: stale bytes past the sequence end may be e4m3 NaN codes, which the exact
+        conversion keeps as NaN (P = 0 would not cancel them). Zero the widened V^T values of
+        tokens >= valid; a register holds tokens (2t, 2t + 1) of one head dim."""
+        regs = cute.recast_tensor(tOrV, Int32)
+        m_tiles = self.D // 64
+        t2 = (lane % 4) * 2
+        for kb in cutlass.range_constexpr(self.tile // 16):
+            for half in cutlass.range_constexpr(2):
+                tok = kb * 16 + half * 8 + t2
+                keep_lo = Int32(0xFFFF) if tok < valid else Int32(0)
+                keep_hi = Int32(-65536) if tok + 1 < valid else Int32(0)  # 0xFFFF0000
+                keep = keep_lo | keep_hi
+                for mt in cutlass.range_constexpr(m_tiles):
+                    base = (kb * m_tiles + mt) * 4 + 2 * half
+                    regs[base] = regs[base] & keep
+                    regs[base + 1] = regs[base + 1] & keep
 
     @cute.jit
     def zero_v_tail(self, sV, stage, valid, tidx):
