@@ -143,7 +143,8 @@ PEERS = {"xqa": peer_xqa, "fi": peer_fi, "fa4": peer_fa4, "sdpa": peer_sdpa}
 
 # our tuning variants (cute_kernels.ops.paged_decode.tuning_override); "ours" is the default
 VARIANTS = {"bits": dict(widen="bits"), "cvt": dict(widen="cvt"), "t128": dict(tile=128),
-            "bits128": dict(widen="bits", tile=128)}
+            "bits128": dict(widen="bits", tile=128), "occ3": dict(occupancy=3), "occ4": dict(occupancy=4),
+            "occ5": dict(occupancy=5), "occ6": dict(occupancy=6), "t128occ4": dict(tile=128, occupancy=4)}
 
 
 def variant(name):

@@ -777,8 +777,9 @@ class Sm90DecodeConfig(KernelConfig):
 SMEM_PER_SM = 227 * 1024  # usable per SM on H100/H200 (228 KB minus the 1 KB reserved per CTA)
 
 
-def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE) -> tuple[int, int]:
-    """(stages, CTAs per SM) for a decode variant.
+def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE,
+                  occupancy: int | None = None) -> tuple[int, int]:
+    """(stages, CTAs per SM) for a decode variant (``occupancy`` forces the CTA count).
 
     More resident CTAs hide the per-tile chain (ldmatrix -> widen -> WGMMA -> softmax) better
     than deeper pipelines, as long as the SM keeps enough KV bytes in flight. Registers: a
@@ -788,6 +789,8 @@ def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE) ->
     """
     stage = 2 * tile * head_dim * kv_bytes
     fixed = n_pad * head_dim * 2 + n_pad * tile * 2 + MMA_WARPS * n_pad * 4 + 4 * 1024
+    if occupancy is not None:
+        return max(2, min(8, (SMEM_PER_SM // occupancy - fixed) // stage)), occupancy
     regs = 40 + head_dim * n_pad // 128 + tile * n_pad // 128 + n_pad + (tile * head_dim // 256 if kv_bytes == 1 else 0)
     regs = (regs + 7) // 8 * 8
     max_occ = max(1, min(4, 65536 // (NUM_THREADS * regs)))
@@ -811,7 +814,8 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
     tuning field (benchmarks compare variants with it)."""
     tile = override.get("tile", TILE)
     n_pad = max(8, (group * q_len + 7) // 8 * 8)
-    stages, occupancy = decode_tuning(1 if kv_dtype == "fp8_e4m3" else 2, head_dim, n_pad, tile)
+    stages, occupancy = decode_tuning(1 if kv_dtype == "fp8_e4m3" else 2, head_dim, n_pad, tile,
+                                      override.get("occupancy"))
     fields = dict(
         q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len, page_size=page_size,
         stages=stages, split=split, k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
