@@ -189,7 +189,7 @@ def run(peers=("xqa", "fi", "fa4", "sdpa"), kv_dtypes=("fp8", "bf16"), shapes=No
 
             makers = {p: (VARIANTS and variant(p)) if p in VARIANTS else PEERS[p] for p in peers}
             entries = [("ours", lambda: (ours, out))] + [(p, (lambda p=p: makers[p](case, sm_scale, q_len)))
-                                                         for p in peers if not (p in VARIANTS and kvn != "fp8")]
+                                                         for p in peers]
             for pname, make in entries:
                 try:
                     fn, o = make()

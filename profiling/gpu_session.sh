@@ -19,6 +19,9 @@ for step in "$@"; do
     merge) python3 -m profiling.bench_merge --json "$OUT/merge.json" ;;
     decode) python3 -m profiling.bench_decode --peers fa4,sdpa --json "$OUT/decode.json" --png "$OUT/decode.png" ;;
     peers) python3 -m profiling.bench_decode --json "$OUT/decode_peers.json" --png "$OUT/decode_peers.png" ;;
+    variants) python3 -m profiling.bench_decode --kv fp8 --peers bits,t128,bits128 --json "$OUT/variants.json" ;;
+    occupancy) python3 -m profiling.bench_decode --kv fp8,bf16 --peers occ3,occ4,occ5,t128occ4 --quick --json "$OUT/occupancy.json" ;;
+    latency) python3 -m profiling.bench_latency --json "$OUT/latency.json" ;;
     sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m profiling.sanitize 2>&1 | tail -15 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -1,0 +1,53 @@
+"""Small-batch latency study for paged decode (Llama-3.1-8B shape, B=1, ctx 1000, FP8/BF16):
+graph-replay time for each forced split count and tuning variant, and the eager time of a call.
+
+Used to choose the split heuristic and tile for latency-bound shapes (profiling/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import cute_kernels
+from cute_kernels.ops.paged_decode import tuning_override
+from cute_kernels.testing import make_paged_decode_case
+
+from .bench_utils import time_eager, time_graph
+
+
+def run(out_json=None):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(0)
+    rows = []
+    for kv in (torch.float8_e4m3fn, torch.bfloat16):
+        case = make_paged_decode_case(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                                      seq_lens=1000, kv_dtype=kv, generator=g, poison_tail=False)
+        out = torch.empty_like(case.q)
+        for name, ov in (("t64", {}), ("t128", dict(tile=128))):
+            for splits in (None, 1, 2, 4, 8, 16):
+                with tuning_override(**ov):
+                    def fn():
+                        return cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens,
+                                                         out=out, num_splits=splits, **case.kwargs())
+                    t = time_graph(fn, reps=50)
+                    e = time_eager(fn, reps=50)
+                rows.append(dict(kv=str(kv)[6:], tile=name, splits=splits or "auto", graph_us=t * 1e6, eager_us=e * 1e6))
+                print(f"{rows[-1]['kv']:<14} {name:<5} splits={str(rows[-1]['splits']):<5} graph {t*1e6:6.2f} us  eager {e*1e6:6.2f} us",
+                      flush=True)
+    if out_json:
+        json.dump(rows, open(out_json, "w"), indent=1)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="cute-kernels bench latency")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    run(a.json)
+
+
+if __name__ == "__main__":
+    main()
