@@ -13,6 +13,10 @@ __version__ = "0.1.0"
 _OPS = {
     "merge_states": "cute_kernels.ops.merge_states",
     "paged_decode": "cute_kernels.ops.paged_decode",
+    "qsa_sparse_attention": "cute_kernels.ops.qsa_sparse_attention",
+    "qsa_warmup": "cute_kernels.qsa_warmup",
+    "quantize_query": "cute_kernels.ops.quantize_query",
+    "write_kv_cache": "cute_kernels.ops.write_kv_cache",
     "warmup": "cute_kernels.warmup",
 }
 

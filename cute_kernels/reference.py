@@ -237,14 +237,51 @@ def quantize_fp8(x: torch.Tensor, scale) -> torch.Tensor:
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def quantize_query(q: torch.Tensor, q_scale) -> torch.Tensor:
+def rope_neox(q: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """NeoX-style rotary embedding of ``q [T, Hq, D]``, returned in fp32.
+
+    ``cos_sin_cache [max_pos, rot_dim]`` (vLLM's layout) holds ``cos`` in its first ``rot_dim / 2``
+    columns and ``sin`` in the rest; ``positions`` int ``[T]``. With ``half = rot_dim / 2``, for
+    ``i < half``: ``o_i = x_i cos_i - x_{i+half} sin_i`` and ``o_{i+half} = x_{i+half} cos_i +
+    x_i sin_i``, computed in fp32 from the fp32 values of q and of the cache, every product and
+    sum rounded to fp32 separately (no fused multiply-add). Dims ``>= rot_dim`` pass through. A
+    position outside ``[0, max_pos)`` makes that token's rotated dims NaN (kernels never read
+    out of bounds).
+    """
+    T, Hq, D = q.shape
+    if cos_sin_cache.dim() != 2:
+        raise ValueError(f"cos_sin_cache must be [max_pos, rot_dim], got {tuple(cos_sin_cache.shape)}")
+    max_pos, rot = cos_sin_cache.shape
+    if rot < 2 or rot % 2 or rot > D:
+        raise ValueError(f"rot_dim must be even and in [2, head_dim {D}], got {rot}")
+    if positions.shape != (T,):
+        raise ValueError(f"positions must be [T={T}], got {tuple(positions.shape)}")
+    half = rot // 2
+    pos = positions.long()
+    valid = (pos >= 0) & (pos < max_pos)
+    nan = torch.full((), float("nan"), device=q.device)
+    if max_pos == 0:
+        cs = nan.expand(T, rot)
+    else:
+        cs = torch.where(valid.view(T, 1), cos_sin_cache[pos.clamp(0, max_pos - 1)].float(), nan)  # [T, rot]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x = q.float()
+    x1, x2 = x[..., :half], x[..., half:rot]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], dim=-1)
+
+
+def quantize_query(q: torch.Tensor, q_scale, *, rope=None) -> torch.Tensor:
     """Quantize a bf16/fp16 query ``[T, Hq, D]`` (any strides) to float8_e4m3fn.
 
     ``q_scale``: a float or 1-element fp32 tensor (per tensor), or an fp32 ``[Hkv]`` tensor (per
-    KV head: query head h uses ``q_scale[h // (Hq // Hkv)]``).
+    KV head: query head h uses ``q_scale[h // (Hq // Hkv)]``). ``rope``: optional
+    ``(cos_sin_cache, positions)``; the query is first rotated in fp32 by :func:`rope_neox`, then
+    quantized (the rotated fp32 values are divided by the scale, never rounded to q's dtype).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
+    if rope is not None:
+        q = rope_neox(q, *rope)
     if isinstance(q_scale, torch.Tensor) and q_scale.numel() > 1:
         Hq = q.shape[1]
         if q_scale.dim() != 1 or Hq % q_scale.numel():
@@ -283,3 +320,148 @@ def write_kv_cache(
         y = _div_fp32(x[idx], sc)
         y = y.clamp(-FP8_MAX, FP8_MAX).to(FP8) if cache.dtype == FP8 else y.to(cache.dtype)
         cache[pg, :, off] = y
+
+
+# ----------------------------------------------------------------------------------------------
+# QSA sparse GQA attention (top-k selected tokens per query row)
+# ----------------------------------------------------------------------------------------------
+
+
+def qsa_valid_entries(packed_indices: torch.Tensor, block_table: torch.Tensor, token_to_req: torch.Tensor,
+                      page_size: int, num_blocks: int):
+    """Per entry of a packed QSA index buffer: ``(valid, phys, offset)``, each ``[rows, TOPK]``.
+
+    Column ``j`` of row ``r`` is *visited* iff ``j < clamp(valid_count, 0, TOPK)`` (``valid_count``
+    = the last column). A visited entry holding token ``t`` is *valid* iff the row's request
+    ``token_to_req[r]`` is in ``[0, num_reqs)``, ``t >= 0``, its page ``t // page_size`` is below the
+    block-table width and the physical page ``block_table[req, t // page_size]`` is in
+    ``[0, num_blocks)``. ``phys``/``offset`` are clamped into range for invalid entries (never
+    meaningful there).
+    """
+    rows, width = packed_indices.shape
+    topk = width - 1
+    dev = packed_indices.device
+    vc = packed_indices[:, topk].long().clamp(0, topk)
+    t = packed_indices[:, :topk].long()
+    visited = torch.arange(topk, device=dev).view(1, topk) < vc.view(rows, 1)
+    num_reqs, table_width = block_table.shape
+    req = token_to_req.long().view(rows, 1)
+    page = torch.div(t.clamp_min(0), page_size, rounding_mode="floor")
+    offset = t.clamp_min(0) - page * page_size
+    valid = visited & (t >= 0) & (req >= 0) & (req < num_reqs) & (page < table_width)
+    if num_reqs == 0 or table_width == 0:
+        phys = torch.zeros_like(t)
+        valid = torch.zeros_like(valid)
+    else:
+        phys = block_table[req.clamp(0, num_reqs - 1), page.clamp(max=table_width - 1)].long()
+        valid &= (phys >= 0) & (phys < num_blocks)
+    phys = torch.where(valid, phys, torch.zeros_like(phys))
+    offset = torch.where(valid, offset, torch.zeros_like(offset))
+    return valid, phys, offset
+
+
+def qsa_sparse_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    packed_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    token_to_req: torch.Tensor,
+    *,
+    prefill: bool = False,
+    k_scale=1.0,
+    v_scale=1.0,
+    out: torch.Tensor | None = None,
+    output_gate: torch.Tensor | None = None,
+    return_lse: bool = False,
+    float64: bool = False,
+):
+    """QSA sparse GQA attention: each query row attends to the KV tokens its indexer selected.
+
+    Args:
+        q: ``[rows, Hq, D]`` bf16/fp16. Query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+        k_cache, v_cache: ``[num_blocks, PAGE, Hkv, D]`` bf16/fp16/float8_e4m3fn, any strides (in
+            production the two halves of one ``[num_blocks, Hkv, PAGE, 2 D]`` buffer, transposed).
+            ``PAGE`` need not be a power of two.
+        packed_indices: int32 ``[rows, TOPK + 1]``: columns ``[0, TOPK)`` hold request-relative
+            token positions (``-1`` = padding, also allowed inside the counted prefix); column
+            ``TOPK`` holds ``valid_count``, the number of leading columns to visit (clamped to
+            ``[0, TOPK]``; it is never a token).
+        block_table: int32 ``[num_reqs, W]``: token ``t`` of row ``r`` lives at page
+            ``block_table[token_to_req[r], t // PAGE]``, offset ``t % PAGE``.
+        token_to_req: int32 ``[rows]``, the request of each row.
+        prefill: which kernel configuration profile serves the call; no effect on the result.
+        k_scale, v_scale: dequantization scales (floats), ``k = stored * k_scale``.
+        out: optional ``[rows, Hq, D]`` output (q's dtype), written in place.
+        output_gate: optional, q's shape: ``out = round(attn) * sigmoid(gate)``, the sigmoid and
+            the product in fp32, rounded to q's dtype.
+        return_lse: also return the base-2 LSE ``[rows, Hq]`` fp32 of the scaled logits (before
+            the gate; ``-inf`` for rows without a valid entry).
+        float64: accumulate in float64 instead of float32.
+
+    Semantics. Every visited entry is independent (a token listed twice counts twice). An
+    invalid entry (negative token, request out of range, page beyond the table width, physical
+    page outside ``[0, num_blocks)``) contributes nothing and is never read. ``logits =
+    (q . k) * D**-0.5 * k_scale``, ``attn = softmax(logits) . v * v_scale`` over the valid entries;
+    a row with none gives 0 (never NaN).
+
+    Returns:
+        ``out`` (q's dtype), and the LSE with ``return_lse``.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [rows, Hq, D], got shape {tuple(q.shape)}")
+    rows, Hq, D = q.shape
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache/v_cache must be 4-D [num_blocks, PAGE, Hkv, D] of one shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    NB, page, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"head dim mismatch: q has {D}, k_cache has {Dk}")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"num q heads {Hq} must be a multiple of num kv heads {Hkv}")
+    if packed_indices.dim() != 2 or packed_indices.shape[0] != rows or packed_indices.shape[1] < 2:
+        raise ValueError(f"packed_indices must be [rows={rows}, TOPK + 1 >= 2], got {tuple(packed_indices.shape)}")
+    if token_to_req.shape != (rows,):
+        raise ValueError(f"token_to_req must be [rows={rows}], got {tuple(token_to_req.shape)}")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table must be [num_reqs, W], got {tuple(block_table.shape)}")
+    if output_gate is not None and output_gate.shape != q.shape:
+        raise ValueError(f"output_gate must have q's shape {tuple(q.shape)}, got {tuple(output_gate.shape)}")
+    acc = torch.float64 if float64 else torch.float32
+    G = Hq // Hkv
+    ks = scale_value(k_scale, "k_scale")
+    vs = scale_value(v_scale, "v_scale")
+    scale = D ** -0.5
+    valid, phys, offset = qsa_valid_entries(packed_indices, block_table, token_to_req, page, NB)
+    res = torch.zeros((rows, Hq, D), dtype=acc, device=q.device)
+    lse = torch.full((rows, Hq), float("-inf"), dtype=acc, device=q.device)
+    topk = valid.shape[1]
+    # rows in chunks of ~256 MB of gathered K (or V) in the accumulation dtype
+    chunk = max(1, (1 << 28) // max(1, topk * Hkv * D * (8 if float64 else 4)))
+    zero = torch.zeros((), dtype=acc, device=q.device)
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        ok = valid[r0:r1]
+        n = int(ok.nonzero()[:, 1].max().item()) + 1 if bool(ok.any()) else 0
+        if n == 0:
+            continue
+        ok, pg, off = ok[:, :n], phys[r0:r1, :n], offset[r0:r1, :n]
+        # select, not multiply: an unused slot may hold NaN and 0 * NaN is NaN
+        k = torch.where(ok[..., None, None], k_cache[pg, off].to(acc), zero) * ks  # [c, n, Hkv, D]
+        v = torch.where(ok[..., None, None], v_cache[pg, off].to(acc), zero) * vs
+        qq = q[r0:r1].to(acc).view(r1 - r0, Hkv, G, D)
+        logits = torch.einsum("chgd,cnhd->chgn", qq, k) * scale
+        logits = logits.masked_fill(~ok.view(r1 - r0, 1, 1, n), float("-inf"))
+        row_lse = torch.logsumexp(logits, dim=-1)  # [c, Hkv, G]
+        has = ok.any(dim=1).view(r1 - r0, 1, 1)
+        p = torch.where(has[..., None], torch.exp(logits - torch.where(has, row_lse, zero)[..., None]), zero)
+        o = torch.einsum("chgn,cnhd->chgd", p, v)
+        res[r0:r1] = o.reshape(r1 - r0, Hq, D)
+        lse[r0:r1] = torch.where(has, row_lse / _LN2, torch.full_like(row_lse, float("-inf"))).reshape(r1 - r0, Hq)
+    result = res.to(q.dtype)
+    if output_gate is not None:
+        result = (result.float() * torch.sigmoid(output_gate.float())).to(q.dtype)
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return (result, lse.float()) if return_lse else result

@@ -28,6 +28,27 @@ def variants() -> list[KernelConfig]:
     ]
     out += [Sm90ProbeConfig(), Sm100ProbeConfig()]
     out += decode_matrix()
+    out += qsa_matrix()
+
+    # layer glue: query quantization (per-tensor / per-KV-head scales, full and partial RoPE with
+    # both cache dtypes) and KV-cache writes (FP8 and 16-bit caches, both layouts and containers)
+    from .common.kv_write import WriteKVCacheConfig
+    from .common.quantize import QuantizeQueryConfig
+
+    out += [
+        QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=16),
+        QuantizeQueryConfig(q_dtype="fp16", head_dim=128, vec=16, scale_tensor=True),
+        QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=16, scale_tensor=True, rot_dim=128),
+        QuantizeQueryConfig(q_dtype="bf16", head_dim=64, vec=16, rot_dim=32, cos_sin_dtype="bf16",
+                            pos_dtype="int32"),
+        WriteKVCacheConfig(in_dtype="bf16", cache_dtype="fp8_e4m3", head_dim=128, vec=16),
+        WriteKVCacheConfig(in_dtype="bf16", cache_dtype="fp8_e4m3", head_dim=128, vec=16, slot_dtype="int32",
+                           kv_form="pair", kv_layout="NHD", k_scale_tensor=True, v_scale_tensor=True),
+        WriteKVCacheConfig(in_dtype="bf16", cache_dtype="bf16", head_dim=128, vec=16),
+        WriteKVCacheConfig(in_dtype="fp16", cache_dtype="fp16", head_dim=256, page_size=32, vec=16,
+                           slot_dtype="int32", kv_layout="NHD"),
+        WriteKVCacheConfig(in_dtype="bf16", cache_dtype="fp8_e4m3", head_dim=64, vec=16, slot_dtype="int32"),
+    ]
     return out
 
 
@@ -44,6 +65,26 @@ def decode_matrix() -> list[KernelConfig]:
     # the alternative FP8 widening, kept compiling and tested
     out.append(make_decode_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1,
                                   page_size=16, split=False, widen="bits"))
+    return out
+
+
+def qsa_matrix() -> list[KernelConfig]:
+    """SM90 QSA: the Qwen3.8 layer (D 256, GQA 12 and 6, page 1568/784) in BF16 and FP8, direct
+    (gated) and split-K, plus the fused merges; D 64/128 and GQA 16/1 once each."""
+    from .sm90.qsa import make_qsa_config
+    from .sm90.qsa_merge import QsaMergeConfig
+
+    out: list[KernelConfig] = []
+    for kv in ("bf16", "fp8_e4m3"):
+        for group, page in ((12, 1568), (6, 784)):
+            for split in (False, True):
+                out.append(make_qsa_config(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=group, page_size=page,
+                                           split=split, gate=not split))
+    out.append(make_qsa_config(q_dtype="fp16", kv_dtype="fp16", head_dim=128, group=16, page_size=800, split=True,
+                               gate=False))
+    out.append(make_qsa_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=64, group=1, page_size=16,
+                               split=False, gate=False))
+    out += [QsaMergeConfig(out_dtype="bf16", head_dim=256, vec=4, gate=g, pdl=True) for g in (True, False)]
     return out
 
 

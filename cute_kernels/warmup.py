@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from itertools import product
 
-from .common.merge import MergeStatesConfig
 from .jit.compiler import KernelConfig, normalize_target
 from .jit.parallel import precompile
 from .sm90.decode import make_decode_config
@@ -30,7 +29,7 @@ def decode_variants(
     kv_forms=("single",),
     **override,
 ) -> list[KernelConfig]:
-    """Every SM90 decode config (split and not) plus the merge that a model shape can reach.
+    """Every SM90 decode config (split and not) that a model shape can reach.
 
     ``kv_forms``: ``"single"`` for one ``[P, 2, ...]`` cache tensor, ``"pair"`` for a (K, V) tuple.
     """
@@ -43,7 +42,6 @@ def decode_variants(
             q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, q_len=q_len, page_size=page_size,
             split=split, k_scale_tensor=st, v_scale_tensor=st, kv_form=form, kv_layout=layout, **override,
         ))
-    out.append(MergeStatesConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4, pdl=True))
     return out
 
 

@@ -20,7 +20,6 @@ import torch
 
 from .. import reference
 from .._nvtx import ENABLED as _NVTX, op_range
-from ..common.merge import MergeStatesConfig
 from ..jit.compiler import get_kernel
 from ..sm90.decode import make_decode_config
 from ._torch import check_tensor, compile_target, device_sm_count, dtype_name
@@ -37,7 +36,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     """Split count from shapes only (the block-table width bounds the context; no data read).
 
     Cost model in units of one CTA-tile: ``ceil(CTAs / slots) * (tiles per split + 2)``, plus one
-    unit for the merge when splitting. Whole waves matter: 416 CTAs on 396 slots run as two
+    unit for the (fused) merge when splitting. Whole waves matter: 416 CTAs on 396 slots run as two
     waves (measured: 63 % of roofline for Qwen3 B=8 ctx 32000 with 13 splits).
     """
     items = batch * num_kv_heads
@@ -73,6 +72,27 @@ class _Workspace:
 _workspace = _Workspace()
 
 
+class _Counters:
+    """Per-device int32 arrival counters of the fused split merge, zero between launches (the
+    last CTA of each (request, KV head) resets its counter); grows, never shrinks."""
+
+    def __init__(self):
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, numel: int) -> torch.Tensor:
+        buf = self.buffers.get(device)
+        if buf is None or buf.numel() < numel:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("paged_decode needs more split-KV counters while a CUDA graph is being captured; "
+                                   "run one eager call with the largest batch first")
+            buf = torch.zeros(max(numel, 4096), dtype=torch.int32, device=device)
+            self.buffers[device] = buf
+        return buf
+
+
+_counters = _Counters()
+
+
 @dataclass
 class _Launch:
     """Everything a call needs that depends only on its key (shapes, strides, dtypes...)."""
@@ -84,7 +104,7 @@ class _Launch:
     part_o: torch.Tensor | None
     part_lse: torch.Tensor | None
     scratch_lse: torch.Tensor | None
-    merge_fn: object
+    counters: torch.Tensor | None
     out_shape: tuple
     splits: int
     reference: bool = False
@@ -196,8 +216,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(B,), device=device)
     if T != B * q_len:
         raise ValueError(f"q has {T} rows; expected batch {B} x q_len_per_req {q_len}")
-    if out is not None:  # 8-byte alignment: the split-KV merge stores 4 elements at a time
-        check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=device, align_bytes=8)
+    if out is not None:
+        check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=device)
 
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
@@ -217,7 +237,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     config = config_for(split)
     target = compile_target(device)
     fn = get_kernel(config, target)
-    part_o = part_lse = scratch = merge_fn = None
+    part_o = part_lse = scratch = counters = None
     lse_numel = T * Hq
     part_numel = num_splits * T * Hq * D if split else 0
     plse_numel = num_splits * lse_numel if split else 0
@@ -225,12 +245,12 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     if split:
         part_o = ws[:part_numel].view(num_splits, T, Hq, D)
         part_lse = ws[part_numel:part_numel + plse_numel].view(num_splits, T, Hq)
-        merge_fn = get_kernel(MergeStatesConfig(out_dtype=dtype_name(q.dtype), head_dim=D, vec=4, pdl=True), target)
+        counters = _counters.get(device, B * Hkv)
     if not return_lse:
         base = part_numel + plse_numel
         scratch = ws[base:base + lse_numel].view(T, Hq)
     order = tuple(a.name for a in config.signature())
-    return _Launch(fn, order, scale, split, part_o, part_lse, scratch, merge_fn, (T, Hq, D), num_splits)
+    return _Launch(fn, order, scale, split, part_o, part_lse, scratch, counters, (T, Hq, D), num_splits)
 
 
 def paged_decode(
@@ -294,14 +314,14 @@ def paged_decode(
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
     with op_range("paged_decode", q=q, kv_cache=k, block_table=block_table) if _NVTX else _NULL:
         if launch.out_shape[0]:
+            split = launch.split
             values = {
                 "q": q, "k_cache": k, "v_cache": v, "block_table": block_table, "seq_lens": seq_lens,
-                "out": launch.part_o if launch.split else out, "lse": launch.part_lse if launch.split else lse,
+                "out": out, "lse": lse, "part_out": launch.part_o if split else out,
+                "part_lse": launch.part_lse if split else lse, "counters": launch.counters if split else seq_lens,
                 "k_scale": k_scale, "v_scale": v_scale, "sm_scale": launch.sm_scale,
             }
             launch.fn(*[values[name] for name in launch.order])
-            if launch.split:
-                launch.merge_fn(launch.part_o, launch.part_lse, out, lse)
     return (out, lse) if return_lse else out
 
 

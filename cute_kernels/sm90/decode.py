@@ -100,8 +100,11 @@ class Sm90PagedDecode:
         mVc: cute.Tensor,
         mBlockTable: cute.Tensor,  # [B, max_pages] int32
         mSeqLens: cute.Tensor,  # [B] int32
-        mO: cute.Tensor,  # [T, Hq, D] or split: [S, T, Hq, D] fp32
-        mLse: cute.Tensor,  # [T, Hq] or split: [S, T, Hq]
+        mO: cute.Tensor,  # [T, Hq, D] in the query's dtype
+        mLse: cute.Tensor,  # [T, Hq] fp32
+        mPartO: cute.Tensor,  # split: [S, T, Hq, D] fp32 partials (else: mO again, unused)
+        mPartLse: cute.Tensor,  # split: [S, T, Hq] (else: mLse again, unused)
+        mCounter: cute.Tensor,  # split: int32 [>= B * Hkv] arrival counters, zero between launches
         k_scale,  # Float32 or [1] fp32 tensor
         v_scale,
         sm_scale: Float32,
@@ -163,18 +166,19 @@ class Sm90PagedDecode:
             k_bar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
             v_bar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
             red: cute.struct.MemRange[Float32, MMA_WARPS * cfg.n_pad]
+            flag: cute.struct.MemRange[Int32, 4]
             sK: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(k_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(v_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(q_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(p_layout)], 1024]
 
         self.storage = Storage
-        num_splits = mO.shape[0] if const_expr(cfg.split) else 1
+        num_splits = mPartO.shape[0] if const_expr(cfg.split) else 1
         num_kv_heads = mK4.shape[head]
         batch = mBlockTable.shape[0]
         self.kernel(
-            mQ, tma_k, tma_tK, tma_v, tma_tV, mK4.shape[0], mBlockTable, mSeqLens, mO, mLse,
-            k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
+            mQ, tma_k, tma_tK, tma_v, tma_tV, mK4.shape[0], mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse,
+            mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
         ).launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream,
                  min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100)
 
@@ -195,6 +199,9 @@ class Sm90PagedDecode:
         mSeqLens: cute.Tensor,
         mO: cute.Tensor,
         mLse: cute.Tensor,
+        mPartO: cute.Tensor,
+        mPartLse: cute.Tensor,
+        mCounter: cute.Tensor,
         k_scale,
         v_scale,
         sm_scale: Float32,
@@ -213,9 +220,6 @@ class Sm90PagedDecode:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
 
-        if const_expr(cfg.split):
-            # let the merge kernel (programmatic dependent launch) get scheduled behind us
-            cute.arch.griddepcontrol_launch_dependents()
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
@@ -252,9 +256,11 @@ class Sm90PagedDecode:
         else:
             k_base = storage.sK.data_ptr().toint()
             v_base = storage.sV.data_ptr().toint()
+            sFlag = storage.flag.get_tensor(cute.make_layout(4))
+            merge = (mPartO, mPartLse, mCounter, sFlag, num_splits)
             self.consume(mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                          qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                         seq_len, tile_begin, tile_end, tidx, warp, lane)
+                         seq_len, tile_begin, tile_end, tidx, warp, lane, merge)
 
     # ------------------------------------------------------------------------------------------
 
@@ -390,8 +396,9 @@ class Sm90PagedDecode:
     @cute.jit
     def consume(self, mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                 qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                seq_len, tile_begin, tile_end, tidx, warp, lane):
+                seq_len, tile_begin, tile_end, tidx, warp, lane, merge):
         cfg = self.cfg
+        mPartO, mPartLse, mCounter, sFlag, num_splits = merge
         D, N, G = self.D, self.N, self.G
         q_log2 = self.stage_q(mQ, sQ, sRed, batch_idx, kv_head, tidx, warp, lane)
         cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
@@ -550,7 +557,7 @@ class Sm90PagedDecode:
                         token = batch_idx * self.q_len + n // G
                         head = kv_head * G + n % G
                         if const_expr(cfg.split):
-                            mLse[split, token, head] = lse
+                            mPartLse[split, token, head] = lse
                         else:
                             mLse[token, head] = lse
         cO = thr_pv.partition_C(cute.make_identity_tensor((D, N)))
@@ -562,9 +569,71 @@ class Sm90PagedDecode:
                 head = kv_head * G + n % G
                 val = acc_o[i] * inv[slot_of(cO0[i][1])]
                 if const_expr(cfg.split):
-                    mO[split, token, head, d] = val
+                    mPartO[split, token, head, d] = val
                 else:
                     mO[token, head, d] = val.to(mO.element_type)
+        if const_expr(cfg.split):
+            self.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx)
+
+    @cute.jit
+    def merge_splits(self, mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx):
+        """The last of the request's split CTAs (per KV head) to finish merges all partials.
+
+        Saves a second kernel launch (about 2 us on the critical path of small batches). Each CTA
+        publishes its partial (fence + one atomic per CTA on a per-(request, head) counter); the
+        CTA that sees count S-1 reads every split's partial from L2 (``ld.global.cg``: another
+        SM wrote them), writes the final output and LSE, and resets the counter to 0 so that the
+        next launch (or CUDA-graph replay) starts clean.
+        """
+        G = self.G
+        threads = MMA_WARPS * 32
+        cute.arch.fence_acq_rel_gpu()  # my partial writes before the arrival below
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=threads)
+        counter = mCounter.iterator + (batch_idx * cute.arch.grid_dim()[1] + kv_head)
+        if tidx == 0:
+            sFlag[0] = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=threads)
+        if sFlag[0] == num_splits - 1:
+            cute.arch.fence_acq_rel_gpu()
+            chunks = self.D // 4
+            work = self.rows * chunks
+            for it in cutlass.range((work + threads - 1) // threads, unroll=1):
+                idx = it * threads + tidx
+                if idx < work:
+                    n = idx // chunks
+                    d0 = (idx % chunks) * 4
+                    token = batch_idx * self.q_len + n // G
+                    head = kv_head * G + n % G
+                    lse_max = -Float32.inf
+                    for s in cutlass.range(num_splits, unroll=4):
+                        lse_max = cute.arch.fmax(lse_max, self.load_cg(mPartLse, (s, token, head)))
+                    shift = lse_max if lse_max != -Float32.inf else Float32(0.0)
+                    acc = cute.make_rmem_tensor((4,), Float32)
+                    acc.fill(0.0)
+                    total = Float32(0.0)
+                    for s in cutlass.range(num_splits, unroll=4):
+                        w = cute.math.exp2(self.load_cg(mPartLse, (s, token, head)) - shift, fastmath=True)
+                        total += w
+                        keep = w > Float32(0.0)  # an empty split wrote 0, but never multiply what it holds
+                        for e in cutlass.range_constexpr(4):
+                            v = self.load_cg(mPartO, (s, token, head, d0 + e))
+                            acc[e] = acc[e] + (v * w if keep else Float32(0.0))
+                    inv = Float32(0.0)
+                    lse = -Float32.inf
+                    if total > Float32(0.0):
+                        inv = 1.0 / total
+                        lse = shift + cute.math.log2(total, fastmath=True)
+                    for e in cutlass.range_constexpr(4):
+                        mO[token, head, d0 + e] = (acc[e] * inv).to(mO.element_type)
+                    if d0 == 0:
+                        mLse[token, head] = lse
+            if tidx == 0:
+                counter.store(Int32(0))
+
+    @cute.jit
+    def load_cg(self, tensor, coord):
+        """A load that bypasses L1 (the data was written by other SMs in this kernel)."""
+        return cute.arch.load(tensor.iterator + cute.crd2idx(coord, tensor.layout), Float32, cop="cg")
 
     # ------------------------------------------------------------------------------------------
 
@@ -745,9 +814,6 @@ class Sm90DecodeConfig(KernelConfig):
 
     def signature(self):
         D = self.head_dim
-        out = "fp32" if self.split else self.q_dtype
-        o_shape = ("S", "T", "Hq", D) if self.split else ("T", "Hq", D)
-        lse_shape = ("S", "T", "Hq") if self.split else ("T", "Hq")
         kscale = TensorArg("k_scale", "fp32", (1,), align=4) if self.k_scale_tensor else ScalarArg("k_scale", "fp32")
         vscale = TensorArg("v_scale", "fp32", (1,), align=4) if self.v_scale_tensor else ScalarArg("v_scale", "fp32")
         page = self.page_size
@@ -759,8 +825,14 @@ class Sm90DecodeConfig(KernelConfig):
             TensorArg("v_cache", self.kv_dtype, cache),
             TensorArg("block_table", "int32", ("B", "W"), align=4),
             TensorArg("seq_lens", "int32", ("B",), align=4),
-            TensorArg("out", out, o_shape, align=4),
-            TensorArg("lse", "fp32", lse_shape, align=4),
+            TensorArg("out", self.q_dtype, ("T", "Hq", D), align=2),
+            TensorArg("lse", "fp32", ("T", "Hq"), align=4),
+            # split: fp32 partials and the arrival counters of the fused merge; otherwise the op
+            # passes out / lse / seq_lens again (unused)
+            TensorArg("part_out", "fp32" if self.split else self.q_dtype,
+                      ("S", "T", "Hq", D) if self.split else ("T", "Hq", D), align=4 if self.split else 2),
+            TensorArg("part_lse", "fp32", ("S", "T", "Hq") if self.split else ("T", "Hq"), align=4),
+            TensorArg("counters", "int32", ("C",), align=4),
             kscale,
             vscale,
             ScalarArg("sm_scale", "fp32"),
@@ -791,7 +863,8 @@ def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE,
     fixed = n_pad * head_dim * 2 + n_pad * tile * 2 + MMA_WARPS * n_pad * 4 + 4 * 1024
     if occupancy is not None:
         return max(2, min(8, (SMEM_PER_SM // occupancy - fixed) // stage)), occupancy
-    regs = 40 + head_dim * n_pad // 128 + tile * n_pad // 128 + n_pad + (tile * head_dim // 256 if kv_bytes == 1 else 0)
+    # calibrated on ptxas: FP8 D=128, tile 64: n=8 -> 82-89 registers, n=16 -> 96 (no spills at 4 CTAs/SM)
+    regs = 40 + head_dim * n_pad // 128 + tile * n_pad // 128 + (tile * head_dim // 256 if kv_bytes == 1 else 0)
     regs = (regs + 7) // 8 * 8
     max_occ = max(1, min(4, 65536 // (NUM_THREADS * regs)))
     for occ in range(max_occ, 0, -1):

@@ -1,0 +1,211 @@
+"""Query quantization to FP8 e4m3, optionally fused with NeoX-style rotary embedding.
+
+``out = saturate(RNE(rope(q) / q_scale))`` per element, bit-exact with
+:func:`cute_kernels.reference.quantize_query`:
+
+- **Division.** A true fp32 division (PTX ``div.rn.f32``), not a multiply by the reciprocal,
+  which is one ulp off for a large share of inputs and then flips some FP8 roundings.
+- **Conversion.** The vector ``.to(Float8E4M3FN)`` lowers to ``cvt.rn.satfinite.e4m3x2.f32``:
+  round to nearest even, ±inf and anything beyond ±448 saturate to ±448, NaN stays NaN; the same
+  codes as the reference's ``clamp(-448, 448).to(float8_e4m3fn)``.
+- **RoPE.** For ``i < rot/2`` (NeoX pairs ``(i, i + rot/2)``), ``o_i = x_i cos_i - x_j sin_i`` and
+  ``o_j = x_j cos_i + x_i sin_i``, each product and the sum rounded to fp32 separately, as torch's
+  elementwise ops do. The DSL lets LLVM contract ``a * b + c`` into one FMA (a different
+  rounding), so the rotation is written in inline PTX with ``.rn`` operations, which are never
+  contracted. A position outside ``[0, max_pos)`` is never dereferenced: its rotated dims become
+  NaN (as in the reference) so the misuse is visible.
+
+Memory-bound: every thread handles ``vec`` consecutive elements of one head (16 for 16-byte
+aligned tensors: two 16-byte loads of q, one 16-byte store of the FP8 codes). One head row is
+``head_dim / vec`` consecutive threads. With RoPE a thread also reads its partner half (the
+neighbouring threads' data, served by L1) and ``vec`` cos and sin values of its token, which every
+head of the token re-reads from cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..jit.compiler import ALL_TARGETS, KernelConfig
+from ..jit.dtypes import DTYPE_BITS
+from ..jit.spec import ScalarArg, TensorArg
+
+_THREADS = 256
+VECTOR_WIDTHS = (16, 8, 4, 2, 1)  # elements per thread, widest first
+# FP8 conversion instructions (cvt ... e4m3x2) exist from SM89 on; SM80/86 have none
+FP8_TARGETS = tuple(t for t in ALL_TARGETS if t not in ("sm_80", "sm_86"))
+
+
+@dsl_user_op
+def mul_add_rn(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Float32:
+    """``RN(RN(a * b) + RN(c * d))``: three separately rounded fp32 operations, no FMA."""
+    res = llvm.inline_asm(
+        T.f32(),
+        [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "{\n\t.reg .f32 p, q;\n\tmul.rn.f32 p, $1, $2;\n\tmul.rn.f32 q, $3, $4;\n\tadd.rn.f32 $0, p, q;\n\t}",
+        "=f,f,f,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Float32(res)
+
+
+class QuantizeQuery:
+    """Kernel: ``mQ [T, Hq, D]`` (bf16/fp16) -> ``mOut [T, Hq, D]`` float8_e4m3fn.
+
+    ``q_scale`` is a Float32 or an fp32 tensor ``[S]`` (S = 1 or Hkv; head h reads
+    ``q_scale[h * S // Hq]``, i.e. ``h // (Hq // S)``).
+    """
+
+    def __init__(self, head_dim: int, vec: int, rot_dim: int = 0):
+        self.head_dim = head_dim
+        self.vec = vec
+        self.rot_dim = rot_dim
+        self.lanes = head_dim // vec  # threads per head row
+        self.rows_per_cta = max(1, _THREADS // self.lanes)
+        self.num_threads = self.rows_per_cta * self.lanes
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mOut: cute.Tensor, q_scale, stream):
+        self.launch(mQ, mOut, q_scale, None, None, stream)
+
+    @cute.jit
+    def launch(self, mQ, mOut, q_scale, mCosSin, mPos, stream):
+        num_rows = mQ.shape[0] * mQ.shape[1]
+        grid_x = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
+        self.kernel(mQ, mOut, q_scale, mCosSin, mPos).launch(
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mOut: cute.Tensor, q_scale, mCosSin, mPos):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_heads = mQ.shape[1]
+        row = bidx * self.rows_per_cta + tidx // self.lanes
+        lane = tidx % self.lanes
+        if row < mQ.shape[0] * num_heads:
+            t = row // num_heads
+            h = row - t * num_heads
+            if const_expr(isinstance(q_scale, cute.Tensor)):
+                scale = q_scale[h * q_scale.shape[0] // num_heads]
+            else:
+                scale = Float32(q_scale)
+            tQrQ = cute.make_rmem_tensor((self.vec,), Float32)
+            tQrQ.store(cute.local_tile(mQ[t, h, None], (self.vec,), (lane,)).load().to(Float32))
+            if const_expr(self.rot_dim > 0):
+                self.rotate(tQrQ, mQ, mCosSin, mPos, t, h, lane)
+            for e in cutlass.range_constexpr(self.vec):
+                tQrQ[e] = tQrQ[e] / scale  # div.rn.f32: exact, like the reference
+            cute.local_tile(mOut[t, h, None], (self.vec,), (lane,)).store(tQrQ.load().to(mOut.element_type))
+
+    @cute.jit
+    def rotate(self, tQrQ, mQ, mCosSin, mPos, t, h, lane):
+        """NeoX rotation of this thread's chunk in place (chunks at or past rot_dim pass through)."""
+        half_lanes = self.rot_dim // 2 // self.vec
+        if lane < 2 * half_lanes:
+            first = lane < half_lanes
+            partner = lane + half_lanes if first else lane - half_lanes
+            pair = lane if first else partner  # index i < rot/2 of the pair, in chunks
+            tQrP = cute.make_rmem_tensor((self.vec,), Float32)
+            tQrP.store(cute.local_tile(mQ[t, h, None], (self.vec,), (partner,)).load().to(Float32))
+            pos = Int64(mPos[t])
+            valid = pos >= Int64(0) and pos < Int64(mCosSin.shape[0])
+            p = Int32(pos) if valid else Int32(0)  # never dereference an out-of-range position
+            tCrC = cute.make_rmem_tensor((self.vec,), Float32)
+            tCrS = cute.make_rmem_tensor((self.vec,), Float32)
+            tCrC.store(cute.local_tile(mCosSin[p, None], (self.vec,), (pair,)).load().to(Float32))
+            tCrS.store(cute.local_tile(mCosSin[p, None], (self.vec,), (pair + half_lanes,)).load().to(Float32))
+            nan = Float32(float("nan"))
+            for e in cutlass.range_constexpr(self.vec):
+                c = tCrC[e] if valid else nan
+                s = tCrS[e] if valid else nan
+                # first half: x c - y s = RN(x c) + RN(y (-s)); second half: x c + y s
+                s = -s if first else s
+                tQrQ[e] = mul_add_rn(tQrQ[e], c, tQrP[e], s)
+
+
+class QuantizeQueryRope(QuantizeQuery):
+    """:class:`QuantizeQuery` with fused NeoX RoPE: ``mCosSin [max_pos, rot_dim]`` (cos in the
+    first half of each row, sin in the second) and ``mPos [T]`` (int32/int64)."""
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mOut: cute.Tensor, q_scale, mCosSin: cute.Tensor, mPos: cute.Tensor,
+                 stream):
+        self.launch(mQ, mOut, q_scale, mCosSin, mPos, stream)
+
+
+@dataclass(frozen=True)
+class QuantizeQueryConfig(KernelConfig):
+    """Compile key of :class:`QuantizeQuery`.
+
+    ``vec``: elements per thread (16 needs 16-byte aligned q/out pointers and strides; the op
+    picks the widest the tensors allow). ``scale_tensor``: q_scale is an fp32 device tensor
+    (``[1]`` or ``[Hkv]``, read by the kernel so CUDA-graph replays see new values) rather than a
+    float argument. ``rot_dim`` > 0 fuses NeoX RoPE over the first ``rot_dim`` dims, with a
+    ``cos_sin_dtype`` cache and ``pos_dtype`` positions.
+    """
+
+    q_dtype: str = "bf16"
+    head_dim: int = 128
+    vec: int = 16
+    scale_tensor: bool = False
+    rot_dim: int = 0
+    cos_sin_dtype: str = "fp32"
+    pos_dtype: str = "int64"
+
+    kernel_id = "common.quantize_query"
+    targets = FP8_TARGETS
+    # 16-byte loads of q, the saturating RNE conversion and the exact division
+    evidence = {
+        t: (r"ld\.global(\.\w+)*\.v4\.b32", r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"div\.rn\.f32")
+        for t in FP8_TARGETS
+    }
+
+    def __post_init__(self):
+        if self.q_dtype not in ("bf16", "fp16"):
+            raise ValueError(f"quantize_query input dtype must be bf16 or fp16, got {self.q_dtype}")
+        if self.vec not in VECTOR_WIDTHS or self.head_dim % self.vec:
+            raise ValueError(f"head_dim {self.head_dim} is not a multiple of vec {self.vec}")
+        if self.head_dim // self.vec > _THREADS:
+            raise ValueError(f"head_dim {self.head_dim} too large for vec {self.vec}")
+        if self.rot_dim:
+            if self.rot_dim % 2 or self.rot_dim > self.head_dim or (self.rot_dim // 2) % self.vec:
+                raise ValueError(f"rot_dim {self.rot_dim} must be even, <= head_dim {self.head_dim}, "
+                                 f"with rot_dim/2 a multiple of vec {self.vec}")
+            if self.cos_sin_dtype not in ("fp32", "bf16", "fp16") or self.pos_dtype not in ("int32", "int64"):
+                raise ValueError(f"bad cos_sin/pos dtypes {self.cos_sin_dtype}/{self.pos_dtype}")
+
+    def _align(self, dtype: str) -> int:
+        return min(16, self.vec * DTYPE_BITS[dtype] // 8)
+
+    def signature(self):
+        D = self.head_dim
+        scale = (TensorArg("q_scale", "fp32", ("S",), align=4) if self.scale_tensor
+                 else ScalarArg("q_scale", "fp32"))
+        args = (
+            TensorArg("q", self.q_dtype, ("T", "Hq", D), align=self._align(self.q_dtype)),
+            TensorArg("out", "fp8_e4m3", ("T", "Hq", D), align=self._align("fp8_e4m3")),
+            scale,
+        )
+        if self.rot_dim:
+            args += (
+                TensorArg("cos_sin_cache", self.cos_sin_dtype, ("M", self.rot_dim),
+                          align=self._align(self.cos_sin_dtype)),
+                TensorArg("positions", self.pos_dtype, ("T",), align=DTYPE_BITS[self.pos_dtype] // 8),
+            )
+        return args
+
+    def build(self):
+        cls = QuantizeQueryRope if self.rot_dim else QuantizeQuery
+        return cls(self.head_dim, self.vec, self.rot_dim)
+

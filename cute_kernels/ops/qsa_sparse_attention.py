@@ -1,0 +1,255 @@
+"""``cute_kernels.qsa_sparse_attention``: QSA sparse GQA attention on SM90 (CuTe-DSL kernels).
+
+Semantics: :func:`cute_kernels.reference.qsa_sparse_attention` (read its docstring). The host
+side only looks at shapes, dtypes, strides and pointers: it never reads tensor data (the valid
+counts live in ``packed_indices`` on the device) and never synchronizes, so a call captures in a
+CUDA graph once a warm-up call (or :func:`cute_kernels.qsa_warmup`) has compiled its variants and
+sized the split-K workspace.
+
+Launch: the split-K kernel (``sm90/qsa.py``) with the split count of the config table
+(``select_config``: rows x Hkv and ``prefill``), then, when it split, the fused merge + gate
+(``sm90/qsa_merge.py``) as a programmatic dependent launch. Host overhead: the first call with a
+new combination of shapes/strides/dtypes/alignment validates everything and builds a
+:class:`_Launch`; later calls look it up by a tuple of cheap tensor attributes and go straight to
+the TVM-FFI calls (which re-check dtypes, ranks, shared extents and alignment).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import reference
+from .._nvtx import ENABLED as _NVTX
+from .._nvtx import op_range
+from ..jit.compiler import get_kernel
+from ..sm90.qsa import MAX_GROUP, make_qsa_config, select_config
+from ..sm90.qsa_merge import QsaMergeConfig
+from ._torch import check_tensor, compile_target, device_sm_count, dtype_name, widest_vector
+
+FP8 = torch.float8_e4m3fn
+HEAD_DIMS = (64, 128, 256)
+
+
+class _Workspace:
+    """Per-device fp32 scratch for split partials and the unused LSE; grows, never shrinks."""
+
+    def __init__(self):
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, numel: int) -> torch.Tensor:
+        buf = self.buffers.get(device)
+        if buf is None or buf.numel() < numel:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "qsa_sparse_attention needs a larger split-K workspace while a CUDA graph is being "
+                    "captured; run one eager call with the largest batch first"
+                )
+            buf = torch.empty(max(numel, 1 << 20), dtype=torch.float32, device=device)
+            self.buffers[device] = buf
+        return buf
+
+
+_workspace = _Workspace()
+
+
+@dataclass
+class _Launch:
+    """Everything a call needs that depends only on its key."""
+
+    fn: object
+    merge_fn: object
+    part_o: torch.Tensor | None
+    part_lse: torch.Tensor | None
+    lse: torch.Tensor | None
+    splits: int
+    gate: bool
+    reference: bool = False
+
+
+_LAUNCHES: dict[tuple, _Launch] = {}
+_MAX_LAUNCHES = 4096
+_OVERRIDE: dict = {}
+_override_key: tuple = ()
+
+
+class tuning_override:
+    """``with tuning_override(splits=8, stages=2): ...`` forces the split count and/or kernel
+    tuning fields (benchmarks and tests comparing variants); part of the launch-cache key."""
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+    def __enter__(self):
+        global _override_key
+        self.saved = dict(_OVERRIDE)
+        _OVERRIDE.update(self.fields)
+        _override_key = tuple(sorted(_OVERRIDE.items()))
+        return self
+
+    def __exit__(self, *exc):
+        global _override_key
+        _OVERRIDE.clear()
+        _OVERRIDE.update(self.saved)
+        _override_key = tuple(sorted(_OVERRIDE.items()))
+        return False
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+
+
+def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
+    # a non-bool ``prefill`` (1 == True) must not hit a cached launch: it is refused by _prepare
+    return (_meta(q), _meta(k), _meta(v), _meta(idx), _meta(bt), _meta(t2r),
+            prefill if isinstance(prefill, bool) else None, _meta(out), _meta(gate), _override_key)
+
+
+def _check_scale(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
+    return float(value)
+
+
+def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
+    """Full validation (errors name the argument) and kernel selection for one key."""
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float16), ndim=3)
+    rows, Hq, D = q.shape
+    check_tensor("k_cache", k, ndim=4, device=q.device)
+    check_tensor("v_cache", v, ndim=4, device=q.device)
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"k_cache and v_cache must match, got {tuple(k.shape)} {k.dtype} / {tuple(v.shape)} {v.dtype}")
+    NB, page, Hkv, Dk = k.shape
+    if Dk != D:
+        raise ValueError(f"head dim mismatch: q has {D}, k_cache has {Dk}")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"num q heads ({Hq}) must be a multiple of num kv heads ({Hkv})")
+    check_tensor("packed_indices", idx, dtype=torch.int32, ndim=2, device=q.device)
+    if idx.shape[0] != rows or idx.shape[1] < 2:
+        raise ValueError(f"packed_indices must be [rows={rows}, TOPK + 1 >= 2], got {list(idx.shape)}")
+    check_tensor("block_table", bt, dtype=torch.int32, ndim=2, device=q.device)
+    check_tensor("token_to_req", t2r, dtype=torch.int32, shape=(rows,), device=q.device)
+    if not isinstance(prefill, bool):
+        raise TypeError(f"prefill must be a bool, got {type(prefill).__name__}")
+    if out is not None:
+        check_tensor("out", out, dtype=q.dtype, shape=(rows, Hq, D), device=q.device)
+    if gate is not None:
+        check_tensor("output_gate", gate, dtype=q.dtype, shape=(rows, Hq, D), device=q.device)
+    if not q.is_cuda:
+        return _Launch(None, None, None, None, None, 1, gate is not None, reference=True)
+    if k.dtype not in (FP8, q.dtype):
+        raise TypeError(f"k_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
+    group = Hq // Hkv
+    if group > MAX_GROUP:
+        raise ValueError(f"num_q_heads / num_kv_heads must be <= {MAX_GROUP}, got {group}")
+    # 16-byte vector loads of Q rows and 16-byte cp.async of K/V rows
+    check_tensor("q", q, align_bytes=16)
+    check_tensor("k_cache", k, align_bytes=16)
+    check_tensor("v_cache", v, align_bytes=16)
+
+    device = q.device
+    topk = idx.shape[1] - 1
+    kv_name, q_name = dtype_name(k.dtype), dtype_name(q.dtype)
+    tile, splits = select_config(rows, Hkv, prefill, kv_name, D, group, topk, device_sm_count(device.index or 0))
+    splits = _OVERRIDE.get("splits", splits)
+    tuning = {f: v for f, v in _OVERRIDE.items() if f != "splits"}
+    split = splits > 1
+    config = make_qsa_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
+                             split=split, gate=gate is not None, tile=tuning.pop("tile", tile), **tuning)
+    target = compile_target(device)
+    fn = get_kernel(config, target)
+    merge_fn = part_o = part_lse = lse = None
+    if split:
+        # the merge's vector width: 16-byte partial loads, out/gate at 4 elements when aligned
+        vec = 4
+        for t in (out, gate):
+            if t is not None:
+                while vec > 1 and widest_vector([t]) < vec * t.element_size():
+                    vec //= 2
+        merge_fn = get_kernel(QsaMergeConfig(out_dtype=q_name, head_dim=D, vec=vec, gate=gate is not None,
+                                             pdl=True), target)
+        n_o, n_l = splits * rows * Hq * D, splits * rows * Hq
+        ws = _workspace.get(device, n_o + n_l)
+        part_o = ws[:n_o].view(splits, rows, Hq, D)
+        part_lse = ws[n_o:n_o + n_l].view(splits, rows, Hq)
+    else:
+        lse = _workspace.get(device, rows * Hq)[:rows * Hq].view(rows, Hq)
+    return _Launch(fn, merge_fn, part_o, part_lse, lse, splits, gate is not None)
+
+
+def qsa_sparse_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    packed_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    token_to_req: torch.Tensor,
+    *,
+    prefill: bool,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    output_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """QSA sparse GQA attention: each query row attends to the KV tokens its indexer selected.
+
+    Semantics: :func:`cute_kernels.reference.qsa_sparse_attention` (its docstring is the
+    contract: packed ``[rows, TOPK + 1]`` int32 indices whose last column is the valid count,
+    ``-1`` padding anywhere, invalid entries contribute nothing and are never read, rows without a
+    valid entry give 0).
+
+    Supported here (SM90): q bf16/fp16 ``[rows, Hq, D]`` with 16-byte aligned rows;
+    ``k_cache``/``v_cache`` ``[num_blocks, PAGE, Hkv, D]`` views with any 16-byte aligned strides
+    (e.g. the two halves of one ``[num_blocks, Hkv, PAGE, 2 D]`` buffer), FP8 e4m3 or q's dtype;
+    any PAGE; D 64/128/256; Hq / Hkv <= 16. ``prefill``: True when the batch's max query length
+    exceeds 1 + the number of speculative tokens (selects the tuning profile only).
+    ``k_scale``/``v_scale``: dequantization scales (floats). ``output_gate``: optional, q's shape:
+    ``out = round(attn) * sigmoid(gate)``. ``out``: optional output (q's shape and dtype).
+    CPU tensors run the reference.
+    """
+    try:
+        key = _key(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out, output_gate)
+        launch = _LAUNCHES.get(key)
+    except (AttributeError, TypeError):  # not tensors: let the validation say what is wrong
+        key, launch = None, None
+    if launch is None:
+        launch = _prepare(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out,
+                          output_gate)
+        if key is not None:
+            if len(_LAUNCHES) >= _MAX_LAUNCHES:
+                _LAUNCHES.clear()
+            _LAUNCHES[key] = launch
+    ks = _check_scale("k_scale", k_scale)
+    vs = _check_scale("v_scale", v_scale)
+    if launch.reference:
+        return reference.qsa_sparse_attention(q, k_cache, v_cache, packed_indices, block_table, token_to_req,
+                                              prefill=prefill, k_scale=ks, v_scale=vs, out=out,
+                                              output_gate=output_gate)
+    if out is None:
+        out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    with op_range("qsa_sparse_attention", q=q, k_cache=k_cache, packed_indices=packed_indices) if _NVTX else _NULL:
+        gate = output_gate if output_gate is not None else q  # a placeholder the kernel never reads
+        if launch.splits > 1:
+            launch.fn(q, k_cache, v_cache, packed_indices, block_table, token_to_req, launch.part_o,
+                      launch.part_lse, q, ks, vs)
+            launch.merge_fn(launch.part_o, launch.part_lse, out, output_gate if output_gate is not None else out)
+        else:
+            launch.fn(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, launch.lse, gate, ks, vs)
+    return out
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()

@@ -1,0 +1,63 @@
+"""``cute_kernels.qsa_warmup``: precompile every QSA variant a deployment's shapes can reach.
+
+The op picks ``(tile, splits)`` from the config table (``sm90/qsa.py`` ``split_table``, keyed by
+rows x Hkv and ``prefill``); the split count itself is a runtime value (the grid), so the
+compiled variants a deployment needs are: per tile of the table, the direct-output kernel (with
+and without the output gate) and, if any entry splits, the split-K kernel plus the fused merge
+(with and without the gate). This enumerates them from the table for both profiles, compiles the
+missing ones in parallel processes into the disk cache with a progress bar, and loads them.
+"""
+
+from __future__ import annotations
+
+from .jit.compiler import KernelConfig, normalize_target
+from .jit.parallel import precompile
+from .sm90.qsa import H200_SMS, PRODUCTION_TOPK, make_qsa_config, split_table
+from .sm90.qsa_merge import QsaMergeConfig
+
+_KV = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16", "auto": None}
+
+
+def qsa_variants(
+    *,
+    head_dim: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    kv_cache_dtype: str = "bf16",
+    q_dtype: str = "bf16",
+    topk: int = PRODUCTION_TOPK,
+    gates=(True, False),
+    num_sms: int = H200_SMS,
+) -> list[KernelConfig]:
+    """Every SM90 QSA kernel and merge config the table reaches for one layer shape.
+
+    ``kv_cache_dtype``: ``"bf16"``/``"fp16"``/``"fp8"`` (``"auto"`` = ``q_dtype``); ``topk``: the
+    packed width minus one (2051 in production); ``gates``: which output-gate modes to cover.
+    """
+    kv = _KV.get(kv_cache_dtype, kv_cache_dtype) or q_dtype
+    group = num_q_heads // num_kv_heads
+    reach: set[tuple[int, bool]] = set()
+    for prefill in (False, True):
+        for _, tile, splits in split_table(kv, head_dim, group, prefill, topk, num_sms):
+            reach.add((tile, splits > 1))
+    out: list[KernelConfig] = []
+    for tile, split in sorted(reach):
+        for gate in ((False,) if split else gates):
+            out.append(make_qsa_config(q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group,
+                                       page_size=page_size, split=split, gate=gate, tile=tile))
+        if split:
+            out += [QsaMergeConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4, gate=g, pdl=True) for g in gates]
+    return list(dict.fromkeys(out))
+
+
+def qsa_warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, **shape) -> list[KernelConfig]:
+    """Compile (in parallel, into the disk cache) and load every QSA variant for ``shape``.
+
+    ``shape`` takes the keyword arguments of :func:`qsa_variants`, e.g.
+    ``qsa_warmup(head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568, kv_cache_dtype="fp8")``.
+    Returns the configs.
+    """
+    configs = qsa_variants(**shape)
+    precompile(configs, normalize_target(arch), workers=workers, progress=progress)
+    return configs

@@ -1,0 +1,703 @@
+"""SM90 QSA sparse GQA attention: split-K partial kernel over the packed top-k index buffer.
+
+Contract: ``cute_kernels.reference.qsa_sparse_attention`` (docs: ../shared/docs/qsa-contract.md).
+
+Design:
+
+- **One CTA per (query row, KV head, split)**: 4 consumer warps (one warpgroup) and one producer
+  warp. Split ``s`` of ``S`` visits the row's tiles ``s, s + S, ...`` below
+  ``ceil(min(valid_count, TOPK) / tile)``, so the few tiles of a short row spread over the splits.
+- **Gather with 16-byte cp.async.** Selected tokens are scattered (random 4-token blocks), so
+  TMA tiles do not apply. The producer warp looks up a tile's tokens (one or more per lane: index,
+  ``t // PAGE`` with a compile-time page size, block table, bounds checks), then copies each
+  token's K and V row (``D`` elements, contiguous) with ``cp.async`` into 128-byte-swizzled
+  shared memory, one warp-wide instruction per row (or per several rows when a row is shorter
+  than 512 bytes). Invalid entries are copied with source size 0, i.e. zero-filled without any
+  global read, so no index can make the kernel read outside the cache and stale shared memory
+  can never inject NaN into P.V. A per-tile validity bitmask (``vote.ballot``) goes to shared
+  memory with the tile.
+- **Pipeline.** ``stages`` shared-memory slots, each guarded by a "full" mbarrier (32 no-inc
+  ``cp.async.mbarrier.arrive`` of the producer lanes + one ordinary arrive of lane 0 after it
+  wrote the bitmask, which releases that store) and an "empty" mbarrier (128 consumer arrives).
+- **Swap-AB WGMMA** (as in ``decode.py``, whose helpers this kernel inherits): the KV group's
+  ``G`` query heads are the MMA's N (padded to 8/16), the tile's tokens its M. 16-bit caches run
+  SS WGMMA straight from the gathered tiles (after a ``fence.proxy.async``, since cp.async
+  writes through the generic proxy); FP8 caches are read with ``ldmatrix`` and widened exactly to
+  fp16 in registers (``cvt.rn.f16x2.e4m3x2``) for RS WGMMA, with the query rescaled by a power of
+  two into fp16 range (exact).
+- **Online softmax** in base 2, masked entries at -inf; k_scale folds into the logit scale,
+  v_scale into the output normalizer, the LSE stays unscaled.
+- **Output.** ``split``: fp32 partial O ``[S, rows, Hq, D]`` and base-2 LSE ``[S, rows, Hq]``
+  (64-bit strides; an empty split writes 0 and -inf) for ``qsa_merge``; otherwise O rounded to
+  q's dtype, times ``sigmoid(gate)`` in fp32 when gated, and the LSE.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+from ..jit.compiler import KernelConfig
+from ..jit.dtypes import DTYPE_BITS, cute_dtype
+from ..jit.spec import ScalarArg, TensorArg
+from .decode import BAR_MMA, MMA_M, MMA_WARPS, Sm90PagedDecode
+
+PRODUCER_WARP = MMA_WARPS
+NUM_THREADS = (MMA_WARPS + 1) * 32
+LOG2E = math.log2(math.e)
+MAX_GROUP = 16  # the WGMMA N of one CTA (query heads of one KV head)
+
+
+@dsl_user_op
+def cp_async_zfill_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
+    """``cp.async.cg.shared.global [smem], [gmem], 16, src_bytes``: copies ``src_bytes`` (16 or 0)
+    and zero-fills the rest; with 0 nothing is read from global memory. ``.cg``: L2 only, the
+    gathered rows are used once per CTA."""
+    llvm.inline_asm(
+        None,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+         Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+def smem_byte_offset(layout, crd, elem_bytes: int):
+    """Byte offset of ``crd`` in a swizzled shared-memory layout (``swizzle o outer``, base aligned
+    to the swizzle period). The swizzle acts on *byte* addresses (what WGMMA descriptors and the
+    DSL's own smem accesses use), so it is applied after scaling the element offset; for 16-bit
+    types ``cute.crd2idx`` on the composed layout would swizzle element offsets instead."""
+    sw = layout.inner
+    x = cute.crd2idx(crd, layout.outer) * elem_bytes
+    mask = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
+    return x ^ ((x & mask) >> sw.num_shift)
+
+
+class Sm90QsaAttention(Sm90PagedDecode):
+    """Kernel object; all fields are compile-time (see :class:`Sm90QsaConfig`).
+
+    Inherits the query staging (``stage_q``), the FP8 fragment loaders (``load_k_fragments``,
+    ``load_v_fragments``, ``widen``, ``physical_d``) of the paged decode kernel, whose fragment
+    layouts and precision scheme it shares; the pipeline, gather, softmax masking and epilogue
+    are its own.
+    """
+
+    def __init__(self, cfg: Sm90QsaConfig):  # noqa: D107 - decode's __init__ needs a decode config
+        self.cfg = cfg
+        self.q_dtype = cute_dtype(cfg.q_dtype)
+        self.kv_dtype = cute_dtype(cfg.kv_dtype)
+        self.fp8 = cfg.kv_dtype == "fp8_e4m3"
+        self.D = cfg.head_dim
+        self.G = cfg.group
+        self.q_len = 1
+        self.rows = cfg.group
+        self.N = cfg.n_pad
+        self.page = cfg.page_size
+        self.tile = cfg.tile
+        self.stages = cfg.stages
+        self.cvt = self.fp8
+        self.mma_dtype = cute_dtype("fp16") if self.fp8 else self.q_dtype
+        self.dynamic_q_scale = self.fp8 and cfg.q_dtype == "bf16"
+        # cvt widening is exact and unscaled: no power-of-two pre/post scales (see decode.py)
+        self.q_pre = self.p_pre = self.logit_log2 = self.out_log2 = 0
+        self.kv_bytes = DTYPE_BITS[cfg.kv_dtype] // 8
+        self.chunk_elems = 16 // self.kv_bytes  # elements per 16-byte cp.async
+        self.chunks_per_row = self.D // self.chunk_elems
+        self.rows_per_copy = max(1, 32 // self.chunks_per_row)  # token rows per warp-wide copy
+        self.words = self.tile // 32  # validity bitmask words per tile
+
+    # ------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [T, Hq, D]
+        mK: cute.Tensor,  # [NB, PAGE, Hkv, D]
+        mV: cute.Tensor,  # [NB, PAGE, Hkv, D]
+        mIdx: cute.Tensor,  # [T, TOPK + 1] int32
+        mBlockTable: cute.Tensor,  # [R, W] int32
+        mTokenToReq: cute.Tensor,  # [T] int32
+        mO: cute.Tensor,  # [T, Hq, D] (q dtype) or split: [S, T, Hq, D] fp32
+        mLse: cute.Tensor,  # [T, Hq] or split: [S, T, Hq] fp32
+        mGate: cute.Tensor,  # [T, Hq, D] (read only when cfg.gate)
+        k_scale: Float32,
+        v_scale: Float32,
+        stream,
+    ):
+        D, N = self.D, self.N
+        cfg = self.cfg
+        mma_dtype = self.mma_dtype
+        a_src = warpgroup.OperandSource.RMEM if const_expr(self.fp8) else warpgroup.OperandSource.SMEM
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            mma_dtype, mma_dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+            tiler_mn=(MMA_M, N), a_source=a_src,
+        )
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            mma_dtype, mma_dtype,
+            OperandMajorMode.K if const_expr(self.fp8) else OperandMajorMode.MN,
+            OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(MMA_M, N), a_source=a_src,
+        )
+        # K tiles (tokens, D) K-major; V the same for FP8 (ldmatrix.trans reads it), V^T (D, tokens)
+        # MN-major for 16-bit SS. Each token row is 16-byte chunks that the swizzle keeps whole.
+        k_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile, N, D), self.kv_dtype, self.stages)
+        if const_expr(self.fp8):
+            v_layout = k_layout
+        else:
+            v_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, N, self.tile), self.kv_dtype,
+                                                     self.stages)
+        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile, N, D), mma_dtype, 1)
+        p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, N, self.tile), mma_dtype, 1)
+
+        @cute.struct
+        class Storage:
+            full: cute.struct.MemRange[cutlass.Int64, cfg.stages]
+            empty: cute.struct.MemRange[cutlass.Int64, cfg.stages]
+            mask: cute.struct.MemRange[Int32, cfg.stages * (cfg.tile // 32)]
+            red: cute.struct.MemRange[Float32, MMA_WARPS * cfg.n_pad]
+            sK: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(k_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(v_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(q_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(p_layout)], 1024]
+
+        self.storage = Storage
+        num_splits = mO.shape[0] if const_expr(cfg.split) else 1
+        self.kernel(
+            mQ, mK, mV, mIdx, mBlockTable, mTokenToReq, mO, mLse, mGate, k_scale, v_scale,
+            qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
+        ).launch(grid=[mQ.shape[0], mK.shape[2], num_splits], block=[NUM_THREADS, 1, 1], stream=stream,
+                 min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100)
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        mTokenToReq: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mGate: cute.Tensor,
+        k_scale: Float32,
+        v_scale: Float32,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        k_layout,
+        v_layout,
+        q_layout,
+        p_layout,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        row, kv_head, split = cute.arch.block_idx()
+        num_splits = cute.arch.grid_dim()[2]
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+
+        if const_expr(cfg.split):
+            # let the merge kernel (programmatic dependent launch) get scheduled behind us
+            cute.arch.griddepcontrol_launch_dependents()
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        sRed = storage.red.get_tensor(cute.make_layout((MMA_WARPS, self.N), stride=(self.N, 1)))
+        sMask = storage.mask.get_tensor(cute.make_layout((self.words, cfg.stages), stride=(1, self.words)))
+        full = storage.full.data_ptr()
+        empty = storage.empty.data_ptr()
+        if tidx == 0:
+            for s in cutlass.range_constexpr(cfg.stages):
+                # 32 cp.async no-inc arrivals of the producer lanes + lane 0's bitmask release
+                cute.arch.mbarrier_init(full + s, 33)
+                cute.arch.mbarrier_init(empty + s, MMA_WARPS * 32)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # the row's tiles: columns [0, min(valid_count, TOPK)), tile by tile; split s takes
+        # tiles s, s + S, ... (a garbage count is clamped, never used as a token)
+        topk = mIdx.shape[1] - 1
+        count = cutlass.min(cutlass.max(mIdx[row, topk], Int32(0)), topk)
+        num_tiles = (count + self.tile - 1) // self.tile
+        my_tiles = cutlass.max(num_tiles - split + num_splits - 1, Int32(0)) // num_splits
+
+        if warp == PRODUCER_WARP:
+            self.produce(mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full,
+                         empty, row, kv_head, split, num_splits, count, my_tiles, lane)
+        else:
+            self.consume_tiles(mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale,
+                               v_scale, qk_mma, pv_mma, k_layout, v_layout, row, kv_head, split, my_tiles,
+                               tidx, warp, lane)
+
+    # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def produce(self, mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full, empty,
+                row, kv_head, split, num_splits, count, my_tiles, lane):
+        """Per tile: look up the tile's tokens (lane l owns tokens l, l + 32, ...), publish their
+        validity bitmask, gather their K and V rows with zero-filling cp.async."""
+        tile, eb = self.tile, self.kv_bytes
+        E, cpr, rpc = self.chunk_elems, self.chunks_per_row, self.rows_per_copy
+        num_reqs = mBlockTable.shape[0]
+        width = mBlockTable.shape[1]
+        num_blocks = mK.shape[0]
+        req = mTokenToReq[row]
+        req_ok = req >= 0 and req < num_reqs
+        # 64-bit byte addressing of the cache rows (phys * block stride overflows int32)
+        k_gbase = mK.iterator.toint()
+        v_gbase = mV.iterator.toint()
+        sKb, sKt, sKh = Int64(mK.stride[0]), Int64(mK.stride[1]), Int64(mK.stride[2])
+        sVb, sVt, sVh = Int64(mV.stride[0]), Int64(mV.stride[1]), Int64(mV.stride[2])
+        k_head = k_gbase + Int64(kv_head) * sKh * eb
+        v_head = v_gbase + Int64(kv_head) * sVh * eb
+        k_sbase = storage.sK.data_ptr().toint()
+        v_sbase = storage.sV.data_ptr().toint()
+        chunk = lane % cpr
+        sub = lane // cpr  # which of the rows of one warp-wide copy this lane serves
+        lane_bytes = Int64(chunk * 16)  # this lane's 16-byte chunk of a row
+        # per owned token: its K and V row addresses (the cache base for invalid entries, which
+        # are then copied with source size 0: nothing is read) and the tile's validity bits
+        k_addr = cute.make_rmem_tensor((self.words,), Int64)
+        v_addr = cute.make_rmem_tensor((self.words,), Int64)
+        bits = cute.make_rmem_tensor((self.words,), Int32)
+        for i in cutlass.range(my_tiles, unroll=1):
+            tile_idx = split + i * num_splits
+            stage = i % self.stages
+            # ---- look up this lane's tokens: lane l owns tokens l, l + 32, ... of the tile ----
+            for w in cutlass.range_constexpr(self.words):
+                col = tile_idx * tile + w * 32 + lane
+                t = Int32(-1)
+                if col < count:
+                    t = mIdx[row, col]
+                page = t // self.page
+                ok = req_ok and t >= 0 and page < width
+                p = Int32(-1)
+                if ok:
+                    p = mBlockTable[req, page]
+                ok = ok and p >= 0 and p < num_blocks
+                pp = Int64(p) if ok else Int64(0)
+                oo = Int64(t - page * self.page) if ok else Int64(0)
+                k_addr[w] = k_head + (pp * sKb + oo * sKt) * eb if ok else k_gbase
+                v_addr[w] = v_head + (pp * sVb + oo * sVt) * eb if ok else v_gbase
+                bits[w] = cute.arch.vote_ballot_sync(ok)
+            # ---- wait until the consumers released this slot ----
+            if i >= self.stages:
+                cute.arch.mbarrier_wait(empty + stage, ((i // self.stages) - 1) % 2)
+            if lane == 0:
+                for w in cutlass.range_constexpr(self.words):
+                    sMask[w, stage] = bits[w]
+            # ---- gather: one warp-wide copy covers `rpc` token rows ----
+            for w in cutlass.range_constexpr(self.words):
+                for jj in cutlass.range_constexpr(32 // rpc):
+                    src = jj * rpc + sub if const_expr(rpc > 1) else jj  # owner lane of the row
+                    tok = w * 32 + src
+                    nbytes = ((bits[w] >> src) & 1) * 16
+                    k_src = cute.arch.shuffle_sync(k_addr[w], src) + lane_bytes
+                    v_src = cute.arch.shuffle_sync(v_addr[w], src) + lane_bytes
+                    k_dst = k_sbase + smem_byte_offset(k_layout, (tok, chunk * E, stage), eb)
+                    if const_expr(self.fp8):
+                        v_dst = v_sbase + smem_byte_offset(v_layout, (tok, chunk * E, stage), eb)
+                    else:
+                        v_dst = v_sbase + smem_byte_offset(v_layout, (chunk * E, tok, stage), eb)
+                    cp_async_zfill_16(k_dst, k_src, nbytes)
+                    cp_async_zfill_16(v_dst, v_src, nbytes)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+            if lane == 0:
+                cute.arch.mbarrier_arrive(full + stage)  # releases the bitmask store above
+
+    # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def consume_tiles(self, mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale, v_scale,
+                      qk_mma, pv_mma, k_layout, v_layout, row, kv_head, split, my_tiles, tidx, warp, lane):
+        D, N = self.D, self.N
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        k_base = storage.sK.data_ptr().toint()
+        v_base = storage.sV.data_ptr().toint()
+        q_log2 = self.stage_q(mQ, sQ, sRed, row, kv_head, tidx, warp, lane)
+        cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+
+        # logits in log2 units = S_acc * c (the query was scaled by 2^q_log2 when staged)
+        c = Float32(self.D ** -0.5 * LOG2E) * k_scale * cute.math.exp2(-q_log2, fastmath=False)
+
+        thr_qk = qk_mma.get_slice(tidx)
+        thr_pv = pv_mma.get_slice(tidx)
+        # static per-element coordinates of thread 0 plus this thread's offset
+        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile, N)))
+        cS = thr_qk.partition_C(cute.make_identity_tensor((self.tile, N)))
+        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((D, N)))
+        acc_s = cute.make_rmem_tensor(cS.shape, Float32)
+        acc_o = cute.make_rmem_tensor(cO0.shape, Float32)
+        acc_o.fill(0.0)
+        nS = cute.size(acc_s)
+        n_base = cS[0][1] - cS0[0][1]  # this thread's column offset (2 * (lane % 4))
+        nslots = N // 4  # columns owned by a thread: 8 * j + n_base + {0, 1}
+        mblocks = self.tile // MMA_M
+        # this thread's token rows of M block mb are mb * 64 + 16 * warp + lane / 4 + {0, 8}: bits
+        # 16 * (warp % 2) + lane / 4 + {0, 8} of bitmask word 2 * mb + warp / 2
+        mask_shift = (warp % 2) * 16 + lane // 4
+
+        def slot_of(n_static):
+            return (n_static // 8) * 2 + n_static % 8
+
+        row_max = cute.make_rmem_tensor((nslots,), Float32)
+        row_sum = cute.make_rmem_tensor((nslots,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        tSrQ = qk_mma.make_fragment_B(thr_qk.partition_B(sQ))
+        tOrP = pv_mma.make_fragment_B(thr_pv.partition_B(sP))
+        if const_expr(self.fp8):
+            tSrK = cute.make_rmem_tensor(thr_qk.partition_A(cute.make_identity_tensor((self.tile, D))).shape,
+                                         self.mma_dtype)
+            tOrV = cute.make_rmem_tensor(thr_pv.partition_A(cute.make_identity_tensor((D, self.tile))).shape,
+                                         self.mma_dtype)
+        else:
+            tSrK = qk_mma.make_fragment_A(thr_qk.partition_A(sK))
+            tOrV = pv_mma.make_fragment_A(thr_pv.partition_A(sV))
+
+        for i in cutlass.range(my_tiles, unroll=1):
+            stage = i % self.stages
+            cute.arch.mbarrier_wait(full + stage, (i // self.stages) % 2)
+            if const_expr(not self.fp8):
+                # the gathered rows were written by cp.async (generic proxy); WGMMA reads them
+                # through the async proxy
+                cute.arch.fence_proxy("async.shared", space="cta")
+
+            # ---------------- S^T = K Q^T ----------------
+            if const_expr(self.fp8):
+                self.load_k_fragments(tSrK, k_base, k_layout, stage, warp, lane)
+            first = cute.make_mma_atom(qk_mma.op)
+            first.set(warpgroup.Field.ACCUMULATE, False)
+            rest = cute.make_mma_atom(qk_mma.op)
+            rest.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(D // 16):
+                atom = first if kb == 0 else rest
+                if const_expr(self.fp8):
+                    cute.gemm(atom, acc_s, tSrK[None, None, kb], tSrQ[None, None, kb, 0], acc_s)
+                else:
+                    cute.gemm(atom, acc_s, tSrK[None, None, kb, stage], tSrQ[None, None, kb, 0], acc_s)
+            warpgroup.commit_group()
+            mbits = cute.make_rmem_tensor((mblocks,), Int32)
+            for mb in cutlass.range_constexpr(mblocks):
+                mbits[mb] = sMask[2 * mb + warp // 2, stage] >> mask_shift
+            warpgroup.wait_group(0)
+
+            # ---------------- online softmax over the tile's tokens ----------------
+            tile_max = cute.make_rmem_tensor((nslots,), Float32)
+            tile_max.fill(-Float32.inf)
+            for e in cutlass.range_constexpr(nS):
+                s_val = acc_s[e] * c
+                r = cS0[e][0]
+                if (mbits[r // MMA_M] >> (r % MMA_M)) & 1 == 0:
+                    s_val = -Float32.inf
+                acc_s[e] = s_val
+                sl = slot_of(cS0[e][1])
+                tile_max[sl] = cute.arch.fmax(tile_max[sl], s_val)
+            for s in cutlass.range_constexpr(nslots):
+                v = tile_max[s]
+                for off in (4, 8, 16):
+                    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, off))
+                tile_max[s] = v
+            if lane < 4:
+                for s in cutlass.range_constexpr(nslots):
+                    sRed[warp, (s // 2) * 8 + s % 2 + n_base] = tile_max[s]
+            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+            alpha = cute.make_rmem_tensor((nslots,), Float32)
+            for s in cutlass.range_constexpr(nslots):
+                n = (s // 2) * 8 + s % 2 + n_base
+                t_max = cute.arch.fmax(cute.arch.fmax(sRed[0, n], sRed[1, n]), cute.arch.fmax(sRed[2, n], sRed[3, n]))
+                new_max = cute.arch.fmax(row_max[s], t_max)
+                safe = new_max if new_max != -Float32.inf else Float32(0.0)
+                alpha[s] = cute.math.exp2(row_max[s] - safe, fastmath=True)
+                row_max[s] = new_max
+                row_sum[s] = row_sum[s] * alpha[s]
+            for e in cutlass.range_constexpr(nS):
+                sl = slot_of(cS0[e][1])
+                safe = row_max[sl] if row_max[sl] != -Float32.inf else Float32(0.0)
+                p = cute.math.exp2(acc_s[e] - safe, fastmath=True)
+                row_sum[sl] = row_sum[sl] + p
+                sP[cS0[e][1] + n_base, cS0[e][0] + (cS[0][0] - cS0[0][0]), 0] = p.to(sP.element_type)
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = acc_o[e] * alpha[slot_of(cO0[e][1])]
+            cute.arch.fence_proxy("async.shared", space="cta")  # sP is read by WGMMA
+            # also: every warp read sRed for this tile before the next tile overwrites it
+            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+
+            # ---------------- O^T += V^T P^T ----------------
+            if const_expr(self.fp8):
+                # after QK: the K fragments are dead, so K and V fragments share registers
+                self.load_v_fragments(tOrV, v_base, v_layout, stage, warp, lane)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(self.tile // 16):
+                if const_expr(self.fp8):
+                    cute.gemm(pv_mma, acc_o, tOrV[None, None, kb], tOrP[None, None, kb, 0], acc_o)
+                else:
+                    cute.gemm(pv_mma, acc_o, tOrV[None, None, kb, stage], tOrP[None, None, kb, 0], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.mbarrier_arrive(empty + stage)
+
+        self.epilogue(acc_o, row_max, row_sum, sRed, cO0, thr_pv, mO, mLse, mGate, v_scale, row, kv_head, split,
+                      n_base, warp, lane)
+
+    # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def epilogue(self, acc_o, row_max, row_sum, sRed, cO0, thr_pv, mO, mLse, mGate, v_scale, row, kv_head, split,
+                 n_base, warp, lane):
+        """Normalize and store: fp32 partials + LSE (split), or O in q's dtype (gated) + LSE.
+        A row (or split) without a valid entry gets O = 0 and LSE = -inf."""
+        cfg = self.cfg
+        D, N, G = self.D, self.N, self.G
+        nslots = N // 4
+
+        def slot_of(n_static):
+            return (n_static // 8) * 2 + n_static % 8
+
+        for s in cutlass.range_constexpr(nslots):
+            v = row_sum[s]
+            for off in (4, 8, 16):
+                v = v + cute.arch.shuffle_sync_bfly(v, off)
+            row_sum[s] = v
+        if lane < 4:
+            for s in cutlass.range_constexpr(nslots):
+                sRed[warp, (s // 2) * 8 + s % 2 + n_base] = row_sum[s]
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+        inv = cute.make_rmem_tensor((nslots,), Float32)
+        for s in cutlass.range_constexpr(nslots):
+            n = (s // 2) * 8 + s % 2 + n_base
+            total = sRed[0, n] + sRed[1, n] + sRed[2, n] + sRed[3, n]
+            inv[s] = Float32(0.0)
+            lse = -Float32.inf
+            if total > Float32(0.0):
+                inv[s] = v_scale / total
+                lse = row_max[s] + cute.math.log2(total, fastmath=True)
+            if warp == 0:
+                if lane < 4:
+                    if n < G:
+                        if const_expr(cfg.split):
+                            mLse[split, row, kv_head * G + n] = lse
+                        else:
+                            mLse[row, kv_head * G + n] = lse
+        cO = thr_pv.partition_C(cute.make_identity_tensor((D, N)))
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            n = cO[e][1]
+            if n < G:
+                d = self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])
+                head = kv_head * G + n
+                val = acc_o[e] * inv[slot_of(cO0[e][1])]
+                if const_expr(cfg.split):
+                    mO[split, row, head, d] = val
+                else:
+                    o = val.to(mO.element_type)
+                    if const_expr(cfg.gate):
+                        # round the attention output first, then the fp32 gate product
+                        g = mGate[row, head, d].to(Float32)
+                        sig = Float32(1.0) / (Float32(1.0) + cute.math.exp2(-g * Float32(LOG2E), fastmath=True))
+                        o = (o.to(Float32) * sig).to(mO.element_type)
+                    mO[row, head, d] = o
+
+
+@dataclass(frozen=True)
+class Sm90QsaConfig(KernelConfig):
+    """Compile key of :class:`Sm90QsaAttention`.
+
+    ``group``: query heads per KV head (1..16; the WGMMA N is ``n_pad``, a multiple of 8).
+    ``page_size``: tokens per cache page (any; ``t // page`` divides by this constant).
+    ``tile``: tokens per iteration (64 or 128: one or two WGMMA M blocks). ``stages``: gather
+    slots in flight. ``split``: fp32 partials for the merge (the split count is the grid's
+    third dim, a runtime value) instead of the final output. ``gate``: multiply the output by
+    ``sigmoid(gate)`` (non-split; the merge applies it otherwise). ``occupancy``: CTAs per SM the
+    register allocation must allow (0 = no constraint).
+    """
+
+    q_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    head_dim: int = 256
+    group: int = 12
+    page_size: int = 1568
+    tile: int = 64
+    stages: int = 3
+    split: bool = False
+    gate: bool = False
+    occupancy: int = 1
+
+    kernel_id = "sm90.qsa"
+    targets = ("sm_90a",)
+    # tensor cores, the zero-filling cp.async gather and the mbarrier pipeline
+    evidence = {"sm_90a": (r"wgmma\.mma_async", r"cp\.async\.cg\.shared\.global", r"cp\.async\.mbarrier\.arrive",
+                           r"mbarrier\.try_wait")}
+
+    def __post_init__(self):
+        if self.q_dtype not in ("bf16", "fp16"):
+            raise ValueError(f"q dtype must be bf16 or fp16, got {self.q_dtype}")
+        if self.kv_dtype not in ("bf16", "fp16", "fp8_e4m3"):
+            raise ValueError(f"kv dtype must be bf16, fp16 or fp8_e4m3, got {self.kv_dtype}")
+        if self.kv_dtype != "fp8_e4m3" and self.kv_dtype != self.q_dtype:
+            raise ValueError("a 16-bit KV cache must have the query's dtype")
+        if self.head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
+        if not 1 <= self.group <= MAX_GROUP:
+            raise ValueError(f"group (num_q_heads / num_kv_heads) must be in [1, {MAX_GROUP}], got {self.group}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+        if self.tile not in (64, 128) or self.stages < 1:
+            raise ValueError(f"bad tile/stages {self.tile}/{self.stages}")
+        if self.gate and self.split:
+            raise ValueError("the gate of a split launch is applied by the merge")
+
+    @property
+    def n_pad(self) -> int:
+        return max(8, (self.group + 7) // 8 * 8)
+
+    @property
+    def widen(self) -> str:
+        """FP8 widening used by the inherited decode helpers: exact ``cvt`` to fp16."""
+        return "cvt"
+
+    def signature(self):
+        D = self.head_dim
+        out = "fp32" if self.split else self.q_dtype
+        o_shape = ("S", "T", "Hq", D) if self.split else ("T", "Hq", D)
+        lse_shape = ("S", "T", "Hq") if self.split else ("T", "Hq")
+        cache = ("NB", self.page_size, "Hkv", D)
+        return (
+            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
+            TensorArg("k_cache", self.kv_dtype, cache),
+            TensorArg("v_cache", self.kv_dtype, cache),
+            TensorArg("packed_indices", "int32", ("T", "W"), align=4),
+            TensorArg("block_table", "int32", ("R", "BW"), align=4),
+            TensorArg("token_to_req", "int32", ("T",), align=4),
+            TensorArg("out", out, o_shape, align=4),
+            TensorArg("lse", "fp32", lse_shape, align=4),
+            TensorArg("gate", self.q_dtype, ("GT", "GH", D), align=2),
+            ScalarArg("k_scale", "fp32"),
+            ScalarArg("v_scale", "fp32"),
+        )
+
+    def build(self):
+        return Sm90QsaAttention(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# host-side tuning and the config table (no GPU, no tensors)
+# ----------------------------------------------------------------------------------------------
+
+SMEM_PER_SM = 228 * 1024  # per SM on H100/H200, of which 1 KB per resident CTA is reserved
+H200_SMS = 132
+TILE = 64
+MAX_SPLITS = 64
+PRODUCTION_TOPK = 2051  # 2048 selected tokens + 4 - 1 (qsa-contract §1)
+
+
+def qsa_tuning(kv_dtype: str, head_dim: int, group: int, tile: int = TILE) -> tuple[int, int]:
+    """(stages, CTAs per SM) of a variant: the most resident CTAs that still get >= 3 gather
+    slots each (falling back to 2, then 1) while keeping >= 96 KB of K/V in flight per SM
+    (what the paged decode kernel measured to saturate HBM) and fitting the registers (measured
+    with ptxas: ~100 for 16-bit caches, ~195 for FP8 at D = 256, whose K/V fragments live in
+    registers)."""
+    kv_bytes = DTYPE_BITS[kv_dtype] // 8
+    n_pad = max(8, (group + 7) // 8 * 8)
+    stage = 2 * tile * head_dim * kv_bytes
+    # Q, P, reduction, barriers + bitmasks + 1024-byte alignment slack, the reserved 1 KB
+    fixed = n_pad * head_dim * 2 + n_pad * tile * 2 + MMA_WARPS * n_pad * 4 + 2 * 1024 + 1024
+    regs = 32 + head_dim * n_pad // 128 + tile * n_pad // 128 + (tile * head_dim // 128 if kv_bytes == 1 else 0)
+    regs = (regs + 7) // 8 * 8
+    max_occ = max(1, min(4, 65536 // (NUM_THREADS * regs)))
+    for want in (3, 2, 1):
+        for occ in range(max_occ, 0, -1):
+            stages = min(4, (SMEM_PER_SM // occ - fixed) // stage)
+            if stages >= want and occ * stages * stage >= 96 * 1024:
+                return stages, occ
+    return 1, 1
+
+
+@cache
+def split_table(kv_dtype: str, head_dim: int, group: int, prefill: bool, topk: int = PRODUCTION_TOPK,
+                num_sms: int = H200_SMS) -> tuple[tuple[int, int, int], ...]:
+    """The config table: ``((max_bp, tile, splits), ...)`` by increasing ``max_bp`` (0 on the last
+    entry = no bound), keyed by ``bp = rows * num_kv_heads``.
+
+    Built from a cost model in units of one tile's gather (the kernel is bound by gathered bytes):
+    ``bp * S`` CTAs on ``slots = num_sms * occupancy`` run ``ceil(bp * S / slots)`` waves of
+    ``ceil(tiles / S) + 2`` tiles (start-up: index and page lookups, Q staging, epilogue); with
+    ``S > 1`` the merge adds one tile of latency plus its traffic (fp32 partials written and read
+    back, ``2 * G * D * 4`` bytes per CTA, spread over the SMs). ``S`` never exceeds the tiles
+    of a full row and never grows with ``bp`` (wave-quantization wiggles are not worth a
+    non-monotonic table). ``prefill`` batches beyond 2048 (row, head) pairs never split: they
+    fill the machine and a merge would only add traffic; below that both profiles agree (the
+    flag is kept so they can be tuned apart).
+    """
+    tile = TILE
+    _, occ = qsa_tuning(kv_dtype, head_dim, group, tile)
+    slots = num_sms * occ
+    tiles = max(1, -(-topk // tile))
+    tile_bytes = 2 * tile * head_dim * (DTYPE_BITS[kv_dtype] // 8)
+    partial_bytes = 2 * group * head_dim * 4
+
+    def cost(bp, s):
+        waves = -(-bp * s // slots)
+        merge = 1 + bp * s * partial_bytes / (num_sms * tile_bytes) if s > 1 else 0
+        return waves * (-(-tiles // s) + 2) + merge
+
+    table: list[tuple[int, int, int]] = []
+    prev = min(MAX_SPLITS, tiles)
+    for bp in range(1, (2048 if prefill else 8 * slots) + 1):
+        s = min(range(1, prev + 1), key=lambda k: (cost(bp, k), k))
+        prev = s
+        if table and table[-1][2] == s:
+            table[-1] = (bp, tile, s)
+        else:
+            table.append((bp, tile, s))
+        if s == 1:
+            break
+    table[-1] = (0, tile, table[-1][2]) if table[-1][2] == 1 else table[-1]
+    if table[-1][0] != 0:
+        table.append((0, tile, 1))
+    return tuple(table)
+
+
+def select_config(rows: int, num_kv_heads: int, prefill: bool, kv_dtype: str, head_dim: int, group: int,
+                  topk: int = PRODUCTION_TOPK, num_sms: int = H200_SMS) -> tuple[int, int]:
+    """``(tile, splits)`` for a launch, from the table (0 = unbounded last entry)."""
+    bp = rows * num_kv_heads
+    for max_bp, tile, splits in split_table(kv_dtype, head_dim, group, prefill, topk, num_sms):
+        if max_bp == 0 or bp <= max_bp:
+            return tile, max(1, min(splits, -(-max(topk, 1) // tile)))
+    raise AssertionError("config table without a last entry")  # pragma: no cover
+
+
+def make_qsa_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int, split: bool,
+                    gate: bool, tile: int = TILE, **override) -> Sm90QsaConfig:
+    """The config the op, the warm-up and the compile matrix use: tuning filled in here, once.
+    ``override`` replaces tuning fields (benchmarks)."""
+    stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile)
+    fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
+                  tile=tile, stages=stages, split=split, gate=gate and not split, occupancy=occupancy)
+    fields.update(override)
+    return Sm90QsaConfig(**fields)

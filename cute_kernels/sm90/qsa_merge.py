@@ -1,0 +1,121 @@
+"""Merge of the QSA split-K partials with the fused output gate.
+
+``merge_states`` (``common/merge.py``) computes ``O = sum_s 2^(L_s - L) O_s`` from fp32 partials
+and base-2 LSEs; QSA then needs ``round(O) * sigmoid(gate)`` in q's dtype and no merged LSE. This
+kernel is :class:`~cute_kernels.common.merge.MergeStates` with that epilogue: same thread layout
+(one row ``(n, h)`` per ``head_dim / vec`` threads, 16-byte partial loads, empty splits selected
+away by the inherited ``accumulate``), the gate read with the same vector width, and no LSE
+store. It runs as a programmatic dependent launch of the split-K kernel (``pdl``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from ..common.merge import _UNROLL, MergeStates
+from ..jit.compiler import KernelConfig
+from ..jit.dtypes import DTYPE_BITS, cute_dtype
+from ..jit.spec import TensorArg
+
+LOG2E = math.log2(math.e)
+
+
+class QsaMerge(MergeStates):
+    """Kernel: ``mO [N, H, D] = round(merge(mPartialO, mPartialLse)) * sigmoid(mGate)``."""
+
+    def __init__(self, out_dtype, head_dim: int, vec: int, gate: bool, pdl: bool):
+        super().__init__(out_dtype, head_dim, vec, pdl)
+        self.gate = gate
+
+    @cute.jit
+    def __call__(self, mPartialO: cute.Tensor, mPartialLse: cute.Tensor, mO: cute.Tensor, mGate: cute.Tensor,
+                 stream):
+        num_rows = mO.shape[0] * mO.shape[1]
+        grid_x = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
+        self.merge_kernel(mPartialO, mPartialLse, mO, mGate).launch(
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def merge_kernel(self, mPartialO: cute.Tensor, mPartialLse: cute.Tensor, mO: cute.Tensor, mGate: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_splits = mPartialO.shape[0]
+        num_heads = mO.shape[1]
+        row = bidx * self.rows_per_cta + tidx // self.threads_per_row
+        lane = tidx % self.threads_per_row
+        if cutlass.const_expr(self.pdl):
+            # the split-K kernel's partials are complete (and flushed) only after this wait
+            cute.arch.griddepcontrol_wait()
+        if row < mO.shape[0] * num_heads:
+            n = row // num_heads
+            h = row - n * num_heads
+            lse_max = -Float32.inf
+            for s in cutlass.range(num_splits, unroll=4):
+                lse_max = cute.arch.fmax(lse_max, mPartialLse[s, n, h])
+            shift = lse_max if lse_max != -Float32.inf else Float32(0.0)
+            acc = cute.make_rmem_tensor((self.vec,), Float32)
+            acc.fill(0.0)
+            weight_sum = Float32(0.0)
+            full = num_splits - num_splits % _UNROLL
+            for s0 in cutlass.range(0, full, _UNROLL, unroll=1):
+                lses = [mPartialLse[s0 + j, n, h] for j in range(_UNROLL)]
+                parts = [cute.local_tile(mPartialO[s0 + j, n, h, None], (self.vec,), (lane,)).load()
+                         for j in range(_UNROLL)]
+                for j in cutlass.range_constexpr(_UNROLL):
+                    weight_sum = self.accumulate(acc, parts[j], lses[j], shift, weight_sum)
+            for s in cutlass.range(full, num_splits, unroll=1):
+                part = cute.local_tile(mPartialO[s, n, h, None], (self.vec,), (lane,)).load()
+                weight_sum = self.accumulate(acc, part, mPartialLse[s, n, h], shift, weight_sum)
+            inv = Float32(0.0)
+            if weight_sum > Float32(0.0):
+                inv = Float32(1.0) / weight_sum
+            o = (acc.load() * inv).to(self.out_dtype)  # the attention output, rounded first
+            if cutlass.const_expr(self.gate):
+                g = cute.local_tile(mGate[n, h, None], (self.vec,), (lane,)).load().to(Float32)
+                sig = cute.make_rmem_tensor((self.vec,), Float32)
+                sig.store(g)
+                for e in cutlass.range_constexpr(self.vec):
+                    sig[e] = Float32(1.0) / (Float32(1.0) + cute.math.exp2(-sig[e] * Float32(LOG2E), fastmath=True))
+                o = (o.to(Float32) * sig.load()).to(self.out_dtype)
+            cute.local_tile(mO[n, h, None], (self.vec,), (lane,)).store(o)
+
+
+@dataclass(frozen=True)
+class QsaMergeConfig(KernelConfig):
+    """Compile key of :class:`QsaMerge`: output (= q) dtype, head dim, vector width (fp32 lanes
+    of a partial load), whether a gate is applied, and PDL behind the split-K kernel."""
+
+    out_dtype: str = "bf16"
+    head_dim: int = 256
+    vec: int = 4
+    gate: bool = True
+    pdl: bool = True
+
+    kernel_id = "sm90.qsa_merge"
+    targets = ("sm_90a",)
+    evidence = {"sm_90a": (r"ld\.global(\.\w+)*\.v4\.[bf]32", r"griddepcontrol\.wait")}
+
+    def __post_init__(self):
+        if self.out_dtype not in ("bf16", "fp16"):
+            raise ValueError(f"qsa merge output dtype must be bf16/fp16, got {self.out_dtype}")
+        if self.vec not in (1, 2, 4) or self.head_dim % self.vec or self.head_dim // self.vec > 1024:
+            raise ValueError(f"bad head_dim/vec {self.head_dim}/{self.vec}")
+
+    def signature(self):
+        D = self.head_dim
+        align16 = DTYPE_BITS[self.out_dtype] * self.vec // 8
+        return (
+            TensorArg("partial_out", "fp32", ("S", "N", "H", D), align=4 * self.vec),
+            TensorArg("partial_lse", "fp32", ("S", "N", "H"), align=4),
+            TensorArg("out", self.out_dtype, ("N", "H", D), align=align16),
+            TensorArg("gate", self.out_dtype, ("GN", "GH", D), align=align16),
+        )
+
+    def build(self):
+        return QsaMerge(cute_dtype(self.out_dtype), self.head_dim, self.vec, self.gate, self.pdl)

@@ -1,0 +1,244 @@
+"""SM90 QSA sparse attention against the reference, on the H200.
+
+Inputs come from ``make_qsa_case`` (tests/cpu/test_qsa_reference.py): the production cache layout
+(transposed halves of one ``[blocks, Hkv, PAGE, 2 D]`` buffer), randomly permuted block tables,
+QSA's 4-token block selection with TOPK = 2051, every third request short, NaN-poisoned unused
+pages and slots past each request's end, fresh random inputs per test (seeded by the test id),
+and NaN-filled ``out`` buffers so that any element the kernel fails to write fails the test.
+
+Tolerance: ``assert_close(rtol=2e-2, atol=2e-2)`` on the bf16 outputs against the fp32 reference
+on the same (dequantized) cache values, the issue's bound (the kernel's own error is ~1e-3: fp32
+accumulation, bf16/fp16 P and one bf16 output rounding).
+
+Grid (the contract's test table, §5): head layouts 24/2, 12/1, 6/1 at D 256, rows 1 to 2048,
+pages 784/800/1568/1600, both ``prefill`` profiles, BF16 and FP8 caches (k_scale 0.5, v_scale
+2.0, so a k/v mix-up fails); plus forced split counts (merge with and without the gate), invalid
+entries of every kind, count-column edge cases, D 64/128, GQA 16 and 1, fp16, CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cute_kernels
+from cute_kernels import reference
+from cute_kernels.ops.qsa_sparse_attention import tuning_override
+from tests.cpu.test_qsa_reference import make_qsa_case
+
+from .conftest import sm90_only
+
+pytestmark = sm90_only()
+BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+TOL = dict(rtol=2e-2, atol=2e-2)
+WIDTH = 2052  # TOPK 2051 + the count column
+BUDGET = 512  # compressed blocks per row
+
+# (rows, Hq, Hkv, page, prefill, reqs, kv)
+CASES = [
+    (1, 24, 2, 1600, True, 2, BF16),
+    (16, 12, 1, 1600, True, 3, BF16),
+    (32, 6, 1, 800, True, 5, BF16),
+    (128, 24, 2, 1568, True, 7, BF16),
+    (257, 6, 1, 800, True, 13, BF16),
+    (513, 6, 1, 784, True, 17, BF16),
+    (700, 6, 1, 800, True, 23, BF16),
+    (1024, 24, 2, 1600, True, 33, BF16),
+    (2048, 24, 2, 1600, True, 63, BF16),
+    (2048, 24, 2, 1600, False, 63, BF16),
+    (1, 24, 2, 1568, False, 1, BF16),
+    (4, 24, 2, 1568, False, 4, BF16),
+    (16, 12, 1, 1600, False, 16, BF16),
+    (64, 6, 1, 784, False, 64, BF16),
+    (1, 24, 2, 1600, False, 1, FP8),
+    (1, 24, 2, 1600, True, 2, FP8),
+    (128, 24, 2, 1568, True, 7, FP8),
+    (128, 24, 2, 1568, False, 128, FP8),
+    (2048, 24, 2, 1600, True, 63, FP8),
+    (2048, 24, 2, 1600, False, 63, FP8),
+    (33, 12, 1, 800, False, 33, FP8),
+    (96, 6, 1, 784, True, 9, FP8),
+]
+
+
+def _ids(c):
+    rows, hq, hkv, page, prefill, reqs, kv = c
+    return f"r{rows}-h{hq}/{hkv}-p{page}-{'prefill' if prefill else 'decode'}-q{reqs}-{str(kv)[6:]}"
+
+
+def _case(gen, rows, hq, hkv, page, reqs, kv, *, D=256, q_dtype=BF16, gate=True, ctx=None, **kw):
+    g = torch.Generator().manual_seed(int(torch.randint(2**31, (1,), generator=gen, device="cuda")))
+    fp8 = kv == FP8
+    return make_qsa_case(rows=rows, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, page=page, kv_dtype=kv,
+                         q_dtype=q_dtype, num_reqs=reqs, ctx=ctx or 4 * page + 321, block_budget=BUDGET, width=WIDTH,
+                         short_every=3, gate=gate, k_scale=0.5 if fp8 else 1.0, v_scale=2.0 if fp8 else 1.0,
+                         generator=g, device="cuda", **kw)
+
+
+def _run(case, prefill, **kw):
+    args = {k: v for k, v in case.items() if k != "meta"}
+    args.update(kw)
+    out = torch.full_like(case["q"], float("nan"))  # poisoned: every element must be written
+    res = cute_kernels.qsa_sparse_attention(**args, prefill=prefill, out=out)
+    assert res is out
+    ref = reference.qsa_sparse_attention(**args)
+    return out, ref
+
+
+def _check(out, ref):
+    assert not torch.isnan(out).any(), "unwritten or NaN outputs"
+    torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _precompile():
+    """Every variant the module will hit, compiled in parallel processes first."""
+    from cute_kernels.jit.parallel import precompile
+    from cute_kernels.qsa_warmup import qsa_variants
+
+    shapes = {(hq, hkv, page, "fp8" if kv == FP8 else "bf16", 256, "bf16") for _, hq, hkv, page, _, _, kv in CASES}
+    shapes |= {(16, 1, 96, "bf16", 128, "bf16"), (8, 8, 64, "fp8", 64, "bf16"), (12, 1, 800, "fp16", 256, "fp16"),
+               (24, 2, 1568, "bf16", 256, "bf16"), (12, 1, 800, "bf16", 256, "bf16")}
+    configs = []
+    for hq, hkv, page, kv, D, qd in shapes:
+        configs += qsa_variants(head_dim=D, num_q_heads=hq, num_kv_heads=hkv, page_size=page, kv_cache_dtype=kv,
+                                q_dtype=qd)
+    precompile(configs, "sm_90a")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_against_reference(gen, case):
+    rows, hq, hkv, page, prefill, reqs, kv = case
+    c = _case(gen, rows, hq, hkv, page, reqs, kv)
+    out, ref = _run(c, prefill)
+    _check(out, ref)
+    counts = c["packed_indices"][:, -1]
+    assert (counts >= 2048).any() or rows < 3  # full budgets are exercised, not only short rows
+
+
+@pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("splits", [1, 2, 5, 33])
+@pytest.mark.parametrize("gate", [True, False], ids=["gate", "nogate"])
+def test_forced_splits(gen, kv, splits, gate):
+    """Direct output (1) and split-K + merge with and without the gate; 33 = one tile per split,
+    so short rows leave most splits empty (0 and -inf partials)."""
+    c = _case(gen, 24, 24, 2, 1568, 6, kv, gate=gate)
+    with tuning_override(splits=splits):
+        out, ref = _run(c, False)
+    _check(out, ref)
+
+
+@pytest.mark.parametrize("kind", ["negative_token", "page_beyond_table", "phys_negative", "phys_too_large",
+                                  "req_too_large", "req_negative", "count_zero", "count_over_topk",
+                                  "count_negative", "holes"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_invalid_entries(gen, kind, splits):
+    """Each kind of invalid entry contributes nothing and is never dereferenced (the pages it
+    would hit are NaN-poisoned or outside the cache)."""
+    c = _case(gen, 12, 12, 1, 800, 3, BF16, holes=0.2 if kind == "holes" else 0.0)
+    packed, table, t2r = c["packed_indices"], c["block_table"], c["token_to_req"]
+    NB, page = c["k_cache"].shape[:2]
+    W = table.shape[1]
+    r = 1
+    req = int(t2r[r])
+    cnt = int(packed[r, -1])
+    if kind == "negative_token":
+        packed[r, : cnt : 3] = -5
+    elif kind == "page_beyond_table":
+        packed[r, 1:cnt:4] = W * page + 7
+    elif kind in ("phys_negative", "phys_too_large"):
+        table[req, 0] = -2 if kind == "phys_negative" else NB + 100  # every token of page 0
+    elif kind == "req_too_large":
+        t2r[r] = table.shape[0] + 5
+    elif kind == "req_negative":
+        t2r[r] = -1
+    elif kind == "count_zero":
+        packed[r, -1] = 0
+    elif kind == "count_over_topk":
+        packed[r, -1] = 10**6  # clamped to TOPK; columns past the old count are -1
+    elif kind == "count_negative":
+        packed[r, -1] = -7
+    with tuning_override(splits=splits):
+        out, ref = _run(c, False)
+    _check(out, ref)
+    if kind in ("req_too_large", "req_negative", "count_zero", "count_negative"):
+        assert torch.equal(out[r], torch.zeros_like(out[r]))
+
+
+@pytest.mark.parametrize("D,hq,hkv,page,kv,qd", [
+    (128, 16, 1, 96, BF16, BF16),
+    (64, 8, 8, 64, FP8, BF16),
+    (256, 12, 1, 800, FP16, FP16),
+])
+def test_other_shapes(gen, D, hq, hkv, page, kv, qd):
+    c = _case(gen, 40, hq, hkv, page, 5, kv, D=D, q_dtype=qd)
+    for prefill in (False, True):
+        out, ref = _run(c, prefill)
+        _check(out, ref)
+
+
+def test_contiguous_separate_caches(gen):
+    """K and V as two separate contiguous [NB, PAGE, Hkv, D] tensors (not halves of one buffer)."""
+    c = _case(gen, 20, 24, 2, 1568, 4, BF16)
+    c = dict(c, k_cache=c["k_cache"].contiguous(), v_cache=c["v_cache"].contiguous())
+    out, ref = _run(c, False)
+    _check(out, ref)
+
+
+def test_dense_causal_prefill(gen):
+    """1 x 300 prefill from position 0: the selection is dense causal (counts 1..300)."""
+    c = _case(gen, 300, 24, 2, 1568, 1, BF16, positions="all", ctx=300)
+    assert c["packed_indices"][:, -1].tolist() == list(range(1, 301))
+    out, ref = _run(c, True)
+    _check(out, ref)
+
+
+def test_empty_batch(gen):
+    c = _case(gen, 4, 24, 2, 1568, 2, BF16)
+    args = {k: (v[:0] if k in ("q", "packed_indices", "token_to_req", "output_gate") else v)
+            for k, v in c.items() if k != "meta"}
+    out = cute_kernels.qsa_sparse_attention(**args, prefill=False)
+    assert out.shape == (0, 24, 256)
+
+
+@pytest.mark.parametrize("rows", [4, 64])
+def test_cuda_graph_replay(gen, rows):
+    """Captured once, replayed with new indices, counts and queries: the host never reads data."""
+    c = _case(gen, rows, 24, 2, 1568, rows, FP8)
+    args = {k: v for k, v in c.items() if k != "meta"}
+    out = torch.empty_like(c["q"])
+    cute_kernels.qsa_sparse_attention(**args, prefill=False, out=out)  # compile + size the workspace
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cute_kernels.qsa_sparse_attention(**args, prefill=False, out=out)
+    c2 = _case(gen, rows, 24, 2, 1568, rows, FP8)
+    for name in ("q", "packed_indices", "output_gate"):
+        c[name].copy_(c2[name])
+    c["packed_indices"][0, -1] = 5  # a short row
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference.qsa_sparse_attention(**{k: v for k, v in c.items() if k != "meta"})
+    _check(out, ref)
+
+
+def test_cpu_tensors_run_the_reference():
+    c = make_qsa_case(rows=3, num_q_heads=12, num_kv_heads=1, head_dim=64, page=20, ctx=50, gate=True)
+    args = {k: v for k, v in c.items() if k != "meta"}
+    assert torch.equal(cute_kernels.qsa_sparse_attention(**args, prefill=False),
+                       reference.qsa_sparse_attention(**args))
+
+
+def test_argument_errors(gen):
+    c = _case(gen, 4, 24, 2, 1568, 2, BF16)
+    args = {k: v for k, v in c.items() if k != "meta"}
+    with pytest.raises(TypeError, match="packed_indices"):
+        cute_kernels.qsa_sparse_attention(**dict(args, packed_indices=args["packed_indices"].long()), prefill=False)
+    with pytest.raises(ValueError, match="k_scale"):
+        cute_kernels.qsa_sparse_attention(**dict(args, k_scale=-1.0), prefill=False)
+    with pytest.raises(ValueError, match="num_q_heads / num_kv_heads"):
+        q = torch.zeros(4, 48, 256, dtype=BF16, device="cuda")
+        cute_kernels.qsa_sparse_attention(**dict(args, q=q, output_gate=None), prefill=False)
+    with pytest.raises(TypeError, match="prefill"):
+        cute_kernels.qsa_sparse_attention(**args, prefill=1)
