@@ -3,7 +3,9 @@
 1. ``quantize_query`` (Hq 32, D 128, bf16 -> FP8, per-tensor scale; also with fused NeoX RoPE) and
    ``write_kv_cache`` (Hkv 8, D 128, bf16 -> FP8 cache, page 16, HND) at T in {1, 64, 4096, 65536}:
    CUDA-graph time, % of the read bandwidth measured in this process (bytes read + written /
-   bandwidth: the roofline of a streaming kernel), and the speedup over the torch expression
+   bandwidth: the roofline of a streaming kernel; also against the measured device-to-device copy
+   bandwidth, the fairer roofline for a kernel that writes a third of its bytes), and the speedup
+   over the torch expression
    doing the same thing (``(q.float() / s).clamp(-448, 448).to(fp8)``, an index_put for the cache).
    Each kernel's codes are also compared with the reference (``mismatch`` = differing bytes).
 2. One decode step of :class:`dispatch.AttentionLayer` (write the new K/V, then attend) for the
@@ -25,7 +27,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.testing import make_paged_decode_case
 
-from .bench_utils import read_bandwidth, time_eager, time_graph
+from .bench_utils import copy_bandwidth, read_bandwidth, time_eager, time_graph
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 TOKENS = (1, 64, 4096, 65536)
@@ -38,7 +40,7 @@ def _mismatch(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(((a.view(torch.uint8) != b.view(torch.uint8)) & ~nan).sum())
 
 
-def bench_quantize(T: int, bw: float, g: torch.Generator, rope: bool) -> dict:
+def bench_quantize(T: int, bw: float, cbw: float, g: torch.Generator, rope: bool) -> dict:
     q = (torch.randn(T, HQ, D, device="cuda", generator=g) * 3).to(BF16)
     scale = 0.0625
     s_dev = torch.tensor(scale, device="cuda")
@@ -71,10 +73,11 @@ def bench_quantize(T: int, bw: float, g: torch.Generator, rope: bool) -> dict:
     tt = time_graph(torch_fn)
     nbytes = q.numel() * 3 + (T * (D * 4 + 8) if rope else 0)
     return dict(op="quantize_query" + ("+rope" if rope else ""), T=T, us=t * 1e6, torch_us=tt * 1e6,
-                bytes=nbytes, roofline_pct=100 * nbytes / bw / t, speedup=tt / t, mismatch=mism)
+                bytes=nbytes, roofline_pct=100 * nbytes / bw / t, copy_pct=100 * nbytes / cbw / t, speedup=tt / t,
+                mismatch=mism)
 
 
-def bench_write(T: int, bw: float, g: torch.Generator) -> dict:
+def bench_write(T: int, bw: float, cbw: float, g: torch.Generator) -> dict:
     pages = (T + PAGE - 1) // PAGE + 3
     kv = torch.zeros(pages, 2, HKV, PAGE, D, dtype=FP8, device="cuda")
     # each token its own slot, pages in random order (as a block allocator hands them out)
@@ -103,7 +106,7 @@ def bench_write(T: int, bw: float, g: torch.Generator) -> dict:
     tt = time_graph(torch_fn)
     nbytes = 2 * T * HKV * D * 3 + T * 8
     return dict(op="write_kv_cache", T=T, us=t * 1e6, torch_us=tt * 1e6, bytes=nbytes,
-                roofline_pct=100 * nbytes / bw / t, speedup=tt / t, mismatch=mism)
+                roofline_pct=100 * nbytes / bw / t, copy_pct=100 * nbytes / cbw / t, speedup=tt / t, mismatch=mism)
 
 
 def bench_layer_step(g: torch.Generator) -> dict:
@@ -153,19 +156,19 @@ def bench_layer_step(g: torch.Generator) -> dict:
 
 
 def run(tokens=TOKENS, out_json: str | None = None) -> dict:
-    bw = read_bandwidth()
+    bw, cbw = read_bandwidth(), copy_bandwidth()
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
     rows = []
     for T in tokens:
-        rows.append(bench_quantize(T, bw, g, rope=False))
-        rows.append(bench_quantize(T, bw, g, rope=True))
-        rows.append(bench_write(T, bw, g))
-    print(f"read bandwidth: {bw / 1e12:.2f} TB/s")
-    print(f"{'op':<20} {'T':>6} {'us':>9} {'%roof':>6} {'torch us':>9} {'speedup':>8} {'mismatch':>9}")
+        rows.append(bench_quantize(T, bw, cbw, g, rope=False))
+        rows.append(bench_quantize(T, bw, cbw, g, rope=True))
+        rows.append(bench_write(T, bw, cbw, g))
+    print(f"read bandwidth: {bw / 1e12:.2f} TB/s, copy bandwidth (read + write): {cbw / 1e12:.2f} TB/s")
+    print(f"{'op':<20} {'T':>6} {'us':>9} {'%read':>6} {'%copy':>6} {'torch us':>9} {'speedup':>8} {'mismatch':>9}")
     for r in rows:
-        print(f"{r['op']:<20} {r['T']:>6} {r['us']:>9.2f} {r['roofline_pct']:>6.1f} {r['torch_us']:>9.2f} "
-              f"{r['speedup']:>7.2f}x {r['mismatch']:>9}")
+        print(f"{r['op']:<20} {r['T']:>6} {r['us']:>9.2f} {r['roofline_pct']:>6.1f} {r['copy_pct']:>6.1f} "
+              f"{r['torch_us']:>9.2f} {r['speedup']:>7.2f}x {r['mismatch']:>9}")
     step = bench_layer_step(g)
     print(f"\ndecode step {step['shape']} (plan: {step['plan']})")
     print(f"  bare paged_decode   graph {step['bare_us']:8.2f} us   eager {step['bare_eager_us']:8.2f} us")
@@ -175,7 +178,7 @@ def run(tokens=TOKENS, out_json: str | None = None) -> dict:
     else:
         print(f"  layer eager {step['layer_eager_us']:.2f} us; {step['note']}")
     print(f"  max |layer - bare| = {step['max_abs_diff_vs_bare']:.3g}")
-    result = dict(read_bw=bw, rows=rows, layer_step=step)
+    result = dict(read_bw=bw, copy_bw=cbw, rows=rows, layer_step=step)
     if out_json:
         with open(out_json, "w") as f:
             json.dump(result, f, indent=1)

@@ -9,10 +9,10 @@ float8_e4m3fn (``cvt.rn.satfinite.e4m3x2.f32``), plain for bf16/fp16. The codes 
 :func:`cute_kernels.reference.write_kv_cache`.
 
 Memory-bound: a thread moves ``vec`` consecutive elements of one (token, KV head) row, of both K
-and V (for 16-byte aligned tensors, 16 elements into an FP8 cache: two 16-byte loads and one
-16-byte store each; 8 into a 16-bit cache). The cache is passed as the caller's 5-D tensor (twice)
-or as its K and V halves and re-viewed inside the kernel's host function, so the torch side never
-slices it.
+and V (16 for 16-byte aligned tensors: two 16-byte loads each, and one 16-byte store each into an
+FP8 cache, two into a 16-bit one); all four loads are issued before the first store. The cache is
+passed as the caller's 5-D tensor (twice) or as its K and V halves and re-viewed inside the
+kernel's host function, so the torch side never slices it.
 """
 
 from __future__ import annotations
@@ -88,17 +88,25 @@ class WriteKVCache:
             if slot >= Int64(0) and slot < num_slots:
                 page = Int32(slot // self.page_size)
                 offset = Int32(slot - Int64(page) * self.page_size)
-                self.store_row(mKey, mK, k_scale, t, h, page, offset, lane)
-                self.store_row(mValue, mV, v_scale, t, h, page, offset, lane)
+                # both loads before either store: the compiler cannot move a load above a store
+                # that may alias it, and two rows in flight per thread hide more latency
+                tKrK = cute.make_rmem_tensor((self.vec,), Float32)
+                tVrV = cute.make_rmem_tensor((self.vec,), Float32)
+                tKrK.store(cute.local_tile(mKey[t, h, None], (self.vec,), (lane,)).load().to(Float32))
+                tVrV.store(cute.local_tile(mValue[t, h, None], (self.vec,), (lane,)).load().to(Float32))
+                ks, vs = self.scale_value(k_scale), self.scale_value(v_scale)
+                self.store_row(tKrK, mK, ks, page, h, offset, lane)
+                self.store_row(tVrV, mV, vs, page, h, offset, lane)
 
     @cute.jit
-    def store_row(self, mX, mCache, scale, t, h, page, offset, lane):
+    def scale_value(self, scale):
         if const_expr(isinstance(scale, cute.Tensor)):
-            s = scale[0]
-        else:
-            s = Float32(scale)
-        tXrX = cute.make_rmem_tensor((self.vec,), Float32)
-        tXrX.store(cute.local_tile(mX[t, h, None], (self.vec,), (lane,)).load().to(Float32))
+            return scale[0]
+        return Float32(scale)
+
+    @cute.jit
+    def store_row(self, tXrX, mCache, s, page, h, offset, lane):
+        """``mCache[page, h, offset, chunk lane] = convert(tXrX / s)``."""
         for e in cutlass.range_constexpr(self.vec):
             tXrX[e] = tXrX[e] / s  # div.rn.f32: exact, like the reference
         gC = cute.local_tile(mCache[page, h, offset, None], (self.vec,), (lane,))

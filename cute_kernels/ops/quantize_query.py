@@ -155,7 +155,8 @@ def quantize_query(
             ``[T]``. Dims ``>= rot_dim`` pass through unrotated.
 
     Returns:
-        ``out``. CPU tensors run the reference.
+        ``out``. CPU tensors run the reference, and so do SM80/86 GPUs (no FP8 conversion
+        instructions; the dispatch layer never quantizes a query there).
     """
     try:
         key = _key(q, q_scale, out, rope)
@@ -176,7 +177,10 @@ def quantize_query(
         if launch.reference:
             out.copy_(reference.quantize_query(q, q_scale, rope=rope))
         elif q.shape[0] and q.shape[1]:
-            scale = q_scale.view(1) if launch.scale_tensor and q_scale.dim() != 1 else q_scale
+            if launch.scale_tensor:
+                scale = q_scale if q_scale.dim() == 1 else q_scale.view(1)
+            else:
+                scale = float(q_scale)
             values = {"q": q, "out": out, "q_scale": scale}
             if rope is not None:
                 values["cos_sin_cache"], values["positions"] = rope

@@ -118,6 +118,12 @@ def _prepare(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale) ->
     return _Launch(fn, tuple(a.name for a in config.signature()), False, pair, k_tensor, v_tensor)
 
 
+def _scale_arg(scale, is_tensor: bool):
+    if is_tensor:
+        return scale if scale.dim() == 1 else scale.view(1)
+    return float(scale)
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -146,7 +152,8 @@ def write_kv_cache(
             CUDA-graph safe). The cache stores ``x / scale``: saturated RNE for FP8, an RNE cast
             for bf16/fp16.
 
-    CPU tensors run the reference.
+    CPU tensors run the reference, and so does an FP8 cache on SM80/86 (no FP8 conversion
+    instructions there; that torch path reads the slots on the host, so it is not graph-capturable).
     """
     try:
         launch_key = _key(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
@@ -174,7 +181,7 @@ def write_kv_cache(
         k_cache, v_cache = (kv_cache[0], kv_cache[1]) if launch.pair else (kv_cache, kv_cache)
         values = {
             "key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping,
-            "k_scale": k_scale.view(1) if launch.k_tensor and k_scale.dim() != 1 else k_scale,
-            "v_scale": v_scale.view(1) if launch.v_tensor and v_scale.dim() != 1 else v_scale,
+            "k_scale": _scale_arg(k_scale, launch.k_tensor),
+            "v_scale": _scale_arg(v_scale, launch.v_tensor),
         }
         launch.fn(*[values[name] for name in launch.order])

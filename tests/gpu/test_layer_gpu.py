@@ -71,6 +71,13 @@ def _precompile():
                                        kv_dtypes=("fp8_e4m3" if kv == FP8 else "bf16",), q_lens=(q_len,),
                                        scale_tensors=(False,), kv_layouts=(layout,),
                                        kv_forms=("pair" if container == "tuple" else "single",))
+    # device-tensor scales (test_layer_tensor_scales)
+    kv, layout, container, q_len, Hq, Hkv, D, page = GRAPH_CASE
+    step = _step(GRAPH_CASE, 0)
+    configs.append(kv_op.make_config(step.k, step.v, step.kv_cache, step.metadata.slot_mapping, layout, True, True))
+    if target == "sm_90a":
+        configs += decode_variants(head_dim=D, num_q_heads=Hq, num_kv_heads=Hkv, page_size=page,
+                                   scale_tensors=(True,))
     precompile([c for c in configs if target in c.targets], target, progress=False)
 
 
@@ -116,6 +123,23 @@ def test_skip_layer_next_to_fp8_layer():
 
 
 GRAPH_CASE = (FP8, "HND", "single", 1, 32, 4, 128, 16)
+
+
+def test_layer_tensor_scales():
+    """k/v scales as device tensors (a 0-d one included) are read by the kernels: changing them in
+    place changes the next step's result exactly as the reference says."""
+    step = _step(GRAPH_CASE, 6)
+    ks, vs = torch.tensor(0.0625, device="cuda"), torch.tensor([0.03125], device="cuda")
+    kv, layout, container, q_len, Hq, Hkv, D, page = GRAPH_CASE
+    layer = AttentionLayer(Hq, Hkv, D, kv_cache_dtype=kv, page_size=page, k_scale=ks, v_scale=vs)
+    for k_value in (0.0625, 0.25):
+        ks.fill_(k_value)
+        expected_cache = clone_cache(step.kv_cache)
+        expected = reference_step(step, expected_cache, k_scale=ks, v_scale=vs)
+        out = layer.forward(step.q, step.k, step.v, step.kv_cache, step.metadata)
+        torch.cuda.synchronize()
+        assert torch.equal(_cache_bytes(step.kv_cache), _cache_bytes(expected_cache))
+        assert rel_err(out, expected) <= TOL
 
 
 @sm90_only()
