@@ -145,3 +145,30 @@ KERNELS: dict[str, KernelInfo] = {k.id: k for k in _REGISTRY}
 
 # The reference fallback of each phase; ``backend="reference"`` is an alias for it.
 FALLBACKS = {"decode": "reference.paged_decode", "prefill": "reference.paged_prefill"}
+
+
+# QSA sparse attention (issue 4) is its own call site: a layer with top-k selected tokens per query
+# row, served in one op whatever the batch's phase (``prefill`` only picks a tuning profile), so
+# its kernels are listed apart from the paged prefill/decode lists above and planned by
+# :func:`dispatch.qsa.plan_qsa`. Entries use the same :class:`KernelInfo` validation; ``phases``
+# names the profiles a kernel serves.
+_QSA_REGISTRY = (
+    KernelInfo(
+        id="sm90.qsa",
+        status="available",
+        archs=("sm90",), phases=PHASES, kv_dtypes=_ALL_KV, model_dtypes=_ALL_16, qk_dtype="model",
+        supports_quant_query_input=False, head_dims=(64, 128, 256), max_gqa_ratio=16, page_sizes=None,
+        max_q_len=None, kv_layouts=KV_LAYOUTS,
+        description="SM90 QSA sparse GQA attention: cp.async token gather, swap-AB WGMMA, split-K + "
+                    "merge; FP8 K/V converted on chip, QK in the model dtype",
+    ),
+    KernelInfo(
+        id="reference.qsa_sparse_attention", phases=PHASES,
+        description="slow torch reference fallback: cute_kernels.reference.qsa_sparse_attention",
+        **_REFERENCE_LIMITS,
+    ),
+)
+
+# id -> KernelInfo of the QSA call site (read at call time by plan_qsa; tests may swap entries)
+QSA_KERNELS: dict[str, KernelInfo] = {k.id: k for k in _QSA_REGISTRY}
+QSA_FALLBACK = "reference.qsa_sparse_attention"
