@@ -37,9 +37,52 @@ def run(out_json=None):
                 rows.append(dict(kv=str(kv)[6:], tile=name, splits=splits or "auto", graph_us=t * 1e6, eager_us=e * 1e6))
                 print(f"{rows[-1]['kv']:<14} {name:<5} splits={str(rows[-1]['splits']):<5} graph {t*1e6:6.2f} us  eager {e*1e6:6.2f} us",
                       flush=True)
+    rows.append(host_costs())
     if out_json:
         json.dump(rows, open(out_json, "w"), indent=1)
     return rows
+
+
+def host_costs():
+    """Host-side pieces of an eager decode call: the NVTX range (off and forced on, no profiler
+    attached), the launch-cache key, and a whole call on a tiny problem."""
+    import time
+
+    import cute_kernels._nvtx as nv
+    from cute_kernels.ops.paged_decode import _key
+
+    g = torch.Generator(device="cuda")
+    g.manual_seed(1)
+    c = make_paged_decode_case(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, seq_lens=64,
+                               generator=g, poison_tail=False)
+    out = torch.empty_like(c.q)
+    n = 20000
+
+    def per_call(fn):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    def nvtx_range():
+        with nv.op_range("paged_decode", q=c.q, kv_cache=c.kv_cache, block_table=c.block_table):
+            pass
+
+    res = {"nvtx_off_us": per_call(nvtx_range)}
+    saved = nv.ENABLED
+    nv.ENABLED = True
+    try:
+        res["nvtx_forced_on_us"] = per_call(nvtx_range)
+    finally:
+        nv.ENABLED = saved
+    res["launch_key_us"] = per_call(lambda: _key(c.q, c.kv_cache, c.kv_cache, False, c.block_table, c.seq_lens,
+                                                  "HND", 1, None, 1.0, 1.0, out, False, 1))
+    from .bench_utils import host_overhead
+
+    res["eager_call_us"] = host_overhead(lambda: cute_kernels.paged_decode(
+        c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, num_splits=1, **c.kwargs())) * 1e6
+    print(" ".join(f"{k}={v:.2f}" for k, v in res.items()), flush=True)
+    return res
 
 
 def main(argv=None):

@@ -93,11 +93,26 @@ class _Counters:
 _counters = _Counters()
 
 
+_CALL_ARGS = ("q", "k", "v", "block_table", "seq_lens", "out", "lse", "k_scale", "v_scale")
+_SOURCE = {"q": "q", "kv_cache": "k", "k_cache": "k", "v_cache": "v", "block_table": "block_table",
+           "seq_lens": "seq_lens", "out": "out", "lse": "lse", "k_scale": "k_scale", "v_scale": "v_scale"}
+
+
+def _make_caller(fn, order, constants: dict):
+    """A function of the per-call tensors that calls ``fn`` with its arguments in ``order`` (the
+    config's signature), the per-key constants (workspace views, sm_scale) bound in: no dict or
+    list is built per call."""
+    args = ", ".join(_SOURCE.get(name, name) for name in order)
+    env = {"fn": fn, **constants}
+    exec(f"def call({', '.join(_CALL_ARGS)}):\n    fn({args})\n", env)  # noqa: S102 - fixed template
+    return env["call"]
+
+
 @dataclass
 class _Launch:
     """Everything a call needs that depends only on its key (shapes, strides, dtypes...)."""
 
-    fn: object
+    fn: object  # caller of the compiled kernel (see _make_caller)
     order: tuple  # kernel argument names, from the config's signature
     sm_scale: float
     split: bool
@@ -250,7 +265,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         base = part_numel + plse_numel
         scratch = ws[base:base + lse_numel].view(T, Hq)
     order = tuple(a.name for a in config.signature())
-    return _Launch(fn, order, scale, split, part_o, part_lse, scratch, counters, (T, Hq, D), num_splits)
+    caller = _make_caller(fn, order, dict(part_out=part_o, part_lse=part_lse, counters=counters, sm_scale=scale))
+    return _Launch(caller, order, scale, split, part_o, part_lse, scratch, counters, (T, Hq, D), num_splits)
 
 
 def paged_decode(
@@ -314,14 +330,7 @@ def paged_decode(
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
     with op_range("paged_decode", q=q, kv_cache=k, block_table=block_table) if _NVTX else _NULL:
         if launch.out_shape[0]:
-            split = launch.split
-            values = {
-                "q": q, "k_cache": k, "v_cache": v, "block_table": block_table, "seq_lens": seq_lens,
-                "out": out, "lse": lse, "part_out": launch.part_o if split else out,
-                "part_lse": launch.part_lse if split else lse, "counters": launch.counters if split else seq_lens,
-                "k_scale": k_scale, "v_scale": v_scale, "sm_scale": launch.sm_scale,
-            }
-            launch.fn(*[values[name] for name in launch.order])
+            launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
     return (out, lse) if return_lse else out
 
 

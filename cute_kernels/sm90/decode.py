@@ -93,11 +93,11 @@ class Sm90PagedDecode:
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
-    def __call__(
+    def launch(
         self,
         mQ: cute.Tensor,  # [T, Hq, D]
-        mKc: cute.Tensor,  # see Sm90DecodeConfig.signature: 5-D cache (passed twice) or K and V
-        mVc: cute.Tensor,
+        mKc: cute.Tensor,  # 5-D cache (then mVc is the same tensor) or K ...
+        mVc: cute.Tensor,  # ... and V
         mBlockTable: cute.Tensor,  # [B, max_pages] int32
         mSeqLens: cute.Tensor,  # [B] int32
         mO: cute.Tensor,  # [T, Hq, D] in the query's dtype
@@ -818,28 +818,67 @@ class Sm90DecodeConfig(KernelConfig):
         vscale = TensorArg("v_scale", "fp32", (1,), align=4) if self.v_scale_tensor else ScalarArg("v_scale", "fp32")
         page = self.page_size
         inner = ("Hkv", page) if self.kv_layout == "HND" else (page, "Hkv")
-        cache = ("P", 2, *inner, D) if self.kv_form == "single" else ("P", *inner, D)
+        if self.kv_form == "single":
+            caches = (TensorArg("kv_cache", self.kv_dtype, ("P", 2, *inner, D)),)
+        else:
+            caches = (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
+                      TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
+        split = (
+            TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=4),
+            TensorArg("part_lse", "fp32", ("S", "T", "Hq"), align=4),
+            TensorArg("counters", "int32", ("C",), align=4),  # the fused merge's arrival counters
+        ) if self.split else ()
         return (
             TensorArg("q", self.q_dtype, ("T", "Hq", D)),
-            TensorArg("k_cache", self.kv_dtype, cache),  # "single": both are the 5-D cache
-            TensorArg("v_cache", self.kv_dtype, cache),
+            *caches,
             TensorArg("block_table", "int32", ("B", "W"), align=4),
             TensorArg("seq_lens", "int32", ("B",), align=4),
             TensorArg("out", self.q_dtype, ("T", "Hq", D), align=2),
             TensorArg("lse", "fp32", ("T", "Hq"), align=4),
-            # split: fp32 partials and the arrival counters of the fused merge; otherwise the op
-            # passes out / lse / seq_lens again (unused)
-            TensorArg("part_out", "fp32" if self.split else self.q_dtype,
-                      ("S", "T", "Hq", D) if self.split else ("T", "Hq", D), align=4 if self.split else 2),
-            TensorArg("part_lse", "fp32", ("S", "T", "Hq") if self.split else ("T", "Hq"), align=4),
-            TensorArg("counters", "int32", ("C",), align=4),
+            *split,
             kscale,
             vscale,
             ScalarArg("sm_scale", "fp32"),
         )
 
     def build(self):
-        return Sm90PagedDecode(self)
+        entry = {(False, "single"): _Single, (False, "pair"): _Pair,
+                 (True, "single"): _SplitSingle, (True, "pair"): _SplitPair}[(self.split, self.kv_form)]
+        return entry(self)
+
+
+# Entry points: the compiled function takes only the arguments its variant uses (every tensor
+# argument costs host time at each TVM-FFI call), in the order of Sm90DecodeConfig.signature().
+
+
+class _Single(Sm90PagedDecode):
+    @cute.jit
+    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32, stream):
+        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
+                    sm_scale, stream)
+
+
+class _Pair(Sm90PagedDecode):
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32, stream):
+        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
+                    sm_scale, stream)
+
+
+class _SplitSingle(Sm90PagedDecode):
+    @cute.jit
+    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
+                 sm_scale: Float32, stream):
+        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
+                    sm_scale, stream)
+
+
+class _SplitPair(Sm90PagedDecode):
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
+                 sm_scale: Float32, stream):
+        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
+                    sm_scale, stream)
 
 
 # ----------------------------------------------------------------------------------------------

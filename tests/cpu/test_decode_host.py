@@ -1,0 +1,81 @@
+"""Host side of the SM90 decode op, without a GPU: split heuristic, tuning, config/signature
+derivation, the argument order of the generated caller, and CPU-side validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cute_kernels import reference
+from cute_kernels.ops import paged_decode as op
+from cute_kernels.sm90.decode import Sm90DecodeConfig, decode_tuning, make_decode_config
+
+
+def test_split_heuristic_fills_whole_waves():
+    # Qwen3-30B B=8 ctx 32000: 32 (request, head) pairs; 528 slots at 4 CTAs/SM -> 16 splits, one wave
+    assert op.choose_num_splits(8, 4, 32016, 132, 4) == 16
+    # 512 pairs already fill 528 slots: no split
+    assert op.choose_num_splits(64, 8, 8208, 132, 4) == 1
+    # one request, short context: split down to single tiles
+    s = op.choose_num_splits(1, 8, 1024, 132, 4)
+    assert 8 <= s <= 16
+    # never more splits than tiles
+    assert op.choose_num_splits(1, 1, 64, 132, 4) == 1
+
+
+def test_tuning_fits_shared_memory_and_registers():
+    for kv_bytes in (1, 2):
+        for d in (64, 128, 256):
+            for n in (8, 16, 32, 64):
+                stages, occ = decode_tuning(kv_bytes, d, n)
+                stage = 2 * 64 * d * kv_bytes
+                assert stages >= 2 and 1 <= occ <= 4
+                assert occ * (stages * stage + n * d * 2) <= 227 * 1024
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("form", ["single", "pair"])
+def test_signature_and_generated_caller_order(split, form):
+    cfg = make_decode_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1, page_size=16,
+                             split=split, kv_form=form)
+    names = [a.name for a in cfg.signature()]
+    assert names[0] == "q" and names[-3:] == ["k_scale", "v_scale", "sm_scale"]
+    assert ("kv_cache" in names) == (form == "single")
+    assert ("counters" in names) == split
+    seen = []
+    caller = op._make_caller(lambda *a: seen.append(a), tuple(names),
+                             dict(part_out="PO", part_lse="PL", counters="C", sm_scale=0.5))
+    caller("Q", "K", "V", "BT", "SL", "O", "L", "KS", "VS")
+    src = {"q": "Q", "kv_cache": "K", "k_cache": "K", "v_cache": "V", "block_table": "BT", "seq_lens": "SL",
+           "out": "O", "lse": "L", "part_out": "PO", "part_lse": "PL", "counters": "C", "k_scale": "KS",
+           "v_scale": "VS", "sm_scale": 0.5}
+    assert seen == [tuple(src[n] for n in names)]
+
+
+def test_config_rejects_unsupported():
+    with pytest.raises(ValueError, match="head_dim"):
+        Sm90DecodeConfig(head_dim=96)
+    with pytest.raises(ValueError, match="16-bit KV cache must have the query's dtype"):
+        Sm90DecodeConfig(q_dtype="bf16", kv_dtype="fp16")
+    with pytest.raises(ValueError, match="group \\* q_len"):
+        Sm90DecodeConfig(group=32, q_len=4)
+
+
+def test_cpu_tensors_run_the_reference_and_validate():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 64, generator=g).bfloat16()
+    kv = torch.randn(6, 2, 2, 16, 64, generator=g).bfloat16()
+    bt = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    sl = torch.tensor([40, 7], dtype=torch.int32)
+    out = op.paged_decode(q, kv, bt, sl)
+    torch.testing.assert_close(out, reference.paged_decode(q, kv, bt, sl), atol=0, rtol=0)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        op.paged_decode(q.float(), kv, bt, sl)
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        op.paged_decode(q, kv[:, :1], bt, sl)
+    with pytest.raises(ValueError, match="kv_layout"):
+        op.paged_decode(q, kv, bt, sl, kv_layout="XYZ")
+    with pytest.raises(ValueError, match="k_scale must be a positive"):
+        op.paged_decode(q, kv, bt, sl, k_scale=-1.0)
+    with pytest.raises(ValueError, match="head dim mismatch"):
+        op.paged_decode(q[..., :32], kv, bt, sl)
