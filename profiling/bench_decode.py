@@ -144,7 +144,8 @@ PEERS = {"xqa": peer_xqa, "fi": peer_fi, "fa4": peer_fa4, "sdpa": peer_sdpa}
 # our tuning variants (cute_kernels.ops.paged_decode.tuning_override); "ours" is the default
 VARIANTS = {"bits": dict(widen="bits"), "cvt": dict(widen="cvt"), "t128": dict(tile=128),
             "bits128": dict(widen="bits", tile=128), "occ3": dict(occupancy=3), "occ4": dict(occupancy=4),
-            "occ5": dict(occupancy=5), "occ6": dict(occupancy=6), "t128occ4": dict(tile=128, occupancy=4)}
+            "occ5": dict(occupancy=5), "occ6": dict(occupancy=6), "t128occ4": dict(tile=128, occupancy=4),
+            "occ2": dict(occupancy=2), "t128occ2": dict(tile=128, occupancy=2), "t128occ3": dict(tile=128, occupancy=3)}
 
 
 def variant(name):
@@ -272,9 +273,14 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)
     p.add_argument("--quick", action="store_true", help="skip the reference accuracy check")
+    p.add_argument("--shapes", default=None, help="comma-separated substrings selecting shapes by name")
     a = p.parse_args(argv)
     peers = tuple(x for x in a.peers.split(",") if x)
-    run(peers=peers, kv_dtypes=tuple(a.kv.split(",")), out_json=a.json, out_png=a.png, quick=a.quick)
+    shapes = None
+    if a.shapes:
+        keys = a.shapes.split(",")
+        shapes = [sh for sh in SHAPES if any(k in sh[0] for k in keys)]
+    run(peers=peers, kv_dtypes=tuple(a.kv.split(",")), shapes=shapes, out_json=a.json, out_png=a.png, quick=a.quick)
 
 
 if __name__ == "__main__":

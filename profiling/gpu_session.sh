@@ -22,7 +22,11 @@ for step in "$@"; do
     variants) python3 -m profiling.bench_decode --kv fp8 --peers bits,t128,bits128 --json "$OUT/variants.json" ;;
     occupancy) python3 -m profiling.bench_decode --kv fp8,bf16 --peers occ3,occ4,occ5,t128occ4 --quick --json "$OUT/occupancy.json" ;;
     latency) python3 -m profiling.bench_latency --json "$OUT/latency.json" ;;
-    sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m profiling.sanitize 2>&1 | tail -15 ;;
+    tune) python3 -m profiling.bench_decode --kv fp8 --shapes d256,d64,B8 --peers occ2,occ3,t128occ2,t128occ3 --quick --json "$OUT/tune.json" ;;
+    layer) python3 -m profiling.bench_layer --json "$OUT/layer.json" ;;
+    sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m profiling.sanitize 2>&1 | tail -8
+              [ -f profiling/sanitize_qsa.py ] && compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m profiling.sanitize_qsa 2>&1 | tail -8 ;;
+    qsa) python3 -m profiling.bench_qsa --json "$OUT/qsa.json" ;;
     *) echo "unknown step $step" ;;
   esac
 done
