@@ -38,8 +38,26 @@ def run(out_json=None):
                 print(f"{rows[-1]['kv']:<14} {name:<5} splits={str(rows[-1]['splits']):<5} graph {t*1e6:6.2f} us  eager {e*1e6:6.2f} us",
                       flush=True)
     rows.append(host_costs())
+    rows += split_sweep()
     if out_json:
         json.dump(rows, open(out_json, "w"), indent=1)
+    return rows
+
+
+def split_sweep():
+    """Qwen3-30B B=8 ctx 32000 FP8: graph time per forced split count (the split heuristic's
+    single-wave choice is 16 at 4 CTAs/SM)."""
+    g = torch.Generator(device="cuda")
+    g.manual_seed(2)
+    c = make_paged_decode_case(batch=8, num_q_heads=32, num_kv_heads=4, head_dim=128, page_size=16, seq_lens=32000,
+                               generator=g, poison_tail=False)
+    out = torch.empty_like(c.q)
+    rows = []
+    for splits in (None, 8, 12, 16, 20, 24, 32):
+        t = time_graph(lambda: cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, out=out,
+                                                        num_splits=splits, **c.kwargs()))
+        rows.append(dict(shape="qwen3 B8 ctx32000 fp8", splits=splits or "auto", graph_us=t * 1e6))
+        print(f"qwen B8 fp8 splits={str(splits or 'auto'):<5} graph {t * 1e6:7.2f} us", flush=True)
     return rows
 
 
