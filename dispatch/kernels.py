@@ -106,7 +106,8 @@ _REGISTRY = (
         id="sm90.decode",
         status="available",
         kv_dtypes=_ALL_KV, qk_dtype="model", supports_quant_query_input=False,
-        description="SM90 paged decode with WGMMA and TMA; FP8 K/V converted on chip, QK in the model dtype",
+        description=("SM90 paged decode with WGMMA and TMA; FP8 K/V widened exactly on chip "
+                     "(fp16 MMA, the bf16 query rescaled by a power of two), never an FP8 query"),
         planned_in="issue 3",
         **_SM90_DECODE_LIMITS,
     ),

@@ -159,7 +159,7 @@ def _make_plan(k: KernelInfo, req: _Request, why: str, backend: str | None) -> P
         query = "it computes QK in FP8, so the layer quantizes the query to fp8_e4m3 and applies q_scale"
     else:
         m = req.model_dtype
-        query = f"QK runs in {m}, so the query stays {m} and q_scale is not applied"
+        query = f"QK never sees an FP8 query, so the query stays {m} and q_scale is not applied"
     return Plan(
         kernel=k.id,
         q_dtype="fp8_e4m3" if fp8_query else req.model_dtype,
