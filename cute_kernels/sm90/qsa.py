@@ -10,12 +10,13 @@ Design:
 - **Gather with 16-byte cp.async.** Selected tokens are scattered (random 4-token blocks), so
   TMA tiles do not apply. The producer warp looks up a tile's tokens (one or more per lane: index,
   ``t // PAGE`` with a compile-time page size, block table, bounds checks), then copies each
-  token's K and V row (``D`` elements, contiguous) with ``cp.async`` into 128-byte-swizzled
-  shared memory, one warp-wide instruction per row (or per several rows when a row is shorter
-  than 512 bytes). Invalid entries are copied with source size 0, i.e. zero-filled without any
+  token's K and V row (``D`` elements, contiguous) with ``cp.async`` into the swizzled
+  shared-memory tiles that WGMMA (or ldmatrix) reads, one warp-wide instruction per row (or per
+  several rows when a row is shorter than 512 bytes). Invalid entries are copied with source size 0, i.e. zero-filled without any
   global read, so no index can make the kernel read outside the cache and stale shared memory
   can never inject NaN into P.V. A per-tile validity bitmask (``vote.ballot``) goes to shared
-  memory with the tile.
+  memory with the tile. Lookups run two tiles ahead of the copies (index loads for tile i + 2,
+  block-table loads for tile i + 1), so their dependent global loads never stall the gather.
 - **Pipeline.** ``stages`` shared-memory slots, each guarded by a "full" mbarrier (32 no-inc
   ``cp.async.mbarrier.arrive`` of the producer lanes + one ordinary arrive of lane 0 after it
   wrote the bitmask, which releases that store) and an "empty" mbarrier (128 consumer arrives).
@@ -97,7 +98,8 @@ class Sm90QsaAttention(Sm90PagedDecode):
     are its own.
     """
 
-    def __init__(self, cfg: Sm90QsaConfig):  # noqa: D107 - decode's __init__ needs a decode config
+    def __init__(self, cfg: Sm90QsaConfig):
+        # not decode's __init__ (it takes a decode config): set the attributes its helpers read
         self.cfg = cfg
         self.q_dtype = cute_dtype(cfg.q_dtype)
         self.kv_dtype = cute_dtype(cfg.kv_dtype)
@@ -177,6 +179,10 @@ class Sm90QsaAttention(Sm90PagedDecode):
             sP: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(p_layout)], 1024]
 
         self.storage = Storage
+        # a launch asking for more than the 227 KB a CTA may hold fails at run time: refuse to compile
+        smem = Storage.size_in_bytes()
+        if const_expr(cfg.occupancy * (smem + 1024) > SMEM_PER_SM or smem > 227 * 1024):
+            raise ValueError(f"{cfg.label()}: {smem} bytes of shared memory x {cfg.occupancy} CTAs per SM do not fit")
         num_splits = mO.shape[0] if const_expr(cfg.split) else 1
         self.kernel(
             mQ, mK, mV, mIdx, mBlockTable, mTokenToReq, mO, mLse, mGate, k_scale, v_scale,
@@ -234,17 +240,11 @@ class Sm90QsaAttention(Sm90PagedDecode):
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # the row's tiles: columns [0, min(valid_count, TOPK)), tile by tile; split s takes
-        # tiles s, s + S, ... (a garbage count is clamped, never used as a token)
-        topk = mIdx.shape[1] - 1
-        count = cutlass.min(cutlass.max(mIdx[row, topk], Int32(0)), topk)
-        num_tiles = (count + self.tile - 1) // self.tile
-        my_tiles = cutlass.max(num_tiles - split + num_splits - 1, Int32(0)) // num_splits
-
         if warp == PRODUCER_WARP:
             self.produce(mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full,
-                         empty, row, kv_head, split, num_splits, count, my_tiles, lane)
+                         empty, row, kv_head, split, num_splits, lane)
         else:
+            _, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
             self.consume_tiles(mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale,
                                v_scale, qk_mma, pv_mma, k_layout, v_layout, row, kv_head, split, my_tiles,
                                tidx, warp, lane)
@@ -252,16 +252,38 @@ class Sm90QsaAttention(Sm90PagedDecode):
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
+    def row_tiles(self, mIdx, row, split, num_splits):
+        """``(count, my_tiles)``: the row's columns to visit, ``min(valid_count, TOPK)`` (a garbage
+        count is clamped, never used as a token), and how many of its tiles split ``s`` visits
+        (tiles ``s, s + S, ...`` below ``ceil(count / tile)``)."""
+        topk = mIdx.shape[1] - 1
+        count = cutlass.min(cutlass.max(mIdx[row, topk], Int32(0)), topk)
+        num_tiles = (count + self.tile - 1) // self.tile
+        return count, cutlass.max(num_tiles - split + num_splits - 1, Int32(0)) // num_splits
+
+    @cute.jit
     def produce(self, mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full, empty,
-                row, kv_head, split, num_splits, count, my_tiles, lane):
-        """Per tile: look up the tile's tokens (lane l owns tokens l, l + 32, ...), publish their
-        validity bitmask, gather their K and V rows with zero-filling cp.async."""
-        tile, eb = self.tile, self.kv_bytes
+                row, kv_head, split, num_splits, lane):
+        """Per tile: publish the validity bitmask of the tile's tokens (lane l owns tokens l,
+        l + 32, ...) and gather their K and V rows with zero-filling cp.async.
+
+        The lookups run two tiles ahead so that their dependent global loads (packed index, then
+        block table) are in flight while earlier tiles are copied: iteration i issues the index
+        loads of tile i + 2 and the block-table loads of tile i + 1, and only consumes values
+        loaded by earlier iterations. The first index loads do not wait for the valid count."""
+        eb, words = self.kv_bytes, self.words
         E, cpr, rpc = self.chunk_elems, self.chunks_per_row, self.rows_per_copy
+        topk = mIdx.shape[1] - 1
+        req = mTokenToReq[row]
+        tok_a = cute.make_rmem_tensor((words,), Int32)  # tile i + 1: token ids
+        tok_b = cute.make_rmem_tensor((words,), Int32)  # tile i + 2: token ids (loading)
+        self.load_tokens(mIdx, row, split, tok_a, topk, lane)
+        self.load_tokens(mIdx, row, split + num_splits, tok_b, topk, lane)
+        count, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
+
         num_reqs = mBlockTable.shape[0]
         width = mBlockTable.shape[1]
         num_blocks = mK.shape[0]
-        req = mTokenToReq[row]
         req_ok = req >= 0 and req < num_reqs
         # 64-bit byte addressing of the cache rows (phys * block stride overflows int32)
         k_gbase = mK.iterator.toint()
@@ -275,39 +297,38 @@ class Sm90QsaAttention(Sm90PagedDecode):
         chunk = lane % cpr
         sub = lane // cpr  # which of the rows of one warp-wide copy this lane serves
         lane_bytes = Int64(chunk * 16)  # this lane's 16-byte chunk of a row
-        # per owned token: its K and V row addresses (the cache base for invalid entries, which
-        # are then copied with source size 0: nothing is read) and the tile's validity bits
-        k_addr = cute.make_rmem_tensor((self.words,), Int64)
-        v_addr = cute.make_rmem_tensor((self.words,), Int64)
-        bits = cute.make_rmem_tensor((self.words,), Int32)
+        # tile i + 1 after its block-table lookup: physical page (-1 = invalid entry) and offset
+        phys_a = cute.make_rmem_tensor((words,), Int32)
+        offs_a = cute.make_rmem_tensor((words,), Int32)
+        self.lookup_pages(mBlockTable, req, req_ok, width, split, count, tok_a, phys_a, offs_a, lane)
+        # tile i: per owned token its K and V row addresses (the cache base for invalid entries,
+        # which are then copied with source size 0: nothing is read) and the validity bits
+        k_addr = cute.make_rmem_tensor((words,), Int64)
+        v_addr = cute.make_rmem_tensor((words,), Int64)
+        bits = cute.make_rmem_tensor((words,), Int32)
         for i in cutlass.range(my_tiles, unroll=1):
-            tile_idx = split + i * num_splits
             stage = i % self.stages
-            # ---- look up this lane's tokens: lane l owns tokens l, l + 32, ... of the tile ----
-            for w in cutlass.range_constexpr(self.words):
-                col = tile_idx * tile + w * 32 + lane
-                t = Int32(-1)
-                if col < count:
-                    t = mIdx[row, col]
-                page = t // self.page
-                ok = req_ok and t >= 0 and page < width
-                p = Int32(-1)
-                if ok:
-                    p = mBlockTable[req, page]
-                ok = ok and p >= 0 and p < num_blocks
+            for w in cutlass.range_constexpr(words):
+                p = phys_a[w]
+                ok = p >= 0 and p < num_blocks
                 pp = Int64(p) if ok else Int64(0)
-                oo = Int64(t - page * self.page) if ok else Int64(0)
+                oo = Int64(offs_a[w]) if ok else Int64(0)
                 k_addr[w] = k_head + (pp * sKb + oo * sKt) * eb if ok else k_gbase
                 v_addr[w] = v_head + (pp * sVb + oo * sVt) * eb if ok else v_gbase
                 bits[w] = cute.arch.vote_ballot_sync(ok)
+                tok_a[w] = tok_b[w]
+            # ---- lookahead: block table of tile i + 1, indices of tile i + 2 ----
+            self.lookup_pages(mBlockTable, req, req_ok, width, split + (i + 1) * num_splits, count, tok_a,
+                              phys_a, offs_a, lane)
+            self.load_tokens(mIdx, row, split + (i + 2) * num_splits, tok_b, topk, lane)
             # ---- wait until the consumers released this slot ----
             if i >= self.stages:
                 cute.arch.mbarrier_wait(empty + stage, ((i // self.stages) - 1) % 2)
             if lane == 0:
-                for w in cutlass.range_constexpr(self.words):
+                for w in cutlass.range_constexpr(words):
                     sMask[w, stage] = bits[w]
             # ---- gather: one warp-wide copy covers `rpc` token rows ----
-            for w in cutlass.range_constexpr(self.words):
+            for w in cutlass.range_constexpr(words):
                 for jj in cutlass.range_constexpr(32 // rpc):
                     src = jj * rpc + sub if const_expr(rpc > 1) else jj  # owner lane of the row
                     tok = w * 32 + src
@@ -324,6 +345,33 @@ class Sm90QsaAttention(Sm90PagedDecode):
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
             if lane == 0:
                 cute.arch.mbarrier_arrive(full + stage)  # releases the bitmask store above
+
+    @cute.jit
+    def load_tokens(self, mIdx, row, tile_idx, tok, topk, lane):
+        """Issue the packed-index loads of this lane's columns of tile ``tile_idx`` (-1 past TOPK);
+        the valid count masks them later, so these loads need not wait for it."""
+        for w in cutlass.range_constexpr(self.words):
+            col = tile_idx * self.tile + w * 32 + lane
+            t = Int32(-1)
+            if col < topk:
+                t = mIdx[row, col]
+            tok[w] = t
+
+    @cute.jit
+    def lookup_pages(self, mBlockTable, req, req_ok, width, tile_idx, count, tok, phys, offs, lane):
+        """Issue the block-table loads of tile ``tile_idx``'s tokens: ``phys`` = the physical page
+        (-1 when the column is past the count, the token negative, the request or the page out of
+        the table; checked against the pool when used), ``offs`` = the offset in the page."""
+        for w in cutlass.range_constexpr(self.words):
+            col = tile_idx * self.tile + w * 32 + lane
+            t = tok[w]
+            page = t // self.page
+            ok = req_ok and col < count and t >= 0 and page < width
+            p = Int32(-1)
+            if ok:
+                p = mBlockTable[req, page]
+            phys[w] = p
+            offs[w] = t - page * self.page
 
     # ------------------------------------------------------------------------------------------
 

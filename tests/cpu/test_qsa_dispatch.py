@@ -109,3 +109,63 @@ def test_capability_listing_is_separate_from_paged_attention():
 def test_plan_serialises():
     d = _plan().to_dict()
     assert d["kernel"] == "sm90.qsa" and d["is_fallback"] is False and d["num_q_heads"] == 24
+
+
+# ----------------------------------------------------------------------------------------------
+# the op's config table and warm-up enumeration (host side, no GPU)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("group", [12, 6])
+@pytest.mark.parametrize("prefill", [False, True])
+def test_split_table_shape(kv, group, prefill):
+    from cute_kernels.sm90.qsa import PRODUCTION_TOPK, select_config, split_table
+
+    table = split_table(kv, 256, group, prefill)
+    tiles = -(-PRODUCTION_TOPK // 64)
+    assert table[-1][0] == 0 and table[-1][2] == 1  # unbounded last entry, no split
+    bounds = [b for b, _, _ in table[:-1]]
+    assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds)
+    splits = [s for _, _, s in table]
+    assert splits == sorted(splits, reverse=True) and 1 <= min(splits) and max(splits) <= tiles
+    assert select_config(1, 2, prefill, kv, 256, group) == (64, tiles)  # decode N=1: one tile per split
+    assert select_config(16384, 2, prefill, kv, 256, group) == (64, 1)
+    assert select_config(1, 1, prefill, kv, 256, group, topk=100)[1] <= 2  # never more splits than tiles
+
+
+def test_warmup_covers_every_table_entry():
+    from cute_kernels.qsa_warmup import qsa_variants
+    from cute_kernels.sm90.qsa import Sm90QsaConfig, split_table
+    from cute_kernels.sm90.qsa_merge import QsaMergeConfig
+
+    configs = qsa_variants(head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568, kv_cache_dtype="fp8")
+    kernels = [c for c in configs if isinstance(c, Sm90QsaConfig)]
+    merges = [c for c in configs if isinstance(c, QsaMergeConfig)]
+    assert {(c.split, c.gate) for c in kernels} == {(False, True), (False, False), (True, False)}
+    assert all(c.kv_dtype == "fp8_e4m3" and c.page_size == 1568 and c.group == 12 for c in kernels)
+    assert {m.gate for m in merges} == {True, False}
+    reach = {(t, s > 1) for p in (False, True) for _, t, s in split_table("fp8_e4m3", 256, 12, p)}
+    assert reach <= {(c.tile, c.split) for c in kernels}
+    assert len(configs) == len(set(configs))
+
+
+def test_op_on_cpu_runs_the_reference_and_validates():
+    torch = pytest.importorskip("torch")
+    import cute_kernels
+    from tests.cpu.test_qsa_reference import make_qsa_case
+
+    c = make_qsa_case(rows=4, num_q_heads=12, num_kv_heads=2, head_dim=32, page=10, ctx=40, gate=True)
+    args = {k: v for k, v in c.items() if k != "meta"}
+    out = cute_kernels.qsa_sparse_attention(**args, prefill=True)
+    assert torch.equal(out, cute_kernels.reference.qsa_sparse_attention(**args))
+    with pytest.raises(TypeError, match="packed_indices must have dtype int32"):
+        cute_kernels.qsa_sparse_attention(**dict(args, packed_indices=args["packed_indices"].long()), prefill=True)
+    with pytest.raises(ValueError, match="token_to_req must have shape"):
+        cute_kernels.qsa_sparse_attention(**dict(args, token_to_req=args["token_to_req"][:2]), prefill=True)
+    with pytest.raises(TypeError, match="prefill must be a bool"):
+        cute_kernels.qsa_sparse_attention(**args, prefill="yes")
+    with pytest.raises(ValueError, match="v_scale"):
+        cute_kernels.qsa_sparse_attention(**dict(args, v_scale=float("nan")), prefill=True)
+    with pytest.raises(ValueError, match="k_cache and v_cache must match"):
+        cute_kernels.qsa_sparse_attention(**dict(args, v_cache=args["v_cache"][:1]), prefill=True)

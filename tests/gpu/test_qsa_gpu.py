@@ -128,6 +128,16 @@ def test_forced_splits(gen, kv, splits, gate):
     _check(out, ref)
 
 
+@pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tile_128(gen, kv, splits):
+    """The two-M-block tile (not chosen by the table today; benchmarks compare it)."""
+    c = _case(gen, 24, 24, 2, 1568, 6, kv)
+    with tuning_override(splits=splits, tile=128):
+        out, ref = _run(c, True)
+    _check(out, ref)
+
+
 @pytest.mark.parametrize("kind", ["negative_token", "page_beyond_table", "phys_negative", "phys_too_large",
                                   "req_too_large", "req_negative", "count_zero", "count_over_topk",
                                   "count_negative", "holes"])

@@ -1,0 +1,219 @@
+"""``cute-kernels bench qsa``: QSA sparse attention (SM90) against the gathered-bytes roofline.
+
+Shapes (issue 4): Hq 24, Hkv 2, D 256, page 1568, TOPK 2051, production cache layout (the
+transposed halves of one ``[blocks, Hkv, PAGE, 2 D]`` buffer), randomly permuted block tables.
+
+- **decode**: N in {1, 4, 16, 64, 256} rows, one request each, at context 32768: each row selects
+  512 distinct random 4-token blocks of its 8191 complete ones plus its open tail group (query
+  position 32766, valid_count 2051 = TOPK). Small N would otherwise be timed from a warm L2, so
+  the timed CUDA graph rotates over enough independent copies (own requests, pages, rows) that
+  the bytes touched per rotation exceed 256 MB.
+- **prefill**: 1 x {1024, 4096, 16384} tokens of one request from position 0: row p has
+  valid_count ``min(p + 1, 2048 + (p + 1) % 4)``: dense causal up to 2051 (in random block
+  order), then 512 random blocks of the visible ones plus the tail. The request's whole cache
+  (<= 32 MB BF16) fits in L2, as it does in serving; rows are independent selections.
+
+Reported per shape and cache dtype: µs (median CUDA-graph replay), the roofline share =
+bytes of the selected K/V rows / (read bandwidth measured in this process) / time, TFLOP/s for
+prefill (4 * valid entries * Hq * D), the split count used, and with ``--check`` the error
+against the reference. ``--splits 1,2,4`` sweeps forced split counts and ``--tile 128`` forces the
+tile (table tuning). ``--json PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+import cute_kernels
+from cute_kernels import reference
+from cute_kernels.ops.qsa_sparse_attention import tuning_override
+from cute_kernels.sm90.qsa import select_config
+
+from .bench_utils import read_bandwidth, time_eager, time_graph
+
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+HQ, HKV, D, PAGE, TOPK, BUDGET, R = 24, 2, 256, 1568, 2051, 512, 4
+DECODE_N = (1, 4, 16, 64, 256)
+DECODE_CTX = 32768
+PREFILL_T = (1024, 4096, 16384)
+ROTATE_BYTES = 256 << 20
+
+
+def qsa_indices(positions: torch.Tensor, *, topk: int = TOPK, budget: int = BUDGET,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Packed ``[rows, topk + 1]`` int32 indices of QSA rows at request ``positions`` (contract
+    §1): ``min(visible, budget)`` random distinct complete blocks in random order, expanded to 4
+    tokens each, then the open tail group; -1 padding; valid_count last."""
+    dev = positions.device
+    pos = positions.long()
+    rows = pos.numel()
+    vis = (pos + 1) // R
+    complete = vis.clamp(max=budget)
+    tail = (pos + 1) % R
+    count = complete * R + tail
+    maxvis = max(int(vis.max()), 1)
+    scores = torch.rand(rows, maxvis, device=dev, generator=generator)
+    scores.masked_fill_(torch.arange(maxvis, device=dev)[None] >= vis[:, None], -1.0)
+    k = min(budget, maxvis)
+    blocks = scores.topk(k, dim=1).indices  # random order; valid ones (score >= 0) first
+    toks = (blocks[:, :, None] * R + torch.arange(R, device=dev)).reshape(rows, k * R)
+    rank = torch.arange(k * R, device=dev)[None]
+    toks = torch.where(rank < complete[:, None] * R, toks, torch.full_like(toks, -1))
+    packed = torch.full((rows, topk + 1), -1, dtype=torch.int64, device=dev)
+    packed[:, : k * R] = toks
+    for j in range(R - 1):  # the tail group: tokens start .. start + tail - 1
+        col = complete * R + j
+        val = (pos + 1) // R * R + j
+        keep = j < tail
+        packed[keep, col[keep]] = val[keep]
+    packed[:, topk] = count
+    return packed.int()
+
+
+class Problem:
+    """One benchmark problem: ``copies`` independent instances over one cache pool."""
+
+    def __init__(self, *, rows_per_copy: int, positions: torch.Tensor, reqs_per_copy: int, ctx: int, kv_dtype,
+                 copies: int, seed: int):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        pages = math.ceil(ctx / PAGE)
+        n_req = reqs_per_copy * copies
+        NB = n_req * pages + 3
+        raw = torch.randn(NB, HKV, PAGE, 2 * D, device="cuda", generator=g)
+        raw = (raw * 64).clamp(-448, 448).to(FP8) if kv_dtype == FP8 else raw.to(kv_dtype)
+        kv = raw.transpose(1, 2)
+        self.k_cache, self.v_cache = kv[..., :D], kv[..., D:]
+        perm = torch.randperm(NB, device="cuda", generator=g)[: n_req * pages]
+        self.block_table = perm.view(n_req, pages).int().contiguous()
+        self.kv_dtype = kv_dtype
+        self.k_scale, self.v_scale = (0.5, 2.0) if kv_dtype == FP8 else (1.0, 1.0)
+        self.copies = []
+        for c in range(copies):
+            q = torch.randn(rows_per_copy, HQ, D, device="cuda", generator=g).to(BF16)
+            gate = torch.randn(rows_per_copy, HQ, D, device="cuda", generator=g).to(BF16)
+            req = (torch.arange(rows_per_copy, device="cuda") * reqs_per_copy // rows_per_copy + c * reqs_per_copy)
+            packed = qsa_indices(positions, generator=g)
+            self.copies.append(dict(q=q, output_gate=gate, packed_indices=packed, token_to_req=req.int(),
+                                    out=torch.empty_like(q)))
+        counts = self.copies[0]["packed_indices"][:, TOPK].long()
+        self.entries = int(counts.sum())
+        self.selected_bytes = self.entries * HKV * 2 * D * raw.element_size()  # K and V rows per copy
+
+    def call(self, c, prefill):
+        x = self.copies[c]
+        return cute_kernels.qsa_sparse_attention(
+            x["q"], self.k_cache, self.v_cache, x["packed_indices"], self.block_table, x["token_to_req"],
+            prefill=prefill, k_scale=self.k_scale, v_scale=self.v_scale, out=x["out"], output_gate=x["output_gate"])
+
+    def check(self, prefill) -> float:
+        x = self.copies[0]
+        self.call(0, prefill)
+        ref = reference.qsa_sparse_attention(
+            x["q"], self.k_cache, self.v_cache, x["packed_indices"], self.block_table, x["token_to_req"],
+            k_scale=self.k_scale, v_scale=self.v_scale, output_gate=x["output_gate"])
+        diff = (x["out"].float() - ref.float()).abs().max().item()
+        return diff
+
+
+def _time(problem: Problem, prefill: bool) -> float:
+    state = {"i": 0}
+
+    def fn():
+        problem.call(state["i"] % len(problem.copies), prefill)
+        state["i"] += 1
+
+    return time_graph(fn, reps=max(20, len(problem.copies)))
+
+
+def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_N, prefill_t=PREFILL_T,
+        splits=None, tile=None, check=False, out_json=None):
+    bw = read_bandwidth()
+    print(f"read bandwidth: {bw / 1e12:.3f} TB/s", flush=True)
+    rows_out = []
+    for kvn in kv_dtypes:
+        kv = FP8 if kvn == "fp8" else BF16
+        shapes = []
+        if "decode" in kinds:
+            shapes += [("decode", n) for n in decode_n]
+        if "prefill" in kinds:
+            shapes += [("prefill", t) for t in prefill_t]
+        for kind, n in shapes:
+            prefill = kind == "prefill"
+            if prefill:
+                positions = torch.arange(n, device="cuda")
+                ctx, reqs, rows = n, 1, n
+            else:
+                positions = torch.full((n,), DECODE_CTX - 2, device="cuda")
+                ctx, reqs, rows = DECODE_CTX, n, n
+            probe = Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs, ctx=ctx, kv_dtype=kv,
+                            copies=1, seed=n)
+            copies = 1 if prefill else max(1, min(16, math.ceil(ROTATE_BYTES / probe.selected_bytes)))
+            prob = probe if copies == 1 else Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs,
+                                                      ctx=ctx, kv_dtype=kv, copies=copies, seed=n)
+            del probe
+            kv_name = "fp8_e4m3" if kv == FP8 else "bf16"
+            _, table_splits = select_config(rows, HKV, prefill, kv_name, D, HQ // HKV, TOPK)
+            for s in (splits or [None]):
+                override = ({} if s is None else {"splits": s}) | ({} if tile is None else {"tile": tile})
+                with tuning_override(**override):
+                    r = dict(kind=kind, n=n, kv=kvn, splits=s or table_splits, tile=tile or 64, copies=copies,
+                             selected_bytes=prob.selected_bytes, entries=prob.entries)
+                    try:
+                        prob.call(0, prefill)
+                        torch.cuda.synchronize()
+                        t = _time(prob, prefill)
+                        r["us"] = t * 1e6
+                        r["roofline_pct"] = 100 * prob.selected_bytes / bw / t
+                        r["eager_us"] = time_eager(lambda: prob.call(0, prefill), reps=20) * 1e6  # noqa: B023
+                        if prefill:
+                            r["tflops"] = 4 * prob.entries * HQ * D / t / 1e12
+                        if check:
+                            r["max_abs_err"] = prob.check(prefill)
+                    except Exception as e:  # report and go on
+                        r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    rows_out.append(r)
+                    _print(r)
+            prob = None  # free the pool before the next shape
+            torch.cuda.empty_cache()
+    result = dict(read_bw=bw, rows=rows_out)
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def _print(r):
+    head = f"{r['kind']:<8} {r['kv']:<5} N={r['n']:<6} S={r['splits']:<3} tile={r['tile']:<4}"
+    if "error" in r:
+        print(f"{head} ERROR {r['error']}", flush=True)
+        return
+    extra = f" {r['tflops']:6.1f} TFLOP/s" if "tflops" in r else ""
+    err = f" err={r['max_abs_err']:.1e}" if "max_abs_err" in r else ""
+    print(f"{head} {r['us']:9.1f} us  {r['roofline_pct']:6.1f} % roofline{extra}  eager {r['eager_us']:8.1f} us "
+          f"({r['selected_bytes'] / 1e6:.1f} MB selected, {r['copies']} copies){err}", flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="cute-kernels bench qsa")
+    p.add_argument("--kinds", default="decode,prefill")
+    p.add_argument("--kv", default="bf16,fp8")
+    p.add_argument("--decode-n", default=",".join(map(str, DECODE_N)))
+    p.add_argument("--prefill-t", default=",".join(map(str, PREFILL_T)))
+    p.add_argument("--splits", default=None, help="comma list of forced split counts (default: the table's)")
+    p.add_argument("--tile", type=int, default=None, help="force the KV tile (64 or 128)")
+    p.add_argument("--check", action="store_true", help="also compare each output with the reference")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    run(kinds=tuple(a.kinds.split(",")), kv_dtypes=tuple(a.kv.split(",")),
+        decode_n=tuple(int(x) for x in a.decode_n.split(",") if x),
+        prefill_t=tuple(int(x) for x in a.prefill_t.split(",") if x),
+        splits=[int(x) for x in a.splits.split(",")] if a.splits else None, tile=a.tile, check=a.check,
+        out_json=a.json)
+
+
+if __name__ == "__main__":
+    main()

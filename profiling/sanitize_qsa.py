@@ -1,0 +1,69 @@
+"""A few QSA calls for ``compute-sanitizer --tool memcheck`` (and ``--tool racecheck``):
+
+    compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m profiling.sanitize_qsa
+
+Shapes: BF16 and FP8 caches, direct output and split-K + merge, with every kind of invalid
+entry: negative tokens (also inside the counted prefix), pages beyond the block-table width,
+physical pages < 0 and >= num_blocks, requests out of range, zero / oversized / negative valid
+counts. The cache pool is allocated exactly (no spare pages), so any dereference of an invalid
+entry lands outside its allocation and fails the run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import cute_kernels
+from cute_kernels.ops.qsa_sparse_attention import tuning_override
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def case(kv_dtype, rows=6, hq=24, hkv=2, D=256, page=800, ctx=3000, topk=2051, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = -(-ctx // page)
+    reqs = 2
+    NB = reqs * pages
+    # K and V in separate exact-size allocations: out-of-range rows are outside both
+    k = torch.randn(NB, page, hkv, D, device="cuda", generator=g)
+    v = torch.randn(NB, page, hkv, D, device="cuda", generator=g)
+    k, v = (k.to(FP8), v.to(FP8)) if kv_dtype == FP8 else (k.to(kv_dtype), v.to(kv_dtype))
+    table = torch.randperm(NB, device="cuda", generator=g).view(reqs, pages).int().contiguous()
+    packed = torch.full((rows, topk + 1), -1, dtype=torch.int32, device="cuda")
+    for r in range(rows):
+        n = 1500
+        packed[r, :n] = torch.randint(0, ctx, (n,), device="cuda", generator=g).int()
+        packed[r, topk] = n
+    t2r = torch.tensor([0, 1] * (rows // 2), dtype=torch.int32, device="cuda")
+    # every kind of invalid entry
+    packed[0, 3:50:2] = -1  # -1 inside the counted prefix
+    packed[0, 60:70] = -12345  # other negative tokens
+    packed[1, 5:40] = pages * page + 17  # page beyond the table width
+    table[0, 1] = -4  # physical page < 0 (every token of request 0's page 1)
+    table[1, 2] = NB + 1000  # physical page >= num_blocks
+    t2r[2] = 7  # request out of range
+    t2r[3] = -1
+    packed[4, topk] = 0  # inert row
+    packed[5, topk] = 10**7  # count above TOPK: clamped
+    q = torch.randn(rows, hq, D, device="cuda", generator=g).to(BF16)
+    gate = torch.randn(rows, hq, D, device="cuda", generator=g).to(BF16)
+    return q, k, v, packed, table, t2r, gate
+
+
+def main():
+    for kv in (BF16, FP8):
+        q, k, v, packed, table, t2r, gate = case(kv)
+        for splits in (1, 3, 24):
+            for g in (gate, None):
+                with tuning_override(splits=splits):
+                    out = cute_kernels.qsa_sparse_attention(q, k, v, packed, table, t2r, prefill=False,
+                                                            k_scale=0.5, v_scale=2.0, output_gate=g)
+                assert not torch.isnan(out).any()
+        packed[5, 2051] = -3  # negative count
+        cute_kernels.qsa_sparse_attention(q, k, v, packed, table, t2r, prefill=True)
+    torch.cuda.synchronize()
+    print("sanitize run finished")
+
+
+if __name__ == "__main__":
+    main()
