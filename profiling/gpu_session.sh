@@ -1,32 +1,38 @@
 #!/usr/bin/env bash
 # One GPU session step list, run on the device machine from the repo root after the wheelhouse
 # parts are installed (see README "GPU tier"). Usage: bash profiling/gpu_session.sh STEP...
-#   test      pytest tests/gpu (log: $OUT/pytest.log)
-#   merge     bench merge (json: $OUT/merge.json)
-#   decode    bench decode, ours + FA4 + SDPA (json/png: $OUT/decode.*)
-#   peers     bench decode with FlashInfer XQA and wrapper too (needs wheelhouse part c)
-#   sanitize  compute-sanitizer memcheck on a few decode/merge shapes
+# Every step has its own time limit and log under $OUT, so a hung step cannot lose the others.
+#   test       pytest tests/gpu except QSA           (log: $OUT/pytest.log)
+#   testqsa    pytest tests/gpu/test_qsa_gpu.py      (log: $OUT/pytest_qsa.log)
+#   merge      bench merge                           (json: $OUT/merge.json)
+#   decode     bench decode, ours + FA4 + SDPA       (json/png: $OUT/decode.*)
+#   peers      bench decode with FlashInfer XQA and wrapper too (needs wheelhouse part c)
+#   tune       decode tuning variants on a few shapes
+#   latency    small-batch latency, host costs, split sweep
+#   layer      bench layer (quantize_query, write_kv_cache, layer step in a graph)
+#   qsa        bench qsa
+#   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
 export PYTHONUNBUFFERED=1
 export CUTE_KERNELS_CACHE_DIR=${CUTE_KERNELS_CACHE_DIR:-/tmp/ck_cache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+run() { local limit=$1 name=$2; shift 2; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "[$name rc=$?]"; tail -${TAIL:-25} "$OUT/$name.log"; }
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
-    test) python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
-    merge) python3 -m profiling.bench_merge --json "$OUT/merge.json" ;;
-    decode) python3 -m profiling.bench_decode --peers fa4,sdpa --json "$OUT/decode.json" --png "$OUT/decode.png" ;;
-    peers) python3 -m profiling.bench_decode --json "$OUT/decode_peers.json" --png "$OUT/decode_peers.png" ;;
-    variants) python3 -m profiling.bench_decode --kv fp8 --peers bits,t128,bits128 --json "$OUT/variants.json" ;;
-    occupancy) python3 -m profiling.bench_decode --kv fp8,bf16 --peers occ3,occ4,occ5,t128occ4 --quick --json "$OUT/occupancy.json" ;;
-    latency) python3 -m profiling.bench_latency --json "$OUT/latency.json" ;;
-    tune) python3 -m profiling.bench_decode --kv fp8 --shapes d256,d64,B8 --peers occ2,occ3,t128occ2,t128occ3 --quick --json "$OUT/tune.json" ;;
-    layer) python3 -m profiling.bench_layer --json "$OUT/layer.json" ;;
-    sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m profiling.sanitize 2>&1 | tail -8
-              [ -f profiling/sanitize_qsa.py ] && compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m profiling.sanitize_qsa 2>&1 | tail -8 ;;
-    qsa) python3 -m profiling.bench_qsa --json "$OUT/qsa.json" ;;
+    test) run 300 pytest python3 -m pytest tests/gpu -q -p no:cacheprovider --ignore=tests/gpu/test_qsa_gpu.py ;;
+    testqsa) run 200 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider ;;
+    merge) run 120 merge python3 -m profiling.bench_merge --json "$OUT/merge.json" ;;
+    decode) run 200 decode python3 -m profiling.bench_decode --peers fa4,sdpa --json "$OUT/decode.json" --png "$OUT/decode.png" ;;
+    peers) TAIL=80 run 300 peers python3 -m profiling.bench_decode --json "$OUT/decode_peers.json" --png "$OUT/decode_peers.png" ;;
+    tune) run 150 tune python3 -m profiling.bench_decode --kv fp8 --shapes d256,d64,B8 --peers occ2,occ3,t128occ3 --quick --json "$OUT/tune.json" ;;
+    latency) run 150 latency python3 -m profiling.bench_latency --json "$OUT/latency.json" ;;
+    layer) run 150 layer python3 -m profiling.bench_layer --json "$OUT/layer.json" ;;
+    qsa) run 200 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;
+    sanitize) run 150 sanitize compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m profiling.sanitize
+              run 150 sanitize_qsa compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m profiling.sanitize_qsa ;;
     *) echo "unknown step $step" ;;
   esac
 done
