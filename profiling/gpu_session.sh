@@ -36,4 +36,6 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
   esac
 done
+# only 8 files come back from the device machine: ship one archive
+(cd "$OUT" && tar czf /tmp/gpu_results.tgz --exclude=gpu_results.tgz . && find . -mindepth 1 -delete && mv /tmp/gpu_results.tgz .)
 echo "=== done $(date +%T)"
