@@ -32,16 +32,22 @@ def decode_variants(
     """Every SM90 decode config (split and not) that a model shape can reach.
 
     ``kv_forms``: ``"single"`` for one ``[P, 2, ...]`` cache tensor, ``"pair"`` for a (K, V) tuple.
+    The op sizes a kernel for the CTAs per SM a call produces (1 up to the variant's maximum,
+    depending on batch and context), so each of those occupancies is a variant too.
     """
     group = num_q_heads // num_kv_heads
     out: list[KernelConfig] = []
     for kv, q_len, split, st, layout, form in product(kv_dtypes, q_lens, (False, True), scale_tensors,
                                                       kv_layouts, kv_forms):
         kv = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}.get(kv, kv)
-        out.append(make_decode_config(
-            q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, q_len=q_len, page_size=page_size,
-            split=split, k_scale_tensor=st, v_scale_tensor=st, kv_form=form, kv_layout=layout, **override,
-        ))
+        fields = dict(q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, q_len=q_len,
+                      page_size=page_size, split=split, k_scale_tensor=st, v_scale_tensor=st, kv_form=form,
+                      kv_layout=layout)
+        base = make_decode_config(**fields, **override)
+        out.append(base)
+        if "occupancy" not in override:
+            for occ in range(1, base.occupancy):
+                out.append(make_decode_config(**fields, **override, occupancy=occ))
     return out
 
 

@@ -31,23 +31,29 @@ MAX_ROWS = 64  # group * q_len: the WGMMA N of one CTA
 MAX_SPLITS = 64
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int, ctas_per_sm: int,
-                      tile: int = 64) -> int:
-    """Split count from shapes only (the block-table width bounds the context; no data read).
+# CTAs per SM to aim for with an FP8 cache, by head dim (measured, profiling/NOTES.md "v4"): the
+# per-tile chain is fixed-cost heavy for small tiles (D=64: more chains per SM pay), while large
+# tiles want deeper pipelines (D=256: 2 CTAs with 3 stages beat 3 with 2).
+_FP8_CTAS_PER_SM = {64: 4, 128: 3, 256: 2}
 
-    Cost model in units of one CTA-tile: ``ceil(CTAs / slots) * (tiles per split + 2)``, plus one
-    unit for the (fused) merge when splitting. Whole waves matter: 416 CTAs on 396 slots run as two
-    waves (measured: 63 % of roofline for Qwen3 B=8 ctx 32000 with 13 splits).
+
+def choose_schedule(items: int, max_context: int, num_sms: int, max_occupancy: int, tile: int = 64,
+                    target_per_sm: int | None = None) -> tuple[int, int]:
+    """``(num_splits, CTAs per SM)`` from shapes only (the block-table width bounds the context).
+
+    ``items`` = requests x KV heads. When they cannot fill the GPU, split each request's context
+    so that about ``target_per_sm`` CTAs land on every SM in a single wave (a second, partial
+    wave runs alone: measured 63 % of roofline for Qwen3 B=8 with 416 CTAs on 396 slots); then
+    size the kernel for the CTAs per SM that actually result, which frees shared memory for more
+    pipeline stages when fewer CTAs share an SM.
     """
-    items = batch * num_kv_heads
-    slots = num_sms * ctas_per_sm
+    target = min(target_per_sm or max_occupancy, max_occupancy)
     max_tiles = max(1, math.ceil(max_context / tile))
-    best, best_cost = 1, None
-    for s in range(1, min(MAX_SPLITS, max_tiles) + 1):
-        cost = math.ceil(items * s / slots) * (math.ceil(max_tiles / s) + 2) + (1 if s > 1 else 0)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = s, cost
-    return best
+    splits = 1
+    if items < num_sms * target:
+        splits = max(1, min(MAX_SPLITS, max_tiles, (num_sms * target) // max(items, 1)))
+    per_sm = max(1, min(max_occupancy, math.ceil(items * splits / num_sms)))
+    return splits, per_sm
 
 
 class _Workspace:
@@ -237,19 +243,24 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
 
-    def config_for(split):
+    def config_for(split, **tuning):
         return make_decode_config(
             q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=group, q_len=q_len,
             page_size=page, split=split, k_scale_tensor=ks_t, v_scale_tensor=vs_t,
-            kv_form="pair" if pair else "single", kv_layout=kv_layout, **_OVERRIDE,
+            kv_form="pair" if pair else "single", kv_layout=kv_layout, **{**tuning, **_OVERRIDE},
         )
 
+    probe = config_for(False)
+    splits, per_sm = choose_schedule(
+        B * Hkv, block_table.shape[1] * page, device_sm_count(device.index or 0), probe.occupancy, probe.tile,
+        _FP8_CTAS_PER_SM.get(D) if k.dtype == FP8 else None,
+    )
     if num_splits is None:
-        probe = config_for(False)
-        num_splits = choose_num_splits(B, Hkv, block_table.shape[1] * page, device_sm_count(device.index or 0),
-                                       probe.occupancy, probe.tile)
+        num_splits = splits
+    else:
+        per_sm = probe.occupancy
     split = num_splits > 1
-    config = config_for(split)
+    config = config_for(split, occupancy=per_sm) if per_sm < probe.occupancy else config_for(split)
     target = compile_target(device)
     fn = get_kernel(config, target)
     part_o = part_lse = scratch = counters = None

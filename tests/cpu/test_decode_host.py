@@ -11,16 +11,21 @@ from cute_kernels.ops import paged_decode as op
 from cute_kernels.sm90.decode import Sm90DecodeConfig, decode_tuning, make_decode_config
 
 
-def test_split_heuristic_fills_whole_waves():
-    # Qwen3-30B B=8 ctx 32000: 32 (request, head) pairs; 528 slots at 4 CTAs/SM -> 16 splits, one wave
-    assert op.choose_num_splits(8, 4, 32016, 132, 4) == 16
-    # 512 pairs already fill 528 slots: no split
-    assert op.choose_num_splits(64, 8, 8208, 132, 4) == 1
-    # one request, short context: split down to single tiles
-    s = op.choose_num_splits(1, 8, 1024, 132, 4)
-    assert 8 <= s <= 16
-    # never more splits than tiles
-    assert op.choose_num_splits(1, 1, 64, 132, 4) == 1
+def test_schedule_fills_one_wave_with_the_measured_ctas_per_sm():
+    sms = 132
+    # Qwen3-30B B=8 ctx 32000, FP8 D=128: 32 (request, head) pairs -> 12 splits, 3 CTAs/SM (4 stages)
+    assert op.choose_schedule(32, 32016, sms, 4, 64, 3) == (12, 3)
+    # 512 pairs fill the GPU: no split, 4 CTAs/SM
+    assert op.choose_schedule(512, 8208, sms, 4, 64, 3) == (1, 4)
+    # FP8 D=64: small tiles want more chains: 2 splits, 4 CTAs/SM
+    assert op.choose_schedule(256, 8208, sms, 4, 64, 4) == (2, 4)
+    # FP8 D=256: 2 CTAs/SM with deeper pipelines
+    assert op.choose_schedule(256, 8208, sms, 3, 64, 2) == (1, 2)
+    # one request, short context: split down to single tiles, never more splits than tiles
+    assert op.choose_schedule(8, 1024, sms, 4, 64, 3)[0] == 16
+    assert op.choose_schedule(1, 64, sms, 4, 64, 3)[0] == 1
+    # BF16 (no FP8 target): aim for the occupancy the kernel allows
+    assert op.choose_schedule(32, 32016, sms, 3) == (12, 3)
 
 
 def test_tuning_fits_shared_memory_and_registers():

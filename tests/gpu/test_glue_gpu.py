@@ -186,7 +186,7 @@ def _write_configs() -> list:
 
 @pytest.fixture(scope="module", autouse=True)
 def _precompile():
-    from cute_kernels.jit.compiler import compile_target
+    from cute_kernels.ops._torch import compile_target
     from cute_kernels.jit.parallel import precompile
 
     target = compile_target(torch.device("cuda"))

@@ -55,7 +55,7 @@ def _ids(c):
 
 @pytest.fixture(scope="module", autouse=True)
 def _precompile():
-    from cute_kernels.jit.compiler import compile_target
+    from cute_kernels.ops._torch import compile_target
     from cute_kernels.jit.parallel import precompile
     from cute_kernels.warmup import decode_variants
 
