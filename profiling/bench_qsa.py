@@ -90,7 +90,10 @@ class Problem:
         perm = torch.randperm(NB, device="cuda", generator=g)[: n_req * pages]
         self.block_table = perm.view(n_req, pages).int().contiguous()
         self.kv_dtype = kv_dtype
-        self.k_scale, self.v_scale = (0.5, 2.0) if kv_dtype == FP8 else (1.0, 1.0)
+        # FP8 codes are randn * 64: these scales make the dequantized K/V O(1) like calibrated
+        # serving scales (with 0.5 / 2.0 the values reach ~900 and --check's max-abs error only
+        # measures bf16 rounding of values in the hundreds)
+        self.k_scale, self.v_scale = (0.5 / 64, 2.0 / 64) if kv_dtype == FP8 else (1.0, 1.0)
         self.copies = []
         for c in range(copies):
             q = torch.randn(rows_per_copy, HQ, D, device="cuda", generator=g).to(BF16)
