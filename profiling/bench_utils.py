@@ -99,7 +99,6 @@ def read_bandwidth(nbytes: int = 4 << 30) -> float:
     out = torch.empty(grid[0], device="cuda")
     t = time_eager(lambda: _read[grid](x, out, n, BLOCK=BLOCK, ITERS=ITERS, num_warps=8), warmup=3, reps=5, rounds=5)
     _bw_cache["bw"] = n * 4 / t
-    del x
     return _bw_cache["bw"]
 
 

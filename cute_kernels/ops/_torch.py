@@ -7,7 +7,7 @@ argument and what was expected.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -30,12 +30,12 @@ def dtype_name(dt: torch.dtype) -> str:
         raise TypeError(f"unsupported dtype {dt}") from None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-@lru_cache(maxsize=None)
+@cache
 def device_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -106,3 +106,26 @@ def widest_vector(tensors_and_bytes, max_bytes: int = 16) -> int:
                 break
             width //= 2
     return width
+
+
+class DeviceBuffer:
+    """A per-device scratch tensor shared by the calls of one op: it grows to the largest request
+    seen and never shrinks, so steady-state calls allocate nothing and capture in CUDA graphs.
+    Growing during graph capture is refused (the new allocation would not be replayed)."""
+
+    def __init__(self, owner: str, dtype: torch.dtype, *, zero: bool = False, min_numel: int = 1 << 20):
+        self.owner, self.dtype, self.zero, self.min_numel = owner, dtype, zero, min_numel
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, numel: int) -> torch.Tensor:
+        buf = self.buffers.get(device)
+        if buf is None or buf.numel() < numel:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{self.owner} needs a larger workspace while a CUDA graph is being captured; run one "
+                    "eager call with the largest shape first (or warm up)"
+                )
+            alloc = torch.zeros if self.zero else torch.empty
+            buf = alloc(max(numel, self.min_numel), dtype=self.dtype, device=device)
+            self.buffers[device] = buf
+        return buf

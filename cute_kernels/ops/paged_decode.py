@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from .. import reference
-from .._nvtx import ENABLED as _NVTX, op_range
+from .._nvtx import ENABLED as _NVTX
+from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..sm90.decode import make_decode_config
-from ._torch import check_tensor, compile_target, device_sm_count, dtype_name
+from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name
 
 FP8 = torch.float8_e4m3fn
 HEAD_DIMS = (64, 128, 256)
@@ -56,47 +57,10 @@ def choose_schedule(items: int, max_context: int, num_sms: int, max_occupancy: i
     return splits, per_sm
 
 
-class _Workspace:
-    """Per-device fp32 scratch for split partials and unused LSE outputs; grows, never shrinks."""
-
-    def __init__(self):
-        self.buffers: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device, numel: int) -> torch.Tensor:
-        buf = self.buffers.get(device)
-        if buf is None or buf.numel() < numel:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "paged_decode needs a larger split-KV workspace while a CUDA graph is being "
-                    "captured; run one eager call with the largest shape first (or cute_kernels.warmup)"
-                )
-            buf = torch.empty(max(numel, 1 << 20), dtype=torch.float32, device=device)
-            self.buffers[device] = buf
-        return buf
-
-
-_workspace = _Workspace()
-
-
-class _Counters:
-    """Per-device int32 arrival counters of the fused split merge, zero between launches (the
-    last CTA of each (request, KV head) resets its counter); grows, never shrinks."""
-
-    def __init__(self):
-        self.buffers: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device, numel: int) -> torch.Tensor:
-        buf = self.buffers.get(device)
-        if buf is None or buf.numel() < numel:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("paged_decode needs more split-KV counters while a CUDA graph is being captured; "
-                                   "run one eager call with the largest batch first")
-            buf = torch.zeros(max(numel, 4096), dtype=torch.int32, device=device)
-            self.buffers[device] = buf
-        return buf
-
-
-_counters = _Counters()
+# split partials / unused LSE targets, and the fused merge's arrival counters (zero between
+# launches: the last CTA of each (request, KV head) resets its counter)
+_workspace = DeviceBuffer("paged_decode", torch.float32)
+_counters = DeviceBuffer("paged_decode", torch.int32, zero=True, min_numel=4096)
 
 
 _CALL_ARGS = ("q", "k", "v", "block_table", "seq_lens", "out", "lse", "k_scale", "v_scale")

@@ -27,32 +27,13 @@ from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..sm90.qsa import MAX_GROUP, make_qsa_config, select_config
 from ..sm90.qsa_merge import QsaMergeConfig
-from ._torch import check_tensor, compile_target, device_sm_count, dtype_name, widest_vector
+from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, widest_vector
 
 FP8 = torch.float8_e4m3fn
 HEAD_DIMS = (64, 128, 256)
 
 
-class _Workspace:
-    """Per-device fp32 scratch for split partials and the unused LSE; grows, never shrinks."""
-
-    def __init__(self):
-        self.buffers: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device, numel: int) -> torch.Tensor:
-        buf = self.buffers.get(device)
-        if buf is None or buf.numel() < numel:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "qsa_sparse_attention needs a larger split-K workspace while a CUDA graph is being "
-                    "captured; run one eager call with the largest batch first"
-                )
-            buf = torch.empty(max(numel, 1 << 20), dtype=torch.float32, device=device)
-            self.buffers[device] = buf
-        return buf
-
-
-_workspace = _Workspace()
+_workspace = DeviceBuffer("qsa_sparse_attention", torch.float32)  # split-K partials, unused LSE
 
 
 @dataclass

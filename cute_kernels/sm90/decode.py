@@ -212,8 +212,7 @@ class Sm90PagedDecode:
         q_layout,
         p_layout,
     ):
-        cfg = self.cfg
-        D, N, G = self.D, self.N, self.G
+        D, N = self.D, self.N
         tidx, _, _ = cute.arch.thread_idx()
         split, kv_head, batch_idx = cute.arch.block_idx()
         num_splits = cute.arch.grid_dim()[0]

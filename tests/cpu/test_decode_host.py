@@ -84,3 +84,16 @@ def test_cpu_tensors_run_the_reference_and_validate():
         op.paged_decode(q, kv, bt, sl, k_scale=-1.0)
     with pytest.raises(ValueError, match="head dim mismatch"):
         op.paged_decode(q[..., :32], kv, bt, sl)
+
+
+def test_device_buffer_grows_and_is_reused():
+    from cute_kernels.ops._torch import DeviceBuffer
+
+    buf = DeviceBuffer("test", torch.int32, zero=True, min_numel=16)
+    dev = torch.device("cpu")
+    a = buf.get(dev, 10)
+    assert a.numel() == 16 and int(a.abs().sum()) == 0
+    assert buf.get(dev, 16).data_ptr() == a.data_ptr()  # no reallocation for a request that fits
+    b = buf.get(dev, 100)
+    assert b.numel() == 100 and b.data_ptr() != a.data_ptr()
+    assert buf.get(dev, 50).data_ptr() == b.data_ptr()  # never shrinks

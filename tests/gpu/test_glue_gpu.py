@@ -186,8 +186,8 @@ def _write_configs() -> list:
 
 @pytest.fixture(scope="module", autouse=True)
 def _precompile():
-    from cute_kernels.ops._torch import compile_target
     from cute_kernels.jit.parallel import precompile
+    from cute_kernels.ops._torch import compile_target
 
     target = compile_target(torch.device("cuda"))
     configs = [c for c in _quant_configs() + _write_configs() if target in c.targets]

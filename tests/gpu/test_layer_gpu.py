@@ -55,8 +55,8 @@ def _ids(c):
 
 @pytest.fixture(scope="module", autouse=True)
 def _precompile():
-    from cute_kernels.ops._torch import compile_target
     from cute_kernels.jit.parallel import precompile
+    from cute_kernels.ops._torch import compile_target
     from cute_kernels.warmup import decode_variants
 
     target = compile_target(torch.device("cuda"))
