@@ -23,6 +23,7 @@ from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..sm90.decode import make_decode_config
+from ._launch import LaunchCache
 from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name
 
 FP8 = torch.float8_e4m3fn
@@ -95,34 +96,13 @@ class _Launch:
     reference: bool = False
 
 
-_LAUNCHES: dict[tuple, _Launch] = {}
-_MAX_LAUNCHES = 4096
-_OVERRIDE: dict = {}
+_cache = LaunchCache()
 
 
-_override_key: tuple = ()
-
-
-class tuning_override:
+def tuning_override(**fields):
     """``with tuning_override(widen="bits", tile=128): ...`` forces kernel tuning fields (for
     benchmarks comparing variants). The override is part of the launch-cache key."""
-
-    def __init__(self, **fields):
-        self.fields = fields
-
-    def __enter__(self):
-        global _override_key
-        self.saved = dict(_OVERRIDE)
-        _OVERRIDE.update(self.fields)
-        _override_key = tuple(sorted(_OVERRIDE.items()))
-        return self
-
-    def __exit__(self, *exc):
-        global _override_key
-        _OVERRIDE.clear()
-        _OVERRIDE.update(self.saved)
-        _override_key = tuple(sorted(_OVERRIDE.items()))
-        return False
+    return _cache.tuning_override(**fields)
 
 
 def _key(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
@@ -134,7 +114,7 @@ def _key(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_sca
             k.data_ptr() % 16, (v.stride(), v.data_ptr() % 16, v.shape, v.dtype) if pair else None,
             block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
             seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
-            kv_layout, q_len, sm_scale, ks, vs, o, return_lse, num_splits, _override_key)
+            kv_layout, q_len, sm_scale, ks, vs, o, return_lse, num_splits, _cache.override_key)
 
 
 def _check_scale(name: str, value, device):
@@ -211,7 +191,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         return make_decode_config(
             q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=group, q_len=q_len,
             page_size=page, split=split, k_scale_tensor=ks_t, v_scale_tensor=vs_t,
-            kv_form="pair" if pair else "single", kv_layout=kv_layout, **{**tuning, **_OVERRIDE},
+            kv_form="pair" if pair else "single", kv_layout=kv_layout, **{**tuning, **_cache.override},
         )
 
     probe = config_for(False)
@@ -281,16 +261,14 @@ def paged_decode(
     try:
         key = _key(q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale,
                    out, return_lse, num_splits)
-        launch = _LAUNCHES.get(key)
+        launch = _cache.get(key)
     except (AttributeError, TypeError):  # not tensors: let the validation say what is wrong
         key, launch = None, None
     if launch is None:
         launch = _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
                           v_scale, out, return_lse, num_splits)
         if key is not None:
-            if len(_LAUNCHES) >= _MAX_LAUNCHES:
-                _LAUNCHES.clear()
-            _LAUNCHES[key] = launch
+            _cache.put(key, launch)
     else:  # float scales are call arguments, not part of the key: check their values here
         if not isinstance(k_scale, torch.Tensor) and not (math.isfinite(k_scale) and k_scale > 0):
             _check_scale("k_scale", k_scale, q.device)

@@ -27,6 +27,7 @@ from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..sm90.qsa import MAX_GROUP, make_qsa_config, select_config
 from ..sm90.qsa_merge import QsaMergeConfig
+from ._launch import LaunchCache
 from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, widest_vector
 
 FP8 = torch.float8_e4m3fn
@@ -50,32 +51,13 @@ class _Launch:
     reference: bool = False
 
 
-_LAUNCHES: dict[tuple, _Launch] = {}
-_MAX_LAUNCHES = 4096
-_OVERRIDE: dict = {}
-_override_key: tuple = ()
+_cache = LaunchCache()
 
 
-class tuning_override:
+def tuning_override(**fields):
     """``with tuning_override(splits=8, stages=2): ...`` forces the split count and/or kernel
     tuning fields (benchmarks and tests comparing variants); part of the launch-cache key."""
-
-    def __init__(self, **fields):
-        self.fields = fields
-
-    def __enter__(self):
-        global _override_key
-        self.saved = dict(_OVERRIDE)
-        _OVERRIDE.update(self.fields)
-        _override_key = tuple(sorted(_OVERRIDE.items()))
-        return self
-
-    def __exit__(self, *exc):
-        global _override_key
-        _OVERRIDE.clear()
-        _OVERRIDE.update(self.saved)
-        _override_key = tuple(sorted(_OVERRIDE.items()))
-        return False
+    return _cache.tuning_override(**fields)
 
 
 def _meta(t):
@@ -85,7 +67,7 @@ def _meta(t):
 def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
     # a non-bool ``prefill`` (1 == True) must not hit a cached launch: it is refused by _prepare
     return (_meta(q), _meta(k), _meta(v), _meta(idx), _meta(bt), _meta(t2r),
-            prefill if isinstance(prefill, bool) else None, _meta(out), _meta(gate), _override_key)
+            prefill if isinstance(prefill, bool) else None, _meta(out), _meta(gate), _cache.override_key)
 
 
 def _check_scale(name: str, value) -> float:
@@ -136,8 +118,8 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
     topk = idx.shape[1] - 1
     kv_name, q_name = dtype_name(k.dtype), dtype_name(q.dtype)
     tile, splits = select_config(rows, Hkv, prefill, kv_name, D, group, topk, device_sm_count(device.index or 0))
-    splits = _OVERRIDE.get("splits", splits)
-    tuning = {f: v for f, v in _OVERRIDE.items() if f != "splits"}
+    splits = _cache.override.get("splits", splits)
+    tuning = {f: v for f, v in _cache.override.items() if f != "splits"}
     split = splits > 1
     config = make_qsa_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
                              split=split, gate=gate is not None, tile=tuning.pop("tile", tile), **tuning)
@@ -194,16 +176,14 @@ def qsa_sparse_attention(
     """
     try:
         key = _key(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out, output_gate)
-        launch = _LAUNCHES.get(key)
+        launch = _cache.get(key)
     except (AttributeError, TypeError):  # not tensors: let the validation say what is wrong
         key, launch = None, None
     if launch is None:
         launch = _prepare(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out,
                           output_gate)
         if key is not None:
-            if len(_LAUNCHES) >= _MAX_LAUNCHES:
-                _LAUNCHES.clear()
-            _LAUNCHES[key] = launch
+            _cache.put(key, launch)
     ks = _check_scale("k_scale", k_scale)
     vs = _check_scale("v_scale", v_scale)
     if launch.reference:

@@ -97,3 +97,22 @@ def test_device_buffer_grows_and_is_reused():
     b = buf.get(dev, 100)
     assert b.numel() == 100 and b.data_ptr() != a.data_ptr()
     assert buf.get(dev, 50).data_ptr() == b.data_ptr()  # never shrinks
+
+
+def test_tuning_override_is_part_of_the_key_and_nests():
+    from cute_kernels.ops._launch import LaunchCache
+
+    cache = LaunchCache(max_entries=2)
+    assert cache.override_key == ()
+    with cache.tuning_override(tile=128):
+        assert cache.override == {"tile": 128}
+        with cache.tuning_override(widen="bits"):
+            assert cache.override_key == (("tile", 128), ("widen", "bits"))
+        assert cache.override_key == (("tile", 128),)
+    assert cache.override == {} and cache.override_key == ()
+    cache.put("a", 1)
+    cache.put("b", 2)
+    cache.put("c", 3)  # full: starts over instead of growing without bound
+    assert cache.get("a") is None and cache.get("c") == 3
+    with op.tuning_override(tile=128):  # the op's public override feeds its launch key
+        assert op._cache.override_key == (("tile", 128),)
