@@ -83,16 +83,9 @@ def _make_caller(fn, order, constants: dict):
 class _Launch:
     """Everything a call needs that depends only on its key (shapes, strides, dtypes...)."""
 
-    fn: object  # caller of the compiled kernel (see _make_caller)
-    order: tuple  # kernel argument names, from the config's signature
-    sm_scale: float
-    split: bool
-    part_o: torch.Tensor | None
-    part_lse: torch.Tensor | None
-    scratch_lse: torch.Tensor | None
-    counters: torch.Tensor | None
+    fn: object  # caller of the compiled kernel with the workspace views bound (see _make_caller)
+    scratch_lse: torch.Tensor | None  # LSE target when the caller did not ask for it
     out_shape: tuple
-    splits: int
     reference: bool = False
 
 
@@ -158,7 +151,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}")
     if not q.is_cuda:
-        return _Launch(None, (), scale, False, None, None, None, None, (T, Hq, D), 1, reference=True)
+        return _Launch(None, None, (T, Hq, D), reference=True)
     device = q.device
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
@@ -221,7 +214,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         scratch = ws[base:base + lse_numel].view(T, Hq)
     order = tuple(a.name for a in config.signature())
     caller = _make_caller(fn, order, dict(part_out=part_o, part_lse=part_lse, counters=counters, sm_scale=scale))
-    return _Launch(caller, order, scale, split, part_o, part_lse, scratch, counters, (T, Hq, D), num_splits)
+    return _Launch(caller, scratch, (T, Hq, D))
 
 
 def paged_decode(
