@@ -38,8 +38,8 @@ def variants() -> list[KernelConfig]:
     out += [
         QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=16),
         QuantizeQueryConfig(q_dtype="fp16", head_dim=128, vec=16, scale_tensor=True),
-        QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=16, scale_tensor=True, rot_dim=128),
-        QuantizeQueryConfig(q_dtype="bf16", head_dim=64, vec=16, rot_dim=32, cos_sin_dtype="bf16",
+        QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=8, scale_tensor=True, rot_dim=128),
+        QuantizeQueryConfig(q_dtype="bf16", head_dim=64, vec=8, rot_dim=32, cos_sin_dtype="bf16",
                             pos_dtype="int32"),
         WriteKVCacheConfig(in_dtype="bf16", cache_dtype="fp8_e4m3", head_dim=128, vec=16),
         WriteKVCacheConfig(in_dtype="bf16", cache_dtype="fp8_e4m3", head_dim=128, vec=16, slot_dtype="int32",

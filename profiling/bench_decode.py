@@ -56,7 +56,8 @@ def _dequant_contiguous(case, dtype=BF16):
     return (k * case.k_scale).contiguous(), (v * case.v_scale).contiguous()
 
 
-def peer_xqa(case, sm_scale, q_len):
+def peer_xqa(case, sm_scale, q_len, enable_pdl=None):
+    """XQA as FlashInfer runs it (``enable_pdl=None``: programmatic dependent launch on SM90+)."""
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
@@ -75,7 +76,8 @@ def peer_xqa(case, sm_scale, q_len):
         mask = packed.to(torch.int32).to(torch.uint16).unsqueeze(0).expand(B, -1, -1).contiguous().cuda()
     kw = dict(query=case.q, kv_cache=case.kv_cache, workspace_buffer=ws, block_tables=case.block_table,
               seq_lens=case.seq_lens, max_seq_len=ctx, bmm1_scale=sm_scale * case.k_scale,
-              bmm2_scale=case.v_scale, backend="xqa", kv_layout=case.kv_layout, q_len_per_req=q_len)
+              bmm2_scale=case.v_scale, backend="xqa", kv_layout=case.kv_layout, q_len_per_req=q_len,
+              enable_pdl=enable_pdl)
     if mask is not None:
         kw["mask"] = mask
     out = torch.empty_like(case.q)
@@ -139,13 +141,18 @@ def peer_sdpa(case, sm_scale, q_len):
     return fn, None
 
 
-PEERS = {"xqa": peer_xqa, "fi": peer_fi, "fa4": peer_fa4, "sdpa": peer_sdpa}
+def peer_xqa_nopdl(case, sm_scale, q_len):
+    return peer_xqa(case, sm_scale, q_len, enable_pdl=False)
+
+
+PEERS = {"xqa": peer_xqa, "xqa_nopdl": peer_xqa_nopdl, "fi": peer_fi, "fa4": peer_fa4, "sdpa": peer_sdpa}
 
 # our tuning variants (cute_kernels.ops.paged_decode.tuning_override); "ours" is the default
 VARIANTS = {"bits": dict(widen="bits"), "cvt": dict(widen="cvt"), "t128": dict(tile=128),
             "bits128": dict(widen="bits", tile=128), "occ3": dict(occupancy=3), "occ4": dict(occupancy=4),
             "occ5": dict(occupancy=5), "occ6": dict(occupancy=6), "t128occ4": dict(tile=128, occupancy=4),
-            "occ2": dict(occupancy=2), "t128occ2": dict(tile=128, occupancy=2), "t128occ3": dict(tile=128, occupancy=3)}
+            "occ2": dict(occupancy=2), "t128occ2": dict(tile=128, occupancy=2), "t128occ3": dict(tile=128, occupancy=3),
+            "nopdl": dict(pdl=False)}
 
 
 def variant(name):

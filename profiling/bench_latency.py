@@ -26,15 +26,15 @@ def run(out_json=None):
         case = make_paged_decode_case(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                                       seq_lens=1000, kv_dtype=kv, generator=g, poison_tail=False)
         out = torch.empty_like(case.q)
-        for name, ov in (("t64", {}), ("t128", dict(tile=128))):
-            for splits in (None, 1, 2, 4, 8, 16):
+        for name, ov in (("pdl", {}), ("nopdl", dict(pdl=False))):
+            for splits in (None, 2, 4, 8, 16):
                 with tuning_override(**ov):
                     def fn():
                         return cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens,
                                                          out=out, num_splits=splits, **case.kwargs())
                     t = time_graph(fn, reps=50)
                     e = time_eager(fn, reps=50)
-                rows.append(dict(kv=str(kv)[6:], tile=name, splits=splits or "auto", graph_us=t * 1e6, eager_us=e * 1e6))
+                rows.append(dict(kv=str(kv)[6:], variant=name, splits=splits or "auto", graph_us=t * 1e6, eager_us=e * 1e6))
                 print(f"{rows[-1]['kv']:<14} {name:<5} splits={str(rows[-1]['splits']):<5} graph {t*1e6:6.2f} us  eager {e*1e6:6.2f} us",
                       flush=True)
     rows.append(host_costs())

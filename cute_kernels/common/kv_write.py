@@ -3,8 +3,8 @@
 Token i goes to slot ``s = slot_mapping[i]``: page ``s // page_size``, offset ``s % page_size``.
 A slot outside ``[0, P * page_size)`` (``-1`` marks padding) is skipped: the bounds check is the
 only thing between a bad slot and an out-of-bounds write, so it is done on the 64-bit slot
-against the cache's own page count, for every token. The cache stores ``x / scale`` (a true fp32
-division, ``div.rn.f32``) converted with round-to-nearest-even: saturated to ±448 for
+against the cache's own page count, for every token. The cache stores ``x / scale`` (correctly
+rounded fp32 division, :mod:`cute_kernels.common.fdiv`) converted with round-to-nearest-even: saturated to ±448 for
 float8_e4m3fn (``cvt.rn.satfinite.e4m3x2.f32``), plain for bf16/fp16. The codes are those of
 :func:`cute_kernels.reference.write_kv_cache`.
 
@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from ..jit.compiler import ALL_TARGETS, KernelConfig
 from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
+from .fdiv import divide_by_scale
 from .quantize import FP8_TARGETS
 
 _THREADS = 256
@@ -107,8 +107,7 @@ class WriteKVCache:
     @cute.jit
     def store_row(self, tXrX, mCache, s, page, h, offset, lane):
         """``mCache[page, h, offset, chunk lane] = convert(tXrX / s)``."""
-        for e in cutlass.range_constexpr(self.vec):
-            tXrX[e] = tXrX[e] / s  # div.rn.f32: exact, like the reference
+        divide_by_scale(tXrX, s)  # correctly rounded, like the reference's division
         gC = cute.local_tile(mCache[page, h, offset, None], (self.vec,), (lane,))
         gC.store(tXrX.load().to(mCache.element_type))
 

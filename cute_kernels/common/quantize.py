@@ -3,8 +3,11 @@
 ``out = saturate(RNE(rope(q) / q_scale))`` per element, bit-exact with
 :func:`cute_kernels.reference.quantize_query`:
 
-- **Division.** A true fp32 division (PTX ``div.rn.f32``), not a multiply by the reciprocal,
-  which is one ulp off for a large share of inputs and then flips some FP8 roundings.
+- **Division.** Correctly rounded fp32 division, as ``div.rn.f32`` would give, not a multiply by
+  the reciprocal (one ulp off for a large share of inputs, which flips some FP8 roundings);
+  computed from one reciprocal per thread and two FMA corrections per element
+  (:mod:`cute_kernels.common.fdiv`) because a ``div.rn.f32`` per element made the kernel
+  issue-bound.
 - **Conversion.** The vector ``.to(Float8E4M3FN)`` lowers to ``cvt.rn.satfinite.e4m3x2.f32``:
   round to nearest even, ±inf and anything beyond ±448 saturate to ±448, NaN stays NaN; the same
   codes as the reference's ``clamp(-448, 448).to(float8_e4m3fn)``.
@@ -17,9 +20,9 @@
 
 Memory-bound: every thread handles ``vec`` consecutive elements of one head (16 for 16-byte
 aligned tensors: two 16-byte loads of q, one 16-byte store of the FP8 codes). One head row is
-``head_dim / vec`` consecutive threads. With RoPE a thread also reads its partner half (the
-neighbouring threads' data, served by L1) and ``vec`` cos and sin values of its token, which every
-head of the token re-reads from cache.
+``head_dim / vec`` consecutive threads. With RoPE one thread owns both chunks of a rotation pair
+(``vec`` elements at ``i`` and at ``i + rot/2``) and reads ``vec`` cos and ``vec`` sin values of its
+token once for both (every head of the token re-reads them from cache).
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from ..jit.compiler import ALL_TARGETS, KernelConfig
 from ..jit.dtypes import DTYPE_BITS
 from ..jit.spec import ScalarArg, TensorArg
+from .fdiv import divide_by_scale
 
 _THREADS = 256
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)  # elements per thread, widest first
+ROPE_MAX_VEC = 8  # with RoPE a thread owns two chunks (a rotation pair): 2 x 8 elements
 # FP8 conversion instructions (cvt ... e4m3x2) exist from SM89 on; SM80/86 have none
 FP8_TARGETS = tuple(t for t in ALL_TARGETS if t not in ("sm_80", "sm_86"))
 
@@ -70,7 +75,11 @@ class QuantizeQuery:
         self.head_dim = head_dim
         self.vec = vec
         self.rot_dim = rot_dim
-        self.lanes = head_dim // vec  # threads per head row
+        # chunks of vec elements per head row; with RoPE one thread owns both chunks of a
+        # rotation pair (i, i + rot/2), so the partner half is loaded once and cos/sin serve two
+        # outputs
+        self.pair_lanes = rot_dim // 2 // vec
+        self.lanes = head_dim // vec - self.pair_lanes  # threads per head row
         self.rows_per_cta = max(1, _THREADS // self.lanes)
         self.num_threads = self.rows_per_cta * self.lanes
 
@@ -100,38 +109,48 @@ class QuantizeQuery:
                 scale = q_scale[h * q_scale.shape[0] // num_heads]
             else:
                 scale = Float32(q_scale)
-            tQrQ = cute.make_rmem_tensor((self.vec,), Float32)
-            tQrQ.store(cute.local_tile(mQ[t, h, None], (self.vec,), (lane,)).load().to(Float32))
+            gQ, gOut = mQ[t, h, None], mOut[t, h, None]
             if const_expr(self.rot_dim > 0):
-                self.rotate(tQrQ, mQ, mCosSin, mPos, t, h, lane)
-            for e in cutlass.range_constexpr(self.vec):
-                tQrQ[e] = tQrQ[e] / scale  # div.rn.f32: exact, like the reference
-            cute.local_tile(mOut[t, h, None], (self.vec,), (lane,)).store(tQrQ.load().to(mOut.element_type))
+                if lane < self.pair_lanes:
+                    self.rotate_pair(gQ, gOut, scale, mCosSin, mPos, t, lane)
+                else:  # dims past rot_dim pass through unrotated
+                    self.quantize_chunk(gQ, gOut, scale, lane + self.pair_lanes)
+            else:
+                self.quantize_chunk(gQ, gOut, scale, lane)
 
     @cute.jit
-    def rotate(self, tQrQ, mQ, mCosSin, mPos, t, h, lane):
-        """NeoX rotation of this thread's chunk in place (chunks at or past rot_dim pass through)."""
-        half_lanes = self.rot_dim // 2 // self.vec
-        if lane < 2 * half_lanes:
-            first = lane < half_lanes
-            partner = lane + half_lanes if first else lane - half_lanes
-            pair = lane if first else partner  # index i < rot/2 of the pair, in chunks
-            tQrP = cute.make_rmem_tensor((self.vec,), Float32)
-            tQrP.store(cute.local_tile(mQ[t, h, None], (self.vec,), (partner,)).load().to(Float32))
-            pos = Int64(mPos[t])
-            valid = pos >= Int64(0) and pos < Int64(mCosSin.shape[0])
-            p = Int32(pos) if valid else Int32(0)  # never dereference an out-of-range position
-            tCrC = cute.make_rmem_tensor((self.vec,), Float32)
-            tCrS = cute.make_rmem_tensor((self.vec,), Float32)
-            tCrC.store(cute.local_tile(mCosSin[p, None], (self.vec,), (pair,)).load().to(Float32))
-            tCrS.store(cute.local_tile(mCosSin[p, None], (self.vec,), (pair + half_lanes,)).load().to(Float32))
-            nan = Float32(float("nan"))
-            for e in cutlass.range_constexpr(self.vec):
-                c = tCrC[e] if valid else nan
-                s = tCrS[e] if valid else nan
-                # first half: x c - y s = RN(x c) + RN(y (-s)); second half: x c + y s
-                s = -s if first else s
-                tQrQ[e] = mul_add_rn(tQrQ[e], c, tQrP[e], s)
+    def quantize_chunk(self, gQ, gOut, scale, chunk):
+        tQrQ = cute.make_rmem_tensor((self.vec,), Float32)
+        tQrQ.store(cute.local_tile(gQ, (self.vec,), (chunk,)).load().to(Float32))
+        divide_by_scale(tQrQ, scale)
+        cute.local_tile(gOut, (self.vec,), (chunk,)).store(tQrQ.load().to(gOut.element_type))
+
+    @cute.jit
+    def rotate_pair(self, gQ, gOut, scale, mCosSin, mPos, t, pair):
+        """NeoX rotation of chunks ``pair`` (x, first half) and ``pair + rot/2`` (y), quantized."""
+        other = pair + self.pair_lanes
+        tQrX = cute.make_rmem_tensor((self.vec,), Float32)
+        tQrY = cute.make_rmem_tensor((self.vec,), Float32)
+        tQrX.store(cute.local_tile(gQ, (self.vec,), (pair,)).load().to(Float32))
+        tQrY.store(cute.local_tile(gQ, (self.vec,), (other,)).load().to(Float32))
+        pos = Int64(mPos[t])
+        valid = pos >= Int64(0) and pos < Int64(mCosSin.shape[0])
+        p = Int32(pos) if valid else Int32(0)  # never dereference an out-of-range position
+        tCrC = cute.make_rmem_tensor((self.vec,), Float32)
+        tCrS = cute.make_rmem_tensor((self.vec,), Float32)
+        tCrC.store(cute.local_tile(mCosSin[p, None], (self.vec,), (pair,)).load().to(Float32))
+        tCrS.store(cute.local_tile(mCosSin[p, None], (self.vec,), (other,)).load().to(Float32))
+        nan = Float32(float("nan"))
+        for e in cutlass.range_constexpr(self.vec):
+            c = tCrC[e] if valid else nan
+            s = tCrS[e] if valid else nan
+            x, y = tQrX[e], tQrY[e]
+            tQrX[e] = mul_add_rn(x, c, y, -s)  # x c - y s = RN(x c) + RN(y (-s))
+            tQrY[e] = mul_add_rn(y, c, x, s)  # y c + x s
+        divide_by_scale(tQrX, scale)
+        divide_by_scale(tQrY, scale)
+        cute.local_tile(gOut, (self.vec,), (pair,)).store(tQrX.load().to(gOut.element_type))
+        cute.local_tile(gOut, (self.vec,), (other,)).store(tQrY.load().to(gOut.element_type))
 
 
 class QuantizeQueryRope(QuantizeQuery):
@@ -179,6 +198,8 @@ class QuantizeQueryConfig(KernelConfig):
         if self.head_dim // self.vec > _THREADS:
             raise ValueError(f"head_dim {self.head_dim} too large for vec {self.vec}")
         if self.rot_dim:
+            if self.vec > ROPE_MAX_VEC:
+                raise ValueError(f"rot_dim > 0 (RoPE) needs vec <= {ROPE_MAX_VEC} (a thread owns two chunks), got vec {self.vec}")
             if self.rot_dim % 2 or self.rot_dim > self.head_dim or (self.rot_dim // 2) % self.vec:
                 raise ValueError(f"rot_dim {self.rot_dim} must be even, <= head_dim {self.head_dim}, "
                                  f"with rot_dim/2 a multiple of vec {self.vec}")

@@ -15,7 +15,7 @@ import torch
 
 from .. import reference
 from .._nvtx import op_range
-from ..common.quantize import VECTOR_WIDTHS, QuantizeQueryConfig
+from ..common.quantize import ROPE_MAX_VEC, VECTOR_WIDTHS, QuantizeQueryConfig
 from ..jit.compiler import get_kernel
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
@@ -53,11 +53,11 @@ def check_scale(name: str, value, device: torch.device, *, num_q_heads: int | No
     return False
 
 
-def vector_width(head_dim: int, tensors, *, multiple_of: int = 0) -> int:
+def vector_width(head_dim: int, tensors, *, multiple_of: int = 0, widest: int = 16) -> int:
     """Widest elements-per-thread the kernel can use: it divides ``head_dim`` (and ``multiple_of``)
     and every tensor's pointer and strides allow ``min(16, vec * element size)``-byte accesses."""
     for vec in VECTOR_WIDTHS:
-        if head_dim % vec or (multiple_of and multiple_of % vec):
+        if vec > widest or head_dim % vec or (multiple_of and multiple_of % vec):
             continue
         if all(widest_vector([t]) >= min(16, vec * t.element_size()) for t in tensors):
             return vec
@@ -83,7 +83,9 @@ def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None) -> Qua
     D = q.shape[2]
     tensors = [q] + ([out] if out is not None else []) + ([rope[0]] if rope is not None else [])
     rot = rope[0].shape[1] if rope is not None else 0
-    vec = vector_width(D, tensors, multiple_of=rot // 2)  # an allocated out is always aligned enough
+    # an allocated out is always aligned enough; with RoPE a thread owns two chunks (a rotation
+    # pair), and 2 x 16 elements would spill registers
+    vec = vector_width(D, tensors, multiple_of=rot // 2, widest=ROPE_MAX_VEC if rope is not None else 16)
     fields = dict(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor)
     if rope is not None:
         fields.update(rot_dim=rot, cos_sin_dtype=dtype_name(rope[0].dtype), pos_dtype=dtype_name(rope[1].dtype))

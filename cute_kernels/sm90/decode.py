@@ -180,7 +180,7 @@ class Sm90PagedDecode:
             mQ, tma_k, tma_tK, tma_v, tma_tV, mK4.shape[0], mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse,
             mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
         ).launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream,
-                 min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100)
+                 min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100, use_pdl=cfg.pdl)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -241,6 +241,11 @@ class Sm90PagedDecode:
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if const_expr(self.cfg.pdl):
+            # a programmatic dependent launch may start while the previous kernel in the stream
+            # still runs: everything above touched only shared memory; from here on we read its
+            # outputs (and overwrite what it may read), which is safe after this wait
+            cute.arch.griddepcontrol_wait()
 
         # this CTA's tiles: split s takes a contiguous chunk of the request's tiles
         seq_len = mSeqLens[batch_idx]
@@ -531,6 +536,10 @@ class Sm90PagedDecode:
             pipe_v.consumer_release(state_v)
             state_v.advance()
 
+        if const_expr(cfg.pdl):
+            # only the epilogue is left: the next kernel in the stream may start launching (its
+            # CTAs take the SM slots ours free and wait in griddepcontrol.wait for our writes)
+            cute.arch.griddepcontrol_launch_dependents()
         # ---------------- epilogue ----------------
         for s in cutlass.range_constexpr(nslots):
             v = row_sum[s]
@@ -766,7 +775,10 @@ class Sm90DecodeConfig(KernelConfig):
     widens exactly to the query's type with integer ops and runs the MMAs in that type;
     ``"cvt"`` uses the one-instruction exact e4m3 -> f16 conversion and runs the MMAs in fp16
     (a BF16 query is rescaled by a power of two per CTA to fit fp16's range). ``tile``: KV
-    tokens per iteration (64 or 128, i.e. one or two WGMMA M blocks).
+    tokens per iteration (64 or 128, i.e. one or two WGMMA M blocks). ``pdl``: launched as a
+    programmatic dependent launch (the launch and prologue overlap the previous kernel's tail; the
+    kernel waits in ``griddepcontrol.wait`` before touching global memory and lets its own
+    dependents launch once its main loop is done).
     """
 
     q_dtype: str = "bf16"
@@ -784,6 +796,7 @@ class Sm90DecodeConfig(KernelConfig):
     occupancy: int = 0
     widen: str = "bits"
     tile: int = 64
+    pdl: bool = False
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -915,6 +928,7 @@ def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE,
 
 
 DEFAULT_WIDEN = "cvt"  # chosen by measurement: profiling/NOTES.md "decode v3"
+DEFAULT_PDL = True  # as FlashInfer's kernels on SM90+ (profiling/NOTES.md "decode v5")
 
 
 def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int, page_size: int,
@@ -931,7 +945,7 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
         q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len, page_size=page_size,
         stages=stages, split=split, k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
         kv_form=kv_form, kv_layout=kv_layout, occupancy=occupancy, tile=tile,
-        widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits",
+        widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=DEFAULT_PDL,
     )
     fields.update(override)
     return Sm90DecodeConfig(**fields)

@@ -575,6 +575,8 @@ def test_vector_width_follows_alignment():
     cs = torch.empty(10, 24)  # rot 24: partner offset 12 elements
     cfg = qq_op.make_config(fused, True, None, (cs, torch.zeros(4, dtype=torch.int64)))
     assert (cfg.vec, cfg.rot_dim, cfg.scale_tensor) == (4, 24, True)
+    cs = torch.empty(10, 128)  # full rotation: a thread owns a pair of 8-element chunks, not of 16
+    assert qq_op.make_config(fused, False, None, (cs, torch.zeros(4, dtype=torch.int64))).vec == 8
     assert qq_op.make_config(torch.empty(3, 4, 72, dtype=FP16), False).vec == 8
     out = torch.empty(4, 32, D + 2, dtype=FP8)[..., :D]  # 2-byte aligned strides
     assert qq_op.make_config(fused, False, out).vec == 2
@@ -588,6 +590,8 @@ def test_vector_width_follows_alignment():
 def test_configs_validate_and_fp8_variants_skip_sm80():
     with pytest.raises(ValueError, match="rot_dim"):
         QuantizeQueryConfig(head_dim=64, vec=16, rot_dim=48)  # rot/2 = 24 not a multiple of 16
+    with pytest.raises(ValueError, match="rot_dim > 0"):
+        QuantizeQueryConfig(head_dim=64, vec=16, rot_dim=32)  # two 16-element chunks per thread
     with pytest.raises(ValueError, match="multiple of vec"):
         WriteKVCacheConfig(head_dim=72, vec=16)
     assert "sm_80" not in QuantizeQueryConfig().targets and "sm_89" in QuantizeQueryConfig().targets

@@ -231,6 +231,54 @@ def test_quantize_every_16bit_value(dtype, scale_kind):
         assert_same_codes(cute_kernels.quantize_query(q, scale), ref)
 
 
+# Scales for the division's fast-path edges (cute_kernels/common/fdiv.py: 2^-30 <= s <= 2^30 takes
+# the reciprocal + two corrections, anything else a true division) and a log-uniform spread of
+# non-power-of-two scales between them; non-positive ones only reach the kernel as device tensors.
+EDGE_SCALES = (2.0**-30, 2.0**30, 2.0**-30 * 0.999, 2.0**30 * 1.001, 1e-37, 3e37, 1.0, 0.5, 448.0, 1 / 448)
+ODD_SCALES = (0.0, -0.7, float("inf"), float("nan"))
+
+
+def spread_scales(n: int, seed: int) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    return [float(2.0 ** (torch.rand((), generator=g) * 60 - 30) * (1 + torch.rand((), generator=g)))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_quantize_every_16bit_value_many_scales(dtype):
+    """The division without a per-element ``div.rn``: every input value x every scale of a spread
+    (edges of the fast path included) gives the reference's codes."""
+    q = all_bit_patterns(dtype)
+    scales = list(EDGE_SCALES) + spread_scales(40, seed=1) + list(ODD_SCALES)
+    for s in scales:
+        st = torch.tensor([s], dtype=torch.float32, device="cuda")
+        assert_same_codes(cute_kernels.quantize_query(q, st), reference.quantize_query(q, st))
+    for s in EDGE_SCALES[:6]:  # a float argument takes the same path
+        assert_same_codes(cute_kernels.quantize_query(q, s), reference.quantize_query(q, s))
+
+
+@pytest.mark.parametrize("cache_dtype", [FP8, BF16])
+def test_write_every_16bit_value_many_scales(cache_dtype):
+    """write_kv_cache's division, every bf16 value x a spread of scales, FP8 and 16-bit caches."""
+    Hkv, D, page = 8, 128, 16
+    key = all_bit_patterns(BF16, Hkv, D)
+    value = key.flip(0)
+    T = key.shape[0]
+    slots = torch.arange(T, device="cuda")
+    for s in list(EDGE_SCALES) + spread_scales(12, seed=2) + list(ODD_SCALES):
+        st = torch.tensor([s], dtype=torch.float32, device="cuda")
+        vt = torch.tensor([s * 0.75], dtype=torch.float32, device="cuda")
+        cache = torch.zeros(T // page, 2, Hkv, page, D, dtype=cache_dtype, device="cuda")
+        ref = torch.zeros_like(cache)
+        cute_kernels.write_kv_cache(key, value, cache, slots, k_scale=st, v_scale=vt)
+        reference.write_kv_cache(key, value, ref, slots, k_scale=st, v_scale=vt)
+        if cache_dtype == FP8:
+            assert_same_codes(cache, ref)
+        else:
+            same = (cache.view(torch.int16) == ref.view(torch.int16)) | (cache.isnan() & ref.isnan())
+            assert same.all(), f"scale {s}: {int((~same).sum())} values differ"
+
+
 def test_quantize_per_kv_head_scale_mapping(gen):
     T, Hq, Hkv, D = 16, 32, 8, 128
     q = (torch.randn(T, Hq, D, device="cuda", generator=gen) * 10).to(BF16)
