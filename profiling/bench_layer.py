@@ -25,6 +25,8 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference
+from cute_kernels.ops import quantize_query as qq_op
+from cute_kernels.ops import write_kv_cache as kv_op
 from cute_kernels.testing import make_paged_decode_case
 
 from .bench_utils import copy_bandwidth, read_bandwidth, time_eager, time_graph
@@ -40,7 +42,7 @@ def _mismatch(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(((a.view(torch.uint8) != b.view(torch.uint8)) & ~nan).sum())
 
 
-def bench_quantize(T: int, bw: float, cbw: float, g: torch.Generator, rope: bool) -> dict:
+def bench_quantize(T: int, bw: float, cbw: float, g: torch.Generator, rope: bool, items_list) -> list:
     q = (torch.randn(T, HQ, D, device="cuda", generator=g) * 3).to(BF16)
     scale = 0.0625
     s_dev = torch.tensor(scale, device="cuda")
@@ -64,20 +66,25 @@ def bench_quantize(T: int, bw: float, cbw: float, g: torch.Generator, rope: bool
         def torch_fn():
             return (q.float() / s_dev).clamp(-448, 448).to(FP8)
 
-    def fn():
-        return cute_kernels.quantize_query(q, scale, out=out, rope=rope_args)
-
-    fn()
-    mism = _mismatch(out, reference.quantize_query(q, scale, rope=rope_args))
-    t = time_graph(fn)
     tt = time_graph(torch_fn)
     nbytes = q.numel() * 3 + (T * (D * 4 + 8) if rope else 0)
-    return dict(op="quantize_query" + ("+rope" if rope else ""), T=T, us=t * 1e6, torch_us=tt * 1e6,
-                bytes=nbytes, roofline_pct=100 * nbytes / bw / t, copy_pct=100 * nbytes / cbw / t, speedup=tt / t,
-                mismatch=mism)
+    rows = []
+    for items in items_list:
+        with qq_op.tuning_override(items=items):
+            def fn():
+                return cute_kernels.quantize_query(q, scale, out=out, rope=rope_args)
+
+            out.view(torch.uint8).fill_(0x7F)  # poison: NaN codes
+            fn()
+            mism = _mismatch(out, reference.quantize_query(q, scale, rope=rope_args))
+            t = time_graph(fn)
+        rows.append(dict(op="quantize_query" + ("+rope" if rope else ""), T=T, items=items, us=t * 1e6,
+                         torch_us=tt * 1e6, bytes=nbytes, roofline_pct=100 * nbytes / bw / t,
+                         copy_pct=100 * nbytes / cbw / t, speedup=tt / t, mismatch=mism))
+    return rows
 
 
-def bench_write(T: int, bw: float, cbw: float, g: torch.Generator) -> dict:
+def bench_write(T: int, bw: float, cbw: float, g: torch.Generator, items_list) -> list:
     pages = (T + PAGE - 1) // PAGE + 3
     kv = torch.zeros(pages, 2, HKV, PAGE, D, dtype=FP8, device="cuda")
     # each token its own slot, pages in random order (as a block allocator hands them out)
@@ -90,23 +97,29 @@ def bench_write(T: int, bw: float, cbw: float, g: torch.Generator) -> dict:
     ks_dev, vs_dev = torch.tensor(ks, device="cuda"), torch.tensor(vs, device="cuda")
     kc, vc = kv[:, 0], kv[:, 1]
 
-    def fn():
-        cute_kernels.write_kv_cache(k, v, kv, slot, k_scale=ks, v_scale=vs)
-
     def torch_fn():
         pg, off = slot // PAGE, slot % PAGE
         kc[pg, :, off] = (k.float() / ks_dev).clamp(-448, 448).to(FP8)
         vc[pg, :, off] = (v.float() / vs_dev).clamp(-448, 448).to(FP8)
 
-    fn()
+    tt = time_graph(torch_fn)
     ref = torch.zeros_like(kv)
     reference.write_kv_cache(k, v, ref, slot, k_scale=ks, v_scale=vs)
-    mism = _mismatch(kv, ref)
-    t = time_graph(fn)
-    tt = time_graph(torch_fn)
     nbytes = 2 * T * HKV * D * 3 + T * 8
-    return dict(op="write_kv_cache", T=T, us=t * 1e6, torch_us=tt * 1e6, bytes=nbytes,
-                roofline_pct=100 * nbytes / bw / t, copy_pct=100 * nbytes / cbw / t, speedup=tt / t, mismatch=mism)
+    rows = []
+    for items in items_list:
+        with kv_op.tuning_override(items=items):
+            def fn():
+                cute_kernels.write_kv_cache(k, v, kv, slot, k_scale=ks, v_scale=vs)
+
+            kv.zero_()
+            fn()
+            mism = _mismatch(kv, ref)
+            t = time_graph(fn)
+        rows.append(dict(op="write_kv_cache", T=T, items=items, us=t * 1e6, torch_us=tt * 1e6, bytes=nbytes,
+                         roofline_pct=100 * nbytes / bw / t, copy_pct=100 * nbytes / cbw / t, speedup=tt / t,
+                         mismatch=mism))
+    return rows
 
 
 def bench_layer_step(g: torch.Generator) -> dict:
@@ -155,19 +168,19 @@ def bench_layer_step(g: torch.Generator) -> dict:
     return row
 
 
-def run(tokens=TOKENS, out_json: str | None = None) -> dict:
+def run(tokens=TOKENS, out_json: str | None = None, items=None) -> dict:
     bw, cbw = read_bandwidth(), copy_bandwidth()
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
     rows = []
     for T in tokens:
-        rows.append(bench_quantize(T, bw, cbw, g, rope=False))
-        rows.append(bench_quantize(T, bw, cbw, g, rope=True))
-        rows.append(bench_write(T, bw, cbw, g))
+        rows += bench_quantize(T, bw, cbw, g, False, items or (qq_op.DEFAULT_ITEMS,))
+        rows += bench_quantize(T, bw, cbw, g, True, items or (qq_op.DEFAULT_ITEMS,))
+        rows += bench_write(T, bw, cbw, g, items or (kv_op.DEFAULT_ITEMS,))
     print(f"read bandwidth: {bw / 1e12:.2f} TB/s, copy bandwidth (read + write): {cbw / 1e12:.2f} TB/s")
-    print(f"{'op':<20} {'T':>6} {'us':>9} {'%read':>6} {'%copy':>6} {'torch us':>9} {'speedup':>8} {'mismatch':>9}")
+    print(f"{'op':<20} {'T':>6} {'items':>5} {'us':>9} {'%read':>6} {'%copy':>6} {'torch us':>9} {'speedup':>8} {'mismatch':>9}")
     for r in rows:
-        print(f"{r['op']:<20} {r['T']:>6} {r['us']:>9.2f} {r['roofline_pct']:>6.1f} {r['copy_pct']:>6.1f} "
+        print(f"{r['op']:<20} {r['T']:>6} {r['items']:>5} {r['us']:>9.2f} {r['roofline_pct']:>6.1f} {r['copy_pct']:>6.1f} "
               f"{r['torch_us']:>9.2f} {r['speedup']:>7.2f}x {r['mismatch']:>9}")
     step = bench_layer_step(g)
     print(f"\ndecode step {step['shape']} (plan: {step['plan']})")
@@ -189,8 +202,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="cute-kernels bench layer")
     p.add_argument("--tokens", default=",".join(str(t) for t in TOKENS), help="comma-separated token counts")
     p.add_argument("--json", default=None, help="also write the results as JSON")
+    p.add_argument("--items", default=None, help="comma-separated rows-per-thread variants (default: the op's)")
     a = p.parse_args(argv)
-    run(tuple(int(x) for x in a.tokens.split(",") if x), a.json)
+    items = tuple(int(x) for x in a.items.split(",")) if a.items else None
+    run(tuple(int(x) for x in a.tokens.split(",") if x), a.json, items)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
@@ -35,7 +36,10 @@ VECTOR_WIDTHS = (16, 8, 4, 2, 1)  # elements per thread, widest first
 class WriteKVCache:
     """Kernel: ``mKey``/``mValue [T, Hkv, D]`` -> paged cache at ``mSlots [T]`` (int32/int64)."""
 
-    def __init__(self, head_dim: int, page_size: int, vec: int, kv_form: str, kv_layout: str):
+    def __init__(self, head_dim: int, page_size: int, vec: int, kv_form: str, kv_layout: str, items: int = 1,
+                 fp8: bool = True):
+        self.items = items
+        self.fp8 = fp8
         self.head_dim = head_dim
         self.page_size = page_size
         self.vec = vec
@@ -67,7 +71,8 @@ class WriteKVCache:
         mK = cute.make_tensor(mK4.iterator, cute.select(mK4.layout, mode=order))
         mV = cute.make_tensor(mV4.iterator, cute.select(mV4.layout, mode=order))
         num_rows = mKey.shape[0] * mKey.shape[1]
-        grid_x = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
+        per_cta = self.rows_per_cta * self.items
+        grid_x = (num_rows + per_cta - 1) // per_cta
         self.kernel(mKey, mValue, mK, mV, mSlots, k_scale, v_scale).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
         )
@@ -78,25 +83,35 @@ class WriteKVCache:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_heads = mKey.shape[1]
-        row = bidx * self.rows_per_cta + tidx // self.lanes
+        num_rows = mKey.shape[0] * num_heads
         lane = tidx % self.lanes
-        if row < mKey.shape[0] * num_heads:
-            t = row // num_heads
-            h = row - t * num_heads
-            slot = Int64(mSlots[t])
-            num_slots = Int64(mK.shape[0]) * self.page_size
-            if slot >= Int64(0) and slot < num_slots:
+        num_slots = Int64(mK.shape[0]) * self.page_size
+        # every item's loads (slot, key and value chunks) are issued before the first store: the
+        # compiler cannot move a load above a store that may alias it, and 2 x items rows in
+        # flight per thread hide more latency. Rows past the end load the last row, store nothing.
+        rows, hs, slots, keys, values = [], [], [], [], []
+        for i in cutlass.range_constexpr(self.items):
+            row = (bidx * self.items + i) * self.rows_per_cta + tidx // self.lanes
+            r = cutlass.min(row, num_rows - 1)
+            t = r // num_heads
+            h = r - t * num_heads
+            tKrK = cute.make_rmem_tensor((self.vec,), mKey.element_type)
+            tVrV = cute.make_rmem_tensor((self.vec,), mValue.element_type)
+            tKrK.store(cute.local_tile(mKey[t, h, None], (self.vec,), (lane,)).load())
+            tVrV.store(cute.local_tile(mValue[t, h, None], (self.vec,), (lane,)).load())
+            rows.append(row)
+            hs.append(h)
+            slots.append(Int64(mSlots[t]))
+            keys.append(tKrK)
+            values.append(tVrV)
+        ks, vs = self.scale_value(k_scale), self.scale_value(v_scale)
+        for i in cutlass.range_constexpr(self.items):
+            slot = slots[i]
+            if rows[i] < num_rows and slot >= Int64(0) and slot < num_slots:
                 page = Int32(slot // self.page_size)
                 offset = Int32(slot - Int64(page) * self.page_size)
-                # both loads before either store: the compiler cannot move a load above a store
-                # that may alias it, and two rows in flight per thread hide more latency
-                tKrK = cute.make_rmem_tensor((self.vec,), Float32)
-                tVrV = cute.make_rmem_tensor((self.vec,), Float32)
-                tKrK.store(cute.local_tile(mKey[t, h, None], (self.vec,), (lane,)).load().to(Float32))
-                tVrV.store(cute.local_tile(mValue[t, h, None], (self.vec,), (lane,)).load().to(Float32))
-                ks, vs = self.scale_value(k_scale), self.scale_value(v_scale)
-                self.store_row(tKrK, mK, ks, page, h, offset, lane)
-                self.store_row(tVrV, mV, vs, page, h, offset, lane)
+                self.store_row(keys[i], mK, ks, page, hs[i], offset, lane)
+                self.store_row(values[i], mV, vs, page, hs[i], offset, lane)
 
     @cute.jit
     def scale_value(self, scale):
@@ -105,9 +120,12 @@ class WriteKVCache:
         return Float32(scale)
 
     @cute.jit
-    def store_row(self, tXrX, mCache, s, page, h, offset, lane):
-        """``mCache[page, h, offset, chunk lane] = convert(tXrX / s)``."""
-        divide_by_scale(tXrX, s)  # correctly rounded, like the reference's division
+    def store_row(self, raw, mCache, s, page, h, offset, lane):
+        """``mCache[page, h, offset, chunk lane] = convert(raw / s)``."""
+        tXrX = cute.make_rmem_tensor((self.vec,), Float32)
+        tXrX.store(raw.load().to(Float32))
+        # correctly rounded, like the reference's division (16-bit caches keep subnormal quotients)
+        divide_by_scale(tXrX, s, exact_subnormals=not self.fp8)
         gC = cute.local_tile(mCache[page, h, offset, None], (self.vec,), (lane,))
         gC.store(tXrX.load().to(mCache.element_type))
 
@@ -121,7 +139,8 @@ class WriteKVCacheConfig(KernelConfig):
     cache strides; the op picks the widest the tensors allow). ``kv_form``: one 5-D cache
     (``"single"``) or a (k, v) pair of 4-D halves (``"pair"``); ``kv_layout``: HND or NHD.
     ``k_scale_tensor`` / ``v_scale_tensor``: that scale is a 1-element fp32 device tensor (read by
-    the kernel, CUDA-graph safe) rather than a float argument.
+    the kernel, CUDA-graph safe) rather than a float argument. ``items``: (token, head) rows per
+    thread, all loaded before the first store.
     """
 
     in_dtype: str = "bf16"
@@ -134,6 +153,7 @@ class WriteKVCacheConfig(KernelConfig):
     kv_layout: str = "HND"
     k_scale_tensor: bool = False
     v_scale_tensor: bool = False
+    items: int = 1
 
     kernel_id = "common.write_kv_cache"
 
@@ -150,6 +170,8 @@ class WriteKVCacheConfig(KernelConfig):
             raise ValueError(f"bad page_size/slot dtype {self.page_size}/{self.slot_dtype}")
         if self.kv_form not in ("single", "pair") or self.kv_layout not in ("HND", "NHD"):
             raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
+        if self.items not in (1, 2, 4):
+            raise ValueError(f"items must be 1, 2 or 4, got {self.items}")
 
     @property
     def targets(self):  # per instance: FP8 conversion instructions need SM89+
@@ -185,4 +207,5 @@ class WriteKVCacheConfig(KernelConfig):
 
     def build(self):
         cute_dtype(self.cache_dtype)
-        return WriteKVCache(self.head_dim, self.page_size, self.vec, self.kv_form, self.kv_layout)
+        return WriteKVCache(self.head_dim, self.page_size, self.vec, self.kv_form, self.kv_layout, self.items,
+                            self.cache_dtype == "fp8_e4m3")

@@ -71,16 +71,17 @@ class QuantizeQuery:
     ``q_scale[h * S // Hq]``, i.e. ``h // (Hq // S)``).
     """
 
-    def __init__(self, head_dim: int, vec: int, rot_dim: int = 0):
+    def __init__(self, head_dim: int, vec: int, rot_dim: int = 0, items: int = 1):
         self.head_dim = head_dim
         self.vec = vec
         self.rot_dim = rot_dim
+        self.items = items
         # chunks of vec elements per head row; with RoPE one thread owns both chunks of a
         # rotation pair (i, i + rot/2), so the partner half is loaded once and cos/sin serve two
         # outputs
         self.pair_lanes = rot_dim // 2 // vec
         self.lanes = head_dim // vec - self.pair_lanes  # threads per head row
-        self.rows_per_cta = max(1, _THREADS // self.lanes)
+        self.rows_per_cta = max(1, _THREADS // self.lanes)  # per item
         self.num_threads = self.rows_per_cta * self.lanes
 
     @cute.jit
@@ -90,56 +91,87 @@ class QuantizeQuery:
     @cute.jit
     def launch(self, mQ, mOut, q_scale, mCosSin, mPos, stream):
         num_rows = mQ.shape[0] * mQ.shape[1]
-        grid_x = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
+        per_cta = self.rows_per_cta * self.items
+        grid_x = (num_rows + per_cta - 1) // per_cta
         self.kernel(mQ, mOut, q_scale, mCosSin, mPos).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mOut: cute.Tensor, q_scale, mCosSin, mPos):
+        """A thread owns one chunk (or rotation pair) of ``items`` head rows. Every item's loads
+        are issued before any item is converted, so a thread keeps ``items`` rows in flight;
+        rows past the end are clamped to the last row for the loads and not stored."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_heads = mQ.shape[1]
-        row = bidx * self.rows_per_cta + tidx // self.lanes
+        num_rows = mQ.shape[0] * num_heads
         lane = tidx % self.lanes
-        if row < mQ.shape[0] * num_heads:
-            t = row // num_heads
-            h = row - t * num_heads
+        rope_lane = const_expr(self.rot_dim > 0) and lane < self.pair_lanes
+        # dims past rot_dim pass through unrotated
+        chunk = lane + self.pair_lanes if const_expr(self.rot_dim > 0) else lane
+        rows, ts, hs, raw_x, raw_y, poss = [], [], [], [], [], []
+        for i in cutlass.range_constexpr(self.items):
+            row = (bidx * self.items + i) * self.rows_per_cta + tidx // self.lanes
+            r = cutlass.min(row, num_rows - 1)
+            t = r // num_heads
+            h = r - t * num_heads
+            rows.append(row)
+            ts.append(t)
+            hs.append(h)
+            gQ = mQ[t, h, None]
+            x = cute.make_rmem_tensor((self.vec,), mQ.element_type)
+            if const_expr(self.rot_dim > 0):
+                y = cute.make_rmem_tensor((self.vec,), mQ.element_type)
+                if rope_lane:
+                    x.store(cute.local_tile(gQ, (self.vec,), (lane,)).load())
+                    y.store(cute.local_tile(gQ, (self.vec,), (lane + self.pair_lanes,)).load())
+                else:
+                    x.store(cute.local_tile(gQ, (self.vec,), (chunk,)).load())
+                raw_y.append(y)
+                poss.append(Int64(mPos[t]))
+            else:
+                x.store(cute.local_tile(gQ, (self.vec,), (chunk,)).load())
+            raw_x.append(x)
+        for i in cutlass.range_constexpr(self.items):
+            t, h = ts[i], hs[i]
             if const_expr(isinstance(q_scale, cute.Tensor)):
                 scale = q_scale[h * q_scale.shape[0] // num_heads]
             else:
                 scale = Float32(q_scale)
-            gQ, gOut = mQ[t, h, None], mOut[t, h, None]
+            gOut = mOut[t, h, None]
             if const_expr(self.rot_dim > 0):
-                if lane < self.pair_lanes:
-                    self.rotate_pair(gQ, gOut, scale, mCosSin, mPos, t, lane)
-                else:  # dims past rot_dim pass through unrotated
-                    self.quantize_chunk(gQ, gOut, scale, lane + self.pair_lanes)
+                if rope_lane:
+                    if rows[i] < num_rows:
+                        self.rotate_pair(raw_x[i], raw_y[i], gOut, scale, mCosSin, poss[i], lane)
+                else:
+                    if rows[i] < num_rows:
+                        self.quantize_chunk(raw_x[i], gOut, scale, chunk)
             else:
-                self.quantize_chunk(gQ, gOut, scale, lane)
+                if rows[i] < num_rows:
+                    self.quantize_chunk(raw_x[i], gOut, scale, chunk)
 
     @cute.jit
-    def quantize_chunk(self, gQ, gOut, scale, chunk):
+    def quantize_chunk(self, raw, gOut, scale, chunk):
         tQrQ = cute.make_rmem_tensor((self.vec,), Float32)
-        tQrQ.store(cute.local_tile(gQ, (self.vec,), (chunk,)).load().to(Float32))
-        divide_by_scale(tQrQ, scale)
+        tQrQ.store(raw.load().to(Float32))
+        divide_by_scale(tQrQ, scale, exact_subnormals=False)  # FP8 codes: see fdiv.py
         cute.local_tile(gOut, (self.vec,), (chunk,)).store(tQrQ.load().to(gOut.element_type))
 
     @cute.jit
-    def rotate_pair(self, gQ, gOut, scale, mCosSin, mPos, t, pair):
+    def rotate_pair(self, raw_x, raw_y, gOut, scale, mCosSin, pos, pair):
         """NeoX rotation of chunks ``pair`` (x, first half) and ``pair + rot/2`` (y), quantized."""
         other = pair + self.pair_lanes
-        tQrX = cute.make_rmem_tensor((self.vec,), Float32)
-        tQrY = cute.make_rmem_tensor((self.vec,), Float32)
-        tQrX.store(cute.local_tile(gQ, (self.vec,), (pair,)).load().to(Float32))
-        tQrY.store(cute.local_tile(gQ, (self.vec,), (other,)).load().to(Float32))
-        pos = Int64(mPos[t])
         valid = pos >= Int64(0) and pos < Int64(mCosSin.shape[0])
         p = Int32(pos) if valid else Int32(0)  # never dereference an out-of-range position
         tCrC = cute.make_rmem_tensor((self.vec,), Float32)
         tCrS = cute.make_rmem_tensor((self.vec,), Float32)
         tCrC.store(cute.local_tile(mCosSin[p, None], (self.vec,), (pair,)).load().to(Float32))
         tCrS.store(cute.local_tile(mCosSin[p, None], (self.vec,), (other,)).load().to(Float32))
+        tQrX = cute.make_rmem_tensor((self.vec,), Float32)
+        tQrY = cute.make_rmem_tensor((self.vec,), Float32)
+        tQrX.store(raw_x.load().to(Float32))
+        tQrY.store(raw_y.load().to(Float32))
         nan = Float32(float("nan"))
         for e in cutlass.range_constexpr(self.vec):
             c = tCrC[e] if valid else nan
@@ -147,8 +179,8 @@ class QuantizeQuery:
             x, y = tQrX[e], tQrY[e]
             tQrX[e] = mul_add_rn(x, c, y, -s)  # x c - y s = RN(x c) + RN(y (-s))
             tQrY[e] = mul_add_rn(y, c, x, s)  # y c + x s
-        divide_by_scale(tQrX, scale)
-        divide_by_scale(tQrY, scale)
+        divide_by_scale(tQrX, scale, exact_subnormals=False)
+        divide_by_scale(tQrY, scale, exact_subnormals=False)
         cute.local_tile(gOut, (self.vec,), (pair,)).store(tQrX.load().to(gOut.element_type))
         cute.local_tile(gOut, (self.vec,), (other,)).store(tQrY.load().to(gOut.element_type))
 
@@ -171,7 +203,8 @@ class QuantizeQueryConfig(KernelConfig):
     picks the widest the tensors allow). ``scale_tensor``: q_scale is an fp32 device tensor
     (``[1]`` or ``[Hkv]``, read by the kernel so CUDA-graph replays see new values) rather than a
     float argument. ``rot_dim`` > 0 fuses NeoX RoPE over the first ``rot_dim`` dims, with a
-    ``cos_sin_dtype`` cache and ``pos_dtype`` positions.
+    ``cos_sin_dtype`` cache and ``pos_dtype`` positions. ``items``: head rows per thread (their loads
+    are all in flight before the first conversion).
     """
 
     q_dtype: str = "bf16"
@@ -181,6 +214,7 @@ class QuantizeQueryConfig(KernelConfig):
     rot_dim: int = 0
     cos_sin_dtype: str = "fp32"
     pos_dtype: str = "int64"
+    items: int = 1
 
     kernel_id = "common.quantize_query"
     targets = FP8_TARGETS
@@ -197,6 +231,8 @@ class QuantizeQueryConfig(KernelConfig):
             raise ValueError(f"head_dim {self.head_dim} is not a multiple of vec {self.vec}")
         if self.head_dim // self.vec > _THREADS:
             raise ValueError(f"head_dim {self.head_dim} too large for vec {self.vec}")
+        if self.items not in (1, 2, 4):
+            raise ValueError(f"items must be 1, 2 or 4, got {self.items}")
         if self.rot_dim:
             if self.vec > ROPE_MAX_VEC:
                 raise ValueError(f"rot_dim > 0 (RoPE) needs vec <= {ROPE_MAX_VEC} (a thread owns two chunks), got vec {self.vec}")
@@ -228,5 +264,5 @@ class QuantizeQueryConfig(KernelConfig):
 
     def build(self):
         cls = QuantizeQueryRope if self.rot_dim else QuantizeQuery
-        return cls(self.head_dim, self.vec, self.rot_dim)
+        return cls(self.head_dim, self.vec, self.rot_dim, self.items)
 

@@ -17,6 +17,7 @@ from .. import reference
 from .._nvtx import op_range
 from ..common.quantize import ROPE_MAX_VEC, VECTOR_WIDTHS, QuantizeQueryConfig
 from ..jit.compiler import get_kernel
+from ._launch import LaunchCache
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
 FP8 = torch.float8_e4m3fn
@@ -78,6 +79,10 @@ def _check_rope(rope, q: torch.Tensor):
     return cos_sin, positions
 
 
+# head rows per thread: profiling/NOTES.md "layer glue v2"
+DEFAULT_ITEMS = 1
+
+
 def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None) -> QuantizeQueryConfig:
     """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers)."""
     D = q.shape[2]
@@ -89,7 +94,8 @@ def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None) -> Qua
     fields = dict(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor)
     if rope is not None:
         fields.update(rot_dim=rot, cos_sin_dtype=dtype_name(rope[0].dtype), pos_dtype=dtype_name(rope[1].dtype))
-    return QuantizeQueryConfig(**fields)
+    fields["items"] = DEFAULT_ITEMS
+    return QuantizeQueryConfig(**{**fields, **_cache.override})
 
 
 def _key(q, q_scale, out, rope):
@@ -100,7 +106,7 @@ def _key(q, q_scale, out, rope):
         cs, pos = rope
         r = (cs.shape, cs.stride(), cs.dtype, cs.device, cs.data_ptr() % 16, pos.shape, pos.stride(), pos.dtype,
              pos.device)
-    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16, s, o, r)
+    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16, s, o, r, _cache.override_key)
 
 
 class _Launch:
@@ -110,8 +116,13 @@ class _Launch:
         self.fn, self.order, self.reference, self.scale_tensor = fn, order, reference, scale_tensor
 
 
-_LAUNCHES: dict[tuple, _Launch] = {}
-_MAX_LAUNCHES = 4096
+_cache = LaunchCache()
+
+
+def tuning_override(**fields):
+    """``with tuning_override(items=2): ...`` forces kernel config fields (benchmarks comparing
+    variants); the override is part of the launch-cache key."""
+    return _cache.tuning_override(**fields)
 
 
 def _prepare(q, q_scale, out, rope) -> _Launch:
@@ -162,15 +173,13 @@ def quantize_query(
     """
     try:
         key = _key(q, q_scale, out, rope)
-        launch = _LAUNCHES.get(key)
+        launch = _cache.get(key)
     except (AttributeError, TypeError, ValueError):  # not tensors: let the validation say what is wrong
         key, launch = None, None
     if launch is None:
         launch = _prepare(q, q_scale, out, rope)
         if key is not None:
-            if len(_LAUNCHES) >= _MAX_LAUNCHES:
-                _LAUNCHES.clear()
-            _LAUNCHES[key] = launch
+            _cache.put(key, launch)
     elif not launch.scale_tensor:  # a float scale is an argument, not part of the key: check it
         check_scale("q_scale", q_scale, q.device)
     if out is None:

@@ -14,6 +14,7 @@ from .. import reference
 from .._nvtx import op_range
 from ..common.kv_write import WriteKVCacheConfig
 from ..jit.compiler import get_kernel
+from ._launch import LaunchCache
 from ._torch import check_tensor, compile_target, dtype_name
 from .quantize_query import check_scale, vector_width
 
@@ -58,6 +59,10 @@ def _cache_geometry(kv_cache, kv_layout: str, device) -> tuple[bool, tuple, list
     return pair, (P, Hkv, page, D), tensors
 
 
+# (token, head) rows per thread: profiling/NOTES.md "layer glue v2"
+DEFAULT_ITEMS = 1
+
+
 def make_config(key, value, kv_cache, slot_mapping, kv_layout: str, k_scale_tensor: bool,
                 v_scale_tensor: bool) -> WriteKVCacheConfig:
     """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers)."""
@@ -66,7 +71,7 @@ def make_config(key, value, kv_cache, slot_mapping, kv_layout: str, k_scale_tens
         in_dtype=dtype_name(key.dtype), cache_dtype=dtype_name(caches[0].dtype), head_dim=D, page_size=page,
         vec=vector_width(D, [key, value, *caches]), slot_dtype=dtype_name(slot_mapping.dtype),
         kv_form="pair" if pair else "single", kv_layout=kv_layout, k_scale_tensor=k_scale_tensor,
-        v_scale_tensor=v_scale_tensor,
+        v_scale_tensor=v_scale_tensor, **{"items": DEFAULT_ITEMS, **_cache.override},
     )
 
 
@@ -79,7 +84,7 @@ def _key(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale):
 
     cache = tuple(t(c) for c in kv_cache) + ("pair",) if isinstance(kv_cache, (tuple, list)) else t(kv_cache)
     return (t(key), t(value), cache, slot_mapping.shape, slot_mapping.stride(), slot_mapping.dtype,
-            slot_mapping.device, kv_layout, s(k_scale), s(v_scale))
+            slot_mapping.device, kv_layout, s(k_scale), s(v_scale), _cache.override_key)
 
 
 class _Launch:
@@ -90,8 +95,13 @@ class _Launch:
         self.pair, self.k_tensor, self.v_tensor = pair, k_tensor, v_tensor
 
 
-_LAUNCHES: dict[tuple, _Launch] = {}
-_MAX_LAUNCHES = 4096
+_cache = LaunchCache()
+
+
+def tuning_override(**fields):
+    """``with tuning_override(items=2): ...`` forces kernel config fields (benchmarks comparing
+    variants); the override is part of the launch-cache key."""
+    return _cache.tuning_override(**fields)
 
 
 def _prepare(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale) -> _Launch:
@@ -157,15 +167,13 @@ def write_kv_cache(
     """
     try:
         launch_key = _key(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
-        launch = _LAUNCHES.get(launch_key)
+        launch = _cache.get(launch_key)
     except (AttributeError, TypeError, ValueError):  # not tensors: let the validation say what is wrong
         launch_key, launch = None, None
     if launch is None:
         launch = _prepare(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
         if launch_key is not None:
-            if len(_LAUNCHES) >= _MAX_LAUNCHES:
-                _LAUNCHES.clear()
-            _LAUNCHES[launch_key] = launch
+            _cache.put(launch_key, launch)
     else:  # float scales are arguments, not part of the key: check their values
         if not launch.k_tensor:
             check_scale("k_scale", k_scale, key.device)

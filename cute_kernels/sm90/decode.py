@@ -40,7 +40,14 @@ from cutlass.tensor_utils import LayoutEnum
 from ..jit.compiler import KernelConfig
 from ..jit.dtypes import cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
-from .fragments import WIDEN_SHIFT_LOG2, cvt_e4m3x4_f16, ldmatrix_x4, q_permutation, widen_e4m3x4
+from .fragments import (
+    WIDEN_SHIFT_LOG2,
+    cvt_e4m3x4_f16,
+    ldmatrix_x4,
+    load_cg_f32x4,
+    q_permutation,
+    widen_e4m3x4,
+)
 
 TILE = 64  # default KV tokens per tile (one WGMMA M); 128 = two M blocks per iteration
 MMA_M = 64
@@ -48,6 +55,7 @@ MMA_WARPS = 4
 PRODUCER_WARP = MMA_WARPS
 NUM_THREADS = (MMA_WARPS + 1) * 32
 BAR_MMA = 1  # named barrier of the consumer warpgroup (0 is __syncthreads)
+MERGE_GROUP = 8  # splits whose partials one thread of the fused merge has in flight at once
 LOG2E = math.log2(math.e)
 # Powers of two applied to Q and P before they enter an MMA whose K/V operand was widened from
 # FP8 (K/V scaled by 2^-WIDEN): keeps every product and partial sum in fp32's normal range.
@@ -612,31 +620,57 @@ class Sm90PagedDecode:
                     d0 = (idx % chunks) * 4
                     token = batch_idx * self.q_len + n // G
                     head = kv_head * G + n % G
-                    lse_max = -Float32.inf
-                    for s in cutlass.range(num_splits, unroll=4):
-                        lse_max = cute.arch.fmax(lse_max, self.load_cg(mPartLse, (s, token, head)))
-                    shift = lse_max if lse_max != -Float32.inf else Float32(0.0)
-                    acc = cute.make_rmem_tensor((4,), Float32)
-                    acc.fill(0.0)
-                    total = Float32(0.0)
-                    for s in cutlass.range(num_splits, unroll=4):
-                        w = cute.math.exp2(self.load_cg(mPartLse, (s, token, head)) - shift, fastmath=True)
-                        total += w
-                        keep = w > Float32(0.0)  # an empty split wrote 0, but never multiply what it holds
-                        for e in cutlass.range_constexpr(4):
-                            v = self.load_cg(mPartO, (s, token, head, d0 + e))
-                            acc[e] = acc[e] + (v * w if keep else Float32(0.0))
-                    inv = Float32(0.0)
-                    lse = -Float32.inf
-                    if total > Float32(0.0):
-                        inv = 1.0 / total
-                        lse = shift + cute.math.log2(total, fastmath=True)
-                    for e in cutlass.range_constexpr(4):
-                        mO[token, head, d0 + e] = (acc[e] * inv).to(mO.element_type)
-                    if d0 == 0:
-                        mLse[token, head] = lse
+                    self.merge_row_chunk(mO, mLse, mPartO, mPartLse, num_splits, token, head, d0)
             if tidx == 0:
                 counter.store(Int32(0))
+
+    @cute.jit
+    def merge_row_chunk(self, mO, mLse, mPartO, mPartLse, num_splits, token, head, d0):
+        """Merge 4 output dims of one query row over all splits, MERGE_GROUP splits at a time.
+
+        Every load of a group (its LSEs and 16-byte partials) is issued before any is used, so a
+        group costs one L2 round trip instead of one per split (this merge is on the critical
+        path of every split request); indices past the last split are clamped to it and weighted
+        0. Groups are combined with a running max, as in online softmax."""
+        m = -Float32.inf
+        total = Float32(0.0)
+        acc = cute.make_rmem_tensor((4,), Float32)
+        acc.fill(0.0)
+        lse_g = cute.make_rmem_tensor((MERGE_GROUP,), Float32)
+        o_g = cute.make_rmem_tensor((MERGE_GROUP, 4), Float32)
+        for g in cutlass.range((num_splits + MERGE_GROUP - 1) // MERGE_GROUP, unroll=1):
+            for j in cutlass.range_constexpr(MERGE_GROUP):
+                s = cutlass.min(g * MERGE_GROUP + j, num_splits - 1)
+                lse_g[j] = self.load_cg(mPartLse, (s, token, head))
+                addr = (mPartO.iterator + cute.crd2idx((s, token, head, d0), mPartO.layout)).toint()
+                o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_cg_f32x4(addr)
+            new_m = m
+            for j in cutlass.range_constexpr(MERGE_GROUP):
+                if g * MERGE_GROUP + j >= num_splits:
+                    lse_g[j] = -Float32.inf
+                new_m = cute.arch.fmax(new_m, lse_g[j])
+            # all splits so far empty: shift by 0 so every weight is exp2(-inf) = 0 (no inf - inf)
+            shift = new_m if new_m != -Float32.inf else Float32(0.0)
+            alpha = cute.math.exp2(m - shift, fastmath=True)
+            total = total * alpha
+            for e in cutlass.range_constexpr(4):
+                acc[e] = acc[e] * alpha
+            for j in cutlass.range_constexpr(MERGE_GROUP):
+                w = cute.math.exp2(lse_g[j] - shift, fastmath=True)
+                total += w
+                keep = w > Float32(0.0)  # an empty split wrote 0, but never multiply what it holds
+                for e in cutlass.range_constexpr(4):
+                    acc[e] = acc[e] + (o_g[j, e] * w if keep else Float32(0.0))
+            m = new_m
+        inv = Float32(0.0)
+        lse = -Float32.inf
+        if total > Float32(0.0):
+            inv = 1.0 / total
+            lse = m + cute.math.log2(total, fastmath=True)
+        for e in cutlass.range_constexpr(4):
+            mO[token, head, d0 + e] = (acc[e] * inv).to(mO.element_type)
+        if d0 == 0:
+            mLse[token, head] = lse
 
     @cute.jit
     def load_cg(self, tensor, coord):
@@ -836,7 +870,7 @@ class Sm90DecodeConfig(KernelConfig):
             caches = (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
                       TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
         split = (
-            TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=4),
+            TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=16),  # merged with 16-byte loads
             TensorArg("part_lse", "fp32", ("S", "T", "Hq"), align=4),
             TensorArg("counters", "int32", ("C",), align=4),  # the fused merge's arrival counters
         ) if self.split else ()

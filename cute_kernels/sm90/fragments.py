@@ -18,7 +18,7 @@ un-permuting the rows of O (PV) — see ``decode.py``.
 
 from __future__ import annotations
 
-from cutlass import Int32
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -129,3 +129,22 @@ def q_permutation(k: int, widen: str) -> int:
     if widen == "bits":
         return 4 * t + (2 if r else 0) + (1 if hi else 0)
     return 4 * t + (2 if hi else 0) + r
+
+
+@dsl_user_op
+def load_cg_f32x4(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float32, Float32, Float32]:
+    """``ld.global.cg.v4.f32`` at a 16-byte aligned global address: four floats that other SMs
+    wrote in this kernel, read from L2 past L1. Volatile, so it is neither hoisted above the
+    acquire fence that makes those writes visible nor merged with another load."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
+        "=f,=f,=f,=f,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [j], loc=loc, ip=ip)) for j in range(4))

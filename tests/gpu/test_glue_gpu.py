@@ -459,3 +459,21 @@ def test_write_bad_inputs_raise():
     cute_kernels.write_kv_cache(key, key, cache, slots)  # cached launch: a bad float is still refused
     with pytest.raises(ValueError, match="v_scale must be a positive finite float"):
         cute_kernels.write_kv_cache(key, key, cache, slots, v_scale=0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# rows per thread (``items``): the same checks with 2 and 4 rows in flight per thread, on cases
+# whose row count is not a multiple of a CTA's rows (the clamped tail loads, stores nothing)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("items", [2, 4])
+def test_items_variants_match_reference(items, gen):
+    with qq_op.tuning_override(items=items):
+        for case in (QUANT_CASES[1], QUANT_CASES[2], QUANT_CASES[5]):
+            test_quantize_matches_reference_bitwise(case, gen)
+        for case in (ROPE_CASES[0], ROPE_CASES[2]):
+            test_quantize_with_rope_matches_reference_bitwise(case, gen)
+    with kv_op.tuning_override(items=items):
+        for case in (WRITE_CASES[0], WRITE_CASES[2], WRITE_CASES[4]):
+            test_write_matches_reference_every_byte(case, gen)
