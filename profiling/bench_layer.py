@@ -42,7 +42,11 @@ def _mismatch(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(((a.view(torch.uint8) != b.view(torch.uint8)) & ~nan).sum())
 
 
-def bench_quantize(T: int, bw: float, cbw: float, g: torch.Generator, rope: bool, items_list) -> list:
+def _label(var: dict) -> str:
+    return ",".join(f"{k}={int(v)}" for k, v in var.items()) or "default"
+
+
+def bench_quantize(T: int, bw: float, cbw: float, g: torch.Generator, rope: bool, variants) -> list:
     q = (torch.randn(T, HQ, D, device="cuda", generator=g) * 3).to(BF16)
     scale = 0.0625
     s_dev = torch.tensor(scale, device="cuda")
@@ -69,8 +73,8 @@ def bench_quantize(T: int, bw: float, cbw: float, g: torch.Generator, rope: bool
     tt = time_graph(torch_fn)
     nbytes = q.numel() * 3 + (T * (D * 4 + 8) if rope else 0)
     rows = []
-    for items in items_list:
-        with qq_op.tuning_override(items=items):
+    for var in variants:
+        with qq_op.tuning_override(**var):
             def fn():
                 return cute_kernels.quantize_query(q, scale, out=out, rope=rope_args)
 
@@ -78,13 +82,13 @@ def bench_quantize(T: int, bw: float, cbw: float, g: torch.Generator, rope: bool
             fn()
             mism = _mismatch(out, reference.quantize_query(q, scale, rope=rope_args))
             t = time_graph(fn)
-        rows.append(dict(op="quantize_query" + ("+rope" if rope else ""), T=T, items=items, us=t * 1e6,
+        rows.append(dict(op="quantize_query" + ("+rope" if rope else ""), T=T, variant=_label(var), us=t * 1e6,
                          torch_us=tt * 1e6, bytes=nbytes, roofline_pct=100 * nbytes / bw / t,
                          copy_pct=100 * nbytes / cbw / t, speedup=tt / t, mismatch=mism))
     return rows
 
 
-def bench_write(T: int, bw: float, cbw: float, g: torch.Generator, items_list) -> list:
+def bench_write(T: int, bw: float, cbw: float, g: torch.Generator, variants) -> list:
     pages = (T + PAGE - 1) // PAGE + 3
     kv = torch.zeros(pages, 2, HKV, PAGE, D, dtype=FP8, device="cuda")
     # each token its own slot, pages in random order (as a block allocator hands them out)
@@ -107,8 +111,8 @@ def bench_write(T: int, bw: float, cbw: float, g: torch.Generator, items_list) -
     reference.write_kv_cache(k, v, ref, slot, k_scale=ks, v_scale=vs)
     nbytes = 2 * T * HKV * D * 3 + T * 8
     rows = []
-    for items in items_list:
-        with kv_op.tuning_override(items=items):
+    for var in variants:
+        with kv_op.tuning_override(**var):
             def fn():
                 cute_kernels.write_kv_cache(k, v, kv, slot, k_scale=ks, v_scale=vs)
 
@@ -116,7 +120,7 @@ def bench_write(T: int, bw: float, cbw: float, g: torch.Generator, items_list) -
             fn()
             mism = _mismatch(kv, ref)
             t = time_graph(fn)
-        rows.append(dict(op="write_kv_cache", T=T, items=items, us=t * 1e6, torch_us=tt * 1e6, bytes=nbytes,
+        rows.append(dict(op="write_kv_cache", T=T, variant=_label(var), us=t * 1e6, torch_us=tt * 1e6, bytes=nbytes,
                          roofline_pct=100 * nbytes / bw / t, copy_pct=100 * nbytes / cbw / t, speedup=tt / t,
                          mismatch=mism))
     return rows
@@ -168,19 +172,19 @@ def bench_layer_step(g: torch.Generator) -> dict:
     return row
 
 
-def run(tokens=TOKENS, out_json: str | None = None, items=None) -> dict:
+def run(tokens=TOKENS, out_json: str | None = None, variants=None) -> dict:
     bw, cbw = read_bandwidth(), copy_bandwidth()
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
     rows = []
     for T in tokens:
-        rows += bench_quantize(T, bw, cbw, g, False, items or (qq_op.DEFAULT_ITEMS,))
-        rows += bench_quantize(T, bw, cbw, g, True, items or (qq_op.DEFAULT_ITEMS,))
-        rows += bench_write(T, bw, cbw, g, items or (kv_op.DEFAULT_ITEMS,))
+        rows += bench_quantize(T, bw, cbw, g, False, variants or ({},))
+        rows += bench_quantize(T, bw, cbw, g, True, variants or ({},))
+        rows += bench_write(T, bw, cbw, g, variants or ({},))
     print(f"read bandwidth: {bw / 1e12:.2f} TB/s, copy bandwidth (read + write): {cbw / 1e12:.2f} TB/s")
-    print(f"{'op':<20} {'T':>6} {'items':>5} {'us':>9} {'%read':>6} {'%copy':>6} {'torch us':>9} {'speedup':>8} {'mismatch':>9}")
+    print(f"{'op':<20} {'T':>6} {'variant':>14} {'us':>9} {'%read':>6} {'%copy':>6} {'torch us':>9} {'speedup':>8} {'mismatch':>9}")
     for r in rows:
-        print(f"{r['op']:<20} {r['T']:>6} {r['items']:>5} {r['us']:>9.2f} {r['roofline_pct']:>6.1f} {r['copy_pct']:>6.1f} "
+        print(f"{r['op']:<20} {r['T']:>6} {r['variant']:>14} {r['us']:>9.2f} {r['roofline_pct']:>6.1f} {r['copy_pct']:>6.1f} "
               f"{r['torch_us']:>9.2f} {r['speedup']:>7.2f}x {r['mismatch']:>9}")
     step = bench_layer_step(g)
     print(f"\ndecode step {step['shape']} (plan: {step['plan']})")
@@ -202,10 +206,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="cute-kernels bench layer")
     p.add_argument("--tokens", default=",".join(str(t) for t in TOKENS), help="comma-separated token counts")
     p.add_argument("--json", default=None, help="also write the results as JSON")
-    p.add_argument("--items", default=None, help="comma-separated rows-per-thread variants (default: the op's)")
+    p.add_argument("--variants", default=None,
+                   help="config overrides to compare, e.g. 'items=1;items=2,pdl=0' (default: the ops' own)")
     a = p.parse_args(argv)
-    items = tuple(int(x) for x in a.items.split(",")) if a.items else None
-    run(tuple(int(x) for x in a.tokens.split(",") if x), a.json, items)
+    variants = None
+    if a.variants:
+        variants = [{k: int(v) for k, v in (f.split("=") for f in var.split(",") if f)} for var in a.variants.split(";")]
+        variants = [{k: bool(v) if k == "pdl" else v for k, v in var.items()} for var in variants]
+    run(tuple(int(x) for x in a.tokens.split(",") if x), a.json, variants)
 
 
 if __name__ == "__main__":

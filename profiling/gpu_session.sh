@@ -7,7 +7,7 @@
 #   merge      bench merge                           (json: $OUT/merge.json)
 #   decode     bench decode, ours + FA4 + SDPA       (json/png: $OUT/decode.*)
 #   peers      bench decode with FlashInfer XQA and wrapper too (needs wheelhouse part c)
-#   layervar   bench layer at T 4096/65536 with 1, 2, 4 rows per thread
+#   layervar   bench layer at T 4096/65536: rows per thread 1, 2, 4; with and without PDL
 #   pdl        decode with and without programmatic dependent launch, every shape
 #   tune       decode tuning variants on a few shapes
 #   latency    small-batch latency, host costs, split sweep
@@ -30,9 +30,9 @@ for step in "$@"; do
     merge) run 120 merge python3 -m profiling.bench_merge --json "$OUT/merge.json" ;;
     decode) run 200 decode python3 -m profiling.bench_decode --peers fa4,sdpa --json "$OUT/decode.json" --png "$OUT/decode.png" ;;
     peers) TAIL=80 run 300 peers python3 -m profiling.bench_decode --json "$OUT/decode_peers.json" --png "$OUT/decode_peers.png" ;;
-    layervar) run 300 layervar python3 -m profiling.bench_layer --tokens 4096,65536 --items 1,2,4 --json "$OUT/layervar.json" ;;
+    layervar) run 300 layervar python3 -m profiling.bench_layer --tokens 4096,65536 --variants "items=1;items=2;items=4;items=2,pdl=0;items=1,pdl=0" --json "$OUT/layervar.json" ;;
     pdl) run 200 pdl python3 -m profiling.bench_decode --kv fp8,bf16 --peers nopdl --quick --json "$OUT/pdl.json" ;;
-    tune) run 200 tune python3 -m profiling.bench_decode --kv fp8 --shapes d256,d64,B8,B1 --peers t128,t128occ3,t128occ4 --quick --json "$OUT/tune.json" ;;
+    tune) run 200 tune python3 -m profiling.bench_decode --kv fp8 --shapes d64,B8 --peers t128occ3,t128occ2,occ4 --quick --json "$OUT/tune.json" ;;
     latency) run 150 latency python3 -m profiling.bench_latency --json "$OUT/latency.json" ;;
     layer) run 150 layer python3 -m profiling.bench_layer --json "$OUT/layer.json" ;;
     qsa) run 200 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;

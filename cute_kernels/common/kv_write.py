@@ -27,6 +27,7 @@ from ..jit.compiler import ALL_TARGETS, KernelConfig
 from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
 from .fdiv import divide_by_scale
+from .pdl import wait_then_release_dependents
 from .quantize import FP8_TARGETS
 
 _THREADS = 256
@@ -37,7 +38,8 @@ class WriteKVCache:
     """Kernel: ``mKey``/``mValue [T, Hkv, D]`` -> paged cache at ``mSlots [T]`` (int32/int64)."""
 
     def __init__(self, head_dim: int, page_size: int, vec: int, kv_form: str, kv_layout: str, items: int = 1,
-                 fp8: bool = True):
+                 fp8: bool = True, pdl: bool = False):
+        self.pdl = pdl
         self.items = items
         self.fp8 = fp8
         self.head_dim = head_dim
@@ -74,7 +76,7 @@ class WriteKVCache:
         per_cta = self.rows_per_cta * self.items
         grid_x = (num_rows + per_cta - 1) // per_cta
         self.kernel(mKey, mValue, mK, mV, mSlots, k_scale, v_scale).launch(
-            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
@@ -82,6 +84,8 @@ class WriteKVCache:
                k_scale, v_scale):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        if const_expr(self.pdl):
+            wait_then_release_dependents()
         num_heads = mKey.shape[1]
         num_rows = mKey.shape[0] * num_heads
         lane = tidx % self.lanes
@@ -140,7 +144,8 @@ class WriteKVCacheConfig(KernelConfig):
     (``"single"``) or a (k, v) pair of 4-D halves (``"pair"``); ``kv_layout``: HND or NHD.
     ``k_scale_tensor`` / ``v_scale_tensor``: that scale is a 1-element fp32 device tensor (read by
     the kernel, CUDA-graph safe) rather than a float argument. ``items``: (token, head) rows per
-    thread, all loaded before the first store.
+    thread, all loaded before the first store. ``pdl``: launched as a programmatic dependent launch
+    (see :mod:`cute_kernels.common.pdl`).
     """
 
     in_dtype: str = "bf16"
@@ -154,6 +159,7 @@ class WriteKVCacheConfig(KernelConfig):
     k_scale_tensor: bool = False
     v_scale_tensor: bool = False
     items: int = 1
+    pdl: bool = False
 
     kernel_id = "common.write_kv_cache"
 
@@ -208,4 +214,4 @@ class WriteKVCacheConfig(KernelConfig):
     def build(self):
         cute_dtype(self.cache_dtype)
         return WriteKVCache(self.head_dim, self.page_size, self.vec, self.kv_form, self.kv_layout, self.items,
-                            self.cache_dtype == "fp8_e4m3")
+                            self.cache_dtype == "fp8_e4m3", self.pdl)

@@ -39,6 +39,7 @@ from ..jit.compiler import ALL_TARGETS, KernelConfig
 from ..jit.dtypes import DTYPE_BITS
 from ..jit.spec import ScalarArg, TensorArg
 from .fdiv import divide_by_scale
+from .pdl import wait_then_release_dependents
 
 _THREADS = 256
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)  # elements per thread, widest first
@@ -71,7 +72,8 @@ class QuantizeQuery:
     ``q_scale[h * S // Hq]``, i.e. ``h // (Hq // S)``).
     """
 
-    def __init__(self, head_dim: int, vec: int, rot_dim: int = 0, items: int = 1):
+    def __init__(self, head_dim: int, vec: int, rot_dim: int = 0, items: int = 1, pdl: bool = False):
+        self.pdl = pdl
         self.head_dim = head_dim
         self.vec = vec
         self.rot_dim = rot_dim
@@ -94,29 +96,38 @@ class QuantizeQuery:
         per_cta = self.rows_per_cta * self.items
         grid_x = (num_rows + per_cta - 1) // per_cta
         self.kernel(mQ, mOut, q_scale, mCosSin, mPos).launch(
-            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mOut: cute.Tensor, q_scale, mCosSin, mPos):
-        """A thread owns one chunk (or rotation pair) of ``items`` head rows. Every item's loads
-        are issued before any item is converted, so a thread keeps ``items`` rows in flight;
-        rows past the end are clamped to the last row for the loads and not stored."""
+        """A thread owns one chunk (or rotation pair) of ``items`` consecutive head rows. Every
+        item's loads are issued before any item is converted, so a thread keeps ``items`` rows in
+        flight; rows past the end are clamped to the last row for the loads and not stored. With
+        RoPE the op only picks ``items`` dividing Hq, so a thread's rows are heads of one token
+        and share its position and cos/sin values (loaded once)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        if const_expr(self.pdl):
+            wait_then_release_dependents()
         num_heads = mQ.shape[1]
         num_rows = mQ.shape[0] * num_heads
         lane = tidx % self.lanes
+        base = (bidx * self.rows_per_cta + tidx // self.lanes) * self.items
         rope_lane = const_expr(self.rot_dim > 0) and lane < self.pair_lanes
         # dims past rot_dim pass through unrotated
         chunk = lane + self.pair_lanes if const_expr(self.rot_dim > 0) else lane
-        rows, ts, hs, raw_x, raw_y, poss = [], [], [], [], [], []
+        first = cutlass.min(base, num_rows - 1)
+        t0 = first // num_heads
+        h0 = first - t0 * num_heads
+        ts, hs, raw_x, raw_y = [], [], [], []
         for i in cutlass.range_constexpr(self.items):
-            row = (bidx * self.items + i) * self.rows_per_cta + tidx // self.lanes
-            r = cutlass.min(row, num_rows - 1)
-            t = r // num_heads
-            h = r - t * num_heads
-            rows.append(row)
+            if const_expr(self.rot_dim > 0):
+                t, h = t0, cutlass.min(h0 + i, num_heads - 1)
+            else:
+                r = cutlass.min(base + i, num_rows - 1)
+                t = r // num_heads
+                h = r - t * num_heads
             ts.append(t)
             hs.append(h)
             gQ = mQ[t, h, None]
@@ -129,10 +140,19 @@ class QuantizeQuery:
                 else:
                     x.store(cute.local_tile(gQ, (self.vec,), (chunk,)).load())
                 raw_y.append(y)
-                poss.append(Int64(mPos[t]))
             else:
                 x.store(cute.local_tile(gQ, (self.vec,), (chunk,)).load())
             raw_x.append(x)
+        if const_expr(self.rot_dim > 0):
+            tCrC = cute.make_rmem_tensor((self.vec,), Float32)
+            tCrS = cute.make_rmem_tensor((self.vec,), Float32)
+            pos = Int64(mPos[t0])
+            valid = pos >= Int64(0) and pos < Int64(mCosSin.shape[0])
+            if rope_lane:
+                p = Int32(pos) if valid else Int32(0)  # never dereference an out-of-range position
+                tCrC.store(cute.local_tile(mCosSin[p, None], (self.vec,), (lane,)).load().to(Float32))
+                tCrS.store(cute.local_tile(mCosSin[p, None], (self.vec,), (lane + self.pair_lanes,)).load()
+                           .to(Float32))
         for i in cutlass.range_constexpr(self.items):
             t, h = ts[i], hs[i]
             if const_expr(isinstance(q_scale, cute.Tensor)):
@@ -140,15 +160,13 @@ class QuantizeQuery:
             else:
                 scale = Float32(q_scale)
             gOut = mOut[t, h, None]
-            if const_expr(self.rot_dim > 0):
-                if rope_lane:
-                    if rows[i] < num_rows:
-                        self.rotate_pair(raw_x[i], raw_y[i], gOut, scale, mCosSin, poss[i], lane)
-                else:
-                    if rows[i] < num_rows:
+            if base + i < num_rows:
+                if const_expr(self.rot_dim > 0):
+                    if rope_lane:
+                        self.rotate_pair(raw_x[i], raw_y[i], gOut, scale, tCrC, tCrS, valid, lane)
+                    else:
                         self.quantize_chunk(raw_x[i], gOut, scale, chunk)
-            else:
-                if rows[i] < num_rows:
+                else:
                     self.quantize_chunk(raw_x[i], gOut, scale, chunk)
 
     @cute.jit
@@ -159,26 +177,22 @@ class QuantizeQuery:
         cute.local_tile(gOut, (self.vec,), (chunk,)).store(tQrQ.load().to(gOut.element_type))
 
     @cute.jit
-    def rotate_pair(self, raw_x, raw_y, gOut, scale, mCosSin, pos, pair):
-        """NeoX rotation of chunks ``pair`` (x, first half) and ``pair + rot/2`` (y), quantized."""
+    def rotate_pair(self, raw_x, raw_y, gOut, scale, tCrC, tCrS, valid, pair):
+        """NeoX rotation of chunks ``pair`` (x, first half) and ``pair + rot/2`` (y), quantized;
+        an out-of-range position makes the rotated dims NaN (as in the reference)."""
         other = pair + self.pair_lanes
-        valid = pos >= Int64(0) and pos < Int64(mCosSin.shape[0])
-        p = Int32(pos) if valid else Int32(0)  # never dereference an out-of-range position
-        tCrC = cute.make_rmem_tensor((self.vec,), Float32)
-        tCrS = cute.make_rmem_tensor((self.vec,), Float32)
-        tCrC.store(cute.local_tile(mCosSin[p, None], (self.vec,), (pair,)).load().to(Float32))
-        tCrS.store(cute.local_tile(mCosSin[p, None], (self.vec,), (other,)).load().to(Float32))
         tQrX = cute.make_rmem_tensor((self.vec,), Float32)
         tQrY = cute.make_rmem_tensor((self.vec,), Float32)
         tQrX.store(raw_x.load().to(Float32))
         tQrY.store(raw_y.load().to(Float32))
-        nan = Float32(float("nan"))
         for e in cutlass.range_constexpr(self.vec):
-            c = tCrC[e] if valid else nan
-            s = tCrS[e] if valid else nan
+            c, s = tCrC[e], tCrS[e]
             x, y = tQrX[e], tQrY[e]
             tQrX[e] = mul_add_rn(x, c, y, -s)  # x c - y s = RN(x c) + RN(y (-s))
             tQrY[e] = mul_add_rn(y, c, x, s)  # y c + x s
+        if not valid:
+            tQrX.fill(float("nan"))
+            tQrY.fill(float("nan"))
         divide_by_scale(tQrX, scale, exact_subnormals=False)
         divide_by_scale(tQrY, scale, exact_subnormals=False)
         cute.local_tile(gOut, (self.vec,), (pair,)).store(tQrX.load().to(gOut.element_type))
@@ -203,8 +217,10 @@ class QuantizeQueryConfig(KernelConfig):
     picks the widest the tensors allow). ``scale_tensor``: q_scale is an fp32 device tensor
     (``[1]`` or ``[Hkv]``, read by the kernel so CUDA-graph replays see new values) rather than a
     float argument. ``rot_dim`` > 0 fuses NeoX RoPE over the first ``rot_dim`` dims, with a
-    ``cos_sin_dtype`` cache and ``pos_dtype`` positions. ``items``: head rows per thread (their loads
-    are all in flight before the first conversion).
+    ``cos_sin_dtype`` cache and ``pos_dtype`` positions. ``items``: consecutive head rows per thread
+    (their loads are all in flight before the first conversion); with RoPE it must divide Hq (the
+    thread's rows then share one token's position and cos/sin). ``pdl``: launched as a programmatic
+    dependent launch (see :mod:`cute_kernels.common.pdl`).
     """
 
     q_dtype: str = "bf16"
@@ -215,6 +231,7 @@ class QuantizeQueryConfig(KernelConfig):
     cos_sin_dtype: str = "fp32"
     pos_dtype: str = "int64"
     items: int = 1
+    pdl: bool = False
 
     kernel_id = "common.quantize_query"
     targets = FP8_TARGETS
@@ -264,5 +281,5 @@ class QuantizeQueryConfig(KernelConfig):
 
     def build(self):
         cls = QuantizeQueryRope if self.rot_dim else QuantizeQuery
-        return cls(self.head_dim, self.vec, self.rot_dim, self.items)
+        return cls(self.head_dim, self.vec, self.rot_dim, self.items, self.pdl)
 

@@ -33,10 +33,10 @@ MAX_ROWS = 64  # group * q_len: the WGMMA N of one CTA
 MAX_SPLITS = 64
 
 
-# CTAs per SM to aim for with an FP8 cache, by head dim (measured, profiling/NOTES.md "v4"): the
-# per-tile chain is fixed-cost heavy for small tiles (D=64: more chains per SM pay), while large
+# CTAs per SM to aim for with an FP8 cache, by head dim (measured, profiling/NOTES.md "v4", "v5"):
+# D=64 runs 128-token tiles (see FP8_D64_TILE) and does best unsplit at up to 3 CTAs/SM; large
 # tiles want deeper pipelines (D=256: 2 CTAs with 3 stages beat 3 with 2).
-_FP8_CTAS_PER_SM = {64: 4, 128: 3, 256: 2}
+_FP8_CTAS_PER_SM = {64: 3, 128: 3, 256: 2}
 
 
 def choose_schedule(items: int, max_context: int, num_sms: int, max_occupancy: int, tile: int = 64,

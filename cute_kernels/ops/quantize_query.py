@@ -80,7 +80,9 @@ def _check_rope(rope, q: torch.Tensor):
 
 
 # head rows per thread: profiling/NOTES.md "layer glue v2"
-DEFAULT_ITEMS = 1
+DEFAULT_ITEMS = 2
+DEFAULT_ITEMS_ROPE = 2  # used only when it divides Hq (a thread's rows share one token's cos/sin)
+DEFAULT_PDL = True  # programmatic dependent launch: the launch overlaps the previous kernel's tail
 
 
 def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None) -> QuantizeQueryConfig:
@@ -94,8 +96,10 @@ def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None) -> Qua
     fields = dict(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor)
     if rope is not None:
         fields.update(rot_dim=rot, cos_sin_dtype=dtype_name(rope[0].dtype), pos_dtype=dtype_name(rope[1].dtype))
-    fields["items"] = DEFAULT_ITEMS
-    return QuantizeQueryConfig(**{**fields, **_cache.override})
+    items = _cache.override.get("items", DEFAULT_ITEMS_ROPE if rope is not None else DEFAULT_ITEMS)
+    fields["items"] = items if rope is None or q.shape[1] % items == 0 else 1
+    return QuantizeQueryConfig(**{**fields, **_cache.override, "items": fields["items"], "pdl": DEFAULT_PDL,
+                                  **({"pdl": _cache.override["pdl"]} if "pdl" in _cache.override else {})})
 
 
 def _key(q, q_scale, out, rope):

@@ -61,6 +61,7 @@ def _cache_geometry(kv_cache, kv_layout: str, device) -> tuple[bool, tuple, list
 
 # (token, head) rows per thread: profiling/NOTES.md "layer glue v2"
 DEFAULT_ITEMS = 1
+DEFAULT_PDL = True  # programmatic dependent launch: the launch overlaps the previous kernel's tail
 
 
 def make_config(key, value, kv_cache, slot_mapping, kv_layout: str, k_scale_tensor: bool,
@@ -71,7 +72,7 @@ def make_config(key, value, kv_cache, slot_mapping, kv_layout: str, k_scale_tens
         in_dtype=dtype_name(key.dtype), cache_dtype=dtype_name(caches[0].dtype), head_dim=D, page_size=page,
         vec=vector_width(D, [key, value, *caches]), slot_dtype=dtype_name(slot_mapping.dtype),
         kv_form="pair" if pair else "single", kv_layout=kv_layout, k_scale_tensor=k_scale_tensor,
-        v_scale_tensor=v_scale_tensor, **{"items": DEFAULT_ITEMS, **_cache.override},
+        v_scale_tensor=v_scale_tensor, **{"items": DEFAULT_ITEMS, "pdl": DEFAULT_PDL, **_cache.override},
     )
 
 

@@ -56,11 +56,11 @@ CASES = [
 # the non-default tunings stay correct too (benchmarks compare them)
 VARIANT_CASES = [
     (FP8, BF16, 128, 32, 8, 16, 1, "HND", "single", 2),
-VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128), dict(pdl=False)]
+    (FP8, BF16, 64, 32, 2, 64, 4, "NHD", "single", 1),
     (FP8, FP16, 128, 16, 4, 32, 2, "HND", "tuple", 1),
     (BF16, BF16, 128, 32, 8, 16, 1, "HND", "single", 3),
 ]
-VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128)]
+VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128), dict(pdl=False)]
 
 
 def _ids(c):
