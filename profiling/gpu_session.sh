@@ -12,6 +12,7 @@
 #   tune       decode tuning variants on a few shapes
 #   latency    small-batch latency, host costs, split sweep
 #   layer      bench layer (quantize_query, write_kv_cache, layer step in a graph)
+#   ncu        Nsight Compute sections of the FP8 decode on the shapes that miss targets
 #   qsa        bench qsa
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
@@ -40,6 +41,12 @@ for step in "$@"; do
     # those expected CUDA_ERROR_INVALID_VALUE returns would otherwise count as errors
     sanitize) run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize
               run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize_qsa ;;
+    ncu) for sh in "qwen3-30b B8 ctx32000" "d256 h16/8 B32 ctx8192" "llama3-8b B1 ctx1000"; do
+           python3 -m profiling.ncu_decode --shape "$sh" > /dev/null 2>&1  # compile outside the profiler
+           TAIL=60 run 120 "ncu_${sh%% *}_${sh##* }" ncu --clock-control none --kernel-name regex:decode \
+             --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy \
+             --section WarpStateStats --section MemoryWorkloadAnalysis python3 -m profiling.ncu_decode --shape "$sh"
+         done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -120,6 +120,9 @@ class QuantizeQuery:
         first = cutlass.min(base, num_rows - 1)
         t0 = first // num_heads
         h0 = first - t0 * num_heads
+        if const_expr(self.rot_dim > 0):
+            # position first: it heads the longest dependent chain (position -> cos/sin)
+            pos = Int64(mPos[t0])
         ts, hs, raw_x, raw_y = [], [], [], []
         for i in cutlass.range_constexpr(self.items):
             if const_expr(self.rot_dim > 0):
@@ -146,7 +149,6 @@ class QuantizeQuery:
         if const_expr(self.rot_dim > 0):
             tCrC = cute.make_rmem_tensor((self.vec,), Float32)
             tCrS = cute.make_rmem_tensor((self.vec,), Float32)
-            pos = Int64(mPos[t0])
             valid = pos >= Int64(0) and pos < Int64(mCosSin.shape[0])
             if rope_lane:
                 p = Int32(pos) if valid else Int32(0)  # never dereference an out-of-range position

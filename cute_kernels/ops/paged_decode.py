@@ -37,6 +37,10 @@ MAX_SPLITS = 64
 # D=64 runs 128-token tiles (see FP8_D64_TILE) and does best unsplit at up to 3 CTAs/SM; large
 # tiles want deeper pipelines (D=256: 2 CTAs with 3 stages beat 3 with 2).
 _FP8_CTAS_PER_SM = {64: 3, 128: 3, 256: 2}
+# ... and the fewest CTAs per SM the kernel is sized for: D=64 (128-token tiles) lands on 2 CTAs/SM
+# for B=32 x 8 heads, yet the kernel sized for 3 (4 stages) beats the one sized for 2 (7 stages):
+# 69.3 vs 73.0 us (profiling/NOTES.md "decode v5")
+_FP8_MIN_SIZING = {64: 3}
 
 
 def choose_schedule(items: int, max_context: int, num_sms: int, max_occupancy: int, tile: int = 64,
@@ -196,6 +200,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         num_splits = splits
     else:
         per_sm = probe.occupancy
+    if k.dtype == FP8:
+        per_sm = max(per_sm, _FP8_MIN_SIZING.get(D, 1))
     split = num_splits > 1
     config = config_for(split, occupancy=per_sm) if per_sm < probe.occupancy else config_for(split)
     target = compile_target(device)
