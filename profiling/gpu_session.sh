@@ -9,6 +9,7 @@
 #   peers      bench decode with FlashInfer XQA and wrapper too (needs wheelhouse part c)
 #   layervar   bench layer at T 4096/65536: rows per thread 1, 2, 4; with and without PDL
 #   pdl        decode with and without programmatic dependent launch, every shape
+#   final      FP8 decode, ours (with and without PDL) on the shapes that were short of a target
 #   tune       decode tuning variants on a few shapes
 #   latency    small-batch latency, host costs, split sweep
 #   layer      bench layer (quantize_query, write_kv_cache, layer step in a graph)
@@ -33,6 +34,7 @@ for step in "$@"; do
     peers) TAIL=80 run 300 peers python3 -m profiling.bench_decode --json "$OUT/decode_peers.json" --png "$OUT/decode_peers.png" ;;
     layervar) run 300 layervar python3 -m profiling.bench_layer --tokens 4096,65536 --variants "items=1;items=2;items=4;items=2,pdl=0;items=1,pdl=0" --json "$OUT/layervar.json" ;;
     pdl) run 200 pdl python3 -m profiling.bench_decode --kv fp8,bf16 --peers nopdl --quick --json "$OUT/pdl.json" ;;
+    final) run 200 final python3 -m profiling.bench_decode --kv fp8 --shapes B1,B8,d64,d256 --peers nopdl --quick --json "$OUT/final.json" ;;
     tune) run 200 tune python3 -m profiling.bench_decode --kv fp8 --shapes d64,B8 --peers t128occ3,t128occ2,occ4 --quick --json "$OUT/tune.json" ;;
     latency) run 150 latency python3 -m profiling.bench_latency --json "$OUT/latency.json" ;;
     layer) run 150 layer python3 -m profiling.bench_layer --json "$OUT/layer.json" ;;

@@ -55,7 +55,7 @@ MMA_WARPS = 4
 PRODUCER_WARP = MMA_WARPS
 NUM_THREADS = (MMA_WARPS + 1) * 32
 BAR_MMA = 1  # named barrier of the consumer warpgroup (0 is __syncthreads)
-MERGE_GROUP = 8  # splits whose partials one thread of the fused merge has in flight at once
+MERGE_GROUP = 16  # splits whose partials one thread of the fused merge has in flight at once
 LOG2E = math.log2(math.e)
 # Powers of two applied to Q and P before they enter an MMA whose K/V operand was widened from
 # FP8 (K/V scaled by 2^-WIDEN): keeps every product and partial sum in fp32's normal range.

@@ -46,7 +46,7 @@ CASES = [
     (BF16, BF16, 128, 16, 1, 16, 4, "HND", "single", 1),
     (FP16, FP16, 128, 32, 8, 16, 1, "HND", "single", 2),
     (FP16, FP16, 256, 8, 1, 32, 1, "NHD", "tuple", 1),
-    # the fused merge reads 8 splits per round: 11 and 20 splits are full + partial rounds, and
+    # the fused merge reads 16 splits per round: 11 is one partial round, 20 a full and a partial, and
     # with ~24 tiles per request many splits are empty (0, -inf)
     (FP8, BF16, 128, 32, 8, 16, 1, "HND", "single", 11),
     (BF16, BF16, 128, 32, 4, 16, 1, "HND", "single", 20),
