@@ -26,8 +26,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..jit.asm import asm
 
 _FAST_SCALE_MIN, _FAST_SCALE_MAX = 2.0**-30, 2.0**30
 _FAST_X_MIN, _FAST_X_MAX = 2.0**-60, 2.0**60
@@ -38,9 +39,9 @@ def div_by_reciprocal(x: Float32, recip: Float32, neg_s: Float32, *, loc=None, i
     """``RN(x / s)`` from ``recip = RN(1/s)`` and ``neg_s = -s``, inside the fast-path range.
 
     Inline PTX so that the multiply is never contracted with the FMAs around it."""
-    res = llvm.inline_asm(
-        T.f32(),
-        [Float32(v).ir_value(loc=loc, ip=ip) for v in (x, recip, neg_s)],
+    res = asm(
+        [T.f32()],
+        [Float32(v) for v in (x, recip, neg_s)],
         "{\n\t.reg .f32 quo, rem;\n"
         "\tmul.rn.f32 quo, $1, $2;\n"
         "\tfma.rn.f32 rem, $3, quo, $1;\n"
@@ -49,9 +50,6 @@ def div_by_reciprocal(x: Float32, recip: Float32, neg_s: Float32, *, loc=None, i
         "\tfma.rn.f32 quo, rem, $2, quo;\n"
         "\tcopysign.f32 $0, $1, quo;\n\t}",
         "=f,f,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
         ip=ip,
     )

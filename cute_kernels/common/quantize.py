@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from ..jit.asm import asm
 from ..jit.compiler import ALL_TARGETS, KernelConfig
 from ..jit.dtypes import DTYPE_BITS
 from ..jit.spec import ScalarArg, TensorArg
@@ -51,17 +51,9 @@ FP8_TARGETS = tuple(t for t in ALL_TARGETS if t not in ("sm_80", "sm_86"))
 @dsl_user_op
 def mul_add_rn(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Float32:
     """``RN(RN(a * b) + RN(c * d))``: three separately rounded fp32 operations, no FMA."""
-    res = llvm.inline_asm(
-        T.f32(),
-        [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "{\n\t.reg .f32 p, q;\n\tmul.rn.f32 p, $1, $2;\n\tmul.rn.f32 q, $3, $4;\n\tadd.rn.f32 $0, p, q;\n\t}",
-        "=f,f,f,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    res = asm([T.f32()], [Float32(x) for x in (a, b, c, d)],
+              "{\n\t.reg .f32 p, q;\n\tmul.rn.f32 p, $1, $2;\n\tmul.rn.f32 q, $3, $4;\n\tadd.rn.f32 $0, p, q;\n\t}",
+              "=f,f,f,f,f", loc=loc, ip=ip)
     return Float32(res)
 
 

@@ -19,8 +19,9 @@ un-permuting the rows of O (PV) — see ``decode.py``.
 from __future__ import annotations
 
 from cutlass import Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..jit.asm import asm
 
 # log2 of the factor the widened values are *smaller* than the e4m3 values by
 WIDEN_SHIFT_LOG2 = {"bf16": 120, "fp16": 8}
@@ -38,7 +39,7 @@ def widen_e4m3x4(x: Int32, target: str, *, loc=None, ip=None) -> tuple[Int32, In
     """Four e4m3 bytes -> (lo, hi) 16-bit pairs, ``lo = (b0, b2)``, ``hi = (b1, b3)``."""
     sign, em, sh = _WIDEN[target]
     # f = (a & c) | b  ->  LUT (0xF0 & 0xAA) | 0xCC = 0xEC
-    asm = (
+    text = (
         "{\n\t.reg .b32 t, u;\n\t"
         f"shl.b32 t, $2, {8 - sh};\n\t"
         f"and.b32 t, t, {em:#x};\n\t"
@@ -49,20 +50,8 @@ def widen_e4m3x4(x: Int32, target: str, *, loc=None, ip=None) -> tuple[Int32, In
         f"lop3.b32 $1, $2, t, {sign:#x}, 0xEC;\n\t"
         "}"
     )
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32(), T.i32()]),
-        [Int32(x).ir_value(loc=loc, ip=ip)],
-        asm,
-        "=r,=r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    lo = Int32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip))
-    hi = Int32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip))
-    return lo, hi
+    lo, hi = asm([T.i32(), T.i32()], [Int32(x)], text, "=r,=r,r", loc=loc, ip=ip)
+    return Int32(lo), Int32(hi)
 
 
 @dsl_user_op
@@ -75,26 +64,14 @@ def cvt_e4m3x4_f16(x: Int32, pair_tokens: bool, *, loc=None, ip=None) -> tuple[I
     """
     src = "p" if pair_tokens else "$2"
     prmt = "prmt.b32 p, $2, 0, 0x3120;\n\t" if pair_tokens else ""
-    asm = (
+    text = (
         "{\n\t.reg .b32 p;\n\t.reg .b16 l, h;\n\t" + prmt
         + f"mov.b32 {{l, h}}, {src};\n\t"
         "cvt.rn.f16x2.e4m3x2 $0, l;\n\t"
         "cvt.rn.f16x2.e4m3x2 $1, h;\n\t}"
     )
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32(), T.i32()]),
-        [Int32(x).ir_value(loc=loc, ip=ip)],
-        asm,
-        "=r,=r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    lo = Int32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip))
-    hi = Int32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip))
-    return lo, hi
+    lo, hi = asm([T.i32(), T.i32()], [Int32(x)], text, "=r,=r,r", loc=loc, ip=ip)
+    return Int32(lo), Int32(hi)
 
 
 @dsl_user_op
@@ -102,19 +79,11 @@ def ldmatrix_x4(smem_addr: Int32, transpose: bool, *, loc=None, ip=None) -> tupl
     """``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``: lane l addresses row l % 8 of
     matrix l // 8; result register j holds this lane's part of matrix j."""
     trans = ".trans" if transpose else ""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-        f"ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
-        "=r,=r,=r,=r,r",
-        # it reads shared memory written by TMA: it must stay behind the mbarrier wait
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return tuple(Int32(llvm.extractvalue(T.i32(), res, [j], loc=loc, ip=ip)) for j in range(4))
+    regs = asm([T.i32()] * 4, [Int32(smem_addr)],
+               f"ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16 {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,r",
+               # it reads shared memory written by TMA: it must stay behind the mbarrier wait
+               side_effects=True, loc=loc, ip=ip)
+    return tuple(Int32(r) for r in regs)
 
 
 def q_permutation(k: int, widen: str) -> int:
@@ -136,15 +105,6 @@ def load_cg_f32x4(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float32, 
     """``ld.global.cg.v4.f32`` at a 16-byte aligned global address: four floats that other SMs
     wrote in this kernel, read from L2 past L1. Volatile, so it is neither hoisted above the
     acquire fence that makes those writes visible nor merged with another load."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
-        "=f,=f,=f,=f,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [j], loc=loc, ip=ip)) for j in range(4))
+    vals = asm([T.f32()] * 4, [Int64(addr)], "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l",
+               side_effects=True, loc=loc, ip=ip)
+    return tuple(Float32(v) for v in vals)

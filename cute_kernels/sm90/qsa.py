@@ -43,11 +43,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from ..jit.asm import asm
 from ..jit.compiler import KernelConfig
 from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
@@ -64,18 +64,8 @@ def cp_async_zfill_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, l
     """``cp.async.cg.shared.global [smem], [gmem], 16, src_bytes``: copies ``src_bytes`` (16 or 0)
     and zero-fills the rest; with 0 nothing is read from global memory. ``.cg``: L2 only, the
     gathered rows are used once per CTA."""
-    llvm.inline_asm(
-        None,
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
-         Int32(src_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-        "r,l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r", side_effects=True, loc=loc, ip=ip)
 
 
 def smem_byte_offset(layout, crd, elem_bytes: int):
