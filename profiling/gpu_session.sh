@@ -10,6 +10,7 @@
 #   layervar   bench layer at T 4096/65536: rows per thread 1, 2, 4; with and without PDL
 #   pdl        decode with and without programmatic dependent launch, every shape
 #   final      FP8 decode, ours (with and without PDL) on the shapes that were short of a target
+#   sched      split scheduling: static ranges vs dynamic tile chunks, forced split counts
 #   tune       decode tuning variants on a few shapes
 #   latency    small-batch latency, host costs, split sweep
 #   layer      bench layer (quantize_query, write_kv_cache, layer step in a graph)
@@ -26,7 +27,7 @@ run() { local limit=$1 name=$2; shift 2; timeout "$limit" "$@" > "$OUT/$name.log
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
-    test) run 300 pytest python3 -m pytest tests/gpu -q -p no:cacheprovider --ignore=tests/gpu/test_qsa_gpu.py ;;
+    test) run 240 pytest python3 -m pytest tests/gpu -q -p no:cacheprovider --ignore=tests/gpu/test_qsa_gpu.py ;;
     testglue) run 200 pytest_glue python3 -m pytest tests/gpu/test_glue_gpu.py tests/gpu/test_layer_gpu.py -q -p no:cacheprovider ;;
     testqsa) run 200 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider ;;
     merge) run 120 merge python3 -m profiling.bench_merge --json "$OUT/merge.json" ;;
@@ -35,6 +36,7 @@ for step in "$@"; do
     layervar) run 300 layervar python3 -m profiling.bench_layer --tokens 4096,65536 --variants "items=1;items=2;items=4;items=2,pdl=0;items=1,pdl=0" --json "$OUT/layervar.json" ;;
     pdl) run 200 pdl python3 -m profiling.bench_decode --kv fp8,bf16 --peers nopdl --quick --json "$OUT/pdl.json" ;;
     final) run 200 final python3 -m profiling.bench_decode --kv fp8 --shapes B1,B8,d64,d256 --peers nopdl --quick --json "$OUT/final.json" ;;
+    sched) run 300 sched python3 -m profiling.bench_schedule --json "$OUT/sched.json" ;;
     tune) run 200 tune python3 -m profiling.bench_decode --kv fp8 --shapes d64,B8 --peers t128occ3,t128occ2,occ4 --quick --json "$OUT/tune.json" ;;
     latency) run 150 latency python3 -m profiling.bench_latency --json "$OUT/latency.json" ;;
     layer) run 150 layer python3 -m profiling.bench_layer --json "$OUT/layer.json" ;;

@@ -214,7 +214,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     if split:
         part_o = ws[:part_numel].view(num_splits, T, Hq, D)
         part_lse = ws[part_numel:part_numel + plse_numel].view(num_splits, T, Hq)
-        counters = _counters.get(device, B * Hkv)
+        # arrival counters, then (dynamic split) the tile-chunk counters
+        counters = _counters.get(device, 2 * B * Hkv if config.dynamic else B * Hkv)
     if not return_lse:
         base = part_numel + plse_numel
         scratch = ws[base:base + lse_numel].view(T, Hq)

@@ -55,6 +55,7 @@ MMA_WARPS = 4
 PRODUCER_WARP = MMA_WARPS
 NUM_THREADS = (MMA_WARPS + 1) * 32
 BAR_MMA = 1  # named barrier of the consumer warpgroup (0 is __syncthreads)
+DYNAMIC_CHUNK_TILES = 2  # small grabs: a CTA's tail is at most ~2 tiles (~3 us at 3 CTAs/SM)
 MERGE_GROUP = 16  # splits whose partials one thread of the fused merge has in flight at once
 LOG2E = math.log2(math.e)
 # Powers of two applied to Q and P before they enter an MMA whose K/V operand was widened from
@@ -80,6 +81,8 @@ class Sm90PagedDecode:
         self.tile = cfg.tile
         self.box = min(cfg.page_size, self.tile)  # tokens per TMA box
         self.boxes_per_tile = self.tile // self.box
+        # dynamic split: tiles per grab (their page ids must fit one per lane of the producer warp)
+        self.chunk_tiles = max(1, min(DYNAMIC_CHUNK_TILES, 32 // self.boxes_per_tile))
         self.stages = cfg.stages
         # FP8 "bits": exact widening to the query's type by bit operations (values x 2^-shift);
         # FP8 "cvt": exact hardware e4m3 -> f16 conversion, so the MMAs run in fp16 and a BF16
@@ -175,6 +178,7 @@ class Sm90PagedDecode:
             v_bar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
             red: cute.struct.MemRange[Float32, MMA_WARPS * cfg.n_pad]
             flag: cute.struct.MemRange[Int32, 4]
+            tile_id: cute.struct.MemRange[Int32, cfg.stages]  # dynamic: the tile each K stage holds
             sK: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(k_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(v_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(q_layout)], 1024]
@@ -262,9 +266,17 @@ class Sm90PagedDecode:
         tile_begin = split * per_split
         tile_end = cutlass.min(tile_begin + per_split, num_tiles)
 
+        sTileId = storage.tile_id.get_tensor(cute.make_layout(self.stages))
         if warp == PRODUCER_WARP:
-            self.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
-                         batch_idx, kv_head, seq_len, tile_begin, tile_end, lane)
+            if const_expr(self.cfg.dynamic):
+                # this item's chunk counter sits behind the B x Hkv arrival counters
+                grab = mCounter.iterator + (cute.arch.grid_dim()[2] * cute.arch.grid_dim()[1]
+                                            + batch_idx * cute.arch.grid_dim()[1] + kv_head)
+                self.produce_dynamic(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
+                                     batch_idx, kv_head, seq_len, num_tiles, grab, sTileId, lane)
+            else:
+                self.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
+                             batch_idx, kv_head, seq_len, tile_begin, tile_end, lane)
         else:
             k_base = storage.sK.data_ptr().toint()
             v_base = storage.sV.data_ptr().toint()
@@ -272,16 +284,34 @@ class Sm90PagedDecode:
             merge = (mPartO, mPartLse, mCounter, sFlag, num_splits)
             self.consume(mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                          qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                         seq_len, tile_begin, tile_end, tidx, warp, lane, merge)
+                         seq_len, tile_begin, tile_end, tidx, warp, lane, merge, sTileId)
 
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
     def produce(self, tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
                 batch_idx, kv_head, seq_len, tile_begin, tile_end, lane):
-        D, box, nb = self.D, self.box, self.boxes_per_tile
-        max_pages = mBlockTable.shape[1]
-        # (box, D, box-in-page, page) views of this KV head; the stage tile split into boxes
+        """Static split: this CTA's contiguous tile range."""
+        nb = self.boxes_per_tile
+        tKsK, tKgK, tVsV, tVgV = self.partition_tma(tma_k, mK, tma_v, mV, sK, sV, kv_head)
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        # Page ids are fetched 32 boxes at a time, one per lane, well ahead of their TMA.
+        page_id = Int32(0)
+        for tile in cutlass.range(tile_begin, tile_end, unroll=1):
+            rel = (tile - tile_begin) * nb  # box index relative to this CTA's first box
+            if rel % 32 == 0:
+                page_id = self.lookup_page(mBlockTable, num_pages, batch_idx, seq_len, tile * nb + lane)
+            pipe_k.producer_acquire(state_k)
+            self.load_tile(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, pipe_k, pipe_v, state_k, state_v, page_id, rel, tile)
+            state_k.advance()
+            state_v.advance()
+
+    @cute.jit
+    def partition_tma(self, tma_k, mK, tma_v, mV, sK, sV, kv_head):
+        """TMA partitions of this KV head: (box, D, box-in-page, page) global views, stage tiles
+        split into boxes."""
+        D, box = self.D, self.box
         gK = cute.local_tile(mK[None, None, kv_head, None], (box, D), (None, 0, None))
         sK_boxes = cute.flat_divide(sK, (box, D))  # (box, D, nb, 1, stages)
         tKsK, tKgK = cpasync.tma_partition(
@@ -290,53 +320,91 @@ class Sm90PagedDecode:
         if const_expr(self.fp8):
             gV = cute.local_tile(mV[None, None, kv_head, None], (box, D), (None, 0, None))
             sV_boxes = cute.flat_divide(sV, (box, D))
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_v, 0, cute.make_layout(1), cute.group_modes(sV_boxes, 0, 2), cute.group_modes(gV, 0, 2)
-            )
         else:
             gV = cute.local_tile(mV[None, None, kv_head, None], (D, box), (0, None, None))
             sV_boxes = cute.flat_divide(sV, (D, box))  # (D, box, 1, nb, stages)
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_v, 0, cute.make_layout(1), cute.group_modes(sV_boxes, 0, 2), cute.group_modes(gV, 0, 2)
-            )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV_boxes, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        return tKsK, tKgK, tVsV, tVgV
 
+    @cute.jit
+    def lookup_page(self, mBlockTable, num_pages, batch_idx, seq_len, box_idx):
+        """Physical page of box ``box_idx`` (one per lane); ``num_pages`` (out of range: TMA
+        zero-fill) past the sequence, past the table or for an invalid id."""
+        token = box_idx * self.box
+        logical_page = token // self.page
+        page_id = Int32(num_pages)
+        if token < seq_len and logical_page < mBlockTable.shape[1]:
+            page_id = mBlockTable[batch_idx, logical_page]
+        # negative ids are out of range as well; clamp only to keep the coordinate int32
+        if page_id < 0 or page_id >= num_pages:
+            page_id = Int32(num_pages)
+        return page_id
+
+    @cute.jit
+    def load_tile(self, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, pipe_k, pipe_v, state_k, state_v, page_id, rel, tile):
+        """TMA of one tile's K (its stage already acquired) and V boxes; box j's page id is in
+        lane (rel + j) % 32."""
+        nb = self.boxes_per_tile
+        boxes_per_page = self.page // self.box
+        for j in cutlass.range_constexpr(nb):
+            pid = cute.arch.shuffle_sync(page_id, (rel + j) % 32)
+            sub = ((tile * nb + j) % boxes_per_page) if const_expr(boxes_per_page > 1) else 0
+            cute.copy(tma_k, tKgK[None, sub, pid], tKsK[None, j, 0, state_k.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state_k))
+        pipe_k.producer_commit(state_k)
+        pipe_v.producer_acquire(state_v)
+        for j in cutlass.range_constexpr(nb):
+            pid = cute.arch.shuffle_sync(page_id, (rel + j) % 32)
+            sub = ((tile * nb + j) % boxes_per_page) if const_expr(boxes_per_page > 1) else 0
+            if const_expr(self.fp8):
+                cute.copy(tma_v, tVgV[None, sub, pid], tVsV[None, j, 0, state_v.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state_v))
+            else:
+                cute.copy(tma_v, tVgV[None, sub, pid], tVsV[None, 0, j, state_v.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state_v))
+        pipe_v.producer_commit(state_v)
+
+    @cute.jit
+    def produce_dynamic(self, tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
+                        batch_idx, kv_head, seq_len, num_tiles, grab, sTileId, lane):
+        """Dynamic split: the CTAs of one (request, KV head) take chunks of ``chunk_tiles`` tiles
+        from a shared counter until none is left, so they all finish within about one chunk of
+        each other (a CTA that started late or streams slowly simply takes fewer chunks; with
+        more CTAs than slots the late ones find little or nothing left). Each K stage carries its
+        tile index in ``sTileId``, written before the stage's full-barrier arrive (which releases
+        it to the consumers); a stage with index -1 and no TMA ends the consumers' loop."""
+        nb, ch = self.boxes_per_tile, self.chunk_tiles
+        tKsK, tKgK, tVsV, tVgV = self.partition_tma(tma_k, mK, tma_v, mV, sK, sV, kv_head)
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        boxes_per_page = self.page // box
-        # Page ids are fetched 32 boxes at a time, one per lane, well ahead of their TMA.
-        page_id = Int32(0)
-        for tile in cutlass.range(tile_begin, tile_end, unroll=1):
-            rel = (tile - tile_begin) * nb  # box index relative to this CTA's first box
-            if rel % 32 == 0:
-                box_idx = tile * nb + lane
-                token = box_idx * box
-                logical_page = token // self.page
-                page_id = Int32(num_pages)  # out of range => TMA zero-fill
-                if token < seq_len and logical_page < max_pages:
-                    page_id = mBlockTable[batch_idx, logical_page]
-                # negative ids are out of range as well; clamp only to keep the coordinate int32
-                if page_id < 0 or page_id >= num_pages:
-                    page_id = Int32(num_pages)
-            pipe_k.producer_acquire(state_k)
-            for j in cutlass.range_constexpr(nb):
-                pid = cute.arch.shuffle_sync(page_id, (rel + j) % 32)
-                sub = ((tile * nb + j) % boxes_per_page) if const_expr(boxes_per_page > 1) else 0
-                cute.copy(tma_k, tKgK[None, sub, pid], tKsK[None, j, 0, state_k.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(state_k))
-            pipe_k.producer_commit(state_k)
-            state_k.advance()
-            pipe_v.producer_acquire(state_v)
-            for j in cutlass.range_constexpr(nb):
-                pid = cute.arch.shuffle_sync(page_id, (rel + j) % 32)
-                sub = ((tile * nb + j) % boxes_per_page) if const_expr(boxes_per_page > 1) else 0
-                if const_expr(self.fp8):
-                    cute.copy(tma_v, tVgV[None, sub, pid], tVsV[None, j, 0, state_v.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(state_v))
-                else:
-                    cute.copy(tma_v, tVgV[None, sub, pid], tVsV[None, 0, j, state_v.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(state_v))
-            pipe_v.producer_commit(state_v)
-            state_v.advance()
+        chunk = self.grab_chunk(grab, lane)
+        while chunk * ch < num_tiles:
+            first = chunk * ch
+            last = cutlass.min(first + ch, num_tiles)
+            page_id = self.lookup_page(mBlockTable, num_pages, batch_idx, seq_len, first * nb + lane)
+            for tile in cutlass.range(first, last, unroll=1):
+                pipe_k.sync_object_empty.wait(state_k.index, state_k.phase)
+                sTileId[state_k.index] = tile
+                pipe_k.sync_object_full.arrive(state_k.index, pipe_k.producer_mask)  # + expect_tx
+                self.load_tile(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, pipe_k, pipe_v, state_k, state_v, page_id,
+                               (tile - first) * nb, tile)
+                state_k.advance()
+                state_v.advance()
+            chunk = self.grab_chunk(grab, lane)
+        # end marker: a K stage with no data; a plain arrive completes its phase (no bytes expected)
+        pipe_k.sync_object_empty.wait(state_k.index, state_k.phase)
+        sTileId[state_k.index] = Int32(-1)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(pipe_k.producer_get_barrier(state_k))
+
+    @cute.jit
+    def grab_chunk(self, grab, lane):
+        chunk = Int32(0)
+        if lane == 0:
+            chunk = cute.arch.atomic_add(grab, Int32(1), sem="relaxed", scope="gpu")
+        return cute.arch.shuffle_sync(chunk, 0)
 
     # ------------------------------------------------------------------------------------------
 
@@ -408,7 +476,7 @@ class Sm90PagedDecode:
     @cute.jit
     def consume(self, mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                 qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                seq_len, tile_begin, tile_end, tidx, warp, lane, merge):
+                seq_len, tile_begin, tile_end, tidx, warp, lane, merge, sTileId):
         cfg = self.cfg
         mPartO, mPartLse, mCounter, sFlag, num_splits = merge
         D, N, G = self.D, self.N, self.G
@@ -469,10 +537,13 @@ class Sm90PagedDecode:
         state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         mma = (qk_mma, pv_mma, acc_s, acc_o, tSrK, tSrQ, tOrV, tOrP)
         # Software pipeline: QK(t+1) is issued right behind PV(t), so the widening of K(t+1)
-        # runs while PV(t) is in the tensor cores and the two MMAs overlap.
-        if tile_begin < tile_end:
+        # runs while PV(t) is in the tensor cores and the two MMAs overlap. The tile sequence is
+        # this CTA's static range, or (dynamic split) whatever the producer took, read from the
+        # K stage (-1 ends it).
+        tile = self.next_tile(pipe_k, state_k, sTileId, tile_begin - 1, tile_end)
+        if tile >= 0:
             self.issue_qk(mma, pipe_k, state_k, k_base, k_layout, warp, lane)
-        for tile in cutlass.range(tile_begin, tile_end, unroll=1):
+        while tile >= 0:
             warpgroup.wait_group(0)  # S(tile) is complete (O(tile - 1) was waited for below)
             pipe_k.consumer_release(state_k)
             state_k.advance()
@@ -536,13 +607,15 @@ class Sm90PagedDecode:
                 else:
                     cute.gemm(pv_mma, acc_o, tOrV[None, None, kb, state_v.index], tOrP[None, None, kb, 0], acc_o)
             warpgroup.commit_group()
-            if tile + 1 < tile_end:
+            nxt = self.next_tile(pipe_k, state_k, sTileId, tile, tile_end)
+            if nxt >= 0:
                 self.issue_qk(mma, pipe_k, state_k, k_base, k_layout, warp, lane)
                 warpgroup.wait_group(1)  # O(tile) done; S(tile + 1) may still run
             else:
                 warpgroup.wait_group(0)
             pipe_v.consumer_release(state_v)
             state_v.advance()
+            tile = nxt
 
         if const_expr(cfg.pdl):
             # only the epilogue is left: the next kernel in the stream may start launching (its
@@ -623,6 +696,11 @@ class Sm90PagedDecode:
                     self.merge_row_chunk(mO, mLse, mPartO, mPartLse, num_splits, token, head, d0)
             if tidx == 0:
                 counter.store(Int32(0))
+                if const_expr(self.cfg.dynamic):
+                    # every CTA of the item has arrived, so none takes chunks any more: reset for
+                    # the next launch (its counter sits B x Hkv entries behind the arrival counter)
+                    grab = counter + cute.arch.grid_dim()[2] * cute.arch.grid_dim()[1]
+                    grab.store(Int32(0))
 
     @cute.jit
     def merge_row_chunk(self, mO, mLse, mPartO, mPartLse, num_splits, token, head, d0):
@@ -678,6 +756,19 @@ class Sm90PagedDecode:
         return cute.arch.load(tensor.iterator + cute.crd2idx(coord, tensor.layout), Float32, cop="cg")
 
     # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def next_tile(self, pipe_k, state_k, sTileId, tile, tile_end):
+        """The tile after ``tile``, or -1. Static: the next of the range. Dynamic: the index the
+        producer stored with the next K stage (waited for here; ``issue_qk`` waits again, at once)."""
+        nxt = Int32(-1)
+        if const_expr(self.cfg.dynamic):
+            pipe_k.consumer_wait(state_k)
+            nxt = sTileId[state_k.index]
+        else:
+            if tile + 1 < tile_end:
+                nxt = tile + 1
+        return nxt
 
     @cute.jit
     def issue_qk(self, mma, pipe_k, state_k, k_base, k_layout, warp, lane):
@@ -812,7 +903,9 @@ class Sm90DecodeConfig(KernelConfig):
     tokens per iteration (64 or 128, i.e. one or two WGMMA M blocks). ``pdl``: launched as a
     programmatic dependent launch (the launch and prologue overlap the previous kernel's tail; the
     kernel waits in ``griddepcontrol.wait`` before touching global memory and lets its own
-    dependents launch once its main loop is done).
+    dependents launch once its main loop is done). ``dynamic`` (split only): the CTAs of one
+    (request, KV head) take chunks of tiles from a shared counter instead of fixed ranges (their
+    counters follow the arrival counters in ``counters``).
     """
 
     q_dtype: str = "bf16"
@@ -831,6 +924,7 @@ class Sm90DecodeConfig(KernelConfig):
     widen: str = "bits"
     tile: int = 64
     pdl: bool = False
+    dynamic: bool = False
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -851,6 +945,8 @@ class Sm90DecodeConfig(KernelConfig):
             raise ValueError("group * q_len must be in [1, 64]")
         if self.kv_form not in ("single", "pair") or self.kv_layout not in ("HND", "NHD"):
             raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
+        if self.dynamic and not self.split:
+            raise ValueError("dynamic tile scheduling needs split partials (split=True)")
         if self.widen not in ("bits", "cvt") or self.tile not in (64, 128):
             raise ValueError(f"bad widen/tile {self.widen}/{self.tile}")
 
@@ -963,6 +1059,7 @@ def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE,
 
 DEFAULT_WIDEN = "cvt"  # chosen by measurement: profiling/NOTES.md "decode v3"
 DEFAULT_PDL = True  # as FlashInfer's kernels on SM90+ (profiling/NOTES.md "decode v5")
+DEFAULT_DYNAMIC = True  # split CTAs take tile chunks from a counter (profiling/NOTES.md "decode v6")
 # an FP8 D=64 tile of 64 tokens is only 4 KB of K: two M blocks per iteration halve the per-byte
 # cost of the tile chain (measured, profiling/NOTES.md "decode v5": 75.4 -> 69.4 us)
 FP8_D64_TILE = 128
@@ -974,6 +1071,7 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
     """The config the op uses for a problem: tuning (stages, occupancy, tile, widening) filled in
     here, once, for the op, the warm-up and the compile matrix alike. ``override`` replaces any
     tuning field (benchmarks compare variants with it)."""
+    dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split
     tile = override.get("tile", FP8_D64_TILE if (kv_dtype, head_dim) == ("fp8_e4m3", 64) else TILE)
     n_pad = max(8, (group * q_len + 7) // 8 * 8)
     stages, occupancy = decode_tuning(1 if kv_dtype == "fp8_e4m3" else 2, head_dim, n_pad, tile,
@@ -982,7 +1080,7 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
         q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len, page_size=page_size,
         stages=stages, split=split, k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
         kv_form=kv_form, kv_layout=kv_layout, occupancy=occupancy, tile=tile,
-        widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=DEFAULT_PDL,
+        widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=DEFAULT_PDL, dynamic=dynamic,
     )
     fields.update(override)
     return Sm90DecodeConfig(**fields)

@@ -60,7 +60,7 @@ VARIANT_CASES = [
     (FP8, FP16, 128, 16, 4, 32, 2, "HND", "tuple", 1),
     (BF16, BF16, 128, 32, 8, 16, 1, "HND", "single", 3),
 ]
-VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128), dict(pdl=False)]
+VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128), dict(pdl=False), dict(dynamic=False)]
 
 
 def _ids(c):
