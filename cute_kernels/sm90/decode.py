@@ -1059,7 +1059,7 @@ def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE,
 
 DEFAULT_WIDEN = "cvt"  # chosen by measurement: profiling/NOTES.md "decode v3"
 DEFAULT_PDL = True  # as FlashInfer's kernels on SM90+ (profiling/NOTES.md "decode v5")
-DEFAULT_DYNAMIC = True  # split CTAs take tile chunks from a counter (profiling/NOTES.md "decode v6")
+DEFAULT_DYNAMIC = False  # dynamic split scheduling is opt-in (not bitwise reproducible): decode v6
 # an FP8 D=64 tile of 64 tokens is only 4 KB of K: two M blocks per iteration halve the per-byte
 # cost of the tile chain (measured, profiling/NOTES.md "decode v5": 75.4 -> 69.4 us)
 FP8_D64_TILE = 128

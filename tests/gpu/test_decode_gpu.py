@@ -60,7 +60,7 @@ VARIANT_CASES = [
     (FP8, FP16, 128, 16, 4, 32, 2, "HND", "tuple", 1),
     (BF16, BF16, 128, 32, 8, 16, 1, "HND", "single", 3),
 ]
-VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128), dict(pdl=False), dict(dynamic=False)]
+VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128), dict(pdl=False), dict(dynamic=True)]
 
 
 def _ids(c):
@@ -207,6 +207,18 @@ def test_graph_capture_replay_bitwise_and_live_scales(gen):
         _check(c, out, _run(c, splits)[1])
         ks.fill_(0.05)
         vs.fill_(0.02)
+
+
+def test_nondeterministic_dynamic_split_matches_reference(gen):
+    """deterministic=False on a long-context split shape (dynamic tile chunks): correct, with the
+    tile-to-CTA assignment left to the hardware."""
+    c = make_paged_decode_case(batch=3, num_q_heads=32, num_kv_heads=4, head_dim=128, page_size=16,
+                               seq_lens=[20000, 5, 9001], generator=gen)
+    for splits in (None, 7):
+        out = torch.full_like(c.q, float("nan"))
+        out, lse = cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, return_lse=True,
+                                             num_splits=splits, deterministic=False, **c.kwargs())
+        _check(c, out, lse)
 
 
 def test_long_context_and_large_batch(gen):
