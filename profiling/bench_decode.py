@@ -25,7 +25,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.testing import make_paged_decode_case, rel_err
 
-from .bench_utils import host_overhead, read_bandwidth, time_eager, time_graph
+from .bench_utils import bench_setup, host_overhead, time_eager, time_graph
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
@@ -172,10 +172,7 @@ def variant(name):
 
 def run(peers=("xqa", "fi", "fa4", "sdpa"), kv_dtypes=("fp8", "bf16"), shapes=None, out_json=None, out_png=None,
         quick=False):
-    bw = read_bandwidth()
-    print(f"read bandwidth: {bw / 1e12:.3f} TB/s", flush=True)
-    g = torch.Generator(device="cuda")
-    g.manual_seed(0)
+    bw, g = bench_setup()
     rows = []
     for kvn in kv_dtypes:
         kv_dtype = FP8 if kvn == "fp8" else BF16

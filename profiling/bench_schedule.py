@@ -20,7 +20,7 @@ from cute_kernels.ops.paged_decode import tuning_override
 from cute_kernels.testing import make_paged_decode_case, rel_err
 
 from .bench_decode import SHAPES
-from .bench_utils import read_bandwidth, time_graph
+from .bench_utils import bench_setup, time_graph
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 # shape-name substring -> forced split counts to try with dynamic scheduling
@@ -28,10 +28,7 @@ PLAN = {"B8 ctx32000": (16, 24), "B128": (2,), "B1 ctx1000": (), "B64 ctx8192": 
 
 
 def run(out_json=None, kv_dtypes=("fp8",)):
-    bw = read_bandwidth()
-    print(f"read bandwidth: {bw / 1e12:.3f} TB/s", flush=True)
-    g = torch.Generator(device="cuda")
-    g.manual_seed(0)
+    bw, g = bench_setup()
     rows = []
     for kvn in kv_dtypes:
         for name, Hq, Hkv, D, B, ctx, q_len in SHAPES:

@@ -108,3 +108,12 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     b = torch.empty_like(a)
     t = time_eager(lambda: b.copy_(a), warmup=2, reps=5, rounds=5)
     return 2 * a.numel() / t
+
+
+def bench_setup(seed: int = 0):
+    """(read bandwidth in bytes/s, printed, and a CUDA generator seeded with ``seed``)."""
+    bw = read_bandwidth()
+    print(f"read bandwidth: {bw / 1e12:.3f} TB/s", flush=True)
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    return bw, g
