@@ -58,6 +58,11 @@ BAR_MMA = 1  # named barrier of the consumer warpgroup (0 is __syncthreads)
 DYNAMIC_CHUNK_TILES = 2  # small grabs: a CTA's tail is at most ~2 tiles (~3 us at 3 CTAs/SM)
 MERGE_GROUP = 16  # splits whose partials one thread of the fused merge has in flight at once
 LOG2E = math.log2(math.e)
+
+
+def slot_of(n_static: int) -> int:
+    """Register slot of accumulator column ``n_static`` (thread 0's columns 8 j + {0, 1})."""
+    return (n_static // 8) * 2 + n_static % 8
 # Powers of two applied to Q and P before they enter an MMA whose K/V operand was widened from
 # FP8 (K/V scaled by 2^-WIDEN): keeps every product and partial sum in fp32's normal range.
 Q_PRESCALE_LOG2 = {"bf16": 64, "fp16": 0}
@@ -510,9 +515,6 @@ class Sm90PagedDecode:
         m_base = cS[0][0] - cS0[0][0]  # this thread's row offset (lane / 4 + 16 * warp)
         nslots = N // 4  # columns owned by a thread: 8 * j + n_base + {0, 1}
 
-        def slot_of(n_static):
-            return (n_static // 8) * 2 + n_static % 8
-
         row_max = cute.make_rmem_tensor((nslots,), Float32)
         row_sum = cute.make_rmem_tensor((nslots,), Float32)
         limit = cute.make_rmem_tensor((nslots,), Int32)
@@ -561,34 +563,8 @@ class Sm90PagedDecode:
                         s_val = -Float32.inf
                 acc_s[i] = s_val
                 tile_max[sl] = cute.arch.fmax(tile_max[sl], s_val)
-            for s in cutlass.range_constexpr(nslots):
-                v = tile_max[s]
-                for off in (4, 8, 16):
-                    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, off))
-                tile_max[s] = v
-            if lane < 4:
-                for s in cutlass.range_constexpr(nslots):
-                    sRed[warp, (s // 2) * 8 + s % 2 + n_base] = tile_max[s]
-            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
-            alpha = cute.make_rmem_tensor((nslots,), Float32)
-            for s in cutlass.range_constexpr(nslots):
-                n = (s // 2) * 8 + s % 2 + n_base
-                t_max = cute.arch.fmax(cute.arch.fmax(sRed[0, n], sRed[1, n]), cute.arch.fmax(sRed[2, n], sRed[3, n]))
-                new_max = cute.arch.fmax(row_max[s], t_max)
-                safe = new_max if new_max != -Float32.inf else Float32(0.0)
-                alpha[s] = cute.math.exp2(row_max[s] - safe, fastmath=True)
-                row_max[s] = new_max
-                row_sum[s] = row_sum[s] * alpha[s]
-            for i in cutlass.range_constexpr(nS):
-                sl = slot_of(cS0[i][1])
-                safe = row_max[sl] if row_max[sl] != -Float32.inf else Float32(0.0)
-                p = cute.math.exp2(acc_s[i] - safe, fastmath=True)
-                row_sum[sl] = row_sum[sl] + p
-                sP[cS0[i][1] + n_base, cS0[i][0] + m_base, 0] = (p * Float32(2.0 ** self.p_pre)).to(sP.element_type)
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * alpha[slot_of(cO0[i][1])]
-            cute.arch.fence_proxy("async.shared", space="cta")  # sP is read by WGMMA
-            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+            self.softmax_tile(acc_s, acc_o, tile_max, row_max, row_sum, sRed, sP, cS0, cO0, n_base, m_base, warp,
+                              lane)
 
             # ---------------- O^T += V^T P^T, then S^T(tile + 1) = K Q^T ----------------
             pipe_v.consumer_wait(state_v)
@@ -663,6 +639,47 @@ class Sm90PagedDecode:
                     mO[token, head, d] = val.to(mO.element_type)
         if const_expr(cfg.split):
             self.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx)
+
+    @cute.jit
+    def softmax_tile(self, acc_s, acc_o, tile_max, row_max, row_sum, sRed, sP, cS0, cO0, n_base, m_base, warp, lane):
+        """One online-softmax step (shared with the QSA kernel). In: ``acc_s`` the tile's scaled,
+        masked logits (log2 units) and ``tile_max`` this thread's per-slot maxima. Reduces the
+        maxima over the warpgroup (shuffles, then ``sRed`` across warps), rescales ``row_sum`` and
+        ``acc_o`` by ``exp2(old max - new max)``, and writes ``P = exp2(s - max)`` (times
+        ``2^p_pre``) to ``sP`` for the PV WGMMA; ends with the fence and barrier that publish sP.
+        A slot whose maximum is still -inf shifts by 0, so exp2(-inf) = 0 and no inf - inf."""
+        nslots = self.N // 4
+        for s in cutlass.range_constexpr(nslots):
+            v = tile_max[s]
+            for off in (4, 8, 16):
+                v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, off))
+            tile_max[s] = v
+        if lane < 4:
+            for s in cutlass.range_constexpr(nslots):
+                sRed[warp, (s // 2) * 8 + s % 2 + n_base] = tile_max[s]
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+        alpha = cute.make_rmem_tensor((nslots,), Float32)
+        for s in cutlass.range_constexpr(nslots):
+            n = (s // 2) * 8 + s % 2 + n_base
+            t_max = cute.arch.fmax(cute.arch.fmax(sRed[0, n], sRed[1, n]), cute.arch.fmax(sRed[2, n], sRed[3, n]))
+            new_max = cute.arch.fmax(row_max[s], t_max)
+            safe = new_max if new_max != -Float32.inf else Float32(0.0)
+            alpha[s] = cute.math.exp2(row_max[s] - safe, fastmath=True)
+            row_max[s] = new_max
+            row_sum[s] = row_sum[s] * alpha[s]
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            sl = slot_of(cS0[i][1])
+            safe = row_max[sl] if row_max[sl] != -Float32.inf else Float32(0.0)
+            p = cute.math.exp2(acc_s[i] - safe, fastmath=True)
+            row_sum[sl] = row_sum[sl] + p
+            if const_expr(self.p_pre):
+                p = p * Float32(2.0 ** self.p_pre)
+            sP[cS0[i][1] + n_base, cS0[i][0] + m_base, 0] = p.to(sP.element_type)
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * alpha[slot_of(cO0[i][1])]
+        cute.arch.fence_proxy("async.shared", space="cta")  # sP is read by WGMMA
+        # also: every warp read sRed for this tile before the next tile overwrites it
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
 
     @cute.jit
     def merge_splits(self, mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx):

@@ -51,7 +51,7 @@ from ..jit.asm import asm
 from ..jit.compiler import KernelConfig
 from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
-from .decode import BAR_MMA, MMA_M, MMA_WARPS, Sm90PagedDecode
+from .decode import BAR_MMA, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_of
 
 PRODUCER_WARP = MMA_WARPS
 NUM_THREADS = (MMA_WARPS + 1) * 32
@@ -397,9 +397,6 @@ class Sm90QsaAttention(Sm90PagedDecode):
         # 16 * (warp % 2) + lane / 4 + {0, 8} of bitmask word 2 * mb + warp / 2
         mask_shift = (warp % 2) * 16 + lane // 4
 
-        def slot_of(n_static):
-            return (n_static // 8) * 2 + n_static % 8
-
         row_max = cute.make_rmem_tensor((nslots,), Float32)
         row_sum = cute.make_rmem_tensor((nslots,), Float32)
         row_max.fill(-Float32.inf)
@@ -456,35 +453,8 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 acc_s[e] = s_val
                 sl = slot_of(cS0[e][1])
                 tile_max[sl] = cute.arch.fmax(tile_max[sl], s_val)
-            for s in cutlass.range_constexpr(nslots):
-                v = tile_max[s]
-                for off in (4, 8, 16):
-                    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, off))
-                tile_max[s] = v
-            if lane < 4:
-                for s in cutlass.range_constexpr(nslots):
-                    sRed[warp, (s // 2) * 8 + s % 2 + n_base] = tile_max[s]
-            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
-            alpha = cute.make_rmem_tensor((nslots,), Float32)
-            for s in cutlass.range_constexpr(nslots):
-                n = (s // 2) * 8 + s % 2 + n_base
-                t_max = cute.arch.fmax(cute.arch.fmax(sRed[0, n], sRed[1, n]), cute.arch.fmax(sRed[2, n], sRed[3, n]))
-                new_max = cute.arch.fmax(row_max[s], t_max)
-                safe = new_max if new_max != -Float32.inf else Float32(0.0)
-                alpha[s] = cute.math.exp2(row_max[s] - safe, fastmath=True)
-                row_max[s] = new_max
-                row_sum[s] = row_sum[s] * alpha[s]
-            for e in cutlass.range_constexpr(nS):
-                sl = slot_of(cS0[e][1])
-                safe = row_max[sl] if row_max[sl] != -Float32.inf else Float32(0.0)
-                p = cute.math.exp2(acc_s[e] - safe, fastmath=True)
-                row_sum[sl] = row_sum[sl] + p
-                sP[cS0[e][1] + n_base, cS0[e][0] + (cS[0][0] - cS0[0][0]), 0] = p.to(sP.element_type)
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[e] = acc_o[e] * alpha[slot_of(cO0[e][1])]
-            cute.arch.fence_proxy("async.shared", space="cta")  # sP is read by WGMMA
-            # also: every warp read sRed for this tile before the next tile overwrites it
-            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+            self.softmax_tile(acc_s, acc_o, tile_max, row_max, row_sum, sRed, sP, cS0, cO0, n_base,
+                              cS[0][0] - cS0[0][0], warp, lane)
 
             # ---------------- O^T += V^T P^T ----------------
             if const_expr(self.fp8):
@@ -513,9 +483,6 @@ class Sm90QsaAttention(Sm90PagedDecode):
         cfg = self.cfg
         D, N, G = self.D, self.N, self.G
         nslots = N // 4
-
-        def slot_of(n_static):
-            return (n_static // 8) * 2 + n_static % 8
 
         for s in cutlass.range_constexpr(nslots):
             v = row_sum[s]
