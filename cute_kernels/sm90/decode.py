@@ -141,25 +141,7 @@ class Sm90PagedDecode:
         mV = cute.make_tensor(mV4.iterator, cute.select(mV4.layout, mode=[tok, 3, head, 0]))
 
         mma_dtype = self.mma_dtype
-        a_src = warpgroup.OperandSource.RMEM if const_expr(self.fp8) else warpgroup.OperandSource.SMEM
-        qk_mma = sm90_utils.make_trivial_tiled_mma(
-            mma_dtype, mma_dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
-            tiler_mn=(MMA_M, N), a_source=a_src,
-        )
-        pv_mma = sm90_utils.make_trivial_tiled_mma(
-            mma_dtype, mma_dtype,
-            OperandMajorMode.K if const_expr(self.fp8) else OperandMajorMode.MN,
-            OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(MMA_M, N), a_source=a_src,
-        )
-        # shared-memory layouts. K tiles are (tokens, D) K-major for both paths; V is stored
-        # the same way for FP8 (ldmatrix.trans reads it) and as MN-major V^T for 16-bit SS.
-        k_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile, N, D), self.kv_dtype, self.stages)
-        if const_expr(self.fp8):
-            v_layout = k_layout
-        else:
-            v_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, N, self.tile), self.kv_dtype, self.stages)
-        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile, N, D), mma_dtype, 1)
-        p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, N, self.tile), mma_dtype, 1)
+        qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout = self.mmas_and_layouts()
 
         # one TMA box = `box` tokens of one page x the full head dim
         box = self.box
@@ -198,6 +180,30 @@ class Sm90PagedDecode:
             mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
         ).launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream,
                  min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100, use_pdl=cfg.pdl)
+
+    def mmas_and_layouts(self):
+        """The two tiled WGMMAs (swap-AB: KV tokens on M, the group's query rows on N; A from
+        registers for FP8, from shared memory for 16-bit caches) and the shared-memory layouts:
+        K tiles (tokens, D) K-major on both paths; V stored the same way for FP8 (ldmatrix.trans
+        reads it) and as MN-major V^T for 16-bit SS; Q and P as the B operands. Shared with QSA."""
+        D, N, mma_dtype = self.D, self.N, self.mma_dtype
+        a_src = warpgroup.OperandSource.RMEM if self.fp8 else warpgroup.OperandSource.SMEM
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            mma_dtype, mma_dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+            tiler_mn=(MMA_M, N), a_source=a_src,
+        )
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            mma_dtype, mma_dtype, OperandMajorMode.K if self.fp8 else OperandMajorMode.MN,
+            OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(MMA_M, N), a_source=a_src,
+        )
+        k_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile, N, D), self.kv_dtype, self.stages)
+        if self.fp8:
+            v_layout = k_layout
+        else:
+            v_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, N, self.tile), self.kv_dtype, self.stages)
+        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile, N, D), mma_dtype, 1)
+        p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, N, self.tile), mma_dtype, 1)
+        return qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout
 
     # ------------------------------------------------------------------------------------------
     # device side

@@ -41,11 +41,9 @@ from functools import cache
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
-from cutlass.tensor_utils import LayoutEnum
 
 from ..jit.asm import asm
 from ..jit.compiler import KernelConfig
@@ -133,29 +131,10 @@ class Sm90QsaAttention(Sm90PagedDecode):
         v_scale: Float32,
         stream,
     ):
-        D, N = self.D, self.N
         cfg = self.cfg
         mma_dtype = self.mma_dtype
-        a_src = warpgroup.OperandSource.RMEM if const_expr(self.fp8) else warpgroup.OperandSource.SMEM
-        qk_mma = sm90_utils.make_trivial_tiled_mma(
-            mma_dtype, mma_dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
-            tiler_mn=(MMA_M, N), a_source=a_src,
-        )
-        pv_mma = sm90_utils.make_trivial_tiled_mma(
-            mma_dtype, mma_dtype,
-            OperandMajorMode.K if const_expr(self.fp8) else OperandMajorMode.MN,
-            OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(MMA_M, N), a_source=a_src,
-        )
-        # K tiles (tokens, D) K-major; V the same for FP8 (ldmatrix.trans reads it), V^T (D, tokens)
-        # MN-major for 16-bit SS. Each token row is 16-byte chunks that the swizzle keeps whole.
-        k_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile, N, D), self.kv_dtype, self.stages)
-        if const_expr(self.fp8):
-            v_layout = k_layout
-        else:
-            v_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, N, self.tile), self.kv_dtype,
-                                                     self.stages)
-        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile, N, D), mma_dtype, 1)
-        p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, N, self.tile), mma_dtype, 1)
+        # each gathered token row is 16-byte chunks that the K/V swizzle keeps whole
+        qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout = self.mmas_and_layouts()
 
         @cute.struct
         class Storage:
