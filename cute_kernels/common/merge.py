@@ -68,29 +68,7 @@ class MergeStates:
         if row < mO.shape[0] * num_heads:
             n = row // num_heads
             h = row - n * num_heads
-            lse_max = -Float32.inf
-            for s in cutlass.range(num_splits, unroll=4):
-                lse_max = cute.arch.fmax(lse_max, mPartialLse[s, n, h])
-            # All splits empty: shift by 0 so every weight is exp2(-inf) = 0 (no inf - inf NaN).
-            shift = lse_max if lse_max != -Float32.inf else Float32(0.0)
-            acc = cute.make_rmem_tensor((self.vec,), Float32)
-            acc.fill(0.0)
-            weight_sum = Float32(0.0)
-            # Branch-free accumulation: every split's 16-byte load is issued (so several stay in
-            # flight), and an empty split's value is *selected away*, never multiplied, so NaN
-            # garbage in its partial cannot leak (0 * NaN would).
-            # Groups of UNROLL splits: all loads of a group are issued before any is used, so
-            # UNROLL x 16 bytes per thread are in flight.
-            full = num_splits - num_splits % _UNROLL
-            for s0 in cutlass.range(0, full, _UNROLL, unroll=1):
-                lses = [mPartialLse[s0 + j, n, h] for j in range(_UNROLL)]
-                parts = [cute.local_tile(mPartialO[s0 + j, n, h, None], (self.vec,), (lane,)).load()
-                         for j in range(_UNROLL)]
-                for j in cutlass.range_constexpr(_UNROLL):
-                    weight_sum = self.accumulate(acc, parts[j], lses[j], shift, weight_sum)
-            for s in cutlass.range(full, num_splits, unroll=1):
-                part = cute.local_tile(mPartialO[s, n, h, None], (self.vec,), (lane,)).load()
-                weight_sum = self.accumulate(acc, part, mPartialLse[s, n, h], shift, weight_sum)
+            acc, weight_sum, shift = self.merge_row(mPartialO, mPartialLse, num_splits, n, h, lane)
             inv = Float32(0.0)
             if weight_sum > Float32(0.0):
                 inv = cute.arch.rcp_approx(weight_sum)
@@ -102,6 +80,35 @@ class MergeStates:
                     lse = shift + cute.math.log2(weight_sum, fastmath=True)
                 mLse[n, h] = lse
 
+
+    @cute.jit
+    def merge_row(self, mPartialO, mPartialLse, num_splits, n, h, lane):
+        """This thread's ``vec`` dims of row (n, h) summed over the splits with weights
+        ``2^(lse - shift)``: returns (unnormalized sum, sum of weights, shift = max LSE, or 0 if
+        every split is empty so that every weight is exp2(-inf) = 0 and no inf - inf NaN).
+
+        Branch-free accumulation: every split's 16-byte load is issued (so several stay in
+        flight), and an empty split's value is *selected away*, never multiplied, so NaN garbage
+        in its partial cannot leak (0 * NaN would). Groups of UNROLL splits: all loads of a group
+        are issued before any is used, so UNROLL x 16 bytes per thread are in flight."""
+        lse_max = -Float32.inf
+        for s in cutlass.range(num_splits, unroll=4):
+            lse_max = cute.arch.fmax(lse_max, mPartialLse[s, n, h])
+        shift = lse_max if lse_max != -Float32.inf else Float32(0.0)
+        acc = cute.make_rmem_tensor((self.vec,), Float32)
+        acc.fill(0.0)
+        weight_sum = Float32(0.0)
+        full = num_splits - num_splits % _UNROLL
+        for s0 in cutlass.range(0, full, _UNROLL, unroll=1):
+            lses = [mPartialLse[s0 + j, n, h] for j in range(_UNROLL)]
+            parts = [cute.local_tile(mPartialO[s0 + j, n, h, None], (self.vec,), (lane,)).load()
+                     for j in range(_UNROLL)]
+            for j in cutlass.range_constexpr(_UNROLL):
+                weight_sum = self.accumulate(acc, parts[j], lses[j], shift, weight_sum)
+        for s in cutlass.range(full, num_splits, unroll=1):
+            part = cute.local_tile(mPartialO[s, n, h, None], (self.vec,), (lane,)).load()
+            weight_sum = self.accumulate(acc, part, mPartialLse[s, n, h], shift, weight_sum)
+        return acc, weight_sum, shift
 
     @cute.jit
     def accumulate(self, acc, part, lse, shift, weight_sum):

@@ -17,7 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from ..common.merge import _UNROLL, MergeStates
+from ..common.merge import MergeStates
 from ..jit.compiler import KernelConfig
 from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import TensorArg
@@ -55,23 +55,7 @@ class QsaMerge(MergeStates):
         if row < mO.shape[0] * num_heads:
             n = row // num_heads
             h = row - n * num_heads
-            lse_max = -Float32.inf
-            for s in cutlass.range(num_splits, unroll=4):
-                lse_max = cute.arch.fmax(lse_max, mPartialLse[s, n, h])
-            shift = lse_max if lse_max != -Float32.inf else Float32(0.0)
-            acc = cute.make_rmem_tensor((self.vec,), Float32)
-            acc.fill(0.0)
-            weight_sum = Float32(0.0)
-            full = num_splits - num_splits % _UNROLL
-            for s0 in cutlass.range(0, full, _UNROLL, unroll=1):
-                lses = [mPartialLse[s0 + j, n, h] for j in range(_UNROLL)]
-                parts = [cute.local_tile(mPartialO[s0 + j, n, h, None], (self.vec,), (lane,)).load()
-                         for j in range(_UNROLL)]
-                for j in cutlass.range_constexpr(_UNROLL):
-                    weight_sum = self.accumulate(acc, parts[j], lses[j], shift, weight_sum)
-            for s in cutlass.range(full, num_splits, unroll=1):
-                part = cute.local_tile(mPartialO[s, n, h, None], (self.vec,), (lane,)).load()
-                weight_sum = self.accumulate(acc, part, mPartialLse[s, n, h], shift, weight_sum)
+            acc, weight_sum, _ = self.merge_row(mPartialO, mPartialLse, num_splits, n, h, lane)
             inv = Float32(0.0)
             if weight_sum > Float32(0.0):
                 inv = Float32(1.0) / weight_sum
