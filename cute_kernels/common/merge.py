@@ -47,24 +47,20 @@ class MergeStates:
         mLse: cute.Tensor,
         stream,
     ):
+        self.launch_rows(self.kernel(mPartialO, mPartialLse, mO, mLse), mO, stream)
+
+    @cute.jit
+    def launch_rows(self, kernel, mO, stream):
+        """Launch ``kernel`` (a bound kernel call) over the rows (n, h) of ``mO``."""
         num_rows = mO.shape[0] * mO.shape[1]
         grid_x = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
-        self.kernel(mPartialO, mPartialLse, mO, mLse).launch(
-            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl
-        )
+        kernel.launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mPartialO: cute.Tensor, mPartialLse: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         num_splits = mPartialO.shape[0]
         num_heads = mO.shape[1]
-        row = bidx * self.rows_per_cta + tidx // self.threads_per_row
-        lane = tidx % self.threads_per_row
-        if cutlass.const_expr(self.pdl):
-            # launched as a programmatic dependent of split-KV decode: the launch overlapped the
-            # producer's tail; its partials are only complete (and flushed) after this wait
-            cute.arch.griddepcontrol_wait()
+        row, lane = self.thread_row()
         if row < mO.shape[0] * num_heads:
             n = row // num_heads
             h = row - n * num_heads
@@ -80,6 +76,19 @@ class MergeStates:
                     lse = shift + cute.math.log2(weight_sum, fastmath=True)
                 mLse[n, h] = lse
 
+
+    @cute.jit
+    def thread_row(self):
+        """(row, lane): the (n, h) row this thread merges and its ``vec``-chunk within the row.
+        With PDL, waits first: launched as a programmatic dependent of the split kernel, the
+        launch overlapped its tail, and its partials are complete (and flushed) only after this."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        row = bidx * self.rows_per_cta + tidx // self.threads_per_row
+        lane = tidx % self.threads_per_row
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+        return row, lane
 
     @cute.jit
     def merge_row(self, mPartialO, mPartialLse, num_splits, n, h, lane):

@@ -35,23 +35,13 @@ class QsaMerge(MergeStates):
     @cute.jit
     def __call__(self, mPartialO: cute.Tensor, mPartialLse: cute.Tensor, mO: cute.Tensor, mGate: cute.Tensor,
                  stream):
-        num_rows = mO.shape[0] * mO.shape[1]
-        grid_x = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
-        self.merge_kernel(mPartialO, mPartialLse, mO, mGate).launch(
-            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl
-        )
+        self.launch_rows(self.merge_kernel(mPartialO, mPartialLse, mO, mGate), mO, stream)
 
     @cute.kernel
     def merge_kernel(self, mPartialO: cute.Tensor, mPartialLse: cute.Tensor, mO: cute.Tensor, mGate: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         num_splits = mPartialO.shape[0]
         num_heads = mO.shape[1]
-        row = bidx * self.rows_per_cta + tidx // self.threads_per_row
-        lane = tidx % self.threads_per_row
-        if cutlass.const_expr(self.pdl):
-            # the split-K kernel's partials are complete (and flushed) only after this wait
-            cute.arch.griddepcontrol_wait()
+        row, lane = self.thread_row()
         if row < mO.shape[0] * num_heads:
             n = row // num_heads
             h = row - n * num_heads
