@@ -36,12 +36,13 @@ def variants() -> list[KernelConfig]:
     from .common.quantize import QuantizeQueryConfig
 
     out += [
-        QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=16),
+        # the ops' defaults (2 rows per thread for the query, PDL) and the plain variants
+        QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=16, items=2, pdl=True),
         QuantizeQueryConfig(q_dtype="fp16", head_dim=128, vec=16, scale_tensor=True),
-        QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=8, scale_tensor=True, rot_dim=128),
+        QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=8, scale_tensor=True, rot_dim=128, pdl=True),
         QuantizeQueryConfig(q_dtype="bf16", head_dim=64, vec=8, rot_dim=32, cos_sin_dtype="bf16",
                             pos_dtype="int32"),
-        WriteKVCacheConfig(in_dtype="bf16", cache_dtype="fp8_e4m3", head_dim=128, vec=16),
+        WriteKVCacheConfig(in_dtype="bf16", cache_dtype="fp8_e4m3", head_dim=128, vec=16, pdl=True),
         WriteKVCacheConfig(in_dtype="bf16", cache_dtype="fp8_e4m3", head_dim=128, vec=16, slot_dtype="int32",
                            kv_form="pair", kv_layout="NHD", k_scale_tensor=True, v_scale_tensor=True),
         WriteKVCacheConfig(in_dtype="bf16", cache_dtype="bf16", head_dim=128, vec=16),

@@ -81,11 +81,13 @@ def _check_rope(rope, q: torch.Tensor):
 
 # head rows per thread: profiling/NOTES.md "layer glue v2"
 DEFAULT_ITEMS = 2
-DEFAULT_ITEMS_ROPE = 2  # used only when it divides Hq (a thread's rows share one token's cos/sin)
+# RoPE: 2 rows per thread when 2 divides Hq (a thread's rows share one token's cos/sin), measured
+# on SM90 only; other targets keep 1 (on sm_100a the 2-row RoPE kernel spills a register)
+DEFAULT_ITEMS_ROPE = {"sm_90a": 2}
 DEFAULT_PDL = True  # programmatic dependent launch: the launch overlaps the previous kernel's tail
 
 
-def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None) -> QuantizeQueryConfig:
+def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None, target: str = "sm_90a") -> QuantizeQueryConfig:
     """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers)."""
     D = q.shape[2]
     tensors = [q] + ([out] if out is not None else []) + ([rope[0]] if rope is not None else [])
@@ -96,7 +98,7 @@ def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None) -> Qua
     fields = dict(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor)
     if rope is not None:
         fields.update(rot_dim=rot, cos_sin_dtype=dtype_name(rope[0].dtype), pos_dtype=dtype_name(rope[1].dtype))
-    items = _cache.override.get("items", DEFAULT_ITEMS_ROPE if rope is not None else DEFAULT_ITEMS)
+    items = _cache.override.get("items", DEFAULT_ITEMS_ROPE.get(target, 1) if rope is not None else DEFAULT_ITEMS)
     fields["items"] = items if rope is None or q.shape[1] % items == 0 else 1
     return QuantizeQueryConfig(**{**fields, **_cache.override, "items": fields["items"], "pdl": DEFAULT_PDL,
                                   **({"pdl": _cache.override["pdl"]} if "pdl" in _cache.override else {})})
@@ -140,8 +142,8 @@ def _prepare(q, q_scale, out, rope) -> _Launch:
         rope = _check_rope(rope, q)
     if not q.is_cuda:
         return _Launch(None, (), True, scale_tensor)
-    config = make_config(q, scale_tensor, out, rope)
     target = compile_target(q.device)
+    config = make_config(q, scale_tensor, out, rope, target)
     if target not in config.targets:  # SM80/86 have no FP8 conversion instructions: torch path
         return _Launch(None, (), True, scale_tensor)
     fn = get_kernel(config, target)

@@ -23,6 +23,8 @@ CONFIGS = [
     QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=4, scale_tensor=True),
     QuantizeQueryConfig(q_dtype="fp16", head_dim=72, vec=8),
     QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=4, rot_dim=24),
+    # the op's SM90 RoPE default: 2 rows (of one token) per thread, PDL
+    QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=8, rot_dim=128, items=2, pdl=True),
     QuantizeQueryConfig(q_dtype="bf16", head_dim=64, vec=1, scale_tensor=True, rot_dim=2, cos_sin_dtype="bf16",
                         pos_dtype="int32"),
     WriteKVCacheConfig(in_dtype="bf16", cache_dtype="fp8_e4m3", head_dim=256, page_size=1, vec=4,
@@ -48,8 +50,8 @@ def test_fallback_variant_compiles_exactly(config):
     if isinstance(config, QuantizeQueryConfig) and config.rot_dim:
         # the rotation is three separately rounded ops per element of the thread's two chunks;
         # nothing is contracted to FMA (the only FMAs are the division's, checked above)
-        assert len(re.findall(r"mul\.rn\.f32\s+[pq],", ptx)) == 4 * config.vec
-        assert ptx.count("add.rn.f32") == 2 * config.vec
+        assert len(re.findall(r"mul\.rn\.f32\s+[pq],", ptx)) == 4 * config.vec * config.items
+        assert ptx.count("add.rn.f32") == 2 * config.vec * config.items
     if compiled.sass is not None:
         assert not re.search(r"\b(STL|LDL)\b", compiled.sass), "local memory (spills)"
 

@@ -576,7 +576,14 @@ def test_vector_width_follows_alignment():
     cfg = qq_op.make_config(fused, True, None, (cs, torch.zeros(4, dtype=torch.int64)))
     assert (cfg.vec, cfg.rot_dim, cfg.scale_tensor) == (4, 24, True)
     cs = torch.empty(10, 128)  # full rotation: a thread owns a pair of 8-element chunks, not of 16
-    assert qq_op.make_config(fused, False, None, (cs, torch.zeros(4, dtype=torch.int64))).vec == 8
+    rope = (cs, torch.zeros(4, dtype=torch.int64))
+    assert qq_op.make_config(fused, False, None, rope).vec == 8
+    # rows per thread: 2 for the plain kernel; with RoPE 2 on SM90 (measured), 1 elsewhere
+    assert qq_op.make_config(fused, False).items == 2
+    assert qq_op.make_config(fused, False, None, rope, "sm_90a").items == 2
+    assert qq_op.make_config(fused, False, None, rope, "sm_100a").items == 1
+    odd = qkv[:, :31 * D].view(4, 31, D)  # 31 heads: a thread's 2 rows would span two tokens
+    assert qq_op.make_config(odd, False, None, rope, "sm_90a").items == 1
     assert qq_op.make_config(torch.empty(3, 4, 72, dtype=FP16), False).vec == 8
     out = torch.empty(4, 32, D + 2, dtype=FP8)[..., :D]  # 2-byte aligned strides
     assert qq_op.make_config(fused, False, out).vec == 2
