@@ -22,7 +22,38 @@ from .kernels import FALLBACKS, KERNELS, KV_LAYOUTS, PHASES, KernelInfo
 
 
 @dataclass(frozen=True)
-class Plan:
+class _Request:
+    """The normalized inputs of one call site (see :func:`_request`)."""
+
+    arch: str
+    phase: str
+    kv_cache_dtype: str
+    model_dtype: str
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    page_size: int
+    q_len: int
+    kv_layout: str
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+class Decision:
+    """What :class:`Plan` and :class:`dispatch.qsa.QsaPlan` share: a kernel id and its dict form."""
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.kernel.startswith("reference.")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "is_fallback": self.is_fallback}
+
+
+@dataclass(frozen=True)
+class Plan(Decision, _Request):
     """The decision for one (arch, phase, KV group): which kernel, and what query it takes.
 
     ``q_dtype`` is the dtype of the query the kernel receives; ``quantize_query`` says the layer
@@ -36,50 +67,11 @@ class Plan:
     quantize_query: bool
     applies_q_scale: bool
     reason: str
-    arch: str
-    phase: str
-    kv_cache_dtype: str
-    model_dtype: str
-    head_dim: int
-    num_q_heads: int
-    num_kv_heads: int
-    page_size: int
-    q_len: int
-    kv_layout: str
     backend: str | None = None
-
-    @property
-    def is_fallback(self) -> bool:
-        return self.kernel.startswith("reference.")
-
-    @property
-    def gqa_ratio(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
 
     def torch_q_dtype(self):
         """``q_dtype`` as a torch dtype (imports torch; planning itself never does)."""
         return torch_dtype(self.q_dtype)
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "is_fallback": self.is_fallback}
-
-
-@dataclass(frozen=True)
-class _Request:
-    arch: str
-    phase: str
-    kv_cache_dtype: str
-    model_dtype: str
-    head_dim: int
-    num_q_heads: int
-    num_kv_heads: int
-    page_size: int
-    q_len: int
-    kv_layout: str
-
-    @property
-    def gqa_ratio(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
 
 
 def _positive_int(name: str, value) -> int:

@@ -12,19 +12,20 @@ Pure Python like the rest of ``dispatch`` (no torch, no DSL).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .arch import SUPPORTED_ARCHS, parse_arch
 from .dtypes import kv_dtype_name, model_dtype_name
 from .errors import UnsupportedConfig
 from .kernels import QSA_FALLBACK, QSA_KERNELS, KernelInfo
+from .planner import Decision
 
 # arch -> QSA kernel ids tried automatically, real kernels first; the fallback closes every list
 _QSA_AUTO = {"sm90": ("sm90.qsa",)}
 
 
 @dataclass(frozen=True)
-class QsaPlan:
+class QsaPlan(Decision):
     """The decision for one QSA layer: the kernel id and why; the remaining fields are the
     normalized inputs. ``q_dtype`` is always the model dtype (no query quantization)."""
 
@@ -40,15 +41,8 @@ class QsaPlan:
     backend: str | None = None
 
     @property
-    def is_fallback(self) -> bool:
-        return self.kernel.startswith("reference.")
-
-    @property
     def gqa_ratio(self) -> int:
         return self.num_q_heads // self.num_kv_heads
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "is_fallback": self.is_fallback}
 
 
 def qsa_kernels_for(arch) -> tuple[str, ...]:
