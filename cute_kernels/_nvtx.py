@@ -20,7 +20,8 @@ except Exception:  # pragma: no cover
     _nvtx = None
     ENABLED = False
 
-_NULL = contextlib.nullcontext()
+# reusable: the ops' hot paths use it instead of building an NVTX range when ranges are off
+NULL_RANGE = contextlib.nullcontext()
 
 
 def describe(**tensors) -> str:
@@ -41,5 +42,5 @@ def describe(**tensors) -> str:
 def op_range(op: str, **tensors):
     """Context manager: an NVTX range ``cute_kernels.<op>`` (a shared null context when off)."""
     if not ENABLED:
-        return _NULL
+        return NULL_RANGE
     return _nvtx.annotate(message=f"cute_kernels.{op} {describe(**tensors)}")

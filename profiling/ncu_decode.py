@@ -1,8 +1,8 @@
 """Nsight Compute readings of the decode kernel on the shapes that miss a target.
 
-Run under ncu (``gpu_session.sh ncu``): each shape is called a few times (compile, warm-up), then
-once more inside an NVTX-free marker range that ncu's ``--launch-skip``/``--launch-count`` pick by
-kernel name. The report gives DRAM throughput, achieved occupancy and the warp stall breakdown.
+Run under ncu (``gpu_session.sh ncu``): each shape is called WARMUP + 1 times; ncu's
+``--kernel-name regex:decode --launch-skip 3 --launch-count 1`` profiles the last call. The report
+gives DRAM throughput, achieved occupancy and the warp stall breakdown.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 
 from .. import reference
 from .._nvtx import ENABLED as _NVTX
-from .._nvtx import op_range
+from .._nvtx import NULL_RANGE, op_range
 from ..jit.compiler import get_kernel
 from ..sm90.decode import make_decode_config
 from ._launch import LaunchCache
@@ -294,18 +294,8 @@ def paged_decode(
     if out is None:
         out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
-    with op_range("paged_decode", q=q, kv_cache=k, block_table=block_table) if _NVTX else _NULL:
+    with op_range("paged_decode", q=q, kv_cache=k, block_table=block_table) if _NVTX else NULL_RANGE:
         if launch.out_shape[0]:
             launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
     return (out, lse) if return_lse else out
 
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _Null()

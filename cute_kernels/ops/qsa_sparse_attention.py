@@ -23,7 +23,7 @@ import torch
 
 from .. import reference
 from .._nvtx import ENABLED as _NVTX
-from .._nvtx import op_range
+from .._nvtx import NULL_RANGE, op_range
 from ..jit.compiler import get_kernel
 from ..sm90.qsa import MAX_GROUP, make_qsa_config, select_config
 from ..sm90.qsa_merge import QsaMergeConfig
@@ -194,7 +194,7 @@ def qsa_sparse_attention(
         out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
-    with op_range("qsa_sparse_attention", q=q, k_cache=k_cache, packed_indices=packed_indices) if _NVTX else _NULL:
+    with op_range("qsa_sparse_attention", q=q, k_cache=k_cache, packed_indices=packed_indices) if _NVTX else NULL_RANGE:
         gate = output_gate if output_gate is not None else q  # a placeholder the kernel never reads
         if launch.splits > 1:
             launch.fn(q, k_cache, v_cache, packed_indices, block_table, token_to_req, launch.part_o,
@@ -204,13 +204,3 @@ def qsa_sparse_attention(
             launch.fn(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, launch.lse, gate, ks, vs)
     return out
 
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _Null()

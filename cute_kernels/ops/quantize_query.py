@@ -98,10 +98,11 @@ def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None, target
     fields = dict(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor)
     if rope is not None:
         fields.update(rot_dim=rot, cos_sin_dtype=dtype_name(rope[0].dtype), pos_dtype=dtype_name(rope[1].dtype))
-    items = _cache.override.get("items", DEFAULT_ITEMS_ROPE.get(target, 1) if rope is not None else DEFAULT_ITEMS)
-    fields["items"] = items if rope is None or q.shape[1] % items == 0 else 1
-    return QuantizeQueryConfig(**{**fields, **_cache.override, "items": fields["items"], "pdl": DEFAULT_PDL,
-                                  **({"pdl": _cache.override["pdl"]} if "pdl" in _cache.override else {})})
+    fields = {**fields, "items": DEFAULT_ITEMS_ROPE.get(target, 1) if rope is not None else DEFAULT_ITEMS,
+              "pdl": DEFAULT_PDL, **_cache.override}
+    if rope is not None and q.shape[1] % fields["items"]:
+        fields["items"] = 1  # a thread's RoPE rows must be heads of one token
+    return QuantizeQueryConfig(**fields)
 
 
 def _key(q, q_scale, out, rope):
