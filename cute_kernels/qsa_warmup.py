@@ -4,7 +4,8 @@ The op picks ``(tile, splits)`` from the config table (``sm90/qsa.py`` ``split_t
 rows x Hkv and ``prefill``); the split count itself is a runtime value (the grid), so the
 compiled variants a deployment needs are: per tile of the table, the direct-output kernel (with
 and without the output gate) and, if any entry splits, the split-K kernel plus the fused merge
-(with and without the gate). This enumerates them from the table for both profiles, compiles the
+(with and without the gate); with the block table's width, the prefill row-tile kernel (both
+gate modes) and its union pre-pass. This enumerates them from the table for both profiles, compiles the
 missing ones in parallel processes into the disk cache with a progress bar, and loads them.
 """
 
@@ -14,6 +15,8 @@ from .jit.compiler import KernelConfig, normalize_target
 from .jit.parallel import precompile
 from .sm90.qsa import H200_SMS, PRODUCTION_TOPK, make_qsa_config, split_table
 from .sm90.qsa_merge import QsaMergeConfig
+from .sm90.qsa_tile import TILE_MIN_ROWS, make_qsa_tile_config, row_tile_plan
+from .sm90.qsa_union import QsaUnionConfig
 
 _KV = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16", "auto": None}
 
@@ -29,11 +32,14 @@ def qsa_variants(
     topk: int = PRODUCTION_TOPK,
     gates=(True, False),
     num_sms: int = H200_SMS,
+    block_table_width: int | None = None,
 ) -> list[KernelConfig]:
     """Every SM90 QSA kernel and merge config the table reaches for one layer shape.
 
     ``kv_cache_dtype``: ``"bf16"``/``"fp16"``/``"fp8"`` (``"auto"`` = ``q_dtype``); ``topk``: the
-    packed width minus one (2051 in production); ``gates``: which output-gate modes to cover.
+    packed width minus one (2051 in production); ``gates``: which output-gate modes to cover;
+    ``block_table_width``: the block table's columns (pages per request), which size the
+    prefill row-tile path's union pre-pass: given, that path's kernels are included.
     """
     kv = _KV.get(kv_cache_dtype, kv_cache_dtype) or q_dtype
     group = num_q_heads // num_kv_heads
@@ -48,6 +54,13 @@ def qsa_variants(
                                        page_size=page_size, split=split, gate=gate, tile=tile))
         if split:
             out += [QsaMergeConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4, gate=g, pdl=True) for g in gates]
+    plan = None if block_table_width is None else row_tile_plan(
+        TILE_MIN_ROWS, True, kv, group, page_size, block_table_width, topk)
+    if plan is not None:
+        out += [make_qsa_tile_config(q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, page_size=page_size,
+                                     gate=g, rows_per_cta=plan.rows_per_cta) for g in gates]
+        out.append(QsaUnionConfig(rows_per_tile=plan.rows_per_cta, page_size=page_size, max_tokens=plan.max_tokens,
+                                  union_cap=plan.union_cap))
     return list(dict.fromkeys(out))
 
 

@@ -71,9 +71,13 @@ def decode_matrix() -> list[KernelConfig]:
 
 def qsa_matrix() -> list[KernelConfig]:
     """SM90 QSA: the Qwen3.8 layer (D 256, GQA 12 and 6, page 1568/784) in BF16 and FP8, direct
-    (gated) and split-K, plus the fused merges; D 64/128 and GQA 16/1 once each."""
+    (gated) and split-K, plus the fused merges; D 64/128 and GQA 16/1 once each; the prefill's
+    row-tile kernel (both cache dtypes x both groups, gated, at the rows per CTA the op uses) and
+    its union pre-pass (5 rows, 16K-token bitmap; 8 rows, the largest bitmap)."""
     from .sm90.qsa import make_qsa_config
     from .sm90.qsa_merge import QsaMergeConfig
+    from .sm90.qsa_tile import make_qsa_tile_config
+    from .sm90.qsa_union import QsaUnionConfig
 
     out: list[KernelConfig] = []
     for kv in ("bf16", "fp8_e4m3"):
@@ -86,6 +90,10 @@ def qsa_matrix() -> list[KernelConfig]:
     out.append(make_qsa_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=64, group=1, page_size=16,
                                split=False, gate=False))
     out += [QsaMergeConfig(out_dtype="bf16", head_dim=256, vec=4, gate=g, pdl=True) for g in (True, False)]
+    out += [make_qsa_tile_config(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=group, page_size=page, gate=True)
+            for kv in ("bf16", "fp8_e4m3") for group, page in ((12, 1568), (6, 784))]
+    out += [QsaUnionConfig(rows_per_tile=5, page_size=1568, max_tokens=16384, union_cap=4160),
+            QsaUnionConfig(rows_per_tile=8, page_size=784, max_tokens=524288, union_cap=4160)]
     return out
 
 

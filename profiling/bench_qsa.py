@@ -10,14 +10,22 @@ transposed halves of one ``[blocks, Hkv, PAGE, 2 D]`` buffer), randomly permuted
   the bytes touched per rotation exceed 256 MB.
 - **prefill**: 1 x {1024, 4096, 16384} tokens of one request from position 0: row p has
   valid_count ``min(p + 1, 2048 + (p + 1) % 4)``: dense causal up to 2051 (in random block
-  order), then 512 random blocks of the visible ones plus the tail. The request's whole cache
-  (<= 32 MB BF16) fits in L2, as it does in serving; rows are independent selections.
+  order), then 512 of the visible blocks plus the tail. The request's whole cache
+  (<= 32 MB BF16) fits in L2, as it does in serving. ``--selection`` picks how the 512 blocks are
+  chosen (``profiling/qsa_selection.py``): ``correlated`` (default, first) models a real
+  indexer, with neighbouring rows sharing most blocks (adjacent-row Jaccard ~0.90, as vllm RFC
+  #55394 measured on real dumps); ``independent`` draws each row on its own (the worst case for
+  a kernel that gathers the union of several rows). Each prefill line also reports the
+  selection's adjacent-row Jaccard and the union factor of R-row tiles (R = 4, 5, 8: union
+  size / mean row set; 1 = all shared, R = none), over the rows with 512 complete blocks.
+  Decode rows are one request each, so decode always uses ``independent``.
 
 Reported per shape and cache dtype: µs (median CUDA-graph replay), the roofline share =
 bytes of the selected K/V rows / (read bandwidth measured in this process) / time, TFLOP/s for
-prefill (4 * valid entries * Hq * D), the split count used, and with ``--check`` the error
-against the reference. ``--splits 1,2,4`` sweeps forced split counts and ``--tile 128`` forces the
-tile (table tuning). ``--json PATH``.
+prefill (4 * valid entries * Hq * D), the split count used, the selection model, and with
+``--check`` the error against the reference. ``--splits 1,2,4`` sweeps forced split counts and
+``--tile 128`` forces the tile (table tuning), ``--tile-rows 1,5`` the prefill rows per CTA (1 = the
+per-row kernel). ``--json PATH``.
 """
 
 from __future__ import annotations
@@ -32,53 +40,26 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.qsa_sparse_attention import tuning_override
 from cute_kernels.sm90.qsa import select_config
+from cute_kernels.sm90.qsa_tile import row_tile_plan
 
 from .bench_utils import read_bandwidth, time_eager, time_graph
+from .qsa_selection import SELECTIONS, TOPK, qsa_indices, selection_stats
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
-HQ, HKV, D, PAGE, TOPK, BUDGET, R = 24, 2, 256, 1568, 2051, 512, 4
+HQ, HKV, D, PAGE = 24, 2, 256, 1568
 DECODE_N = (1, 4, 16, 64, 256)
 DECODE_CTX = 32768
 PREFILL_T = (1024, 4096, 16384)
+PREFILL_SELECTIONS = ("correlated", "independent")
+STATS_TILES = (4, 5, 8)  # tile rows R of the reported union factors
 ROTATE_BYTES = 256 << 20
-
-
-def qsa_indices(positions: torch.Tensor, *, topk: int = TOPK, budget: int = BUDGET,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """Packed ``[rows, topk + 1]`` int32 indices of QSA rows at request ``positions`` (contract
-    §1): ``min(visible, budget)`` random distinct complete blocks in random order, expanded to 4
-    tokens each, then the open tail group; -1 padding; valid_count last."""
-    dev = positions.device
-    pos = positions.long()
-    rows = pos.numel()
-    vis = (pos + 1) // R
-    complete = vis.clamp(max=budget)
-    tail = (pos + 1) % R
-    count = complete * R + tail
-    maxvis = max(int(vis.max()), 1)
-    scores = torch.rand(rows, maxvis, device=dev, generator=generator)
-    scores.masked_fill_(torch.arange(maxvis, device=dev)[None] >= vis[:, None], -1.0)
-    k = min(budget, maxvis)
-    blocks = scores.topk(k, dim=1).indices  # random order; valid ones (score >= 0) first
-    toks = (blocks[:, :, None] * R + torch.arange(R, device=dev)).reshape(rows, k * R)
-    rank = torch.arange(k * R, device=dev)[None]
-    toks = torch.where(rank < complete[:, None] * R, toks, torch.full_like(toks, -1))
-    packed = torch.full((rows, topk + 1), -1, dtype=torch.int64, device=dev)
-    packed[:, : k * R] = toks
-    for j in range(R - 1):  # the tail group: tokens start .. start + tail - 1
-        col = complete * R + j
-        val = (pos + 1) // R * R + j
-        keep = j < tail
-        packed[keep, col[keep]] = val[keep]
-    packed[:, topk] = count
-    return packed.int()
 
 
 class Problem:
     """One benchmark problem: ``copies`` independent instances over one cache pool."""
 
     def __init__(self, *, rows_per_copy: int, positions: torch.Tensor, reqs_per_copy: int, ctx: int, kv_dtype,
-                 copies: int, seed: int):
+                 copies: int, seed: int, selection: str = "independent"):
         g = torch.Generator(device="cuda").manual_seed(seed)
         pages = math.ceil(ctx / PAGE)
         n_req = reqs_per_copy * copies
@@ -99,7 +80,7 @@ class Problem:
             q = torch.randn(rows_per_copy, HQ, D, device="cuda", generator=g).to(BF16)
             gate = torch.randn(rows_per_copy, HQ, D, device="cuda", generator=g).to(BF16)
             req = (torch.arange(rows_per_copy, device="cuda") * reqs_per_copy // rows_per_copy + c * reqs_per_copy)
-            packed = qsa_indices(positions, generator=g)
+            packed = qsa_indices(positions, selection=selection, generator=g)
             self.copies.append(dict(q=q, output_gate=gate, packed_indices=packed, token_to_req=req.int(),
                                     out=torch.empty_like(q)))
         counts = self.copies[0]["packed_indices"][:, TOPK].long()
@@ -132,19 +113,30 @@ def _time(problem: Problem, prefill: bool) -> float:
     return time_graph(fn, reps=max(20, len(problem.copies)))
 
 
+def _selection_fields(packed: torch.Tensor) -> dict:
+    """The JSON fields describing a prefill problem's selection (None where no row is sparse)."""
+    stats = {t: selection_stats(packed, t) for t in STATS_TILES}
+    jac = stats[STATS_TILES[0]][0]
+    return dict(adjacent_jaccard=None if math.isnan(jac) else round(jac, 4),
+                union_factor={str(t): None if math.isnan(u) else round(u, 4) for t, (_, u) in stats.items()})
+
+
 def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_N, prefill_t=PREFILL_T,
-        splits=None, tile=None, check=False, out_json=None):
+        splits=None, tile=None, check=False, out_json=None, selections=PREFILL_SELECTIONS, tile_rows=None):
+    for sel in selections:
+        if sel not in SELECTIONS:
+            raise ValueError(f"unknown selection {sel!r}; choose from {SELECTIONS}")
     bw = read_bandwidth()
     print(f"read bandwidth: {bw / 1e12:.3f} TB/s", flush=True)
     rows_out = []
     for kvn in kv_dtypes:
         kv = FP8 if kvn == "fp8" else BF16
         shapes = []
-        if "decode" in kinds:
-            shapes += [("decode", n) for n in decode_n]
+        if "decode" in kinds:  # one request per row: no neighbouring rows to correlate
+            shapes += [("decode", n, "independent") for n in decode_n]
         if "prefill" in kinds:
-            shapes += [("prefill", t) for t in prefill_t]
-        for kind, n in shapes:
+            shapes += [("prefill", t, sel) for t in prefill_t for sel in selections]
+        for kind, n, sel in shapes:
             prefill = kind == "prefill"
             if prefill:
                 positions = torch.arange(n, device="cuda")
@@ -153,17 +145,24 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
                 positions = torch.full((n,), DECODE_CTX - 2, device="cuda")
                 ctx, reqs, rows = DECODE_CTX, n, n
             probe = Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs, ctx=ctx, kv_dtype=kv,
-                            copies=1, seed=n)
+                            copies=1, seed=n, selection=sel)
             copies = 1 if prefill else max(1, min(16, math.ceil(ROTATE_BYTES / probe.selected_bytes)))
             prob = probe if copies == 1 else Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs,
-                                                      ctx=ctx, kv_dtype=kv, copies=copies, seed=n)
+                                                      ctx=ctx, kv_dtype=kv, copies=copies, seed=n,
+                                                      selection=sel)
             del probe
+            sel_fields = _selection_fields(prob.copies[0]["packed_indices"]) if prefill else {}
             kv_name = "fp8_e4m3" if kv == FP8 else "bf16"
             _, table_splits = select_config(rows, HKV, prefill, kv_name, D, HQ // HKV, TOPK)
-            for s in (splits or [None]):
+            variants = [(s, tr) for s in (splits or [None]) for tr in ((tile_rows or [None]) if prefill else [None])]
+            for s, tr in variants:
                 override = ({} if s is None else {"splits": s}) | ({} if tile is None else {"tile": tile})
+                override |= {} if tr is None else {"tile_rows": tr}
+                plan = row_tile_plan(rows, prefill, kv_name, HQ // HKV, PAGE, prob.block_table.shape[1], TOPK, tr)
                 with tuning_override(**override):
-                    r = dict(kind=kind, n=n, kv=kvn, splits=s or table_splits, tile=tile or 64, copies=copies,
+                    r = dict(kind=kind, n=n, kv=kvn, selection=sel, **sel_fields,
+                             splits=1 if plan else (s or table_splits), tile=tile or 64,
+                             rows_per_cta=plan.rows_per_cta if plan else 1, copies=copies,
                              selected_bytes=prob.selected_bytes, entries=prob.entries)
                     try:
                         prob.call(0, prefill)
@@ -189,8 +188,16 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
     return result
 
 
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def _print(r):
-    head = f"{r['kind']:<8} {r['kv']:<5} N={r['n']:<6} S={r['splits']:<3} tile={r['tile']:<4}"
+    head = (f"{r['kind']:<8} {r['kv']:<5} N={r['n']:<6} {r['selection']:<11} S={r['splits']:<3} "
+            f"tile={r['tile']:<4} R={r['rows_per_cta']}")
+    if "union_factor" in r:  # prefill: the selection's adjacent Jaccard and tile union factors
+        unions = "/".join(_fmt(u) for u in r["union_factor"].values())
+        head += f" [J={_fmt(r['adjacent_jaccard'])} U{'/'.join(r['union_factor'])}={unions}]"
     if "error" in r:
         print(f"{head} ERROR {r['error']}", flush=True)
         return
@@ -206,8 +213,13 @@ def main(argv=None):
     p.add_argument("--kv", default="bf16,fp8")
     p.add_argument("--decode-n", default=",".join(map(str, DECODE_N)))
     p.add_argument("--prefill-t", default=",".join(map(str, PREFILL_T)))
+    p.add_argument("--selection", default=",".join(PREFILL_SELECTIONS),
+                   help=f"comma list of prefill selection models from {', '.join(SELECTIONS)} "
+                        "(decode always uses independent)")
     p.add_argument("--splits", default=None, help="comma list of forced split counts (default: the table's)")
     p.add_argument("--tile", type=int, default=None, help="force the KV tile (64 or 128)")
+    p.add_argument("--tile-rows", default=None,
+                   help="comma list of forced prefill rows per CTA (1 = the per-row kernel; default: the op's)")
     p.add_argument("--check", action="store_true", help="also compare each output with the reference")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -215,7 +227,8 @@ def main(argv=None):
         decode_n=tuple(int(x) for x in a.decode_n.split(",") if x),
         prefill_t=tuple(int(x) for x in a.prefill_t.split(",") if x),
         splits=[int(x) for x in a.splits.split(",")] if a.splits else None, tile=a.tile, check=a.check,
-        out_json=a.json)
+        out_json=a.json, selections=tuple(x for x in a.selection.split(",") if x),
+        tile_rows=[int(x) for x in a.tile_rows.split(",")] if a.tile_rows else None)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@
 #   layer      bench layer (quantize_query, write_kv_cache, layer step in a graph)
 #   ncu        Nsight Compute sections of the FP8 decode on the shapes that miss targets
 #   qsa        bench qsa
+#   qsatile    union pre-pass + row-tile tests, then prefill bench: per-row kernel vs row tiles
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
@@ -41,6 +42,12 @@ for step in "$@"; do
     latency) run 150 latency python3 -m profiling.bench_latency --json "$OUT/latency.json" ;;
     layer) run 150 layer python3 -m profiling.bench_layer --json "$OUT/layer.json" ;;
     qsa) run 200 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;
+    qsatile) run 200 pytest_tile python3 -m pytest tests/gpu/test_qsa_union_gpu.py tests/gpu/test_qsa_gpu.py -q -x \
+               -p no:cacheprovider -k "union or row_tiles"
+             run 150 qsatile_bf16 python3 -m profiling.bench_qsa --kinds prefill --kv bf16 --tile-rows 1,5 --check \
+               --json "$OUT/qsatile_bf16.json"
+             run 150 qsatile_fp8 python3 -m profiling.bench_qsa --kinds prefill --kv fp8 --tile-rows 1,3 --check \
+               --json "$OUT/qsatile_fp8.json" ;;
     # --report-api-errors no: the DSL's compiler probes driver entry points (cuGetProcAddress) and
     # those expected CUDA_ERROR_INVALID_VALUE returns would otherwise count as errors
     sanitize) run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize

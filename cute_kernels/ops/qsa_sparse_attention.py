@@ -6,9 +6,12 @@ counts live in ``packed_indices`` on the device) and never synchronizes, so a ca
 CUDA graph once a warm-up call (or :func:`cute_kernels.qsa_warmup`) has compiled its variants and
 sized the split-K workspace.
 
-Launch: the split-K kernel (``sm90/qsa.py``) with the split count of the config table
-(``select_config``: rows x Hkv and ``prefill``), then, when it split, the fused merge + gate
-(``sm90/qsa_merge.py``) as a programmatic dependent launch. Host overhead: the first call with a
+Launch: prefill batches (``prefill=True``, >= 64 rows, block tables of <= 2^19 tokens) take the
+row-tile path: the union pre-pass (``sm90/qsa_union.py``) and the kernel that serves R rows per
+CTA from their union (``sm90/qsa_tile.py``, ``row_tile_plan``). Otherwise the split-K kernel
+(``sm90/qsa.py``) with the split count of the config table (``select_config``: rows x Hkv and
+``prefill``), then, when it split, the fused merge + gate (``sm90/qsa_merge.py``) as a
+programmatic dependent launch. Host overhead: the first call with a
 new combination of shapes/strides/dtypes/alignment validates everything and builds a
 :class:`_Launch`; later calls look it up by a tuple of cheap tensor attributes and go straight to
 the TVM-FFI calls (which re-check dtypes, ranks, shared extents and alignment).
@@ -27,6 +30,8 @@ from .._nvtx import NULL_RANGE, op_range
 from ..jit.compiler import get_kernel
 from ..sm90.qsa import MAX_GROUP, make_qsa_config, select_config
 from ..sm90.qsa_merge import QsaMergeConfig
+from ..sm90.qsa_tile import make_qsa_tile_config, row_tile_plan
+from ..sm90.qsa_union import QsaUnionConfig
 from ._launch import LaunchCache
 from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, widest_vector
 
@@ -35,6 +40,7 @@ HEAD_DIMS = (64, 128, 256)
 
 
 _workspace = DeviceBuffer("qsa_sparse_attention", torch.float32)  # split-K partials, unused LSE
+_tile_workspace = DeviceBuffer("qsa_sparse_attention row tiles", torch.int32)  # unions, members, lengths
 
 
 @dataclass
@@ -49,6 +55,10 @@ class _Launch:
     splits: int
     gate: bool
     reference: bool = False
+    union_fn: object = None  # row-tile prefill: the union pre-pass, then ``fn`` over the tiles
+    union: torch.Tensor | None = None
+    member: torch.Tensor | None = None
+    length: torch.Tensor | None = None
 
 
 _cache = LaunchCache()
@@ -56,7 +66,8 @@ _cache = LaunchCache()
 
 def tuning_override(**fields):
     """``with tuning_override(splits=8, stages=2): ...`` forces the split count and/or kernel
-    tuning fields (benchmarks and tests comparing variants); part of the launch-cache key."""
+    tuning fields (benchmarks and tests comparing variants); part of the launch-cache key.
+    ``tile_rows=R`` forces the prefill row-tile kernel's rows per CTA (1 = the per-row kernel)."""
     return _cache.tuning_override(**fields)
 
 
@@ -117,13 +128,17 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
     device = q.device
     topk = idx.shape[1] - 1
     kv_name, q_name = dtype_name(k.dtype), dtype_name(q.dtype)
+    target = compile_target(device)
+    plan = row_tile_plan(rows, prefill, kv_name, group, page, bt.shape[1], topk,
+                         _cache.override.get("tile_rows"))
+    if plan is not None:
+        return _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate is not None, device, target)
     tile, splits = select_config(rows, Hkv, prefill, kv_name, D, group, topk, device_sm_count(device.index or 0))
     splits = _cache.override.get("splits", splits)
-    tuning = {f: v for f, v in _cache.override.items() if f != "splits"}
+    tuning = {f: v for f, v in _cache.override.items() if f not in ("splits", "tile_rows")}
     split = splits > 1
     config = make_qsa_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
                              split=split, gate=gate is not None, tile=tuning.pop("tile", tile), **tuning)
-    target = compile_target(device)
     fn = get_kernel(config, target)
     merge_fn = part_o = part_lse = lse = None
     if split:
@@ -142,6 +157,26 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
     else:
         lse = _workspace.get(device, rows * Hq)[:rows * Hq].view(rows, Hq)
     return _Launch(fn, merge_fn, part_o, part_lse, lse, splits, gate is not None)
+
+
+def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, device, target) -> _Launch:
+    """The prefill row-tile path: the union pre-pass and the row-tile kernel, with their int32
+    workspace (union lists, membership bits, lengths) carved from one reused buffer."""
+    tuning = {f: v for f, v in _cache.override.items() if f not in ("splits", "tile_rows")}
+    R = plan.rows_per_cta
+    fn = get_kernel(make_qsa_tile_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
+                                         gate=gate, rows_per_cta=R, **tuning), target)
+    union_fn = get_kernel(QsaUnionConfig(rows_per_tile=R, page_size=page, max_tokens=plan.max_tokens,
+                                         union_cap=plan.union_cap), target)
+    nt, cap = plan.num_tiles, plan.union_cap
+    n_u, n_m = nt * cap, nt * R * (cap // 32)
+    ws = _tile_workspace.get(device, n_u + n_m + nt)
+    union = ws[:n_u].view(nt, cap)
+    member = ws[n_u:n_u + n_m].view(nt, R, cap // 32)
+    length = ws[n_u + n_m:n_u + n_m + nt]
+    lse = _workspace.get(device, rows * Hq)[:rows * Hq].view(rows, Hq)
+    return _Launch(fn, None, None, None, lse, 1, gate, union_fn=union_fn, union=union, member=member,
+                   length=length)
 
 
 def qsa_sparse_attention(
@@ -196,7 +231,11 @@ def qsa_sparse_attention(
         return out
     with op_range("qsa_sparse_attention", q=q, k_cache=k_cache, packed_indices=packed_indices) if _NVTX else NULL_RANGE:
         gate = output_gate if output_gate is not None else q  # a placeholder the kernel never reads
-        if launch.splits > 1:
+        if launch.union_fn is not None:
+            launch.union_fn(packed_indices, block_table, token_to_req, launch.union, launch.member, launch.length)
+            launch.fn(q, k_cache, v_cache, packed_indices, block_table, token_to_req, launch.union, launch.member,
+                      launch.length, out, launch.lse, gate, ks, vs)
+        elif launch.splits > 1:
             launch.fn(q, k_cache, v_cache, packed_indices, block_table, token_to_req, launch.part_o,
                       launch.part_lse, q, ks, vs)
             launch.merge_fn(launch.part_o, launch.part_lse, out, output_gate if output_gate is not None else out)

@@ -94,8 +94,10 @@ class Sm90QsaAttention(Sm90PagedDecode):
         self.fp8 = cfg.kv_dtype == "fp8_e4m3"
         self.D = cfg.head_dim
         self.G = cfg.group
-        self.q_len = 1
-        self.rows = cfg.group
+        # query rows per CTA (the row-tile kernel packs R rows x G heads into the WGMMA's N)
+        self.R = getattr(cfg, "rows_per_cta", 1)
+        self.q_len = self.R
+        self.rows = cfg.group * self.R
         self.N = cfg.n_pad
         self.page = cfg.page_size
         self.tile = cfg.tile
@@ -109,7 +111,10 @@ class Sm90QsaAttention(Sm90PagedDecode):
         self.chunk_elems = 16 // self.kv_bytes  # elements per 16-byte cp.async
         self.chunks_per_row = self.D // self.chunk_elems
         self.rows_per_copy = max(1, 32 // self.chunks_per_row)  # token rows per warp-wide copy
-        self.words = self.tile // 32  # validity bitmask words per tile
+        self.words = self.tile // 32  # validity bitmask words per tile (per row)
+        # lanes that publish bitmask words per tile: lane 0 for one row, lane j < R * words
+        # (row j // words, word j % words) for a row tile
+        self.mask_writers = 1 if self.R == 1 else self.R * self.words
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -131,33 +136,39 @@ class Sm90QsaAttention(Sm90PagedDecode):
         v_scale: Float32,
         stream,
     ):
+        num_splits = mO.shape[0] if const_expr(self.cfg.split) else 1
+        self.launch(self.kernel, (mQ, mK, mV, mIdx, mBlockTable, mTokenToReq, mO, mLse, mGate, k_scale, v_scale),
+                    [mQ.shape[0], mK.shape[2], num_splits], stream)
+
+    def launch(self, kernel, args, grid, stream):
+        """(Traced inside ``__call__``.) The shared-memory plan and the launch of ``kernel(*args,
+        MMAs, layouts)``; shared by the row-tile kernel."""
         cfg = self.cfg
         mma_dtype = self.mma_dtype
         # each gathered token row is 16-byte chunks that the K/V swizzle keeps whole
         qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout = self.mmas_and_layouts()
 
-        @cute.struct
-        class Storage:
-            full: cute.struct.MemRange[cutlass.Int64, cfg.stages]
-            empty: cute.struct.MemRange[cutlass.Int64, cfg.stages]
-            mask: cute.struct.MemRange[Int32, cfg.stages * (cfg.tile // 32)]
-            red: cute.struct.MemRange[Float32, MMA_WARPS * cfg.n_pad]
-            sK: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(k_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(v_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(q_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(p_layout)], 1024]
-
+        # built from evaluated annotations: this module's ``from __future__ import annotations``
+        # would leave a class body's annotations as strings outside a traced function
+        fields = {
+            "full": cute.struct.MemRange[cutlass.Int64, cfg.stages],
+            "empty": cute.struct.MemRange[cutlass.Int64, cfg.stages],
+            "mask": cute.struct.MemRange[Int32, cfg.stages * self.R * (cfg.tile // 32)],
+            "red": cute.struct.MemRange[Float32, MMA_WARPS * cfg.n_pad],
+            "sK": cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(k_layout)], 1024],
+            "sV": cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(v_layout)], 1024],
+            "sQ": cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(q_layout)], 1024],
+            "sP": cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(p_layout)], 1024],
+        }
+        Storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
         self.storage = Storage
         # a launch asking for more than the 227 KB a CTA may hold fails at run time: refuse to compile
         smem = Storage.size_in_bytes()
         if const_expr(cfg.occupancy * (smem + 1024) > SMEM_PER_SM or smem > 227 * 1024):
             raise ValueError(f"{cfg.label()}: {smem} bytes of shared memory x {cfg.occupancy} CTAs per SM do not fit")
-        num_splits = mO.shape[0] if const_expr(cfg.split) else 1
-        self.kernel(
-            mQ, mK, mV, mIdx, mBlockTable, mTokenToReq, mO, mLse, mGate, k_scale, v_scale,
-            qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
-        ).launch(grid=[mQ.shape[0], mK.shape[2], num_splits], block=[NUM_THREADS, 1, 1], stream=stream,
-                 min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100)
+        kernel(*args, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout).launch(
+            grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=cfg.occupancy,
+            preferred_smem_carveout=100)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -194,20 +205,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
         if const_expr(cfg.split):
             # let the merge kernel (programmatic dependent launch) get scheduled behind us
             cute.arch.griddepcontrol_launch_dependents()
-        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
-        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
-        sRed = storage.red.get_tensor(cute.make_layout((MMA_WARPS, self.N), stride=(self.N, 1)))
-        sMask = storage.mask.get_tensor(cute.make_layout((self.words, cfg.stages), stride=(1, self.words)))
-        full = storage.full.data_ptr()
-        empty = storage.empty.data_ptr()
-        if tidx == 0:
-            for s in cutlass.range_constexpr(cfg.stages):
-                # 32 cp.async no-inc arrivals of the producer lanes + lane 0's bitmask release
-                cute.arch.mbarrier_init(full + s, 33)
-                cute.arch.mbarrier_init(empty + s, MMA_WARPS * 32)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        storage, sQ, sP, sRed, sMask, full, empty = self.setup_shared(q_layout, p_layout, tidx)
 
         if warp == PRODUCER_WARP:
             self.produce(mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full,
@@ -219,6 +217,28 @@ class Sm90QsaAttention(Sm90PagedDecode):
                                tidx, warp, lane)
 
     # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def setup_shared(self, q_layout, p_layout, tidx):
+        """The shared-memory tensors and the pipeline's mbarriers,
+        initialized and published to the whole CTA."""
+        cfg = self.cfg
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        sRed = storage.red.get_tensor(cute.make_layout((MMA_WARPS, self.N), stride=(self.N, 1)))
+        nw = self.R * self.words
+        sMask = storage.mask.get_tensor(cute.make_layout((nw, cfg.stages), stride=(1, nw)))
+        full = storage.full.data_ptr()
+        empty = storage.empty.data_ptr()
+        if tidx == 0:
+            for s in cutlass.range_constexpr(cfg.stages):
+                # 32 cp.async no-inc arrivals of the producer lanes + the bitmask writers' releases
+                cute.arch.mbarrier_init(full + s, 32 + self.mask_writers)
+                cute.arch.mbarrier_init(empty + s, MMA_WARPS * 32)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        return storage, sQ, sP, sRed, sMask, full, empty
 
     @cute.jit
     def row_tiles(self, mIdx, row, split, num_splits):
@@ -233,22 +253,37 @@ class Sm90QsaAttention(Sm90PagedDecode):
     @cute.jit
     def produce(self, mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full, empty,
                 row, kv_head, split, num_splits, lane):
-        """Per tile: publish the validity bitmask of the tile's tokens (lane l owns tokens l,
-        l + 32, ...) and gather their K and V rows with zero-filling cp.async.
+        """The row's tiles ``split, split + S, ...`` from its own index list (see ``gather_list``)."""
+        topk = mIdx.shape[1] - 1
+        count, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
+        self.gather_list(mK, mV, mIdx, row, topk, count, split, num_splits, my_tiles, Int32(0),
+                         mTokenToReq[row], mBlockTable, storage, k_layout, v_layout, sMask, full, empty,
+                         kv_head, lane, None, 0, Int32(0))
 
-        The lookups run two tiles ahead so that their dependent global loads (packed index, then
-        block table) are in flight while earlier tiles are copied: iteration i issues the index
+    @cute.jit
+    def gather_list(self, mK, mV, mSrc, src_row, limit, count, first_tile, tile_step, n_tiles, i0, req,
+                    mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, lane, mMember,
+                    mode: cutlass.Constexpr, row_in_tile):
+        """Gather ``n_tiles`` tiles of the token list ``mSrc[src_row, :]`` (columns below ``limit``
+        are read, those below ``count`` used): tile ``first_tile + k * tile_step`` goes to
+        pipeline slot ``i0 + k``. Per tile: publish the validity bitmask of the tile's tokens
+        (lane l owns tokens l, l + 32, ...) and copy their K and V rows with zero-filling cp.async.
+
+        ``mode`` (row tiles only): 0 = one query row (lane 0 writes its mask words); 1 = the
+        tile's union list, row r's words are the validity bits AND its membership bits
+        ``mMember[src_row, r, :]``; 2 = the list of row ``row_in_tile`` of the tile, the other
+        rows' words are 0.
+
+        The lookups run two tiles ahead so that their dependent global loads (list entry, then
+        block table) are in flight while earlier tiles are copied: iteration i issues the list
         loads of tile i + 2 and the block-table loads of tile i + 1, and only consumes values
-        loaded by earlier iterations. The first index loads do not wait for the valid count."""
+        loaded by earlier iterations (membership words: one tile ahead)."""
         eb, words = self.kv_bytes, self.words
         E, cpr, rpc = self.chunk_elems, self.chunks_per_row, self.rows_per_copy
-        topk = mIdx.shape[1] - 1
-        req = mTokenToReq[row]
         tok_a = cute.make_rmem_tensor((words,), Int32)  # tile i + 1: token ids
         tok_b = cute.make_rmem_tensor((words,), Int32)  # tile i + 2: token ids (loading)
-        self.load_tokens(mIdx, row, split, tok_a, topk, lane)
-        self.load_tokens(mIdx, row, split + num_splits, tok_b, topk, lane)
-        count, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
+        self.load_tokens(mSrc, src_row, first_tile, tok_a, limit, lane)
+        self.load_tokens(mSrc, src_row, first_tile + tile_step, tok_b, limit, lane)
 
         num_reqs = mBlockTable.shape[0]
         width = mBlockTable.shape[1]
@@ -266,17 +301,27 @@ class Sm90QsaAttention(Sm90PagedDecode):
         chunk = lane % cpr
         sub = lane // cpr  # which of the rows of one warp-wide copy this lane serves
         lane_bytes = Int64(chunk * 16)  # this lane's 16-byte chunk of a row
+        # row-tile bitmask writers: lane j publishes row j // words, word j % words
+        m_row = lane // words
+        m_word = lane % words
+        writer = lane < self.mask_writers
+        mem_a = Int32(0)  # membership word of tile i (mode 1)
+        if const_expr(mode == 1):
+            if writer:
+                mem_a = mMember[src_row, m_row, first_tile * words + m_word]
         # tile i + 1 after its block-table lookup: physical page (-1 = invalid entry) and offset
         phys_a = cute.make_rmem_tensor((words,), Int32)
         offs_a = cute.make_rmem_tensor((words,), Int32)
-        self.lookup_pages(mBlockTable, req, req_ok, width, split, count, tok_a, phys_a, offs_a, lane)
+        self.lookup_pages(mBlockTable, req, req_ok, width, first_tile, count, tok_a, phys_a, offs_a, lane)
         # tile i: per owned token its K and V row addresses (the cache base for invalid entries,
         # which are then copied with source size 0: nothing is read) and the validity bits
         k_addr = cute.make_rmem_tensor((words,), Int64)
         v_addr = cute.make_rmem_tensor((words,), Int64)
         bits = cute.make_rmem_tensor((words,), Int32)
-        for i in cutlass.range(my_tiles, unroll=1):
+        for k in cutlass.range(n_tiles, unroll=1):
+            i = i0 + k
             stage = i % self.stages
+            tile_idx = first_tile + k * tile_step
             for w in cutlass.range_constexpr(words):
                 p = phys_a[w]
                 ok = p >= 0 and p < num_blocks
@@ -286,16 +331,33 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 v_addr[w] = v_head + (pp * sVb + oo * sVt) * eb if ok else v_gbase
                 bits[w] = cute.arch.vote_ballot_sync(ok)
                 tok_a[w] = tok_b[w]
-            # ---- lookahead: block table of tile i + 1, indices of tile i + 2 ----
-            self.lookup_pages(mBlockTable, req, req_ok, width, split + (i + 1) * num_splits, count, tok_a,
-                              phys_a, offs_a, lane)
-            self.load_tokens(mIdx, row, split + (i + 2) * num_splits, tok_b, topk, lane)
+            # ---- lookahead: block table of tile i + 1, list entries of tile i + 2 ----
+            self.lookup_pages(mBlockTable, req, req_ok, width, tile_idx + tile_step, count, tok_a, phys_a,
+                              offs_a, lane)
+            self.load_tokens(mSrc, src_row, tile_idx + 2 * tile_step, tok_b, limit, lane)
+            mem_b = Int32(0)
+            if const_expr(mode == 1):
+                nxt = (tile_idx + tile_step) * words + m_word
+                if writer and nxt < mMember.shape[2]:
+                    mem_b = mMember[src_row, m_row, nxt]
             # ---- wait until the consumers released this slot ----
             if i >= self.stages:
                 cute.arch.mbarrier_wait(empty + stage, ((i // self.stages) - 1) % 2)
-            if lane == 0:
-                for w in cutlass.range_constexpr(words):
-                    sMask[w, stage] = bits[w]
+            if const_expr(mode == 0):
+                if lane == 0:
+                    for w in cutlass.range_constexpr(words):
+                        sMask[w, stage] = bits[w]
+            else:
+                if writer:
+                    b = bits[0]
+                    for w in cutlass.range_constexpr(1, words):
+                        if m_word == w:
+                            b = bits[w]
+                    if const_expr(mode == 1):
+                        b = b & mem_a
+                    else:
+                        b = b if m_row == row_in_tile else Int32(0)
+                    sMask[lane, stage] = b
             # ---- gather: one warp-wide copy covers `rpc` token rows ----
             for w in cutlass.range_constexpr(words):
                 for jj in cutlass.range_constexpr(32 // rpc):
@@ -312,18 +374,25 @@ class Sm90QsaAttention(Sm90PagedDecode):
                     cp_async_zfill_16(k_dst, k_src, nbytes)
                     cp_async_zfill_16(v_dst, v_src, nbytes)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
-            if lane == 0:
-                cute.arch.mbarrier_arrive(full + stage)  # releases the bitmask store above
+            if const_expr(mode == 0):
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(full + stage)  # releases the bitmask store above
+            else:
+                if writer:
+                    cute.arch.mbarrier_arrive(full + stage)
+            if const_expr(mode == 1):
+                mem_a = mem_b
 
     @cute.jit
-    def load_tokens(self, mIdx, row, tile_idx, tok, topk, lane):
-        """Issue the packed-index loads of this lane's columns of tile ``tile_idx`` (-1 past TOPK);
-        the valid count masks them later, so these loads need not wait for it."""
+    def load_tokens(self, mSrc, row, tile_idx, tok, limit, lane):
+        """Issue the list loads of this lane's columns of tile ``tile_idx`` (-1 from ``limit`` on:
+        TOPK for a packed index row); the valid count masks them later, so these loads need not
+        wait for it."""
         for w in cutlass.range_constexpr(self.words):
             col = tile_idx * self.tile + w * 32 + lane
             t = Int32(-1)
-            if col < topk:
-                t = mIdx[row, col]
+            if col < limit:
+                t = mSrc[row, col]
             tok[w] = t
 
     @cute.jit
@@ -375,6 +444,13 @@ class Sm90QsaAttention(Sm90PagedDecode):
         # this thread's token rows of M block mb are mb * 64 + 16 * warp + lane / 4 + {0, 8}: bits
         # 16 * (warp % 2) + lane / 4 + {0, 8} of bitmask word 2 * mb + warp / 2
         mask_shift = (warp % 2) * 16 + lane // 4
+        # row tiles: the first bitmask word of each column slot's query row (column n = row
+        # n // G of the tile; padding columns read the last row's words, their output is dropped)
+        slot_word = cute.make_rmem_tensor((nslots,), Int32)
+        if const_expr(self.R > 1):
+            for sl in cutlass.range_constexpr(nslots):
+                n = (sl // 2) * 8 + sl % 2 + n_base
+                slot_word[sl] = cutlass.min(n // self.G, Int32(self.R - 1)) * self.words + warp // 2
 
         row_max = cute.make_rmem_tensor((nslots,), Float32)
         row_sum = cute.make_rmem_tensor((nslots,), Float32)
@@ -416,9 +492,15 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 else:
                     cute.gemm(atom, acc_s, tSrK[None, None, kb, stage], tSrQ[None, None, kb, 0], acc_s)
             warpgroup.commit_group()
-            mbits = cute.make_rmem_tensor((mblocks,), Int32)
-            for mb in cutlass.range_constexpr(mblocks):
-                mbits[mb] = sMask[2 * mb + warp // 2, stage] >> mask_shift
+            if const_expr(self.R == 1):
+                mbits = cute.make_rmem_tensor((mblocks,), Int32)
+                for mb in cutlass.range_constexpr(mblocks):
+                    mbits[mb] = sMask[2 * mb + warp // 2, stage] >> mask_shift
+            else:
+                mbits = cute.make_rmem_tensor((mblocks * nslots,), Int32)
+                for mb in cutlass.range_constexpr(mblocks):
+                    for sl in cutlass.range_constexpr(nslots):
+                        mbits[mb * nslots + sl] = sMask[slot_word[sl] + 2 * mb, stage] >> mask_shift
             warpgroup.wait_group(0)
 
             # ---------------- online softmax over the tile's tokens ----------------
@@ -427,7 +509,11 @@ class Sm90QsaAttention(Sm90PagedDecode):
             for e in cutlass.range_constexpr(nS):
                 s_val = acc_s[e] * c
                 r = cS0[e][0]
-                if (mbits[r // MMA_M] >> (r % MMA_M)) & 1 == 0:
+                if const_expr(self.R == 1):
+                    word = mbits[r // MMA_M]
+                else:
+                    word = mbits[(r // MMA_M) * nslots + slot_of(cS0[e][1])]
+                if (word >> (r % MMA_M)) & 1 == 0:
                     s_val = -Float32.inf
                 acc_s[e] = s_val
                 sl = slot_of(cS0[e][1])
@@ -455,12 +541,37 @@ class Sm90QsaAttention(Sm90PagedDecode):
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
+    def out_row(self, mO, row, kv_head, n):
+        """``(token, head, live)`` of WGMMA column ``n``: column n is head n % G of query row
+        n // G of the CTA's rows (``row * R ...``); padding columns and rows past the last are
+        not live."""
+        if const_expr(self.R == 1):
+            return row, kv_head * self.G + n, n < self.G
+        r = n // self.G
+        token = row * self.R + r
+        return token, kv_head * self.G + (n - r * self.G), n < self.rows and token < mO.shape[cute.rank(mO) - 3]
+
+    @cute.jit
+    def load_q_chunk(self, mQ, idx, batch_idx, kv_head, work):
+        """16 consecutive Q elements (column n, 16-element chunk c) of work item ``idx`` as fp32;
+        zeros for padding columns, rows past the last (a partial row tile) and ``idx >= work``."""
+        chunks = self.D // 16
+        n = idx // chunks
+        vals = cute.make_rmem_tensor((16,), Float32)
+        vals.fill(0.0)
+        token = batch_idx * self.R + n // self.G
+        if n < self.rows and idx < work and token < mQ.shape[0]:
+            head = kv_head * self.G + n % self.G
+            vals.store(cute.local_tile(mQ[token, head, None], (16,), (idx % chunks,)).load().to(Float32))
+        return vals
+
+    @cute.jit
     def epilogue(self, acc_o, row_max, row_sum, sRed, cO0, thr_pv, mO, mLse, mGate, v_scale, row, kv_head, split,
                  n_base, warp, lane):
         """Normalize and store: fp32 partials + LSE (split), or O in q's dtype (gated) + LSE.
         A row (or split) without a valid entry gets O = 0 and LSE = -inf."""
         cfg = self.cfg
-        D, N, G = self.D, self.N, self.G
+        D, N = self.D, self.N
         nslots = N // 4
 
         for s in cutlass.range_constexpr(nslots):
@@ -483,28 +594,28 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 lse = row_max[s] + cute.math.log2(total, fastmath=True)
             if warp == 0:
                 if lane < 4:
-                    if n < G:
+                    token, head, live = self.out_row(mO, row, kv_head, n)
+                    if live:
                         if const_expr(cfg.split):
-                            mLse[split, row, kv_head * G + n] = lse
+                            mLse[split, token, head] = lse
                         else:
-                            mLse[row, kv_head * G + n] = lse
+                            mLse[token, head] = lse
         cO = thr_pv.partition_C(cute.make_identity_tensor((D, N)))
         for e in cutlass.range_constexpr(cute.size(acc_o)):
-            n = cO[e][1]
-            if n < G:
+            token, head, live = self.out_row(mO, row, kv_head, cO[e][1])
+            if live:
                 d = self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])
-                head = kv_head * G + n
                 val = acc_o[e] * inv[slot_of(cO0[e][1])]
                 if const_expr(cfg.split):
-                    mO[split, row, head, d] = val
+                    mO[split, token, head, d] = val
                 else:
                     o = val.to(mO.element_type)
                     if const_expr(cfg.gate):
                         # round the attention output first, then the fp32 gate product
-                        g = mGate[row, head, d].to(Float32)
+                        g = mGate[token, head, d].to(Float32)
                         sig = Float32(1.0) / (Float32(1.0) + cute.math.exp2(-g * Float32(LOG2E), fastmath=True))
                         o = (o.to(Float32) * sig).to(mO.element_type)
-                    mO[row, head, d] = o
+                    mO[token, head, d] = o
 
 
 @dataclass(frozen=True)

@@ -107,8 +107,10 @@ def _precompile():
                (24, 2, 1568, "bf16", 256, "bf16"), (12, 1, 800, "bf16", 256, "bf16")}
     configs = []
     for hq, hkv, page, kv, D, qd in shapes:
-        configs += qsa_variants(head_dim=D, num_q_heads=hq, num_kv_heads=hkv, page_size=page, kv_cache_dtype=kv,
-                                q_dtype=qd)
+        for width in (4, 6):  # the cases' block tables (row-tile pre-pass bitmaps)
+            configs += qsa_variants(head_dim=D, num_q_heads=hq, num_kv_heads=hkv, page_size=page, kv_cache_dtype=kv,
+                                    q_dtype=qd, block_table_width=width)
+    configs = list(dict.fromkeys(configs))
     precompile(configs, "sm_90a")
 
 
@@ -258,3 +260,87 @@ def test_argument_errors(gen):
         cute_kernels.qsa_sparse_attention(**dict(args, q=q, output_gate=None), prefill=False)
     with pytest.raises(TypeError, match="prefill"):
         cute_kernels.qsa_sparse_attention(**args, prefill=1)
+
+
+# ---- the prefill row-tile path (union pre-pass + R rows per CTA) ----
+
+def _prefill_case(gen, rows, hq, hkv, page, kv, first, selection, **kw):
+    """1 x ``rows`` prefill rows at positions ``first ..`` of one request, with the benchmark's
+    selection model (``correlated``: neighbours share ~90 % of their blocks)."""
+    from profiling.qsa_selection import qsa_indices
+
+    ctx = first + rows
+    c = _case(gen, rows, hq, hkv, page, 1, kv, ctx=ctx, positions="all", **kw)
+    pos = torch.arange(first, first + rows, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(int(torch.randint(2**31, (1,), generator=gen, device="cuda")))
+    c["packed_indices"] = qsa_indices(pos, topk=WIDTH - 1, budget=BUDGET, selection=selection, generator=g)
+    c["token_to_req"].zero_()
+    return c
+
+
+@pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("hq,hkv,page", [(24, 2, 1568), (6, 1, 784)])
+@pytest.mark.parametrize("selection", ["correlated", "independent"])
+def test_row_tiles(gen, kv, hq, hkv, page, selection):
+    """Rows at positions 2900.. (full budgets; 301 rows: a partial last tile): correlated
+    selections take the union path, independent ones mostly exceed the union cap and walk the
+    rows' own lists; both against the reference and close to the per-row kernel."""
+    c = _prefill_case(gen, 301, hq, hkv, page, kv, 2900, selection)
+    out, ref = _run(c, True)
+    _check(out, ref)
+    with tuning_override(tile_rows=1):
+        per_row, _ = _run(c, True)
+    torch.testing.assert_close(out.float(), per_row.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_row_tiles_path_taken(gen):
+    """The union pre-pass really builds unions for correlated rows (length >= 0 on most tiles)
+    and falls back for a tile holding a duplicate token (the reference counts it twice); outputs
+    still match the reference."""
+    from cute_kernels.ops import qsa_sparse_attention as op
+
+    c = _prefill_case(gen, 200, 24, 2, 1568, BF16, 3000, "correlated")
+    c["packed_indices"][7, 3] = c["packed_indices"][7, 0]  # row 7 lists one token twice
+    args = {k: v for k, v in c.items() if k != "meta"}
+    out = torch.full_like(c["q"], float("nan"))
+    cute_kernels.qsa_sparse_attention(**args, prefill=True, out=out)
+    launch = op._cache.get(op._key(c["q"], c["k_cache"], c["v_cache"], c["packed_indices"], c["block_table"],
+                                   c["token_to_req"], True, out, c["output_gate"]))
+    assert launch is not None and launch.union_fn is not None
+    R = launch.member.shape[1]
+    length = launch.length.cpu()
+    assert length.numel() == -(-200 // R)
+    assert int(length[7 // R]) == -1
+    assert (length >= 0).float().mean() > 0.8
+    _check(out, reference.qsa_sparse_attention(**args))
+
+
+def test_row_tiles_mixed_requests_and_invalid(gen):
+    """Several requests (tiles straddling two requests fall back), holes, an invalid request and
+    a page beyond the table inside union tiles."""
+    c = _case(gen, 390, 24, 2, 1568, 3, BF16, holes=0.1)
+    packed, t2r = c["packed_indices"], c["token_to_req"]
+    W = c["block_table"].shape[1]
+    packed[10, 1:40:3] = W * 1568 + 9
+    t2r[150] = 99
+    out, ref = _run(c, True)
+    _check(out, ref)
+
+
+def test_row_tiles_graph_replay(gen):
+    """The row-tile path captured in a CUDA graph and replayed with new indices and queries."""
+    c = _prefill_case(gen, 128, 24, 2, 1568, FP8, 2500, "correlated")
+    args = {k: v for k, v in c.items() if k != "meta"}
+    out = torch.empty_like(c["q"])
+    cute_kernels.qsa_sparse_attention(**args, prefill=True, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cute_kernels.qsa_sparse_attention(**args, prefill=True, out=out)
+    c2 = _prefill_case(gen, 128, 24, 2, 1568, FP8, 2500, "correlated")
+    for name in ("q", "packed_indices", "output_gate"):
+        c[name].copy_(c2[name])
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, reference.qsa_sparse_attention(**{k: v for k, v in c.items() if k != "meta"}))
