@@ -122,7 +122,8 @@ def _selection_fields(packed: torch.Tensor) -> dict:
 
 
 def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_N, prefill_t=PREFILL_T,
-        splits=None, tile=None, check=False, out_json=None, selections=PREFILL_SELECTIONS, tile_rows=None):
+        splits=None, tile=None, check=False, out_json=None, selections=PREFILL_SELECTIONS, tile_rows=None,
+        tunings=None):
     for sel in selections:
         if sel not in SELECTIONS:
             raise ValueError(f"unknown selection {sel!r}; choose from {SELECTIONS}")
@@ -154,15 +155,16 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
             sel_fields = _selection_fields(prob.copies[0]["packed_indices"]) if prefill else {}
             kv_name = "fp8_e4m3" if kv == FP8 else "bf16"
             _, table_splits = select_config(rows, HKV, prefill, kv_name, D, HQ // HKV, TOPK)
-            variants = [(s, tr) for s in (splits or [None]) for tr in ((tile_rows or [None]) if prefill else [None])]
-            for s, tr in variants:
+            variants = [(s, tr, tu) for s in (splits or [None]) for tr in ((tile_rows or [None]) if prefill else [None])
+                        for tu in (tunings or [{}])]
+            for s, tr, tu in variants:
                 override = ({} if s is None else {"splits": s}) | ({} if tile is None else {"tile": tile})
-                override |= {} if tr is None else {"tile_rows": tr}
+                override |= ({} if tr is None else {"tile_rows": tr}) | tu
                 plan = row_tile_plan(rows, prefill, kv_name, HQ // HKV, PAGE, prob.block_table.shape[1], TOPK, tr)
                 with tuning_override(**override):
                     r = dict(kind=kind, n=n, kv=kvn, selection=sel, **sel_fields,
                              splits=1 if plan else (s or table_splits), tile=tile or 64,
-                             rows_per_cta=plan.rows_per_cta if plan else 1, copies=copies,
+                             rows_per_cta=plan.rows_per_cta if plan else 1, tuning=tu, copies=copies,
                              selected_bytes=prob.selected_bytes, entries=prob.entries)
                     try:
                         prob.call(0, prefill)
@@ -194,7 +196,7 @@ def _fmt(x) -> str:
 
 def _print(r):
     head = (f"{r['kind']:<8} {r['kv']:<5} N={r['n']:<6} {r['selection']:<11} S={r['splits']:<3} "
-            f"tile={r['tile']:<4} R={r['rows_per_cta']}")
+            f"tile={r['tile']:<4} R={r['rows_per_cta']}{''.join(f' {k}={v}' for k, v in r['tuning'].items())}")
     if "union_factor" in r:  # prefill: the selection's adjacent Jaccard and tile union factors
         unions = "/".join(_fmt(u) for u in r["union_factor"].values())
         head += f" [J={_fmt(r['adjacent_jaccard'])} U{'/'.join(r['union_factor'])}={unions}]"
@@ -220,6 +222,8 @@ def main(argv=None):
     p.add_argument("--tile", type=int, default=None, help="force the KV tile (64 or 128)")
     p.add_argument("--tile-rows", default=None,
                    help="comma list of forced prefill rows per CTA (1 = the per-row kernel; default: the op's)")
+    p.add_argument("--tuning", default=None,
+                   help="';'-separated kernel tuning variants, each 'field=value,...' (e.g. 'producers=1;producers=2')")
     p.add_argument("--check", action="store_true", help="also compare each output with the reference")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -228,7 +232,9 @@ def main(argv=None):
         prefill_t=tuple(int(x) for x in a.prefill_t.split(",") if x),
         splits=[int(x) for x in a.splits.split(",")] if a.splits else None, tile=a.tile, check=a.check,
         out_json=a.json, selections=tuple(x for x in a.selection.split(",") if x),
-        tile_rows=[int(x) for x in a.tile_rows.split(",")] if a.tile_rows else None)
+        tile_rows=[int(x) for x in a.tile_rows.split(",")] if a.tile_rows else None,
+        tunings=[{k: int(v) for k, v in (f.split("=") for f in spec.split(",") if f)} for spec in a.tuning.split(";")]
+        if a.tuning else None)
 
 
 if __name__ == "__main__":

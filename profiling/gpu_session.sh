@@ -17,6 +17,7 @@
 #   ncu        Nsight Compute sections of the FP8 decode on the shapes that miss targets
 #   qsa        bench qsa
 #   qsatile    union pre-pass + row-tile tests, then prefill bench: per-row kernel vs row tiles
+#   qsafinal   every QSA GPU test, the QSA sanitizer run, bench qsa, decode with 4 producer warps
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
@@ -44,10 +45,16 @@ for step in "$@"; do
     qsa) run 200 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;
     qsatile) run 200 pytest_tile python3 -m pytest tests/gpu/test_qsa_union_gpu.py tests/gpu/test_qsa_gpu.py -q -x \
                -p no:cacheprovider -k "union or row_tiles"
-             run 150 qsatile_bf16 python3 -m profiling.bench_qsa --kinds prefill --kv bf16 --tile-rows 1,5 --check \
-               --json "$OUT/qsatile_bf16.json"
-             run 150 qsatile_fp8 python3 -m profiling.bench_qsa --kinds prefill --kv fp8 --tile-rows 1,3 --check \
-               --json "$OUT/qsatile_fp8.json" ;;
+             run 150 qsatile_prefill python3 -m profiling.bench_qsa --kinds prefill --kv bf16,fp8 --prefill-t 4096,16384 \
+               --selection correlated,independent --tuning "producers=2;producers=4" --json "$OUT/qsatile_prefill.json"
+             run 150 qsatile_decode python3 -m profiling.bench_qsa --kinds decode --tuning "producers=1;producers=2" \
+               --json "$OUT/qsatile_decode.json" ;;
+    qsafinal) run 240 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
+                -p no:cacheprovider
+              run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+                python3 -m profiling.sanitize_qsa
+              TAIL=40 run 200 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json"
+              run 90 qsa_p4 python3 -m profiling.bench_qsa --kinds decode --tuning "producers=4" --json "$OUT/qsa_p4.json" ;;
     # --report-api-errors no: the DSL's compiler probes driver entry points (cuGetProcAddress) and
     # those expected CUDA_ERROR_INVALID_VALUE returns would otherwise count as errors
     sanitize) run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize

@@ -5,7 +5,8 @@
 Shapes: BF16 and FP8 caches, direct output and split-K + merge, with every kind of invalid
 entry: negative tokens (also inside the counted prefix), pages beyond the block-table width,
 physical pages < 0 and >= num_blocks, requests out of range, zero / oversized / negative valid
-counts. The cache pool is allocated exactly (no spare pages), so any dereference of an invalid
+counts; and the prefill row-tile path (union pre-pass + row-tile kernel) with such entries in
+union tiles and in tiles that fall back. The cache pool is allocated exactly (no spare pages), so any dereference of an invalid
 entry lands outside its allocation and fails the run.
 """
 
@@ -61,6 +62,20 @@ def main():
                 assert not torch.isnan(out).any()
         packed[5, 2051] = -3  # negative count
         cute_kernels.qsa_sparse_attention(q, k, v, packed, table, t2r, prefill=True)
+        # the prefill row-tile path (>= 64 rows): the invalid rows above in fallback tiles (mixed
+        # requests), then one request whose rows share a selection (union tiles) with invalid
+        # entries and a duplicate token inside
+        q, k, v, packed, table, t2r, gate = case(kv, rows=80)
+        t2r[10:] = 1
+        packed[10:, :1500] = packed[10, :1500]
+        packed[10:, 1400:1500] = torch.randint(0, 3000, (70, 100), device="cuda", dtype=torch.int32)
+        packed[20, 7:30] = 2 * 800 * 4 + 5  # pages beyond the table width inside a union tile
+        packed[31, 9] = packed[31, 8]  # a duplicate: that tile walks its rows' own lists
+        packed[47, 2051] = 3
+        for g in (gate, None):
+            out = cute_kernels.qsa_sparse_attention(q, k, v, packed, table, t2r, prefill=True, k_scale=0.5,
+                                                    v_scale=2.0, output_gate=g)
+            assert not torch.isnan(out).any()
     torch.cuda.synchronize()
     print("sanitize run finished")
 

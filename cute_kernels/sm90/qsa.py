@@ -51,8 +51,7 @@ from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
 from .decode import BAR_MMA, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_of
 
-PRODUCER_WARP = MMA_WARPS
-NUM_THREADS = (MMA_WARPS + 1) * 32
+PRODUCER_WARP = MMA_WARPS  # the first producer warp
 LOG2E = math.log2(math.e)
 MAX_GROUP = 16  # the WGMMA N of one CTA (query heads of one KV head)
 
@@ -114,7 +113,15 @@ class Sm90QsaAttention(Sm90PagedDecode):
         self.words = self.tile // 32  # validity bitmask words per tile (per row)
         # lanes that publish bitmask words per tile: lane 0 for one row, lane j < R * words
         # (row j // words, word j % words) for a row tile
-        self.mask_writers = 1 if self.R == 1 else self.R * self.words
+        # producer warps: one owns all words; P = k * words: one word and a k-th of its rows each
+        self.P = cfg.producers
+        self.local_words = self.words if self.P == 1 else 1
+        self.parts = 1 if self.P == 1 else self.P // self.words
+        self.num_threads = (MMA_WARPS + self.P) * 32
+        if self.R > 1:
+            self.mask_writers = self.R * self.words
+        else:
+            self.mask_writers = 1 if self.P == 1 else self.words
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -167,7 +174,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
         if const_expr(cfg.occupancy * (smem + 1024) > SMEM_PER_SM or smem > 227 * 1024):
             raise ValueError(f"{cfg.label()}: {smem} bytes of shared memory x {cfg.occupancy} CTAs per SM do not fit")
         kernel(*args, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout).launch(
-            grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=cfg.occupancy,
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=cfg.occupancy,
             preferred_smem_carveout=100)
 
     # ------------------------------------------------------------------------------------------
@@ -207,9 +214,9 @@ class Sm90QsaAttention(Sm90PagedDecode):
             cute.arch.griddepcontrol_launch_dependents()
         storage, sQ, sP, sRed, sMask, full, empty = self.setup_shared(q_layout, p_layout, tidx)
 
-        if warp == PRODUCER_WARP:
+        if warp >= PRODUCER_WARP:
             self.produce(mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full,
-                         empty, row, kv_head, split, num_splits, lane)
+                         empty, row, kv_head, split, num_splits, warp - PRODUCER_WARP, lane)
         else:
             _, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
             self.consume_tiles(mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale,
@@ -233,8 +240,8 @@ class Sm90QsaAttention(Sm90PagedDecode):
         empty = storage.empty.data_ptr()
         if tidx == 0:
             for s in cutlass.range_constexpr(cfg.stages):
-                # 32 cp.async no-inc arrivals of the producer lanes + the bitmask writers' releases
-                cute.arch.mbarrier_init(full + s, 32 + self.mask_writers)
+                # cp.async no-inc arrivals of every producer lane + the bitmask writers' releases
+                cute.arch.mbarrier_init(full + s, 32 * self.P + self.mask_writers)
                 cute.arch.mbarrier_init(empty + s, MMA_WARPS * 32)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -252,25 +259,30 @@ class Sm90QsaAttention(Sm90PagedDecode):
 
     @cute.jit
     def produce(self, mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full, empty,
-                row, kv_head, split, num_splits, lane):
+                row, kv_head, split, num_splits, pw, lane):
         """The row's tiles ``split, split + S, ...`` from its own index list (see ``gather_list``)."""
         topk = mIdx.shape[1] - 1
         count, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
         self.gather_list(mK, mV, mIdx, row, topk, count, split, num_splits, my_tiles, Int32(0),
                          mTokenToReq[row], mBlockTable, storage, k_layout, v_layout, sMask, full, empty,
-                         kv_head, lane, None, 0, Int32(0))
+                         kv_head, pw, lane, None, 0, Int32(0))
 
     @cute.jit
     def gather_list(self, mK, mV, mSrc, src_row, limit, count, first_tile, tile_step, n_tiles, i0, req,
-                    mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, lane, mMember,
+                    mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, pw, lane, mMember,
                     mode: cutlass.Constexpr, row_in_tile):
         """Gather ``n_tiles`` tiles of the token list ``mSrc[src_row, :]`` (columns below ``limit``
         are read, those below ``count`` used): tile ``first_tile + k * tile_step`` goes to
-        pipeline slot ``i0 + k``. Per tile: publish the validity bitmask of the tile's tokens
-        (lane l owns tokens l, l + 32, ...) and copy their K and V rows with zero-filling cp.async.
+        pipeline slot ``i0 + k``. Per tile: publish the validity bitmask of the tile's tokens and
+        copy their K and V rows with zero-filling cp.async.
 
-        ``mode`` (row tiles only): 0 = one query row (lane 0 writes its mask words); 1 = the
-        tile's union list, row r's words are the validity bits AND its membership bits
+        Work split: one producer warp owns every 32-token word of the tile (lane l: tokens l,
+        l + 32, ...); with ``P = k * words`` producer warps, warp ``pw`` owns word ``pw % words``
+        and copies the ``pw // words``-th of k slices of its rows (the copies are issue-bound: a
+        warp-wide instruction per 512-byte row plus its address arithmetic).
+
+        ``mode`` (row tiles): 0 = one query row (lane 0 writes the mask words); 1 = the tile's
+        union list, row r's words are the validity bits AND its membership bits
         ``mMember[src_row, r, :]``; 2 = the list of row ``row_in_tile`` of the tile, the other
         rows' words are 0.
 
@@ -278,12 +290,18 @@ class Sm90QsaAttention(Sm90PagedDecode):
         block table) are in flight while earlier tiles are copied: iteration i issues the list
         loads of tile i + 2 and the block-table loads of tile i + 1, and only consumes values
         loaded by earlier iterations (membership words: one tile ahead)."""
-        eb, words = self.kv_bytes, self.words
+        eb, words, wl = self.kv_bytes, self.words, self.local_words
         E, cpr, rpc = self.chunk_elems, self.chunks_per_row, self.rows_per_copy
-        tok_a = cute.make_rmem_tensor((words,), Int32)  # tile i + 1: token ids
-        tok_b = cute.make_rmem_tensor((words,), Int32)  # tile i + 2: token ids (loading)
-        self.load_tokens(mSrc, src_row, first_tile, tok_a, limit, lane)
-        self.load_tokens(mSrc, src_row, first_tile + tile_step, tok_b, limit, lane)
+        word0 = Int32(0)
+        part = Int32(0)
+        if const_expr(self.P > 1):
+            word0 = pw % words
+            part = pw // words
+        rows_per_part = (32 // rpc) // self.parts  # warp-wide copies per word per producer warp
+        tok_a = cute.make_rmem_tensor((wl,), Int32)  # tile i + 1: token ids
+        tok_b = cute.make_rmem_tensor((wl,), Int32)  # tile i + 2: token ids (loading)
+        self.load_tokens(mSrc, src_row, first_tile, tok_a, limit, word0, lane)
+        self.load_tokens(mSrc, src_row, first_tile + tile_step, tok_b, limit, word0, lane)
 
         num_reqs = mBlockTable.shape[0]
         width = mBlockTable.shape[1]
@@ -301,28 +319,34 @@ class Sm90QsaAttention(Sm90PagedDecode):
         chunk = lane % cpr
         sub = lane // cpr  # which of the rows of one warp-wide copy this lane serves
         lane_bytes = Int64(chunk * 16)  # this lane's 16-byte chunk of a row
-        # row-tile bitmask writers: lane j publishes row j // words, word j % words
-        m_row = lane // words
-        m_word = lane % words
-        writer = lane < self.mask_writers
+        # row-tile bitmask writers: lane j publishes row m_row's word m_word (one warp: j < R *
+        # words, row j // words, word j % words; several: lane j < R of each word's first warp)
+        if const_expr(self.P == 1):
+            m_row = lane // words
+            m_word = lane % words
+            writer = lane < self.mask_writers
+        else:
+            m_row = lane
+            m_word = word0
+            writer = part == 0 and lane < self.R
         mem_a = Int32(0)  # membership word of tile i (mode 1)
         if const_expr(mode == 1):
             if writer:
                 mem_a = mMember[src_row, m_row, first_tile * words + m_word]
         # tile i + 1 after its block-table lookup: physical page (-1 = invalid entry) and offset
-        phys_a = cute.make_rmem_tensor((words,), Int32)
-        offs_a = cute.make_rmem_tensor((words,), Int32)
-        self.lookup_pages(mBlockTable, req, req_ok, width, first_tile, count, tok_a, phys_a, offs_a, lane)
+        phys_a = cute.make_rmem_tensor((wl,), Int32)
+        offs_a = cute.make_rmem_tensor((wl,), Int32)
+        self.lookup_pages(mBlockTable, req, req_ok, width, first_tile, count, tok_a, phys_a, offs_a, word0, lane)
         # tile i: per owned token its K and V row addresses (the cache base for invalid entries,
         # which are then copied with source size 0: nothing is read) and the validity bits
-        k_addr = cute.make_rmem_tensor((words,), Int64)
-        v_addr = cute.make_rmem_tensor((words,), Int64)
-        bits = cute.make_rmem_tensor((words,), Int32)
+        k_addr = cute.make_rmem_tensor((wl,), Int64)
+        v_addr = cute.make_rmem_tensor((wl,), Int64)
+        bits = cute.make_rmem_tensor((wl,), Int32)
         for k in cutlass.range(n_tiles, unroll=1):
             i = i0 + k
             stage = i % self.stages
             tile_idx = first_tile + k * tile_step
-            for w in cutlass.range_constexpr(words):
+            for w in cutlass.range_constexpr(wl):
                 p = phys_a[w]
                 ok = p >= 0 and p < num_blocks
                 pp = Int64(p) if ok else Int64(0)
@@ -333,8 +357,8 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 tok_a[w] = tok_b[w]
             # ---- lookahead: block table of tile i + 1, list entries of tile i + 2 ----
             self.lookup_pages(mBlockTable, req, req_ok, width, tile_idx + tile_step, count, tok_a, phys_a,
-                              offs_a, lane)
-            self.load_tokens(mSrc, src_row, tile_idx + 2 * tile_step, tok_b, limit, lane)
+                              offs_a, word0, lane)
+            self.load_tokens(mSrc, src_row, tile_idx + 2 * tile_step, tok_b, limit, word0, lane)
             mem_b = Int32(0)
             if const_expr(mode == 1):
                 nxt = (tile_idx + tile_step) * words + m_word
@@ -344,25 +368,26 @@ class Sm90QsaAttention(Sm90PagedDecode):
             if i >= self.stages:
                 cute.arch.mbarrier_wait(empty + stage, ((i // self.stages) - 1) % 2)
             if const_expr(mode == 0):
-                if lane == 0:
-                    for w in cutlass.range_constexpr(words):
-                        sMask[w, stage] = bits[w]
+                if lane == 0 and part == 0:
+                    for w in cutlass.range_constexpr(wl):
+                        sMask[word0 + w, stage] = bits[w]
             else:
                 if writer:
                     b = bits[0]
-                    for w in cutlass.range_constexpr(1, words):
+                    for w in cutlass.range_constexpr(1, wl):
                         if m_word == w:
                             b = bits[w]
                     if const_expr(mode == 1):
                         b = b & mem_a
                     else:
                         b = b if m_row == row_in_tile else Int32(0)
-                    sMask[lane, stage] = b
+                    sMask[m_row * words + m_word, stage] = b
             # ---- gather: one warp-wide copy covers `rpc` token rows ----
-            for w in cutlass.range_constexpr(words):
-                for jj in cutlass.range_constexpr(32 // rpc):
+            for w in cutlass.range_constexpr(wl):
+                for jl in cutlass.range_constexpr(rows_per_part):
+                    jj = jl if const_expr(self.parts == 1) else part * rows_per_part + jl
                     src = jj * rpc + sub if const_expr(rpc > 1) else jj  # owner lane of the row
-                    tok = w * 32 + src
+                    tok = (word0 + w) * 32 + src
                     nbytes = ((bits[w] >> src) & 1) * 16
                     k_src = cute.arch.shuffle_sync(k_addr[w], src) + lane_bytes
                     v_src = cute.arch.shuffle_sync(v_addr[w], src) + lane_bytes
@@ -375,7 +400,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
                     cp_async_zfill_16(v_dst, v_src, nbytes)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
             if const_expr(mode == 0):
-                if lane == 0:
+                if lane == 0 and part == 0:
                     cute.arch.mbarrier_arrive(full + stage)  # releases the bitmask store above
             else:
                 if writer:
@@ -384,24 +409,24 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 mem_a = mem_b
 
     @cute.jit
-    def load_tokens(self, mSrc, row, tile_idx, tok, limit, lane):
-        """Issue the list loads of this lane's columns of tile ``tile_idx`` (-1 from ``limit`` on:
-        TOPK for a packed index row); the valid count masks them later, so these loads need not
-        wait for it."""
-        for w in cutlass.range_constexpr(self.words):
-            col = tile_idx * self.tile + w * 32 + lane
+    def load_tokens(self, mSrc, row, tile_idx, tok, limit, word0, lane):
+        """Issue the list loads of this lane's columns of tile ``tile_idx`` (its warp's words from
+        ``word0``; -1 from ``limit`` on: TOPK for a packed index row); the valid count masks them
+        later, so these loads need not wait for it."""
+        for w in cutlass.range_constexpr(self.local_words):
+            col = tile_idx * self.tile + (word0 + w) * 32 + lane
             t = Int32(-1)
             if col < limit:
                 t = mSrc[row, col]
             tok[w] = t
 
     @cute.jit
-    def lookup_pages(self, mBlockTable, req, req_ok, width, tile_idx, count, tok, phys, offs, lane):
+    def lookup_pages(self, mBlockTable, req, req_ok, width, tile_idx, count, tok, phys, offs, word0, lane):
         """Issue the block-table loads of tile ``tile_idx``'s tokens: ``phys`` = the physical page
         (-1 when the column is past the count, the token negative, the request or the page out of
         the table; checked against the pool when used), ``offs`` = the offset in the page."""
-        for w in cutlass.range_constexpr(self.words):
-            col = tile_idx * self.tile + w * 32 + lane
+        for w in cutlass.range_constexpr(self.local_words):
+            col = tile_idx * self.tile + (word0 + w) * 32 + lane
             t = tok[w]
             page = t // self.page
             ok = req_ok and col < count and t >= 0 and page < width
@@ -628,7 +653,8 @@ class Sm90QsaConfig(KernelConfig):
     slots in flight. ``split``: fp32 partials for the merge (the split count is the grid's
     third dim, a runtime value) instead of the final output. ``gate``: multiply the output by
     ``sigmoid(gate)`` (non-split; the merge applies it otherwise). ``occupancy``: CTAs per SM the
-    register allocation must allow (0 = no constraint).
+    register allocation must allow (0 = no constraint). ``producers``: gather warps (1, or a
+    multiple of the tile's 32-token words: each then copies a slice of one word's rows).
     """
 
     q_dtype: str = "bf16"
@@ -641,6 +667,7 @@ class Sm90QsaConfig(KernelConfig):
     split: bool = False
     gate: bool = False
     occupancy: int = 1
+    producers: int = 1
 
     kernel_id = "sm90.qsa"
     targets = ("sm_90a",)
@@ -665,6 +692,13 @@ class Sm90QsaConfig(KernelConfig):
             raise ValueError(f"bad tile/stages {self.tile}/{self.stages}")
         if self.gate and self.split:
             raise ValueError("the gate of a split launch is applied by the merge")
+        words = self.tile // 32
+        chunks_per_row = self.head_dim * DTYPE_BITS[self.kv_dtype] // 8 // 16
+        copies = 32 // max(1, 32 // chunks_per_row)  # warp-wide copies per 32-token word
+        if self.producers != 1 and not (self.producers % words == 0 and self.producers <= 8
+                                         and copies % (self.producers // words) == 0):
+            raise ValueError(f"producers must be 1 or a multiple of the tile's {words} words (<= 8) that "
+                             f"divides its rows, got {self.producers}")
 
     @property
     def n_pad(self) -> int:
@@ -710,20 +744,31 @@ MAX_SPLITS = 64
 PRODUCTION_TOPK = 2051  # 2048 selected tokens + 4 - 1 (qsa-contract §1)
 
 
-def qsa_tuning(kv_dtype: str, head_dim: int, group: int, tile: int = TILE) -> tuple[int, int]:
+def qsa_producers(tile: int = TILE) -> int:
+    """Gather warps of the per-row kernel: one per 32-token word of the tile. One warp issuing
+    every copy was the limit once a CTA owned its SM (H200, decode N = 256: BF16 340.7 -> 296.1
+    us, FP8 177.5 -> 160.1 us with two; N = 64 BF16 89.5 -> 78.8 us)."""
+    return tile // 32
+
+
+def qsa_tuning(kv_dtype: str, head_dim: int, group: int, tile: int = TILE,
+               producers: int | None = None) -> tuple[int, int]:
     """(stages, CTAs per SM) of a variant: the most resident CTAs that still get >= 3 gather
     slots each (falling back to 2, then 1) while keeping >= 96 KB of K/V in flight per SM
     (what the paged decode kernel measured to saturate HBM) and fitting the registers (measured
-    with ptxas: ~100 for 16-bit caches, ~195 for FP8 at D = 256, whose K/V fragments live in
-    registers)."""
+    with ptxas at D = 256, G = 12: ~100 for 16-bit caches, 156-172 for FP8, whose K/V fragments
+    live in registers) of the consumer warpgroup plus ``producers`` gather warps."""
+    producers = qsa_producers(tile) if producers is None else producers
+    threads = (MMA_WARPS + producers) * 32
     kv_bytes = DTYPE_BITS[kv_dtype] // 8
     n_pad = max(8, (group + 7) // 8 * 8)
     stage = 2 * tile * head_dim * kv_bytes
     # Q, P, reduction, barriers + bitmasks + 1024-byte alignment slack, the reserved 1 KB
     fixed = n_pad * head_dim * 2 + n_pad * tile * 2 + MMA_WARPS * n_pad * 4 + 2 * 1024 + 1024
-    regs = 32 + head_dim * n_pad // 128 + tile * n_pad // 128 + (tile * head_dim // 128 if kv_bytes == 1 else 0)
+    # accumulators O^T and S^T (fp32) + the widened K/V fragments of FP8 (fp16 pairs per register)
+    regs = 32 + head_dim * n_pad // 128 + tile * n_pad // 128 + (tile * head_dim // 256 if kv_bytes == 1 else 0)
     regs = (regs + 7) // 8 * 8
-    max_occ = max(1, min(4, 65536 // (NUM_THREADS * regs)))
+    max_occ = max(1, min(4, 65536 // (threads * regs)))
     for want in (3, 2, 1):
         for occ in range(max_occ, 0, -1):
             stages = min(4, (SMEM_PER_SM // occ - fixed) // stage)
@@ -791,8 +836,10 @@ def make_qsa_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, p
                     gate: bool, tile: int = TILE, **override) -> Sm90QsaConfig:
     """The config the op, the warm-up and the compile matrix use: tuning filled in here, once.
     ``override`` replaces tuning fields (benchmarks)."""
-    stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile)
+    producers = override.get("producers", qsa_producers(tile))
+    stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile, producers)
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
-                  tile=tile, stages=stages, split=split, gate=gate and not split, occupancy=occupancy)
+                  tile=tile, stages=stages, split=split, gate=gate and not split, occupancy=occupancy,
+                  producers=producers)
     fields.update(override)
     return Sm90QsaConfig(**fields)

@@ -29,6 +29,10 @@ from ..jit.spec import ScalarArg, TensorArg
 from .qsa import PRODUCER_WARP, Sm90QsaAttention, Sm90QsaConfig, qsa_tuning
 
 MAX_COLUMNS = 64  # R * G: the O^T accumulator is D x N fp32 in one warpgroup's registers
+# gather warps: one CTA per SM (its registers and shared memory) and one producer warp issued
+# the copies too slowly (H200, 1 x 16384 BF16 correlated: 7.36 ms with one, 6.24 with two, 6.09
+# with four)
+TILE_PRODUCERS = 4
 
 
 class Sm90QsaTileAttention(Sm90QsaAttention):
@@ -86,9 +90,9 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         storage, sQ, sP, sRed, sMask, full, empty = self.setup_shared(q_layout, p_layout, tidx)
-        if warp == PRODUCER_WARP:
+        if warp >= PRODUCER_WARP:
             self.produce_tile(mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
-                              v_layout, sMask, full, empty, tile, kv_head, lane)
+                              v_layout, sMask, full, empty, tile, kv_head, warp - PRODUCER_WARP, lane)
         else:
             self.consume_tiles(mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale, v_scale,
                                qk_mma, pv_mma, k_layout, v_layout, tile, kv_head, Int32(0),
@@ -117,7 +121,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
 
     @cute.jit
     def produce_tile(self, mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
-                     v_layout, sMask, full, empty, tile, kv_head, lane):
+                     v_layout, sMask, full, empty, tile, kv_head, pw, lane):
         length = mLen[tile]
         row0 = tile * self.R
         if length >= 0:
@@ -126,7 +130,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                 req = mTokenToReq[row0]  # the pre-pass checked that every row shares it
             self.gather_list(mK, mV, mUnion, tile, length, length, Int32(0), Int32(1),
                              (length + self.tile - 1) // self.tile, Int32(0), req, mBlockTable, storage, k_layout,
-                             v_layout, sMask, full, empty, kv_head, lane, mMember, 1, Int32(0))
+                             v_layout, sMask, full, empty, kv_head, pw, lane, mMember, 1, Int32(0))
         else:
             topk = mIdx.shape[1] - 1
             i0 = Int32(0)
@@ -136,8 +140,8 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                 n = (count + self.tile - 1) // self.tile
                 if n > 0:
                     self.gather_list(mK, mV, mIdx, row, topk, count, Int32(0), Int32(1), n, i0, mTokenToReq[row],
-                                     mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, lane,
-                                     None, 2, r)
+                                     mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, pw,
+                                     lane, None, 2, r)
                 i0 = i0 + n
 
 
@@ -203,9 +207,10 @@ def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: i
     ``override`` replaces fields (benchmarks)."""
     rows = override.pop("rows_per_cta", tile_rows(kv_dtype, group))
     tile = override.pop("tile", 64)
-    stages, occupancy = qsa_tuning(kv_dtype, head_dim, rows * group, tile)
+    stages, occupancy = qsa_tuning(kv_dtype, head_dim, rows * group, tile, TILE_PRODUCERS)
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
-                  tile=tile, stages=stages, split=False, gate=gate, occupancy=occupancy, rows_per_cta=rows)
+                  tile=tile, stages=stages, split=False, gate=gate, occupancy=occupancy, rows_per_cta=rows,
+                  producers=TILE_PRODUCERS)
     fields.update(override)
     return Sm90QsaTileConfig(**fields)
 
