@@ -17,6 +17,8 @@
 #   ncu        Nsight Compute sections of the FP8 decode on the shapes that miss targets
 #   qsa        bench qsa
 #   qsatile    union pre-pass + row-tile tests, then prefill bench: per-row kernel vs row tiles
+#   ncuqsa     Nsight Compute sections of the QSA decode (BF16 N 256) and row-tile prefill kernels
+#   qsaprod    decode A/B of the per-row kernel's gather warps (1 vs 2, twice, interleaved)
 #   qsafinal   every QSA GPU test, the QSA sanitizer run, bench qsa, decode with 4 producer warps
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
@@ -55,6 +57,15 @@ for step in "$@"; do
                 python3 -m profiling.sanitize_qsa
               TAIL=40 run 200 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json"
               run 90 qsa_p4 python3 -m profiling.bench_qsa --kinds decode --tuning "producers=4" --json "$OUT/qsa_p4.json" ;;
+    ncuqsa) for spec in "decode-bf16-256 3 1" "prefill-bf16-4096 6 2"; do
+              set -- $spec  # shape, launches to skip, launches to profile (prefill: union pre-pass + tiles)
+              python3 -m profiling.ncu_qsa --shape $1 > /dev/null 2>&1  # compile outside the profiler
+              TAIL=120 run 150 "ncu_qsa_$1" ncu --clock-control none --kernel-name regex:"ssm90qsa" --launch-skip $2 \
+                --launch-count $3 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+                --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis python3 -m profiling.ncu_qsa --shape $1
+            done ;;
+    qsaprod) run 120 qsaprod python3 -m profiling.bench_qsa --kinds decode --decode-n 16,64,256 \
+               --tuning "producers=1;producers=2;producers=1;producers=2" --json "$OUT/qsaprod.json" ;;
     # --report-api-errors no: the DSL's compiler probes driver entry points (cuGetProcAddress) and
     # those expected CUDA_ERROR_INVALID_VALUE returns would otherwise count as errors
     sanitize) run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize
