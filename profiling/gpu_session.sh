@@ -45,12 +45,10 @@ for step in "$@"; do
     latency) run 150 latency python3 -m profiling.bench_latency --json "$OUT/latency.json" ;;
     layer) run 150 layer python3 -m profiling.bench_layer --json "$OUT/layer.json" ;;
     qsa) run 200 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;
-    qsatile) run 200 pytest_tile python3 -m pytest tests/gpu/test_qsa_union_gpu.py tests/gpu/test_qsa_gpu.py -q -x \
-               -p no:cacheprovider -k "union or row_tiles"
-             run 150 qsatile_prefill python3 -m profiling.bench_qsa --kinds prefill --kv bf16,fp8 --prefill-t 4096,16384 \
-               --selection correlated,independent --tuning "producers=2;producers=4" --json "$OUT/qsatile_prefill.json"
-             run 150 qsatile_decode python3 -m profiling.bench_qsa --kinds decode --tuning "producers=1;producers=2" \
-               --json "$OUT/qsatile_decode.json" ;;
+    qsatile) run 240 pytest_tile python3 -m pytest tests/gpu/test_qsa_union_gpu.py tests/gpu/test_qsa_gpu.py -q -x \
+               -p no:cacheprovider
+             run 150 qsatile_prefill python3 -m profiling.bench_qsa --kinds prefill --kv bf16 --prefill-t 1024,4096,16384 \
+               --selection correlated,independent --check --json "$OUT/qsatile_prefill.json" ;;
     qsafinal) run 240 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider
               run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \

@@ -165,8 +165,9 @@ class Sm90QsaAttention(Sm90PagedDecode):
             "sK": cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(k_layout)], 1024],
             "sV": cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(v_layout)], 1024],
             "sQ": cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(q_layout)], 1024],
-            "sP": cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(p_layout)], 1024],
         }
+        if const_expr(p_layout is not None):  # P through shared memory (swap-AB PV)
+            fields["sP"] = cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(p_layout)], 1024]
         Storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
         self.storage = Storage
         # a launch asking for more than the 227 KB a CTA may hold fails at run time: refuse to compile
@@ -232,7 +233,9 @@ class Sm90QsaAttention(Sm90PagedDecode):
         cfg = self.cfg
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        sP = None
+        if const_expr(p_layout is not None):
+            sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
         sRed = storage.red.get_tensor(cute.make_layout((MMA_WARPS, self.N), stride=(self.N, 1)))
         nw = self.R * self.words
         sMask = storage.mask.get_tensor(cute.make_layout((nw, cfg.stages), stride=(1, nw)))

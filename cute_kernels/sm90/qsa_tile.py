@@ -18,15 +18,22 @@ No split-K: prefill batches fill the machine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 from ..jit.dtypes import DTYPE_BITS
 from ..jit.spec import ScalarArg, TensorArg
+from .decode import BAR_MMA, MMA_M, MMA_WARPS
 from .qsa import PRODUCER_WARP, Sm90QsaAttention, Sm90QsaConfig, qsa_tuning
+
+LOG2E = math.log2(math.e)
 
 MAX_COLUMNS = 64  # R * G: the O^T accumulator is D x N fp32 in one warpgroup's registers
 # gather warps: one CTA per SM (its registers and shared memory) and one producer warp issued
@@ -36,7 +43,40 @@ TILE_PRODUCERS = 4
 
 
 class Sm90QsaTileAttention(Sm90QsaAttention):
-    """Kernel object; all fields are compile-time (see :class:`Sm90QsaTileConfig`)."""
+    """Kernel object; all fields are compile-time (see :class:`Sm90QsaTileConfig`).
+
+    16-bit caches run the MMAs the FlashAttention way round ("mq"): the tile's R x G query
+    columns are the WGMMA's M (64, one warpgroup), the KV tokens its N. Then a query's logits
+    live in one quad of threads: the softmax needs two shuffles and no shared-memory reduction
+    or barrier, and P goes from the QK accumulators straight into registers as the A operand of
+    an RS PV WGMMA (no P round trip through shared memory). The inherited swap-AB consumer
+    (tokens on M) reduced across the warpgroup twice per tile and staged P in shared memory: at
+    1 x 16384 its single consumer warp per scheduler issued ~1000 instructions per 64-token tile
+    at 5.7 cycles each (ncu). FP8 caches keep the swap-AB consumer, whose register-sourced A
+    operand is where K/V are widened.
+    """
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.mq = not self.fp8
+        if self.mq:
+            self.N = MMA_M  # Q rows staged (zeros past R x G)
+
+    def mmas_and_layouts(self):
+        if not self.mq:
+            return super().mmas_and_layouts()
+        D, T, dt = self.D, self.tile, self.mma_dtype
+        qk_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+                                                   tiler_mn=(MMA_M, T))
+        pv_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                                   (1, 1, 1), tiler_mn=(MMA_M, D),
+                                                   a_source=warpgroup.OperandSource.RMEM)
+        # K as B (tokens x D, K-major) and V as MN-major B (D contiguous): the gather's
+        # coordinates stay (token, d, stage) and (d, token, stage)
+        k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (MMA_M, T, D), self.kv_dtype, self.stages)
+        v_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (MMA_M, D, T), self.kv_dtype, self.stages)
+        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (MMA_M, T, D), dt, 1)
+        return qk_mma, pv_mma, k_layout, v_layout, q_layout, None
 
     @cute.jit
     def __call__(
@@ -93,10 +133,151 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         if warp >= PRODUCER_WARP:
             self.produce_tile(mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
                               v_layout, sMask, full, empty, tile, kv_head, warp - PRODUCER_WARP, lane)
+        elif const_expr(self.mq):
+            self.consume_mq(mQ, storage, sQ, sRed, sMask, full, empty, mO, mLse, mGate, k_scale, v_scale, qk_mma,
+                            pv_mma, k_layout, v_layout, tile, kv_head, self.tile_count(mIdx, mLen, tile), tidx, warp,
+                            lane)
         else:
             self.consume_tiles(mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale, v_scale,
                                qk_mma, pv_mma, k_layout, v_layout, tile, kv_head, Int32(0),
                                self.tile_count(mIdx, mLen, tile), tidx, warp, lane)
+
+    @cute.jit
+    def consume_mq(self, mQ, storage, sQ, sRed, sMask, full, empty, mO, mLse, mGate, k_scale, v_scale, qk_mma,
+                   pv_mma, k_layout, v_layout, tile, kv_head, my_tiles, tidx, warp, lane):
+        """The consumer warpgroup with the query columns on M (16-bit caches, see the class)."""
+        D, T, G, R, words = self.D, self.tile, self.G, self.R, self.words
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        self.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
+        cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+        c = Float32(D ** -0.5 * LOG2E) * k_scale  # logits in log2 units
+
+        thr_qk = qk_mma.get_slice(tidx)
+        thr_pv = pv_mma.get_slice(tidx)
+        tSrQ = qk_mma.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = qk_mma.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = pv_mma.make_fragment_B(thr_pv.partition_B(sV))
+        # static coordinates of thread 0 plus this thread's offsets (rows 16 warp + lane / 4 + {0, 8},
+        # columns 2 (lane % 4) + 8 j + {0, 1})
+        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((MMA_M, T)))
+        cS = thr_qk.partition_C(cute.make_identity_tensor((MMA_M, T)))
+        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((MMA_M, D)))
+        cO = thr_pv.partition_C(cute.make_identity_tensor((MMA_M, D)))
+        m_off = cS[0][0] - cS0[0][0]
+        n_off = cS[0][1] - cS0[0][1]
+        acc_s = cute.make_rmem_tensor(cS.shape, Float32)
+        acc_o = cute.make_rmem_tensor(cO.shape, Float32)
+        acc_o.fill(0.0)
+        # P as the PV A operand: the accumulator's values (col pair, row half, 8-col block j) are
+        # the A fragment's (col pair, row half, k half) of 16-column block j // 2
+        sc, sh, sj = acc_s.layout.stride[0]
+        p_view = cute.make_tensor(acc_s.iterator, cute.make_layout(((2, 2, 2), 1, T // 16),
+                                                                   stride=((sc, sh, sj), 0, 2 * sj)))
+        tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((MMA_M, T)), self.mma_dtype)
+        # the bitmask words of the thread's two query columns' tile rows (padding columns: the
+        # last row's, their output is dropped)
+        word_base = cute.make_rmem_tensor((2,), Int32)
+        for h in cutlass.range_constexpr(2):
+            word_base[h] = cutlass.min((m_off + 8 * h) // G, Int32(R - 1)) * words
+        row_max = cute.make_rmem_tensor((2,), Float32)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        mw = cute.make_rmem_tensor((2 * words,), Int32)
+        for i in cutlass.range(my_tiles, unroll=1):
+            stage = i % self.stages
+            cute.arch.mbarrier_wait(full + stage, (i // self.stages) % 2)
+            # the gathered rows were written by cp.async (generic proxy); WGMMA reads them
+            # through the async proxy
+            cute.arch.fence_proxy("async.shared", space="cta")
+            first = cute.make_mma_atom(qk_mma.op)
+            first.set(warpgroup.Field.ACCUMULATE, False)
+            rest = cute.make_mma_atom(qk_mma.op)
+            rest.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(D // 16):
+                cute.gemm(first if kb == 0 else rest, acc_s, tSrQ[None, None, kb, 0], tSrK[None, None, kb, stage],
+                          acc_s)
+            warpgroup.commit_group()
+            for h in cutlass.range_constexpr(2):
+                for k in cutlass.range_constexpr(words):
+                    mw[h * words + k] = sMask[word_base[h] + k, stage] >> n_off
+            warpgroup.wait_group(0)
+
+            tile_max = cute.make_rmem_tensor((2,), Float32)
+            tile_max.fill(-Float32.inf)
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                m_s, n_s = cS0[e]
+                h = m_s // 8
+                v = acc_s[e] * c
+                if (mw[h * words + n_s // 32] >> (n_s % 32)) & 1 == 0:
+                    v = -Float32.inf
+                acc_s[e] = v
+                tile_max[h] = cute.arch.fmax(tile_max[h], v)
+            alpha = cute.make_rmem_tensor((2,), Float32)
+            safe = cute.make_rmem_tensor((2,), Float32)
+            grew = False
+            for h in cutlass.range_constexpr(2):
+                t = tile_max[h]
+                for off in (1, 2):  # a query's columns live in one quad
+                    t = cute.arch.fmax(t, cute.arch.shuffle_sync_bfly(t, off))
+                new_max = cute.arch.fmax(row_max[h], t)
+                safe[h] = new_max if new_max != -Float32.inf else Float32(0.0)
+                alpha[h] = cute.math.exp2(row_max[h] - safe[h], fastmath=True)
+                grew = grew or new_max > row_max[h]
+                row_max[h] = new_max
+                row_sum[h] = row_sum[h] * alpha[h]
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                h = cS0[e][0] // 8
+                p = cute.math.exp2(acc_s[e] - safe[h], fastmath=True)
+                row_sum[h] = row_sum[h] + p
+                acc_s[e] = p
+            tOrP.store(p_view.load().to(self.mma_dtype))
+            if grew:  # the running max moved: rescale the output rows (skipped on most tiles)
+                for e in cutlass.range_constexpr(cute.size(acc_o)):
+                    acc_o[e] = acc_o[e] * alpha[cO0[e][0] // 8]
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(T // 16):
+                cute.gemm(pv_mma, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, stage], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.mbarrier_arrive(empty + stage)
+
+        # ---- epilogue: one query column per quad; O rows in q's dtype (gated) and the LSE ----
+        inv = cute.make_rmem_tensor((2,), Float32)
+        token = cute.make_rmem_tensor((2,), Int32)
+        head = cute.make_rmem_tensor((2,), Int32)
+        live = cute.make_rmem_tensor((2,), Int32)
+        for h in cutlass.range_constexpr(2):
+            total = row_sum[h]
+            for off in (1, 2):
+                total = total + cute.arch.shuffle_sync_bfly(total, off)
+            inv[h] = Float32(0.0)
+            lse = -Float32.inf
+            if total > Float32(0.0):
+                inv[h] = v_scale / total
+                lse = row_max[h] + cute.math.log2(total, fastmath=True)
+            m = m_off + 8 * h
+            r = m // G
+            token[h] = tile * R + r
+            head[h] = kv_head * G + (m - r * G)
+            live[h] = Int32(1) if m < R * G and token[h] < mO.shape[0] else Int32(0)
+            if lane % 4 == 0 and live[h] != 0:
+                mLse[token[h], head[h]] = lse
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            h = cO0[e][0] // 8
+            if live[h] != 0:
+                d = cO[e][1]
+                o = (acc_o[e] * inv[h]).to(mO.element_type)
+                if const_expr(self.cfg.gate):
+                    # round the attention output first, then the fp32 gate product
+                    g = mGate[token[h], head[h], d].to(Float32)
+                    sig = Float32(1.0) / (Float32(1.0) + cute.math.exp2(-g * Float32(LOG2E), fastmath=True))
+                    o = (o.to(Float32) * sig).to(mO.element_type)
+                mO[token[h], head[h], d] = o
 
     @cute.jit
     def row_count(self, mIdx, row):
@@ -194,9 +375,10 @@ MAX_ROWS = 8  # the union pre-pass's limit
 
 
 def tile_rows(kv_dtype: str, group: int) -> int:
-    """R of the row-tile kernel: as many rows (up to 8) as fit the WGMMA's N budget, measured
-    with ptxas at D = 256 for no spills: 64 columns for 16-bit caches (248 registers at 5 x 12),
-    40 for FP8, whose widened K/V fragments also live in registers (250 at 3 x 12)."""
+    """R of the row-tile kernel: as many rows (up to 8, the pre-pass's limit) as fit: 16-bit
+    caches put the query columns on the WGMMA's M (64); FP8 (swap-AB, columns on N) is held to
+    40 columns by registers, measured with ptxas at D = 256 (250 at 3 x 12, no spills), since its
+    widened K/V fragments also live in registers."""
     budget = MAX_COLUMNS if DTYPE_BITS[kv_dtype] == 16 else 40
     return max(1, min(MAX_ROWS, budget // group))
 
@@ -208,6 +390,11 @@ def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: i
     rows = override.pop("rows_per_cta", tile_rows(kv_dtype, group))
     tile = override.pop("tile", 64)
     stages, occupancy = qsa_tuning(kv_dtype, head_dim, rows * group, tile, TILE_PRODUCERS)
+    if DTYPE_BITS[kv_dtype] == 16:
+        # query columns on M: no P tile; one CTA per SM (registers) takes what shared memory holds
+        # after Q and the 2 KB header (barriers, bitmasks, reduction scratch, alignment)
+        stage = 2 * tile * head_dim * 2
+        stages, occupancy = min(4, (227 * 1024 - MMA_M * head_dim * 2 - 2048) // stage), 1
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=False, gate=gate, occupancy=occupancy, rows_per_cta=rows,
                   producers=TILE_PRODUCERS)
