@@ -47,7 +47,7 @@ for step in "$@"; do
     qsa) run 200 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;
     qsatile) run 240 pytest_tile python3 -m pytest tests/gpu/test_qsa_union_gpu.py tests/gpu/test_qsa_gpu.py -q -x \
                -p no:cacheprovider
-             run 150 qsatile_prefill python3 -m profiling.bench_qsa --kinds prefill --kv bf16 --prefill-t 1024,4096,16384 \
+             run 150 qsatile_prefill python3 -m profiling.bench_qsa --kinds prefill --kv fp8,bf16 --prefill-t 1024,4096,16384 \
                --selection correlated,independent --check --json "$OUT/qsatile_prefill.json" ;;
     qsafinal) run 240 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider

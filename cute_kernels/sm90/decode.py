@@ -77,6 +77,7 @@ class Sm90PagedDecode:
         self.q_dtype = cute_dtype(cfg.q_dtype)
         self.kv_dtype = cute_dtype(cfg.kv_dtype)
         self.fp8 = cfg.kv_dtype == "fp8_e4m3"
+        self.q_permuted = self.fp8  # Q columns match the register-widened K fragments
         self.D = cfg.head_dim
         self.G = cfg.group
         self.q_len = cfg.q_len
@@ -480,7 +481,7 @@ class Sm90PagedDecode:
                 n = idx // chunks
                 c = idx % chunks
                 for k in cutlass.range_constexpr(16):
-                    src = q_permutation(k, self.cfg.widen) if const_expr(self.fp8) else k
+                    src = q_permutation(k, self.cfg.widen) if const_expr(self.q_permuted) else k
                     sQ[n, c * 16 + k, 0] = (vals[src] * scale).to(sQ.element_type)
         return q_log2
 

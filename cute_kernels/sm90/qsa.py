@@ -43,13 +43,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..jit.asm import asm
 from ..jit.compiler import KernelConfig
 from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
 from .decode import BAR_MMA, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_of
+from .fragments import cvt_e4m3x4_f16
 
 PRODUCER_WARP = MMA_WARPS  # the first producer warp
 LOG2E = math.log2(math.e)
@@ -63,6 +64,22 @@ def cp_async_zfill_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, l
     gathered rows are used once per CTA."""
     asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
         "r,l,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_nc_b32x4(gmem_addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """``ld.global.nc.L1::no_allocate.v4.b32``: 16 bytes of the (read-only) cache, kept out of L1
+    (each gathered row is used once per CTA)."""
+    regs = asm([T.i32()] * 4, [Int64(gmem_addr)],
+               "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc=loc, ip=ip)
+    return tuple(Int32(r) for r in regs)
+
+
+@dsl_user_op
+def store_shared_b32x4(smem_addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
+    """``st.shared.v4.b32``: one 16-byte store."""
+    asm([], [Int32(smem_addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+        "r,r,r,r,r", side_effects=True, loc=loc, ip=ip)
 
 
 def smem_byte_offset(layout, crd, elem_bytes: int):
@@ -91,6 +108,10 @@ class Sm90QsaAttention(Sm90PagedDecode):
         self.q_dtype = cute_dtype(cfg.q_dtype)
         self.kv_dtype = cute_dtype(cfg.kv_dtype)
         self.fp8 = cfg.kv_dtype == "fp8_e4m3"
+        self.q_permuted = self.fp8
+        # FP8 rows converted to fp16 by the gather warps (row-tile kernel) instead of in the
+        # consumer's registers: the shared-memory tiles then hold mma_dtype
+        self.widen_in_producer = False
         self.D = cfg.head_dim
         self.G = cfg.group
         # query rows per CTA (the row-tile kernel packs R rows x G heads into the WGMMA's N)
@@ -152,6 +173,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
         MMAs, layouts)``; shared by the row-tile kernel."""
         cfg = self.cfg
         mma_dtype = self.mma_dtype
+        self.smem_kv_dtype = mma_dtype if self.widen_in_producer else self.kv_dtype
         # each gathered token row is 16-byte chunks that the K/V swizzle keeps whole
         qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout = self.mmas_and_layouts()
 
@@ -162,8 +184,8 @@ class Sm90QsaAttention(Sm90PagedDecode):
             "empty": cute.struct.MemRange[cutlass.Int64, cfg.stages],
             "mask": cute.struct.MemRange[Int32, cfg.stages * self.R * (cfg.tile // 32)],
             "red": cute.struct.MemRange[Float32, MMA_WARPS * cfg.n_pad],
-            "sK": cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(k_layout)], 1024],
-            "sV": cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(v_layout)], 1024],
+            "sK": cute.struct.Align[cute.struct.MemRange[self.smem_kv_dtype, cute.cosize(k_layout)], 1024],
+            "sV": cute.struct.Align[cute.struct.MemRange[self.smem_kv_dtype, cute.cosize(v_layout)], 1024],
             "sQ": cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(q_layout)], 1024],
         }
         if const_expr(p_layout is not None):  # P through shared memory (swap-AB PV)
@@ -386,7 +408,10 @@ class Sm90QsaAttention(Sm90PagedDecode):
                         b = b if m_row == row_in_tile else Int32(0)
                     sMask[m_row * words + m_word, stage] = b
             # ---- gather: one warp-wide copy covers `rpc` token rows ----
-            for w in cutlass.range_constexpr(wl):
+            if const_expr(self.widen_in_producer):
+                self.copy_widened(k_addr, v_addr, bits, word0, part, rows_per_part, k_sbase, v_sbase, k_layout,
+                                  v_layout, stage, lane_bytes, chunk, sub)
+            for w in cutlass.range_constexpr(wl if const_expr(not self.widen_in_producer) else 0):
                 for jl in cutlass.range_constexpr(rows_per_part):
                     jj = jl if const_expr(self.parts == 1) else part * rows_per_part + jl
                     src = jj * rpc + sub if const_expr(rpc > 1) else jj  # owner lane of the row
@@ -401,7 +426,12 @@ class Sm90QsaAttention(Sm90PagedDecode):
                         v_dst = v_sbase + smem_byte_offset(v_layout, (chunk * E, tok, stage), eb)
                     cp_async_zfill_16(k_dst, k_src, nbytes)
                     cp_async_zfill_16(v_dst, v_src, nbytes)
-            cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+            if const_expr(self.widen_in_producer):
+                # plain stores, read by WGMMA through the async proxy
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(full + stage)
+            else:
+                cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
             if const_expr(mode == 0):
                 if lane == 0 and part == 0:
                     cute.arch.mbarrier_arrive(full + stage)  # releases the bitmask store above
@@ -410,6 +440,47 @@ class Sm90QsaAttention(Sm90PagedDecode):
                     cute.arch.mbarrier_arrive(full + stage)
             if const_expr(mode == 1):
                 mem_a = mem_b
+
+    @cute.jit
+    def copy_widened(self, k_addr, v_addr, bits, word0, part, rows_per_part, k_sbase, v_sbase, k_layout, v_layout,
+                     stage, lane_bytes, chunk, sub):
+        """FP8 rows -> fp16 tiles: every 16-byte chunk of the warp's rows is loaded first (all in
+        flight; invalid entries are not read and become zeros), then widened exactly with
+        ``cvt.rn.f16x2.e4m3x2`` and stored as two 16-byte fp16 chunks."""
+        wl, rpc, E = self.local_words, self.rows_per_copy, self.chunk_elems
+        n = wl * rows_per_part
+        buf = cute.make_rmem_tensor((n * 8,), Int32)  # per copy: 4 words of K, 4 of V
+        buf.fill(0)
+        for w in cutlass.range_constexpr(wl):
+            for jl in cutlass.range_constexpr(rows_per_part):
+                jj = jl if const_expr(self.parts == 1) else part * rows_per_part + jl
+                src = jj * rpc + sub if const_expr(rpc > 1) else jj
+                i = w * rows_per_part + jl
+                k_src = cute.arch.shuffle_sync(k_addr[w], src) + lane_bytes
+                v_src = cute.arch.shuffle_sync(v_addr[w], src) + lane_bytes
+                if (bits[w] >> src) & 1 != 0:
+                    k4 = load_nc_b32x4(k_src)
+                    v4 = load_nc_b32x4(v_src)
+                    for q in cutlass.range_constexpr(4):
+                        buf[8 * i + q] = k4[q]
+                        buf[8 * i + 4 + q] = v4[q]
+        for w in cutlass.range_constexpr(wl):
+            for jl in cutlass.range_constexpr(rows_per_part):
+                jj = jl if const_expr(self.parts == 1) else part * rows_per_part + jl
+                src = jj * rpc + sub if const_expr(rpc > 1) else jj
+                i = w * rows_per_part + jl
+                tok = (word0 + w) * 32 + src
+                for kv in cutlass.range_constexpr(2):
+                    h = [Int32(0)] * 8
+                    for q in cutlass.range_constexpr(4):
+                        h[2 * q], h[2 * q + 1] = cvt_e4m3x4_f16(buf[8 * i + 4 * kv + q], False)
+                    for half in cutlass.range_constexpr(2):
+                        d = chunk * E + 8 * half
+                        if const_expr(kv == 0):
+                            dst = k_sbase + smem_byte_offset(k_layout, (tok, d, stage), 2)
+                        else:
+                            dst = v_sbase + smem_byte_offset(v_layout, (d, tok, stage), 2)
+                        store_shared_b32x4(dst, h[4 * half], h[4 * half + 1], h[4 * half + 2], h[4 * half + 3])
 
     @cute.jit
     def load_tokens(self, mSrc, row, tile_idx, tok, limit, word0, lane):

@@ -31,7 +31,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..jit.dtypes import DTYPE_BITS
 from ..jit.spec import ScalarArg, TensorArg
 from .decode import BAR_MMA, MMA_M, MMA_WARPS
-from .qsa import PRODUCER_WARP, Sm90QsaAttention, Sm90QsaConfig, qsa_tuning
+from .qsa import PRODUCER_WARP, Sm90QsaAttention, Sm90QsaConfig
 
 LOG2E = math.log2(math.e)
 
@@ -58,9 +58,12 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.mq = not self.fp8
-        if self.mq:
-            self.N = MMA_M  # Q rows staged (zeros past R x G)
+        self.mq = True
+        self.N = MMA_M  # Q rows staged (zeros past R x G)
+        # FP8: the gather warps widen rows to fp16 tiles (exact), K and V are then plain B
+        # operands in natural column order, and Q is rescaled into fp16 range (dynamic_q_scale)
+        self.widen_in_producer = self.fp8
+        self.q_permuted = False
 
     def mmas_and_layouts(self):
         if not self.mq:
@@ -73,8 +76,8 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                                                    a_source=warpgroup.OperandSource.RMEM)
         # K as B (tokens x D, K-major) and V as MN-major B (D contiguous): the gather's
         # coordinates stay (token, d, stage) and (d, token, stage)
-        k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (MMA_M, T, D), self.kv_dtype, self.stages)
-        v_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (MMA_M, D, T), self.kv_dtype, self.stages)
+        k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (MMA_M, T, D), dt, self.stages)
+        v_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (MMA_M, D, T), dt, self.stages)
         q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (MMA_M, T, D), dt, 1)
         return qk_mma, pv_mma, k_layout, v_layout, q_layout, None
 
@@ -133,14 +136,10 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         if warp >= PRODUCER_WARP:
             self.produce_tile(mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
                               v_layout, sMask, full, empty, tile, kv_head, warp - PRODUCER_WARP, lane)
-        elif const_expr(self.mq):
+        else:
             self.consume_mq(mQ, storage, sQ, sRed, sMask, full, empty, mO, mLse, mGate, k_scale, v_scale, qk_mma,
                             pv_mma, k_layout, v_layout, tile, kv_head, self.tile_count(mIdx, mLen, tile), tidx, warp,
                             lane)
-        else:
-            self.consume_tiles(mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale, v_scale,
-                               qk_mma, pv_mma, k_layout, v_layout, tile, kv_head, Int32(0),
-                               self.tile_count(mIdx, mLen, tile), tidx, warp, lane)
 
     @cute.jit
     def consume_mq(self, mQ, storage, sQ, sRed, sMask, full, empty, mO, mLse, mGate, k_scale, v_scale, qk_mma,
@@ -149,10 +148,11 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         D, T, G, R, words = self.D, self.tile, self.G, self.R, self.words
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
-        self.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
+        q_log2 = self.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
         cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
         cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
-        c = Float32(D ** -0.5 * LOG2E) * k_scale  # logits in log2 units
+        # logits in log2 units (the query was scaled by 2^q_log2 when staged: FP8 -> fp16 MMAs)
+        c = Float32(D ** -0.5 * LOG2E) * k_scale * cute.math.exp2(-q_log2, fastmath=False)
 
         thr_qk = qk_mma.get_slice(tidx)
         thr_pv = pv_mma.get_slice(tidx)
@@ -335,6 +335,17 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
 
     kernel_id = "sm90.qsa_tile"
 
+    @property
+    def evidence(self):
+        """Tensor cores with the query columns on M (m64n256 PV from registers), the mbarrier
+        pipeline, and the gather: zero-filling cp.async for 16-bit caches; for FP8, 16-byte
+        loads widened exactly to fp16 and stored as 16-byte chunks."""
+        gather = ((r"cp\.async\.cg\.shared\.global", r"cp\.async\.mbarrier\.arrive") if DTYPE_BITS[self.kv_dtype] == 16
+                  else (r"ld\.global\.nc(\.\S+)*\.v4\.b32", r"cvt\.rn\.f16x2\.e4m3x2", r"st\.shared\.v4\.b32"))
+        # the PV WGMMA's A operand is a register list: "{accumulators}, {P registers}, descriptor"
+        rs_wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.\w+\.\w+ +\{[^}]*\}, *\{"
+        return {"sm_90a": (rs_wgmma, r"mbarrier\.try_wait") + gather}
+
     def __post_init__(self):
         super().__post_init__()
         if self.split:
@@ -375,12 +386,9 @@ MAX_ROWS = 8  # the union pre-pass's limit
 
 
 def tile_rows(kv_dtype: str, group: int) -> int:
-    """R of the row-tile kernel: as many rows (up to 8, the pre-pass's limit) as fit: 16-bit
-    caches put the query columns on the WGMMA's M (64); FP8 (swap-AB, columns on N) is held to
-    40 columns by registers, measured with ptxas at D = 256 (250 at 3 x 12, no spills), since its
-    widened K/V fragments also live in registers."""
-    budget = MAX_COLUMNS if DTYPE_BITS[kv_dtype] == 16 else 40
-    return max(1, min(MAX_ROWS, budget // group))
+    """R of the row-tile kernel: as many rows (up to 8, the pre-pass's limit) as the WGMMA's M
+    (64 query columns) holds."""
+    return max(1, min(MAX_ROWS, MAX_COLUMNS // group))
 
 
 def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int, gate: bool,
@@ -389,12 +397,11 @@ def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: i
     ``override`` replaces fields (benchmarks)."""
     rows = override.pop("rows_per_cta", tile_rows(kv_dtype, group))
     tile = override.pop("tile", 64)
-    stages, occupancy = qsa_tuning(kv_dtype, head_dim, rows * group, tile, TILE_PRODUCERS)
-    if DTYPE_BITS[kv_dtype] == 16:
-        # query columns on M: no P tile; one CTA per SM (registers) takes what shared memory holds
-        # after Q and the 2 KB header (barriers, bitmasks, reduction scratch, alignment)
-        stage = 2 * tile * head_dim * 2
-        stages, occupancy = min(4, (227 * 1024 - MMA_M * head_dim * 2 - 2048) // stage), 1
+    # query columns on M, K/V tiles in 16 bits (FP8 widened by the gather), no P tile: one CTA per
+    # SM (registers) takes what shared memory holds after Q and the 2 KB header (barriers,
+    # bitmasks, reduction scratch, alignment)
+    stages = min(4, (227 * 1024 - MMA_M * head_dim * 2 - 2048) // (2 * tile * head_dim * 2))
+    occupancy = 1
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=False, gate=gate, occupancy=occupancy, rows_per_cta=rows,
                   producers=TILE_PRODUCERS)
