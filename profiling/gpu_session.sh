@@ -19,6 +19,7 @@
 #   qsatile    union pre-pass + row-tile tests, then prefill bench: per-row kernel vs row tiles
 #   ncuqsa     Nsight Compute sections of the QSA decode (BF16 N 256) and row-tile prefill kernels
 #   qsaprod    decode A/B of the per-row kernel's gather warps (1 vs 2, twice, interleaved)
+#   qsaclose   the QSA sanitizer run and bench qsa (with --check)
 #   qsafinal   every QSA GPU test, the QSA sanitizer run, bench qsa, decode with 4 producer warps
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
@@ -49,6 +50,9 @@ for step in "$@"; do
                -p no:cacheprovider
              run 150 qsatile_prefill python3 -m profiling.bench_qsa --kinds prefill --kv fp8,bf16 --prefill-t 1024,4096,16384 \
                --selection correlated,independent --check --json "$OUT/qsatile_prefill.json" ;;
+    qsaclose) run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+                python3 -m profiling.sanitize_qsa
+              TAIL=40 run 240 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;
     qsafinal) run 240 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider
               run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
