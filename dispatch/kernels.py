@@ -160,8 +160,11 @@ _QSA_REGISTRY = (
         archs=("sm90",), phases=PHASES, kv_dtypes=_ALL_KV, model_dtypes=_ALL_16, qk_dtype="model",
         supports_quant_query_input=False, head_dims=(64, 128, 256), max_gqa_ratio=16, page_sizes=None,
         max_q_len=None, kv_layouts=KV_LAYOUTS,
-        description="SM90 QSA sparse GQA attention: cp.async token gather, swap-AB WGMMA, split-K + "
-                    "merge; FP8 K/V converted on chip, QK in the model dtype",
+        description="SM90 QSA sparse GQA attention: decode-sized batches gather each row's tokens "
+                    "(cp.async, swap-AB WGMMA, split-K + merge); prefill batches of >= 64 rows gather the "
+                    "union of R consecutive rows' selections once (pre-pass + row-tile kernel, the R x G "
+                    "query columns on the WGMMA's M); FP8 K/V converted exactly on chip (fp16 MMAs), "
+                    "QK never in FP8",
     ),
     KernelInfo(
         id="reference.qsa_sparse_attention", phases=PHASES,
