@@ -150,6 +150,53 @@ def test_warmup_covers_every_table_entry():
     assert len(configs) == len(set(configs))
 
 
+def test_row_tile_plan():
+    """Prefill batches of >= 64 rows take the row-tile path, sized from the block table; decode
+    batches, small batches and block tables beyond the pre-pass bitmap do not."""
+    from cute_kernels.sm90.qsa_tile import MAX_BITMAP_TOKENS, TILE_MIN_ROWS, row_tile_plan, tile_rows
+
+    p = row_tile_plan(16384, True, "bf16", 12, 1568, 11, 2051)
+    assert (p.rows_per_cta, p.max_tokens, p.union_cap, p.num_tiles) == (5, 32768, 6208, 3277)
+    assert p.union_cap % 64 == 0 and p.union_cap >= 3 * 2051
+    assert row_tile_plan(16384, True, "fp8_e4m3", 6, 784, 3, 2051).rows_per_cta == 8  # 8 x 6 columns
+    assert row_tile_plan(100, True, "bf16", 12, 1568, 1, 20).union_cap == 64  # min(R, 3) * TOPK, rounded up
+    assert row_tile_plan(16384, False, "bf16", 12, 1568, 11, 2051) is None  # decode profile
+    assert row_tile_plan(TILE_MIN_ROWS - 1, True, "bf16", 12, 1568, 11, 2051) is None
+    assert row_tile_plan(4096, True, "bf16", 12, 1568, MAX_BITMAP_TOKENS // 1568 + 1, 2051) is None
+    assert row_tile_plan(4096, True, "bf16", 12, 1568, 11, 2051, rows_per_cta=1) is None  # forced per-row
+    assert [tile_rows("bf16", g) for g in (1, 6, 12, 16)] == [8, 8, 5, 4]
+
+
+def test_row_tile_config_validation():
+    from cute_kernels.sm90.qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config
+
+    c = make_qsa_tile_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=256, group=12, page_size=1568, gate=True)
+    assert (c.rows_per_cta, c.n_pad, c.stages, c.occupancy, c.producers, c.split) == (5, 64, 3, 1, 4, False)
+    assert any("cvt" in e for e in c.evidence["sm_90a"])  # FP8: widened by the gather warps
+    b = make_qsa_tile_config(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=12, page_size=1568, gate=True)
+    assert any("cp\\.async" in e for e in b.evidence["sm_90a"])
+    with pytest.raises(ValueError, match="rows_per_cta"):
+        Sm90QsaTileConfig(group=12, rows_per_cta=6)  # 72 columns
+    with pytest.raises(ValueError, match="does not split"):
+        Sm90QsaTileConfig(split=True)
+    with pytest.raises(ValueError, match="producers"):
+        Sm90QsaTileConfig(producers=3)
+
+
+def test_warmup_covers_the_row_tile_path():
+    from cute_kernels.qsa_warmup import qsa_variants
+    from cute_kernels.sm90.qsa_tile import Sm90QsaTileConfig
+    from cute_kernels.sm90.qsa_union import QsaUnionConfig
+
+    shape = dict(head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568, kv_cache_dtype="bf16")
+    assert not any(isinstance(c, (Sm90QsaTileConfig, QsaUnionConfig)) for c in qsa_variants(**shape))
+    configs = qsa_variants(**shape, block_table_width=11)
+    tiles = [c for c in configs if isinstance(c, Sm90QsaTileConfig)]
+    unions = [c for c in configs if isinstance(c, QsaUnionConfig)]
+    assert {c.gate for c in tiles} == {True, False} and {c.rows_per_cta for c in tiles} == {5}
+    assert unions == [QsaUnionConfig(rows_per_tile=5, page_size=1568, max_tokens=32768, union_cap=6208)]
+
+
 def test_op_on_cpu_runs_the_reference_and_validates():
     torch = pytest.importorskip("torch")
     import cute_kernels
