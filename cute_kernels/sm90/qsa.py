@@ -543,13 +543,6 @@ class Sm90QsaAttention(Sm90PagedDecode):
         # this thread's token rows of M block mb are mb * 64 + 16 * warp + lane / 4 + {0, 8}: bits
         # 16 * (warp % 2) + lane / 4 + {0, 8} of bitmask word 2 * mb + warp / 2
         mask_shift = (warp % 2) * 16 + lane // 4
-        # row tiles: the first bitmask word of each column slot's query row (column n = row
-        # n // G of the tile; padding columns read the last row's words, their output is dropped)
-        slot_word = cute.make_rmem_tensor((nslots,), Int32)
-        if const_expr(self.R > 1):
-            for sl in cutlass.range_constexpr(nslots):
-                n = (sl // 2) * 8 + sl % 2 + n_base
-                slot_word[sl] = cutlass.min(n // self.G, Int32(self.R - 1)) * self.words + warp // 2
 
         row_max = cute.make_rmem_tensor((nslots,), Float32)
         row_sum = cute.make_rmem_tensor((nslots,), Float32)
@@ -591,15 +584,9 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 else:
                     cute.gemm(atom, acc_s, tSrK[None, None, kb, stage], tSrQ[None, None, kb, 0], acc_s)
             warpgroup.commit_group()
-            if const_expr(self.R == 1):
-                mbits = cute.make_rmem_tensor((mblocks,), Int32)
-                for mb in cutlass.range_constexpr(mblocks):
-                    mbits[mb] = sMask[2 * mb + warp // 2, stage] >> mask_shift
-            else:
-                mbits = cute.make_rmem_tensor((mblocks * nslots,), Int32)
-                for mb in cutlass.range_constexpr(mblocks):
-                    for sl in cutlass.range_constexpr(nslots):
-                        mbits[mb * nslots + sl] = sMask[slot_word[sl] + 2 * mb, stage] >> mask_shift
+            mbits = cute.make_rmem_tensor((mblocks,), Int32)
+            for mb in cutlass.range_constexpr(mblocks):
+                mbits[mb] = sMask[2 * mb + warp // 2, stage] >> mask_shift
             warpgroup.wait_group(0)
 
             # ---------------- online softmax over the tile's tokens ----------------
@@ -608,11 +595,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
             for e in cutlass.range_constexpr(nS):
                 s_val = acc_s[e] * c
                 r = cS0[e][0]
-                if const_expr(self.R == 1):
-                    word = mbits[r // MMA_M]
-                else:
-                    word = mbits[(r // MMA_M) * nslots + slot_of(cS0[e][1])]
-                if (word >> (r % MMA_M)) & 1 == 0:
+                if (mbits[r // MMA_M] >> (r % MMA_M)) & 1 == 0:
                     s_val = -Float32.inf
                 acc_s[e] = s_val
                 sl = slot_of(cS0[e][1])
@@ -641,14 +624,9 @@ class Sm90QsaAttention(Sm90PagedDecode):
 
     @cute.jit
     def out_row(self, mO, row, kv_head, n):
-        """``(token, head, live)`` of WGMMA column ``n``: column n is head n % G of query row
-        n // G of the CTA's rows (``row * R ...``); padding columns and rows past the last are
-        not live."""
-        if const_expr(self.R == 1):
-            return row, kv_head * self.G + n, n < self.G
-        r = n // self.G
-        token = row * self.R + r
-        return token, kv_head * self.G + (n - r * self.G), n < self.rows and token < mO.shape[cute.rank(mO) - 3]
+        """``(token, head, live)`` of WGMMA column ``n`` (head n of the KV group; padding columns
+        are not live)."""
+        return row, kv_head * self.G + n, n < self.G
 
     @cute.jit
     def load_q_chunk(self, mQ, idx, batch_idx, kv_head, work):

@@ -3,17 +3,18 @@
 Neighbouring prefill rows select mostly the same tokens (RFC vllm#55394 measured a Jaccard
 similarity of 87-94 % between neighbouring rows), so gathering each row's ~2048 tokens separately
 moves several times the bytes the tile needs. This kernel runs one CTA per (tile of R rows, KV
-head) over the sorted union of the tile's selections built by the pre-pass
-(``qsa_union.py``): the R rows x G query heads are the columns of the swap-AB WGMMA (N = R * G
-padded to a multiple of 8), every union token is gathered once, and a per-row membership bitmask
-masks the logits of the rows that did not select it. A tile the pre-pass marked ``length = -1``
-(rows of different requests, a row listing a token twice, a union over the cap) walks its rows'
-own lists one after the other instead, each tile of row r masked to row r's columns: the same
-result as the per-row kernel, with the same gathered bytes.
+head) over the sorted union of the tile's selections built by the pre-pass (``qsa_union.py``):
+every union token is gathered once, the R rows x G query heads are the WGMMA's M (64 columns,
+see :class:`Sm90QsaTileAttention`), and a per-row membership bitmask masks the logits of the rows
+that did not select a token. A tile the pre-pass marked ``length = -1`` (rows of different
+requests, a row listing a token twice, a union over the cap) walks its rows' own lists one after
+the other instead, each 64-token tile of row r masked to row r's columns: the per-row kernel's
+result, with its gathered bytes.
 
-Everything else (gather with zero-filling cp.async, pipeline, WGMMA, online softmax, gated
-epilogue) is :class:`~cute_kernels.sm90.qsa.Sm90QsaAttention`'s, which takes R from the config.
-No split-K: prefill batches fill the machine.
+The gather (index and page lookups, zero-filling cp.async; FP8 widened to fp16 by the gather
+warps here), the pipeline and the Q staging are :class:`~cute_kernels.sm90.qsa.Sm90QsaAttention`'s,
+which takes R from the config; the consumer and epilogue are this module's. No split-K: prefill
+batches fill the machine.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .qsa import PRODUCER_WARP, Sm90QsaAttention, Sm90QsaConfig
 
 LOG2E = math.log2(math.e)
 
-MAX_COLUMNS = 64  # R * G: the O^T accumulator is D x N fp32 in one warpgroup's registers
+MAX_COLUMNS = 64  # R * G: the query columns on one warpgroup's WGMMA M
 # gather warps: one CTA per SM (its registers and shared memory) and one producer warp issued
 # the copies too slowly (H200, 1 x 16384 BF16 correlated: 7.36 ms with one, 6.24 with two, 6.09
 # with four)
@@ -356,7 +357,7 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
 
     @property
     def n_pad(self) -> int:
-        return max(8, (self.rows_per_cta * self.group + 7) // 8 * 8)
+        return MAX_COLUMNS  # Q is staged as the 64-row A operand (zeros past R x G)
 
     def signature(self):
         D, R = self.head_dim, self.rows_per_cta
