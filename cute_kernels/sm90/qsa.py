@@ -51,6 +51,7 @@ from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
 from .decode import BAR_MMA, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_of
 from .fragments import cvt_e4m3x4_f16
+from .qsa_merge import sigmoid
 
 PRODUCER_WARP = MMA_WARPS  # the first producer warp
 LOG2E = math.log2(math.e)
@@ -690,7 +691,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
                     if const_expr(cfg.gate):
                         # round the attention output first, then the fp32 gate product
                         g = mGate[token, head, d].to(Float32)
-                        sig = Float32(1.0) / (Float32(1.0) + cute.math.exp2(-g * Float32(LOG2E), fastmath=True))
+                        sig = sigmoid(g)
                         o = (o.to(Float32) * sig).to(mO.element_type)
                     mO[token, head, d] = o
 

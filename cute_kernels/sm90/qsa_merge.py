@@ -22,7 +22,10 @@ from ..jit.compiler import KernelConfig
 from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import TensorArg
 
-LOG2E = math.log2(math.e)
+
+def sigmoid(x: Float32) -> Float32:
+    """(Traced.) fp32 ``1 / (1 + e^-x)`` of the QSA output gate; shared by the QSA kernels."""
+    return Float32(1.0) / (Float32(1.0) + cute.math.exp2(-x * Float32(math.log2(math.e)), fastmath=True))
 
 
 class QsaMerge(MergeStates):
@@ -55,7 +58,7 @@ class QsaMerge(MergeStates):
                 sig = cute.make_rmem_tensor((self.vec,), Float32)
                 sig.store(g)
                 for e in cutlass.range_constexpr(self.vec):
-                    sig[e] = Float32(1.0) / (Float32(1.0) + cute.math.exp2(-sig[e] * Float32(LOG2E), fastmath=True))
+                    sig[e] = sigmoid(sig[e])
                 o = (o.to(Float32) * sig.load()).to(self.out_dtype)
             cute.local_tile(mO[n, h, None], (self.vec,), (lane,)).store(o)
 

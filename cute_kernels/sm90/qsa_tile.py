@@ -19,7 +19,6 @@ batches fill the machine.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import cutlass
@@ -32,9 +31,8 @@ from cutlass.tensor_utils import LayoutEnum
 from ..jit.dtypes import DTYPE_BITS
 from ..jit.spec import ScalarArg, TensorArg
 from .decode import BAR_MMA, MMA_M, MMA_WARPS
-from .qsa import PRODUCER_WARP, Sm90QsaAttention, Sm90QsaConfig
-
-LOG2E = math.log2(math.e)
+from .qsa import LOG2E, PRODUCER_WARP, Sm90QsaAttention, Sm90QsaConfig
+from .qsa_merge import sigmoid
 
 MAX_COLUMNS = 64  # R * G: the query columns on one warpgroup's WGMMA M
 # gather warps: one CTA per SM (its registers and shared memory) and one producer warp issued
@@ -276,7 +274,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                 if const_expr(self.cfg.gate):
                     # round the attention output first, then the fp32 gate product
                     g = mGate[token[h], head[h], d].to(Float32)
-                    sig = Float32(1.0) / (Float32(1.0) + cute.math.exp2(-g * Float32(LOG2E), fastmath=True))
+                    sig = sigmoid(g)
                     o = (o.to(Float32) * sig).to(mO.element_type)
                 mO[token[h], head[h], d] = o
 
