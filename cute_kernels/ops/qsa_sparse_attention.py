@@ -81,6 +81,12 @@ def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
             prefill if isinstance(prefill, bool) else None, _meta(out), _meta(gate), _cache.override_key)
 
 
+def _kernel_tuning() -> dict:
+    """The active override's kernel-config fields (the launch-level ones, ``splits`` and
+    ``tile_rows``, are read where the launch is chosen)."""
+    return {f: v for f, v in _cache.override.items() if f not in ("splits", "tile_rows")}
+
+
 def _check_scale(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite float, got {value!r}")
@@ -135,7 +141,7 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
         return _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate is not None, device, target)
     tile, splits = select_config(rows, Hkv, prefill, kv_name, D, group, topk, device_sm_count(device.index or 0))
     splits = _cache.override.get("splits", splits)
-    tuning = {f: v for f, v in _cache.override.items() if f not in ("splits", "tile_rows")}
+    tuning = _kernel_tuning()
     split = splits > 1
     config = make_qsa_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
                              split=split, gate=gate is not None, tile=tuning.pop("tile", tile), **tuning)
@@ -162,7 +168,7 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
 def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, device, target) -> _Launch:
     """The prefill row-tile path: the union pre-pass and the row-tile kernel, with their int32
     workspace (union lists, membership bits, lengths) carved from one reused buffer."""
-    tuning = {f: v for f, v in _cache.override.items() if f not in ("splits", "tile_rows")}
+    tuning = _kernel_tuning()
     R = plan.rows_per_cta
     fn = get_kernel(make_qsa_tile_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
                                          gate=gate, rows_per_cta=R, **tuning), target)
