@@ -1,6 +1,8 @@
 """The QSA row-tile union pre-pass: its reference (``reference.qsa_union_reference``) on
-hand-built known answers and against a plain-Python formula, and the SM90 kernel's compile for
-sm_90a (shared-memory atomics and popcounts in the PTX, no local memory, config validation).
+hand-built known answers and against a plain-Python formula, a plain-Python model of the SM90
+kernel's algorithm (iteration split, sinks, scan, duplicate count) against the reference, and
+the kernel's compile for sm_90a (shared-memory atomics and popcounts in the PTX, no local memory,
+the occupancy it asks for, config validation).
 
 The kernel itself runs on the H200 in tests/gpu/test_qsa_union_gpu.py.
 """
@@ -218,6 +220,161 @@ def test_matches_python_formula(R, cap):
 
 
 # ----------------------------------------------------------------------------------------------
+# a plain-Python model of the kernel's algorithm (its iteration split, sinks, scan and duplicate
+# check) against the reference
+# ----------------------------------------------------------------------------------------------
+
+
+def _popc(x: int) -> int:
+    return bin(x & 0xFFFFFFFF).count("1")
+
+
+def _kernel_model(packed, req, bw, page, R, cap, max_tokens):
+    """What ``Sm90QsaUnion`` computes, step by step as the kernel does it: the per-warp column
+    iterations (unpredicated ones first, then one block at a time), the sink words of
+    non-candidates, the thread / warp scan and the member-bit count. It also checks that every
+    load is a counted column of a row below T and that each counted column is read exactly once
+    per pass. Returns ``(union, member, length)`` like the reference (-1 / 0 where undefined)."""
+    from cute_kernels.sm90.qsa_union import NUM_THREADS, NUM_WARPS, SINK, Sm90QsaUnion
+
+    k = Sm90QsaUnion(QsaUnionConfig(rows_per_tile=R, page_size=page, max_tokens=max_tokens, union_cap=cap))
+    CB, words, SW, MS, MW = k.col_blocks, k.words, k.scan_words, k.member_stride, k.member_words
+    T, W = packed.shape
+    topk = W - 1
+    rows = packed.tolist()
+    reqs = req.tolist()
+    num_tiles = -(-T // R)
+    union = torch.full((num_tiles, cap), -1, dtype=torch.int32)
+    member = torch.zeros((num_tiles, R, MW), dtype=torch.int32)
+    length = torch.zeros(num_tiles, dtype=torch.int32)
+    limit = max_tokens if bw >= k.full_width else bw * page
+    step = CB * NUM_THREADS
+
+    def entries(counts, warp, lane):
+        """(row, column) of every load of one thread, in the kernel's order."""
+        cmax, cmin = max(counts), min(counts)
+        wcol = 32 * warp
+        num = cmin - (CB - 1) * NUM_THREADS - wcol - 32
+        full_end = (num // step + 1) * step if num >= 0 else 0
+        for c0 in range(0, full_end, step):
+            for r in range(R):
+                for b in range(CB):
+                    col = c0 + b * NUM_THREADS + wcol + lane
+                    assert col < counts[r], "an unpredicated load past a row's count"
+                    yield r, col
+        for c0 in range(full_end, cmax - wcol, NUM_THREADS):
+            for r in range(R):
+                if c0 + wcol + lane < counts[r]:
+                    yield r, c0 + wcol + lane
+
+    for t in range(num_tiles):
+        row0 = t * R
+        counts = [min(max(rows[row0 + r][topk], 0), topk) if row0 + r < T and topk > 0 else 0
+                  for r in range(R)]
+        if any(reqs[row] != reqs[row0] for row in range(row0, min(T, row0 + R))):
+            length[t] = -1
+            continue
+        threads = [(w, ln) for w in range(NUM_WARPS) for ln in range(32)]
+        visited = [(r, col) for w, ln in threads for r, col in entries(counts, w, ln)]
+        assert sorted(visited) == [(r, c) for r in range(R) for c in range(counts[r])]
+        assert all(row0 + r < T for r, _ in visited)
+        bitmap = [0] * (words + 4 + SINK)
+        found = 0
+        for w, ln in threads:  # pass 1
+            for r, col in entries(counts, w, ln):
+                tok = rows[row0 + r][col]
+                ok = 0 <= tok < limit
+                bitmap[(tok >> 5) if ok else words + 4 + ln] |= 1 << (tok & 31)
+                found += ok
+        # scan: thread totals over SW words, warp inclusive scans, warp totals
+        totals = [sum(_popc(bitmap[i * SW + j]) for j in range(SW)) if i * SW < words else 0
+                  for i in range(NUM_THREADS)]
+        warp_sums = [sum(totals[32 * w:32 * w + 32]) for w in range(NUM_WARPS)]
+        num_union = sum(warp_sums)
+        if num_union > cap:
+            length[t] = -1
+            continue
+        prefix = [0] * (words + 4)
+        prefix[words] = cap
+        for i in range(NUM_THREADS):
+            w, ln = divmod(i, 32)
+            base = sum(warp_sums[:w]) + sum(totals[32 * w:32 * w + ln + 1]) - totals[i]
+            for j in range(SW if i * SW < words else 0):
+                prefix[i * SW + j] = base
+                base += _popc(bitmap[i * SW + j])
+        assert bitmap[words] == 0
+        sunion = [None] * (cap + 4)
+        smember = [0] * (-(-R * MS // 4) * 4)
+        for w, ln in threads:  # pass 2
+            for r, col in entries(counts, w, ln):
+                tok = rows[row0 + r][col]
+                word = (tok >> 5) if 0 <= tok < limit else words
+                rank = prefix[word] + _popc(bitmap[word] & ~(-1 << (tok & 31)))
+                sunion[rank] = tok
+                smember[r * MS + (rank >> 5)] |= 1 << (rank & 31)
+        assert None not in sunion[:num_union]
+        seen = sum(_popc(smember[r * MS + c]) for r in range(R) for c in range(MW))
+        length[t] = num_union if seen == found else -1
+        if seen == found:
+            union[t, :num_union] = torch.tensor(sunion[:num_union], dtype=torch.int32)
+            words32 = [[v - (1 << 32) if v >= 1 << 31 else v for v in smember[r * MS:r * MS + MW]]
+                       for r in range(R)]
+            member[t] = torch.tensor(words32, dtype=torch.int32)
+    return union, member, length
+
+
+def _production_case(seed: int, T: int, R: int):
+    """Prefill rows of one request at positions past 2048 and near the start: TOPK 2051, row p
+    counting min(p + 1, 2048 + (p + 1) % 4) tokens of 4-token blocks (shared by the rows, a
+    few swapped), with a -1 hole, a token past the table and, in one row, a repeated token."""
+    g = torch.Generator().manual_seed(seed)
+    W = 2052
+    packed = torch.full((T, W), -1, dtype=torch.int32)
+    start = 2040 if seed % 2 else 0
+    shared = torch.randperm(1500, generator=g)[:520]
+    for j in range(T):
+        p = start + j
+        n = min(p + 1, 2048 + (p + 1) % 4)
+        if p + 1 <= 2048:
+            toks = torch.randperm(p + 1, generator=g)
+        else:
+            blocks = shared.clone()
+            blocks[torch.randint(0, 520, (3,), generator=g)] = torch.randint(1500, 1600, (3,), generator=g)
+            toks = torch.unique((blocks.view(-1, 1) * 4 + torch.arange(4)).flatten())
+            toks = toks[torch.randperm(toks.numel(), generator=g)][:n]
+        packed[j, :toks.numel()] = toks.int()
+        packed[j, W - 1] = min(n, toks.numel())
+    packed[1, 7] = -1
+    packed[2, 9] = 5000  # past the table (BW 3 x page 1568)
+    packed[R + 2, 1] = packed[R + 2, 0]  # a duplicate in the second tile
+    return packed, torch.zeros(T, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("R", [1, 3, 5, 8])
+@pytest.mark.parametrize("cap", [64, 256])
+@pytest.mark.parametrize("bw", [20, 100])
+def test_kernel_model_matches_reference(R, cap, bw):
+    # BW 20 x page 16 = 320 tokens: the block table bounds the candidates; BW 100: max_tokens
+    T, W, page, max_tokens = 53, 24, 16, 1024
+    packed, req = _random_case(zlib.crc32(repr(("model", R, cap)).encode()), T, W)
+    got = _kernel_model(packed, req, bw, page, R, cap, max_tokens)
+    want = qsa_union_reference(packed, req, bw, page, R, cap, max_tokens)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_model_matches_reference_at_production_counts(seed):
+    R, T = 5, 13
+    packed, req = _production_case(seed, T, R)
+    got = _kernel_model(packed, req, 3, 1568, R, 6208, 32768)
+    want = qsa_union_reference(packed, req, 3, 1568, R, 6208, 32768)
+    assert want[2].tolist()[1] == -1 and min(want[2].tolist()[::2]) > 0  # the duplicate's tile falls back
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
 # the kernel: config validation and the sm_90a compile
 # ----------------------------------------------------------------------------------------------
 
@@ -247,6 +404,7 @@ def test_signature_names_and_shapes():
 
 COMPILE_CONFIGS = [
     QsaUnionConfig(),
+    QsaUnionConfig(rows_per_tile=5, page_size=1568, max_tokens=32768, union_cap=6208),  # production
     QsaUnionConfig(rows_per_tile=8, page_size=784, max_tokens=524288, union_cap=4160),
     QsaUnionConfig(rows_per_tile=1, page_size=1, max_tokens=1024, union_cap=64),
 ]
@@ -262,9 +420,9 @@ def test_kernel_compiles_for_sm90a_with_evidence(config):
     assert re.search(r"^\.target\s+sm_90a", ptx, re.M)
     for pattern in config.evidence["sm_90a"]:
         assert re.search(pattern, ptx), pattern
-    # one thread block of 512 threads per tile; index loads are plain global loads, the only
+    # one thread block of 256 threads per tile; index loads are plain global loads, the only
     # atomics are on shared memory
-    assert re.search(r"\.reqntid 512, 1, 1", ptx)
+    assert re.search(r"\.reqntid 256, 1, 1", ptx)
     assert not re.search(r"(atom|red)(\.\w+)*\.global", ptx)
     assert "shfl.sync.up.b32" in ptx
     if compiled.sass is not None:
@@ -272,10 +430,21 @@ def test_kernel_compiles_for_sm90a_with_evidence(config):
 
 
 @pytest.mark.compile
+def test_production_config_asks_for_six_ctas_per_sm():
+    """At the production shape (R 5, max_tokens 32768, cap 6208) shared memory fits six tiles per
+    SM, and the kernel asks ptxas for registers that allow six (at most 40 a thread)."""
+    from cute_kernels.jit.compiler import compile_config
+
+    config = QsaUnionConfig(rows_per_tile=5, page_size=1568, max_tokens=32768, union_cap=6208)
+    ptx = compile_config(config, "sm_90a", artifacts=True).ptx
+    assert re.search(r"\.minnctapersm 6\b", ptx)
+
+
+@pytest.mark.compile
 def test_kernel_refuses_too_much_shared_memory():
     from cute_kernels.jit.compiler import compile_config
 
-    # 64 KB bitmap + 64 KB prefix + 8 rows x 102400 bits of member words > 227 KB
+    # 64 KB bitmap + 64 KB prefix + a 400 KB union copy + 8 rows x 102400 bits of member words
     config = QsaUnionConfig(rows_per_tile=8, max_tokens=524288, union_cap=102400)
     with pytest.raises(ValueError, match=re.escape(config.label())):
         compile_config(config, "sm_90a")

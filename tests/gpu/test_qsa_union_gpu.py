@@ -127,6 +127,7 @@ def _check(config, packed, req, bw, got):
 CASES = [
     # (R, T, page, bw, max_tokens, max_ctx, union_cap)
     (4, 4 * 37 + 3, 1568, 12, 32768, 12 * 1568, 4160),
+    (5, 5 * 53 + 3, 1568, 12, 32768, 12 * 1568, 6208),  # the production key: cap 3 x TOPK rounded to 64
     (5, 5 * 41 + 2, 1568, 10, 16384, 10 * 1568, 4160),
     (5, 5 * 23 + 4, 784, 21, 16384, 16000, 2560),  # 784 x 21 > 16384: the bitmap bound applies
     (8, 8 * 19 + 5, 1600, 40, 65536, 40 * 1600, 4160),
