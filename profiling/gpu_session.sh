@@ -19,6 +19,8 @@
 #   qsatile    union pre-pass + row-tile tests, then prefill bench: per-row kernel vs row tiles
 #   ncuqsa     Nsight Compute sections of the QSA decode (BF16 N 256) and row-tile prefill kernels
 #   qsaprod    decode A/B of the per-row kernel's gather warps (1 vs 2, twice, interleaved)
+#   qsa2wg     row-tile GPU tests, prefill bench of the row-tile kernel's warp-role variants
+#   qsav3      every QSA GPU test, the QSA sanitizer run, bench qsa --check (time-boxed for a short budget)
 #   qsaclose   the QSA sanitizer run and bench qsa (with --check)
 #   qsafinal   every QSA GPU test, the QSA sanitizer run, bench qsa, decode with 4 producer warps
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
@@ -50,6 +52,15 @@ for step in "$@"; do
                -p no:cacheprovider
              run 150 qsatile_prefill python3 -m profiling.bench_qsa --kinds prefill --kv fp8,bf16 --prefill-t 1024,4096,16384 \
                --selection correlated,independent --check --json "$OUT/qsatile_prefill.json" ;;
+    qsa2wg) run 240 pytest_2wg python3 -m pytest tests/gpu/test_qsa_union_gpu.py tests/gpu/test_qsa_gpu.py -q -x \
+              -k "row_tiles or union" -p no:cacheprovider
+            TAIL=40 run 200 qsa2wg python3 -m profiling.bench_qsa --kinds prefill --kv bf16,fp8 --prefill-t 16384 \
+              --selection correlated,independent --tuning "consumers=2;producers=8,gather_groups=2;tile=32,consumers=2;tile=32,producers=8,gather_groups=2" --json "$OUT/qsa2wg.json" ;;
+    qsav3) run 220 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
+             -p no:cacheprovider
+           run 90 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+             python3 -m profiling.sanitize_qsa
+           TAIL=40 run 160 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;
     qsaclose) run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
                 python3 -m profiling.sanitize_qsa
               TAIL=40 run 240 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;

@@ -67,7 +67,8 @@ _cache = LaunchCache()
 def tuning_override(**fields):
     """``with tuning_override(splits=8, stages=2): ...`` forces the split count and/or kernel
     tuning fields (benchmarks and tests comparing variants); part of the launch-cache key.
-    ``tile_rows=R`` forces the prefill row-tile kernel's rows per CTA (1 = the per-row kernel)."""
+    ``tile_rows=R`` forces the prefill row-tile kernel's rows per CTA (1 = the per-row kernel),
+    ``consumers=1|2`` its consumer warpgroups."""
     return _cache.tuning_override(**fields)
 
 
@@ -81,10 +82,12 @@ def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
             prefill if isinstance(prefill, bool) else None, _meta(out), _meta(gate), _cache.override_key)
 
 
-def _kernel_tuning() -> dict:
+def _kernel_tuning(row_tiles: bool = False) -> dict:
     """The active override's kernel-config fields (the launch-level ones, ``splits`` and
-    ``tile_rows``, are read where the launch is chosen)."""
-    return {f: v for f, v in _cache.override.items() if f not in ("splits", "tile_rows")}
+    ``tile_rows``, are read where the launch is chosen; ``consumers`` and ``gather_groups`` are the
+    row-tile kernel's)."""
+    skip = ("splits", "tile_rows") if row_tiles else ("splits", "tile_rows", "consumers", "gather_groups")
+    return {f: v for f, v in _cache.override.items() if f not in skip}
 
 
 def _check_scale(name: str, value) -> float:
@@ -168,7 +171,7 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
 def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, device, target) -> _Launch:
     """The prefill row-tile path: the union pre-pass and the row-tile kernel, with their int32
     workspace (union lists, membership bits, lengths) carved from one reused buffer."""
-    tuning = _kernel_tuning()
+    tuning = _kernel_tuning(row_tiles=True)
     R = plan.rows_per_cta
     fn = get_kernel(make_qsa_tile_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
                                          gate=gate, rows_per_cta=R, **tuning), target)

@@ -296,10 +296,11 @@ class Sm90QsaAttention(Sm90PagedDecode):
     @cute.jit
     def gather_list(self, mK, mV, mSrc, src_row, limit, count, first_tile, tile_step, n_tiles, i0, req,
                     mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, pw, lane, mMember,
-                    mode: cutlass.Constexpr, row_in_tile):
+                    mode: cutlass.Constexpr, row_in_tile, slot_step: cutlass.Constexpr = 1):
         """Gather ``n_tiles`` tiles of the token list ``mSrc[src_row, :]`` (columns below ``limit``
         are read, those below ``count`` used): tile ``first_tile + k * tile_step`` goes to
-        pipeline slot ``i0 + k``. Per tile: publish the validity bitmask of the tile's tokens and
+        pipeline slot ``i0 + k * slot_step`` (``slot_step`` > 1: groups of gather warps taking
+        alternate slots). Per tile: publish the validity bitmask of the tile's tokens and
         copy their K and V rows with zero-filling cp.async.
 
         Work split: one producer warp owns every 32-token word of the tile (lane l: tokens l,
@@ -369,7 +370,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
         v_addr = cute.make_rmem_tensor((wl,), Int64)
         bits = cute.make_rmem_tensor((wl,), Int32)
         for k in cutlass.range(n_tiles, unroll=1):
-            i = i0 + k
+            i = i0 + k if const_expr(slot_step == 1) else i0 + k * slot_step
             stage = i % self.stages
             tile_idx = first_tile + k * tile_step
             for w in cutlass.range_constexpr(wl):

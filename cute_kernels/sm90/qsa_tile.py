@@ -31,14 +31,45 @@ from cutlass.tensor_utils import LayoutEnum
 from ..jit.dtypes import DTYPE_BITS
 from ..jit.spec import ScalarArg, TensorArg
 from .decode import BAR_MMA, MMA_M, MMA_WARPS
-from .qsa import LOG2E, PRODUCER_WARP, Sm90QsaAttention, Sm90QsaConfig
+from .qsa import LOG2E, Sm90QsaAttention, Sm90QsaConfig
 from .qsa_merge import sigmoid
 
 MAX_COLUMNS = 64  # R * G: the query columns on one warpgroup's WGMMA M
-# gather warps: one CTA per SM (its registers and shared memory) and one producer warp issued
-# the copies too slowly (H200, 1 x 16384 BF16 correlated: 7.36 ms with one, 6.24 with two, 6.09
-# with four)
-TILE_PRODUCERS = 4
+BAR_CONSUMERS = BAR_MMA + 1  # named barrier of both consumer warpgroups (BAR_MMA: the first's own)
+# Warp roles by cache kind (H200, 1 x 16384 prefill, correlated / independent selections, ms, one
+# process; profiling/NOTES.md "QSA v3"): one consumer warpgroup + 4 gather warps 4.39 / 9.60 BF16,
+# 4.83 / 13.72 FP8; two consumer warpgroups taking alternate union tiles 4.22 / 9.25 BF16,
+# 4.79 / 11.54 FP8; two groups of 4 gather warps filling alternate slots 4.26 / 9.21 BF16,
+# 4.57 / 10.56 FP8 (FP8's widening gather is synchronous: loads, convert, store, so one group
+# keeps only one tile in flight). One gather warp was too slow (7.36 ms with one, 6.09 with four).
+TILE_SCHEDULE = {"16-bit": dict(consumers=2, producers=4, gather_groups=1),
+                 "fp8": dict(consumers=1, producers=8, gather_groups=2)}
+# Above 256 threads the launch gives each thread fewer registers than the consumer's O
+# accumulator and softmax need, so the warpgroups rebalance with setmaxnreg: the gather warps
+# keep the fewest that ptxas compiles without spills at D = 256 (FP8 holds a batch of 16-byte
+# loads in flight for the widening; one group of 8 warps holds half the batch per warp), the
+# consumers take the rest. Keyed by (cache kind, producer warps, gather groups).
+PRODUCER_REGS = {("16-bit", 4, 1): 56, ("16-bit", 8, 1): 56, ("16-bit", 8, 2): 56,
+                 ("fp8", 4, 1): 104, ("fp8", 8, 1): 80, ("fp8", 8, 2): 112}
+MAX_CONSUMER_REGS = 232
+
+
+def launch_regs(threads: int) -> int:
+    """Registers per thread a launch of ``threads`` gets (the 64K file, rounded down to 8).
+    setmaxnreg.inc blocks until registers are free: the warpgroups together must stay within
+    this (a total above it hung the consumers on the H200)."""
+    return 65536 // threads // 8 * 8
+
+
+def tile_regs(kv_dtype: str, consumers: int, producers: int, groups: int = 1) -> tuple[int, int]:
+    """(producer, consumer) registers per thread, or (0, 0) when one launch's share suffices
+    (256 threads or fewer: up to 255 each)."""
+    threads = (MMA_WARPS * consumers + producers) * 32
+    if threads <= 256:
+        return 0, 0
+    p = PRODUCER_REGS[("fp8" if kv_dtype == "fp8_e4m3" else "16-bit", producers, groups)]
+    c = (threads * launch_regs(threads) - producers * 32 * p) // (consumers * 128) // 8 * 8
+    return p, min(MAX_CONSUMER_REGS, c)
 
 
 class Sm90QsaTileAttention(Sm90QsaAttention):
@@ -63,6 +94,20 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         # operands in natural column order, and Q is rescaled into fp16 range (dynamic_q_scale)
         self.widen_in_producer = self.fp8
         self.q_permuted = False
+        # consumer warpgroups: with two, each takes every other union tile of the same rows (its
+        # own running max, sum and O), so one group's softmax overlaps the other's MMAs; they
+        # combine at the end through shared memory
+        self.consumers = cfg.consumers
+        self.producer_warp = MMA_WARPS * self.consumers
+        self.num_threads = (self.producer_warp + cfg.producers) * 32
+        # gather groups: each group of producers // groups warps fills every groups-th slot, so
+        # that many tiles are in flight at once. FP8's widening gather is synchronous (loads, then
+        # convert, then store), so one group keeps a single tile in flight
+        self.groups = cfg.gather_groups
+        if self.groups > 1:
+            self.P = cfg.producers // self.groups  # the gather's work split is per group
+            self.local_words = self.words if self.P == 1 else 1
+            self.parts = 1 if self.P == 1 else self.P // self.words
 
     def mmas_and_layouts(self):
         if not self.mq:
@@ -132,10 +177,14 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         storage, sQ, sP, sRed, sMask, full, empty = self.setup_shared(q_layout, p_layout, tidx)
-        if warp >= PRODUCER_WARP:
+        if warp >= self.producer_warp:
+            if const_expr(self.cfg.producer_regs > 0):
+                cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             self.produce_tile(mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
-                              v_layout, sMask, full, empty, tile, kv_head, warp - PRODUCER_WARP, lane)
+                              v_layout, sMask, full, empty, tile, kv_head, warp - self.producer_warp, lane)
         else:
+            if const_expr(self.cfg.consumer_regs > 0):
+                cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.consume_mq(mQ, storage, sQ, sRed, sMask, full, empty, mO, mLse, mGate, k_scale, v_scale, qk_mma,
                             pv_mma, k_layout, v_layout, tile, kv_head, self.tile_count(mIdx, mLen, tile), tidx, warp,
                             lane)
@@ -147,9 +196,15 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         D, T, G, R, words = self.D, self.tile, self.G, self.R, self.words
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
-        q_log2 = self.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
-        cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
-        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+        wg = Int32(0)
+        if const_expr(self.consumers == 1):
+            q_log2 = self.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
+            cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
+            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+        else:
+            wg = warp // MMA_WARPS
+            tidx = tidx % (MMA_WARPS * 32)  # the thread's index in its warpgroup (MMA slices)
+            q_log2 = self.stage_q_shared(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane, wg)
         # logits in log2 units (the query was scaled by 2^q_log2 when staged: FP8 -> fp16 MMAs)
         c = Float32(D ** -0.5 * LOG2E) * k_scale * cute.math.exp2(-q_log2, fastmath=False)
 
@@ -186,7 +241,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         row_sum.fill(0.0)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         mw = cute.make_rmem_tensor((2 * words,), Int32)
-        for i in cutlass.range(my_tiles, unroll=1):
+        for i in cutlass.range(wg, my_tiles, self.consumers, unroll=1):
             stage = i % self.stages
             cute.arch.mbarrier_wait(full + stage, (i // self.stages) % 2)
             # the gathered rows were written by cp.async (generic proxy); WGMMA reads them
@@ -245,7 +300,64 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
             warpgroup.wait_group(0)
             cute.arch.mbarrier_arrive(empty + stage)
 
-        # ---- epilogue: one query column per quad; O rows in q's dtype (gated) and the LSE ----
+        if const_expr(self.consumers == 1):
+            self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head, lane)
+        else:
+            self.combine_consumers(storage, acc_o, row_max, row_sum, cO0, wg, tidx)
+            if wg == 0:
+                self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head,
+                                lane)
+
+    @cute.jit
+    def stage_q_shared(self, mQ, sQ, sRed, tile, kv_head, tidx, warp, lane, wg):
+        """Two consumer warpgroups: the first stages Q and publishes its scale exponent (FP8),
+        then both wait for sQ. Returns that exponent."""
+        if wg == 0:
+            q_log2 = self.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
+            if tidx == 0:
+                sRed[0, 1] = q_log2  # column 0 is stage_q's scratch
+            cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=2 * MMA_WARPS * 32)
+        return sRed[0, 1]
+
+    @cute.jit
+    def combine_consumers(self, storage, acc_o, row_max, row_sum, cO0, wg, tidx):
+        """Fold the second consumer warpgroup's running state into the first's: both groups have
+        the same thread-to-element map, so thread t of group 1 hands its O fragment, maxima and
+        sums to thread t of group 0 through the idle K tiles (element-major: conflict-free)."""
+        n = cute.size(acc_o)
+        nt = MMA_WARPS * 32
+        sX = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
+                              cute.make_layout((n + 4, nt), stride=(nt, 1)))
+        # both groups' last WGMMAs (async proxy) are done before the K tiles are overwritten
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=2 * nt)
+        if wg == 1:
+            for e in cutlass.range_constexpr(n):
+                sX[e, tidx] = acc_o[e]
+            for h in cutlass.range_constexpr(2):
+                sX[n + h, tidx] = row_max[h]
+                sX[n + 2 + h, tidx] = row_sum[h]
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=2 * nt)
+        if wg == 0:
+            a0 = cute.make_rmem_tensor((2,), Float32)
+            a1 = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                m1 = sX[n + h, tidx]
+                m = cute.arch.fmax(row_max[h], m1)
+                safe = m if m != -Float32.inf else Float32(0.0)
+                a0[h] = cute.math.exp2(row_max[h] - safe, fastmath=True)
+                a1[h] = cute.math.exp2(m1 - safe, fastmath=True)
+                row_sum[h] = row_sum[h] * a0[h] + sX[n + 2 + h, tidx] * a1[h]
+                row_max[h] = m
+            for e in cutlass.range_constexpr(n):
+                h = cO0[e][0] // 8
+                acc_o[e] = acc_o[e] * a0[h] + sX[e, tidx] * a1[h]
+
+    @cute.jit
+    def store_rows(self, acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head, lane):
+        """The epilogue: one query column per quad; O rows in q's dtype (gated) and the LSE."""
+        G, R = self.G, self.R
         inv = cute.make_rmem_tensor((2,), Float32)
         token = cute.make_rmem_tensor((2,), Int32)
         head = cute.make_rmem_tensor((2,), Int32)
@@ -302,6 +414,47 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
     @cute.jit
     def produce_tile(self, mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
                      v_layout, sMask, full, empty, tile, kv_head, pw, lane):
+        if const_expr(self.groups == 1):
+            self.produce_slots(mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
+                               v_layout, sMask, full, empty, tile, kv_head, pw, lane)
+        else:
+            self.produce_group(mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
+                               v_layout, sMask, full, empty, tile, kv_head, pw % self.P, pw // self.P, lane)
+
+    @cute.jit
+    def produce_group(self, mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
+                      v_layout, sMask, full, empty, tile, kv_head, pw, g, lane):
+        """Gather group ``g`` of ``groups``: pipeline slots ``g, g + groups, ...`` of the same walk as
+        ``produce_slots`` (the union's tiles, or the rows' own tiles one row after another)."""
+        groups = self.groups
+        length = mLen[tile]
+        row0 = tile * self.R
+        if length >= 0:
+            req = Int32(-1)
+            if row0 < mTokenToReq.shape[0]:
+                req = mTokenToReq[row0]
+            n = (length + self.tile - 1) // self.tile
+            self.gather_list(mK, mV, mUnion, tile, length, length, g, Int32(groups), (n - g + groups - 1) // groups,
+                             g, req, mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, pw, lane,
+                             mMember, 1, Int32(0), groups)
+        else:
+            topk = mIdx.shape[1] - 1
+            i0 = Int32(0)
+            for r in cutlass.range(self.R, unroll=1):
+                row = row0 + r
+                count = self.row_count(mIdx, row)
+                n = (count + self.tile - 1) // self.tile
+                j0 = (g + groups - i0 % groups) % groups  # the row's first tile in this group's slots
+                m = (n - j0 + groups - 1) // groups
+                if n > j0:
+                    self.gather_list(mK, mV, mIdx, row, topk, count, j0, Int32(groups), m, i0 + j0, mTokenToReq[row],
+                                     mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, pw,
+                                     lane, None, 2, r, groups)
+                i0 = i0 + n
+
+    @cute.jit
+    def produce_slots(self, mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
+                      v_layout, sMask, full, empty, tile, kv_head, pw, lane):
         length = mLen[tile]
         row0 = tile * self.R
         if length >= 0:
@@ -328,9 +481,16 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
 @dataclass(frozen=True)
 class Sm90QsaTileConfig(Sm90QsaConfig):
     """Compile key of :class:`Sm90QsaTileAttention`: :class:`Sm90QsaConfig`'s fields (``split``
-    must be False) plus ``rows_per_cta`` (R; R * group <= 64)."""
+    must be False) plus ``rows_per_cta`` (R; R * group <= 64), ``consumers`` (consumer
+    warpgroups: 1, or 2 taking alternate union tiles) and, with 2, the registers per thread the
+    producer and consumer warpgroups take with ``setmaxnreg`` (multiples of 8 in [24, 256]; the
+    three warpgroups share the 168 per thread the launch gives 384 threads)."""
 
     rows_per_cta: int = 5
+    consumers: int = 1
+    gather_groups: int = 1
+    producer_regs: int = 0
+    consumer_regs: int = 0
 
     kernel_id = "sm90.qsa_tile"
 
@@ -352,6 +512,34 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
         if not 1 <= self.rows_per_cta or self.rows_per_cta * self.group > MAX_COLUMNS:
             raise ValueError(f"rows_per_cta * group must be in [1, {MAX_COLUMNS}], got {self.rows_per_cta} x "
                              f"{self.group}")
+        if self.consumers not in (1, 2):
+            raise ValueError(f"consumers must be 1 or 2, got {self.consumers}")
+        threads = (MMA_WARPS * self.consumers + self.producers) * 32
+        regs = (self.producer_regs, self.consumer_regs)
+        if threads > 384:  # 512 threads leave 128 registers per thread before setmaxnreg: too few
+            raise ValueError(f"consumer and producer warps must total <= 12, got {threads // 32}")
+        if threads > 256:
+            # setmaxnreg is per warpgroup: the gather warps must form whole ones
+            if self.producers % 4:
+                raise ValueError(f"{threads} threads rebalance registers per warpgroup: producers must be a "
+                                 f"multiple of 4, got {self.producers}")
+            if (any(r % 8 or not 24 <= r <= 256 for r in regs)
+                    or self.producers * 32 * self.producer_regs + self.consumers * 128 * self.consumer_regs
+                    > threads * launch_regs(threads)):
+                raise ValueError(f"producer/consumer registers {regs} must be multiples of 8 in [24, 256] within "
+                                 f"the launch's {launch_regs(threads)} per thread")
+        elif any(regs):
+            raise ValueError(f"registers are rebalanced only above 256 threads, got {threads}")
+        if self.gather_groups < 1 or self.producers % self.gather_groups:
+            raise ValueError(f"gather_groups must divide producers ({self.producers}), got {self.gather_groups}")
+        if self.gather_groups > 1 and self.consumers > 1:
+            # a group may wait on a slot's "empty" phase only if the slot's previous use was
+            # released in order, which one consumer warpgroup guarantees
+            raise ValueError("several gather groups need a single consumer warpgroup")
+        if self.consumers == 2:
+            # the second group's O fragment, maxima and sums pass through the K tiles
+            if self.stages * self.tile * self.head_dim * 2 < (self.head_dim // 2 + 4) * 128 * 4:
+                raise ValueError(f"{self.stages} stages of K tiles cannot hold the consumers' exchange")
 
     @property
     def n_pad(self) -> int:
@@ -396,6 +584,11 @@ def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: i
     ``override`` replaces fields (benchmarks)."""
     rows = override.pop("rows_per_cta", tile_rows(kv_dtype, group))
     tile = override.pop("tile", 64)
+    roles = TILE_SCHEDULE["fp8" if kv_dtype == "fp8_e4m3" else "16-bit"]
+    consumers = override.pop("consumers", roles["consumers"])
+    producers = override.pop("producers", roles["producers"])
+    groups = override.pop("gather_groups", roles["gather_groups"])
+    producer_regs, consumer_regs = tile_regs(kv_dtype, consumers, producers, groups)
     # query columns on M, K/V tiles in 16 bits (FP8 widened by the gather), no P tile: one CTA per
     # SM (registers) takes what shared memory holds after Q and the 2 KB header (barriers,
     # bitmasks, reduction scratch, alignment)
@@ -403,7 +596,8 @@ def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: i
     occupancy = 1
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=False, gate=gate, occupancy=occupancy, rows_per_cta=rows,
-                  producers=TILE_PRODUCERS)
+                  producers=producers, consumers=consumers, gather_groups=groups, producer_regs=producer_regs,
+                  consumer_regs=consumer_regs)
     fields.update(override)
     return Sm90QsaTileConfig(**fields)
 

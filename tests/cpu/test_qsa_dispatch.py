@@ -171,10 +171,28 @@ def test_row_tile_config_validation():
     from cute_kernels.sm90.qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config
 
     c = make_qsa_tile_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=256, group=12, page_size=1568, gate=True)
-    assert (c.rows_per_cta, c.n_pad, c.stages, c.occupancy, c.producers, c.split) == (5, 64, 3, 1, 4, False)
+    assert (c.rows_per_cta, c.n_pad, c.stages, c.occupancy, c.split) == (5, 64, 3, 1, False)
+    # FP8: one consumer warpgroup, two groups of 4 gather warps (two widened tiles in flight)
+    assert (c.consumers, c.producers, c.gather_groups) == (1, 8, 2)
     assert any("cvt" in e for e in c.evidence["sm_90a"])  # FP8: widened by the gather warps
     b = make_qsa_tile_config(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=12, page_size=1568, gate=True)
+    assert (b.consumers, b.producers, b.gather_groups) == (2, 4, 1)  # two consumer warpgroups
     assert any("cp\\.async" in e for e in b.evidence["sm_90a"])
+    # 384 threads: setmaxnreg within the launch's 168 registers per thread (above it hangs)
+    for cfg in (b, c):
+        threads = (4 * cfg.consumers + cfg.producers) * 32
+        assert threads == 384 and cfg.producers * 32 * cfg.producer_regs + cfg.consumers * 128 * cfg.consumer_regs <= 384 * 168
+    one = make_qsa_tile_config(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=12, page_size=1568, gate=True,
+                               consumers=1)
+    assert (one.producer_regs, one.consumer_regs) == (0, 0)  # 256 threads: no rebalancing
+    with pytest.raises(ValueError, match="registers"):
+        Sm90QsaTileConfig(consumers=2, producers=4, producer_regs=48, consumer_regs=232)  # 48 + 2 x 232 > 3 x 168
+    with pytest.raises(ValueError, match="single consumer"):
+        Sm90QsaTileConfig(consumers=2, producers=4, gather_groups=2, producer_regs=56, consumer_regs=224)
+    with pytest.raises(ValueError, match="12"):
+        Sm90QsaTileConfig(consumers=2, producers=8)  # 512 threads
+    with pytest.raises(ValueError, match="gather_groups"):
+        Sm90QsaTileConfig(producers=4, gather_groups=3)
     with pytest.raises(ValueError, match="rows_per_cta"):
         Sm90QsaTileConfig(group=12, rows_per_cta=6)  # 72 columns
     with pytest.raises(ValueError, match="does not split"):

@@ -101,6 +101,7 @@ def _precompile():
     """Every variant the module will hit, compiled in parallel processes first."""
     from cute_kernels.jit.parallel import precompile
     from cute_kernels.qsa_warmup import qsa_variants
+    from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
 
     shapes = {(hq, hkv, page, "fp8" if kv == FP8 else "bf16", 256, "bf16") for _, hq, hkv, page, _, _, kv in CASES}
     shapes |= {(16, 1, 96, "bf16", 128, "bf16"), (8, 8, 64, "fp8", 64, "bf16"), (12, 1, 800, "fp16", 256, "fp16"),
@@ -110,6 +111,10 @@ def _precompile():
         for width in (4, 6):  # the cases' block tables (row-tile pre-pass bitmaps)
             configs += qsa_variants(head_dim=D, num_q_heads=hq, num_kv_heads=hkv, page_size=page, kv_cache_dtype=kv,
                                     q_dtype=qd, block_table_width=width)
+    # the row-tile kernel's variants (the tests force each)
+    configs += [make_qsa_tile_config(q_dtype=c.q_dtype, kv_dtype=c.kv_dtype, head_dim=c.head_dim, group=c.group,
+                                     page_size=c.page_size, gate=c.gate, rows_per_cta=c.rows_per_cta, **v)
+                for c in configs if c.kernel_id == "sm90.qsa_tile" for v in ROW_TILE_VARIANTS]
     configs = list(dict.fromkeys(configs))
     precompile(configs, "sm_90a")
 
@@ -278,19 +283,39 @@ def _prefill_case(gen, rows, hq, hkv, page, kv, first, selection, **kw):
     return c
 
 
+# kernel variants of the row-tile path the tests force (the default is one of them)
+ROW_TILE_VARIANTS = [dict(consumers=1, producers=4, gather_groups=1), dict(consumers=2, producers=4, gather_groups=1),
+                     dict(consumers=1, producers=8, gather_groups=2)]
+
+
 @pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("hq,hkv,page", [(24, 2, 1568), (6, 1, 784)])
 @pytest.mark.parametrize("selection", ["correlated", "independent"])
-def test_row_tiles(gen, kv, hq, hkv, page, selection):
+@pytest.mark.parametrize("variant", ROW_TILE_VARIANTS, ids=["c1", "c2", "p8g2"])
+def test_row_tiles(gen, kv, hq, hkv, page, selection, variant):
     """Rows at positions 2900.. (full budgets; 301 rows: a partial last tile): correlated
     selections take the union path, independent ones mostly exceed the union cap and walk the
-    rows' own lists; both against the reference and close to the per-row kernel."""
+    rows' own lists; both against the reference and close to the per-row kernel; with one and
+    with two consumer warpgroups (alternate tiles, combined at the end), and with two groups of
+    4 gather warps (alternate tiles in flight)."""
     c = _prefill_case(gen, 301, hq, hkv, page, kv, 2900, selection)
-    out, ref = _run(c, True)
+    with tuning_override(**variant):
+        out, ref = _run(c, True)
     _check(out, ref)
     with tuning_override(tile_rows=1):
         per_row, _ = _run(c, True)
     torch.testing.assert_close(out.float(), per_row.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("variant", ROW_TILE_VARIANTS, ids=["c1", "c2", "p8g2"])
+def test_row_tiles_short_rows(gen, kv, variant):
+    """The first rows of a prefill (positions 0..): tiles with a single union tile (the second
+    consumer warpgroup or gather group has none), rows of one token, partial tiles."""
+    c = _prefill_case(gen, 133, 24, 2, 1568, kv, 0, "correlated")
+    with tuning_override(**variant):
+        out, ref = _run(c, True)
+    _check(out, ref)
 
 
 def test_row_tiles_path_taken(gen):
@@ -315,7 +340,8 @@ def test_row_tiles_path_taken(gen):
     _check(out, reference.qsa_sparse_attention(**args))
 
 
-def test_row_tiles_mixed_requests_and_invalid(gen):
+@pytest.mark.parametrize("variant", ROW_TILE_VARIANTS, ids=["c1", "c2", "p8g2"])
+def test_row_tiles_mixed_requests_and_invalid(gen, variant):
     """Several requests (tiles straddling two requests fall back), holes, an invalid request and
     a page beyond the table inside union tiles."""
     c = _case(gen, 390, 24, 2, 1568, 3, BF16, holes=0.1)
@@ -323,7 +349,8 @@ def test_row_tiles_mixed_requests_and_invalid(gen):
     W = c["block_table"].shape[1]
     packed[10, 1:40:3] = W * 1568 + 9
     t2r[150] = 99
-    out, ref = _run(c, True)
+    with tuning_override(**variant):
+        out, ref = _run(c, True)
     _check(out, ref)
 
 
