@@ -56,11 +56,11 @@ for step in "$@"; do
               -k "row_tiles or union" -p no:cacheprovider
             TAIL=40 run 200 qsa2wg python3 -m profiling.bench_qsa --kinds prefill --kv bf16,fp8 --prefill-t 16384 \
               --selection correlated,independent --tuning "consumers=2;producers=8,gather_groups=2;tile=32,consumers=2;tile=32,producers=8,gather_groups=2" --json "$OUT/qsa2wg.json" ;;
-    qsav3) run 220 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
+    qsav3) run 200 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
              -p no:cacheprovider
-           run 90 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+           run 80 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
              python3 -m profiling.sanitize_qsa
-           TAIL=40 run 160 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;
+           TAIL=40 run 150 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;
     qsaclose) run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
                 python3 -m profiling.sanitize_qsa
               TAIL=40 run 240 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;
