@@ -15,6 +15,12 @@ The gather (index and page lookups, zero-filling cp.async; FP8 widened to fp16 b
 warps here), the pipeline and the Q staging are :class:`~cute_kernels.sm90.qsa.Sm90QsaAttention`'s,
 which takes R from the config; the consumer and epilogue are this module's. No split-K: prefill
 batches fill the machine.
+
+Warp roles (``TILE_SCHEDULE``, measured): 16-bit caches run two consumer warpgroups on alternate
+union tiles of the same rows (each its own running max, sum and O, combined at the end through the
+idle K tiles); FP8 caches run one consumer and two groups of gather warps on alternate pipeline
+slots, so two tiles are widened at once. Both are 384 threads, with the registers rebalanced by
+``setmaxnreg`` within the launch's 168 per thread.
 """
 
 from __future__ import annotations
@@ -82,8 +88,8 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
     an RS PV WGMMA (no P round trip through shared memory). The inherited swap-AB consumer
     (tokens on M) reduced across the warpgroup twice per tile and staged P in shared memory: at
     1 x 16384 its single consumer warp per scheduler issued ~1000 instructions per 64-token tile
-    at 5.7 cycles each (ncu). FP8 caches keep the swap-AB consumer, whose register-sourced A
-    operand is where K/V are widened.
+    at 5.7 cycles each (ncu). FP8 caches use the same consumer: the gather warps widen their
+    rows to fp16 tiles, and the query is scaled into fp16 range by a power of two.
     """
 
     def __init__(self, cfg):
