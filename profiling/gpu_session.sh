@@ -20,6 +20,7 @@
 #   ncuqsa     Nsight Compute sections of the QSA decode (BF16 N 256) and row-tile prefill kernels
 #   qsaprod    decode A/B of the per-row kernel's gather warps (1 vs 2, twice, interleaved)
 #   qsa2wg     row-tile GPU tests, prefill bench of the row-tile kernel's warp-role variants
+#   ncusrc     per-instruction (SASS) stall samples of the row-tile kernel, BF16 and FP8 1x4096
 #   qsav3      every QSA GPU test, the QSA sanitizer run, bench qsa --check (time-boxed for a short budget)
 #   qsaclose   the QSA sanitizer run and bench qsa (with --check)
 #   qsafinal   every QSA GPU test, the QSA sanitizer run, bench qsa, decode with 4 producer warps
@@ -76,6 +77,13 @@ for step in "$@"; do
               TAIL=120 run 150 "ncu_qsa_$1" ncu --clock-control none --kernel-name regex:"ssm90qsa" --launch-skip $2 \
                 --launch-count $3 --section SpeedOfLight --section Occupancy --section WarpStateStats \
                 --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis python3 -m profiling.ncu_qsa --shape $1
+            done ;;
+    ncusrc) for sh in prefill-bf16-4096 prefill-fp8-4096; do  # per-instruction stall samples of the row-tile kernel
+              python3 -m profiling.ncu_qsa --shape $sh > /dev/null 2>&1  # compile outside the profiler
+              run 100 "ncusrc_$sh" ncu --clock-control none --kernel-name regex:tile_kernel --launch-skip 3 --launch-count 1 \
+                --section SourceCounters --section WarpStateStats -o "$OUT/ncusrc_$sh" python3 -m profiling.ncu_qsa --shape $sh
+              ncu -i "$OUT/ncusrc_$sh.ncu-rep" --page source --csv --print-source sass > "$OUT/ncusrc_${sh}_sass.csv" 2>&1
+              ls -la "$OUT/ncusrc_${sh}_sass.csv"; head -c 600 "$OUT/ncusrc_${sh}_sass.csv"; echo
             done ;;
     qsaprod) run 120 qsaprod python3 -m profiling.bench_qsa --kinds decode --decode-n 16,64,256 \
                --tuning "producers=1;producers=2;producers=1;producers=2" --json "$OUT/qsaprod.json" ;;

@@ -19,6 +19,7 @@ WARMUP = 3
 SHAPES = {
     "decode-bf16-256": ("decode", 256, torch.bfloat16, "independent"),
     "prefill-bf16-4096": ("prefill", 4096, torch.bfloat16, "correlated"),
+    "prefill-fp8-4096": ("prefill", 4096, torch.float8_e4m3fn, "correlated"),
 }
 
 

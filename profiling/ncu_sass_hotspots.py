@@ -1,0 +1,51 @@
+"""Summarize an ``ncu --page source --csv --print-source sass`` export (``gpu_session.sh ncusrc``):
+the instructions with the most warp-stall samples, their dominant stall reasons, and the samples
+per stall reason over the whole kernel.
+
+Usage: ``python -m profiling.ncu_sass_hotspots FILE.csv[.gz] [--top 25]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+from collections import Counter
+
+
+def _num(x: str) -> float:
+    try:
+        return float(x.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("csv")
+    p.add_argument("--top", type=int, default=25)
+    a = p.parse_args(argv)
+    opener = gzip.open if a.csv.endswith(".gz") else open
+    with opener(a.csv, "rt") as f:
+        rows = list(csv.reader(f))
+    hdr = rows[1]
+    col = {h: i for i, h in enumerate(hdr)}
+    body = [r for r in rows[2:] if len(r) == len(hdr)]
+    stalls = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
+    samples = col["Warp Stall Sampling (All Samples)"]
+    total = sum(_num(r[samples]) for r in body)
+    per_reason = Counter()
+    for r in body:
+        for s in stalls:
+            per_reason[s] += _num(r[col[s]])
+    print(f"{len(body)} instructions, {total:.0f} samples")
+    print("by reason:", ", ".join(f"{k[6:]} {v / total:.1%}" for k, v in per_reason.most_common(8)))
+    print(f"{'addr':>6} {'share':>6}  top reasons  |  sass")
+    for r in sorted(body, key=lambda r: -_num(r[samples]))[:a.top]:
+        reasons = sorted(((_num(r[col[s]]), s[6:]) for s in stalls), reverse=True)[:2]
+        why = ", ".join(f"{n} {v:.0f}" for v, n in reasons if v)
+        print(f"{r[col['Address']]:>6} {_num(r[samples]) / total:6.1%}  {why:<28} | {r[col['Source']].strip()[:90]}")
+
+
+if __name__ == "__main__":
+    main()
