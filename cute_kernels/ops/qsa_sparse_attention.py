@@ -19,6 +19,7 @@ the TVM-FFI calls (which re-check dtypes, ranks, shared extents and alignment).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -28,9 +29,9 @@ from .. import reference
 from .._nvtx import ENABLED as _NVTX
 from .._nvtx import NULL_RANGE, op_range
 from ..jit.compiler import get_kernel
-from ..sm90.qsa import MAX_GROUP, make_qsa_config, select_config
+from ..sm90.qsa import MAX_GROUP, Sm90QsaConfig, make_qsa_config, select_config
 from ..sm90.qsa_merge import QsaMergeConfig
-from ..sm90.qsa_tile import make_qsa_tile_config, row_tile_plan
+from ..sm90.qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_tile_plan
 from ..sm90.qsa_union import QsaUnionConfig
 from ._launch import LaunchCache
 from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, widest_vector
@@ -82,12 +83,16 @@ def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
             prefill if isinstance(prefill, bool) else None, _meta(out), _meta(gate), _cache.override_key)
 
 
+_LAUNCH_FIELDS = ("splits", "tile_rows")  # read where the launch is chosen, not kernel fields
+# fields only the row-tile kernel's config has (warp roles, register split), kept from the per-row one
+_TILE_ONLY_FIELDS = ({f.name for f in dataclasses.fields(Sm90QsaTileConfig)}
+                     - {f.name for f in dataclasses.fields(Sm90QsaConfig)})
+
+
 def _kernel_tuning(row_tiles: bool = False) -> dict:
-    """The active override's kernel-config fields (the launch-level ones, ``splits`` and
-    ``tile_rows``, are read where the launch is chosen; ``consumers`` and ``gather_groups`` are the
-    row-tile kernel's)."""
-    skip = ("splits", "tile_rows") if row_tiles else ("splits", "tile_rows", "consumers", "gather_groups")
-    return {f: v for f, v in _cache.override.items() if f not in skip}
+    """The active override's fields for the kernel config being built (per-row or row-tile)."""
+    return {f: v for f, v in _cache.override.items()
+            if f not in _LAUNCH_FIELDS and (row_tiles or f not in _TILE_ONLY_FIELDS)}
 
 
 def _check_scale(name: str, value) -> float:

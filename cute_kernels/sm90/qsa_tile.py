@@ -420,56 +420,24 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
     @cute.jit
     def produce_tile(self, mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
                      v_layout, sMask, full, empty, tile, kv_head, pw, lane):
-        if const_expr(self.groups == 1):
-            self.produce_slots(mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
-                               v_layout, sMask, full, empty, tile, kv_head, pw, lane)
-        else:
-            self.produce_group(mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
-                               v_layout, sMask, full, empty, tile, kv_head, pw % self.P, pw // self.P, lane)
-
-    @cute.jit
-    def produce_group(self, mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
-                      v_layout, sMask, full, empty, tile, kv_head, pw, g, lane):
-        """Gather group ``g`` of ``groups``: pipeline slots ``g, g + groups, ...`` of the same walk as
-        ``produce_slots`` (the union's tiles, or the rows' own tiles one row after another)."""
+        """The tile's pipeline slots: its union's tiles, or (``length = -1``) its rows' own tiles one
+        row after another. Gather group ``g`` of ``groups`` fills slots ``g, g + groups, ...``
+        (one group: every slot; the single-group arithmetic is resolved at trace time)."""
         groups = self.groups
-        length = mLen[tile]
-        row0 = tile * self.R
-        if length >= 0:
-            req = Int32(-1)
-            if row0 < mTokenToReq.shape[0]:
-                req = mTokenToReq[row0]
-            n = (length + self.tile - 1) // self.tile
-            self.gather_list(mK, mV, mUnion, tile, length, length, g, Int32(groups), (n - g + groups - 1) // groups,
-                             g, req, mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, pw, lane,
-                             mMember, 1, Int32(0), groups)
-        else:
-            topk = mIdx.shape[1] - 1
-            i0 = Int32(0)
-            for r in cutlass.range(self.R, unroll=1):
-                row = row0 + r
-                count = self.row_count(mIdx, row)
-                n = (count + self.tile - 1) // self.tile
-                j0 = (g + groups - i0 % groups) % groups  # the row's first tile in this group's slots
-                m = (n - j0 + groups - 1) // groups
-                if n > j0:
-                    self.gather_list(mK, mV, mIdx, row, topk, count, j0, Int32(groups), m, i0 + j0, mTokenToReq[row],
-                                     mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, pw,
-                                     lane, None, 2, r, groups)
-                i0 = i0 + n
-
-    @cute.jit
-    def produce_slots(self, mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, storage, k_layout,
-                      v_layout, sMask, full, empty, tile, kv_head, pw, lane):
+        g = 0
+        if const_expr(groups > 1):
+            pw, g = pw % self.P, pw // self.P  # the warp's index in its group, the group
         length = mLen[tile]
         row0 = tile * self.R
         if length >= 0:
             req = Int32(-1)
             if row0 < mTokenToReq.shape[0]:
                 req = mTokenToReq[row0]  # the pre-pass checked that every row shares it
-            self.gather_list(mK, mV, mUnion, tile, length, length, Int32(0), Int32(1),
-                             (length + self.tile - 1) // self.tile, Int32(0), req, mBlockTable, storage, k_layout,
-                             v_layout, sMask, full, empty, kv_head, pw, lane, mMember, 1, Int32(0))
+            n = (length + self.tile - 1) // self.tile
+            mine = n if const_expr(groups == 1) else (n - g + groups - 1) // groups
+            self.gather_list(mK, mV, mUnion, tile, length, length, Int32(g), Int32(groups), mine, Int32(g), req,
+                             mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, pw, lane, mMember,
+                             1, Int32(0), groups)
         else:
             topk = mIdx.shape[1] - 1
             i0 = Int32(0)
@@ -477,10 +445,15 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                 row = row0 + r
                 count = self.row_count(mIdx, row)
                 n = (count + self.tile - 1) // self.tile
-                if n > 0:
-                    self.gather_list(mK, mV, mIdx, row, topk, count, Int32(0), Int32(1), n, i0, mTokenToReq[row],
-                                     mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, pw,
-                                     lane, None, 2, r)
+                j0 = 0  # the row's first tile in this group's slots
+                mine = n
+                if const_expr(groups > 1):
+                    j0 = (g + groups - i0 % groups) % groups
+                    mine = (n - j0 + groups - 1) // groups
+                if n > j0:
+                    self.gather_list(mK, mV, mIdx, row, topk, count, Int32(j0), Int32(groups), mine, i0 + j0,
+                                     mTokenToReq[row], mBlockTable, storage, k_layout, v_layout, sMask, full, empty,
+                                     kv_head, pw, lane, None, 2, r, groups)
                 i0 = i0 + n
 
 
