@@ -56,6 +56,10 @@ from .qsa_merge import sigmoid
 PRODUCER_WARP = MMA_WARPS  # the first producer warp
 LOG2E = math.log2(math.e)
 MAX_GROUP = 16  # the WGMMA N of one CTA (query heads of one KV head)
+# Gated epilogues load the gate per output element. The compiler cannot move a load of the gate
+# above a store to the output (they may alias), so a load between stores is a serial L2 round
+# trip; these many elements' gate loads are issued together before their stores instead.
+GATE_BATCH = 32
 
 
 @dsl_user_op
@@ -680,21 +684,31 @@ class Sm90QsaAttention(Sm90PagedDecode):
                         else:
                             mLse[token, head] = lse
         cO = thr_pv.partition_C(cute.make_identity_tensor((D, N)))
-        for e in cutlass.range_constexpr(cute.size(acc_o)):
-            token, head, live = self.out_row(mO, row, kv_head, cO[e][1])
-            if live:
-                d = self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])
-                val = acc_o[e] * inv[slot_of(cO0[e][1])]
-                if const_expr(cfg.split):
-                    mO[split, token, head, d] = val
-                else:
-                    o = val.to(mO.element_type)
-                    if const_expr(cfg.gate):
-                        # round the attention output first, then the fp32 gate product
-                        g = mGate[token, head, d].to(Float32)
-                        sig = sigmoid(g)
-                        o = (o.to(Float32) * sig).to(mO.element_type)
-                    mO[token, head, d] = o
+        n = cute.size(acc_o)
+        batch = GATE_BATCH if const_expr(cfg.gate and not cfg.split) else n
+        for b0 in cutlass.range_constexpr(0, n, batch):
+            gv = None
+            if const_expr(cfg.gate and not cfg.split):
+                # a batch's gate loads before its first output store (see GATE_BATCH)
+                gv = cute.make_rmem_tensor((batch,), mGate.element_type)
+                for k in cutlass.range_constexpr(batch):
+                    token, head, live = self.out_row(mO, row, kv_head, cO[b0 + k][1])
+                    if live:
+                        gv[k] = mGate[token, head, self.physical_d(cO0[b0 + k][0], cO[b0 + k][0] - cO0[b0 + k][0])]
+            for k in cutlass.range_constexpr(batch):
+                e = b0 + k
+                token, head, live = self.out_row(mO, row, kv_head, cO[e][1])
+                if live:
+                    d = self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])
+                    val = acc_o[e] * inv[slot_of(cO0[e][1])]
+                    if const_expr(cfg.split):
+                        mO[split, token, head, d] = val
+                    else:
+                        o = val.to(mO.element_type)
+                        if const_expr(cfg.gate):
+                            # round the attention output first, then the fp32 gate product
+                            o = (o.to(Float32) * sigmoid(gv[k].to(Float32))).to(mO.element_type)
+                        mO[token, head, d] = o
 
 
 @dataclass(frozen=True)
