@@ -395,13 +395,14 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
             # compiler cannot move a load of mGate above a store to mO (they may alias), so one
             # load per element between stores serialized 128 L2 round trips per thread (ncu: the
             # gated epilogue held ~40 % of the row-tile kernel's stall samples at 1 x 4096)
-            for b0 in cutlass.range_constexpr(0, n, GATE_BATCH):
-                gv = cute.make_rmem_tensor((GATE_BATCH,), mGate.element_type)
-                for k in cutlass.range_constexpr(GATE_BATCH):
+            batch = min(GATE_BATCH, n)
+            for b0 in cutlass.range_constexpr(0, n, batch):
+                gv = cute.make_rmem_tensor((batch,), mGate.element_type)
+                for k in cutlass.range_constexpr(batch):
                     h = cO0[b0 + k][0] // 8
                     if live[h] != 0:
                         gv[k] = mGate[token[h], head[h], cO[b0 + k][1]]
-                for k in cutlass.range_constexpr(GATE_BATCH):
+                for k in cutlass.range_constexpr(batch):
                     e = b0 + k
                     h = cO0[e][0] // 8
                     if live[h] != 0:
