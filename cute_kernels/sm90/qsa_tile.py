@@ -384,32 +384,48 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
             live[h] = Int32(1) if m < R * G and token[h] < mO.shape[0] else Int32(0)
             if lane % 4 == 0 and live[h] != 0:
                 mLse[token[h], head[h]] = lse
+        # Elements (e, e + 1) of the accumulator are adjacent columns of one row (checked at
+        # trace time), so O (and an aligned gate) move as 4-byte pairs: half the accesses.
         n = cute.size(acc_o)
+        for e in cutlass.range_constexpr(0, n, 2):
+            assert cO0[e + 1][0] == cO0[e][0] and cO0[e + 1][1] == cO0[e][1] + 1
         if const_expr(not self.cfg.gate):
-            for e in cutlass.range_constexpr(n):
+            o2 = cute.make_rmem_tensor((2,), mO.element_type)
+            for e in cutlass.range_constexpr(0, n, 2):
                 h = cO0[e][0] // 8
                 if live[h] != 0:
-                    mO[token[h], head[h], cO[e][1]] = (acc_o[e] * inv[h]).to(mO.element_type)
+                    for i in cutlass.range_constexpr(2):
+                        o2[i] = (acc_o[e + i] * inv[h]).to(mO.element_type)
+                    cute.local_tile(mO[token[h], head[h], None], (2,), (cO[e][1] // 2,)).store(o2.load())
         else:
-            # The gate loads of a batch are all issued before its first output store: the
-            # compiler cannot move a load of mGate above a store to mO (they may alias), so one
-            # load per element between stores serialized 128 L2 round trips per thread (ncu: the
-            # gated epilogue held ~40 % of the row-tile kernel's stall samples at 1 x 4096)
+            # All gate loads of a batch are in flight before its first output store: the compiler
+            # cannot move a load of mGate above a store to mO (they may alias), and a load under
+            # a branch waits inside it, so one load per element between stores serialized an L2
+            # round trip each (ncu: ~40 % of the row-tile kernel's stall samples at 1 x 4096).
+            # A dead row's gate is read from token 0 (which exists) and never used: no branch.
+            gtok = cute.make_rmem_tensor((2,), Int32)
+            for h in cutlass.range_constexpr(2):
+                gtok[h] = token[h] * live[h]
+            w = self.cfg.gate_vec
             batch = min(GATE_BATCH, n)
             for b0 in cutlass.range_constexpr(0, n, batch):
                 gv = cute.make_rmem_tensor((batch,), mGate.element_type)
+                for k in cutlass.range_constexpr(0, batch, w):
+                    h = cO0[b0 + k][0] // 8
+                    src = cute.local_tile(mGate[gtok[h], head[h], None], (w,), (cO[b0 + k][1] // w,))
+                    cute.local_tile(gv, (w,), (k // w,)).store(src.load())
+                # every element's gated value first (dead rows too), so that no gate load is
+                # consumed only under a row's branch, where the compiler would sink it
+                ov = cute.make_rmem_tensor((batch,), mO.element_type)
                 for k in cutlass.range_constexpr(batch):
+                    # round the attention output first, then the fp32 gate product
+                    o = (acc_o[b0 + k] * inv[cO0[b0 + k][0] // 8]).to(mO.element_type)
+                    ov[k] = (o.to(Float32) * sigmoid(gv[k].to(Float32))).to(mO.element_type)
+                for k in cutlass.range_constexpr(0, batch, 2):
                     h = cO0[b0 + k][0] // 8
                     if live[h] != 0:
-                        gv[k] = mGate[token[h], head[h], cO[b0 + k][1]]
-                for k in cutlass.range_constexpr(batch):
-                    e = b0 + k
-                    h = cO0[e][0] // 8
-                    if live[h] != 0:
-                        # round the attention output first, then the fp32 gate product
-                        o = (acc_o[e] * inv[h]).to(mO.element_type)
-                        o = (o.to(Float32) * sigmoid(gv[k].to(Float32))).to(mO.element_type)
-                        mO[token[h], head[h], cO[e][1]] = o
+                        dst = cute.local_tile(mO[token[h], head[h], None], (2,), (cO[b0 + k][1] // 2,))
+                        dst.store(cute.local_tile(ov, (2,), (k // 2,)).load())
 
     @cute.jit
     def row_count(self, mIdx, row):
@@ -478,13 +494,16 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
     must be False) plus ``rows_per_cta`` (R; R * group <= 64), ``consumers`` (consumer
     warpgroups: 1, or 2 taking alternate union tiles) and, with 2, the registers per thread the
     producer and consumer warpgroups take with ``setmaxnreg`` (multiples of 8 in [24, 256]; the
-    three warpgroups share the 168 per thread the launch gives 384 threads)."""
+    three warpgroups share the 168 per thread the launch gives 384 threads). ``gate_vec``: gate
+    elements per load, 2 when the gate's pointer and strides are 4-byte aligned (the usual case,
+    a slice of a fused projection), else 1."""
 
     rows_per_cta: int = 5
     consumers: int = 1
     gather_groups: int = 1
     producer_regs: int = 0
     consumer_regs: int = 0
+    gate_vec: int = 1
 
     kernel_id = "sm90.qsa_tile"
 
@@ -506,6 +525,8 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
         if not 1 <= self.rows_per_cta or self.rows_per_cta * self.group > MAX_COLUMNS:
             raise ValueError(f"rows_per_cta * group must be in [1, {MAX_COLUMNS}], got {self.rows_per_cta} x "
                              f"{self.group}")
+        if self.gate_vec not in (1, 2) or (self.gate_vec == 2 and not self.gate):
+            raise ValueError(f"gate_vec must be 1, or 2 with a gate; got {self.gate_vec} (gate={self.gate})")
         if self.consumers not in (1, 2):
             raise ValueError(f"consumers must be 1 or 2, got {self.consumers}")
         threads = (MMA_WARPS * self.consumers + self.producers) * 32
@@ -554,7 +575,7 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
             TensorArg("length", "int32", ("NT",), align=4),
             TensorArg("out", self.q_dtype, ("T", "Hq", D), align=4),
             TensorArg("lse", "fp32", ("T", "Hq"), align=4),
-            TensorArg("gate", self.q_dtype, ("GT", "GH", D), align=2),
+            TensorArg("gate", self.q_dtype, ("GT", "GH", D), align=2 * self.gate_vec),
             ScalarArg("k_scale", "fp32"),
             ScalarArg("v_scale", "fp32"),
         )
@@ -574,8 +595,8 @@ def tile_rows(kv_dtype: str, group: int) -> int:
 
 def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int, gate: bool,
                          **override) -> Sm90QsaTileConfig:
-    """The config the op, the warm-up and the compile matrix use (tuning filled in here);
-    ``override`` replaces fields (benchmarks)."""
+    """The config the op, the warm-up and the compile matrix use (tuning filled in here; a gate is
+    assumed 4-byte aligned, ``gate_vec=1`` otherwise); ``override`` replaces fields (benchmarks)."""
     rows = override.pop("rows_per_cta", tile_rows(kv_dtype, group))
     tile = override.pop("tile", 64)
     roles = TILE_SCHEDULE["fp8" if kv_dtype == "fp8_e4m3" else "16-bit"]
@@ -591,7 +612,7 @@ def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: i
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=False, gate=gate, occupancy=occupancy, rows_per_cta=rows,
                   producers=producers, consumers=consumers, gather_groups=groups, producer_regs=producer_regs,
-                  consumer_regs=consumer_regs)
+                  consumer_regs=consumer_regs, gate_vec=2 if gate else 1)
     fields.update(override)
     return Sm90QsaTileConfig(**fields)
 

@@ -63,17 +63,36 @@ def _longest_load_store_alternation(ptx: str) -> int:
     return best
 
 
+def _gate_load_span(ptx: str) -> tuple[int, list[str]]:
+    """The 16-bit global loads (only the gate is read that way) and the branches and global
+    stores between the first and the last of them."""
+    import re
+
+    lines = ptx.splitlines()
+    at = [i for i, line in enumerate(lines) if re.search(r"\bld\.global(\.v2)?\.b16\b", line)]
+    between = [line.strip() for line in lines[at[0]:at[-1] + 1] if re.search(r"\bbra\b|\bst\.global", line)]
+    return len(at), between
+
+
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
 def test_gated_qsa_epilogues_batch_their_gate_loads(kv):
     """The QSA output gate is read per output element; since the gate and the output may alias,
     the compiler keeps program order between them. Each gated epilogue must issue its gate loads in
     batches before the stores. Before this fix, the row-tile epilogue alternated 128 loads with 128
-    stores. ncu then put 37-40 % of the kernel's stall samples there."""
+    stores. ncu then put 37-40 % of the kernel's stall samples there. Batched but each under its
+    row's branch, the loads still waited one by one (ncu SASS: a stall on every gate conversion)."""
     from cute_kernels.jit.compiler import compile_config
     from cute_kernels.sm90.qsa import make_qsa_config
     from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
 
     shape = dict(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, gate=True)
-    for cfg in (make_qsa_tile_config(**shape), make_qsa_config(**shape, split=False)):
+    for cfg in (make_qsa_tile_config(**shape), make_qsa_tile_config(**shape, gate_vec=1),
+                make_qsa_config(**shape, split=False)):
         ptx = compile_config(cfg, "sm_90a", artifacts=True).ptx
         assert _longest_load_store_alternation(ptx) <= 4, cfg.label()
+        # all gate loads in one run, with no branch between them (a load under a row's branch
+        # waits inside it) and no output store; 4-byte pairs in the row-tile kernel
+        loads, between = _gate_load_span(ptx)
+        per_thread = 128 // getattr(cfg, "gate_vec", 1) if cfg.kernel_id == "sm90.qsa_tile" else 32
+        assert loads == per_thread, (cfg.label(), loads)
+        assert not between, (cfg.label(), between[:4])
