@@ -19,6 +19,7 @@
 #   qsatile    union pre-pass + row-tile tests, then prefill bench: per-row kernel vs row tiles
 #   ncuqsa     Nsight Compute sections of the QSA decode (BF16 N 256) and row-tile prefill kernels
 #   qsasmall   small-N decode: ncu durations of the split kernel and the merge (BF16 N 1, FP8 N 4), split-count sweep
+#   mergeqsa   merge tests + QSA tests, bench merge, small-N QSA split sweep (after a merge change)
 #   qsaprod    decode A/B of the per-row kernel's gather warps (1 vs 2, twice, interleaved)
 #   qsa2wg     row-tile GPU tests, prefill bench of the row-tile kernel's warp-role variants
 #   ncusrc     per-instruction (SASS) stall samples of the row-tile kernel, BF16 and FP8 1x4096
@@ -94,6 +95,10 @@ for step in "$@"; do
               done
               TAIL=40 run 120 qsasmall python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 --decode-n 1,4,16 \
                 --tuning ";splits=8;splits=17;splits=24" --json "$OUT/qsasmall.json" ;;
+    mergeqsa) run 240 pytest_mq python3 -m pytest tests/gpu/test_merge_gpu.py tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider
+              run 120 merge python3 -m profiling.bench_merge --json "$OUT/merge.json"
+              TAIL=40 run 150 qsasweep python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 --decode-n 1,4,16,64 \
+                --tuning ";splits=8;splits=11;splits=17;splits=24;splits=33" --json "$OUT/qsasweep.json" ;;
     qsaprod) run 120 qsaprod python3 -m profiling.bench_qsa --kinds decode --decode-n 16,64,256 \
                --tuning "producers=1;producers=2;producers=1;producers=2" --json "$OUT/qsaprod.json" ;;
     # --report-api-errors no: the DSL's compiler probes driver entry points (cuGetProcAddress) and

@@ -23,7 +23,7 @@ from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import TensorArg
 
 _MAX_THREADS = 128
-_UNROLL = 8  # splits whose loads are in flight together
+_UNROLL = 8  # splits whose loads are in flight together (one dependent round trip per group)
 
 
 class MergeStates:
@@ -96,27 +96,38 @@ class MergeStates:
         ``2^(lse - shift)``: returns (unnormalized sum, sum of weights, shift = max LSE, or 0 if
         every split is empty so that every weight is exp2(-inf) = 0 and no inf - inf NaN).
 
-        Branch-free accumulation: every split's 16-byte load is issued (so several stay in
-        flight), and an empty split's value is *selected away*, never multiplied, so NaN garbage
-        in its partial cannot leak (0 * NaN would). Groups of UNROLL splits: all loads of a group
-        are issued before any is used, so UNROLL x 16 bytes per thread are in flight."""
-        lse_max = -Float32.inf
-        for s in cutlass.range(num_splits, unroll=4):
-            lse_max = cute.arch.fmax(lse_max, mPartialLse[s, n, h])
-        shift = lse_max if lse_max != -Float32.inf else Float32(0.0)
+        One pass in groups of UNROLL splits with a running maximum (the sum is rescaled when it
+        moves): all LSE and 16-byte partial loads of a group are issued before any is used, the
+        last group's missing splits are clamped to the last split and weighted as empty, so a
+        row costs ceil(S / UNROLL) dependent round trips (a separate max pass and a scalar tail
+        cost S / 4 + S / UNROLL + S % UNROLL: ~14 at S = 33, where the merge is pure latency).
+        Branch-free: an empty split's value is *selected away*, never multiplied, so NaN garbage
+        in its partial cannot leak (0 * NaN would)."""
         acc = cute.make_rmem_tensor((self.vec,), Float32)
         acc.fill(0.0)
         weight_sum = Float32(0.0)
-        full = num_splits - num_splits % _UNROLL
-        for s0 in cutlass.range(0, full, _UNROLL, unroll=1):
-            lses = [mPartialLse[s0 + j, n, h] for j in range(_UNROLL)]
-            parts = [cute.local_tile(mPartialO[s0 + j, n, h, None], (self.vec,), (lane,)).load()
-                     for j in range(_UNROLL)]
+        shift = Float32(0.0)  # the running max LSE, 0 while every split so far is empty
+        lse_max = -Float32.inf
+        for s0 in cutlass.range(0, num_splits, _UNROLL, unroll=1):
+            lses = cute.make_rmem_tensor((_UNROLL,), Float32)
+            parts = []
+            for j in cutlass.range_constexpr(_UNROLL):
+                s = cutlass.min(s0 + j, num_splits - 1)
+                lses[j] = mPartialLse[s, n, h]
+                parts.append(cute.local_tile(mPartialO[s, n, h, None], (self.vec,), (lane,)).load())
+            for j in cutlass.range_constexpr(1, _UNROLL):
+                if s0 + j >= num_splits:
+                    lses[j] = -Float32.inf  # a clamped repeat of the last split: weight 0
+            for j in cutlass.range_constexpr(_UNROLL):
+                lse_max = cute.arch.fmax(lse_max, lses[j])
+            new_shift = lse_max if lse_max != -Float32.inf else Float32(0.0)
+            scale = cute.math.exp2(shift - new_shift, fastmath=True)
+            for e in cutlass.range_constexpr(self.vec):
+                acc[e] = acc[e] * scale
+            weight_sum = weight_sum * scale
+            shift = new_shift
             for j in cutlass.range_constexpr(_UNROLL):
                 weight_sum = self.accumulate(acc, parts[j], lses[j], shift, weight_sum)
-        for s in cutlass.range(full, num_splits, unroll=1):
-            part = cute.local_tile(mPartialO[s, n, h, None], (self.vec,), (lane,)).load()
-            weight_sum = self.accumulate(acc, part, mPartialLse[s, n, h], shift, weight_sum)
         return acc, weight_sum, shift
 
     @cute.jit

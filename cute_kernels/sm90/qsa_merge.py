@@ -48,13 +48,15 @@ class QsaMerge(MergeStates):
         if row < mO.shape[0] * num_heads:
             n = row // num_heads
             h = row - n * num_heads
+            g = None
+            if cutlass.const_expr(self.gate):  # in flight with the first group of partials
+                g = cute.local_tile(mGate[n, h, None], (self.vec,), (lane,)).load().to(Float32)
             acc, weight_sum, _ = self.merge_row(mPartialO, mPartialLse, num_splits, n, h, lane)
             inv = Float32(0.0)
             if weight_sum > Float32(0.0):
                 inv = Float32(1.0) / weight_sum
             o = (acc.load() * inv).to(self.out_dtype)  # the attention output, rounded first
             if cutlass.const_expr(self.gate):
-                g = cute.local_tile(mGate[n, h, None], (self.vec,), (lane,)).load().to(Float32)
                 sig = cute.make_rmem_tensor((self.vec,), Float32)
                 sig.store(g)
                 for e in cutlass.range_constexpr(self.vec):
