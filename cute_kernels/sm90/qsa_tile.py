@@ -306,13 +306,19 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
             warpgroup.wait_group(0)
             cute.arch.mbarrier_arrive(empty + stage)
 
+        n = cute.size(acc_o)
         if const_expr(self.consumers == 1):
-            self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head, lane)
+            self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head, lane,
+                            0, n)
         else:
+            # each group finishes half of the elements (the epilogue is serial work of the CTA)
             self.combine_consumers(storage, acc_o, row_max, row_sum, cO0, wg, tidx)
             if wg == 0:
                 self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head,
-                                lane)
+                                lane, 0, n // 2)
+            else:
+                self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head,
+                                lane, n // 2, n)
 
     @cute.jit
     def stage_q_shared(self, mQ, sQ, sRed, tile, kv_head, tidx, warp, lane, wg):
@@ -328,41 +334,54 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
 
     @cute.jit
     def combine_consumers(self, storage, acc_o, row_max, row_sum, cO0, wg, tidx):
-        """Fold the second consumer warpgroup's running state into the first's: both groups have
-        the same thread-to-element map, so thread t of group 1 hands its O fragment, maxima and
-        sums to thread t of group 0 through the idle K tiles (element-major: conflict-free)."""
+        """Fold the two consumer warpgroups' running states together, each group keeping half
+        of the O fragment: both groups have the same thread-to-element map, so thread t of each
+        group hands the half the other finishes (elements [0, n/2) go to group 0, the rest to
+        group 1), plus its maxima and sums, to thread t of the other group through the idle K
+        tiles (element-major: conflict-free)."""
         n = cute.size(acc_o)
+        half = n // 2
         nt = MMA_WARPS * 32
         sX = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
-                              cute.make_layout((n + 4, nt), stride=(nt, 1)))
+                              cute.make_layout((2, half + 4, nt), stride=((half + 4) * nt, nt, 1)))
         # both groups' last WGMMAs (async proxy) are done before the K tiles are overwritten
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=2 * nt)
-        if wg == 1:
-            for e in cutlass.range_constexpr(n):
-                sX[e, tidx] = acc_o[e]
+        if wg == 1:  # to group 0: elements [0, half)
+            for e in cutlass.range_constexpr(half):
+                sX[0, e, tidx] = acc_o[e]
             for h in cutlass.range_constexpr(2):
-                sX[n + h, tidx] = row_max[h]
-                sX[n + 2 + h, tidx] = row_sum[h]
+                sX[0, half + h, tidx] = row_max[h]
+                sX[0, half + 2 + h, tidx] = row_sum[h]
+        else:  # to group 1: elements [half, n)
+            for e in cutlass.range_constexpr(half):
+                sX[1, e, tidx] = acc_o[half + e]
+            for h in cutlass.range_constexpr(2):
+                sX[1, half + h, tidx] = row_max[h]
+                sX[1, half + 2 + h, tidx] = row_sum[h]
         cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=2 * nt)
+        a0 = cute.make_rmem_tensor((2,), Float32)
+        a1 = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            m1 = sX[wg, half + h, tidx]
+            m = cute.arch.fmax(row_max[h], m1)
+            safe = m if m != -Float32.inf else Float32(0.0)
+            a0[h] = cute.math.exp2(row_max[h] - safe, fastmath=True)
+            a1[h] = cute.math.exp2(m1 - safe, fastmath=True)
+            row_sum[h] = row_sum[h] * a0[h] + sX[wg, half + 2 + h, tidx] * a1[h]
+            row_max[h] = m
         if wg == 0:
-            a0 = cute.make_rmem_tensor((2,), Float32)
-            a1 = cute.make_rmem_tensor((2,), Float32)
-            for h in cutlass.range_constexpr(2):
-                m1 = sX[n + h, tidx]
-                m = cute.arch.fmax(row_max[h], m1)
-                safe = m if m != -Float32.inf else Float32(0.0)
-                a0[h] = cute.math.exp2(row_max[h] - safe, fastmath=True)
-                a1[h] = cute.math.exp2(m1 - safe, fastmath=True)
-                row_sum[h] = row_sum[h] * a0[h] + sX[n + 2 + h, tidx] * a1[h]
-                row_max[h] = m
-            for e in cutlass.range_constexpr(n):
-                h = cO0[e][0] // 8
-                acc_o[e] = acc_o[e] * a0[h] + sX[e, tidx] * a1[h]
+            for e in cutlass.range_constexpr(half):
+                acc_o[e] = acc_o[e] * a0[cO0[e][0] // 8] + sX[0, e, tidx] * a1[cO0[e][0] // 8]
+        else:
+            for e in cutlass.range_constexpr(half):
+                acc_o[half + e] = acc_o[half + e] * a0[cO0[half + e][0] // 8] + sX[1, e, tidx] * a1[cO0[half + e][0] // 8]
 
     @cute.jit
-    def store_rows(self, acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head, lane):
-        """The epilogue: one query column per quad; O rows in q's dtype (gated) and the LSE."""
+    def store_rows(self, acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head, lane,
+                   e0: cutlass.Constexpr, e1: cutlass.Constexpr):
+        """The epilogue of accumulator elements [e0, e1): one query column per quad; O rows in q's
+        dtype (gated), and the LSE (by the group that stores element 0)."""
         G, R = self.G, self.R
         inv = cute.make_rmem_tensor((2,), Float32)
         token = cute.make_rmem_tensor((2,), Int32)
@@ -382,16 +401,18 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
             token[h] = tile * R + r
             head[h] = kv_head * G + (m - r * G)
             live[h] = Int32(1) if m < R * G and token[h] < mO.shape[0] else Int32(0)
-            if lane % 4 == 0 and live[h] != 0:
-                mLse[token[h], head[h]] = lse
+            if const_expr(e0 == 0):
+                if lane % 4 == 0 and live[h] != 0:
+                    mLse[token[h], head[h]] = lse
         # Elements (e, e + 1) of the accumulator are adjacent columns of one row (checked at
         # trace time), so O (and an aligned gate) move as 4-byte pairs: half the accesses.
-        n = cute.size(acc_o)
-        for e in cutlass.range_constexpr(0, n, 2):
+        n = e1 - e0
+        assert e0 % 2 == 0 and n % 2 == 0
+        for e in cutlass.range_constexpr(e0, e1, 2):
             assert cO0[e + 1][0] == cO0[e][0] and cO0[e + 1][1] == cO0[e][1] + 1
         if const_expr(not self.cfg.gate):
             o2 = cute.make_rmem_tensor((2,), mO.element_type)
-            for e in cutlass.range_constexpr(0, n, 2):
+            for e in cutlass.range_constexpr(e0, e1, 2):
                 h = cO0[e][0] // 8
                 if live[h] != 0:
                     for i in cutlass.range_constexpr(2):
@@ -408,7 +429,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                 gtok[h] = token[h] * live[h]
             w = self.cfg.gate_vec
             batch = min(GATE_BATCH, n)
-            for b0 in cutlass.range_constexpr(0, n, batch):
+            for b0 in cutlass.range_constexpr(e0, e1, batch):
                 gv = cute.make_rmem_tensor((batch,), mGate.element_type)
                 for k in cutlass.range_constexpr(0, batch, w):
                     h = cO0[b0 + k][0] // 8
@@ -552,8 +573,8 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
             # released in order, which one consumer warpgroup guarantees
             raise ValueError("several gather groups need a single consumer warpgroup")
         if self.consumers == 2:
-            # the second group's O fragment, maxima and sums pass through the K tiles
-            if self.stages * self.tile * self.head_dim * 2 < (self.head_dim // 2 + 4) * 128 * 4:
+            # each group's half O fragment, maxima and sums pass through the K tiles
+            if self.stages * self.tile * self.head_dim * 2 < 2 * (self.head_dim // 4 + 4) * 128 * 4:
                 raise ValueError(f"{self.stages} stages of K tiles cannot hold the consumers' exchange")
 
     @property

@@ -63,15 +63,18 @@ def _longest_load_store_alternation(ptx: str) -> int:
     return best
 
 
-def _gate_load_span(ptx: str) -> tuple[int, list[str]]:
-    """The 16-bit global loads (only the gate is read that way) and the branches and global
-    stores between the first and the last of them."""
+def _gate_load_runs(ptx: str) -> list[int]:
+    """Sizes of the runs of 16-bit global loads (only the gate is read that way) that no branch
+    and no global store interrupts, in program order."""
     import re
 
-    lines = ptx.splitlines()
-    at = [i for i, line in enumerate(lines) if re.search(r"\bld\.global(\.v2)?\.b16\b", line)]
-    between = [line.strip() for line in lines[at[0]:at[-1] + 1] if re.search(r"\bbra\b|\bst\.global", line)]
-    return len(at), between
+    runs, cur = [], 0
+    for line in ptx.splitlines():
+        if re.search(r"\bld\.global(\.v2)?\.b16\b", line):
+            cur += 1
+        elif cur and re.search(r"\bbra\b|\bst\.global", line):
+            runs, cur = runs + [cur], 0
+    return runs + [cur] if cur else runs
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
@@ -90,9 +93,12 @@ def test_gated_qsa_epilogues_batch_their_gate_loads(kv):
                 make_qsa_config(**shape, split=False)):
         ptx = compile_config(cfg, "sm_90a", artifacts=True).ptx
         assert _longest_load_store_alternation(ptx) <= 4, cfg.label()
-        # all gate loads in one run, with no branch between them (a load under a row's branch
-        # waits inside it) and no output store; 4-byte pairs in the row-tile kernel
-        loads, between = _gate_load_span(ptx)
-        per_thread = 128 // getattr(cfg, "gate_vec", 1) if cfg.kernel_id == "sm90.qsa_tile" else 32
-        assert loads == per_thread, (cfg.label(), loads)
-        assert not between, (cfg.label(), between[:4])
+        # a load under a row's branch waits inside it; 4-byte pairs in the row-tile kernel
+        # one run of loads per storing warpgroup (the row tiles' two consumer groups store half
+        # each): every element's gate load of that group, none under a branch
+        runs = _gate_load_runs(ptx)
+        if cfg.kernel_id == "sm90.qsa_tile":
+            per_group = 128 // cfg.gate_vec // cfg.consumers
+            assert runs == [per_group] * cfg.consumers, (cfg.label(), runs)
+        else:
+            assert runs == [32], (cfg.label(), runs)
