@@ -21,6 +21,7 @@
 #   qsasmall   small-N decode: ncu durations of the split kernel and the merge (BF16 N 1, FP8 N 4), split-count sweep
 #   mergeqsa   merge tests + QSA tests, bench merge, small-N QSA split sweep (after a merge change)
 #   qsatable   small/mid-N QSA decode split counts (the config table's inputs)
+#   qsapdl     small-N QSA decode with and without programmatic dependent launch of the split kernel
 #   qsaprod    decode A/B of the per-row kernel's gather warps (1 vs 2, twice, interleaved)
 #   qsa2wg     row-tile GPU tests, prefill bench of the row-tile kernel's warp-role variants
 #   ncusrc     per-instruction (SASS) stall samples of the row-tile kernel, BF16 and FP8 1x4096
@@ -102,6 +103,8 @@ for step in "$@"; do
                 --tuning ";splits=8;splits=11;splits=17;splits=24;splits=33" --json "$OUT/qsasweep.json" ;;
     qsatable) TAIL=40 run 150 qsatable python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 --decode-n 4,16,64 \
                 --tuning ";splits=1;splits=2;splits=4;splits=8;splits=11" --json "$OUT/qsatable.json" ;;
+    qsapdl) TAIL=30 run 120 qsapdl python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 --decode-n 1,4,16,64 \
+              --tuning ";pdl=0" --json "$OUT/qsapdl.json" ;;
     qsaprod) run 120 qsaprod python3 -m profiling.bench_qsa --kinds decode --decode-n 16,64,256 \
                --tuning "producers=1;producers=2;producers=1;producers=2" --json "$OUT/qsaprod.json" ;;
     # --report-api-errors no: the DSL's compiler probes driver entry points (cuGetProcAddress) and

@@ -543,6 +543,8 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
         super().__post_init__()
         if self.split:
             raise ValueError("the row-tile kernel does not split")
+        if self.pdl:  # it reads the union pre-pass's output, written by the launch just before
+            raise ValueError("the row-tile kernel is not a programmatic dependent launch")
         if not 1 <= self.rows_per_cta or self.rows_per_cta * self.group > MAX_COLUMNS:
             raise ValueError(f"rows_per_cta * group must be in [1, {MAX_COLUMNS}], got {self.rows_per_cta} x "
                              f"{self.group}")
