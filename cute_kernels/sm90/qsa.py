@@ -737,7 +737,10 @@ class Sm90QsaConfig(KernelConfig):
     register allocation must allow (0 = no constraint). ``producers``: gather warps (1, or a
     multiple of the tile's 32-token words: each then copies a slice of one word's rows).
     ``pdl``: launched as a programmatic dependent of the previous kernel (its shared-memory
-    setup overlaps that kernel's tail; it waits before its first global read).
+    setup overlaps that kernel's tail; it waits before its first global read). On for split
+    launches, whose predecessor is usually the previous layer's merge (a few CTAs that release
+    their dependents at once): H200, 16 copies in a graph, BF16 N = 4 12.0 -> 11.2 us, FP8 N = 16
+    17.9 -> 16.8. Off without splits: one-wave grids gained nothing and FP8 N = 64 lost 3 us.
     """
 
     q_dtype: str = "bf16"
@@ -929,6 +932,6 @@ def make_qsa_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, p
     stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile, producers)
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=split, gate=gate and not split, occupancy=occupancy,
-                  producers=producers, pdl=True)
+                  producers=producers, pdl=split)
     fields.update(override)
     return Sm90QsaConfig(**fields)
