@@ -18,6 +18,10 @@
 #   qsa        bench qsa
 #   qsatile    union pre-pass + row-tile tests, then prefill bench: per-row kernel vs row tiles
 #   ncuqsa     Nsight Compute sections of the QSA decode (BF16 N 256) and row-tile prefill kernels
+#   qsasmall   small-N decode: ncu durations of the split kernel and the merge (BF16 N 1, FP8 N 4), split-count sweep
+#   mergeqsa   merge tests + QSA tests, bench merge, small-N QSA split sweep (after a merge change)
+#   qsatable   small/mid-N QSA decode split counts (the config table's inputs)
+#   qsapdl     small-N QSA decode with and without programmatic dependent launch of the split kernel
 #   qsaprod    decode A/B of the per-row kernel's gather warps (1 vs 2, twice, interleaved)
 #   qsa2wg     row-tile GPU tests, prefill bench of the row-tile kernel's warp-role variants
 #   ncusrc     per-instruction (SASS) stall samples of the row-tile kernel, BF16 and FP8 1x4096
@@ -85,6 +89,22 @@ for step in "$@"; do
               ncu -i "$OUT/ncusrc_$sh.ncu-rep" --page source --csv --print-source sass > "$OUT/ncusrc_${sh}_sass.csv" 2>&1
               ls -la "$OUT/ncusrc_${sh}_sass.csv"; head -c 600 "$OUT/ncusrc_${sh}_sass.csv"; echo
             done ;;
+    qsasmall) for sh in decode-bf16-1 decode-fp8-4; do  # 2 launches per call: the split kernel, the merge
+                python3 -m profiling.ncu_qsa --shape $sh > /dev/null 2>&1
+                TAIL=60 run 100 "ncu_qsa_$sh" ncu --clock-control none --kernel-name regex:qsa --launch-skip 6 \
+                  --launch-count 2 --section SpeedOfLight --section LaunchStats --section Occupancy \
+                  --section WarpStateStats python3 -m profiling.ncu_qsa --shape $sh
+              done
+              TAIL=40 run 120 qsasmall python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 --decode-n 1,4,16 \
+                --tuning ";splits=8;splits=17;splits=24" --json "$OUT/qsasmall.json" ;;
+    mergeqsa) run 240 pytest_mq python3 -m pytest tests/gpu/test_merge_gpu.py tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider
+              run 120 merge python3 -m profiling.bench_merge --json "$OUT/merge.json"
+              TAIL=40 run 150 qsasweep python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 --decode-n 1,4,16,64 \
+                --tuning ";splits=8;splits=11;splits=17;splits=24;splits=33" --json "$OUT/qsasweep.json" ;;
+    qsatable) TAIL=40 run 150 qsatable python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 --decode-n 4,16,64 \
+                --tuning ";splits=1;splits=2;splits=4;splits=8;splits=11" --json "$OUT/qsatable.json" ;;
+    qsapdl) TAIL=30 run 120 qsapdl python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 --decode-n 1,4,16,64 \
+              --tuning ";pdl=0" --json "$OUT/qsapdl.json" ;;
     qsaprod) run 120 qsaprod python3 -m profiling.bench_qsa --kinds decode --decode-n 16,64,256 \
                --tuning "producers=1;producers=2;producers=1;producers=2" --json "$OUT/qsaprod.json" ;;
     # --report-api-errors no: the DSL's compiler probes driver entry points (cuGetProcAddress) and

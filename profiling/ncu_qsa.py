@@ -2,7 +2,7 @@
 
 Each shape is called WARMUP + 1 times; ncu's ``--kernel-name regex:qsa --launch-skip`` /
 ``--launch-count`` pick the last call's launches. Shapes: the decode rows that miss their
-target (BF16 N = 256, one CTA per SM) and the 1 x 4096 prefill with correlated selections (the
+target (BF16 N = 256, one CTA per SM; BF16 N = 1 and FP8 N = 4, split-K + merge) and the 1 x 4096 prefill with correlated selections (the
 row-tile kernel and its union pre-pass).
 """
 
@@ -18,6 +18,8 @@ WARMUP = 3
 # name: (kind, rows, kv dtype, selection)
 SHAPES = {
     "decode-bf16-256": ("decode", 256, torch.bfloat16, "independent"),
+    "decode-bf16-1": ("decode", 1, torch.bfloat16, "independent"),
+    "decode-fp8-4": ("decode", 4, torch.float8_e4m3fn, "independent"),
     "prefill-bf16-4096": ("prefill", 4096, torch.bfloat16, "correlated"),
     "prefill-fp8-4096": ("prefill", 4096, torch.float8_e4m3fn, "correlated"),
 }

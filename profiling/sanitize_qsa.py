@@ -76,6 +76,13 @@ def main():
             out = cute_kernels.qsa_sparse_attention(q, k, v, packed, table, t2r, prefill=True, k_scale=0.5,
                                                     v_scale=2.0, output_gate=g)
             assert not torch.isnan(out).any()
+        # a partial last tile (78 rows, R 5) with a 2-byte aligned gate in an exact-size buffer:
+        # the dead rows' gate loads (token 0) and the element-wise gate path
+        odd = torch.empty(78 * q.shape[1] * q.shape[2] + 1, device="cuda", dtype=BF16)[1:].view(78, *q.shape[1:])
+        odd.copy_(gate[:78])
+        out = cute_kernels.qsa_sparse_attention(q[:78], k, v, packed[:78], table, t2r[:78], prefill=True,
+                                                output_gate=odd)
+        assert not torch.isnan(out).any()
     torch.cuda.synchronize()
     print("sanitize run finished")
 

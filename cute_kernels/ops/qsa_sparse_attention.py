@@ -146,7 +146,7 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
     plan = row_tile_plan(rows, prefill, kv_name, group, page, bt.shape[1], topk,
                          _cache.override.get("tile_rows"))
     if plan is not None:
-        return _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate is not None, device, target)
+        return _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, device, target)
     tile, splits = select_config(rows, Hkv, prefill, kv_name, D, group, topk, device_sm_count(device.index or 0))
     splits = _cache.override.get("splits", splits)
     tuning = _kernel_tuning()
@@ -177,9 +177,11 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, de
     """The prefill row-tile path: the union pre-pass and the row-tile kernel, with their int32
     workspace (union lists, membership bits, lengths) carved from one reused buffer."""
     tuning = _kernel_tuning(row_tiles=True)
+    if gate is not None and widest_vector([gate]) < 4:
+        tuning.setdefault("gate_vec", 1)  # a 2-byte aligned gate: loaded one element at a time
     R = plan.rows_per_cta
     fn = get_kernel(make_qsa_tile_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
-                                         gate=gate, rows_per_cta=R, **tuning), target)
+                                         gate=gate is not None, rows_per_cta=R, **tuning), target)
     union_fn = get_kernel(QsaUnionConfig(rows_per_tile=R, page_size=page, max_tokens=plan.max_tokens,
                                          union_cap=plan.union_cap), target)
     nt, cap = plan.num_tiles, plan.union_cap
@@ -189,7 +191,7 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, de
     member = ws[n_u:n_u + n_m].view(nt, R, cap // 32)
     length = ws[n_u + n_m:n_u + n_m + nt]
     lse = _workspace.get(device, rows * Hq)[:rows * Hq].view(rows, Hq)
-    return _Launch(fn, None, None, None, lse, 1, gate, union_fn=union_fn, union=union, member=member,
+    return _Launch(fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn, union=union, member=member,
                    length=length)
 
 

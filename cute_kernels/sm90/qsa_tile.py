@@ -37,7 +37,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..jit.dtypes import DTYPE_BITS
 from ..jit.spec import ScalarArg, TensorArg
 from .decode import BAR_MMA, MMA_M, MMA_WARPS
-from .qsa import LOG2E, Sm90QsaAttention, Sm90QsaConfig
+from .qsa import GATE_BATCH, LOG2E, Sm90QsaAttention, Sm90QsaConfig
 from .qsa_merge import sigmoid
 
 MAX_COLUMNS = 64  # R * G: the query columns on one warpgroup's WGMMA M
@@ -306,13 +306,19 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
             warpgroup.wait_group(0)
             cute.arch.mbarrier_arrive(empty + stage)
 
+        n = cute.size(acc_o)
         if const_expr(self.consumers == 1):
-            self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head, lane)
+            self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head, lane,
+                            0, n)
         else:
+            # each group finishes half of the elements (the epilogue is serial work of the CTA)
             self.combine_consumers(storage, acc_o, row_max, row_sum, cO0, wg, tidx)
             if wg == 0:
                 self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head,
-                                lane)
+                                lane, 0, n // 2)
+            else:
+                self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head,
+                                lane, n // 2, n)
 
     @cute.jit
     def stage_q_shared(self, mQ, sQ, sRed, tile, kv_head, tidx, warp, lane, wg):
@@ -328,41 +334,54 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
 
     @cute.jit
     def combine_consumers(self, storage, acc_o, row_max, row_sum, cO0, wg, tidx):
-        """Fold the second consumer warpgroup's running state into the first's: both groups have
-        the same thread-to-element map, so thread t of group 1 hands its O fragment, maxima and
-        sums to thread t of group 0 through the idle K tiles (element-major: conflict-free)."""
+        """Fold the two consumer warpgroups' running states together, each group keeping half
+        of the O fragment: both groups have the same thread-to-element map, so thread t of each
+        group hands the half the other finishes (elements [0, n/2) go to group 0, the rest to
+        group 1), plus its maxima and sums, to thread t of the other group through the idle K
+        tiles (element-major: conflict-free)."""
         n = cute.size(acc_o)
+        half = n // 2
         nt = MMA_WARPS * 32
         sX = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
-                              cute.make_layout((n + 4, nt), stride=(nt, 1)))
+                              cute.make_layout((2, half + 4, nt), stride=((half + 4) * nt, nt, 1)))
         # both groups' last WGMMAs (async proxy) are done before the K tiles are overwritten
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=2 * nt)
-        if wg == 1:
-            for e in cutlass.range_constexpr(n):
-                sX[e, tidx] = acc_o[e]
+        if wg == 1:  # to group 0: elements [0, half)
+            for e in cutlass.range_constexpr(half):
+                sX[0, e, tidx] = acc_o[e]
             for h in cutlass.range_constexpr(2):
-                sX[n + h, tidx] = row_max[h]
-                sX[n + 2 + h, tidx] = row_sum[h]
+                sX[0, half + h, tidx] = row_max[h]
+                sX[0, half + 2 + h, tidx] = row_sum[h]
+        else:  # to group 1: elements [half, n)
+            for e in cutlass.range_constexpr(half):
+                sX[1, e, tidx] = acc_o[half + e]
+            for h in cutlass.range_constexpr(2):
+                sX[1, half + h, tidx] = row_max[h]
+                sX[1, half + 2 + h, tidx] = row_sum[h]
         cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=2 * nt)
+        a0 = cute.make_rmem_tensor((2,), Float32)
+        a1 = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            m1 = sX[wg, half + h, tidx]
+            m = cute.arch.fmax(row_max[h], m1)
+            safe = m if m != -Float32.inf else Float32(0.0)
+            a0[h] = cute.math.exp2(row_max[h] - safe, fastmath=True)
+            a1[h] = cute.math.exp2(m1 - safe, fastmath=True)
+            row_sum[h] = row_sum[h] * a0[h] + sX[wg, half + 2 + h, tidx] * a1[h]
+            row_max[h] = m
         if wg == 0:
-            a0 = cute.make_rmem_tensor((2,), Float32)
-            a1 = cute.make_rmem_tensor((2,), Float32)
-            for h in cutlass.range_constexpr(2):
-                m1 = sX[n + h, tidx]
-                m = cute.arch.fmax(row_max[h], m1)
-                safe = m if m != -Float32.inf else Float32(0.0)
-                a0[h] = cute.math.exp2(row_max[h] - safe, fastmath=True)
-                a1[h] = cute.math.exp2(m1 - safe, fastmath=True)
-                row_sum[h] = row_sum[h] * a0[h] + sX[n + 2 + h, tidx] * a1[h]
-                row_max[h] = m
-            for e in cutlass.range_constexpr(n):
-                h = cO0[e][0] // 8
-                acc_o[e] = acc_o[e] * a0[h] + sX[e, tidx] * a1[h]
+            for e in cutlass.range_constexpr(half):
+                acc_o[e] = acc_o[e] * a0[cO0[e][0] // 8] + sX[0, e, tidx] * a1[cO0[e][0] // 8]
+        else:
+            for e in cutlass.range_constexpr(half):
+                acc_o[half + e] = acc_o[half + e] * a0[cO0[half + e][0] // 8] + sX[1, e, tidx] * a1[cO0[half + e][0] // 8]
 
     @cute.jit
-    def store_rows(self, acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head, lane):
-        """The epilogue: one query column per quad; O rows in q's dtype (gated) and the LSE."""
+    def store_rows(self, acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head, lane,
+                   e0: cutlass.Constexpr, e1: cutlass.Constexpr):
+        """The epilogue of accumulator elements [e0, e1): one query column per quad; O rows in q's
+        dtype (gated), and the LSE (by the group that stores element 0)."""
         G, R = self.G, self.R
         inv = cute.make_rmem_tensor((2,), Float32)
         token = cute.make_rmem_tensor((2,), Int32)
@@ -382,19 +401,52 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
             token[h] = tile * R + r
             head[h] = kv_head * G + (m - r * G)
             live[h] = Int32(1) if m < R * G and token[h] < mO.shape[0] else Int32(0)
-            if lane % 4 == 0 and live[h] != 0:
-                mLse[token[h], head[h]] = lse
-        for e in cutlass.range_constexpr(cute.size(acc_o)):
-            h = cO0[e][0] // 8
-            if live[h] != 0:
-                d = cO[e][1]
-                o = (acc_o[e] * inv[h]).to(mO.element_type)
-                if const_expr(self.cfg.gate):
+            if const_expr(e0 == 0):
+                if lane % 4 == 0 and live[h] != 0:
+                    mLse[token[h], head[h]] = lse
+        # Elements (e, e + 1) of the accumulator are adjacent columns of one row (checked at
+        # trace time), so O (and an aligned gate) move as 4-byte pairs: half the accesses.
+        n = e1 - e0
+        assert e0 % 2 == 0 and n % 2 == 0
+        for e in cutlass.range_constexpr(e0, e1, 2):
+            assert cO0[e + 1][0] == cO0[e][0] and cO0[e + 1][1] == cO0[e][1] + 1
+        if const_expr(not self.cfg.gate):
+            o2 = cute.make_rmem_tensor((2,), mO.element_type)
+            for e in cutlass.range_constexpr(e0, e1, 2):
+                h = cO0[e][0] // 8
+                if live[h] != 0:
+                    for i in cutlass.range_constexpr(2):
+                        o2[i] = (acc_o[e + i] * inv[h]).to(mO.element_type)
+                    cute.local_tile(mO[token[h], head[h], None], (2,), (cO[e][1] // 2,)).store(o2.load())
+        else:
+            # All gate loads of a batch are in flight before its first output store: the compiler
+            # cannot move a load of mGate above a store to mO (they may alias), and a load under
+            # a branch waits inside it, so one load per element between stores serialized an L2
+            # round trip each (ncu: ~40 % of the row-tile kernel's stall samples at 1 x 4096).
+            # A dead row's gate is read from token 0 (which exists) and never used: no branch.
+            gtok = cute.make_rmem_tensor((2,), Int32)
+            for h in cutlass.range_constexpr(2):
+                gtok[h] = token[h] * live[h]
+            w = self.cfg.gate_vec
+            batch = min(GATE_BATCH, n)
+            for b0 in cutlass.range_constexpr(e0, e1, batch):
+                gv = cute.make_rmem_tensor((batch,), mGate.element_type)
+                for k in cutlass.range_constexpr(0, batch, w):
+                    h = cO0[b0 + k][0] // 8
+                    src = cute.local_tile(mGate[gtok[h], head[h], None], (w,), (cO[b0 + k][1] // w,))
+                    cute.local_tile(gv, (w,), (k // w,)).store(src.load())
+                # every element's gated value first (dead rows too), so that no gate load is
+                # consumed only under a row's branch, where the compiler would sink it
+                ov = cute.make_rmem_tensor((batch,), mO.element_type)
+                for k in cutlass.range_constexpr(batch):
                     # round the attention output first, then the fp32 gate product
-                    g = mGate[token[h], head[h], d].to(Float32)
-                    sig = sigmoid(g)
-                    o = (o.to(Float32) * sig).to(mO.element_type)
-                mO[token[h], head[h], d] = o
+                    o = (acc_o[b0 + k] * inv[cO0[b0 + k][0] // 8]).to(mO.element_type)
+                    ov[k] = (o.to(Float32) * sigmoid(gv[k].to(Float32))).to(mO.element_type)
+                for k in cutlass.range_constexpr(0, batch, 2):
+                    h = cO0[b0 + k][0] // 8
+                    if live[h] != 0:
+                        dst = cute.local_tile(mO[token[h], head[h], None], (2,), (cO[b0 + k][1] // 2,))
+                        dst.store(cute.local_tile(ov, (2,), (k // 2,)).load())
 
     @cute.jit
     def row_count(self, mIdx, row):
@@ -463,13 +515,16 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
     must be False) plus ``rows_per_cta`` (R; R * group <= 64), ``consumers`` (consumer
     warpgroups: 1, or 2 taking alternate union tiles) and, with 2, the registers per thread the
     producer and consumer warpgroups take with ``setmaxnreg`` (multiples of 8 in [24, 256]; the
-    three warpgroups share the 168 per thread the launch gives 384 threads)."""
+    three warpgroups share the 168 per thread the launch gives 384 threads). ``gate_vec``: gate
+    elements per load, 2 when the gate's pointer and strides are 4-byte aligned (the usual case,
+    a slice of a fused projection), else 1."""
 
     rows_per_cta: int = 5
     consumers: int = 1
     gather_groups: int = 1
     producer_regs: int = 0
     consumer_regs: int = 0
+    gate_vec: int = 1
 
     kernel_id = "sm90.qsa_tile"
 
@@ -488,9 +543,13 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
         super().__post_init__()
         if self.split:
             raise ValueError("the row-tile kernel does not split")
+        if self.pdl:  # it reads the union pre-pass's output, written by the launch just before
+            raise ValueError("the row-tile kernel is not a programmatic dependent launch")
         if not 1 <= self.rows_per_cta or self.rows_per_cta * self.group > MAX_COLUMNS:
             raise ValueError(f"rows_per_cta * group must be in [1, {MAX_COLUMNS}], got {self.rows_per_cta} x "
                              f"{self.group}")
+        if self.gate_vec not in (1, 2) or (self.gate_vec == 2 and not self.gate):
+            raise ValueError(f"gate_vec must be 1, or 2 with a gate; got {self.gate_vec} (gate={self.gate})")
         if self.consumers not in (1, 2):
             raise ValueError(f"consumers must be 1 or 2, got {self.consumers}")
         threads = (MMA_WARPS * self.consumers + self.producers) * 32
@@ -516,8 +575,8 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
             # released in order, which one consumer warpgroup guarantees
             raise ValueError("several gather groups need a single consumer warpgroup")
         if self.consumers == 2:
-            # the second group's O fragment, maxima and sums pass through the K tiles
-            if self.stages * self.tile * self.head_dim * 2 < (self.head_dim // 2 + 4) * 128 * 4:
+            # each group's half O fragment, maxima and sums pass through the K tiles
+            if self.stages * self.tile * self.head_dim * 2 < 2 * (self.head_dim // 4 + 4) * 128 * 4:
                 raise ValueError(f"{self.stages} stages of K tiles cannot hold the consumers' exchange")
 
     @property
@@ -539,7 +598,7 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
             TensorArg("length", "int32", ("NT",), align=4),
             TensorArg("out", self.q_dtype, ("T", "Hq", D), align=4),
             TensorArg("lse", "fp32", ("T", "Hq"), align=4),
-            TensorArg("gate", self.q_dtype, ("GT", "GH", D), align=2),
+            TensorArg("gate", self.q_dtype, ("GT", "GH", D), align=2 * self.gate_vec),
             ScalarArg("k_scale", "fp32"),
             ScalarArg("v_scale", "fp32"),
         )
@@ -559,8 +618,8 @@ def tile_rows(kv_dtype: str, group: int) -> int:
 
 def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int, gate: bool,
                          **override) -> Sm90QsaTileConfig:
-    """The config the op, the warm-up and the compile matrix use (tuning filled in here);
-    ``override`` replaces fields (benchmarks)."""
+    """The config the op, the warm-up and the compile matrix use (tuning filled in here; a gate is
+    assumed 4-byte aligned, ``gate_vec=1`` otherwise); ``override`` replaces fields (benchmarks)."""
     rows = override.pop("rows_per_cta", tile_rows(kv_dtype, group))
     tile = override.pop("tile", 64)
     roles = TILE_SCHEDULE["fp8" if kv_dtype == "fp8_e4m3" else "16-bit"]
@@ -576,7 +635,7 @@ def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: i
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=False, gate=gate, occupancy=occupancy, rows_per_cta=rows,
                   producers=producers, consumers=consumers, gather_groups=groups, producer_regs=producer_regs,
-                  consumer_regs=consumer_regs)
+                  consumer_regs=consumer_regs, gate_vec=2 if gate else 1)
     fields.update(override)
     return Sm90QsaTileConfig(**fields)
 

@@ -197,6 +197,15 @@ def test_row_tile_config_validation():
         Sm90QsaTileConfig(group=12, rows_per_cta=6)  # 72 columns
     with pytest.raises(ValueError, match="does not split"):
         Sm90QsaTileConfig(split=True)
+    # a gate is read in 4-byte pairs (the op passes gate_vec=1 for a 2-byte aligned gate), and
+    # the signature promises (and TVM-FFI checks) the matching alignment
+    assert (b.gate_vec, make_qsa_tile_config(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=12,
+                                             page_size=1568, gate=False).gate_vec) == (2, 1)
+    assert {a.name: a.align for a in b.signature() if hasattr(a, "align")}["gate"] == 4
+    assert {a.name: a.align for a in dataclasses.replace(b, gate_vec=1).signature()
+            if hasattr(a, "align")}["gate"] == 2
+    with pytest.raises(ValueError, match="gate_vec"):
+        Sm90QsaTileConfig(gate=False, gate_vec=2)
     with pytest.raises(ValueError, match="producers"):
         Sm90QsaTileConfig(producers=3)
 

@@ -354,6 +354,19 @@ def test_row_tiles_mixed_requests_and_invalid(gen, variant):
     _check(out, ref)
 
 
+@pytest.mark.parametrize("offset", [0, 1], ids=["fused-aligned", "odd-offset"])
+def test_row_tiles_gate_views(gen, offset):
+    """The gate as a view: the second half of a fused ``[rows, Hq, 2 D]`` projection (4-byte
+    aligned: loaded in pairs) and shifted by one element (2-byte aligned: loaded one by one)."""
+    c = _prefill_case(gen, 140, 24, 2, 1568, BF16, 2600, "correlated")
+    rows, hq, D = c["q"].shape
+    fused = torch.randn(rows, hq, 2 * D + 2, device="cuda", dtype=c["q"].dtype) * 2
+    c["output_gate"] = fused[:, :, D + offset:2 * D + offset]
+    assert (c["output_gate"].data_ptr() % 4 == 0) == (offset == 0)
+    out, ref = _run(c, True)
+    _check(out, ref)
+
+
 def test_row_tiles_graph_replay(gen):
     """The row-tile path captured in a CUDA graph and replayed with new indices and queries."""
     c = _prefill_case(gen, 128, 24, 2, 1568, FP8, 2500, "correlated")

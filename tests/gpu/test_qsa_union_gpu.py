@@ -151,6 +151,15 @@ def test_union_over_the_cap_and_strided_rows(gen):
     wider buffer (row stride > W, junk in the extra columns)."""
     config = QsaUnionConfig(rows_per_tile=5, page_size=1568, max_tokens=16384, union_cap=2048)
     packed, req = _case(gen, R=5, T=5 * 30 + 3, page=1568, bw=10, max_tokens=16384, max_ctx=10 * 1568)
+    # both outcomes on every draw: tile 0 (rows 0..4) lists one token per row, far under the cap;
+    # tile 1 (rows 5..9) lists 2048 random tokens per row, whose union is over it
+    topk = WIDTH - 1
+    req[:10] = req[0]  # one request per tile: a mixed tile falls back whatever its size
+    packed[:5, topk] = 1
+    g = torch.Generator().manual_seed(int(torch.randint(2**31, (1,), generator=gen, device=gen.device)))
+    for row in range(5, 10):
+        packed[row, :2048] = torch.randperm(10 * 1568, generator=g)[:2048].to(torch.int32)
+        packed[row, topk] = 2048
     wide = torch.full((packed.shape[0], WIDTH + 13), 12345, dtype=torch.int32)
     wide[:, :WIDTH] = packed
     view = wide.cuda()[:, :WIDTH]
@@ -166,7 +175,8 @@ def test_union_over_the_cap_and_strided_rows(gen):
     torch.cuda.synchronize()
     _check(config, packed, req, 10, (union.cpu(), member.cpu(), length.cpu()))
     ref_l = qsa_union_reference(packed, req, 10, 1568, R, 2048, 16384)[2]
-    assert (length.cpu() == -1).any() and (ref_l >= 0).any()
+    assert int(ref_l[0]) >= 0 and int(ref_l[1]) == -1, ref_l[:2]
+    assert (length.cpu() == -1).any() and (length.cpu() >= 0).any()
 
 
 def test_empty_and_count_zero_tiles():
