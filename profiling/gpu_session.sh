@@ -22,6 +22,8 @@
 #   mergeqsa   merge tests + QSA tests, bench merge, small-N QSA split sweep (after a merge change)
 #   qsatable   small/mid-N QSA decode split counts (the config table's inputs)
 #   qsapdl     small-N QSA decode with and without programmatic dependent launch of the split kernel
+#   qsatune    row-tile warp-role / tile variants at 1x16384 (correlated) after the epilogue fixes, and ncu
+#              sections of the FP8 per-row decode at N 256
 #   qsaprod    decode A/B of the per-row kernel's gather warps (1 vs 2, twice, interleaved)
 #   qsa2wg     row-tile GPU tests, prefill bench of the row-tile kernel's warp-role variants
 #   ncusrc     per-instruction (SASS) stall samples of the row-tile kernel, BF16 and FP8 1x4096
@@ -105,6 +107,13 @@ for step in "$@"; do
                 --tuning ";splits=1;splits=2;splits=4;splits=8;splits=11" --json "$OUT/qsatable.json" ;;
     qsapdl) TAIL=30 run 120 qsapdl python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 --decode-n 1,4,16,64 \
               --tuning ";pdl=0" --json "$OUT/qsapdl.json" ;;
+    qsatune) TAIL=30 run 150 qsatune python3 -m profiling.bench_qsa --kinds prefill --kv bf16,fp8 --prefill-t 16384 \
+               --selection correlated --tuning "consumers=2,producers=4,gather_groups=1;consumers=1,producers=8,gather_groups=2;tile=32" \
+               --json "$OUT/qsatune.json"
+             python3 -m profiling.ncu_qsa --shape decode-fp8-256 > /dev/null 2>&1
+             TAIL=80 run 100 ncu_qsa_decode-fp8-256 ncu --clock-control none --kernel-name regex:"ssm90qsa" --launch-skip 3 \
+               --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+               --section MemoryWorkloadAnalysis python3 -m profiling.ncu_qsa --shape decode-fp8-256 ;;
     qsaprod) run 120 qsaprod python3 -m profiling.bench_qsa --kinds decode --decode-n 16,64,256 \
                --tuning "producers=1;producers=2;producers=1;producers=2" --json "$OUT/qsaprod.json" ;;
     # --report-api-errors no: the DSL's compiler probes driver entry points (cuGetProcAddress) and
