@@ -134,6 +134,22 @@ def test_split_table_shape(kv, group, prefill):
     assert select_config(1, 1, prefill, kv, 256, group, topk=100)[1] <= 2  # never more splits than tiles
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+def test_split_table_matches_the_measured_optima(kv):
+    """The H200 sweep of forced split counts (profiling/NOTES.md "QSA v4", Hq 24 / Hkv 2 / D 256):
+    the fastest split counts were N = 4 rows: 11, N = 16: 4, N = 64: 1, for BF16 and FP8 alike
+    (FP8's two CTAs per SM share one SM's gather rate; counting them as twice the rate split FP8
+    3x too finely: N = 4 at 33 splits took 16.1 us against 10.4 at 11). Split launches are
+    programmatic dependents, unsplit ones not (measured: PDL helped N 4/16, cost FP8 N 64 3 us)."""
+    from cute_kernels.sm90.qsa import make_qsa_config, select_config
+
+    assert [select_config(n, 2, False, kv, 256, 12)[1] for n in (1, 4, 16, 64, 256)] == [33, 11, 4, 1, 1]
+    for split in (False, True):
+        c = make_qsa_config(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, split=split,
+                            gate=True)
+        assert c.pdl == split and c.gate == (not split)
+
+
 def test_warmup_covers_every_table_entry():
     from cute_kernels.qsa_warmup import qsa_variants
     from cute_kernels.sm90.qsa import Sm90QsaConfig, split_table
