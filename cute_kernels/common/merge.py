@@ -2,8 +2,9 @@
 
 Given fp32 partial outputs ``O_s`` and base-2 log-sum-exps ``L_s`` of S splits of the same rows,
 the merged state is ``L = log2(sum_s 2^L_s)`` and ``O = sum_s 2^(L_s - L) O_s``. Splits whose
-``L_s`` is -inf (empty) are skipped without reading their partial output, so garbage there
-cannot leak into the result; a row whose splits are all empty gets O = 0 and L = -inf.
+``L_s`` is -inf (empty) contribute nothing: their partial output is selected away, never
+multiplied, so garbage there cannot leak into the result; a row whose splits are all empty gets
+O = 0 and L = -inf.
 
 Memory-bound: every partial element is read once with 16-byte loads (``vec`` fp32 per thread)
 and the output written once. One row (n, h) is handled by ``head_dim / vec`` consecutive
@@ -101,12 +102,12 @@ class MergeStates:
         every split is empty so that every weight is exp2(-inf) = 0 and no inf - inf NaN).
 
         One pass in groups of UNROLL splits with a running maximum (the sum is rescaled when it
-        moves): all LSE and 16-byte partial loads of a group are issued before any is used, the
-        last group's missing splits are predicated off (not clamped: 8 loads for S = 2 cost 35 %
-        at N 256) and weighted as empty, so a row costs ceil(S / UNROLL) dependent round trips (a separate max pass and a scalar tail
-        cost S / 4 + S / UNROLL + S % UNROLL: ~14 at S = 33, where the merge is pure latency).
-        Branch-free: an empty split's value is *selected away*, never multiplied, so NaN garbage
-        in its partial cannot leak (0 * NaN would)."""
+        moves): all LSE and 16-byte partial loads of a group are issued before any is used, and
+        the last group's missing splits are predicated off (not clamped: 8 loads for S = 2 cost
+        35 % at N 256) and weighted as empty. A row costs ceil(S / UNROLL) dependent round trips;
+        a separate max pass and a scalar tail cost S / 4 + S / UNROLL + S % UNROLL, ~14 at S = 33,
+        where the merge is pure latency. An empty split's value is *selected away*, never
+        multiplied, so NaN garbage in its partial cannot leak (0 * NaN would)."""
         acc = cute.make_rmem_tensor((self.vec,), Float32)
         acc.fill(0.0)
         weight_sum = Float32(0.0)
