@@ -76,6 +76,16 @@ def main():
             out = cute_kernels.qsa_sparse_attention(q, k, v, packed, table, t2r, prefill=True, k_scale=0.5,
                                                     v_scale=2.0, output_gate=g)
             assert not torch.isnan(out).any()
+        # V with other strides than K (an exact-size [NB, Hkv, PAGE, D] buffer seen transposed):
+        # the gather computes V's row addresses itself instead of deriving them from K's
+        v_t = torch.empty(v.shape[0], v.shape[2], v.shape[1], v.shape[3], device="cuda", dtype=v.dtype)
+        v_t.copy_(v.transpose(1, 2))
+        v_other = v_t.transpose(1, 2)
+        assert v_other.stride() != k.stride()
+        for prefill in (False, True):
+            out = cute_kernels.qsa_sparse_attention(q, k, v_other, packed, table, t2r, prefill=prefill,
+                                                    output_gate=gate)
+            assert not torch.isnan(out).any()
         # a partial last tile (78 rows, R 5) with a 2-byte aligned gate in an exact-size buffer:
         # the dead rows' gate loads (token 0) and the element-wise gate path
         odd = torch.empty(78 * q.shape[1] * q.shape[2] + 1, device="cuda", dtype=BF16)[1:].view(78, *q.shape[1:])

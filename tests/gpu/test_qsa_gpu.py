@@ -208,6 +208,20 @@ def test_contiguous_separate_caches(gen):
     _check(out, ref)
 
 
+@pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("path", ["decode-s1", "decode-s4", "row-tiles"])
+def test_k_and_v_with_different_strides(gen, kv, path):
+    """K a half of the fused production buffer, V a separate contiguous tensor: different strides,
+    so V's row addresses cannot be derived from K's (the gather computes both)."""
+    rows = 140 if path == "row-tiles" else 20
+    c = _case(gen, rows, 24, 2, 1568, 1 if path == "row-tiles" else 4, kv)
+    c = dict(c, v_cache=c["v_cache"].contiguous())
+    assert c["k_cache"].stride() != c["v_cache"].stride()
+    with tuning_override(**({"splits": int(path[-1])} if path.startswith("decode") else {})):
+        out, ref = _run(c, path == "row-tiles")
+    _check(out, ref)
+
+
 def test_dense_causal_prefill(gen):
     """1 x 300 prefill from position 0: the selection is dense causal (counts 1..300)."""
     c = _case(gen, 300, 24, 2, 1568, 1, BF16, positions="all", ctx=300)
