@@ -56,11 +56,6 @@ from .qsa_merge import sigmoid
 PRODUCER_WARP = MMA_WARPS  # the first producer warp
 LOG2E = math.log2(math.e)
 MAX_GROUP = 16  # the WGMMA N of one CTA (query heads of one KV head)
-# Gated epilogues load the gate per output element. The compiler cannot move a load of the gate
-# above a store to the output (they may alias), so a load between stores is a serial L2 round
-# trip; these many elements' gate loads are issued together before their stores instead (128:
-# all of the row-tile consumer's elements; its 224 registers hold them as packed 16-bit pairs).
-GATE_BATCH = 128
 
 
 @dsl_user_op
@@ -701,27 +696,24 @@ class Sm90QsaAttention(Sm90PagedDecode):
                     else:
                         mO[token, head, d] = val.to(mO.element_type)
         else:
-            # a batch's gate loads before its first output store, outside any branch (see
-            # GATE_BATCH): a padding column reads the group's last head and discards it; every
-            # gated value is computed before the stores so no load is sunk under a branch
-            batch = min(GATE_BATCH, n)
-            for b0 in cutlass.range_constexpr(0, n, batch):
-                gv = cute.make_rmem_tensor((batch,), mGate.element_type)
-                for k in cutlass.range_constexpr(batch):
-                    e = b0 + k
-                    token, head, _ = self.out_row(mO, row, kv_head, cutlass.min(cO[e][1], self.G - 1))
-                    gv[k] = mGate[token, head, self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])]
-                ov = cute.make_rmem_tensor((batch,), mO.element_type)
-                for k in cutlass.range_constexpr(batch):
-                    e = b0 + k
-                    # round the attention output first, then the fp32 gate product
-                    o = (acc_o[e] * inv[slot_of(cO0[e][1])]).to(mO.element_type)
-                    ov[k] = (o.to(Float32) * sigmoid(gv[k].to(Float32))).to(mO.element_type)
-                for k in cutlass.range_constexpr(batch):
-                    e = b0 + k
-                    token, head, live = self.out_row(mO, row, kv_head, cO[e][1])
-                    if live:
-                        mO[token, head, self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])] = ov[k]
+            # Every gate load before the first output store, outside any branch: the compiler
+            # cannot move a load of the gate above a store to the output (they may alias), and a
+            # load used only under a branch waits inside it; one load per element between stores
+            # was a serial L2 round trip each. A padding column reads the group's last head and
+            # discards it; every gated value is computed before the stores.
+            gv = cute.make_rmem_tensor((n,), mGate.element_type)
+            for e in cutlass.range_constexpr(n):
+                token, head, _ = self.out_row(mO, row, kv_head, cutlass.min(cO[e][1], self.G - 1))
+                gv[e] = mGate[token, head, self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])]
+            ov = cute.make_rmem_tensor((n,), mO.element_type)
+            for e in cutlass.range_constexpr(n):
+                # round the attention output first, then the fp32 gate product
+                o = (acc_o[e] * inv[slot_of(cO0[e][1])]).to(mO.element_type)
+                ov[e] = (o.to(Float32) * sigmoid(gv[e].to(Float32))).to(mO.element_type)
+            for e in cutlass.range_constexpr(n):
+                token, head, live = self.out_row(mO, row, kv_head, cO[e][1])
+                if live:
+                    mO[token, head, self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])] = ov[e]
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..jit.dtypes import DTYPE_BITS
 from ..jit.spec import ScalarArg, TensorArg
 from .decode import BAR_MMA, MMA_M, MMA_WARPS
-from .qsa import GATE_BATCH, LOG2E, Sm90QsaAttention, Sm90QsaConfig
+from .qsa import LOG2E, Sm90QsaAttention, Sm90QsaConfig
 from .qsa_merge import sigmoid
 
 MAX_COLUMNS = 64  # R * G: the query columns on one warpgroup's WGMMA M
@@ -419,34 +419,33 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                         o2[i] = (acc_o[e + i] * inv[h]).to(mO.element_type)
                     cute.local_tile(mO[token[h], head[h], None], (2,), (cO[e][1] // 2,)).store(o2.load())
         else:
-            # All gate loads of a batch are in flight before its first output store: the compiler
-            # cannot move a load of mGate above a store to mO (they may alias), and a load under
-            # a branch waits inside it, so one load per element between stores serialized an L2
-            # round trip each (ncu: ~40 % of the row-tile kernel's stall samples at 1 x 4096).
-            # A dead row's gate is read from token 0 (which exists) and never used: no branch.
+            # All gate loads are in flight before the first output store (all n elements fit in
+            # registers as packed 16-bit values): the compiler cannot move a load of mGate above a
+            # store to mO (they may alias), and a load under a branch waits inside it, so one load
+            # per element between stores serialized an L2 round trip each (ncu: ~40 % of the
+            # row-tile kernel's stall samples at 1 x 4096). A dead row's gate is read from token
+            # 0 (which exists) and never used: no branch.
             gtok = cute.make_rmem_tensor((2,), Int32)
             for h in cutlass.range_constexpr(2):
                 gtok[h] = token[h] * live[h]
             w = self.cfg.gate_vec
-            batch = min(GATE_BATCH, n)
-            for b0 in cutlass.range_constexpr(e0, e1, batch):
-                gv = cute.make_rmem_tensor((batch,), mGate.element_type)
-                for k in cutlass.range_constexpr(0, batch, w):
-                    h = cO0[b0 + k][0] // 8
-                    src = cute.local_tile(mGate[gtok[h], head[h], None], (w,), (cO[b0 + k][1] // w,))
-                    cute.local_tile(gv, (w,), (k // w,)).store(src.load())
-                # every element's gated value first (dead rows too), so that no gate load is
-                # consumed only under a row's branch, where the compiler would sink it
-                ov = cute.make_rmem_tensor((batch,), mO.element_type)
-                for k in cutlass.range_constexpr(batch):
-                    # round the attention output first, then the fp32 gate product
-                    o = (acc_o[b0 + k] * inv[cO0[b0 + k][0] // 8]).to(mO.element_type)
-                    ov[k] = (o.to(Float32) * sigmoid(gv[k].to(Float32))).to(mO.element_type)
-                for k in cutlass.range_constexpr(0, batch, 2):
-                    h = cO0[b0 + k][0] // 8
-                    if live[h] != 0:
-                        dst = cute.local_tile(mO[token[h], head[h], None], (2,), (cO[b0 + k][1] // 2,))
-                        dst.store(cute.local_tile(ov, (2,), (k // 2,)).load())
+            gv = cute.make_rmem_tensor((n,), mGate.element_type)
+            for k in cutlass.range_constexpr(0, n, w):
+                h = cO0[e0 + k][0] // 8
+                src = cute.local_tile(mGate[gtok[h], head[h], None], (w,), (cO[e0 + k][1] // w,))
+                cute.local_tile(gv, (w,), (k // w,)).store(src.load())
+            # every element's gated value first (dead rows too), so that no gate load is consumed
+            # only under a row's branch, where the compiler would sink it
+            ov = cute.make_rmem_tensor((n,), mO.element_type)
+            for k in cutlass.range_constexpr(n):
+                # round the attention output first, then the fp32 gate product
+                o = (acc_o[e0 + k] * inv[cO0[e0 + k][0] // 8]).to(mO.element_type)
+                ov[k] = (o.to(Float32) * sigmoid(gv[k].to(Float32))).to(mO.element_type)
+            for k in cutlass.range_constexpr(0, n, 2):
+                h = cO0[e0 + k][0] // 8
+                if live[h] != 0:
+                    dst = cute.local_tile(mO[token[h], head[h], None], (2,), (cO[e0 + k][1] // 2,))
+                    dst.store(cute.local_tile(ov, (2,), (k // 2,)).load())
 
     @cute.jit
     def row_count(self, mIdx, row):
