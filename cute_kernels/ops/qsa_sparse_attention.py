@@ -143,14 +143,17 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
     topk = idx.shape[1] - 1
     kv_name, q_name = dtype_name(k.dtype), dtype_name(q.dtype)
     target = compile_target(device)
+    same_strides = k.stride() == v.stride()  # V row addresses derived from K's (the gather)
     plan = row_tile_plan(rows, prefill, kv_name, group, page, bt.shape[1], topk,
                          _cache.override.get("tile_rows"))
     if plan is not None:
-        return _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, device, target)
+        return _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, same_strides, device,
+                                  target)
     tile, splits = select_config(rows, Hkv, prefill, kv_name, D, group, topk, device_sm_count(device.index or 0))
     splits = _cache.override.get("splits", splits)
     tuning = _kernel_tuning()
     split = splits > 1
+    tuning.setdefault("kv_same_strides", same_strides)
     config = make_qsa_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
                              split=split, gate=gate is not None, tile=tuning.pop("tile", tile), **tuning)
     fn = get_kernel(config, target)
@@ -173,12 +176,14 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
     return _Launch(fn, merge_fn, part_o, part_lse, lse, splits, gate is not None)
 
 
-def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, device, target) -> _Launch:
+def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, same_strides, device,
+                       target) -> _Launch:
     """The prefill row-tile path: the union pre-pass and the row-tile kernel, with their int32
     workspace (union lists, membership bits, lengths) carved from one reused buffer."""
     tuning = _kernel_tuning(row_tiles=True)
     if gate is not None and widest_vector([gate]) < 4:
         tuning.setdefault("gate_vec", 1)  # a 2-byte aligned gate: loaded one element at a time
+    tuning.setdefault("kv_same_strides", same_strides)
     R = plan.rows_per_cta
     fn = get_kernel(make_qsa_tile_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
                                          gate=gate is not None, rows_per_cta=R, **tuning), target)

@@ -68,6 +68,16 @@ def cp_async_zfill_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, l
 
 
 @dsl_user_op
+def cp_async_zfill_16_at(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, smem_off: int, gmem_off: int, *,
+                         loc=None, ip=None) -> None:
+    """:func:`cp_async_zfill_16` at ``[smem + smem_off]``, ``[gmem + gmem_off]`` (compile-time byte
+    offsets in the instruction: no address arithmetic per copy)."""
+    asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
+        f"cp.async.cg.shared.global [$0+{int(smem_off)}], [$1+{int(gmem_off)}], 16, $2;", "r,l,r",
+        side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def load_nc_b32x4(gmem_addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
     """``ld.global.nc.L1::no_allocate.v4.b32``: 16 bytes of the (read-only) cache, kept out of L1
     (each gathered row is used once per CTA)."""
@@ -309,8 +319,10 @@ class Sm90QsaAttention(Sm90PagedDecode):
 
         Work split: one producer warp owns every 32-token word of the tile (lane l: tokens l,
         l + 32, ...); with ``P = k * words`` producer warps, warp ``pw`` owns word ``pw % words``
-        and copies the ``pw // words``-th of k slices of its rows (the copies are issue-bound: a
-        warp-wide instruction per 512-byte row plus its address arithmetic).
+        and copies the ``pw // words``-th of k slices of its rows. The copies are issue-bound, so
+        16-bit and unwidened FP8 rows go out a 128-byte line per row per copy, every address
+        computed once per row (:meth:`copy_lines`; before: ~20 instructions of shuffles and
+        swizzle arithmetic per 512-byte row copy).
 
         ``mode`` (row tiles): 0 = one query row (lane 0 writes the mask words); 1 = the tile's
         union list, row r's words are the validity bits AND its membership bits
@@ -322,7 +334,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
         loads of tile i + 2 and the block-table loads of tile i + 1, and only consumes values
         loaded by earlier iterations (membership words: one tile ahead)."""
         eb, words, wl = self.kv_bytes, self.words, self.local_words
-        E, cpr, rpc = self.chunk_elems, self.chunks_per_row, self.rows_per_copy
+        cpr, rpc = self.chunks_per_row, self.rows_per_copy
         word0 = Int32(0)
         part = Int32(0)
         if const_expr(self.P > 1):
@@ -345,6 +357,9 @@ class Sm90QsaAttention(Sm90PagedDecode):
         sVb, sVt, sVh = Int64(mV.stride[0]), Int64(mV.stride[1]), Int64(mV.stride[2])
         k_head = k_gbase + Int64(kv_head) * sKh * eb
         v_head = v_gbase + Int64(kv_head) * sVh * eb
+        # K and V views with the same strides (the two halves of one cache buffer): a row's V
+        # address is its K address plus this, so only K's is shuffled to the copying lanes
+        kv_delta = v_gbase - k_gbase
         k_sbase = storage.sK.data_ptr().toint()
         v_sbase = storage.sV.data_ptr().toint()
         chunk = lane % cpr
@@ -383,7 +398,8 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 pp = Int64(p) if ok else Int64(0)
                 oo = Int64(offs_a[w]) if ok else Int64(0)
                 k_addr[w] = k_head + (pp * sKb + oo * sKt) * eb if ok else k_gbase
-                v_addr[w] = v_head + (pp * sVb + oo * sVt) * eb if ok else v_gbase
+                if const_expr(not self.derive_v()):
+                    v_addr[w] = v_head + (pp * sVb + oo * sVt) * eb if ok else v_gbase
                 bits[w] = cute.arch.vote_ballot_sync(ok)
                 tok_a[w] = tok_b[w]
             # ---- lookahead: block table of tile i + 1, list entries of tile i + 2 ----
@@ -417,21 +433,9 @@ class Sm90QsaAttention(Sm90PagedDecode):
             if const_expr(self.widen_in_producer):
                 self.copy_widened(k_addr, v_addr, bits, word0, part, rows_per_part, k_sbase, v_sbase, k_layout,
                                   v_layout, stage, lane_bytes, chunk, sub)
-            for w in cutlass.range_constexpr(wl if const_expr(not self.widen_in_producer) else 0):
-                for jl in cutlass.range_constexpr(rows_per_part):
-                    jj = jl if const_expr(self.parts == 1) else part * rows_per_part + jl
-                    src = jj * rpc + sub if const_expr(rpc > 1) else jj  # owner lane of the row
-                    tok = (word0 + w) * 32 + src
-                    nbytes = ((bits[w] >> src) & 1) * 16
-                    k_src = cute.arch.shuffle_sync(k_addr[w], src) + lane_bytes
-                    v_src = cute.arch.shuffle_sync(v_addr[w], src) + lane_bytes
-                    k_dst = k_sbase + smem_byte_offset(k_layout, (tok, chunk * E, stage), eb)
-                    if const_expr(self.fp8):
-                        v_dst = v_sbase + smem_byte_offset(v_layout, (tok, chunk * E, stage), eb)
-                    else:
-                        v_dst = v_sbase + smem_byte_offset(v_layout, (chunk * E, tok, stage), eb)
-                    cp_async_zfill_16(k_dst, k_src, nbytes)
-                    cp_async_zfill_16(v_dst, v_src, nbytes)
+            if const_expr(not self.widen_in_producer):
+                self.copy_lines(self.line_copy_plan(k_layout, v_layout), k_addr, v_addr, kv_delta, bits, word0, part,
+                                k_sbase, v_sbase, k_layout, v_layout, stage, lane)
             if const_expr(self.widen_in_producer):
                 # plain stores, read by WGMMA through the async proxy
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -446,6 +450,86 @@ class Sm90QsaAttention(Sm90PagedDecode):
                     cute.arch.mbarrier_arrive(full + stage)
             if const_expr(mode == 1):
                 mem_a = mem_b
+
+    def derive_v(self) -> bool:
+        """(Trace time.) V row addresses are K's plus a constant (same strides), except in the
+        widening gather, whose loads all stay in flight and need no extra live register pair."""
+        return self.cfg.kv_same_strides and not self.widen_in_producer
+
+    def v_coord(self, tok, d, stage):
+        """The V tile coordinate of (token, element d): (d, token) for 16-bit caches (MN-major B
+        operand), (token, d) for FP8 (widened to fragments by the consumer)."""
+        return (tok, d, stage) if self.fp8 else (d, tok, stage)
+
+    def line_copy_plan(self, k_layout, v_layout):
+        """(Trace time.) Constants of :meth:`copy_lines` per tile (K, V): ``(G, A, xs, stage
+        bytes)``; a layout that breaks its assumption is refused (every 16-bit and FP8 tile
+        layout of the supported head dims keeps it).
+
+        The assumption, checked for every (token, 16-byte chunk) of the tile: a row is groups of G
+        chunks (one 128-byte line for a 128-byte swizzle), group g at byte ``u(t) + g * A``, and
+        chunk j of a group at slot ``j ^ X(t)`` with ``X(t) = (u(t) >> xs) mod G``, where ``u(t)``
+        is the row's unswizzled offset; stages are ``stage bytes`` apart."""
+        eb, E, cpr, T = self.kv_bytes, self.chunk_elems, self.chunks_per_row, self.tile
+        rows = 32 // self.parts  # rows of a 32-token word one producer warp copies
+        plans = []
+        for lay, crd in ((k_layout, lambda t, d, st: (t, d, st)), (v_layout, self.v_coord)):
+            sw = lay.inner
+            G = 1 << sw.num_bits
+            if sw.num_base != 4 or G > cpr or cpr % G or 32 % G or rows % (32 // G):
+                raise ValueError(f"{self.cfg.label()}: the line copy needs 16-byte swizzle units and whole "
+                                 f"groups of them per row ({sw}, {cpr} chunks, {rows} rows per warp)")
+            xs = sw.num_base + sw.num_shift
+            u = [cute.crd2idx(crd(t, 0, 0), lay.outer) * eb for t in range(T)]
+            A = cute.crd2idx(crd(0, G * E, 0), lay.outer) * eb - u[0] if cpr > G else 0
+            st = smem_byte_offset(lay, crd(0, 0, 1), eb) - smem_byte_offset(lay, crd(0, 0, 0), eb)
+            for t in range(T):
+                x = (u[t] >> xs) % G
+                for c in range(cpr):
+                    want = u[t] + (c // G) * A + ((c % G) ^ x) * 16
+                    for stage in range(self.stages):
+                        if smem_byte_offset(lay, crd(t, c * E, stage), eb) != want + stage * st:
+                            raise ValueError(f"{self.cfg.label()}: tile layout breaks the line copy at "
+                                             f"token {t}, chunk {c}, stage {stage}")
+            plans.append((G, A, xs, st))
+        return tuple(plans)
+
+    @cute.jit
+    def copy_lines(self, plan, k_addr, v_addr, kv_delta, bits, word0, part, k_sbase, v_sbase, k_layout, v_layout,
+                   stage, lane):
+        """The tile's K and V rows this warp owns, a 128-byte line per row per copy: G lanes (a
+        swizzle group) serve one row, 32 / G rows per warp-wide copy, so each copy reads whole
+        lines like the per-row copy but every address is computed once per row, not per chunk.
+        Lane q of a row writes slot q of each group, reading the row's chunk ``q ^ X(token)``
+        there (the swizzle moved to the source side), so the copies of a row differ only by
+        compile-time offsets (``[reg + imm]``)."""
+        eb, cpr = self.kv_bytes, self.chunks_per_row
+        (G, A_k, xs_k, st_k), (_, A_v, xs_v, st_v) = plan
+        per_copy = 32 // G  # rows per warp-wide copy
+        rows = 32 // self.parts
+        q = lane % G
+        for w in cutlass.range_constexpr(self.local_words):
+            for ps in cutlass.range_constexpr(rows // per_copy):
+                row = ps * per_copy + lane // G  # of the 32-token word (owner lane)
+                if const_expr(self.parts > 1):
+                    row = row + part * rows
+                tok = (word0 + w) * 32 + row
+                nbytes = ((bits[w] >> row) & 1) * 16
+                k_row = cute.arch.shuffle_sync(k_addr[w], row)
+                v_row = None
+                if const_expr(self.derive_v()):
+                    v_row = k_row + kv_delta
+                else:
+                    v_row = cute.arch.shuffle_sync(v_addr[w], row)
+                u_k = cute.crd2idx((tok, 0, 0), k_layout.outer) * eb
+                u_v = cute.crd2idx(self.v_coord(tok, 0, 0), v_layout.outer) * eb
+                k_dst = k_sbase + stage * st_k + u_k + q * 16
+                v_dst = v_sbase + stage * st_v + u_v + q * 16
+                k_src = k_row + Int64((q ^ ((u_k >> xs_k) % G)) * 16)
+                v_src = v_row + Int64((q ^ ((u_v >> xs_v) % G)) * 16)
+                for g in cutlass.range_constexpr(cpr // G):
+                    cp_async_zfill_16_at(k_dst, k_src, nbytes, g * A_k, g * G * 16)
+                    cp_async_zfill_16_at(v_dst, v_src, nbytes, g * A_v, g * G * 16)
 
     @cute.jit
     def copy_widened(self, k_addr, v_addr, bits, word0, part, rows_per_part, k_sbase, v_sbase, k_layout, v_layout,
@@ -728,7 +812,9 @@ class Sm90QsaConfig(KernelConfig):
     ``sigmoid(gate)`` (non-split; the merge applies it otherwise). ``occupancy``: CTAs per SM the
     register allocation must allow (0 = no constraint). ``producers``: gather warps (1, or a
     multiple of the tile's 32-token words: each then copies a slice of one word's rows).
-    ``pdl``: launched as a programmatic dependent of the previous kernel (its shared-memory
+    ``kv_same_strides``: k_cache and v_cache have identical strides (the two halves of one
+    buffer, as in production): V row addresses are K's plus a constant, half the gather's address
+    shuffles. ``pdl``: launched as a programmatic dependent of the previous kernel (its shared-memory
     setup overlaps that kernel's tail; it waits before its first global read). On for split
     launches, whose predecessor is usually the previous layer's merge (a few CTAs that release
     their dependents at once): H200, 16 copies in a graph, BF16 N = 4 12.0 -> 11.2 us, FP8 N = 16
@@ -747,6 +833,7 @@ class Sm90QsaConfig(KernelConfig):
     occupancy: int = 1
     producers: int = 1
     pdl: bool = False
+    kv_same_strides: bool = False
 
     kernel_id = "sm90.qsa"
     targets = ("sm_90a",)
@@ -924,6 +1011,6 @@ def make_qsa_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, p
     stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile, producers)
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=split, gate=gate and not split, occupancy=occupancy,
-                  producers=producers, pdl=split)
+                  producers=producers, pdl=split, kv_same_strides=True)
     fields.update(override)
     return Sm90QsaConfig(**fields)

@@ -618,7 +618,8 @@ def tile_rows(kv_dtype: str, group: int) -> int:
 def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int, gate: bool,
                          **override) -> Sm90QsaTileConfig:
     """The config the op, the warm-up and the compile matrix use (tuning filled in here; a gate is
-    assumed 4-byte aligned, ``gate_vec=1`` otherwise); ``override`` replaces fields (benchmarks)."""
+    assumed 4-byte aligned, ``gate_vec=1`` otherwise, and K and V views to share strides,
+    ``kv_same_strides=False`` otherwise); ``override`` replaces fields (benchmarks)."""
     rows = override.pop("rows_per_cta", tile_rows(kv_dtype, group))
     tile = override.pop("tile", 64)
     roles = TILE_SCHEDULE["fp8" if kv_dtype == "fp8_e4m3" else "16-bit"]
@@ -634,7 +635,7 @@ def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: i
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=False, gate=gate, occupancy=occupancy, rows_per_cta=rows,
                   producers=producers, consumers=consumers, gather_groups=groups, producer_regs=producer_regs,
-                  consumer_regs=consumer_regs, gate_vec=2 if gate else 1)
+                  consumer_regs=consumer_regs, gate_vec=2 if gate else 1, kv_same_strides=True)
     fields.update(override)
     return Sm90QsaTileConfig(**fields)
 

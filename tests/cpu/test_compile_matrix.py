@@ -63,6 +63,30 @@ def _longest_load_store_alternation(ptx: str) -> int:
     return best
 
 
+@pytest.mark.parametrize("kind", ["tile-bf16", "row-bf16", "row-fp8"])
+def test_qsa_gather_copies_whole_lines_with_immediate_offsets(kind):
+    """The gather warps are issue-bound: each cp.async must carry its row's shared and global
+    offsets as immediates (one base register pair per row, computed once), not ~20 instructions
+    of shuffles and swizzle arithmetic per copy as before (``copy_lines``)."""
+    import re
+
+    from cute_kernels.jit.compiler import compile_config
+    from cute_kernels.sm90.qsa import make_qsa_config
+    from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
+
+    kv = "fp8_e4m3" if kind.endswith("fp8") else "bf16"
+    shape = dict(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, gate=True)
+    cfg = make_qsa_tile_config(**shape) if kind.startswith("tile") else make_qsa_config(**shape, split=False)
+    res = compile_config(cfg, "sm_90a", artifacts=True)
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+(\+\d+)?\], \[%rd\d+(\+\d+)?\]", res.ptx)
+    assert copies and all(s_off or g_off for s_off, g_off in copies[1:]), copies[:4]
+    if res.sass:  # the DSL's nvdisasm: at most a few instructions between a row's copies
+        lines = [line for line in res.sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+        at = [i for i, line in enumerate(lines) if "LDGSTS" in line]
+        gaps = sorted(b - a for a, b in zip(at, at[1:]))
+        assert gaps[len(gaps) // 2] <= 2, gaps
+
+
 def _gate_load_runs(ptx: str) -> list[int]:
     """Sizes of the runs of 16-bit global loads (only the gate is read that way) that no branch
     and no global store interrupts, in program order."""
