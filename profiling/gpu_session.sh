@@ -24,8 +24,8 @@
 #   qsapdl     small-N QSA decode with and without programmatic dependent launch of the split kernel
 #   qsatune    row-tile warp-role / tile variants at 1x16384 (correlated) after the epilogue fixes, and ncu
 #              sections of the FP8 per-row decode at N 256
-#   gatherab   for branch next/gather-issue: every QSA GPU test, the QSA sanitizer, bench qsa --check, the row-tile
-#              role variants at 1x16384 BF16; compare with results/qsa_h200.json (then run ncusrc)
+#   qsatests   every QSA GPU test and the QSA sanitizer run (fits one 600 s call on a fresh machine)
+#   qsabench   bench qsa --check and the row-tile role variants at 1x16384 BF16
 #   qsaprod    decode A/B of the per-row kernel's gather warps (1 vs 2, twice, interleaved)
 #   qsa2wg     row-tile GPU tests, prefill bench of the row-tile kernel's warp-role variants
 #   ncusrc     per-instruction (SASS) stall samples of the row-tile kernel, BF16 and FP8 1x4096
@@ -116,11 +116,11 @@ for step in "$@"; do
              TAIL=80 run 100 ncu_qsa_decode-fp8-256 ncu --clock-control none --kernel-name regex:"ssm90qsa" --launch-skip 3 \
                --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
                --section MemoryWorkloadAnalysis python3 -m profiling.ncu_qsa --shape decode-fp8-256 ;;
-    gatherab) run 200 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
+    qsatests) run 200 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider
               run 80 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-                python3 -m profiling.sanitize_qsa
-              TAIL=40 run 150 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json"
+                python3 -m profiling.sanitize_qsa ;;
+    qsabench) TAIL=40 run 150 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json"
               TAIL=10 run 100 gatherroles python3 -m profiling.bench_qsa --kinds prefill --kv bf16 --prefill-t 16384 \
                 --selection correlated --tuning "consumers=1,producers=4;consumers=1,producers=8,gather_groups=2" \
                 --json "$OUT/gatherroles.json" ;;
