@@ -63,7 +63,8 @@ def split_sweep():
 
 def host_costs():
     """Host-side pieces of an eager decode call: the NVTX range (off and forced on, no profiler
-    attached), the launch-cache key, and a whole call on a tiny problem."""
+    attached), the launch-cache key (and the previous, longer one), a whole call on a tiny problem,
+    its prepared launch alone, and what TVM-FFI spends converting one torch tensor argument."""
     import time
 
     import cute_kernels._nvtx as nv
@@ -93,12 +94,35 @@ def host_costs():
         res["nvtx_forced_on_us"] = per_call(nvtx_range)
     finally:
         nv.ENABLED = saved
-    res["launch_key_us"] = per_call(lambda: _key(c.q, c.kv_cache, c.kv_cache, False, c.block_table, c.seq_lens,
-                                                  "HND", 1, None, 1.0, 1.0, out, False, 1))
+    res["launch_key_us"] = per_call(lambda: _key(c.q, c.kv_cache, c.kv_cache, False, c.block_table, "HND", 1, None,
+                                                  1.0, 1.0, out, False, 1, True))
+
+    def old_key():  # the fifth session's key (every tensor's shape, strides, dtype, device, alignment)
+        return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+                     for t in (c.q, c.kv_cache, c.block_table, c.seq_lens, out))
+
+    res["old_launch_key_us"] = per_call(old_key)
     from .bench_utils import host_overhead
 
-    res["eager_call_us"] = host_overhead(lambda: cute_kernels.paged_decode(
-        c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, num_splits=1, **c.kwargs())) * 1e6
+    def call():
+        return cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, num_splits=1,
+                                         **c.kwargs())
+
+    res["eager_call_us"] = host_overhead(call) * 1e6
+    call()
+    from cute_kernels.ops.paged_decode import _cache
+
+    launch = _cache.get(_key(c.q, c.kv_cache, c.kv_cache, False, c.block_table, "HND", 1, None, 1.0, 1.0, out, False,
+                             1, True))
+    lse = launch.scratch_lse
+    res["launch_only_us"] = host_overhead(lambda: launch.fn(c.q, c.kv_cache, c.kv_cache, c.block_table, c.seq_lens,
+                                                            out, lse, 1.0, 1.0)) * 1e6
+    import tvm_ffi
+
+    pack = tvm_ffi.get_global_func("ffi.Array")
+    ts = [torch.empty(8, 32, 128, device="cuda") for _ in range(8)]
+    fts = [tvm_ffi.from_dlpack(t) for t in ts]
+    res["torch_tensor_arg_us"] = (per_call(lambda: pack(*ts)) - per_call(lambda: pack(*fts))) / len(ts)
     print(" ".join(f"{k}={v:.2f}" for k, v in res.items()), flush=True)
     return res
 

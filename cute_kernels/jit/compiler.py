@@ -191,11 +191,28 @@ def get_kernel(config: KernelConfig, arch: str):
                 fn = None
         if fn is None:
             compiled = compile_config(config, arch)
-            fn = compiled.fn
             if path is not None:
                 _store_object(compiled.fn, path)
+            fn = _bare_function(compiled.fn)
         _memory[key] = fn
         return fn
+
+
+def _bare_function(fn):
+    """The ``tvm_ffi.Function`` inside a freshly compiled DSL function.
+
+    ``cute.compile`` returns a Python wrapper whose ``__call__`` routes positional arguments
+    through a generated keyword-argument adapter before the TVM-FFI call: host time on every
+    launch that the ops, which pass positional arguments in signature order, do not need. A
+    function loaded from the disk cache is already bare, so both paths now call the same thing.
+    The wrapper owns the JIT engine that holds the code: it is kept alive with the modules.
+    """
+    bare = getattr(fn, "__tvm_ffi_object__", None)
+    bare = bare() if callable(bare) else None
+    if bare is None:
+        return fn
+    _loaded_modules.append(fn)
+    return bare
 
 
 def is_cached(config: KernelConfig, arch: str) -> bool:
@@ -247,7 +264,7 @@ def _disk_path(config: KernelConfig, arch: str) -> Path | None:
 
 _FUNCTION_NAME = "cute_kernels_entry"
 _runtime_loaded = False
-_loaded_modules: list = []
+_loaded_modules: list = []  # loaded modules and compiled wrappers: they own the code of the functions in use
 
 
 def _load_object(path: Path):

@@ -5,10 +5,11 @@ and never synchronizes, so a call captures in a CUDA graph (after a warm-up call
 the variant). Split-KV workspaces are allocated once per device and reused.
 
 Host overhead: the first call with a new combination of shapes/strides/dtypes validates
-everything and builds a :class:`_Launch` (kernel, argument order, workspace views); later calls
-with the same combination look it up by a tuple of cheap tensor attributes and go straight to
-the TVM-FFI call. Pointer alignment is part of that key, and TVM-FFI re-checks dtype, rank,
-shared extents and alignment on every call.
+everything and builds a :class:`_Launch` (kernel, argument order, workspace views, bound once as
+TVM-FFI tensors so that they are not converted again at every call); later calls with the same
+combination look it up by a tuple of the attributes that select the kernel and go straight to the
+TVM-FFI call, which checks dtype, rank, static and shared extents, devices and alignment of every
+argument itself. When it refuses one, the call is validated in full for a clear error.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import torch
 
 from .. import reference
 from .._nvtx import ENABLED as _NVTX
-from .._nvtx import NULL_RANGE, op_range
+from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..sm90.decode import make_decode_config
 from ._launch import LaunchCache
-from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name
+from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
 
 FP8 = torch.float8_e4m3fn
 HEAD_DIMS = (64, 128, 256)
@@ -91,7 +92,7 @@ class _Launch:
     """Everything a call needs that depends only on its key (shapes, strides, dtypes...)."""
 
     fn: object  # caller of the compiled kernel with the workspace views bound (see _make_caller)
-    scratch_lse: torch.Tensor | None  # LSE target when the caller did not ask for it
+    scratch_lse: object  # LSE target (a TVM-FFI tensor) when the caller did not ask for it
     out_shape: tuple
     reference: bool = False
 
@@ -105,16 +106,17 @@ def tuning_override(**fields):
     return _cache.tuning_override(**fields)
 
 
-def _key(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-         num_splits, deterministic):
-    ks = (k_scale.shape, k_scale.dtype, k_scale.device) if isinstance(k_scale, torch.Tensor) else None
-    vs = (v_scale.shape, v_scale.dtype, v_scale.device) if isinstance(v_scale, torch.Tensor) else None
-    o = None if out is None else (out.shape, out.stride(), out.dtype, out.device, out.data_ptr() % 16)
-    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16, pair, k.shape, k.stride(), k.dtype, k.device,
-            k.data_ptr() % 16, (v.stride(), v.data_ptr() % 16, v.shape, v.dtype) if pair else None,
-            block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
-            seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
-            kv_layout, q_len, sm_scale, ks, vs, o, return_lse, num_splits, deterministic, _cache.override_key)
+def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse, num_splits,
+         deterministic):
+    """What selects the kernel, its schedule and its workspace: the query and cache geometry,
+    the block-table width, the options. Left out is what the compiled function checks on every
+    call (TVM-FFI): the dtypes of the other tensors, shapes tied to the query's or the cache's by
+    a shared extent (seq_lens, out, V), every device against the query's, pointer and stride
+    alignment. A call that fails one of those checks is validated in full by :func:`_prepare`,
+    whose error names the argument (see :func:`paged_decode`)."""
+    return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
+            kv_layout, q_len, sm_scale, isinstance(k_scale, torch.Tensor), isinstance(v_scale, torch.Tensor),
+            out is None, return_lse, num_splits, deterministic, _cache.override_key)
 
 
 def _check_scale(name: str, value, device):
@@ -226,9 +228,10 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         counters = _counters.get(device, 2 * B * Hkv if config.dynamic else B * Hkv)
     if not return_lse:
         base = part_numel + plse_numel
-        scratch = ws[base:base + lse_numel].view(T, Hq)
+        scratch = ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
     order = tuple(a.name for a in config.signature())
-    caller = _make_caller(fn, order, dict(part_out=part_o, part_lse=part_lse, counters=counters, sm_scale=scale))
+    caller = _make_caller(fn, order, dict(part_out=ffi_tensor(part_o), part_lse=ffi_tensor(part_lse),
+                                          counters=ffi_tensor(counters), sm_scale=scale))
     return _Launch(caller, scratch, (T, Hq, D))
 
 
@@ -272,8 +275,8 @@ def paged_decode(
     k = kv_cache[0] if pair else kv_cache
     v = kv_cache[1] if pair else kv_cache
     try:
-        key = _key(q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale,
-                   out, return_lse, num_splits, deterministic)
+        key = _key(q, k, v, pair, block_table, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
+                   return_lse, num_splits, deterministic)
         launch = _cache.get(key)
     except (AttributeError, TypeError):  # not tensors: let the validation say what is wrong
         key, launch = None, None
@@ -294,8 +297,18 @@ def paged_decode(
     if out is None:
         out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
-    with op_range("paged_decode", q=q, kv_cache=k, block_table=block_table) if _NVTX else NULL_RANGE:
-        if launch.out_shape[0]:
-            launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
+    if launch.out_shape[0]:
+        try:
+            if _NVTX:
+                with op_range("paged_decode", q=q, kv_cache=k, block_table=block_table):
+                    launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
+            else:
+                launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
+        except Exception:
+            # The compiled function refused an argument the launch key leaves to it (see _key):
+            # validate in full so that the error names the argument and what was expected.
+            _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale,
+                     out, return_lse, num_splits, deterministic)
+            raise
     return (out, lse) if return_lse else out
 

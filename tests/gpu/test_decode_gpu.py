@@ -258,3 +258,46 @@ def test_bad_inputs_raise(gen):
         run(c.q, c.kv_cache.view(torch.uint8), c.block_table, c.seq_lens)
     with pytest.raises(ValueError, match="q has 2 rows; expected batch 2 x q_len_per_req 2"):
         run(c.q, c.kv_cache, c.block_table, c.seq_lens, q_len_per_req=2)
+
+
+def test_bad_inputs_raise_after_a_cached_call(gen):
+    """The launch key leaves to the compiled function what it checks itself (dtypes of the
+    integer and output tensors, extents shared with the query or the cache, devices, alignment):
+    after a good call, each such bad input must still raise the op's error naming the argument,
+    and must not disturb the cached launch."""
+    c = make_paged_decode_case(batch=2, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+                               seq_lens=[20, 30], generator=gen)
+    run = cute_kernels.paged_decode
+    out = torch.empty_like(c.q)
+    good = dict(out=out, num_splits=2, **c.kwargs())
+    run(c.q, c.kv_cache, c.block_table, c.seq_lens, **good)
+    with pytest.raises(TypeError, match="block_table must have dtype int32"):
+        run(c.q, c.kv_cache, c.block_table.long(), c.seq_lens, **good)
+    with pytest.raises(TypeError, match="seq_lens must have dtype int32"):
+        run(c.q, c.kv_cache, c.block_table, c.seq_lens.long(), **good)
+    with pytest.raises(ValueError, match="seq_lens must have shape"):
+        run(c.q, c.kv_cache, c.block_table, c.seq_lens[:1], **good)
+    with pytest.raises(TypeError, match="seq_lens must be a torch.Tensor"):
+        run(c.q, c.kv_cache, c.block_table, [20, 30], **good)
+    with pytest.raises(ValueError, match="block_table must be on"):
+        run(c.q, c.kv_cache, c.block_table.cpu(), c.seq_lens, **good)
+    with pytest.raises(TypeError, match="out must have dtype"):
+        run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "out": out.float()})
+    with pytest.raises(ValueError, match="out must have shape"):
+        run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "out": out[:1]})
+    with pytest.raises(ValueError, match="k_scale must be a float or a 1-element float32"):
+        run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "k_scale": torch.ones(2, device="cuda")})
+    ks = torch.ones(1, device="cuda")
+    run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "k_scale": ks})  # caches the tensor-scale variant
+    with pytest.raises(ValueError, match="k_scale must be on"):
+        run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "k_scale": ks.cpu()})
+    # a query at a 2-byte offset inside a larger buffer: same shape and strides, misaligned pointer
+    buf = torch.empty(c.q.numel() + 1, dtype=c.q.dtype, device="cuda")
+    q_off = buf[1:].view(c.q.shape)
+    q_off.copy_(c.q)
+    with pytest.raises(ValueError, match="q data pointer must be 16-byte aligned"):
+        run(q_off, c.kv_cache, c.block_table, c.seq_lens, **good)
+    out.fill_(float("nan"))
+    run(c.q, c.kv_cache, c.block_table, c.seq_lens, **good)
+    ref = reference.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, **c.kwargs())
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= TOL
