@@ -127,10 +127,58 @@ def host_costs():
     return res
 
 
+def eager_study(repeats: int = 5):
+    """Why eager B1 times vary between runs: the same call timed ``repeats`` times on the default
+    stream, on a side stream, and with the garbage collector off, next to its host time per call
+    (perf_counter over back-to-back calls)."""
+    import gc
+
+    from .bench_utils import host_overhead
+
+    g = torch.Generator(device="cuda")
+    g.manual_seed(0)
+    case = make_paged_decode_case(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                                  seq_lens=1000, kv_dtype=torch.float8_e4m3fn, generator=g, poison_tail=False)
+    out = torch.empty_like(case.q)
+    kw = case.kwargs()
+
+    def fn():
+        return cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out=out, **kw)
+
+    rows = []
+    side = torch.cuda.Stream()
+    for name in ("default", "side", "nogc", "default"):
+        for _ in range(repeats):
+            if name == "side":
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    e, h = time_eager(fn, reps=50), host_overhead(fn)
+                torch.cuda.current_stream().wait_stream(side)
+            elif name == "nogc":
+                gc.disable()
+                try:
+                    e, h = time_eager(fn, reps=50), host_overhead(fn)
+                finally:
+                    gc.enable()
+            else:
+                e, h = time_eager(fn, reps=50), host_overhead(fn)
+            rows.append(dict(study=name, eager_us=e * 1e6, host_us=h * 1e6))
+        sel = [r for r in rows if r["study"] == name][-repeats:]
+        print(f"eager study {name:<8} eager " + " ".join(f"{r['eager_us']:5.2f}" for r in sel)
+              + "  host " + " ".join(f"{r['host_us']:5.2f}" for r in sel), flush=True)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="cute-kernels bench latency")
     p.add_argument("--json", default=None)
+    p.add_argument("--eager-study", action="store_true", help="only the eager-call variance study")
     a = p.parse_args(argv)
+    if a.eager_study:
+        rows = eager_study()
+        if a.json:
+            json.dump(rows, open(a.json, "w"), indent=1)
+        return
     run(a.json)
 
 
