@@ -25,6 +25,7 @@
 #   qsatune    row-tile warp-role / tile variants at 1x16384 (correlated) after the epilogue fixes, and ncu
 #              sections of the FP8 per-row decode at N 256
 #   qsatests   every QSA GPU test and the QSA sanitizer run (fits one 600 s call on a fresh machine)
+#   overlap    row-tile GPU tests, QSA sanitizer, prefill A/B of the overlapped consumer (branch next/qsa-overlap)
 #   qsabench   bench qsa --check and the row-tile role variants at 1x16384 BF16
 #   qsaprod    decode A/B of the per-row kernel's gather warps (1 vs 2, twice, interleaved)
 #   qsa2wg     row-tile GPU tests, prefill bench of the row-tile kernel's warp-role variants
@@ -120,6 +121,15 @@ for step in "$@"; do
                 -p no:cacheprovider
               run 80 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
                 python3 -m profiling.sanitize_qsa ;;
+    overlap) run 200 pytest_overlap python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider -k row_tiles
+             run 100 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+               python3 -m profiling.sanitize_qsa
+             TAIL=12 run 150 overlap_fp8 python3 -m profiling.bench_qsa --kinds prefill --kv fp8 --prefill-t 4096,16384 \
+               --selection correlated,independent --check \
+               --tuning ";overlap=1;consumers=1,producers=4,gather_groups=1,overlap=1" --json "$OUT/overlap_fp8.json"
+             TAIL=6 run 100 overlap_bf16 python3 -m profiling.bench_qsa --kinds prefill --kv bf16 --prefill-t 16384 \
+               --selection correlated --tuning ";consumers=1,producers=8,gather_groups=2;consumers=1,producers=8,gather_groups=2,overlap=1;consumers=1,producers=4,gather_groups=1,overlap=1" \
+               --json "$OUT/overlap_bf16.json" ;;
     qsabench) TAIL=40 run 150 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json"
               TAIL=10 run 100 gatherroles python3 -m profiling.bench_qsa --kinds prefill --kv bf16 --prefill-t 16384 \
                 --selection correlated --tuning "consumers=1,producers=4;consumers=1,producers=8,gather_groups=2" \

@@ -76,6 +76,10 @@ def main():
             out = cute_kernels.qsa_sparse_attention(q, k, v, packed, table, t2r, prefill=True, k_scale=0.5,
                                                     v_scale=2.0, output_gate=g)
             assert not torch.isnan(out).any()
+        # the overlapped consumer (QK of a tile issued with the previous tile's PV)
+        with tuning_override(consumers=1, producers=8, gather_groups=2, overlap=True):
+            out = cute_kernels.qsa_sparse_attention(q, k, v, packed, table, t2r, prefill=True, output_gate=gate)
+        assert not torch.isnan(out).any()
         # V with other strides than K (an exact-size [NB, Hkv, PAGE, D] buffer seen transposed):
         # the gather computes V's row addresses itself instead of deriving them from K's
         v_t = torch.empty(v.shape[0], v.shape[2], v.shape[1], v.shape[3], device="cuda", dtype=v.dtype)

@@ -247,64 +247,27 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         row_sum.fill(0.0)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         mw = cute.make_rmem_tensor((2 * words,), Int32)
-        for i in cutlass.range(wg, my_tiles, self.consumers, unroll=1):
-            stage = i % self.stages
-            cute.arch.mbarrier_wait(full + stage, (i // self.stages) % 2)
-            # the gathered rows were written by cp.async (generic proxy); WGMMA reads them
-            # through the async proxy
-            cute.arch.fence_proxy("async.shared", space="cta")
-            first = cute.make_mma_atom(qk_mma.op)
-            first.set(warpgroup.Field.ACCUMULATE, False)
-            rest = cute.make_mma_atom(qk_mma.op)
-            rest.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(D // 16):
-                cute.gemm(first if kb == 0 else rest, acc_s, tSrQ[None, None, kb, 0], tSrK[None, None, kb, stage],
-                          acc_s)
-            warpgroup.commit_group()
-            for h in cutlass.range_constexpr(2):
-                for k in cutlass.range_constexpr(words):
-                    mw[h * words + k] = sMask[word_base[h] + k, stage] >> n_off
-            warpgroup.wait_group(0)
-
-            tile_max = cute.make_rmem_tensor((2,), Float32)
-            tile_max.fill(-Float32.inf)
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                m_s, n_s = cS0[e]
-                h = m_s // 8
-                v = acc_s[e] * c
-                if (mw[h * words + n_s // 32] >> (n_s % 32)) & 1 == 0:
-                    v = -Float32.inf
-                acc_s[e] = v
-                tile_max[h] = cute.arch.fmax(tile_max[h], v)
-            alpha = cute.make_rmem_tensor((2,), Float32)
-            safe = cute.make_rmem_tensor((2,), Float32)
-            grew = False
-            for h in cutlass.range_constexpr(2):
-                t = tile_max[h]
-                for off in (1, 2):  # a query's columns live in one quad
-                    t = cute.arch.fmax(t, cute.arch.shuffle_sync_bfly(t, off))
-                new_max = cute.arch.fmax(row_max[h], t)
-                safe[h] = new_max if new_max != -Float32.inf else Float32(0.0)
-                alpha[h] = cute.math.exp2(row_max[h] - safe[h], fastmath=True)
-                grew = grew or new_max > row_max[h]
-                row_max[h] = new_max
-                row_sum[h] = row_sum[h] * alpha[h]
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                h = cS0[e][0] // 8
-                p = cute.math.exp2(acc_s[e] - safe[h], fastmath=True)
-                row_sum[h] = row_sum[h] + p
-                acc_s[e] = p
-            tOrP.store(p_view.load().to(self.mma_dtype))
-            if grew:  # the running max moved: rescale the output rows (skipped on most tiles)
-                for e in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[e] = acc_o[e] * alpha[cO0[e][0] // 8]
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(T // 16):
-                cute.gemm(pv_mma, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, stage], acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            cute.arch.mbarrier_arrive(empty + stage)
+        if const_expr(self.cfg.overlap):
+            self.consume_overlapped(full, empty, sMask, qk_mma, pv_mma, acc_s, acc_o, tSrQ, tSrK, tOrV, tOrP, p_view,
+                                    cS0, cO0, mw, word_base, n_off, c, row_max, row_sum, my_tiles)
+        else:
+            for i in cutlass.range(wg, my_tiles, self.consumers, unroll=1):
+                stage = i % self.stages
+                self.wait_full(full, i)
+                warpgroup.fence()
+                self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, stage)
+                warpgroup.commit_group()
+                self.load_mask(mw, sMask, word_base, n_off, stage)
+                warpgroup.wait_group(0)
+                alpha, grew = self.softmax_tile(acc_s, mw, cS0, c, row_max, row_sum, n_off)
+                tOrP.store(p_view.load().to(self.mma_dtype))
+                if grew:  # the running max moved: rescale the output rows (skipped on most tiles)
+                    self.rescale(acc_o, cO0, alpha)
+                warpgroup.fence()
+                self.issue_pv(pv_mma, acc_o, tOrP, tOrV, stage)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(empty + stage)
 
         n = cute.size(acc_o)
         if const_expr(self.consumers == 1):
@@ -319,6 +282,137 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
             else:
                 self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head,
                                 lane, n // 2, n)
+
+    @cute.jit
+    def consume_overlapped(self, full, empty, sMask, qk_mma, pv_mma, acc_s, acc_o, tSrQ, tSrK, tOrV, tOrP, p_view,
+                           cS0, cO0, mw, word_base, n_off, c, row_max, row_sum, my_tiles):
+        """One consumer warpgroup, its tensor cores kept busy through the softmax (FA3's
+        intra-warpgroup overlap): tile i's QK and tile i-1's PV are issued together, the softmax
+        of tile i runs while PV(i-1) is on the tensor cores, and stage i-1 is released when PV(i-1)
+        completes. P alternates between two register buffers (the loop is unrolled by two), so
+        P(i) is written while PV(i-1) still reads P(i-1); with one buffer ptxas had to move the
+        PV wait up into the softmax. O is rescaled after PV(i-1). The consumer holds two stages
+        at a time, one more than the serial loop."""
+        tOrP2 = cute.make_rmem_tensor(tOrP.shape, self.mma_dtype)
+        if my_tiles > 0:
+            # tile 0: scores only; its PV goes out with tile 1's QK (O is zero: no rescale)
+            self.wait_full(full, Int32(0))
+            warpgroup.fence()
+            self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, Int32(0))
+            warpgroup.commit_group()
+            self.load_mask(mw, sMask, word_base, n_off, Int32(0))
+            warpgroup.wait_group(0)
+            self.softmax_tile(acc_s, mw, cS0, c, row_max, row_sum, n_off)
+            tOrP.store(p_view.load().to(self.mma_dtype))
+            # P of an even tile in tOrP, of an odd one in tOrP2
+            for i in cutlass.range(1, my_tiles, 2, unroll=1):
+                self.overlap_step(full, empty, sMask, qk_mma, pv_mma, acc_s, acc_o, tSrQ, tSrK, tOrV, tOrP, tOrP2,
+                                  p_view, cS0, cO0, mw, word_base, n_off, c, row_max, row_sum, i)
+                if i + 1 < my_tiles:
+                    self.overlap_step(full, empty, sMask, qk_mma, pv_mma, acc_s, acc_o, tSrQ, tSrK, tOrV, tOrP2, tOrP,
+                                      p_view, cS0, cO0, mw, word_base, n_off, c, row_max, row_sum, i + 1)
+            last = my_tiles - 1
+            warpgroup.fence()
+            if last % 2 == 0:
+                self.issue_pv(pv_mma, acc_o, tOrP, tOrV, last % self.stages)
+            else:
+                self.issue_pv(pv_mma, acc_o, tOrP2, tOrV, last % self.stages)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.mbarrier_arrive(empty + last % self.stages)
+
+    @cute.jit
+    def overlap_step(self, full, empty, sMask, qk_mma, pv_mma, acc_s, acc_o, tSrQ, tSrK, tOrV, p_prev, p_next, p_view,
+                     cS0, cO0, mw, word_base, n_off, c, row_max, row_sum, i):
+        """Tile i of :meth:`consume_overlapped`: QK(i) and PV(i-1) (P(i-1) in ``p_prev``), the
+        softmax of tile i into ``p_next`` while PV(i-1) runs, then stage i-1 released and O
+        rescaled."""
+        stage = i % self.stages
+        prev = (i - 1) % self.stages
+        self.wait_full(full, i)
+        warpgroup.fence()
+        self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, stage)
+        warpgroup.commit_group()
+        self.issue_pv(pv_mma, acc_o, p_prev, tOrV, prev)
+        warpgroup.commit_group()
+        self.load_mask(mw, sMask, word_base, n_off, stage)
+        warpgroup.wait_group(1)  # QK(i) done (groups complete in order); PV(i-1) may still run
+        alpha, grew = self.softmax_tile(acc_s, mw, cS0, c, row_max, row_sum, n_off)
+        p_next.store(p_view.load().to(self.mma_dtype))
+        warpgroup.wait_group(0)  # PV(i-1) done: O is free, and so is stage i-1
+        cute.arch.mbarrier_arrive(empty + prev)
+        if grew:
+            self.rescale(acc_o, cO0, alpha)
+
+    @cute.jit
+    def wait_full(self, full, i):
+        """Wait until union tile ``i``'s stage is gathered. Its rows were written by cp.async or
+        st.shared (generic proxy); the WGMMAs read them through the async proxy."""
+        cute.arch.mbarrier_wait(full + i % self.stages, (i // self.stages) % 2)
+        cute.arch.fence_proxy("async.shared", space="cta")
+
+    @cute.jit
+    def issue_qk(self, qk_mma, acc_s, tSrQ, tSrK, stage):
+        """S = Q K^T of the stage's tile into ``acc_s`` (not committed)."""
+        first = cute.make_mma_atom(qk_mma.op)
+        first.set(warpgroup.Field.ACCUMULATE, False)
+        rest = cute.make_mma_atom(qk_mma.op)
+        rest.set(warpgroup.Field.ACCUMULATE, True)
+        for kb in cutlass.range_constexpr(self.D // 16):
+            cute.gemm(first if kb == 0 else rest, acc_s, tSrQ[None, None, kb, 0], tSrK[None, None, kb, stage], acc_s)
+
+    @cute.jit
+    def issue_pv(self, pv_mma, acc_o, tOrP, tOrV, stage):
+        """O += P V of the stage's tile, P from registers (not committed)."""
+        for kb in cutlass.range_constexpr(self.tile // 16):
+            cute.gemm(pv_mma, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, stage], acc_o)
+
+    @cute.jit
+    def load_mask(self, mw, sMask, word_base, n_off, stage):
+        """The membership words of the thread's two query columns' rows for the stage's tile."""
+        for h in cutlass.range_constexpr(2):
+            for k in cutlass.range_constexpr(self.words):
+                mw[h * self.words + k] = sMask[word_base[h] + k, stage] >> n_off
+
+    @cute.jit
+    def softmax_tile(self, acc_s, mw, cS0, c, row_max, row_sum, n_off):
+        """Masked online softmax of one tile in place: ``acc_s`` becomes P, the running max and
+        sum move on. Returns (alpha per row half, whether a max grew: O needs rescaling)."""
+        words = self.words
+        tile_max = cute.make_rmem_tensor((2,), Float32)
+        tile_max.fill(-Float32.inf)
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            m_s, n_s = cS0[e]
+            h = m_s // 8
+            v = acc_s[e] * c
+            if (mw[h * words + n_s // 32] >> (n_s % 32)) & 1 == 0:
+                v = -Float32.inf
+            acc_s[e] = v
+            tile_max[h] = cute.arch.fmax(tile_max[h], v)
+        alpha = cute.make_rmem_tensor((2,), Float32)
+        safe = cute.make_rmem_tensor((2,), Float32)
+        grew = False
+        for h in cutlass.range_constexpr(2):
+            t = tile_max[h]
+            for off in (1, 2):  # a query's columns live in one quad
+                t = cute.arch.fmax(t, cute.arch.shuffle_sync_bfly(t, off))
+            new_max = cute.arch.fmax(row_max[h], t)
+            safe[h] = new_max if new_max != -Float32.inf else Float32(0.0)
+            alpha[h] = cute.math.exp2(row_max[h] - safe[h], fastmath=True)
+            grew = grew or new_max > row_max[h]
+            row_max[h] = new_max
+            row_sum[h] = row_sum[h] * alpha[h]
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            h = cS0[e][0] // 8
+            p = cute.math.exp2(acc_s[e] - safe[h], fastmath=True)
+            row_sum[h] = row_sum[h] + p
+            acc_s[e] = p
+        return alpha, grew
+
+    @cute.jit
+    def rescale(self, acc_o, cO0, alpha):
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[e] = acc_o[e] * alpha[cO0[e][0] // 8]
 
     @cute.jit
     def stage_q_shared(self, mQ, sQ, sRed, tile, kv_head, tidx, warp, lane, wg):
@@ -524,6 +618,7 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
     producer_regs: int = 0
     consumer_regs: int = 0
     gate_vec: int = 1
+    overlap: bool = False
 
     kernel_id = "sm90.qsa_tile"
 
@@ -551,6 +646,10 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
             raise ValueError(f"gate_vec must be 1, or 2 with a gate; got {self.gate_vec} (gate={self.gate})")
         if self.consumers not in (1, 2):
             raise ValueError(f"consumers must be 1 or 2, got {self.consumers}")
+        if self.overlap and self.consumers != 1:
+            # two consumer groups already overlap each other's softmax and MMAs; each holding two
+            # stages would leave the gather no free stage of the ring
+            raise ValueError("overlap needs a single consumer warpgroup")
         threads = (MMA_WARPS * self.consumers + self.producers) * 32
         regs = (self.producer_regs, self.consumer_regs)
         if threads > 384:  # 512 threads leave 128 registers per thread before setmaxnreg: too few

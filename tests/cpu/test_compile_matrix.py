@@ -87,6 +87,29 @@ def test_qsa_gather_copies_whole_lines_with_immediate_offsets(kind):
         assert gaps[len(gaps) // 2] <= 2, gaps
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+def test_qsa_row_tile_overlap_variant(kv):
+    """``overlap`` (one consumer warpgroup): each tile's QK is issued with the previous tile's PV,
+    the softmax waits only for the QK (``wgmma.wait_group 1``), and the two P buffers fit the
+    consumer's registers without spills; two consumer warpgroups refuse it."""
+    import re
+
+    from cute_kernels.jit.compiler import compile_config
+    from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
+
+    shape = dict(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, gate=True)
+    roles = {} if kv == "fp8_e4m3" else dict(consumers=1, producers=4)
+    res = compile_config(make_qsa_tile_config(**shape, overlap=True, **roles), "sm_90a", artifacts=True)
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d)", res.ptx)
+    assert waits.count("1") >= 1, waits
+    # QK (16 k-steps at D 256) and PV (4 k-steps of 16 tokens) of the prologue, loop and epilogue
+    assert res.ptx.count("wgmma.mma_async") >= 16 + 2 * (16 + 4) + 4
+    if res.sass:
+        assert not re.search(r"\b(STL|LDL)\b", res.sass), "register spills"
+    with pytest.raises(ValueError, match="overlap needs a single consumer warpgroup"):
+        make_qsa_tile_config(**shape, overlap=True, consumers=2, producers=4, gather_groups=1)
+
+
 def _gate_load_runs(ptx: str) -> list[int]:
     """Sizes of the runs of 16-bit global loads (only the gate is read that way) that no branch
     and no global store interrupts, in program order."""

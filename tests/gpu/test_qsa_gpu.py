@@ -298,14 +298,18 @@ def _prefill_case(gen, rows, hq, hkv, page, kv, first, selection, **kw):
 
 
 # kernel variants of the row-tile path the tests force (the default is one of them)
+# (the overlapped consumer: QK of a tile issued with PV of the previous one, two P buffers)
 ROW_TILE_VARIANTS = [dict(consumers=1, producers=4, gather_groups=1), dict(consumers=2, producers=4, gather_groups=1),
-                     dict(consumers=1, producers=8, gather_groups=2)]
+                     dict(consumers=1, producers=8, gather_groups=2),
+                     dict(consumers=1, producers=4, gather_groups=1, overlap=True),
+                     dict(consumers=1, producers=8, gather_groups=2, overlap=True)]
+ROW_TILE_IDS = ["c1", "c2", "p8g2", "c1-overlap", "p8g2-overlap"]
 
 
 @pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("hq,hkv,page", [(24, 2, 1568), (6, 1, 784)])
 @pytest.mark.parametrize("selection", ["correlated", "independent"])
-@pytest.mark.parametrize("variant", ROW_TILE_VARIANTS, ids=["c1", "c2", "p8g2"])
+@pytest.mark.parametrize("variant", ROW_TILE_VARIANTS, ids=ROW_TILE_IDS)
 def test_row_tiles(gen, kv, hq, hkv, page, selection, variant):
     """Rows at positions 2900.. (full budgets; 301 rows: a partial last tile): correlated
     selections take the union path, independent ones mostly exceed the union cap and walk the
@@ -322,7 +326,7 @@ def test_row_tiles(gen, kv, hq, hkv, page, selection, variant):
 
 
 @pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("variant", ROW_TILE_VARIANTS, ids=["c1", "c2", "p8g2"])
+@pytest.mark.parametrize("variant", ROW_TILE_VARIANTS, ids=ROW_TILE_IDS)
 def test_row_tiles_short_rows(gen, kv, variant):
     """The first rows of a prefill (positions 0..): tiles with a single union tile (the second
     consumer warpgroup or gather group has none), rows of one token, partial tiles."""
@@ -354,7 +358,7 @@ def test_row_tiles_path_taken(gen):
     _check(out, reference.qsa_sparse_attention(**args))
 
 
-@pytest.mark.parametrize("variant", ROW_TILE_VARIANTS, ids=["c1", "c2", "p8g2"])
+@pytest.mark.parametrize("variant", ROW_TILE_VARIANTS, ids=ROW_TILE_IDS)
 def test_row_tiles_mixed_requests_and_invalid(gen, variant):
     """Several requests (tiles straddling two requests fall back), holes, an invalid request and
     a page beyond the table inside union tiles."""
