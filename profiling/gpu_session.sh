@@ -25,7 +25,7 @@
 #   qsatune    row-tile warp-role / tile variants at 1x16384 (correlated) after the epilogue fixes, and ncu
 #              sections of the FP8 per-row decode at N 256
 #   qsatests   every QSA GPU test and the QSA sanitizer run (fits one 600 s call on a fresh machine)
-#   overlap    row-tile GPU tests, QSA sanitizer, prefill A/B of the overlapped consumer (branch next/qsa-overlap)
+#   overlap    row-tile GPU tests, QSA sanitizer, prefill A/B of the overlapped consumer (FP8's default since the A/B)
 #   qsabench   bench qsa --check and the row-tile role variants at 1x16384 BF16
 #   qsaprod    decode A/B of the per-row kernel's gather warps (1 vs 2, twice, interleaved)
 #   qsa2wg     row-tile GPU tests, prefill bench of the row-tile kernel's warp-role variants
@@ -126,7 +126,7 @@ for step in "$@"; do
                python3 -m profiling.sanitize_qsa
              TAIL=12 run 150 overlap_fp8 python3 -m profiling.bench_qsa --kinds prefill --kv fp8 --prefill-t 4096,16384 \
                --selection correlated,independent --check \
-               --tuning ";overlap=1;consumers=1,producers=4,gather_groups=1,overlap=1" --json "$OUT/overlap_fp8.json"
+               --tuning ";overlap=0;consumers=1,producers=4,gather_groups=1,overlap=1" --json "$OUT/overlap_fp8.json"
              TAIL=6 run 100 overlap_bf16 python3 -m profiling.bench_qsa --kinds prefill --kv bf16 --prefill-t 16384 \
                --selection correlated --tuning ";consumers=1,producers=8,gather_groups=2;consumers=1,producers=8,gather_groups=2,overlap=1;consumers=1,producers=4,gather_groups=1,overlap=1" \
                --json "$OUT/overlap_bf16.json" ;;

@@ -19,8 +19,9 @@ batches fill the machine.
 Warp roles (``TILE_SCHEDULE``, measured): 16-bit caches run two consumer warpgroups on alternate
 union tiles of the same rows (each its own running max, sum and O, combined at the end through the
 idle K tiles); FP8 caches run one consumer and two groups of gather warps on alternate pipeline
-slots, so two tiles are widened at once. Both are 384 threads, with the registers rebalanced by
-``setmaxnreg`` within the launch's 168 per thread.
+slots, so two tiles are widened at once, and that one consumer issues each tile's QK together
+with the previous tile's PV so that its softmax overlaps the tensor cores (``overlap``). Both are
+384 threads, with the registers rebalanced by ``setmaxnreg`` within the launch's 168 per thread.
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ BAR_CONSUMERS = BAR_MMA + 1  # named barrier of both consumer warpgroups (BAR_MM
 # 4.79 / 11.54 FP8; two groups of 4 gather warps filling alternate slots 4.26 / 9.21 BF16,
 # 4.57 / 10.56 FP8 (FP8's widening gather is synchronous: loads, convert, store, so one group
 # keeps only one tile in flight). One gather warp was too slow (7.36 ms with one, 6.09 with four).
+# FP8 also overlaps its single consumer's softmax with the previous tile's PV (``overlap``, NOTES
+# "an overlapped consumer"): 3508 -> 3404 us correlated, 9362 -> 9407 independent at 1 x 16384. For
+# 16-bit caches one overlapped consumer (2667-2684 us) stays behind two serial ones (2521).
 TILE_SCHEDULE = {"16-bit": dict(consumers=2, producers=4, gather_groups=1),
-                 "fp8": dict(consumers=1, producers=8, gather_groups=2)}
+                 "fp8": dict(consumers=1, producers=8, gather_groups=2, overlap=True)}
 # Above 256 threads the launch gives each thread fewer registers than the consumer's O
 # accumulator and softmax need, so the warpgroups rebalance with setmaxnreg: the gather warps
 # keep the fewest that ptxas compiles without spills at D = 256 (FP8 holds a batch of 16-byte
@@ -610,7 +614,8 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
     producer and consumer warpgroups take with ``setmaxnreg`` (multiples of 8 in [24, 256]; the
     three warpgroups share the 168 per thread the launch gives 384 threads). ``gate_vec``: gate
     elements per load, 2 when the gate's pointer and strides are 4-byte aligned (the usual case,
-    a slice of a fused projection), else 1."""
+    a slice of a fused projection), else 1. ``overlap`` (one consumer warpgroup): tile i's QK is
+    issued with tile i-1's PV and the softmax overlaps that PV (:meth:`consume_overlapped`)."""
 
     rows_per_cta: int = 5
     consumers: int = 1
@@ -725,6 +730,7 @@ def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: i
     consumers = override.pop("consumers", roles["consumers"])
     producers = override.pop("producers", roles["producers"])
     groups = override.pop("gather_groups", roles["gather_groups"])
+    overlap = override.pop("overlap", roles.get("overlap", False) and consumers == 1)
     producer_regs, consumer_regs = tile_regs(kv_dtype, consumers, producers, groups)
     # query columns on M, K/V tiles in 16 bits (FP8 widened by the gather), no P tile: one CTA per
     # SM (registers) takes what shared memory holds after Q and the 2 KB header (barriers,
@@ -734,7 +740,7 @@ def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: i
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=False, gate=gate, occupancy=occupancy, rows_per_cta=rows,
                   producers=producers, consumers=consumers, gather_groups=groups, producer_regs=producer_regs,
-                  consumer_regs=consumer_regs, gate_vec=2 if gate else 1, kv_same_strides=True)
+                  consumer_regs=consumer_regs, gate_vec=2 if gate else 1, kv_same_strides=True, overlap=overlap)
     fields.update(override)
     return Sm90QsaTileConfig(**fields)
 

@@ -299,8 +299,9 @@ def _prefill_case(gen, rows, hq, hkv, page, kv, first, selection, **kw):
 
 # kernel variants of the row-tile path the tests force (the default is one of them)
 # (the overlapped consumer: QK of a tile issued with PV of the previous one, two P buffers)
-ROW_TILE_VARIANTS = [dict(consumers=1, producers=4, gather_groups=1), dict(consumers=2, producers=4, gather_groups=1),
-                     dict(consumers=1, producers=8, gather_groups=2),
+ROW_TILE_VARIANTS = [dict(consumers=1, producers=4, gather_groups=1, overlap=False),
+                     dict(consumers=2, producers=4, gather_groups=1),
+                     dict(consumers=1, producers=8, gather_groups=2, overlap=False),
                      dict(consumers=1, producers=4, gather_groups=1, overlap=True),
                      dict(consumers=1, producers=8, gather_groups=2, overlap=True)]
 ROW_TILE_IDS = ["c1", "c2", "p8g2", "c1-overlap", "p8g2-overlap"]
