@@ -293,7 +293,9 @@ def paged_decode(
             _check_scale("k_scale", k_scale, q.device)
         if not (type(v_scale) is float and 0.0 < v_scale < math.inf) and type(v_scale) is not torch.Tensor:
             _check_scale("v_scale", v_scale, q.device)
-    if launch.reference:
+    if launch.reference:  # no compiled function checks the arguments here: validate every call
+        _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
+                 return_lse, num_splits, deterministic)
         return reference.paged_decode(q, kv_cache, block_table, seq_lens, kv_layout=kv_layout,
                                       q_len_per_req=q_len_per_req, sm_scale=sm_scale, k_scale=k_scale,
                                       v_scale=v_scale, return_lse=return_lse)

@@ -13,8 +13,10 @@ CTA from their union (``sm90/qsa_tile.py``, ``row_tile_plan``). Otherwise the sp
 ``prefill``), then, when it split, the fused merge + gate (``sm90/qsa_merge.py``) as a
 programmatic dependent launch. Host overhead: the first call with a
 new combination of shapes/strides/dtypes/alignment validates everything and builds a
-:class:`_Launch`; later calls look it up by a tuple of cheap tensor attributes and go straight to
-the TVM-FFI calls (which re-check dtypes, ranks, shared extents and alignment).
+:class:`_Launch` (its workspace views bound as TVM-FFI tensors); later calls look it up by a tuple
+of the attributes that select the kernels (:func:`_key`) and go straight to the TVM-FFI calls,
+which check dtypes, ranks, shared extents, devices and alignment themselves; a call they refuse is
+validated in full for a clear error.
 """
 
 from __future__ import annotations
@@ -27,14 +29,22 @@ import torch
 
 from .. import reference
 from .._nvtx import ENABLED as _NVTX
-from .._nvtx import NULL_RANGE, op_range
+from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..sm90.qsa import MAX_GROUP, Sm90QsaConfig, make_qsa_config, select_config
 from ..sm90.qsa_merge import QsaMergeConfig
 from ..sm90.qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_tile_plan
 from ..sm90.qsa_union import QsaUnionConfig
 from ._launch import LaunchCache
-from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, widest_vector
+from ._torch import (
+    DeviceBuffer,
+    check_tensor,
+    compile_target,
+    device_sm_count,
+    dtype_name,
+    ffi_tensor,
+    widest_vector,
+)
 
 FP8 = torch.float8_e4m3fn
 HEAD_DIMS = (64, 128, 256)
@@ -46,8 +56,11 @@ _tile_workspace = DeviceBuffer("qsa_sparse_attention row tiles", torch.int32)  #
 
 @dataclass
 class _Launch:
-    """Everything a call needs that depends only on its key."""
+    """Everything a call needs that depends only on its key. ``call(q, k, v, idx, bt, t2r, out,
+    gate, k_scale, v_scale)`` runs the launches with the workspace views bound as TVM-FFI tensors
+    (converted once, not at every call); the torch views stay here for inspection."""
 
+    call: object
     fn: object
     merge_fn: object
     part_o: torch.Tensor | None
@@ -73,14 +86,19 @@ def tuning_override(**fields):
     return _cache.tuning_override(**fields)
 
 
-def _meta(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
-
-
 def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
+    """What selects the kernels, their configs and workspaces: the query and cache geometry, V's
+    strides (``kv_same_strides``), the selection and block-table shapes, the options, and the
+    pointer/stride alignment of ``out`` and ``output_gate`` (vector widths) with the gate's shape
+    (no extent ties it to the query's). Left out is what the compiled functions check on every
+    call (TVM-FFI): the other dtypes, extents shared with the query's or the cache's (V,
+    token_to_req, out), devices against the query's, alignment of the other pointers. When they
+    refuse an argument the call is validated in full (see :func:`qsa_sparse_attention`)."""
     # a non-bool ``prefill`` (1 == True) must not hit a cached launch: it is refused by _prepare
-    return (_meta(q), _meta(k), _meta(v), _meta(idx), _meta(bt), _meta(t2r),
-            prefill if isinstance(prefill, bool) else None, _meta(out), _meta(gate), _cache.override_key)
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.stride(), idx.shape, bt.shape,
+            prefill if type(prefill) is bool else None,
+            None if out is None else (out.stride(), out.data_ptr() % 16),
+            None if gate is None else (gate.shape, gate.stride(), gate.data_ptr() % 16), _cache.override_key)
 
 
 _LAUNCH_FIELDS = ("splits", "tile_rows")  # read where the launch is chosen, not kernel fields
@@ -126,7 +144,7 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
     if gate is not None:
         check_tensor("output_gate", gate, dtype=q.dtype, shape=(rows, Hq, D), device=q.device)
     if not q.is_cuda:
-        return _Launch(None, None, None, None, None, 1, gate is not None, reference=True)
+        return _Launch(None, None, None, None, None, None, 1, gate is not None, reference=True)
     if k.dtype not in (FP8, q.dtype):
         raise TypeError(f"k_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
     if D not in HEAD_DIMS:
@@ -173,7 +191,18 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
         part_lse = ws[n_o:n_o + n_l].view(splits, rows, Hq)
     else:
         lse = _workspace.get(device, rows * Hq)[:rows * Hq].view(rows, Hq)
-    return _Launch(fn, merge_fn, part_o, part_lse, lse, splits, gate is not None)
+    if split:
+        f_part_o, f_part_lse = ffi_tensor(part_o), ffi_tensor(part_lse)
+
+        def call(q, k, v, idx, bt, t2r, out, gate, ks, vs):
+            fn(q, k, v, idx, bt, t2r, f_part_o, f_part_lse, q, ks, vs)  # q: a gate placeholder never read
+            merge_fn(f_part_o, f_part_lse, out, gate if gate is not None else out)
+    else:
+        f_lse = ffi_tensor(lse)
+
+        def call(q, k, v, idx, bt, t2r, out, gate, ks, vs):
+            fn(q, k, v, idx, bt, t2r, out, f_lse, gate if gate is not None else q, ks, vs)
+    return _Launch(call, fn, merge_fn, part_o, part_lse, lse, splits, gate is not None)
 
 
 def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, same_strides, device,
@@ -196,8 +225,13 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
     member = ws[n_u:n_u + n_m].view(nt, R, cap // 32)
     length = ws[n_u + n_m:n_u + n_m + nt]
     lse = _workspace.get(device, rows * Hq)[:rows * Hq].view(rows, Hq)
-    return _Launch(fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn, union=union, member=member,
-                   length=length)
+    f_union, f_member, f_length, f_lse = (ffi_tensor(t) for t in (union, member, length, lse))
+
+    def call(q, k, v, idx, bt, t2r, out, gate, ks, vs):
+        union_fn(idx, bt, t2r, f_union, f_member, f_length)
+        fn(q, k, v, idx, bt, t2r, f_union, f_member, f_length, out, f_lse, gate if gate is not None else q, ks, vs)
+    return _Launch(call, fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn, union=union,
+                   member=member, length=length)
 
 
 def qsa_sparse_attention(
@@ -232,7 +266,7 @@ def qsa_sparse_attention(
     """
     try:
         key = _key(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out, output_gate)
-        launch = _cache.get(key)
+        launch = _cache.entries.get(key)
     except (AttributeError, TypeError):  # not tensors: let the validation say what is wrong
         key, launch = None, None
     if launch is None:
@@ -240,9 +274,12 @@ def qsa_sparse_attention(
                           output_gate)
         if key is not None:
             _cache.put(key, launch)
-    ks = _check_scale("k_scale", k_scale)
-    vs = _check_scale("v_scale", v_scale)
-    if launch.reference:
+    # type(), not isinstance(): torch.Tensor's metaclass makes isinstance slow; _check_scale
+    # accepts positive ints and raises for the rest
+    ks = k_scale if type(k_scale) is float and 0.0 < k_scale < math.inf else _check_scale("k_scale", k_scale)
+    vs = v_scale if type(v_scale) is float and 0.0 < v_scale < math.inf else _check_scale("v_scale", v_scale)
+    if launch.reference:  # no compiled function checks the arguments here: validate every call
+        _prepare(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out, output_gate)
         return reference.qsa_sparse_attention(q, k_cache, v_cache, packed_indices, block_table, token_to_req,
                                               prefill=prefill, k_scale=ks, v_scale=vs, out=out,
                                               output_gate=output_gate)
@@ -250,17 +287,15 @@ def qsa_sparse_attention(
         out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
-    with op_range("qsa_sparse_attention", q=q, k_cache=k_cache, packed_indices=packed_indices) if _NVTX else NULL_RANGE:
-        gate = output_gate if output_gate is not None else q  # a placeholder the kernel never reads
-        if launch.union_fn is not None:
-            launch.union_fn(packed_indices, block_table, token_to_req, launch.union, launch.member, launch.length)
-            launch.fn(q, k_cache, v_cache, packed_indices, block_table, token_to_req, launch.union, launch.member,
-                      launch.length, out, launch.lse, gate, ks, vs)
-        elif launch.splits > 1:
-            launch.fn(q, k_cache, v_cache, packed_indices, block_table, token_to_req, launch.part_o,
-                      launch.part_lse, q, ks, vs)
-            launch.merge_fn(launch.part_o, launch.part_lse, out, output_gate if output_gate is not None else out)
+    try:
+        if _NVTX:
+            with op_range("qsa_sparse_attention", q=q, k_cache=k_cache, packed_indices=packed_indices):
+                launch.call(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, output_gate, ks, vs)
         else:
-            launch.fn(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, launch.lse, gate, ks, vs)
+            launch.call(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, output_gate, ks, vs)
+    except Exception:
+        # a compiled function refused an argument the launch key leaves to it (see _key):
+        # validate in full so that the error names the argument and what was expected
+        _prepare(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out, output_gate)
+        raise
     return out
-

@@ -281,6 +281,37 @@ def test_argument_errors(gen):
         cute_kernels.qsa_sparse_attention(**args, prefill=1)
 
 
+@pytest.mark.parametrize("path", ["split", "unsplit", "row-tiles"])
+def test_argument_errors_after_a_cached_call(gen, path):
+    """The launch key leaves to the compiled functions what they check themselves (dtypes of the
+    index tensors and outputs, extents shared with the query or the cache, devices, alignment):
+    after a good call on each launch path, each such bad input still raises the op's error naming
+    the argument, and the cached launch still computes correctly afterwards."""
+    rows = 80 if path == "row-tiles" else 4
+    c = _case(gen, rows, 24, 2, 1568, 2, BF16)
+    args = {k: v for k, v in c.items() if k != "meta"}
+    prefill = path == "row-tiles"
+    run = cute_kernels.qsa_sparse_attention
+    with tuning_override(**({"splits": 3} if path == "split" else {"splits": 1} if path == "unsplit" else {})):
+        run(**args, prefill=prefill)
+        bad = [
+            (TypeError, "packed_indices must have dtype int32", dict(packed_indices=args["packed_indices"].long())),
+            (TypeError, "block_table must have dtype int32", dict(block_table=args["block_table"].long())),
+            (ValueError, "token_to_req must have shape", dict(token_to_req=args["token_to_req"][:2])),
+            (ValueError, "token_to_req must be on", dict(token_to_req=args["token_to_req"].cpu())),
+            (TypeError, "output_gate must have dtype", dict(output_gate=args["output_gate"].half())),
+            (ValueError, "v_cache must be on", dict(v_cache=args["v_cache"].cpu())),
+            (ValueError, "k_scale must be a positive finite float", dict(k_scale=True)),
+        ]
+        for exc, msg, change in bad:
+            with pytest.raises(exc, match=msg):
+                run(**dict(args, **change), prefill=prefill)
+        with pytest.raises(TypeError, match="out must have dtype"):
+            run(**args, prefill=prefill, out=torch.empty_like(args["q"], dtype=torch.float16))
+        out, ref = _run(c, prefill)
+    _check(out, ref)
+
+
 # ---- the prefill row-tile path (union pre-pass + R rows per CTA) ----
 
 def _prefill_case(gen, rows, hq, hkv, page, kv, first, selection, **kw):
