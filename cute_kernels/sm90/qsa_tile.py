@@ -27,6 +27,7 @@ with the previous tile's PV so that its softmax overlaps the tensor cores (``ove
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
@@ -250,25 +251,29 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-        mw = cute.make_rmem_tensor((2 * words,), Int32)
+        # what the per-tile steps below share (the pipeline, the MMAs and their fragments, the
+        # softmax state), passed as one bundle
+        cs = SimpleNamespace(full=full, empty=empty, sMask=sMask, qk_mma=qk_mma, pv_mma=pv_mma, acc_s=acc_s,
+                             acc_o=acc_o, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, p_view=p_view, cS0=cS0, cO0=cO0,
+                             mw=cute.make_rmem_tensor((2 * words,), Int32), word_base=word_base, n_off=n_off, c=c,
+                             row_max=row_max, row_sum=row_sum)
         if const_expr(self.cfg.overlap):
-            self.consume_overlapped(full, empty, sMask, qk_mma, pv_mma, acc_s, acc_o, tSrQ, tSrK, tOrV, tOrP, p_view,
-                                    cS0, cO0, mw, word_base, n_off, c, row_max, row_sum, my_tiles)
+            self.consume_overlapped(cs, tOrP, my_tiles)
         else:
             for i in cutlass.range(wg, my_tiles, self.consumers, unroll=1):
                 stage = i % self.stages
-                self.wait_full(full, i)
+                self.wait_full(cs, i)
                 warpgroup.fence()
-                self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, stage)
+                self.issue_qk(cs, stage)
                 warpgroup.commit_group()
-                self.load_mask(mw, sMask, word_base, n_off, stage)
+                self.load_mask(cs, stage)
                 warpgroup.wait_group(0)
-                alpha, grew = self.softmax_tile(acc_s, mw, cS0, c, row_max, row_sum, n_off)
+                alpha, grew = self.softmax_tile(cs)
                 tOrP.store(p_view.load().to(self.mma_dtype))
                 if grew:  # the running max moved: rescale the output rows (skipped on most tiles)
-                    self.rescale(acc_o, cO0, alpha)
+                    self.rescale(cs, alpha)
                 warpgroup.fence()
-                self.issue_pv(pv_mma, acc_o, tOrP, tOrV, stage)
+                self.issue_pv(cs, tOrP, stage)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(empty + stage)
@@ -288,8 +293,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                                 lane, n // 2, n)
 
     @cute.jit
-    def consume_overlapped(self, full, empty, sMask, qk_mma, pv_mma, acc_s, acc_o, tSrQ, tSrK, tOrV, tOrP, p_view,
-                           cS0, cO0, mw, word_base, n_off, c, row_max, row_sum, my_tiles):
+    def consume_overlapped(self, cs, tOrP, my_tiles):
         """One consumer warpgroup, its tensor cores kept busy through the softmax (FA3's
         intra-warpgroup overlap): tile i's QK and tile i-1's PV are issued together, the softmax
         of tile i runs while PV(i-1) is on the tensor cores, and stage i-1 is released when PV(i-1)
@@ -300,89 +304,88 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         tOrP2 = cute.make_rmem_tensor(tOrP.shape, self.mma_dtype)
         if my_tiles > 0:
             # tile 0: scores only; its PV goes out with tile 1's QK (O is zero: no rescale)
-            self.wait_full(full, Int32(0))
+            self.wait_full(cs, Int32(0))
             warpgroup.fence()
-            self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, Int32(0))
+            self.issue_qk(cs, Int32(0))
             warpgroup.commit_group()
-            self.load_mask(mw, sMask, word_base, n_off, Int32(0))
+            self.load_mask(cs, Int32(0))
             warpgroup.wait_group(0)
-            self.softmax_tile(acc_s, mw, cS0, c, row_max, row_sum, n_off)
-            tOrP.store(p_view.load().to(self.mma_dtype))
+            self.softmax_tile(cs)
+            tOrP.store(cs.p_view.load().to(self.mma_dtype))
             # P of an even tile in tOrP, of an odd one in tOrP2
             for i in cutlass.range(1, my_tiles, 2, unroll=1):
-                self.overlap_step(full, empty, sMask, qk_mma, pv_mma, acc_s, acc_o, tSrQ, tSrK, tOrV, tOrP, tOrP2,
-                                  p_view, cS0, cO0, mw, word_base, n_off, c, row_max, row_sum, i)
+                self.overlap_step(cs, tOrP, tOrP2, i)
                 if i + 1 < my_tiles:
-                    self.overlap_step(full, empty, sMask, qk_mma, pv_mma, acc_s, acc_o, tSrQ, tSrK, tOrV, tOrP2, tOrP,
-                                      p_view, cS0, cO0, mw, word_base, n_off, c, row_max, row_sum, i + 1)
+                    self.overlap_step(cs, tOrP2, tOrP, i + 1)
             last = my_tiles - 1
             warpgroup.fence()
             if last % 2 == 0:
-                self.issue_pv(pv_mma, acc_o, tOrP, tOrV, last % self.stages)
+                self.issue_pv(cs, tOrP, last % self.stages)
             else:
-                self.issue_pv(pv_mma, acc_o, tOrP2, tOrV, last % self.stages)
+                self.issue_pv(cs, tOrP2, last % self.stages)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            cute.arch.mbarrier_arrive(empty + last % self.stages)
+            cute.arch.mbarrier_arrive(cs.empty + last % self.stages)
 
     @cute.jit
-    def overlap_step(self, full, empty, sMask, qk_mma, pv_mma, acc_s, acc_o, tSrQ, tSrK, tOrV, p_prev, p_next, p_view,
-                     cS0, cO0, mw, word_base, n_off, c, row_max, row_sum, i):
+    def overlap_step(self, cs, p_prev, p_next, i):
         """Tile i of :meth:`consume_overlapped`: QK(i) and PV(i-1) (P(i-1) in ``p_prev``), the
         softmax of tile i into ``p_next`` while PV(i-1) runs, then stage i-1 released and O
         rescaled."""
         stage = i % self.stages
         prev = (i - 1) % self.stages
-        self.wait_full(full, i)
+        self.wait_full(cs, i)
         warpgroup.fence()
-        self.issue_qk(qk_mma, acc_s, tSrQ, tSrK, stage)
+        self.issue_qk(cs, stage)
         warpgroup.commit_group()
-        self.issue_pv(pv_mma, acc_o, p_prev, tOrV, prev)
+        self.issue_pv(cs, p_prev, prev)
         warpgroup.commit_group()
-        self.load_mask(mw, sMask, word_base, n_off, stage)
+        self.load_mask(cs, stage)
         warpgroup.wait_group(1)  # QK(i) done (groups complete in order); PV(i-1) may still run
-        alpha, grew = self.softmax_tile(acc_s, mw, cS0, c, row_max, row_sum, n_off)
-        p_next.store(p_view.load().to(self.mma_dtype))
+        alpha, grew = self.softmax_tile(cs)
+        p_next.store(cs.p_view.load().to(self.mma_dtype))
         warpgroup.wait_group(0)  # PV(i-1) done: O is free, and so is stage i-1
-        cute.arch.mbarrier_arrive(empty + prev)
+        cute.arch.mbarrier_arrive(cs.empty + prev)
         if grew:
-            self.rescale(acc_o, cO0, alpha)
+            self.rescale(cs, alpha)
 
     @cute.jit
-    def wait_full(self, full, i):
+    def wait_full(self, cs, i):
         """Wait until union tile ``i``'s stage is gathered. Its rows were written by cp.async or
         st.shared (generic proxy); the WGMMAs read them through the async proxy."""
-        cute.arch.mbarrier_wait(full + i % self.stages, (i // self.stages) % 2)
+        cute.arch.mbarrier_wait(cs.full + i % self.stages, (i // self.stages) % 2)
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
-    def issue_qk(self, qk_mma, acc_s, tSrQ, tSrK, stage):
-        """S = Q K^T of the stage's tile into ``acc_s`` (not committed)."""
-        first = cute.make_mma_atom(qk_mma.op)
+    def issue_qk(self, cs, stage):
+        """S = Q K^T of the stage's tile into ``cs.acc_s`` (not committed)."""
+        first = cute.make_mma_atom(cs.qk_mma.op)
         first.set(warpgroup.Field.ACCUMULATE, False)
-        rest = cute.make_mma_atom(qk_mma.op)
+        rest = cute.make_mma_atom(cs.qk_mma.op)
         rest.set(warpgroup.Field.ACCUMULATE, True)
         for kb in cutlass.range_constexpr(self.D // 16):
-            cute.gemm(first if kb == 0 else rest, acc_s, tSrQ[None, None, kb, 0], tSrK[None, None, kb, stage], acc_s)
+            cute.gemm(first if kb == 0 else rest, cs.acc_s, cs.tSrQ[None, None, kb, 0], cs.tSrK[None, None, kb, stage],
+                      cs.acc_s)
 
     @cute.jit
-    def issue_pv(self, pv_mma, acc_o, tOrP, tOrV, stage):
-        """O += P V of the stage's tile, P from registers (not committed)."""
+    def issue_pv(self, cs, tOrP, stage):
+        """O += P V of the stage's tile, P from the registers ``tOrP`` (not committed)."""
         for kb in cutlass.range_constexpr(self.tile // 16):
-            cute.gemm(pv_mma, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, stage], acc_o)
+            cute.gemm(cs.pv_mma, cs.acc_o, tOrP[None, None, kb], cs.tOrV[None, None, kb, stage], cs.acc_o)
 
     @cute.jit
-    def load_mask(self, mw, sMask, word_base, n_off, stage):
+    def load_mask(self, cs, stage):
         """The membership words of the thread's two query columns' rows for the stage's tile."""
         for h in cutlass.range_constexpr(2):
             for k in cutlass.range_constexpr(self.words):
-                mw[h * self.words + k] = sMask[word_base[h] + k, stage] >> n_off
+                cs.mw[h * self.words + k] = cs.sMask[cs.word_base[h] + k, stage] >> cs.n_off
 
     @cute.jit
-    def softmax_tile(self, acc_s, mw, cS0, c, row_max, row_sum, n_off):
-        """Masked online softmax of one tile in place: ``acc_s`` becomes P, the running max and
+    def softmax_tile(self, cs):
+        """Masked online softmax of one tile in place: ``cs.acc_s`` becomes P, the running max and
         sum move on. Returns (alpha per row half, whether a max grew: O needs rescaling)."""
         words = self.words
+        acc_s, mw, cS0, c, row_max, row_sum = cs.acc_s, cs.mw, cs.cS0, cs.c, cs.row_max, cs.row_sum
         tile_max = cute.make_rmem_tensor((2,), Float32)
         tile_max.fill(-Float32.inf)
         for e in cutlass.range_constexpr(cute.size(acc_s)):
@@ -414,9 +417,9 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         return alpha, grew
 
     @cute.jit
-    def rescale(self, acc_o, cO0, alpha):
-        for e in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[e] = acc_o[e] * alpha[cO0[e][0] // 8]
+    def rescale(self, cs, alpha):
+        for e in cutlass.range_constexpr(cute.size(cs.acc_o)):
+            cs.acc_o[e] = cs.acc_o[e] * alpha[cs.cO0[e][0] // 8]
 
     @cute.jit
     def stage_q_shared(self, mQ, sQ, sRed, tile, kv_head, tidx, warp, lane, wg):
