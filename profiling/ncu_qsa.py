@@ -21,6 +21,8 @@ SHAPES = {
     "decode-bf16-1": ("decode", 1, torch.bfloat16, "independent"),
     "decode-fp8-4": ("decode", 4, torch.float8_e4m3fn, "independent"),
     "decode-fp8-256": ("decode", 256, torch.float8_e4m3fn, "independent"),
+    "decode-bf16-64": ("decode", 64, torch.bfloat16, "independent"),
+    "decode-fp8-64": ("decode", 64, torch.float8_e4m3fn, "independent"),
     "prefill-bf16-4096": ("prefill", 4096, torch.bfloat16, "correlated"),
     "prefill-fp8-4096": ("prefill", 4096, torch.float8_e4m3fn, "correlated"),
 }

@@ -40,8 +40,10 @@ MAX_SPLITS = 64
 _FP8_CTAS_PER_SM = {64: 3, 128: 3, 256: 2}
 # ... and the fewest CTAs per SM the kernel is sized for: D=64 (128-token tiles) lands on 2 CTAs/SM
 # for B=32 x 8 heads, yet the kernel sized for 3 (4 stages) beats the one sized for 2 (7 stages):
-# 69.3 vs 73.0 us (profiling/NOTES.md "decode v5")
-_FP8_MIN_SIZING = {64: 3}
+# 69.3 vs 73.0 us (profiling/NOTES.md "decode v5"); D=256 likewise (B=32 x 8 heads, unsplit):
+# sized for 3 (2 stages) 242-249 us against 251-258 sized for 2 (3 stages), four runs of the
+# seventh session (NOTES "decode v7")
+_FP8_MIN_SIZING = {64: 3, 256: 3}
 # deterministic=False: dynamic split scheduling when each split has at least this many tiles (with
 # a tile or two per split, as B=1, the chunk counter's round trips cost more than balancing gains)
 DYNAMIC_MIN_TILES = 8
