@@ -68,6 +68,20 @@ def choose_schedule(items: int, max_context: int, num_sms: int, max_occupancy: i
     return splits, per_sm
 
 
+def launch_schedule(items: int, max_context: int, num_sms: int, max_occupancy: int, tile: int, head_dim: int,
+                    fp8: bool, num_splits: int | None = None) -> tuple[int, int]:
+    """``(num_splits, CTAs per SM the kernel is sized for)`` of a launch, from shapes only:
+    :func:`choose_schedule` with the FP8 per-head-dim targets, a caller's ``num_splits`` kept (then
+    sized for the kernel's maximum), and FP8 sizing never below ``_FP8_MIN_SIZING``."""
+    splits, per_sm = choose_schedule(items, max_context, num_sms, max_occupancy, tile,
+                                     _FP8_CTAS_PER_SM.get(head_dim) if fp8 else None)
+    if num_splits is not None:
+        splits, per_sm = num_splits, max_occupancy
+    if fp8:
+        per_sm = max(per_sm, _FP8_MIN_SIZING.get(head_dim, 1))
+    return splits, per_sm
+
+
 # split partials / unused LSE targets, and the fused merge's arrival counters (zero between
 # launches: the last CTA of each (request, KV head) resets its counter)
 _workspace = DeviceBuffer("paged_decode", torch.float32)
@@ -202,16 +216,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         )
 
     probe = config_for(False)
-    splits, per_sm = choose_schedule(
-        B * Hkv, block_table.shape[1] * page, device_sm_count(device.index or 0), probe.occupancy, probe.tile,
-        _FP8_CTAS_PER_SM.get(D) if k.dtype == FP8 else None,
-    )
-    if num_splits is None:
-        num_splits = splits
-    else:
-        per_sm = probe.occupancy
-    if k.dtype == FP8:
-        per_sm = max(per_sm, _FP8_MIN_SIZING.get(D, 1))
+    num_splits, per_sm = launch_schedule(B * Hkv, block_table.shape[1] * page, device_sm_count(device.index or 0),
+                                         probe.occupancy, probe.tile, D, k.dtype == FP8, num_splits)
     split = num_splits > 1
     tuning = {} if per_sm >= probe.occupancy else dict(occupancy=per_sm)
     if not deterministic and split and math.ceil(block_table.shape[1] * page / probe.tile) >= DYNAMIC_MIN_TILES * num_splits:

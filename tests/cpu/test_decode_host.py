@@ -19,13 +19,29 @@ def test_schedule_fills_one_wave_with_the_measured_ctas_per_sm():
     assert op.choose_schedule(512, 8208, sms, 4, 64, 3) == (1, 4)
     # FP8 D=64: small tiles want more chains: 2 splits, 4 CTAs/SM
     assert op.choose_schedule(256, 8208, sms, 4, 64, 4) == (2, 4)
-    # FP8 D=256: 2 CTAs/SM with deeper pipelines
+    # FP8 D=256: the split count aims at 2 CTAs/SM (launch_schedule then sizes the kernel for 3)
     assert op.choose_schedule(256, 8208, sms, 3, 64, 2) == (1, 2)
     # one request, short context: split down to single tiles, never more splits than tiles
     assert op.choose_schedule(8, 1024, sms, 4, 64, 3)[0] == 16
     assert op.choose_schedule(1, 64, sms, 4, 64, 3)[0] == 1
     # BF16 (no FP8 target): aim for the occupancy the kernel allows
     assert op.choose_schedule(32, 32016, sms, 3) == (12, 3)
+
+
+def test_launch_schedule_sizes_fp8_d64_and_d256_for_three_ctas():
+    sms = 132
+    # D=256 and D=64, B=32 x 8 heads: unsplit, ~2 CTAs per SM land, the kernel is sized for 3
+    # (measured faster than sizing for the 2 that land: NOTES "decode v5", "decode v7")
+    assert op.launch_schedule(256, 8208, sms, 3, 64, 256, True) == (1, 3)
+    assert op.launch_schedule(256, 8208, sms, 4, 128, 64, True) == (1, 3)
+    # BF16 D=256 keeps the sizing of the CTAs that land
+    assert op.launch_schedule(256, 8208, sms, 3, 64, 256, False) == (1, 2)
+    # Qwen3 B=8 FP8 D=128: 12 splits, 3 CTAs/SM
+    assert op.launch_schedule(32, 32016, sms, 4, 64, 128, True) == (12, 3)
+    # a caller's split count is kept and the kernel sized for its maximum occupancy
+    assert op.launch_schedule(32, 32016, sms, 4, 64, 128, True, num_splits=5) == (5, 4)
+    # one request, short context
+    assert op.launch_schedule(8, 1024, sms, 4, 64, 128, True) == (16, 1)
 
 
 def test_tuning_fits_shared_memory_and_registers():
