@@ -73,11 +73,11 @@ def time_graph_fresh(fn, **kw) -> float:
 
     Why: on the H200 the first kernel timed on a fresh problem read slow through its 100 ms
     warm-up and its eager timing, and the same config timed right after was not (QSA FP8 decode,
-    default config timed twice in a row: N 64 45.2 then 41.5 us, N 256 158.6 then 146.6; paged
-    decode FP8 D 256: 257.7 then 249.3, where "ours" is timed before every peer). A 1 s idle
-    after building the problem did not remove it, and the SM clock read 1980 MHz throughout, so
-    it is not the clock ramp; the cause is not known. Latency-bound kernels show it, memory-bound
-    ones (QSA BF16 decode) do not."""
+    the default config timed four times in a row: N 64 45.2, 41.4, 41.5, 41.5 us; N 256 158.6,
+    145.7, 146.6, 145.8). A 1 s idle after building the problem did not remove it, and the SM
+    clock read 1980 MHz throughout, so it is not the clock ramp; the cause is not known. The
+    latency-bound FP8 QSA kernel shows it, the memory-bound BF16 one does not. The decode bench
+    times "ours" (its first entry, before every peer) the same way."""
     time_graph(fn, **kw)
     return time_graph(fn, **kw)
 
