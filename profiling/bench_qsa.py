@@ -103,16 +103,17 @@ class Problem:
         return diff
 
 
-def _time(problem: Problem, prefill: bool, first: bool = False) -> float:
-    """Graph-replay seconds per call; ``first``: the problem's first timing (run twice, see
-    ``bench_utils.time_graph_fresh``)."""
+def _time(problem: Problem, prefill: bool, first: bool = False) -> tuple[float, float | None]:
+    """(graph-replay seconds per call, the discarded first timing or None); ``first``: the
+    problem's first timing, run twice (``bench_utils.time_graph_fresh``)."""
     state = {"i": 0}
 
     def fn():
         problem.call(state["i"] % len(problem.copies), prefill)
         state["i"] += 1
 
-    return (time_graph_fresh if first else time_graph)(fn, reps=max(20, len(problem.copies)))
+    reps = max(20, len(problem.copies))
+    return time_graph_fresh(fn, reps=reps) if first else (time_graph(fn, reps=reps), None)
 
 
 def _selection_fields(packed: torch.Tensor) -> dict:
@@ -171,8 +172,10 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
                     try:
                         prob.call(0, prefill)
                         torch.cuda.synchronize()
-                        t = _time(prob, prefill, first=vi == 0)
+                        t, t_first = _time(prob, prefill, first=vi == 0)
                         r["us"] = t * 1e6
+                        if t_first is not None:
+                            r["first_timing_us"] = t_first * 1e6  # discarded (see time_graph_fresh)
                         r["roofline_pct"] = 100 * prob.selected_bytes / bw / t
                         r["eager_us"] = time_eager(lambda: prob.call(0, prefill), reps=20) * 1e6  # noqa: B023
                         if prefill:
