@@ -33,13 +33,15 @@ def qsa_variants(
     gates=(True, False),
     num_sms: int = H200_SMS,
     block_table_width: int | None = None,
+    **override,
 ) -> list[KernelConfig]:
     """Every SM90 QSA kernel and merge config the table reaches for one layer shape.
 
     ``kv_cache_dtype``: ``"bf16"``/``"fp16"``/``"fp8"`` (``"auto"`` = ``q_dtype``); ``topk``: the
     packed width minus one (2051 in production); ``gates``: which output-gate modes to cover;
     ``block_table_width``: the block table's columns (pages per request), which size the
-    prefill row-tile path's union pre-pass: given, that path's kernels are included.
+    prefill row-tile path's union pre-pass: given, that path's kernels are included. ``override``
+    replaces tuning fields of the per-row kernel (benchmark variants, as ``tuning_override``).
     """
     kv = _KV.get(kv_cache_dtype, kv_cache_dtype) or q_dtype
     group = num_q_heads // num_kv_heads
@@ -51,7 +53,8 @@ def qsa_variants(
     for tile, split in sorted(reach):
         for gate in ((False,) if split else gates):
             out.append(make_qsa_config(q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group,
-                                       page_size=page_size, split=split, gate=gate, tile=tile))
+                                       page_size=page_size, split=split, gate=gate,
+                                       **{"tile": tile, **override}))
         if split:
             out += [QsaMergeConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4, gate=g, pdl=True) for g in gates]
     plan = None if block_table_width is None else row_tile_plan(

@@ -156,7 +156,7 @@ VARIANTS = {"bits": dict(widen="bits"), "cvt": dict(widen="cvt"), "t128": dict(t
 
 
 def variant_fields(name: str) -> dict:
-    """A named variant, or ad-hoc fields ``field=int[+field=int...]`` (e.g. ``qk_chains=2+occupancy=3``)."""
+    """A named variant, or ad-hoc fields ``field=int[+field=int...]`` (e.g. ``occupancy=3+tile=128``)."""
     if name in VARIANTS:
         return VARIANTS[name]
     return {k: int(v) for k, v in (f.split("=") for f in name.split("+"))}

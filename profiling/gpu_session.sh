@@ -35,9 +35,6 @@
 #   qsafinal   every QSA GPU test, the QSA sanitizer run, bench qsa, decode with 4 producer warps
 #   probe7     random-chunk gather bandwidth, small-N QSA split sweep, FP8 row tiles with one gather group
 #   ncurow     Nsight Compute of the per-row QSA decode kernel at N 64 (FP8, BF16): L2 breakdown, SASS stalls
-#   pipe8      QSA decode with the pipelined per-row consumer, FP8 decode at 3 CTAs/SM (unserialized WGMMA), tests, sanitizer
-#   chains9    QK split into independent WGMMA chains: QSA per-row decode and paged decode variants
-#   chains10   FP8 QSA decode: two QK chains with forced split counts (is the N 16 loss the split kernel?)
 #   order11    FP8 QSA decode: the same config timed four times in a row, with SM clock / power samples
 #   final7     bench qsa --check (every shape, the first timing of each problem discarded)
 #   peers7     bench decode FP8 with XQA (with and without PDL) and the FlashInfer wrapper (needs wheelhouse part c)
@@ -158,22 +155,6 @@ for step in "$@"; do
               ncu -i "$OUT/ncurow_$sh.ncu-rep" --print-details all > "$OUT/ncurow_${sh}_details.txt" 2>&1
               rm -f "$OUT/ncurow_$sh.ncu-rep"
             done ;;
-    pipe8) TAIL=24 run 200 pipe_qsa python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 \
-             --tuning ";pipelined=1" --json "$OUT/pipe_qsa.json"
-           TAIL=30 run 200 occ_decode python3 -m profiling.bench_decode --kv fp8 --peers occ3 --quick --json "$OUT/occ_decode.json"
-           run 300 pytest_pipe python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider -k "pipelined or forced_splits"
-           run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-             python3 -m profiling.sanitize_qsa ;;
-    chains9) run 200 warm_qsa python3 -m profiling.warm_variants qsa "qk_chains=2;qk_chains=4;pipelined=1,qk_chains=4"
-             run 200 warm_decode python3 -m profiling.warm_variants decode "qk_chains=2+occupancy=3;qk_chains=4+occupancy=3"
-             TAIL=44 run 300 chains_qsa python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 \
-               --tuning ";qk_chains=2;qk_chains=4;pipelined=1,qk_chains=4" --json "$OUT/chains_qsa.json"
-             TAIL=30 run 200 chains_decode python3 -m profiling.bench_decode --kv fp8 --shapes "B1,B8,d256" \
-               --peers "qk_chains=2+occupancy=3,qk_chains=4+occupancy=3" --quick --json "$OUT/chains_decode.json" ;;
-    chains10) run 200 warm_qsa python3 -m profiling.warm_variants qsa "qk_chains=2"
-              TAIL=40 run 300 chains_split python3 -m profiling.bench_qsa --kinds decode --kv fp8 --decode-n 16,64,256 \
-                --tuning ";qk_chains=2;splits=1;splits=1,qk_chains=2;splits=4;splits=4,qk_chains=2;splits=8,qk_chains=2" \
-                --json "$OUT/chains_split.json" ;;
     order11) (nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
                 --format=csv -lms 50 > "$OUT/smi.csv" 2>&1 &)
              TAIL=20 run 200 order python3 -m profiling.bench_qsa --kinds decode --kv fp8 --decode-n 64,256 \
@@ -193,7 +174,7 @@ PY
     final7) TAIL=40 run 300 qsa python3 -m profiling.bench_qsa --check --json "$OUT/qsa.json" ;;
     peers7) TAIL=40 run 300 peers7 python3 -m profiling.bench_decode --kv fp8 --peers xqa,xqa_nopdl,fi --quick \
               --json "$OUT/decode_peers7.json" ;;
-    deep12) run 200 warm_qsa python3 -m profiling.warm_variants qsa "occupancy=1,stages=6;occupancy=1,stages=4"
+    deep12) run 200 warm_qsa python3 -m profiling.warm_variants qsa "occupancy=1,stages=6;occupancy=1,stages=4" fp8_e4m3
             TAIL=20 run 200 deep python3 -m profiling.bench_qsa --kinds decode --kv fp8 --decode-n 16,64,256 \
               --tuning ";occupancy=1,stages=6;occupancy=1,stages=4" --json "$OUT/deep.json" ;;
     d256v7) TAIL=12 run 200 d256 python3 -m profiling.bench_decode --kv fp8 --shapes "d256,d64" --peers xqa,xqa_nopdl,occ2 \
