@@ -59,7 +59,7 @@ class Problem:
     """One benchmark problem: ``copies`` independent instances over one cache pool."""
 
     def __init__(self, *, rows_per_copy: int, positions: torch.Tensor, reqs_per_copy: int, ctx: int, kv_dtype,
-                 copies: int, seed: int, selection: str = "independent"):
+                 copies: int, seed: int, selection: str = "independent", same_rows: bool = False):
         g = torch.Generator(device="cuda").manual_seed(seed)
         pages = math.ceil(ctx / PAGE)
         n_req = reqs_per_copy * copies
@@ -81,6 +81,8 @@ class Problem:
             gate = torch.randn(rows_per_copy, HQ, D, device="cuda", generator=g).to(BF16)
             req = (torch.arange(rows_per_copy, device="cuda") * reqs_per_copy // rows_per_copy + c * reqs_per_copy)
             packed = qsa_indices(positions, selection=selection, generator=g)
+            if same_rows:  # every row selects row 0's tokens (of one request): an L2-resident gather
+                packed = packed[:1].expand_as(packed).contiguous()
             self.copies.append(dict(q=q, output_gate=gate, packed_indices=packed, token_to_req=req.int(),
                                     out=torch.empty_like(q)))
         counts = self.copies[0]["packed_indices"][:, TOPK].long()
@@ -126,7 +128,7 @@ def _selection_fields(packed: torch.Tensor) -> dict:
 
 def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_N, prefill_t=PREFILL_T,
         splits=None, tile=None, check=False, out_json=None, selections=PREFILL_SELECTIONS, tile_rows=None,
-        tunings=None):
+        tunings=None, decode_shared=False):
     for sel in selections:
         if sel not in SELECTIONS:
             raise ValueError(f"unknown selection {sel!r}; choose from {SELECTIONS}")
@@ -137,7 +139,7 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
         kv = FP8 if kvn == "fp8" else BF16
         shapes = []
         if "decode" in kinds:  # one request per row: no neighbouring rows to correlate
-            shapes += [("decode", n, "independent") for n in decode_n]
+            shapes += [("decode", n, "shared-l2" if decode_shared else "independent") for n in decode_n]
         if "prefill" in kinds:
             shapes += [("prefill", t, sel) for t in prefill_t for sel in selections]
         for kind, n, sel in shapes:
@@ -147,13 +149,14 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
                 ctx, reqs, rows = n, 1, n
             else:
                 positions = torch.full((n,), DECODE_CTX - 2, device="cuda")
-                ctx, reqs, rows = DECODE_CTX, n, n
+                ctx, reqs, rows = DECODE_CTX, 1 if decode_shared else n, n
+            gen_sel = "independent" if sel == "shared-l2" else sel
             probe = Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs, ctx=ctx, kv_dtype=kv,
-                            copies=1, seed=n, selection=sel)
-            copies = 1 if prefill else max(1, min(16, math.ceil(ROTATE_BYTES / probe.selected_bytes)))
+                            copies=1, seed=n, selection=gen_sel, same_rows=decode_shared and not prefill)
+            copies = 1 if prefill or decode_shared else max(1, min(16, math.ceil(ROTATE_BYTES / probe.selected_bytes)))
             prob = probe if copies == 1 else Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs,
                                                       ctx=ctx, kv_dtype=kv, copies=copies, seed=n,
-                                                      selection=sel)
+                                                      selection=gen_sel)
             del probe
             sel_fields = _selection_fields(prob.copies[0]["packed_indices"]) if prefill else {}
             kv_name = "fp8_e4m3" if kv == FP8 else "bf16"
@@ -229,6 +232,9 @@ def main(argv=None):
                    help="comma list of forced prefill rows per CTA (1 = the per-row kernel; default: the op's)")
     p.add_argument("--tuning", default=None,
                    help="';'-separated kernel tuning variants, each 'field=value,...' (e.g. 'producers=1;producers=2')")
+    p.add_argument("--decode-shared", action="store_true",
+                   help="decode rows all select the same tokens of one request (an L2-resident gather: the "
+                        "kernel's own per-tile time; the roofline column is then not a bound)")
     p.add_argument("--check", action="store_true", help="also compare each output with the reference")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -239,7 +245,7 @@ def main(argv=None):
         out_json=a.json, selections=tuple(x for x in a.selection.split(",") if x),
         tile_rows=[int(x) for x in a.tile_rows.split(",")] if a.tile_rows else None,
         tunings=[{k: int(v) for k, v in (f.split("=") for f in spec.split(",") if f)} for spec in a.tuning.split(";")]
-        if a.tuning else None)
+        if a.tuning else None, decode_shared=a.decode_shared)
 
 
 if __name__ == "__main__":

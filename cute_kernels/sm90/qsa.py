@@ -117,12 +117,16 @@ class Sm90QsaAttention(Sm90PagedDecode):
         # not decode's __init__ (it takes a decode config): set the attributes its helpers read
         self.cfg = cfg
         self.q_dtype = cute_dtype(cfg.q_dtype)
-        self.kv_dtype = cute_dtype(cfg.kv_dtype)
-        self.fp8 = cfg.kv_dtype == "fp8_e4m3"
+        fp8_cache = cfg.kv_dtype == "fp8_e4m3"
+        # FP8 rows converted to fp16 by the gather warps (``gather_widens``; always in the
+        # row-tile kernel) instead of in the consumer's registers: the shared-memory tiles then
+        # hold mma_dtype and the consumer runs the 16-bit path. ``fp8`` means, as in the decode
+        # helpers this kernel inherits, "the consumer widens FP8 fragments in registers".
+        self.widen_in_producer = fp8_cache and getattr(cfg, "gather_widens", False)
+        self.fp8 = fp8_cache and not self.widen_in_producer
+        # the dtype of the shared-memory K/V tiles (the decode helpers size layouts with it)
+        self.kv_dtype = cute_dtype("fp16") if self.widen_in_producer else cute_dtype(cfg.kv_dtype)
         self.q_permuted = self.fp8
-        # FP8 rows converted to fp16 by the gather warps (row-tile kernel) instead of in the
-        # consumer's registers: the shared-memory tiles then hold mma_dtype
-        self.widen_in_producer = False
         self.D = cfg.head_dim
         self.G = cfg.group
         # query rows per CTA (the row-tile kernel packs R rows x G heads into the WGMMA's N)
@@ -134,8 +138,8 @@ class Sm90QsaAttention(Sm90PagedDecode):
         self.tile = cfg.tile
         self.stages = cfg.stages
         self.cvt = self.fp8
-        self.mma_dtype = cute_dtype("fp16") if self.fp8 else self.q_dtype
-        self.dynamic_q_scale = self.fp8 and cfg.q_dtype == "bf16"
+        self.mma_dtype = cute_dtype("fp16") if fp8_cache else self.q_dtype
+        self.dynamic_q_scale = fp8_cache and cfg.q_dtype == "bf16"
         # cvt widening is exact and unscaled: no power-of-two pre/post scales (see decode.py)
         self.q_pre = self.p_pre = self.logit_log2 = self.out_log2 = 0
         self.kv_bytes = DTYPE_BITS[cfg.kv_dtype] // 8
@@ -146,10 +150,13 @@ class Sm90QsaAttention(Sm90PagedDecode):
         # lanes that publish bitmask words per tile: lane 0 for one row, lane j < R * words
         # (row j // words, word j % words) for a row tile
         # producer warps: one owns all words; P = k * words: one word and a k-th of its rows each
-        self.P = cfg.producers
+        # gather groups (``gather_groups``): group g of them fills pipeline slots g, g + groups,
+        # ...; the work split below is per group of P warps
+        self.groups = getattr(cfg, "gather_groups", 1)
+        self.P = cfg.producers // self.groups
         self.local_words = self.words if self.P == 1 else 1
         self.parts = 1 if self.P == 1 else self.P // self.words
-        self.num_threads = (MMA_WARPS + self.P) * 32
+        self.num_threads = (MMA_WARPS + cfg.producers) * 32
         if self.R > 1:
             self.mask_writers = self.R * self.words
         else:
@@ -300,12 +307,20 @@ class Sm90QsaAttention(Sm90PagedDecode):
     @cute.jit
     def produce(self, mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full, empty,
                 row, kv_head, split, num_splits, pw, lane):
-        """The row's tiles ``split, split + S, ...`` from its own index list (see ``gather_list``)."""
+        """The row's tiles ``split, split + S, ...`` from its own index list (see ``gather_list``);
+        with gather groups, group ``g`` takes the CTA's tiles ``g, g + groups, ...`` into the
+        same-numbered pipeline slots."""
         topk = mIdx.shape[1] - 1
         count, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
-        self.gather_list(mK, mV, mIdx, row, topk, count, split, num_splits, my_tiles, Int32(0),
-                         mTokenToReq[row], mBlockTable, storage, k_layout, v_layout, sMask, full, empty,
-                         kv_head, pw, lane, None, 0, Int32(0))
+        groups = self.groups
+        g = 0
+        mine = my_tiles
+        if const_expr(groups > 1):
+            pw, g = pw % self.P, pw // self.P  # the warp's index in its group, the group
+            mine = cutlass.max(my_tiles - g + groups - 1, Int32(0)) // groups
+        self.gather_list(mK, mV, mIdx, row, topk, count, split + g * num_splits, num_splits * groups, mine,
+                         Int32(g), mTokenToReq[row], mBlockTable, storage, k_layout, v_layout, sMask, full, empty,
+                         kv_head, pw, lane, None, 0, Int32(0), groups)
 
     @cute.jit
     def gather_list(self, mK, mV, mSrc, src_row, limit, count, first_tile, tile_step, n_tiles, i0, req,
@@ -834,12 +849,19 @@ class Sm90QsaConfig(KernelConfig):
     producers: int = 1
     pdl: bool = False
     kv_same_strides: bool = False
+    gather_widens: bool = False
+    gather_groups: int = 1
 
     kernel_id = "sm90.qsa"
     targets = ("sm_90a",)
-    # tensor cores, the zero-filling cp.async gather and the mbarrier pipeline
-    evidence = {"sm_90a": (r"wgmma\.mma_async", r"cp\.async\.cg\.shared\.global", r"cp\.async\.mbarrier\.arrive",
-                           r"mbarrier\.try_wait")}
+
+    @property
+    def evidence(self):
+        """Tensor cores, the mbarrier pipeline and the gather: zero-filling cp.async, or with
+        ``gather_widens`` 16-byte loads widened exactly to fp16 and stored as 16-byte chunks."""
+        gather = ((r"ld\.global\.nc(\.\S+)*\.v4\.b32", r"cvt\.rn\.f16x2\.e4m3x2", r"st\.shared\.v4\.b32")
+                  if self.gather_widens else (r"cp\.async\.cg\.shared\.global", r"cp\.async\.mbarrier\.arrive"))
+        return {"sm_90a": (r"wgmma\.mma_async", r"mbarrier\.try_wait") + gather}
 
     def __post_init__(self):
         if self.q_dtype not in ("bf16", "fp16"):
@@ -858,13 +880,18 @@ class Sm90QsaConfig(KernelConfig):
             raise ValueError(f"bad tile/stages {self.tile}/{self.stages}")
         if self.gate and self.split:
             raise ValueError("the gate of a split launch is applied by the merge")
+        if self.gather_groups < 1 or self.producers % self.gather_groups:
+            raise ValueError(f"gather_groups must divide producers ({self.producers}), got {self.gather_groups}")
+        if self.gather_widens and self.kv_dtype != "fp8_e4m3":
+            raise ValueError("gather_widens applies to FP8 caches only")
         words = self.tile // 32
         chunks_per_row = self.head_dim * DTYPE_BITS[self.kv_dtype] // 8 // 16
         copies = 32 // max(1, 32 // chunks_per_row)  # warp-wide copies per 32-token word
-        if self.producers != 1 and not (self.producers % words == 0 and self.producers <= 8
-                                         and copies % (self.producers // words) == 0):
-            raise ValueError(f"producers must be 1 or a multiple of the tile's {words} words (<= 8) that "
-                             f"divides its rows, got {self.producers}")
+        per_group = self.producers // self.gather_groups
+        if self.producers > 8 or per_group != 1 and not (per_group % words == 0
+                                                         and copies % (per_group // words) == 0):
+            raise ValueError(f"producers (<= 8) per gather group must be 1 or a multiple of the tile's {words} "
+                             f"words that divides its rows, got {self.producers} in {self.gather_groups} groups")
 
     @property
     def n_pad(self) -> int:
@@ -918,15 +945,16 @@ def qsa_producers(tile: int = TILE) -> int:
 
 
 def qsa_tuning(kv_dtype: str, head_dim: int, group: int, tile: int = TILE,
-               producers: int | None = None) -> tuple[int, int]:
+               producers: int | None = None, gather_widens: bool = False) -> tuple[int, int]:
     """(stages, CTAs per SM) of a variant: the most resident CTAs that still get >= 3 gather
     slots each (falling back to 2, then 1) while keeping >= 96 KB of K/V in flight per SM
     (what the paged decode kernel measured to saturate HBM) and fitting the registers (measured
     with ptxas at D = 256, G = 12: ~100 for 16-bit caches, 156-172 for FP8, whose K/V fragments
-    live in registers) of the consumer warpgroup plus ``producers`` gather warps."""
+    live in registers) of the consumer warpgroup plus ``producers`` gather warps. FP8 rows widened
+    by the gather (``gather_widens``) take 16-bit tiles and registers."""
     producers = qsa_producers(tile) if producers is None else producers
     threads = (MMA_WARPS + producers) * 32
-    kv_bytes = DTYPE_BITS[kv_dtype] // 8
+    kv_bytes = 2 if gather_widens else DTYPE_BITS[kv_dtype] // 8
     n_pad = max(8, (group + 7) // 8 * 8)
     stage = 2 * tile * head_dim * kv_bytes
     # Q, P, reduction, barriers + bitmasks + 1024-byte alignment slack, the reserved 1 KB
@@ -1008,7 +1036,7 @@ def make_qsa_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, p
     """The config the op, the warm-up and the compile matrix use: tuning filled in here, once.
     ``override`` replaces tuning fields (benchmarks)."""
     producers = override.get("producers", qsa_producers(tile))
-    stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile, producers)
+    stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile, producers, override.get("gather_widens", False))
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=split, gate=gate and not split, occupancy=occupancy,
                   producers=producers, pdl=split, kv_same_strides=True)
