@@ -59,7 +59,8 @@ class Problem:
     """One benchmark problem: ``copies`` independent instances over one cache pool."""
 
     def __init__(self, *, rows_per_copy: int, positions: torch.Tensor, reqs_per_copy: int, ctx: int, kv_dtype,
-                 copies: int, seed: int, selection: str = "independent", same_rows: bool = False):
+                 copies: int, seed: int, selection: str = "independent", same_rows: bool = False,
+                 max_count: int | None = None):
         g = torch.Generator(device="cuda").manual_seed(seed)
         pages = math.ceil(ctx / PAGE)
         n_req = reqs_per_copy * copies
@@ -83,6 +84,8 @@ class Problem:
             packed = qsa_indices(positions, selection=selection, generator=g)
             if same_rows:  # every row selects row 0's tokens (of one request): an L2-resident gather
                 packed = packed[:1].expand_as(packed).contiguous()
+            if max_count is not None:  # only the first max_count columns are visited
+                packed[:, TOPK] = packed[:, TOPK].clamp(max=max_count)
             self.copies.append(dict(q=q, output_gate=gate, packed_indices=packed, token_to_req=req.int(),
                                     out=torch.empty_like(q)))
         counts = self.copies[0]["packed_indices"][:, TOPK].long()
@@ -128,7 +131,7 @@ def _selection_fields(packed: torch.Tensor) -> dict:
 
 def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_N, prefill_t=PREFILL_T,
         splits=None, tile=None, check=False, out_json=None, selections=PREFILL_SELECTIONS, tile_rows=None,
-        tunings=None, decode_shared=False):
+        tunings=None, decode_shared=False, decode_counts=(None,)):
     for sel in selections:
         if sel not in SELECTIONS:
             raise ValueError(f"unknown selection {sel!r}; choose from {SELECTIONS}")
@@ -139,10 +142,11 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
         kv = FP8 if kvn == "fp8" else BF16
         shapes = []
         if "decode" in kinds:  # one request per row: no neighbouring rows to correlate
-            shapes += [("decode", n, "shared-l2" if decode_shared else "independent") for n in decode_n]
+            shapes += [("decode", n, "shared-l2" if decode_shared else "independent", cnt)
+                       for n in decode_n for cnt in decode_counts]
         if "prefill" in kinds:
-            shapes += [("prefill", t, sel) for t in prefill_t for sel in selections]
-        for kind, n, sel in shapes:
+            shapes += [("prefill", t, sel, None) for t in prefill_t for sel in selections]
+        for kind, n, sel, cnt in shapes:
             prefill = kind == "prefill"
             if prefill:
                 positions = torch.arange(n, device="cuda")
@@ -152,11 +156,12 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
                 ctx, reqs, rows = DECODE_CTX, 1 if decode_shared else n, n
             gen_sel = "independent" if sel == "shared-l2" else sel
             probe = Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs, ctx=ctx, kv_dtype=kv,
-                            copies=1, seed=n, selection=gen_sel, same_rows=decode_shared and not prefill)
+                            copies=1, seed=n, selection=gen_sel, same_rows=decode_shared and not prefill,
+                            max_count=cnt)
             copies = 1 if prefill or decode_shared else max(1, min(16, math.ceil(ROTATE_BYTES / probe.selected_bytes)))
             prob = probe if copies == 1 else Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs,
                                                       ctx=ctx, kv_dtype=kv, copies=copies, seed=n,
-                                                      selection=gen_sel)
+                                                      selection=gen_sel, max_count=cnt)
             del probe
             sel_fields = _selection_fields(prob.copies[0]["packed_indices"]) if prefill else {}
             kv_name = "fp8_e4m3" if kv == FP8 else "bf16"
@@ -168,7 +173,7 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
                 override |= ({} if tr is None else {"tile_rows": tr}) | tu
                 plan = row_tile_plan(rows, prefill, kv_name, HQ // HKV, PAGE, prob.block_table.shape[1], TOPK, tr)
                 with tuning_override(**override):
-                    r = dict(kind=kind, n=n, kv=kvn, selection=sel, **sel_fields,
+                    r = dict(kind=kind, n=n, kv=kvn, selection=sel, **sel_fields, max_count=cnt,
                              splits=1 if plan else (s or table_splits), tile=tile or 64,
                              rows_per_cta=plan.rows_per_cta if plan else 1, tuning=tu, copies=copies,
                              selected_bytes=prob.selected_bytes, entries=prob.entries)
@@ -203,7 +208,8 @@ def _fmt(x) -> str:
 
 
 def _print(r):
-    head = (f"{r['kind']:<8} {r['kv']:<5} N={r['n']:<6} {r['selection']:<11} S={r['splits']:<3} "
+    cap = f" cnt<={r['max_count']}" if r.get("max_count") else ""
+    head = (f"{r['kind']:<8} {r['kv']:<5} N={r['n']:<6}{cap} {r['selection']:<11} S={r['splits']:<3} "
             f"tile={r['tile']:<4} R={r['rows_per_cta']}{''.join(f' {k}={v}' for k, v in r['tuning'].items())}")
     if "union_factor" in r:  # prefill: the selection's adjacent Jaccard and tile union factors
         unions = "/".join(_fmt(u) for u in r["union_factor"].values())
@@ -235,6 +241,8 @@ def main(argv=None):
     p.add_argument("--decode-shared", action="store_true",
                    help="decode rows all select the same tokens of one request (an L2-resident gather: the "
                         "kernel's own per-tile time; the roofline column is then not a bound)")
+    p.add_argument("--decode-counts", default=None,
+                   help="comma list of valid_count caps for decode rows (time vs tiles: per-tile and fixed costs)")
     p.add_argument("--check", action="store_true", help="also compare each output with the reference")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -245,7 +253,8 @@ def main(argv=None):
         out_json=a.json, selections=tuple(x for x in a.selection.split(",") if x),
         tile_rows=[int(x) for x in a.tile_rows.split(",")] if a.tile_rows else None,
         tunings=[{k: int(v) for k, v in (f.split("=") for f in spec.split(",") if f)} for spec in a.tuning.split(";")]
-        if a.tuning else None, decode_shared=a.decode_shared)
+        if a.tuning else None, decode_shared=a.decode_shared,
+        decode_counts=tuple(int(x) for x in a.decode_counts.split(",")) if a.decode_counts else (None,))
 
 
 if __name__ == "__main__":

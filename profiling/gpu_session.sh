@@ -41,7 +41,9 @@
 #   deep12     FP8 QSA decode with one CTA per SM and a deeper gather ring (4 or 6 stages)
 #   d256v7     FP8 decode D 256 (and D 64) sized for 3 CTAs/SM against XQA and the old 2-CTA sizing (needs part c)
 #   widen13    FP8 per-row QSA with the widening in the gather warps: its GPU tests, decode bench against the default
-#   l2qsa      QSA decode with every row selecting the same tokens (L2-resident): per-tile time by kernel variant
+#   l2qsa      QSA decode time against the tiles per row (valid_count caps) from HBM and with every row selecting
+#              the same tokens (L2-resident): per-tile and fixed costs of the per-row kernel
+#   order13    FP8 per-row QSA consumer orderings (K/V widened between the WGMMAs, V before the softmax): tests, bench
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
@@ -186,12 +188,19 @@ PY
              run 300 pytest_widen python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider -k "gather_widens or forced_splits"
              TAIL=30 run 300 widen python3 -m profiling.bench_qsa --kinds decode --kv fp8 --tuning ";$W;" --check \
                --json "$OUT/widen.json" ;;
-    l2qsa) TAIL=20 run 200 l2_fp8 python3 -m profiling.bench_qsa --kinds decode --kv fp8 --decode-n 64,128,256 --decode-shared \
-             --tuning ";gather_widens=1,producers=8,gather_groups=2;gather_widens=1,producers=4,gather_groups=2" --json "$OUT/l2_fp8.json"
-           TAIL=20 run 200 l2_bf16 python3 -m profiling.bench_qsa --kinds decode --kv bf16 --decode-n 64,128,256 --decode-shared \
-             --json "$OUT/l2_bf16.json"
+    l2qsa) TAIL=30 run 200 slope python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64 \
+             --decode-counts 512,1024,2051 --json "$OUT/slope.json"
+           TAIL=40 run 200 l2 python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,128,256 --decode-shared \
+             --decode-counts 1024,2051 --json "$OUT/l2.json"
            TAIL=20 run 200 dram128 python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 128 --splits 1 \
              --json "$OUT/dram128.json" ;;
+    order13) V="qk_interleaved=1;pv_interleaved=1;v_before_softmax=1;qk_interleaved=1,pv_interleaved=1;qk_interleaved=1,v_before_softmax=1"
+             run 200 warm_order python3 -m profiling.warm_variants qsa "$V" fp8_e4m3
+             run 300 pytest_order python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider -k "consumer_orders"
+             TAIL=40 run 300 order13 python3 -m profiling.bench_qsa --kinds decode --kv fp8 --tuning ";$V;" \
+               --json "$OUT/order13.json"
+             TAIL=20 run 200 order13_l2 python3 -m profiling.bench_qsa --kinds decode --kv fp8 --decode-n 64 --decode-shared \
+               --tuning ";$V;" --json "$OUT/order13_l2.json" ;;
     qsaprod) run 120 qsaprod python3 -m profiling.bench_qsa --kinds decode --decode-n 16,64,256 \
                --tuning "producers=1;producers=2;producers=1;producers=2" --json "$OUT/qsaprod.json" ;;
     # --report-api-errors no: the DSL's compiler probes driver entry points (cuGetProcAddress) and

@@ -675,24 +675,37 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 cute.arch.fence_proxy("async.shared", space="cta")
 
             # ---------------- S^T = K Q^T ----------------
-            if const_expr(self.fp8):
-                self.load_k_fragments(tSrK, k_base, k_layout, stage, warp, lane)
             first = cute.make_mma_atom(qk_mma.op)
             first.set(warpgroup.Field.ACCUMULATE, False)
             rest = cute.make_mma_atom(qk_mma.op)
             rest.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(D // 16):
-                atom = first if kb == 0 else rest
+            if const_expr(self.fp8 and self.cfg.qk_interleaved):
+                # widen K a 32-column chunk at a time and issue its two k16 WGMMAs at once, so
+                # the conversion of the next chunk overlaps the tensor cores
+                for cc in cutlass.range_constexpr(D // 32):
+                    self.load_k_fragments(tSrK, k_base, k_layout, stage, warp, lane, chunks=(cc,))
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(2 * cc, 2 * cc + 2):
+                        cute.gemm(first if kb == 0 else rest, acc_s, tSrK[None, None, kb], tSrQ[None, None, kb, 0],
+                                  acc_s)
+            else:
                 if const_expr(self.fp8):
-                    cute.gemm(atom, acc_s, tSrK[None, None, kb], tSrQ[None, None, kb, 0], acc_s)
-                else:
-                    cute.gemm(atom, acc_s, tSrK[None, None, kb, stage], tSrQ[None, None, kb, 0], acc_s)
+                    self.load_k_fragments(tSrK, k_base, k_layout, stage, warp, lane)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(D // 16):
+                    atom = first if kb == 0 else rest
+                    if const_expr(self.fp8):
+                        cute.gemm(atom, acc_s, tSrK[None, None, kb], tSrQ[None, None, kb, 0], acc_s)
+                    else:
+                        cute.gemm(atom, acc_s, tSrK[None, None, kb, stage], tSrQ[None, None, kb, 0], acc_s)
             warpgroup.commit_group()
             mbits = cute.make_rmem_tensor((mblocks,), Int32)
             for mb in cutlass.range_constexpr(mblocks):
                 mbits[mb] = sMask[2 * mb + warp // 2, stage] >> mask_shift
             warpgroup.wait_group(0)
+            if const_expr(self.fp8 and self.cfg.v_before_softmax):
+                # the K fragments are dead: V's ldmatrix and widening overlap the softmax
+                self.load_v_fragments(tOrV, v_base, v_layout, stage, warp, lane)
 
             # ---------------- online softmax over the tile's tokens ----------------
             tile_max = cute.make_rmem_tensor((nslots,), Float32)
@@ -709,15 +722,23 @@ class Sm90QsaAttention(Sm90PagedDecode):
                               cS[0][0] - cS0[0][0], warp, lane)
 
             # ---------------- O^T += V^T P^T ----------------
-            if const_expr(self.fp8):
-                # after QK: the K fragments are dead, so K and V fragments share registers
-                self.load_v_fragments(tOrV, v_base, v_layout, stage, warp, lane)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(self.tile // 16):
-                if const_expr(self.fp8):
-                    cute.gemm(pv_mma, acc_o, tOrV[None, None, kb], tOrP[None, None, kb, 0], acc_o)
-                else:
-                    cute.gemm(pv_mma, acc_o, tOrV[None, None, kb, stage], tOrP[None, None, kb, 0], acc_o)
+            if const_expr(self.fp8 and self.cfg.pv_interleaved and not self.cfg.v_before_softmax):
+                # V widened 32 tokens at a time, each chunk's WGMMAs issued at once (as QK)
+                for kk in cutlass.range_constexpr(self.tile // 32):
+                    self.load_v_fragments(tOrV, v_base, v_layout, stage, warp, lane, chunks=(kk,))
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(2 * kk, 2 * kk + 2):
+                        cute.gemm(pv_mma, acc_o, tOrV[None, None, kb], tOrP[None, None, kb, 0], acc_o)
+            else:
+                if const_expr(self.fp8 and not self.cfg.v_before_softmax):
+                    # after QK: the K fragments are dead, so K and V fragments share registers
+                    self.load_v_fragments(tOrV, v_base, v_layout, stage, warp, lane)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(self.tile // 16):
+                    if const_expr(self.fp8):
+                        cute.gemm(pv_mma, acc_o, tOrV[None, None, kb], tOrP[None, None, kb, 0], acc_o)
+                    else:
+                        cute.gemm(pv_mma, acc_o, tOrV[None, None, kb, stage], tOrP[None, None, kb, 0], acc_o)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             cute.arch.mbarrier_arrive(empty + stage)
@@ -851,6 +872,9 @@ class Sm90QsaConfig(KernelConfig):
     kv_same_strides: bool = False
     gather_widens: bool = False
     gather_groups: int = 1
+    v_before_softmax: bool = False
+    qk_interleaved: bool = False
+    pv_interleaved: bool = False
 
     kernel_id = "sm90.qsa"
     targets = ("sm_90a",)

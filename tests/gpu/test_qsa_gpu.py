@@ -192,6 +192,27 @@ def test_fp8_gather_widens_invalid_and_strides(gen, variant):
         assert torch.equal(out[3], torch.zeros_like(out[3]))
 
 
+# per-row FP8 consumer orderings: K widened chunk by chunk between the QK WGMMAs, V likewise
+# between the PV WGMMAs, V widened before the softmax (all opt-in, benchmarked)
+CONSUMER_ORDERS = [dict(qk_interleaved=True), dict(pv_interleaved=True), dict(v_before_softmax=True),
+                   dict(qk_interleaved=True, pv_interleaved=True), dict(qk_interleaved=True, v_before_softmax=True)]
+CONSUMER_ORDER_IDS = ["qk", "pv", "vearly", "qk-pv", "qk-vearly"]
+
+
+@pytest.mark.parametrize("variant", CONSUMER_ORDERS, ids=CONSUMER_ORDER_IDS)
+@pytest.mark.parametrize("hq,hkv,page", [(24, 2, 1568), (6, 1, 784)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fp8_consumer_orders(gen, variant, hq, hkv, page, splits):
+    c = _case(gen, 24, hq, hkv, page, 6, FP8, gate=splits == 1)
+    with tuning_override(splits=splits, **variant):
+        out, ref = _run(c, False)
+    _check(out, ref)
+    with tuning_override(splits=splits):
+        default, _ = _run(c, False)
+    # the same products and sums in the same order: only the instruction schedule differs
+    assert torch.equal(out, default)
+
+
 @pytest.mark.parametrize("kind", ["negative_token", "page_beyond_table", "phys_negative", "phys_too_large",
                                   "req_too_large", "req_negative", "count_zero", "count_over_topk",
                                   "count_negative", "holes"])
