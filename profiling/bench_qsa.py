@@ -158,7 +158,10 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
             probe = Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs, ctx=ctx, kv_dtype=kv,
                             copies=1, seed=n, selection=gen_sel, same_rows=decode_shared and not prefill,
                             max_count=cnt)
-            copies = 1 if prefill or decode_shared else max(1, min(16, math.ceil(ROTATE_BYTES / probe.selected_bytes)))
+            # rotation sized by the uncapped selection: capped counts touch fewer bytes, but the pool
+            # (copies x rows x ctx) must stay within the GPU's memory
+            full_bytes = probe.selected_bytes * (TOPK / cnt if cnt else 1)
+            copies = 1 if prefill or decode_shared else max(1, min(16, math.ceil(ROTATE_BYTES / full_bytes)))
             prob = probe if copies == 1 else Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs,
                                                       ctx=ctx, kv_dtype=kv, copies=copies, seed=n,
                                                       selection=gen_sel, max_count=cnt)

@@ -189,11 +189,17 @@ PY
              TAIL=30 run 300 widen python3 -m profiling.bench_qsa --kinds decode --kv fp8 --tuning ";$W;" --check \
                --json "$OUT/widen.json" ;;
     l2qsa) TAIL=30 run 200 slope python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64 \
-             --decode-counts 512,1024,2051 --json "$OUT/slope.json"
+             --decode-counts 64,1024,2051 --json "$OUT/slope.json"
            TAIL=40 run 200 l2 python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,128,256 --decode-shared \
              --decode-counts 1024,2051 --json "$OUT/l2.json"
            TAIL=20 run 200 dram128 python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 128 --splits 1 \
              --json "$OUT/dram128.json" ;;
+    slope13) TAIL=30 run 200 slope python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 16,64 \
+               --decode-counts 64,1024,2051 --json "$OUT/slope.json"
+             TAIL=30 run 200 l2one python3 -m profiling.bench_qsa --kinds decode --kv fp8 --decode-n 64 --decode-shared \
+               --decode-counts 64 --json "$OUT/l2one.json"
+             TAIL=60 run 300 splits13 python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 16,64,128 \
+               --splits 1,2,3,4,8 --json "$OUT/splits13.json" ;;
     order13) V="qk_interleaved=1;pv_interleaved=1;v_before_softmax=1;qk_interleaved=1,pv_interleaved=1;qk_interleaved=1,v_before_softmax=1"
              run 200 warm_order python3 -m profiling.warm_variants qsa "$V" fp8_e4m3
              run 300 pytest_order python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider -k "consumer_orders"
