@@ -60,7 +60,7 @@ class Problem:
 
     def __init__(self, *, rows_per_copy: int, positions: torch.Tensor, reqs_per_copy: int, ctx: int, kv_dtype,
                  copies: int, seed: int, selection: str = "independent", same_rows: bool = False,
-                 max_count: int | None = None):
+                 max_count: int | None = None, use_gate: bool = True):
         g = torch.Generator(device="cuda").manual_seed(seed)
         pages = math.ceil(ctx / PAGE)
         n_req = reqs_per_copy * copies
@@ -86,7 +86,8 @@ class Problem:
                 packed = packed[:1].expand_as(packed).contiguous()
             if max_count is not None:  # only the first max_count columns are visited
                 packed[:, TOPK] = packed[:, TOPK].clamp(max=max_count)
-            self.copies.append(dict(q=q, output_gate=gate, packed_indices=packed, token_to_req=req.int(),
+            self.copies.append(dict(q=q, output_gate=gate if use_gate else None, packed_indices=packed,
+                                    token_to_req=req.int(),
                                     out=torch.empty_like(q)))
         counts = self.copies[0]["packed_indices"][:, TOPK].long()
         self.entries = int(counts.sum())
@@ -131,7 +132,7 @@ def _selection_fields(packed: torch.Tensor) -> dict:
 
 def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_N, prefill_t=PREFILL_T,
         splits=None, tile=None, check=False, out_json=None, selections=PREFILL_SELECTIONS, tile_rows=None,
-        tunings=None, decode_shared=False, decode_counts=(None,)):
+        tunings=None, decode_shared=False, decode_counts=(None,), gate=True):
     for sel in selections:
         if sel not in SELECTIONS:
             raise ValueError(f"unknown selection {sel!r}; choose from {SELECTIONS}")
@@ -157,14 +158,14 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
             gen_sel = "independent" if sel == "shared-l2" else sel
             probe = Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs, ctx=ctx, kv_dtype=kv,
                             copies=1, seed=n, selection=gen_sel, same_rows=decode_shared and not prefill,
-                            max_count=cnt)
+                            max_count=cnt, use_gate=gate)
             # rotation sized by the uncapped selection: capped counts touch fewer bytes, but the pool
             # (copies x rows x ctx) must stay within the GPU's memory
             full_bytes = probe.selected_bytes * (TOPK / cnt if cnt else 1)
             copies = 1 if prefill or decode_shared else max(1, min(16, math.ceil(ROTATE_BYTES / full_bytes)))
             prob = probe if copies == 1 else Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs,
                                                       ctx=ctx, kv_dtype=kv, copies=copies, seed=n,
-                                                      selection=gen_sel, max_count=cnt)
+                                                      selection=gen_sel, max_count=cnt, use_gate=gate)
             del probe
             sel_fields = _selection_fields(prob.copies[0]["packed_indices"]) if prefill else {}
             kv_name = "fp8_e4m3" if kv == FP8 else "bf16"
@@ -176,7 +177,7 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
                 override |= ({} if tr is None else {"tile_rows": tr}) | tu
                 plan = row_tile_plan(rows, prefill, kv_name, HQ // HKV, PAGE, prob.block_table.shape[1], TOPK, tr)
                 with tuning_override(**override):
-                    r = dict(kind=kind, n=n, kv=kvn, selection=sel, **sel_fields, max_count=cnt,
+                    r = dict(kind=kind, n=n, kv=kvn, selection=sel, **sel_fields, max_count=cnt, gate=gate,
                              splits=1 if plan else (s or table_splits), tile=tile or 64,
                              rows_per_cta=plan.rows_per_cta if plan else 1, tuning=tu, copies=copies,
                              selected_bytes=prob.selected_bytes, entries=prob.entries)
@@ -211,7 +212,7 @@ def _fmt(x) -> str:
 
 
 def _print(r):
-    cap = f" cnt<={r['max_count']}" if r.get("max_count") else ""
+    cap = (f" cnt<={r['max_count']}" if r.get("max_count") else "") + ("" if r.get("gate", True) else " nogate")
     head = (f"{r['kind']:<8} {r['kv']:<5} N={r['n']:<6}{cap} {r['selection']:<11} S={r['splits']:<3} "
             f"tile={r['tile']:<4} R={r['rows_per_cta']}{''.join(f' {k}={v}' for k, v in r['tuning'].items())}")
     if "union_factor" in r:  # prefill: the selection's adjacent Jaccard and tile union factors
@@ -246,6 +247,7 @@ def main(argv=None):
                         "kernel's own per-tile time; the roofline column is then not a bound)")
     p.add_argument("--decode-counts", default=None,
                    help="comma list of valid_count caps for decode rows (time vs tiles: per-tile and fixed costs)")
+    p.add_argument("--no-gate", action="store_true", help="call without output_gate (default: gated, as QSA layers)")
     p.add_argument("--check", action="store_true", help="also compare each output with the reference")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -257,7 +259,8 @@ def main(argv=None):
         tile_rows=[int(x) for x in a.tile_rows.split(",")] if a.tile_rows else None,
         tunings=[{k: int(v) for k, v in (f.split("=") for f in spec.split(",") if f)} for spec in a.tuning.split(";")]
         if a.tuning else None, decode_shared=a.decode_shared,
-        decode_counts=tuple(int(x) for x in a.decode_counts.split(",")) if a.decode_counts else (None,))
+        decode_counts=tuple(int(x) for x in a.decode_counts.split(",")) if a.decode_counts else (None,),
+        gate=not a.no_gate)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@
 #   widen13    FP8 per-row QSA with the widening in the gather warps: its GPU tests, decode bench against the default
 #   l2qsa      QSA decode time against the tiles per row (valid_count caps) from HBM and with every row selecting
 #              the same tokens (L2-resident): per-tile and fixed costs of the per-row kernel
+#   ab13       FP8 per-row QSA default vs V widened before the softmax (interleaved x3); gated vs ungated timings
 #   order13    FP8 per-row QSA consumer orderings (K/V widened between the WGMMAs, V before the softmax): tests, bench
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
@@ -200,6 +201,12 @@ PY
                --decode-counts 64 --json "$OUT/l2one.json"
              TAIL=60 run 300 splits13 python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 16,64,128 \
                --splits 1,2,3,4,8 --json "$OUT/splits13.json" ;;
+    ab13) TAIL=30 run 300 ab13 python3 -m profiling.bench_qsa --kinds decode --kv fp8 --decode-n 64,256 \
+            --tuning ";v_before_softmax=1;;v_before_softmax=1;;v_before_softmax=1" --json "$OUT/ab13.json"
+          TAIL=30 run 200 nogate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
+            --decode-counts 64,2051 --no-gate --json "$OUT/nogate.json"
+          TAIL=30 run 200 gate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
+            --decode-counts 64,2051 --json "$OUT/gate.json" ;;
     order13) V="qk_interleaved=1;pv_interleaved=1;v_before_softmax=1;qk_interleaved=1,pv_interleaved=1;qk_interleaved=1,v_before_softmax=1"
              run 200 warm_order python3 -m profiling.warm_variants qsa "$V" fp8_e4m3
              run 300 pytest_order python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider -k "consumer_orders"
