@@ -89,10 +89,6 @@ def qsa_matrix() -> list[KernelConfig]:
                                gate=False))
     out.append(make_qsa_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=64, group=1, page_size=16,
                                split=False, gate=False))
-    # FP8 rows widened by two groups of gather warps (the consumer on the 16-bit path)
-    out += [make_qsa_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=256, group=12, page_size=1568, split=split,
-                            gate=not split, gather_widens=True, producers=8, gather_groups=2)
-            for split in (False, True)]
     out += [QsaMergeConfig(out_dtype="bf16", head_dim=256, vec=4, gate=g, pdl=True) for g in (True, False)]
     out += [make_qsa_tile_config(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=group, page_size=page, gate=True)
             for kv in ("bf16", "fp8_e4m3") for group, page in ((12, 1568), (6, 784))]

@@ -40,11 +40,10 @@
 #   peers7     bench decode FP8 with XQA (with and without PDL) and the FlashInfer wrapper (needs wheelhouse part c)
 #   deep12     FP8 QSA decode with one CTA per SM and a deeper gather ring (4 or 6 stages)
 #   d256v7     FP8 decode D 256 (and D 64) sized for 3 CTAs/SM against XQA and the old 2-CTA sizing (needs part c)
-#   widen13    FP8 per-row QSA with the widening in the gather warps: its GPU tests, decode bench against the default
 #   l2qsa      QSA decode time against the tiles per row (valid_count caps) from HBM and with every row selecting
 #              the same tokens (L2-resident): per-tile and fixed costs of the per-row kernel
-#   ab13       FP8 per-row QSA default vs V widened before the softmax (interleaved x3); gated vs ungated timings
-#   order13    FP8 per-row QSA consumer orderings (K/V widened between the WGMMAs, V before the softmax): tests, bench
+#   slope13    QSA decode time against valid_count caps (HBM, N 16/64), one L2-resident tile, forced split counts
+#   gate13     QSA decode with and without the output gate (1-tile and full rows, N 64/256)
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
@@ -184,11 +183,6 @@ PY
               --tuning ";occupancy=1,stages=6;occupancy=1,stages=4" --json "$OUT/deep.json" ;;
     d256v7) TAIL=12 run 200 d256 python3 -m profiling.bench_decode --kv fp8 --shapes "d256,d64" --peers xqa,xqa_nopdl,occ2 \
               --json "$OUT/d256.json" ;;
-    widen13) W="gather_widens=1,producers=8,gather_groups=2;gather_widens=1,producers=4,gather_groups=2;gather_widens=1,producers=8,gather_groups=1"
-             run 200 warm_widen python3 -m profiling.warm_variants qsa "$W" fp8_e4m3
-             run 300 pytest_widen python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider -k "gather_widens or forced_splits"
-             TAIL=30 run 300 widen python3 -m profiling.bench_qsa --kinds decode --kv fp8 --tuning ";$W;" --check \
-               --json "$OUT/widen.json" ;;
     l2qsa) TAIL=30 run 200 slope python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64 \
              --decode-counts 64,1024,2051 --json "$OUT/slope.json"
            TAIL=40 run 200 l2 python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,128,256 --decode-shared \
@@ -201,19 +195,10 @@ PY
                --decode-counts 64 --json "$OUT/l2one.json"
              TAIL=60 run 300 splits13 python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 16,64,128 \
                --splits 1,2,3,4,8 --json "$OUT/splits13.json" ;;
-    ab13) TAIL=30 run 300 ab13 python3 -m profiling.bench_qsa --kinds decode --kv fp8 --decode-n 64,256 \
-            --tuning ";v_before_softmax=1;;v_before_softmax=1;;v_before_softmax=1" --json "$OUT/ab13.json"
-          TAIL=30 run 200 nogate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
-            --decode-counts 64,2051 --no-gate --json "$OUT/nogate.json"
-          TAIL=30 run 200 gate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
-            --decode-counts 64,2051 --json "$OUT/gate.json" ;;
-    order13) V="qk_interleaved=1;pv_interleaved=1;v_before_softmax=1;qk_interleaved=1,pv_interleaved=1;qk_interleaved=1,v_before_softmax=1"
-             run 200 warm_order python3 -m profiling.warm_variants qsa "$V" fp8_e4m3
-             run 300 pytest_order python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider -k "consumer_orders"
-             TAIL=40 run 300 order13 python3 -m profiling.bench_qsa --kinds decode --kv fp8 --tuning ";$V;" \
-               --json "$OUT/order13.json"
-             TAIL=20 run 200 order13_l2 python3 -m profiling.bench_qsa --kinds decode --kv fp8 --decode-n 64 --decode-shared \
-               --tuning ";$V;" --json "$OUT/order13_l2.json" ;;
+    gate13) TAIL=30 run 200 nogate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
+              --decode-counts 64,2051 --no-gate --json "$OUT/nogate.json"
+            TAIL=30 run 200 gate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
+              --decode-counts 64,2051 --json "$OUT/gate.json" ;;
     qsaprod) run 120 qsaprod python3 -m profiling.bench_qsa --kinds decode --decode-n 16,64,256 \
                --tuning "producers=1;producers=2;producers=1;producers=2" --json "$OUT/qsaprod.json" ;;
     # --report-api-errors no: the DSL's compiler probes driver entry points (cuGetProcAddress) and

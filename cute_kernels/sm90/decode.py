@@ -834,16 +834,16 @@ class Sm90PagedDecode:
         return widen_e4m3x4(x, self.cfg.q_dtype)
 
     @cute.jit
-    def load_k_fragments(self, tSrK, k_base, k_layout, stage, warp, lane, chunks=None):
+    def load_k_fragments(self, tSrK, k_base, k_layout, stage, warp, lane):
         """K tile (FP8, tokens x D) -> widened A fragments of S^T = K Q^T, two k16 blocks per
         ldmatrix.x4: matrices (rows 0-7 | 8-15) x (chunk c | c+1) of this warp's 16 tokens of
-        each 64-token M block. ``chunks``: only these 32-column chunks (default: all)."""
+        each 64-token M block."""
         q = lane // 8
         mblocks = self.tile // MMA_M
         regs = cute.recast_tensor(tSrK, Int32)  # index (kb * mblocks + mb) * 4 + R
         for mb in cutlass.range_constexpr(mblocks):
             row = mb * MMA_M + warp * 16 + (q % 2) * 8 + lane % 8
-            for cc in (range(self.D // 32) if chunks is None else chunks):
+            for cc in cutlass.range_constexpr(self.D // 32):
                 col = (2 * cc + q // 2) * 16
                 addr = k_base + cute.crd2idx((row, col, stage), k_layout)
                 r = ldmatrix_x4(addr, False)
@@ -855,17 +855,16 @@ class Sm90PagedDecode:
                     regs[base + 2 + (j % 2)] = hi
 
     @cute.jit
-    def load_v_fragments(self, tOrV, v_base, v_layout, stage, warp, lane, chunks=None):
+    def load_v_fragments(self, tOrV, v_base, v_layout, stage, warp, lane):
         """V tile (FP8, tokens x D) -> widened A fragments of O^T = V^T P^T. ldmatrix.trans of
         8 tokens x 8 byte-pairs gives lane (pair p, tokens 2t, 2t+1): widening puts d = 2p on
-        logical row r (lo) and d = 2p + 1 on row r + 8 (hi); see :meth:`physical_d`.
-        ``chunks``: only these 32-token chunks (k16 blocks 2c, 2c + 1; default: all)."""
+        logical row r (lo) and d = 2p + 1 on row r + 8 (hi); see :meth:`physical_d`."""
         q = lane // 8
         regs = cute.recast_tensor(tOrV, Int32)  # index: (m_tile * 4 + kb) * 4 + R
         m_tiles = self.D // 64
         for mt in cutlass.range_constexpr(m_tiles):
             col = (mt * 4 + warp) * 16  # this warp's 16 head dims of the m-tile
-            for kk in (range(self.tile // 32) if chunks is None else chunks):
+            for kk in cutlass.range_constexpr(self.tile // 32):
                 row = kk * 32 + q * 8 + lane % 8
                 addr = v_base + cute.crd2idx((row, col, stage), v_layout)
                 r = ldmatrix_x4(addr, True)

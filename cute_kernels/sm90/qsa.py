@@ -87,6 +87,12 @@ def load_nc_b32x4(gmem_addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32,
 
 
 @dsl_user_op
+def prefetch_l2(gmem_addr: Int64, *, loc=None, ip=None) -> None:
+    """``prefetch.global.L2``: bring the line holding ``gmem_addr`` into L2 (no register result)."""
+    asm([], [Int64(gmem_addr)], "prefetch.global.L2 [$0];", "l", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def store_shared_b32x4(smem_addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
     """``st.shared.v4.b32``: one 16-byte store."""
     asm([], [Int32(smem_addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
@@ -117,16 +123,12 @@ class Sm90QsaAttention(Sm90PagedDecode):
         # not decode's __init__ (it takes a decode config): set the attributes its helpers read
         self.cfg = cfg
         self.q_dtype = cute_dtype(cfg.q_dtype)
-        fp8_cache = cfg.kv_dtype == "fp8_e4m3"
-        # FP8 rows converted to fp16 by the gather warps (``gather_widens``; always in the
-        # row-tile kernel) instead of in the consumer's registers: the shared-memory tiles then
-        # hold mma_dtype and the consumer runs the 16-bit path. ``fp8`` means, as in the decode
-        # helpers this kernel inherits, "the consumer widens FP8 fragments in registers".
-        self.widen_in_producer = fp8_cache and getattr(cfg, "gather_widens", False)
-        self.fp8 = fp8_cache and not self.widen_in_producer
-        # the dtype of the shared-memory K/V tiles (the decode helpers size layouts with it)
-        self.kv_dtype = cute_dtype("fp16") if self.widen_in_producer else cute_dtype(cfg.kv_dtype)
+        self.kv_dtype = cute_dtype(cfg.kv_dtype)
+        self.fp8 = cfg.kv_dtype == "fp8_e4m3"
         self.q_permuted = self.fp8
+        # FP8 rows converted to fp16 by the gather warps (row-tile kernel) instead of in the
+        # consumer's registers: the shared-memory tiles then hold mma_dtype
+        self.widen_in_producer = False
         self.D = cfg.head_dim
         self.G = cfg.group
         # query rows per CTA (the row-tile kernel packs R rows x G heads into the WGMMA's N)
@@ -138,8 +140,8 @@ class Sm90QsaAttention(Sm90PagedDecode):
         self.tile = cfg.tile
         self.stages = cfg.stages
         self.cvt = self.fp8
-        self.mma_dtype = cute_dtype("fp16") if fp8_cache else self.q_dtype
-        self.dynamic_q_scale = fp8_cache and cfg.q_dtype == "bf16"
+        self.mma_dtype = cute_dtype("fp16") if self.fp8 else self.q_dtype
+        self.dynamic_q_scale = self.fp8 and cfg.q_dtype == "bf16"
         # cvt widening is exact and unscaled: no power-of-two pre/post scales (see decode.py)
         self.q_pre = self.p_pre = self.logit_log2 = self.out_log2 = 0
         self.kv_bytes = DTYPE_BITS[cfg.kv_dtype] // 8
@@ -150,13 +152,10 @@ class Sm90QsaAttention(Sm90PagedDecode):
         # lanes that publish bitmask words per tile: lane 0 for one row, lane j < R * words
         # (row j // words, word j % words) for a row tile
         # producer warps: one owns all words; P = k * words: one word and a k-th of its rows each
-        # gather groups (``gather_groups``): group g of them fills pipeline slots g, g + groups,
-        # ...; the work split below is per group of P warps
-        self.groups = getattr(cfg, "gather_groups", 1)
-        self.P = cfg.producers // self.groups
+        self.P = cfg.producers
         self.local_words = self.words if self.P == 1 else 1
         self.parts = 1 if self.P == 1 else self.P // self.words
-        self.num_threads = (MMA_WARPS + cfg.producers) * 32
+        self.num_threads = (MMA_WARPS + self.P) * 32
         if self.R > 1:
             self.mask_writers = self.R * self.words
         else:
@@ -307,20 +306,12 @@ class Sm90QsaAttention(Sm90PagedDecode):
     @cute.jit
     def produce(self, mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full, empty,
                 row, kv_head, split, num_splits, pw, lane):
-        """The row's tiles ``split, split + S, ...`` from its own index list (see ``gather_list``);
-        with gather groups, group ``g`` takes the CTA's tiles ``g, g + groups, ...`` into the
-        same-numbered pipeline slots."""
+        """The row's tiles ``split, split + S, ...`` from its own index list (see ``gather_list``)."""
         topk = mIdx.shape[1] - 1
         count, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
-        groups = self.groups
-        g = 0
-        mine = my_tiles
-        if const_expr(groups > 1):
-            pw, g = pw % self.P, pw // self.P  # the warp's index in its group, the group
-            mine = cutlass.max(my_tiles - g + groups - 1, Int32(0)) // groups
-        self.gather_list(mK, mV, mIdx, row, topk, count, split + g * num_splits, num_splits * groups, mine,
-                         Int32(g), mTokenToReq[row], mBlockTable, storage, k_layout, v_layout, sMask, full, empty,
-                         kv_head, pw, lane, None, 0, Int32(0), groups)
+        self.gather_list(mK, mV, mIdx, row, topk, count, split, num_splits, my_tiles, Int32(0),
+                         mTokenToReq[row], mBlockTable, storage, k_layout, v_layout, sMask, full, empty,
+                         kv_head, pw, lane, None, 0, Int32(0))
 
     @cute.jit
     def gather_list(self, mK, mV, mSrc, src_row, limit, count, first_tile, tile_step, n_tiles, i0, req,
@@ -625,6 +616,8 @@ class Sm90QsaAttention(Sm90PagedDecode):
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         k_base = storage.sK.data_ptr().toint()
         v_base = storage.sV.data_ptr().toint()
+        if const_expr(self.cfg.gate and not self.cfg.split):
+            self.prefetch_gate(mGate, row, kv_head, tidx)
         q_log2 = self.stage_q(mQ, sQ, sRed, row, kv_head, tidx, warp, lane)
         cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
         cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
@@ -675,37 +668,24 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 cute.arch.fence_proxy("async.shared", space="cta")
 
             # ---------------- S^T = K Q^T ----------------
+            if const_expr(self.fp8):
+                self.load_k_fragments(tSrK, k_base, k_layout, stage, warp, lane)
             first = cute.make_mma_atom(qk_mma.op)
             first.set(warpgroup.Field.ACCUMULATE, False)
             rest = cute.make_mma_atom(qk_mma.op)
             rest.set(warpgroup.Field.ACCUMULATE, True)
-            if const_expr(self.fp8 and self.cfg.qk_interleaved):
-                # widen K a 32-column chunk at a time and issue its two k16 WGMMAs at once, so
-                # the conversion of the next chunk overlaps the tensor cores
-                for cc in cutlass.range_constexpr(D // 32):
-                    self.load_k_fragments(tSrK, k_base, k_layout, stage, warp, lane, chunks=(cc,))
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(2 * cc, 2 * cc + 2):
-                        cute.gemm(first if kb == 0 else rest, acc_s, tSrK[None, None, kb], tSrQ[None, None, kb, 0],
-                                  acc_s)
-            else:
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(D // 16):
+                atom = first if kb == 0 else rest
                 if const_expr(self.fp8):
-                    self.load_k_fragments(tSrK, k_base, k_layout, stage, warp, lane)
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(D // 16):
-                    atom = first if kb == 0 else rest
-                    if const_expr(self.fp8):
-                        cute.gemm(atom, acc_s, tSrK[None, None, kb], tSrQ[None, None, kb, 0], acc_s)
-                    else:
-                        cute.gemm(atom, acc_s, tSrK[None, None, kb, stage], tSrQ[None, None, kb, 0], acc_s)
+                    cute.gemm(atom, acc_s, tSrK[None, None, kb], tSrQ[None, None, kb, 0], acc_s)
+                else:
+                    cute.gemm(atom, acc_s, tSrK[None, None, kb, stage], tSrQ[None, None, kb, 0], acc_s)
             warpgroup.commit_group()
             mbits = cute.make_rmem_tensor((mblocks,), Int32)
             for mb in cutlass.range_constexpr(mblocks):
                 mbits[mb] = sMask[2 * mb + warp // 2, stage] >> mask_shift
             warpgroup.wait_group(0)
-            if const_expr(self.fp8 and self.cfg.v_before_softmax):
-                # the K fragments are dead: V's ldmatrix and widening overlap the softmax
-                self.load_v_fragments(tOrV, v_base, v_layout, stage, warp, lane)
 
             # ---------------- online softmax over the tile's tokens ----------------
             tile_max = cute.make_rmem_tensor((nslots,), Float32)
@@ -722,29 +702,36 @@ class Sm90QsaAttention(Sm90PagedDecode):
                               cS[0][0] - cS0[0][0], warp, lane)
 
             # ---------------- O^T += V^T P^T ----------------
-            if const_expr(self.fp8 and self.cfg.pv_interleaved and not self.cfg.v_before_softmax):
-                # V widened 32 tokens at a time, each chunk's WGMMAs issued at once (as QK)
-                for kk in cutlass.range_constexpr(self.tile // 32):
-                    self.load_v_fragments(tOrV, v_base, v_layout, stage, warp, lane, chunks=(kk,))
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(2 * kk, 2 * kk + 2):
-                        cute.gemm(pv_mma, acc_o, tOrV[None, None, kb], tOrP[None, None, kb, 0], acc_o)
-            else:
-                if const_expr(self.fp8 and not self.cfg.v_before_softmax):
-                    # after QK: the K fragments are dead, so K and V fragments share registers
-                    self.load_v_fragments(tOrV, v_base, v_layout, stage, warp, lane)
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(self.tile // 16):
-                    if const_expr(self.fp8):
-                        cute.gemm(pv_mma, acc_o, tOrV[None, None, kb], tOrP[None, None, kb, 0], acc_o)
-                    else:
-                        cute.gemm(pv_mma, acc_o, tOrV[None, None, kb, stage], tOrP[None, None, kb, 0], acc_o)
+            if const_expr(self.fp8):
+                # after QK: the K fragments are dead, so K and V fragments share registers
+                self.load_v_fragments(tOrV, v_base, v_layout, stage, warp, lane)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(self.tile // 16):
+                if const_expr(self.fp8):
+                    cute.gemm(pv_mma, acc_o, tOrV[None, None, kb], tOrP[None, None, kb, 0], acc_o)
+                else:
+                    cute.gemm(pv_mma, acc_o, tOrV[None, None, kb, stage], tOrP[None, None, kb, 0], acc_o)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             cute.arch.mbarrier_arrive(empty + stage)
 
         self.epilogue(acc_o, row_max, row_sum, sRed, cO0, thr_pv, mO, mLse, mGate, v_scale, row, kv_head, split,
                       n_base, warp, lane)
+
+    @cute.jit
+    def prefetch_gate(self, mGate, row, kv_head, tidx):
+        """L2 prefetch of the group's gate rows, which only the epilogue reads: its loads then hit
+        L2 instead of HBM (H200, 1-tile rows at N = 64 FP8: the gated epilogue cost 1.0 us over
+        an ungated one; whole rows 0.7 us at N = 64, 2.6 us at N = 256 = two waves). A row of D
+        16-bit elements at any 2-byte offset spans at most D / 64 + 1 lines of 128 bytes; thread
+        (n, k) prefetches line k of head n's row (the last byte for the spill-over line)."""
+        lines = self.D * 2 // 128 + 1
+        if tidx < self.G * lines:
+            n = tidx // lines
+            k = tidx - n * lines
+            head = kv_head * self.G + n
+            base = (mGate.iterator + cute.crd2idx((row, head, 0), mGate.layout)).toint()
+            prefetch_l2(base + Int64(cutlass.min(k * 128, self.D * 2 - 1)))
 
     # ------------------------------------------------------------------------------------------
 
@@ -870,22 +857,12 @@ class Sm90QsaConfig(KernelConfig):
     producers: int = 1
     pdl: bool = False
     kv_same_strides: bool = False
-    gather_widens: bool = False
-    gather_groups: int = 1
-    v_before_softmax: bool = False
-    qk_interleaved: bool = False
-    pv_interleaved: bool = False
 
     kernel_id = "sm90.qsa"
     targets = ("sm_90a",)
-
-    @property
-    def evidence(self):
-        """Tensor cores, the mbarrier pipeline and the gather: zero-filling cp.async, or with
-        ``gather_widens`` 16-byte loads widened exactly to fp16 and stored as 16-byte chunks."""
-        gather = ((r"ld\.global\.nc(\.\S+)*\.v4\.b32", r"cvt\.rn\.f16x2\.e4m3x2", r"st\.shared\.v4\.b32")
-                  if self.gather_widens else (r"cp\.async\.cg\.shared\.global", r"cp\.async\.mbarrier\.arrive"))
-        return {"sm_90a": (r"wgmma\.mma_async", r"mbarrier\.try_wait") + gather}
+    # tensor cores, the zero-filling cp.async gather and the mbarrier pipeline
+    evidence = {"sm_90a": (r"wgmma\.mma_async", r"cp\.async\.cg\.shared\.global", r"cp\.async\.mbarrier\.arrive",
+                           r"mbarrier\.try_wait")}
 
     def __post_init__(self):
         if self.q_dtype not in ("bf16", "fp16"):
@@ -904,18 +881,13 @@ class Sm90QsaConfig(KernelConfig):
             raise ValueError(f"bad tile/stages {self.tile}/{self.stages}")
         if self.gate and self.split:
             raise ValueError("the gate of a split launch is applied by the merge")
-        if self.gather_groups < 1 or self.producers % self.gather_groups:
-            raise ValueError(f"gather_groups must divide producers ({self.producers}), got {self.gather_groups}")
-        if self.gather_widens and self.kv_dtype != "fp8_e4m3":
-            raise ValueError("gather_widens applies to FP8 caches only")
         words = self.tile // 32
         chunks_per_row = self.head_dim * DTYPE_BITS[self.kv_dtype] // 8 // 16
         copies = 32 // max(1, 32 // chunks_per_row)  # warp-wide copies per 32-token word
-        per_group = self.producers // self.gather_groups
-        if self.producers > 8 or per_group != 1 and not (per_group % words == 0
-                                                         and copies % (per_group // words) == 0):
-            raise ValueError(f"producers (<= 8) per gather group must be 1 or a multiple of the tile's {words} "
-                             f"words that divides its rows, got {self.producers} in {self.gather_groups} groups")
+        if self.producers != 1 and not (self.producers % words == 0 and self.producers <= 8
+                                         and copies % (self.producers // words) == 0):
+            raise ValueError(f"producers must be 1 or a multiple of the tile's {words} words (<= 8) that "
+                             f"divides its rows, got {self.producers}")
 
     @property
     def n_pad(self) -> int:
@@ -969,16 +941,15 @@ def qsa_producers(tile: int = TILE) -> int:
 
 
 def qsa_tuning(kv_dtype: str, head_dim: int, group: int, tile: int = TILE,
-               producers: int | None = None, gather_widens: bool = False) -> tuple[int, int]:
+               producers: int | None = None) -> tuple[int, int]:
     """(stages, CTAs per SM) of a variant: the most resident CTAs that still get >= 3 gather
     slots each (falling back to 2, then 1) while keeping >= 96 KB of K/V in flight per SM
     (what the paged decode kernel measured to saturate HBM) and fitting the registers (measured
     with ptxas at D = 256, G = 12: ~100 for 16-bit caches, 156-172 for FP8, whose K/V fragments
-    live in registers) of the consumer warpgroup plus ``producers`` gather warps. FP8 rows widened
-    by the gather (``gather_widens``) take 16-bit tiles and registers."""
+    live in registers) of the consumer warpgroup plus ``producers`` gather warps."""
     producers = qsa_producers(tile) if producers is None else producers
     threads = (MMA_WARPS + producers) * 32
-    kv_bytes = 2 if gather_widens else DTYPE_BITS[kv_dtype] // 8
+    kv_bytes = DTYPE_BITS[kv_dtype] // 8
     n_pad = max(8, (group + 7) // 8 * 8)
     stage = 2 * tile * head_dim * kv_bytes
     # Q, P, reduction, barriers + bitmasks + 1024-byte alignment slack, the reserved 1 KB
@@ -1060,7 +1031,7 @@ def make_qsa_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, p
     """The config the op, the warm-up and the compile matrix use: tuning filled in here, once.
     ``override`` replaces tuning fields (benchmarks)."""
     producers = override.get("producers", qsa_producers(tile))
-    stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile, producers, override.get("gather_widens", False))
+    stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile, producers)
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=split, gate=gate and not split, occupancy=occupancy,
                   producers=producers, pdl=split, kv_same_strides=True)

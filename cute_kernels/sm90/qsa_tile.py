@@ -103,7 +103,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         self.N = MMA_M  # Q rows staged (zeros past R x G)
         # FP8: the gather warps widen rows to fp16 tiles (exact), K and V are then plain B
         # operands in natural column order, and Q is rescaled into fp16 range (dynamic_q_scale)
-        self.widen_in_producer = cfg.kv_dtype == "fp8_e4m3"
+        self.widen_in_producer = self.fp8
         self.q_permuted = False
         # consumer warpgroups: with two, each takes every other union tile of the same rows (its
         # own running max, sum and O), so one group's softmax overlaps the other's MMAs; they
@@ -111,9 +111,14 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         self.consumers = cfg.consumers
         self.producer_warp = MMA_WARPS * self.consumers
         self.num_threads = (self.producer_warp + cfg.producers) * 32
-        # gather groups (set up by the base class): each group of producers // groups warps fills
-        # every groups-th slot, so that many tiles are in flight at once. FP8's widening gather is
-        # synchronous (loads, then convert, then store), so one group keeps a single tile in flight
+        # gather groups: each group of producers // groups warps fills every groups-th slot, so
+        # that many tiles are in flight at once. FP8's widening gather is synchronous (loads, then
+        # convert, then store), so one group keeps a single tile in flight
+        self.groups = cfg.gather_groups
+        if self.groups > 1:
+            self.P = cfg.producers // self.groups  # the gather's work split is per group
+            self.local_words = self.words if self.P == 1 else 1
+            self.parts = 1 if self.P == 1 else self.P // self.words
 
     def mmas_and_layouts(self):
         if not self.mq:
@@ -617,6 +622,7 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
 
     rows_per_cta: int = 5
     consumers: int = 1
+    gather_groups: int = 1
     producer_regs: int = 0
     consumer_regs: int = 0
     gate_vec: int = 1
@@ -639,8 +645,6 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
         super().__post_init__()
         if self.split:
             raise ValueError("the row-tile kernel does not split")
-        if self.gather_widens:  # a per-row choice: this kernel's consumer has no FP8 fragment path
-            raise ValueError("the row-tile kernel always widens FP8 rows in its gather; gather_widens is per-row")
         if self.pdl:  # it reads the union pre-pass's output, written by the launch just before
             raise ValueError("the row-tile kernel is not a programmatic dependent launch")
         if not 1 <= self.rows_per_cta or self.rows_per_cta * self.group > MAX_COLUMNS:
@@ -670,6 +674,8 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
                                  f"the launch's {launch_regs(threads)} per thread")
         elif any(regs):
             raise ValueError(f"registers are rebalanced only above 256 threads, got {threads}")
+        if self.gather_groups < 1 or self.producers % self.gather_groups:
+            raise ValueError(f"gather_groups must divide producers ({self.producers}), got {self.gather_groups}")
         if self.gather_groups > 1 and self.consumers > 1:
             # a group may wait on a slot's "empty" phase only if the slot's previous use was
             # released in order, which one consumer warpgroup guarantees

@@ -151,68 +151,6 @@ def test_tile_128(gen, kv, splits):
     _check(out, ref)
 
 
-# per-row FP8 variants whose gather warps widen the rows to fp16 tiles (the consumer then runs
-# the 16-bit path): two groups of 4 or 2 warps filling alternate slots, one group of 8
-GATHER_WIDENS = [dict(gather_widens=True, producers=8, gather_groups=2),
-                 dict(gather_widens=True, producers=4, gather_groups=2),
-                 dict(gather_widens=True, producers=8, gather_groups=1)]
-GATHER_WIDENS_IDS = ["p8g2", "p4g2", "p8g1"]
-
-
-@pytest.mark.parametrize("variant", GATHER_WIDENS, ids=GATHER_WIDENS_IDS)
-@pytest.mark.parametrize("hq,hkv,page", [(24, 2, 1568), (6, 1, 784)])
-@pytest.mark.parametrize("splits", [1, 4, 33])
-def test_fp8_gather_widens(gen, variant, hq, hkv, page, splits):
-    """Per-row FP8 with the widening in the gather: full and short rows (every third), split
-    counts leaving splits empty, against the reference and the default per-row kernel."""
-    c = _case(gen, 24, hq, hkv, page, 6, FP8, gate=splits != 4)
-    with tuning_override(splits=splits, **variant):
-        out, ref = _run(c, False)
-    _check(out, ref)
-    with tuning_override(splits=splits):
-        default, _ = _run(c, False)
-    torch.testing.assert_close(out.float(), default.float(), rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("variant", GATHER_WIDENS[:2], ids=GATHER_WIDENS_IDS[:2])
-def test_fp8_gather_widens_invalid_and_strides(gen, variant):
-    """Holes, a page beyond the table, an out-of-range physical page and request, and V with its
-    own strides (its row addresses computed, not derived from K's)."""
-    c = _case(gen, 12, 12, 1, 800, 3, FP8, holes=0.2)
-    packed, table, t2r = c["packed_indices"], c["block_table"], c["token_to_req"]
-    W = table.shape[1]
-    packed[1, 1:int(packed[1, -1]):4] = W * 800 + 7
-    table[int(t2r[2]), 0] = c["k_cache"].shape[0] + 100
-    t2r[3] = table.shape[0] + 5
-    c = dict(c, v_cache=c["v_cache"].contiguous())
-    for splits in (1, 3):
-        with tuning_override(splits=splits, **variant):
-            out, ref = _run(c, False)
-        _check(out, ref)
-        assert torch.equal(out[3], torch.zeros_like(out[3]))
-
-
-# per-row FP8 consumer orderings: K widened chunk by chunk between the QK WGMMAs, V likewise
-# between the PV WGMMAs, V widened before the softmax (all opt-in, benchmarked)
-CONSUMER_ORDERS = [dict(qk_interleaved=True), dict(pv_interleaved=True), dict(v_before_softmax=True),
-                   dict(qk_interleaved=True, pv_interleaved=True), dict(qk_interleaved=True, v_before_softmax=True)]
-CONSUMER_ORDER_IDS = ["qk", "pv", "vearly", "qk-pv", "qk-vearly"]
-
-
-@pytest.mark.parametrize("variant", CONSUMER_ORDERS, ids=CONSUMER_ORDER_IDS)
-@pytest.mark.parametrize("hq,hkv,page", [(24, 2, 1568), (6, 1, 784)])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_fp8_consumer_orders(gen, variant, hq, hkv, page, splits):
-    c = _case(gen, 24, hq, hkv, page, 6, FP8, gate=splits == 1)
-    with tuning_override(splits=splits, **variant):
-        out, ref = _run(c, False)
-    _check(out, ref)
-    with tuning_override(splits=splits):
-        default, _ = _run(c, False)
-    # the same products and sums in the same order: only the instruction schedule differs
-    assert torch.equal(out, default)
-
-
 @pytest.mark.parametrize("kind", ["negative_token", "page_beyond_table", "phys_negative", "phys_too_large",
                                   "req_too_large", "req_negative", "count_zero", "count_over_topk",
                                   "count_negative", "holes"])
