@@ -87,12 +87,6 @@ def load_nc_b32x4(gmem_addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32,
 
 
 @dsl_user_op
-def prefetch_l2(gmem_addr: Int64, *, loc=None, ip=None) -> None:
-    """``prefetch.global.L2``: bring the line holding ``gmem_addr`` into L2 (no register result)."""
-    asm([], [Int64(gmem_addr)], "prefetch.global.L2 [$0];", "l", side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def store_shared_b32x4(smem_addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
     """``st.shared.v4.b32``: one 16-byte store."""
     asm([], [Int32(smem_addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
@@ -616,8 +610,6 @@ class Sm90QsaAttention(Sm90PagedDecode):
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         k_base = storage.sK.data_ptr().toint()
         v_base = storage.sV.data_ptr().toint()
-        if const_expr(self.cfg.gate and not self.cfg.split):
-            self.prefetch_gate(mGate, row, kv_head, tidx)
         q_log2 = self.stage_q(mQ, sQ, sRed, row, kv_head, tidx, warp, lane)
         cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
         cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
@@ -717,21 +709,6 @@ class Sm90QsaAttention(Sm90PagedDecode):
 
         self.epilogue(acc_o, row_max, row_sum, sRed, cO0, thr_pv, mO, mLse, mGate, v_scale, row, kv_head, split,
                       n_base, warp, lane)
-
-    @cute.jit
-    def prefetch_gate(self, mGate, row, kv_head, tidx):
-        """L2 prefetch of the group's gate rows, which only the epilogue reads: its loads then hit
-        L2 instead of HBM (H200, 1-tile rows at N = 64 FP8: the gated epilogue cost 1.0 us over
-        an ungated one; whole rows 0.7 us at N = 64, 2.6 us at N = 256 = two waves). A row of D
-        16-bit elements at any 2-byte offset spans at most D / 64 + 1 lines of 128 bytes; thread
-        (n, k) prefetches line k of head n's row (the last byte for the spill-over line)."""
-        lines = self.D * 2 // 128 + 1
-        if tidx < self.G * lines:
-            n = tidx // lines
-            k = tidx - n * lines
-            head = kv_head * self.G + n
-            base = (mGate.iterator + cute.crd2idx((row, head, 0), mGate.layout)).toint()
-            prefetch_l2(base + Int64(cutlass.min(k * 128, self.D * 2 - 1)))
 
     # ------------------------------------------------------------------------------------------
 

@@ -185,23 +185,3 @@ def test_gated_qsa_epilogues_batch_their_gate_loads(kv):
             assert runs == [per_group] * cfg.consumers, (cfg.label(), runs)
         else:
             assert runs == [32], (cfg.label(), runs)
-
-
-@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
-def test_gated_per_row_qsa_prefetches_its_gate_rows(kv):
-    """The unsplit gated per-row kernel reads the gate only in its epilogue: it prefetches the
-    group's gate rows into L2 at the start (the epilogue's loads then wait on L2, not HBM). The
-    split kernel never touches the gate (the merge applies it)."""
-    import re
-
-    from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.qsa import make_qsa_config
-
-    shape = dict(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568)
-    gated = compile_config(make_qsa_config(**shape, split=False, gate=True), "sm_90a", artifacts=True).ptx
-    body = gated[gated.index(".entry"):]
-    first_prefetch = body.index("prefetch.global.L2")
-    first_wgmma = body.index("wgmma.mma_async")
-    assert len(re.findall(r"prefetch\.global\.L2", body)) >= 1 and first_prefetch < first_wgmma
-    for cfg in (make_qsa_config(**shape, split=True, gate=False), make_qsa_config(**shape, split=False, gate=False)):
-        assert "prefetch.global.L2" not in compile_config(cfg, "sm_90a", artifacts=True).ptx, cfg.label()
