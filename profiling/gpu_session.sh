@@ -43,6 +43,7 @@
 #   l2qsa      QSA decode time against the tiles per row (valid_count caps) from HBM and with every row selecting
 #              the same tokens (L2-resident): per-tile and fixed costs of the per-row kernel
 #   slope13    QSA decode time against valid_count caps (HBM, N 16/64), one L2-resident tile, forced split counts
+#   probe8     first-timing artifact with CUDA_MODULE_LOADING=EAGER vs LAZY (FP8 QSA decode); Llama B64 q4 decode x3
 #   gate13     QSA decode with and without the output gate (1-tile and full rows, N 64/256)
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
@@ -195,6 +196,14 @@ PY
                --decode-counts 64 --json "$OUT/l2one.json"
              TAIL=60 run 300 splits13 python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 16,64,128 \
                --splits 1,2,3,4,8 --json "$OUT/splits13.json" ;;
+    probe8) for m in EAGER LAZY; do
+              TAIL=8 run 200 first_$m env CUDA_MODULE_LOADING=$m python3 -m profiling.bench_qsa --kinds decode --kv fp8 \
+                --decode-n 64,256 --json "$OUT/first_$m.json"
+            done
+            for i in 1 2 3; do
+              TAIL=6 run 150 q4_$i python3 -m profiling.bench_decode --kv fp8 --shapes q4 --peers nopdl --quick \
+                --json "$OUT/q4_$i.json"
+            done ;;
     gate13) TAIL=30 run 200 nogate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
               --decode-counts 64,2051 --no-gate --json "$OUT/nogate.json"
             TAIL=30 run 200 gate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
