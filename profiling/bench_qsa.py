@@ -26,6 +26,13 @@ prefill (4 * valid entries * Hq * D), the split count used, the selection model,
 ``--check`` the error against the reference. ``--splits 1,2,4`` sweeps forced split counts and
 ``--tile 128`` forces the tile (table tuning), ``--tile-rows 1,5`` the prefill rows per CTA (1 = the
 per-row kernel). ``--json PATH``.
+
+Diagnostics of the per-row decode kernel (profiling/NOTES.md, "Eighth session"):
+``--decode-counts 64,1024,2051`` caps every row's valid_count (time against tiles per row: the
+slope is the per-tile cost, the intercept the fixed cost of a launch); ``--decode-shared`` makes
+every row select the same tokens of one request, so the gather hits L2 and the time is the
+kernel's own (the roofline column is then not a bound); ``--no-gate`` calls without the output
+gate.
 """
 
 from __future__ import annotations
