@@ -507,26 +507,12 @@ class Sm90PagedDecode:
         # logits in log2 units = S_acc * c
         c = sm_scale * ks * Float32(LOG2E * 2.0 ** self.logit_log2) * cute.math.exp2(-q_log2 + Float32(self.q_pre), fastmath=False)
 
-        thr_qk = qk_mma.get_slice(tidx)
-        thr_pv = pv_mma.get_slice(tidx)
-        # static per-element coordinates of thread 0 plus this thread's offset: register indices
-        # stay compile-time while rows/columns are exact
-        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile, N)))
-        cS = thr_qk.partition_C(cute.make_identity_tensor((self.tile, N)))
-        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((D, N)))
-        acc_s = cute.make_rmem_tensor(cS.shape, Float32)
-        acc_o = cute.make_rmem_tensor(cO0.shape, Float32)
-        acc_o.fill(0.0)
+        thr_qk, thr_pv, cS0, cS, cO0, acc_s, acc_o, row_max, row_sum = self.consumer_state(qk_mma, pv_mma, tidx)
         nS = cute.size(acc_s)
         n_base = cS[0][1] - cS0[0][1]  # this thread's column offset (2 * (lane % 4))
         m_base = cS[0][0] - cS0[0][0]  # this thread's row offset (lane / 4 + 16 * warp)
         nslots = N // 4  # columns owned by a thread: 8 * j + n_base + {0, 1}
-
-        row_max = cute.make_rmem_tensor((nslots,), Float32)
-        row_sum = cute.make_rmem_tensor((nslots,), Float32)
         limit = cute.make_rmem_tensor((nslots,), Int32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
         for s in cutlass.range_constexpr(nslots):
             n = (s // 2) * 8 + s % 2 + n_base
             # query row n is draft token n // G: it sees positions < seq_len - q_len + j + 1
@@ -605,15 +591,7 @@ class Sm90PagedDecode:
             # CTAs take the SM slots ours free and wait in griddepcontrol.wait for our writes)
             cute.arch.griddepcontrol_launch_dependents()
         # ---------------- epilogue ----------------
-        for s in cutlass.range_constexpr(nslots):
-            v = row_sum[s]
-            for off in (4, 8, 16):
-                v = v + cute.arch.shuffle_sync_bfly(v, off)
-            row_sum[s] = v
-        if lane < 4:
-            for s in cutlass.range_constexpr(nslots):
-                sRed[warp, (s // 2) * 8 + s % 2 + n_base] = row_sum[s]
-        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+        self.publish_slot_reduction(row_sum, sRed, n_base, warp, lane, lambda a, b: a + b)
         inv = cute.make_rmem_tensor((nslots,), Float32)
         for s in cutlass.range_constexpr(nslots):
             n = (s // 2) * 8 + s % 2 + n_base
@@ -647,6 +625,43 @@ class Sm90PagedDecode:
         if const_expr(cfg.split):
             self.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx)
 
+    def consumer_state(self, qk_mma, pv_mma, tidx):
+        """(Traced.) The swap-AB consumer's per-thread state, shared with the QSA kernel: MMA
+        slices, the static per-element coordinates of thread 0 (``cS0``, ``cO0``) and of this
+        thread (``cS``), so that register indices stay compile-time while rows and columns are
+        exact; the S^T and O^T accumulators (O zeroed); running max (-inf) and sum (0) per
+        column slot (a thread owns columns 8 j + 2 (lane % 4) + {0, 1}: N / 4 slots)."""
+        thr_qk = qk_mma.get_slice(tidx)
+        thr_pv = pv_mma.get_slice(tidx)
+        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile, self.N)))
+        cS = thr_qk.partition_C(cute.make_identity_tensor((self.tile, self.N)))
+        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.D, self.N)))
+        acc_s = cute.make_rmem_tensor(cS.shape, Float32)
+        acc_o = cute.make_rmem_tensor(cO0.shape, Float32)
+        acc_o.fill(0.0)
+        row_max = cute.make_rmem_tensor((self.N // 4,), Float32)
+        row_sum = cute.make_rmem_tensor((self.N // 4,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        return thr_qk, thr_pv, cS0, cS, cO0, acc_s, acc_o, row_max, row_sum
+
+    @cute.jit
+    def publish_slot_reduction(self, vals, sRed, n_base, warp, lane, combine):
+        """Reduce this thread's per-slot values ``vals`` (in place) over the 8 quads of its warp
+        with ``combine`` (butterfly shuffles), publish each warp's result to ``sRed[warp, column]``
+        and wait for the warpgroup: the caller then combines ``sRed[0..3, column]``. Shared by the
+        softmax's row maxima and the epilogues' row sums (decode and QSA)."""
+        nslots = self.N // 4
+        for s in cutlass.range_constexpr(nslots):
+            v = vals[s]
+            for off in (4, 8, 16):
+                v = combine(v, cute.arch.shuffle_sync_bfly(v, off))
+            vals[s] = v
+        if lane < 4:
+            for s in cutlass.range_constexpr(nslots):
+                sRed[warp, (s // 2) * 8 + s % 2 + n_base] = vals[s]
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+
     @cute.jit
     def softmax_tile(self, acc_s, acc_o, tile_max, row_max, row_sum, sRed, sP, cS0, cO0, n_base, m_base, warp, lane):
         """One online-softmax step (shared with the QSA kernel). In: ``acc_s`` the tile's scaled,
@@ -656,15 +671,7 @@ class Sm90PagedDecode:
         ``2^p_pre``) to ``sP`` for the PV WGMMA; ends with the fence and barrier that publish sP.
         A slot whose maximum is still -inf shifts by 0, so exp2(-inf) = 0 and no inf - inf."""
         nslots = self.N // 4
-        for s in cutlass.range_constexpr(nslots):
-            v = tile_max[s]
-            for off in (4, 8, 16):
-                v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, off))
-            tile_max[s] = v
-        if lane < 4:
-            for s in cutlass.range_constexpr(nslots):
-                sRed[warp, (s // 2) * 8 + s % 2 + n_base] = tile_max[s]
-        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+        self.publish_slot_reduction(tile_max, sRed, n_base, warp, lane, cute.arch.fmax)
         alpha = cute.make_rmem_tensor((nslots,), Float32)
         for s in cutlass.range_constexpr(nslots):
             n = (s // 2) * 8 + s % 2 + n_base

@@ -617,15 +617,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
         # logits in log2 units = S_acc * c (the query was scaled by 2^q_log2 when staged)
         c = Float32(self.D ** -0.5 * LOG2E) * k_scale * cute.math.exp2(-q_log2, fastmath=False)
 
-        thr_qk = qk_mma.get_slice(tidx)
-        thr_pv = pv_mma.get_slice(tidx)
-        # static per-element coordinates of thread 0 plus this thread's offset
-        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile, N)))
-        cS = thr_qk.partition_C(cute.make_identity_tensor((self.tile, N)))
-        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((D, N)))
-        acc_s = cute.make_rmem_tensor(cS.shape, Float32)
-        acc_o = cute.make_rmem_tensor(cO0.shape, Float32)
-        acc_o.fill(0.0)
+        thr_qk, thr_pv, cS0, cS, cO0, acc_s, acc_o, row_max, row_sum = self.consumer_state(qk_mma, pv_mma, tidx)
         nS = cute.size(acc_s)
         n_base = cS[0][1] - cS0[0][1]  # this thread's column offset (2 * (lane % 4))
         nslots = N // 4  # columns owned by a thread: 8 * j + n_base + {0, 1}
@@ -633,11 +625,6 @@ class Sm90QsaAttention(Sm90PagedDecode):
         # this thread's token rows of M block mb are mb * 64 + 16 * warp + lane / 4 + {0, 8}: bits
         # 16 * (warp % 2) + lane / 4 + {0, 8} of bitmask word 2 * mb + warp / 2
         mask_shift = (warp % 2) * 16 + lane // 4
-
-        row_max = cute.make_rmem_tensor((nslots,), Float32)
-        row_sum = cute.make_rmem_tensor((nslots,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
 
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         tSrQ = qk_mma.make_fragment_B(thr_qk.partition_B(sQ))
@@ -741,15 +728,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
         D, N = self.D, self.N
         nslots = N // 4
 
-        for s in cutlass.range_constexpr(nslots):
-            v = row_sum[s]
-            for off in (4, 8, 16):
-                v = v + cute.arch.shuffle_sync_bfly(v, off)
-            row_sum[s] = v
-        if lane < 4:
-            for s in cutlass.range_constexpr(nslots):
-                sRed[warp, (s // 2) * 8 + s % 2 + n_base] = row_sum[s]
-        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+        self.publish_slot_reduction(row_sum, sRed, n_base, warp, lane, lambda a, b: a + b)
         inv = cute.make_rmem_tensor((nslots,), Float32)
         for s in cutlass.range_constexpr(nslots):
             n = (s // 2) * 8 + s % 2 + n_base
