@@ -44,7 +44,6 @@
 #              the same tokens (L2-resident): per-tile and fixed costs of the per-row kernel
 #   slope13    QSA decode time against valid_count caps (HBM, N 16/64), one L2-resident tile, forced split counts
 #   probe8     first-timing artifact with CUDA_MODULE_LOADING=EAGER vs LAZY (FP8 QSA decode); Llama B64 q4 decode x3
-#   persist8   persistent per-row QSA CTAs: their GPU tests, then decode A/B against one CTA per work item
 #   gate13     QSA decode with and without the output gate (1-tile and full rows, N 64/256)
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
@@ -205,14 +204,6 @@ PY
               TAIL=6 run 150 q4_$i python3 -m profiling.bench_decode --kv fp8 --shapes q4 --peers nopdl --quick \
                 --json "$OUT/q4_$i.json"
             done ;;
-    persist8) timeout 150 python3 -m pytest tests/gpu/test_qsa_persistent_gpu.py -q -p no:cacheprovider -x \
-                > "$OUT/pytest_persist.log" 2>&1; rc=$?; echo "[pytest_persist rc=$rc]"; tail -3 "$OUT/pytest_persist.log"
-              if [ $rc = 0 ]; then
-                TAIL=20 run 150 persist python3 -m profiling.bench_qsa --kinds decode --kv fp8 --decode-n 64,256 \
-                  --tuning ";persistent=264;;persistent=264" --json "$OUT/persist_fp8.json"
-                TAIL=20 run 100 persist_bf16 python3 -m profiling.bench_qsa --kinds decode --kv bf16 --decode-n 256 \
-                  --tuning ";persistent=132" --json "$OUT/persist_bf16.json"
-              fi ;;
     gate13) TAIL=30 run 200 nogate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
               --decode-counts 64,2051 --no-gate --json "$OUT/nogate.json"
             TAIL=30 run 200 gate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \

@@ -176,12 +176,8 @@ class Sm90QsaAttention(Sm90PagedDecode):
         stream,
     ):
         num_splits = mO.shape[0] if const_expr(self.cfg.split) else 1
-        grid = [mQ.shape[0], mK.shape[2], num_splits]
-        if const_expr(self.cfg.persistent):
-            # CTAs that loop over the (row, KV head, split) items, at most one per item
-            grid = [cutlass.min(mQ.shape[0] * mK.shape[2] * num_splits, Int32(self.cfg.persistent)), 1, 1]
         self.launch(self.kernel, (mQ, mK, mV, mIdx, mBlockTable, mTokenToReq, mO, mLse, mGate, k_scale, v_scale),
-                    grid, stream)
+                    [mQ.shape[0], mK.shape[2], num_splits], stream)
 
     def launch(self, kernel, args, grid, stream):
         """(Traced inside ``__call__``.) The shared-memory plan and the launch of ``kernel(*args,
@@ -256,48 +252,14 @@ class Sm90QsaAttention(Sm90PagedDecode):
             # kernel's tail; nothing it writes (q, indices, caches) is read before this returns
             cute.arch.griddepcontrol_wait()
 
-        if const_expr(cfg.persistent):
-            # item = row + T * (kv_head + Hkv * split), the order of the non-persistent grid; CTA b
-            # takes items b, b + grid, ... The pipeline's slot count runs on across items, so the
-            # gather starts the next item's tiles while the consumer finishes the current one.
-            num_splits = mO.shape[0] if const_expr(cfg.split) else 1
-            rows, hkv = mQ.shape[0], mK.shape[2]
-            items = rows * hkv * num_splits
-            first = cute.arch.block_idx()[0]
-            step = cute.arch.grid_dim()[0]
-            i0 = Int32(0)
-            if warp >= PRODUCER_WARP:
-                for item in cutlass.range(first, items, step, unroll=1):
-                    row, kv_head, split = self.item_coords(item, rows, hkv)
-                    i0 = i0 + self.produce(mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout,
-                                           sMask, full, empty, row, kv_head, split, num_splits,
-                                           warp - PRODUCER_WARP, lane, i0)
-            else:
-                for item in cutlass.range(first, items, step, unroll=1):
-                    row, kv_head, split = self.item_coords(item, rows, hkv)
-                    _, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
-                    self.consume_tiles(mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale,
-                                       v_scale, qk_mma, pv_mma, k_layout, v_layout, row, kv_head, split, my_tiles,
-                                       tidx, warp, lane, i0)
-                    i0 = i0 + my_tiles
-                    # every warp has read sRed in the epilogue before the next item's stage_q writes it
-                    cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+        if warp >= PRODUCER_WARP:
+            self.produce(mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full,
+                         empty, row, kv_head, split, num_splits, warp - PRODUCER_WARP, lane)
         else:
-            if warp >= PRODUCER_WARP:
-                self.produce(mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full,
-                             empty, row, kv_head, split, num_splits, warp - PRODUCER_WARP, lane)
-            else:
-                _, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
-                self.consume_tiles(mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale,
-                                   v_scale, qk_mma, pv_mma, k_layout, v_layout, row, kv_head, split, my_tiles,
-                                   tidx, warp, lane)
-
-    @cute.jit
-    def item_coords(self, item, rows, hkv):
-        """(row, KV head, split) of a persistent launch's work item."""
-        row = item % rows
-        rest = item // rows
-        return row, rest % hkv, rest // hkv
+            _, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
+            self.consume_tiles(mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale,
+                               v_scale, qk_mma, pv_mma, k_layout, v_layout, row, kv_head, split, my_tiles,
+                               tidx, warp, lane)
 
     # ------------------------------------------------------------------------------------------
 
@@ -337,16 +299,13 @@ class Sm90QsaAttention(Sm90PagedDecode):
 
     @cute.jit
     def produce(self, mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full, empty,
-                row, kv_head, split, num_splits, pw, lane, i0=None):
-        """The row's tiles ``split, split + S, ...`` from its own index list (see ``gather_list``)
-        into pipeline slots ``i0, i0 + 1, ...``; returns their count."""
+                row, kv_head, split, num_splits, pw, lane):
+        """The row's tiles ``split, split + S, ...`` from its own index list (see ``gather_list``)."""
         topk = mIdx.shape[1] - 1
         count, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
-        self.gather_list(mK, mV, mIdx, row, topk, count, split, num_splits, my_tiles,
-                         Int32(0) if const_expr(i0 is None) else i0,
+        self.gather_list(mK, mV, mIdx, row, topk, count, split, num_splits, my_tiles, Int32(0),
                          mTokenToReq[row], mBlockTable, storage, k_layout, v_layout, sMask, full, empty,
                          kv_head, pw, lane, None, 0, Int32(0))
-        return my_tiles
 
     @cute.jit
     def gather_list(self, mK, mV, mSrc, src_row, limit, count, first_tile, tile_step, n_tiles, i0, req,
@@ -645,8 +604,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
 
     @cute.jit
     def consume_tiles(self, mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale, v_scale,
-                      qk_mma, pv_mma, k_layout, v_layout, row, kv_head, split, my_tiles, tidx, warp, lane, i0=None):
-        """The row's tiles from pipeline slots ``i0, i0 + 1, ...`` (0: a non-persistent launch)."""
+                      qk_mma, pv_mma, k_layout, v_layout, row, kv_head, split, my_tiles, tidx, warp, lane):
         D, N = self.D, self.N
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
@@ -680,8 +638,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
             tSrK = qk_mma.make_fragment_A(thr_qk.partition_A(sK))
             tOrV = pv_mma.make_fragment_A(thr_pv.partition_A(sV))
 
-        for k in cutlass.range(my_tiles, unroll=1):
-            i = k if const_expr(i0 is None) else i0 + k
+        for i in cutlass.range(my_tiles, unroll=1):
             stage = i % self.stages
             cute.arch.mbarrier_wait(full + stage, (i // self.stages) % 2)
             if const_expr(not self.fp8):
@@ -856,7 +813,6 @@ class Sm90QsaConfig(KernelConfig):
     producers: int = 1
     pdl: bool = False
     kv_same_strides: bool = False
-    persistent: int = 0
 
     kernel_id = "sm90.qsa"
     targets = ("sm_90a",)
@@ -881,9 +837,6 @@ class Sm90QsaConfig(KernelConfig):
             raise ValueError(f"bad tile/stages {self.tile}/{self.stages}")
         if self.gate and self.split:
             raise ValueError("the gate of a split launch is applied by the merge")
-        if self.persistent < 0:
-            raise ValueError(f"persistent (CTAs of a persistent launch, 0 = one per work item) must be >= 0, "
-                             f"got {self.persistent}")
         words = self.tile // 32
         chunks_per_row = self.head_dim * DTYPE_BITS[self.kv_dtype] // 8 // 16
         copies = 32 // max(1, 32 // chunks_per_row)  # warp-wide copies per 32-token word

@@ -645,8 +645,6 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
         super().__post_init__()
         if self.split:
             raise ValueError("the row-tile kernel does not split")
-        if self.persistent:
-            raise ValueError("the row-tile kernel is not persistent")
         if self.pdl:  # it reads the union pre-pass's output, written by the launch just before
             raise ValueError("the row-tile kernel is not a programmatic dependent launch")
         if not 1 <= self.rows_per_cta or self.rows_per_cta * self.group > MAX_COLUMNS:
