@@ -63,6 +63,12 @@ LOG2E = math.log2(math.e)
 def slot_of(n_static: int) -> int:
     """Register slot of accumulator column ``n_static`` (thread 0's columns 8 j + {0, 1})."""
     return (n_static // 8) * 2 + n_static % 8
+
+
+def slot_column(s: int, n_base):
+    """The accumulator column of register slot ``s`` for a thread whose columns start at
+    ``n_base`` (2 (lane % 4)): the inverse of :func:`slot_of`, plus the thread's offset."""
+    return (s // 2) * 8 + s % 2 + n_base
 # Powers of two applied to Q and P before they enter an MMA whose K/V operand was widened from
 # FP8 (K/V scaled by 2^-WIDEN): keeps every product and partial sum in fp32's normal range.
 Q_PRESCALE_LOG2 = {"bf16": 64, "fp16": 0}
@@ -514,7 +520,7 @@ class Sm90PagedDecode:
         nslots = N // 4  # columns owned by a thread: 8 * j + n_base + {0, 1}
         limit = cute.make_rmem_tensor((nslots,), Int32)
         for s in cutlass.range_constexpr(nslots):
-            n = (s // 2) * 8 + s % 2 + n_base
+            n = slot_column(s, n_base)
             # query row n is draft token n // G: it sees positions < seq_len - q_len + j + 1
             limit[s] = seq_len - self.q_len + n // G + 1
 
@@ -594,7 +600,7 @@ class Sm90PagedDecode:
         self.publish_slot_reduction(row_sum, sRed, n_base, warp, lane, lambda a, b: a + b)
         inv = cute.make_rmem_tensor((nslots,), Float32)
         for s in cutlass.range_constexpr(nslots):
-            n = (s // 2) * 8 + s % 2 + n_base
+            n = slot_column(s, n_base)
             total = sRed[0, n] + sRed[1, n] + sRed[2, n] + sRed[3, n]
             inv[s] = Float32(0.0)
             lse = -Float32.inf
@@ -659,7 +665,7 @@ class Sm90PagedDecode:
             vals[s] = v
         if lane < 4:
             for s in cutlass.range_constexpr(nslots):
-                sRed[warp, (s // 2) * 8 + s % 2 + n_base] = vals[s]
+                sRed[warp, slot_column(s, n_base)] = vals[s]
         cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
 
     @cute.jit
@@ -674,7 +680,7 @@ class Sm90PagedDecode:
         self.publish_slot_reduction(tile_max, sRed, n_base, warp, lane, cute.arch.fmax)
         alpha = cute.make_rmem_tensor((nslots,), Float32)
         for s in cutlass.range_constexpr(nslots):
-            n = (s // 2) * 8 + s % 2 + n_base
+            n = slot_column(s, n_base)
             t_max = cute.arch.fmax(cute.arch.fmax(sRed[0, n], sRed[1, n]), cute.arch.fmax(sRed[2, n], sRed[3, n]))
             new_max = cute.arch.fmax(row_max[s], t_max)
             safe = new_max if new_max != -Float32.inf else Float32(0.0)

@@ -49,7 +49,7 @@ from ..jit.asm import asm
 from ..jit.compiler import KernelConfig
 from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
-from .decode import BAR_MMA, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_of
+from .decode import BAR_MMA, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_column, slot_of
 from .fragments import cvt_e4m3x4_f16
 from .qsa_merge import sigmoid
 
@@ -731,7 +731,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
         self.publish_slot_reduction(row_sum, sRed, n_base, warp, lane, lambda a, b: a + b)
         inv = cute.make_rmem_tensor((nslots,), Float32)
         for s in cutlass.range_constexpr(nslots):
-            n = (s // 2) * 8 + s % 2 + n_base
+            n = slot_column(s, n_base)
             total = sRed[0, n] + sRed[1, n] + sRed[2, n] + sRed[3, n]
             inv[s] = Float32(0.0)
             lse = -Float32.inf
