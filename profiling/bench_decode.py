@@ -15,7 +15,6 @@ checked against the fp32 reference (relative error column). Writes a table, JSON
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import traceback
 
@@ -25,7 +24,15 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.testing import make_paged_decode_case, rel_err
 
-from .bench_utils import bench_setup, host_overhead, time_eager, time_graph, time_graph_fresh
+from .bench_utils import (
+    bench_setup,
+    host_overhead,
+    parse_variants,
+    time_eager,
+    time_graph,
+    time_graph_fresh,
+    write_json,
+)
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
@@ -159,7 +166,7 @@ def variant_fields(name: str) -> dict:
     """A named variant, or ad-hoc fields ``field=int[+field=int...]`` (e.g. ``occupancy=3+tile=128``)."""
     if name in VARIANTS:
         return VARIANTS[name]
-    return {k: int(v) for k, v in (f.split("=") for f in name.split("+"))}
+    return parse_variants(name, sep="+")[0]
 
 
 def variant(name):
@@ -239,8 +246,7 @@ def run(peers=("xqa", "fi", "fa4", "sdpa"), kv_dtypes=("fp8", "bf16"), shapes=No
     print(f"host overhead per eager call: {ov * 1e6:.1f} us")
     result = dict(read_bw=bw, host_overhead_us=ov * 1e6, rows=rows)
     if out_json:
-        with open(out_json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(out_json, result)
     if out_png:
         _plot(rows, peers, out_png)
     return result

@@ -15,11 +15,10 @@ streaming read bandwidth of ``bench_utils.read_bandwidth`` (the rooflines' denom
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from .bench_utils import read_bandwidth, time_eager
+from .bench_utils import read_bandwidth, time_eager, write_json
 
 CHUNKS = (256, 512, 1024, 2048, 4096, 8192)
 BUFFER = 4 << 30
@@ -73,9 +72,7 @@ def run(chunks=CHUNKS, per: int = 4, out_json=None) -> dict:
             print(f"chunk {chunk:5d} B {mode:10s} {row['tb_s']:.3f} TB/s  {row['pct_of_streaming']:5.1f} % of "
                   f"streaming", flush=True)
     result = {"read_bw": stream_bw, "rows": rows}
-    if out_json:
-        with open(out_json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(out_json, result)
     return result
 
 

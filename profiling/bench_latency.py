@@ -7,7 +7,6 @@ Used to choose the split heuristic and tile for latency-bound shapes (profiling/
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -15,7 +14,7 @@ import cute_kernels
 from cute_kernels.ops.paged_decode import tuning_override
 from cute_kernels.testing import make_paged_decode_case
 
-from .bench_utils import time_eager, time_graph
+from .bench_utils import time_eager, time_graph, write_json
 
 
 def run(out_json=None):
@@ -39,8 +38,7 @@ def run(out_json=None):
                       flush=True)
     rows.append(host_costs())
     rows += split_sweep()
-    if out_json:
-        json.dump(rows, open(out_json, "w"), indent=1)
+    write_json(out_json, rows)
     return rows
 
 
@@ -176,8 +174,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.eager_study:
         rows = eager_study()
-        if a.json:
-            json.dump(rows, open(a.json, "w"), indent=1)
+        write_json(a.json, rows)
         return
     run(a.json)
 

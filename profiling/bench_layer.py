@@ -19,7 +19,6 @@ Targets (issue 5): >= 80 % of bandwidth at T >= 4096 and never slower than torch
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -29,7 +28,7 @@ from cute_kernels.ops import quantize_query as qq_op
 from cute_kernels.ops import write_kv_cache as kv_op
 from cute_kernels.testing import make_paged_decode_case
 
-from .bench_utils import copy_bandwidth, read_bandwidth, time_eager, time_graph
+from .bench_utils import copy_bandwidth, parse_variants, read_bandwidth, time_eager, time_graph, write_json
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 TOKENS = (1, 64, 4096, 65536)
@@ -196,9 +195,7 @@ def run(tokens=TOKENS, out_json: str | None = None, variants=None) -> dict:
         print(f"  layer eager {step['layer_eager_us']:.2f} us; {step['note']}")
     print(f"  max |layer - bare| = {step['max_abs_diff_vs_bare']:.3g}")
     result = dict(read_bw=bw, copy_bw=cbw, rows=rows, layer_step=step)
-    if out_json:
-        with open(out_json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(out_json, result)
     return result
 
 
@@ -211,7 +208,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     variants = None
     if a.variants:
-        variants = [{k: int(v) for k, v in (f.split("=") for f in var.split(",") if f)} for var in a.variants.split(";")]
+        variants = parse_variants(a.variants)
         variants = [{k: bool(v) if k == "pdl" else v for k, v in var.items()} for var in variants]
     run(tuple(int(x) for x in a.tokens.split(",") if x), a.json, variants)
 

@@ -7,14 +7,13 @@ Bytes that must move: the fp32 partials and partial LSEs (read) and the merged o
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 import cute_kernels
 from cute_kernels import reference
 
-from .bench_utils import read_bandwidth, time_graph
+from .bench_utils import read_bandwidth, time_graph, write_json
 
 SHAPES = [(S, N, 32, 128) for N in (64, 256) for S in (2, 8, 32)]
 
@@ -41,9 +40,7 @@ def run(out_json: str | None = None) -> list[dict]:
     for r in rows:
         print(f"{r['S']:>3} {r['N']:>4} {r['H']:>3} {r['D']:>4} {r['us']:>8.2f} {r['roofline_pct']:>6.1f} "
               f"{r['torch_us']:>9.2f} {r['rel_err']:>8.1e}")
-    if out_json:
-        with open(out_json, "w") as f:
-            json.dump(dict(read_bw=bw, rows=rows), f, indent=1)
+    write_json(out_json, dict(read_bw=bw, rows=rows))
     return rows
 
 

@@ -38,7 +38,6 @@ gate.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
@@ -49,7 +48,7 @@ from cute_kernels.ops.qsa_sparse_attention import tuning_override
 from cute_kernels.sm90.qsa import select_config
 from cute_kernels.sm90.qsa_tile import row_tile_plan
 
-from .bench_utils import read_bandwidth, time_eager, time_graph, time_graph_fresh
+from .bench_utils import parse_variants, read_bandwidth, time_eager, time_graph, time_graph_fresh, write_json
 from .qsa_selection import SELECTIONS, TOPK, qsa_indices, selection_stats
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
@@ -166,9 +165,9 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
             probe = Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs, ctx=ctx, kv_dtype=kv,
                             copies=1, seed=n, selection=gen_sel, same_rows=decode_shared and not prefill,
                             max_count=cnt, use_gate=gate)
-            # rotation sized by the uncapped selection: capped counts touch fewer bytes, but the pool
-            # (copies x rows x ctx) must stay within the GPU's memory
-            full_bytes = probe.selected_bytes * (TOPK / cnt if cnt else 1)
+            # rotation sized by the uncapped selection (every decode row selects TOPK tokens): capped
+            # counts touch fewer bytes, but the pool (copies x rows x ctx) must fit the GPU's memory
+            full_bytes = probe.selected_bytes if cnt is None else rows * TOPK * HKV * 2 * D * kv.itemsize
             copies = 1 if prefill or decode_shared else max(1, min(16, math.ceil(ROTATE_BYTES / full_bytes)))
             prob = probe if copies == 1 else Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs,
                                                       ctx=ctx, kv_dtype=kv, copies=copies, seed=n,
@@ -208,9 +207,7 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
             prob = None  # free the pool before the next shape
             torch.cuda.empty_cache()
     result = dict(read_bw=bw, rows=rows_out)
-    if out_json:
-        with open(out_json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(out_json, result)
     return result
 
 
@@ -219,7 +216,7 @@ def _fmt(x) -> str:
 
 
 def _print(r):
-    cap = (f" cnt<={r['max_count']}" if r.get("max_count") else "") + ("" if r.get("gate", True) else " nogate")
+    cap = (f" cnt<={r['max_count']}" if r.get("max_count") is not None else "") + ("" if r.get("gate", True) else " nogate")
     head = (f"{r['kind']:<8} {r['kv']:<5} N={r['n']:<6}{cap} {r['selection']:<11} S={r['splits']:<3} "
             f"tile={r['tile']:<4} R={r['rows_per_cta']}{''.join(f' {k}={v}' for k, v in r['tuning'].items())}")
     if "union_factor" in r:  # prefill: the selection's adjacent Jaccard and tile union factors
@@ -264,8 +261,7 @@ def main(argv=None):
         splits=[int(x) for x in a.splits.split(",")] if a.splits else None, tile=a.tile, check=a.check,
         out_json=a.json, selections=tuple(x for x in a.selection.split(",") if x),
         tile_rows=[int(x) for x in a.tile_rows.split(",")] if a.tile_rows else None,
-        tunings=[{k: int(v) for k, v in (f.split("=") for f in spec.split(",") if f)} for spec in a.tuning.split(";")]
-        if a.tuning else None, decode_shared=a.decode_shared,
+        tunings=parse_variants(a.tuning) if a.tuning else None, decode_shared=a.decode_shared,
         decode_counts=tuple(int(x) for x in a.decode_counts.split(",")) if a.decode_counts else (None,),
         gate=not a.no_gate)
 

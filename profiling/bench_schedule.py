@@ -10,7 +10,6 @@ variant's output is checked against the reference (relative error column).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -20,7 +19,7 @@ from cute_kernels.ops.paged_decode import tuning_override
 from cute_kernels.testing import make_paged_decode_case, rel_err
 
 from .bench_decode import SHAPES
-from .bench_utils import bench_setup, time_graph
+from .bench_utils import bench_setup, time_graph, write_json
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 # shape-name substring -> forced split counts to try with dynamic scheduling
@@ -57,8 +56,7 @@ def run(out_json=None, kv_dtypes=("fp8",)):
                 rows.append(row)
                 print(f"{name:<26} {kvn:<4} {label:<12} {row['us']:8.1f} us {row['roofline_pct']:6.1f} %  e={err:.1e}",
                       flush=True)
-    if out_json:
-        json.dump(dict(read_bw=bw, rows=rows), open(out_json, "w"), indent=1)
+    write_json(out_json, dict(read_bw=bw, rows=rows))
     return rows
 
 

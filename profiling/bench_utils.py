@@ -5,11 +5,14 @@
 - ``time_eager``: median per-call time of back-to-back eager calls (host overhead included when
   the host is the bottleneck);
 - ``read_bandwidth``: the device's streaming-read bandwidth, measured in the same process with a
-  read-only Triton kernel over a buffer far larger than L2 — the denominator of every roofline.
+  read-only Triton kernel over a buffer far larger than L2 — the denominator of every roofline;
+- ``parse_variants`` / ``write_json``: the command-line variant lists and the JSON results of
+  every benchmark.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -140,3 +143,16 @@ def bench_setup(seed: int = 0):
     g = torch.Generator(device="cuda")
     g.manual_seed(seed)
     return bw, g
+
+
+def parse_variants(text: str, sep: str = ",") -> list[dict[str, int]]:
+    """``'a=1,b=2;c=3;'`` -> ``[{'a': 1, 'b': 2}, {'c': 3}, {}]``: ``;``-separated variants of
+    ``sep``-separated integer fields (an empty variant is the default config)."""
+    return [{k: int(v) for k, v in (f.split("=") for f in spec.split(sep) if f)} for spec in text.split(";")]
+
+
+def write_json(path: str | None, result) -> None:
+    """Write ``result`` to ``path`` (nothing when ``path`` is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)

@@ -17,6 +17,8 @@ from cute_kernels.jit.parallel import precompile
 from cute_kernels.qsa_warmup import qsa_variants
 from cute_kernels.warmup import decode_variants
 
+from .bench_utils import parse_variants
+
 
 def qsa_configs(specs: list[dict], kv_dtypes=("bf16", "fp8_e4m3")):
     return [c for spec in specs for kv in kv_dtypes
@@ -36,7 +38,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     kind, specs = argv[0], argv[1]
     sep = "+" if kind == "decode" else ","
-    parsed = [{k: int(v) for k, v in (f.split("=") for f in spec.split(sep) if f)} for spec in specs.split(";") if spec]
+    parsed = [v for v in parse_variants(specs, sep) if v]
     kv = tuple(argv[2].split(",")) if len(argv) > 2 else ("bf16", "fp8_e4m3")
     configs = list(dict.fromkeys(qsa_configs(parsed, kv) if kind == "qsa" else decode_configs(parsed)))
     print(f"{len(configs)} {kind} variants", flush=True)
