@@ -5,7 +5,8 @@ rows x Hkv and ``prefill``); the split count itself is a runtime value (the grid
 compiled variants a deployment needs are: per tile of the table, the direct-output kernel (with
 and without the output gate) and, if any entry splits, the split-K kernel plus the fused merge
 (with and without the gate); with the block table's width, the prefill row-tile kernel (both
-gate modes) and its union pre-pass. This enumerates them from the table for both profiles, compiles the
+gate modes) and its union pre-pass, and for an FP8 cache the widening pre-pass and the 16-bit
+row-tile kernel that runs on its copy. This enumerates them from the table for both profiles, compiles the
 missing ones in parallel processes into the disk cache with a progress bar, and loads them.
 """
 
@@ -17,6 +18,7 @@ from .sm90.qsa import H200_SMS, PRODUCTION_TOPK, make_qsa_config, split_table
 from .sm90.qsa_merge import QsaMergeConfig
 from .sm90.qsa_tile import TILE_MIN_ROWS, make_qsa_tile_config, row_tile_plan
 from .sm90.qsa_union import QsaUnionConfig
+from .sm90.qsa_widen import QsaWidenConfig
 
 _KV = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16", "auto": None}
 
@@ -64,6 +66,10 @@ def qsa_variants(
                                      gate=g, rows_per_cta=plan.rows_per_cta) for g in gates]
         out.append(QsaUnionConfig(rows_per_tile=plan.rows_per_cta, page_size=page_size, max_tokens=plan.max_tokens,
                                   union_cap=plan.union_cap))
+        if kv == "fp8_e4m3":  # a batch whose widened copy is small enough runs the 16-bit kernel on it
+            out += [make_qsa_tile_config(q_dtype=q_dtype, kv_dtype=q_dtype, head_dim=head_dim, group=group,
+                                         page_size=page_size, gate=g, rows_per_cta=plan.rows_per_cta) for g in gates]
+            out.append(QsaWidenConfig(out_dtype=q_dtype, head_dim=head_dim, page_size=page_size))
     return list(dict.fromkeys(out))
 
 

@@ -73,11 +73,13 @@ def qsa_matrix() -> list[KernelConfig]:
     """SM90 QSA: the Qwen3.8 layer (D 256, GQA 12 and 6, page 1568/784) in BF16 and FP8, direct
     (gated) and split-K, plus the fused merges; D 64/128 and GQA 16/1 once each; the prefill's
     row-tile kernel (both cache dtypes x both groups, gated, at the rows per CTA the op uses) and
-    its union pre-pass (5 rows, 16K-token bitmap; 8 rows, the largest bitmap)."""
+    its union pre-pass (5 rows, 16K-token bitmap; 8 rows, the largest bitmap); the FP8 prefill's
+    widening pre-pass (bf16 and fp16 copies)."""
     from .sm90.qsa import make_qsa_config
     from .sm90.qsa_merge import QsaMergeConfig
     from .sm90.qsa_tile import make_qsa_tile_config
     from .sm90.qsa_union import QsaUnionConfig
+    from .sm90.qsa_widen import QsaWidenConfig
 
     out: list[KernelConfig] = []
     for kv in ("bf16", "fp8_e4m3"):
@@ -94,6 +96,8 @@ def qsa_matrix() -> list[KernelConfig]:
             for kv in ("bf16", "fp8_e4m3") for group, page in ((12, 1568), (6, 784))]
     out += [QsaUnionConfig(rows_per_tile=5, page_size=1568, max_tokens=16384, union_cap=4160),
             QsaUnionConfig(rows_per_tile=8, page_size=784, max_tokens=524288, union_cap=4160)]
+    out += [QsaWidenConfig(out_dtype="bf16", head_dim=256, page_size=1568),
+            QsaWidenConfig(out_dtype="fp16", head_dim=128, page_size=800)]
     return out
 
 

@@ -164,7 +164,8 @@ _QSA_REGISTRY = (
                     "(cp.async, swap-AB WGMMA, split-K + merge); prefill batches of >= 64 rows gather the "
                     "union of R consecutive rows' selections once (pre-pass + row-tile kernel, the R x G "
                     "query columns on the WGMMA's M); FP8 K/V converted exactly on chip (fp16 MMAs), "
-                    "QK never in FP8",
+                    "or, for a prefill whose block table addresses a small enough cache, widened once into "
+                    "a 16-bit copy the 16-bit row-tile kernel reads; QK never in FP8",
     ),
     KernelInfo(
         id="reference.qsa_sparse_attention", phases=PHASES,

@@ -47,6 +47,7 @@ from cute_kernels import reference
 from cute_kernels.ops.qsa_sparse_attention import tuning_override
 from cute_kernels.sm90.qsa import select_config
 from cute_kernels.sm90.qsa_tile import row_tile_plan
+from cute_kernels.sm90.qsa_widen import use_widened_cache
 
 from .bench_utils import parse_variants, read_bandwidth, time_eager, time_graph, time_graph_fresh, write_json
 from .qsa_selection import SELECTIONS, TOPK, qsa_indices, selection_stats
@@ -182,11 +183,14 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
                 override = ({} if s is None else {"splits": s}) | ({} if tile is None else {"tile": tile})
                 override |= ({} if tr is None else {"tile_rows": tr}) | tu
                 plan = row_tile_plan(rows, prefill, kv_name, HQ // HKV, PAGE, prob.block_table.shape[1], TOPK, tr)
+                # FP8 row tiles on the widened 16-bit copy (the op's choice, or forced by widen=0|1)
+                widened = plan is not None and use_widened_cache(kv_name, rows, *prob.block_table.shape, PAGE, HKV,
+                                                                 D, override.get("widen"))
                 with tuning_override(**override):
                     r = dict(kind=kind, n=n, kv=kvn, selection=sel, **sel_fields, max_count=cnt, gate=gate,
                              splits=1 if plan else (s or table_splits), tile=tile or 64,
                              rows_per_cta=plan.rows_per_cta if plan else 1, tuning=tu, copies=copies,
-                             selected_bytes=prob.selected_bytes, entries=prob.entries)
+                             selected_bytes=prob.selected_bytes, entries=prob.entries, widened=widened)
                     try:
                         prob.call(0, prefill)
                         torch.cuda.synchronize()
@@ -218,7 +222,8 @@ def _fmt(x) -> str:
 def _print(r):
     cap = (f" cnt<={r['max_count']}" if r.get("max_count") is not None else "") + ("" if r.get("gate", True) else " nogate")
     head = (f"{r['kind']:<8} {r['kv']:<5} N={r['n']:<6}{cap} {r['selection']:<11} S={r['splits']:<3} "
-            f"tile={r['tile']:<4} R={r['rows_per_cta']}{''.join(f' {k}={v}' for k, v in r['tuning'].items())}")
+            f"tile={r['tile']:<4} R={r['rows_per_cta']}{''.join(f' {k}={v}' for k, v in r['tuning'].items())}"
+            f"{' widened' if r.get('widened') else ''}")
     if "union_factor" in r:  # prefill: the selection's adjacent Jaccard and tile union factors
         unions = "/".join(_fmt(u) for u in r["union_factor"].values())
         head += f" [J={_fmt(r['adjacent_jaccard'])} U{'/'.join(r['union_factor'])}={unions}]"

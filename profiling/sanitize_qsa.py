@@ -6,7 +6,7 @@ Shapes: BF16 and FP8 caches, direct output and split-K + merge, with every kind 
 entry: negative tokens (also inside the counted prefix), pages beyond the block-table width,
 physical pages < 0 and >= num_blocks, requests out of range, zero / oversized / negative valid
 counts; and the prefill row-tile path (union pre-pass + row-tile kernel) with such entries in
-union tiles and in tiles that fall back. The cache pool is allocated exactly (no spare pages), so any dereference of an invalid
+union tiles and in tiles that fall back, and for FP8 on the widened 16-bit copy. The cache pool is allocated exactly (no spare pages), so any dereference of an invalid
 entry lands outside its allocation and fails the run.
 """
 
@@ -81,6 +81,14 @@ def main():
         with tuning_override(consumers=1, producers=8, gather_groups=2, overlap=kv == BF16):
             out = cute_kernels.qsa_sparse_attention(q, k, v, packed, table, t2r, prefill=True, output_gate=gate)
         assert not torch.isnan(out).any()
+        if kv == FP8:
+            # the widened copy (forced: this batch is small): invalid page ids are neither read nor
+            # written by the widening pre-pass, and stay invalid in the table it writes
+            with tuning_override(widen=1):
+                for g in (gate, None):
+                    out = cute_kernels.qsa_sparse_attention(q, k, v, packed, table, t2r, prefill=True, k_scale=0.5,
+                                                            v_scale=2.0, output_gate=g)
+                    assert not torch.isnan(out).any()
         # V with other strides than K (an exact-size [NB, Hkv, PAGE, D] buffer seen transposed):
         # the gather computes V's row addresses itself instead of deriving them from K's
         v_t = torch.empty(v.shape[0], v.shape[2], v.shape[1], v.shape[3], device="cuda", dtype=v.dtype)

@@ -8,7 +8,10 @@ sized the split-K workspace.
 
 Launch: prefill batches (``prefill=True``, >= 64 rows, block tables of <= 2^19 tokens) take the
 row-tile path: the union pre-pass (``sm90/qsa_union.py``) and the kernel that serves R rows per
-CTA from their union (``sm90/qsa_tile.py``, ``row_tile_plan``). Otherwise the split-K kernel
+CTA from their union (``sm90/qsa_tile.py``, ``row_tile_plan``). An FP8 cache first has the
+pages its block table addresses widened into a 16-bit copy (``sm90/qsa_widen.py``), when that
+copy is small next to the batch (``use_widened_cache``), so that the row tiles run the 16-bit
+kernel (two consumer warpgroups); otherwise they widen each gathered row. Otherwise the split-K kernel
 (``sm90/qsa.py``) with the split count of the config table (``select_config``: rows x Hkv and
 ``prefill``), then, when it split, the fused merge + gate (``sm90/qsa_merge.py``) as a
 programmatic dependent launch. Host overhead: the first call with a
@@ -35,8 +38,10 @@ from ..sm90.qsa import MAX_GROUP, Sm90QsaConfig, make_qsa_config, select_config
 from ..sm90.qsa_merge import QsaMergeConfig
 from ..sm90.qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_tile_plan
 from ..sm90.qsa_union import QsaUnionConfig
+from ..sm90.qsa_widen import QsaWidenConfig, use_widened_cache
 from ._launch import LaunchCache
 from ._torch import (
+    NAME_TO_TORCH,
     DeviceBuffer,
     check_tensor,
     compile_target,
@@ -51,7 +56,8 @@ HEAD_DIMS = (64, 128, 256)
 
 
 _workspace = DeviceBuffer("qsa_sparse_attention", torch.float32)  # split-K partials, unused LSE
-_tile_workspace = DeviceBuffer("qsa_sparse_attention row tiles", torch.int32)  # unions, members, lengths
+_tile_workspace = DeviceBuffer("qsa_sparse_attention row tiles", torch.int32)  # unions, members, lengths, table
+_wide_workspace = DeviceBuffer("qsa_sparse_attention widened cache", torch.int16)  # 16-bit K and V pages
 
 
 @dataclass
@@ -73,6 +79,9 @@ class _Launch:
     union: torch.Tensor | None = None
     member: torch.Tensor | None = None
     length: torch.Tensor | None = None
+    widen_fn: object = None  # FP8 row tiles on a widened copy: the widening pre-pass, first
+    wide_k: torch.Tensor | None = None
+    table: torch.Tensor | None = None
 
 
 _cache = LaunchCache()
@@ -82,7 +91,8 @@ def tuning_override(**fields):
     """``with tuning_override(splits=8, stages=2): ...`` forces the split count and/or kernel
     tuning fields (benchmarks and tests comparing variants); part of the launch-cache key.
     ``tile_rows=R`` forces the prefill row-tile kernel's rows per CTA (1 = the per-row kernel),
-    ``consumers=1|2`` its consumer warpgroups."""
+    ``consumers=1|2`` its consumer warpgroups, ``widen=0|1`` whether an FP8 cache's row tiles run
+    on a widened 16-bit copy (1: whenever possible, whatever the copy's size)."""
     return _cache.tuning_override(**fields)
 
 
@@ -101,7 +111,7 @@ def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
             None if gate is None else (gate.shape, gate.stride(), gate.data_ptr() % 16), _cache.override_key)
 
 
-_LAUNCH_FIELDS = ("splits", "tile_rows")  # read where the launch is chosen, not kernel fields
+_LAUNCH_FIELDS = ("splits", "tile_rows", "widen")  # read where the launch is chosen, not kernel fields
 # fields only the row-tile kernel's config has (warp roles, register split), kept from the per-row one
 _TILE_ONLY_FIELDS = ({f.name for f in dataclasses.fields(Sm90QsaTileConfig)}
                      - {f.name for f in dataclasses.fields(Sm90QsaConfig)})
@@ -165,8 +175,11 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
     plan = row_tile_plan(rows, prefill, kv_name, group, page, bt.shape[1], topk,
                          _cache.override.get("tile_rows"))
     if plan is not None:
+        wide = None
+        if use_widened_cache(kv_name, rows, bt.shape[0], bt.shape[1], page, Hkv, D, _cache.override.get("widen")):
+            wide = (bt.shape[0], bt.shape[1], Hkv)
         return _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, same_strides, device,
-                                  target)
+                                  target, wide)
     tile, splits = select_config(rows, Hkv, prefill, kv_name, D, group, topk, device_sm_count(device.index or 0))
     splits = _cache.override.get("splits", splits)
     tuning = _kernel_tuning()
@@ -206,10 +219,15 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
 
 
 def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, same_strides, device,
-                       target) -> _Launch:
+                       target, wide=None) -> _Launch:
     """The prefill row-tile path: the union pre-pass and the row-tile kernel, with their int32
-    workspace (union lists, membership bits, lengths) carved from one reused buffer."""
+    workspace (union lists, membership bits, lengths) carved from one reused buffer. ``wide``
+    (``(NR, W, Hkv)`` of an FP8 cache's block table): the widening pre-pass first, into a 16-bit
+    copy of the table's pages and a table addressing it, which the union pre-pass and the 16-bit
+    row-tile kernel then read instead of the cache and the caller's table."""
     tuning = _kernel_tuning(row_tiles=True)
+    if wide is not None:
+        kv_name, same_strides = q_name, True  # the copy: q's dtype, K and V halves of one buffer
     if gate is not None and widest_vector([gate]) < 4:
         tuning.setdefault("gate_vec", 1)  # a 2-byte aligned gate: loaded one element at a time
     tuning.setdefault("kv_same_strides", same_strides)
@@ -220,18 +238,37 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
                                          union_cap=plan.union_cap), target)
     nt, cap = plan.num_tiles, plan.union_cap
     n_u, n_m = nt * cap, nt * R * (cap // 32)
-    ws = _tile_workspace.get(device, n_u + n_m + nt)
+    n_t = 0 if wide is None else wide[0] * wide[1]
+    ws = _tile_workspace.get(device, n_u + n_m + nt + n_t)
     union = ws[:n_u].view(nt, cap)
     member = ws[n_u:n_u + n_m].view(nt, R, cap // 32)
     length = ws[n_u + n_m:n_u + n_m + nt]
     lse = _workspace.get(device, rows * Hq)[:rows * Hq].view(rows, Hq)
     f_union, f_member, f_length, f_lse = (ffi_tensor(t) for t in (union, member, length, lse))
+    if wide is None:
+        def call(q, k, v, idx, bt, t2r, out, gate, ks, vs):
+            union_fn(idx, bt, t2r, f_union, f_member, f_length)
+            fn(q, k, v, idx, bt, t2r, f_union, f_member, f_length, out, f_lse, gate if gate is not None else q, ks, vs)
+        return _Launch(call, fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn, union=union,
+                       member=member, length=length)
+
+    NR, W, Hkv = wide
+    NP = NR * W
+    table = ws[n_u + n_m + nt:n_u + n_m + nt + n_t].view(NR, W)
+    # slot p = r * W + j holds page block_table[r, j]: [NP, page, Hkv, 2 D] as the production
+    # layout (a token's K and V rows adjacent, tokens of a head contiguous)
+    buf = _wide_workspace.get(device, NP * page * Hkv * 2 * D)[:NP * page * Hkv * 2 * D]
+    kv = buf.view(NAME_TO_TORCH[q_name]).view(NP, Hkv, page, 2 * D).transpose(1, 2)
+    wide_k, wide_v = kv[..., :D], kv[..., D:]
+    widen_fn = get_kernel(QsaWidenConfig(out_dtype=q_name, head_dim=D, page_size=page), target)
+    f_wk, f_wv, f_table = (ffi_tensor(t) for t in (wide_k, wide_v, table))
 
     def call(q, k, v, idx, bt, t2r, out, gate, ks, vs):
-        union_fn(idx, bt, t2r, f_union, f_member, f_length)
-        fn(q, k, v, idx, bt, t2r, f_union, f_member, f_length, out, f_lse, gate if gate is not None else q, ks, vs)
+        widen_fn(k, v, bt, f_wk, f_wv, f_table)
+        union_fn(idx, f_table, t2r, f_union, f_member, f_length)
+        fn(q, f_wk, f_wv, idx, f_table, t2r, f_union, f_member, f_length, out, f_lse, gate if gate is not None else q, ks, vs)
     return _Launch(call, fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn, union=union,
-                   member=member, length=length)
+                   member=member, length=length, widen_fn=widen_fn, wide_k=wide_k, table=table)
 
 
 def qsa_sparse_attention(

@@ -183,6 +183,60 @@ def test_row_tile_plan():
     assert [tile_rows("bf16", g) for g in (1, 6, 12, 16)] == [8, 8, 5, 4]
 
 
+def test_widened_cache_selection():
+    """FP8 prefill row tiles run on a widened 16-bit copy when the copy (16-bit K and V of every
+    page the block table addresses) is within the byte cap and the per-row allowance: the
+    benchmark's 1 x 16384 (11 pages of 1568) and 1 x 1024 yes; a 4096-row batch whose table is a
+    serving engine's full width (168 pages of 1568 per request, 539 MB) no; 16-bit caches never."""
+    from cute_kernels.sm90.qsa_widen import (
+        MAX_GRID_Y,
+        WIDEN_BYTES_PER_ROW,
+        WIDEN_MAX_BYTES,
+        use_widened_cache,
+        widen_grid_rows,
+        widened_bytes,
+    )
+
+    shape = dict(page_size=1568, num_kv_heads=2, head_dim=256)
+    assert widened_bytes(1, 11, **shape) == 11 * 1568 * 2 * 256 * 4  # 35.3 MB
+    assert use_widened_cache("fp8_e4m3", 16384, 1, 11, **shape)
+    assert use_widened_cache("fp8_e4m3", 1024, 1, 1, **shape)
+    assert not use_widened_cache("fp8_e4m3", 4096, 1, 168, **shape)
+    assert not use_widened_cache("bf16", 16384, 1, 11, **shape)
+    # the per-row allowance and the cap, at their edges
+    rows = widened_bytes(1, 11, **shape) // WIDEN_BYTES_PER_ROW
+    assert use_widened_cache("fp8_e4m3", rows + 1, 1, 11, **shape)
+    assert not use_widened_cache("fp8_e4m3", rows - 1, 1, 11, **shape)
+    reqs = WIDEN_MAX_BYTES // widened_bytes(1, 11, **shape)
+    assert use_widened_cache("fp8_e4m3", 10**7, reqs, 11, **shape)
+    assert not use_widened_cache("fp8_e4m3", 10**7, reqs + 1, 11, **shape)
+    # forced (tests, benchmarks): whatever the size, never for 16-bit caches or oversized grids
+    assert use_widened_cache("fp8_e4m3", 64, 100, 168, **shape, force=True)
+    assert not use_widened_cache("fp8_e4m3", 16384, 1, 11, **shape, force=False)
+    assert not use_widened_cache("bf16", 16384, 1, 11, **shape, force=True)
+    assert widen_grid_rows(1568, 2, 256) == 196  # 16 rows of 256 per CTA
+    huge = dict(page_size=MAX_GRID_Y * 16, num_kv_heads=2, head_dim=256)
+    assert not use_widened_cache("fp8_e4m3", 64, 1, 1, **huge, force=True)
+
+
+def test_widen_config_and_warmup():
+    """The widening pre-pass compiles for each q dtype; an FP8 deployment's warm-up covers it and
+    the 16-bit row-tile kernel it feeds; a 16-bit one does not."""
+    from cute_kernels.qsa_warmup import qsa_variants
+    from cute_kernels.sm90.qsa_widen import QsaWidenConfig
+
+    with pytest.raises(ValueError, match="output dtype"):
+        QsaWidenConfig(out_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="head_dim"):
+        QsaWidenConfig(head_dim=96)
+    shape = dict(head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568, block_table_width=11)
+    fp8 = qsa_variants(**shape, kv_cache_dtype="fp8")
+    assert QsaWidenConfig(out_dtype="bf16", head_dim=256, page_size=1568) in fp8
+    tiles = {(c.kv_dtype, c.gate) for c in fp8 if c.kernel_id == "sm90.qsa_tile"}
+    assert tiles == {(kv, g) for kv in ("fp8_e4m3", "bf16") for g in (True, False)}
+    assert not any(c.kernel_id == "sm90.qsa_widen" for c in qsa_variants(**shape, kv_cache_dtype="bf16"))
+
+
 def test_row_tile_config_validation():
     from cute_kernels.sm90.qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config
 

@@ -368,6 +368,65 @@ def test_row_tiles_short_rows(gen, kv, variant):
     _check(out, ref)
 
 
+def _launch_of(c, out):
+    """The op's cached launch of case ``c`` (under the active tuning override)."""
+    from cute_kernels.ops import qsa_sparse_attention as op
+
+    return op._cache.get(op._key(c["q"], c["k_cache"], c["v_cache"], c["packed_indices"], c["block_table"],
+                                 c["token_to_req"], True, out, c["output_gate"]))
+
+
+def _check_widened(c, launch):
+    """The widening pre-pass's table (slot r * W + j for a valid page id, -1 otherwise) and
+    copy (each valid page's K rows, exactly)."""
+    bt, nb = c["block_table"], c["k_cache"].shape[0]
+    NR, W = bt.shape
+    slots = torch.arange(NR * W, device="cuda", dtype=torch.int32).view(NR, W)
+    valid = (bt >= 0) & (bt < nb)
+    assert torch.equal(launch.table, torch.where(valid, slots, torch.full_like(slots, -1)))
+    for r, j in valid.nonzero().tolist()[:4]:
+        assert torch.equal(launch.wide_k[r * W + j], c["k_cache"][int(bt[r, j])].to(launch.wide_k.dtype))
+
+
+@pytest.mark.parametrize("hq,hkv,page", [(24, 2, 1568), (6, 1, 784)])
+def test_row_tiles_fp8_widened(gen, hq, hkv, page):
+    """FP8 row tiles on the widened 16-bit copy (forced): correlated and independent full
+    budgets and the first rows of a prefill, against the reference and close to the row tiles
+    that widen each gathered row; the copy and its table checked exactly."""
+    cases = [_prefill_case(gen, 301, hq, hkv, page, FP8, 2900, sel) for sel in ("correlated", "independent")]
+    cases.append(_prefill_case(gen, 133, hq, hkv, page, FP8, 0, "correlated"))
+    for c in cases:
+        with tuning_override(widen=1):
+            out, ref = _run(c, True)
+            launch = _launch_of(c, out)
+        assert launch is not None and launch.widen_fn is not None
+        _check(out, ref)
+        _check_widened(c, launch)
+        with tuning_override(widen=0):
+            direct, _ = _run(c, True)
+            assert _launch_of(c, direct).widen_fn is None
+        torch.testing.assert_close(out.float(), direct.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_row_tiles_fp8_widened_mixed_requests_and_invalid(gen):
+    """The widened copy with several requests, holes, an invalid request, a page beyond the
+    table, and invalid page ids in the block table (negative, >= num_blocks): never read by the
+    widening, -1 in its table, contributing nothing."""
+    c = _case(gen, 390, 24, 2, 1568, 3, FP8, holes=0.1)
+    packed, t2r, bt = c["packed_indices"], c["token_to_req"], c["block_table"]
+    W = bt.shape[1]
+    packed[10, 1:40:3] = W * 1568 + 9
+    t2r[150] = 99
+    bt[1, 1] = -3
+    bt[2, 0] = c["k_cache"].shape[0] + 7
+    with tuning_override(widen=1):
+        out, ref = _run(c, True)
+        launch = _launch_of(c, out)
+    assert launch.widen_fn is not None
+    _check(out, ref)
+    _check_widened(c, launch)
+
+
 def test_row_tiles_path_taken(gen):
     """The union pre-pass really builds unions for correlated rows (length >= 0 on most tiles)
     and falls back for a tile holding a duplicate token (the reference counts it twice); outputs
@@ -417,16 +476,20 @@ def test_row_tiles_gate_views(gen, offset):
     _check(out, ref)
 
 
-def test_row_tiles_graph_replay(gen):
-    """The row-tile path captured in a CUDA graph and replayed with new indices and queries."""
+@pytest.mark.parametrize("widen", [0, 1], ids=["direct", "widened"])
+def test_row_tiles_graph_replay(gen, widen):
+    """The row-tile path captured in a CUDA graph and replayed with new indices and queries (and
+    new FP8 K values: the widened copy is remade by the replay)."""
     c = _prefill_case(gen, 128, 24, 2, 1568, FP8, 2500, "correlated")
     args = {k: v for k, v in c.items() if k != "meta"}
     out = torch.empty_like(c["q"])
-    cute_kernels.qsa_sparse_attention(**args, prefill=True, out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with tuning_override(widen=widen):
         cute_kernels.qsa_sparse_attention(**args, prefill=True, out=out)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            cute_kernels.qsa_sparse_attention(**args, prefill=True, out=out)
+    c["k_cache"].copy_((torch.randn(c["k_cache"].shape, device="cuda") * 64).clamp(-448, 448).to(FP8))
     c2 = _prefill_case(gen, 128, 24, 2, 1568, FP8, 2500, "correlated")
     for name in ("q", "packed_indices", "output_gate"):
         c[name].copy_(c2[name])
