@@ -130,9 +130,9 @@ for step in "$@"; do
              TAIL=80 run 100 ncu_qsa_decode-fp8-256 ncu --clock-control none --kernel-name regex:"ssm90qsa" --launch-skip 3 \
                --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
                --section MemoryWorkloadAnalysis python3 -m profiling.ncu_qsa --shape decode-fp8-256 ;;
-    qsatests) run 200 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
+    qsatests) run 320 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider
-              run 80 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+              run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
                 python3 -m profiling.sanitize_qsa ;;
     overlap) run 200 pytest_overlap python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider -k row_tiles
              run 100 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
