@@ -45,6 +45,7 @@
 #   slope13    QSA decode time against valid_count caps (HBM, N 16/64), one L2-resident tile, forced split counts
 #   probe8     first-timing artifact with CUDA_MODULE_LOADING=EAGER vs LAZY (FP8 QSA decode); Llama B64 q4 decode x3
 #   widen9     FP8 prefill row tiles on a widened 16-bit copy: GPU tests, then prefill A/B against widening per row
+#   strided9   decode split CTAs taking strided tiles (first page-table load with seq_len): decode GPU tests, A/B
 #   gate13     QSA decode with and without the output gate (1-tile and full rows, N 64/256)
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
@@ -211,6 +212,12 @@ PY
               --selection correlated,independent --tuning ";widen=0;;widen=0" --check --json "$OUT/widen.json"
             TAIL=8 run 100 widen_bf16 python3 -m profiling.bench_qsa --kinds prefill --kv bf16 --prefill-t 16384 \
               --check --json "$OUT/widen_bf16.json" ;;
+    strided9) run 300 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py tests/gpu/test_merge_gpu.py -q \
+                -p no:cacheprovider
+              for i in 1 2; do
+                TAIL=12 run 150 strided_$i python3 -m profiling.bench_decode --kv fp8,bf16 --shapes B1,B8 \
+                  --peers strided --quick --json "$OUT/strided_$i.json"
+              done ;;
     gate13) TAIL=30 run 200 nogate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
               --decode-counts 64,2051 --no-gate --json "$OUT/nogate.json"
             TAIL=30 run 200 gate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \

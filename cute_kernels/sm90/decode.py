@@ -43,6 +43,7 @@ from ..jit.spec import ScalarArg, TensorArg
 from .fragments import (
     WIDEN_SHIFT_LOG2,
     cvt_e4m3x4_f16,
+    load_b32_if,
     ldmatrix_x4,
     load_cg_f32x4,
     q_permutation,
@@ -277,12 +278,26 @@ class Sm90PagedDecode:
             # outputs (and overwrite what it may read), which is safe after this wait
             cute.arch.griddepcontrol_wait()
 
-        # this CTA's tiles: split s takes a contiguous chunk of the request's tiles
+        # this CTA's tiles: split s takes a contiguous chunk of the request's tiles, or (strided)
+        # tiles s, s + S, s + 2 S, ..., whose page-table entries are known before seq_len: the
+        # producer's first lookup is issued ahead of the seq_len load (nothing that waits for
+        # seq_len may come before it, or the two loads are serialized again)
+        first_raw = Int32(-1)
+        if const_expr(self.cfg.strided):
+            # every warp loads (a branch on the role would let ptxas put seq_len's uses first)
+            first_raw = self.load_page_raw(mBlockTable, batch_idx, self.box_of(split, num_splits, Int32(0), lane),
+                                           predicated=True)
         seq_len = mSeqLens[batch_idx]
         num_tiles = (seq_len + self.tile - 1) // self.tile
-        per_split = (num_tiles + num_splits - 1) // num_splits
-        tile_begin = split * per_split
-        tile_end = cutlass.min(tile_begin + per_split, num_tiles)
+        tile_step = Int32(1)
+        if const_expr(self.cfg.strided):
+            tile_begin = split
+            tile_step = num_splits
+            tile_end = num_tiles
+        else:
+            per_split = (num_tiles + num_splits - 1) // num_splits
+            tile_begin = split * per_split
+            tile_end = cutlass.min(tile_begin + per_split, num_tiles)
 
         sTileId = storage.tile_id.get_tensor(cute.make_layout(self.stages))
         if warp == PRODUCER_WARP:
@@ -294,7 +309,7 @@ class Sm90PagedDecode:
                                      batch_idx, kv_head, seq_len, num_tiles, grab, sTileId, lane)
             else:
                 self.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
-                             batch_idx, kv_head, seq_len, tile_begin, tile_end, lane)
+                             batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw)
         else:
             k_base = storage.sK.data_ptr().toint()
             v_base = storage.sV.data_ptr().toint()
@@ -302,24 +317,32 @@ class Sm90PagedDecode:
             merge = (mPartO, mPartLse, mCounter, sFlag, num_splits)
             self.consume(mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                          qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                         seq_len, tile_begin, tile_end, tidx, warp, lane, merge, sTileId)
+                         seq_len, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId)
 
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
     def produce(self, tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
-                batch_idx, kv_head, seq_len, tile_begin, tile_end, lane):
-        """Static split: this CTA's contiguous tile range."""
+                batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw):
+        """Static split: this CTA's tiles ``tile_begin, tile_begin + tile_step, ... < tile_end``."""
         nb = self.boxes_per_tile
         tKsK, tKgK, tVsV, tVgV = self.partition_tma(tma_k, mK, tma_v, mV, sK, sV, kv_head)
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        # Page ids are fetched 32 boxes at a time, one per lane, well ahead of their TMA.
-        page_id = Int32(0)
-        for tile in cutlass.range(tile_begin, tile_end, unroll=1):
-            rel = (tile - tile_begin) * nb  # box index relative to this CTA's first box
-            if rel % 32 == 0:
-                page_id = self.lookup_page(mBlockTable, num_pages, batch_idx, seq_len, tile * nb + lane)
+        # Page ids are fetched 32 boxes at a time, one per lane, well ahead of their TMA. The
+        # first batch: with strided splits it was loaded together with seq_len (``first_raw``:
+        # one L2 round trip less before the first TMA of every split CTA).
+        box0 = self.box_of(tile_begin, tile_step, Int32(0), lane)
+        if const_expr(not self.cfg.strided):
+            first_raw = self.load_page_raw(mBlockTable, batch_idx, box0)
+        page_id = self.mask_page(first_raw, num_pages, seq_len, box0)
+        k = Int32(0)
+        for tile in cutlass.range(tile_begin, tile_end, tile_step, unroll=1):
+            rel = k * nb  # box index relative to this CTA's first box
+            if rel % 32 == 0 and k > 0:
+                page_id = self.lookup_page(mBlockTable, num_pages, batch_idx, seq_len,
+                                           self.box_of(tile_begin, tile_step, k, lane))
+            k += 1
             pipe_k.producer_acquire(state_k)
             self.load_tile(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, pipe_k, pipe_v, state_k, state_v, page_id, rel, tile)
             state_k.advance()
@@ -346,17 +369,41 @@ class Sm90PagedDecode:
         )
         return tKsK, tKgK, tVsV, tVgV
 
+    def box_of(self, tile_begin, tile_step, k0, lane):
+        """(Traced.) The box this lane looks up for the batch of 32 boxes starting at the CTA's
+        ``k0``-th tile: box ``lane % nb`` of its ``(k0 + lane // nb)``-th tile."""
+        nb = self.boxes_per_tile
+        return (tile_begin + (k0 + lane // nb) * tile_step) * nb + lane % nb
+
     @cute.jit
     def lookup_page(self, mBlockTable, num_pages, batch_idx, seq_len, box_idx):
         """Physical page of box ``box_idx`` (one per lane); ``num_pages`` (out of range: TMA
         zero-fill) past the sequence, past the table or for an invalid id."""
-        token = box_idx * self.box
-        logical_page = token // self.page
-        page_id = Int32(num_pages)
-        if token < seq_len and logical_page < mBlockTable.shape[1]:
-            page_id = mBlockTable[batch_idx, logical_page]
-        # negative ids are out of range as well; clamp only to keep the coordinate int32
-        if page_id < 0 or page_id >= num_pages:
+        return self.mask_page(self.load_page_raw(mBlockTable, batch_idx, box_idx), num_pages, seq_len, box_idx)
+
+    @cute.jit
+    def load_page_raw(self, mBlockTable, batch_idx, box_idx, predicated: cutlass.Constexpr = False):
+        """The block-table entry of box ``box_idx``, -1 past the table; read whatever the
+        request's length (an address inside the table), so that it need not wait for it.
+        ``predicated``: one predicated load instead of a branch around a load."""
+        logical_page = box_idx * self.box // self.page
+        raw = Int32(-1)
+        if const_expr(predicated):
+            inside = logical_page < mBlockTable.shape[1]
+            lp = cutlass.min(logical_page, mBlockTable.shape[1] - 1)  # an address near the row when outside
+            addr = mBlockTable.iterator + cute.crd2idx((batch_idx, lp), mBlockTable.layout)
+            raw = load_b32_if(addr.toint(), Int32(inside), raw)
+        else:
+            if logical_page < mBlockTable.shape[1]:
+                raw = mBlockTable[batch_idx, logical_page]
+        return raw
+
+    @cute.jit
+    def mask_page(self, raw, num_pages, seq_len, box_idx):
+        """``raw`` as a TMA page coordinate: ``num_pages`` (out of range: zero-fill) past the
+        sequence or for an invalid id (negative ones too; clamped only to keep it int32)."""
+        page_id = raw
+        if box_idx * self.box >= seq_len or raw < 0 or raw >= num_pages:
             page_id = Int32(num_pages)
         return page_id
 
@@ -494,7 +541,7 @@ class Sm90PagedDecode:
     @cute.jit
     def consume(self, mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                 qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                seq_len, tile_begin, tile_end, tidx, warp, lane, merge, sTileId):
+                seq_len, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId):
         cfg = self.cfg
         mPartO, mPartLse, mCounter, sFlag, num_splits = merge
         D, N, G = self.D, self.N, self.G
@@ -541,7 +588,7 @@ class Sm90PagedDecode:
         # runs while PV(t) is in the tensor cores and the two MMAs overlap. The tile sequence is
         # this CTA's static range, or (dynamic split) whatever the producer took, read from the
         # K stage (-1 ends it).
-        tile = self.next_tile(pipe_k, state_k, sTileId, tile_begin - 1, tile_end)
+        tile = self.next_tile(pipe_k, state_k, sTileId, tile_begin - tile_step, tile_end, tile_step)
         if tile >= 0:
             self.issue_qk(mma, pipe_k, state_k, k_base, k_layout, warp, lane)
         while tile >= 0:
@@ -582,7 +629,7 @@ class Sm90PagedDecode:
                 else:
                     cute.gemm(pv_mma, acc_o, tOrV[None, None, kb, state_v.index], tOrP[None, None, kb, 0], acc_o)
             warpgroup.commit_group()
-            nxt = self.next_tile(pipe_k, state_k, sTileId, tile, tile_end)
+            nxt = self.next_tile(pipe_k, state_k, sTileId, tile, tile_end, tile_step)
             if nxt >= 0:
                 self.issue_qk(mma, pipe_k, state_k, k_base, k_layout, warp, lane)
                 warpgroup.wait_group(1)  # O(tile) done; S(tile + 1) may still run
@@ -795,16 +842,17 @@ class Sm90PagedDecode:
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
-    def next_tile(self, pipe_k, state_k, sTileId, tile, tile_end):
-        """The tile after ``tile``, or -1. Static: the next of the range. Dynamic: the index the
-        producer stored with the next K stage (waited for here; ``issue_qk`` waits again, at once)."""
+    def next_tile(self, pipe_k, state_k, sTileId, tile, tile_end, tile_step):
+        """The tile after ``tile``, or -1. Static: ``tile + tile_step`` below ``tile_end``. Dynamic:
+        the index the producer stored with the next K stage (waited for here; ``issue_qk`` waits
+        again, at once)."""
         nxt = Int32(-1)
         if const_expr(self.cfg.dynamic):
             pipe_k.consumer_wait(state_k)
             nxt = sTileId[state_k.index]
         else:
-            if tile + 1 < tile_end:
-                nxt = tile + 1
+            if tile + tile_step < tile_end:
+                nxt = tile + tile_step
         return nxt
 
     @cute.jit
@@ -942,7 +990,9 @@ class Sm90DecodeConfig(KernelConfig):
     kernel waits in ``griddepcontrol.wait`` before touching global memory and lets its own
     dependents launch once its main loop is done). ``dynamic`` (split only): the CTAs of one
     (request, KV head) take chunks of tiles from a shared counter instead of fixed ranges (their
-    counters follow the arrival counters in ``counters``).
+    counters follow the arrival counters in ``counters``). ``strided`` (static split only): split
+    s takes tiles s, s + S, ... instead of a contiguous range, so its first page-table lookup
+    does not wait for the request's length.
     """
 
     q_dtype: str = "bf16"
@@ -962,6 +1012,7 @@ class Sm90DecodeConfig(KernelConfig):
     tile: int = 64
     pdl: bool = False
     dynamic: bool = False
+    strided: bool = False
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -984,6 +1035,8 @@ class Sm90DecodeConfig(KernelConfig):
             raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
         if self.dynamic and not self.split:
             raise ValueError("dynamic tile scheduling needs split partials (split=True)")
+        if self.strided and (self.dynamic or not self.split):
+            raise ValueError("strided tiles are a static split schedule (split=True, dynamic=False)")
         if self.widen not in ("bits", "cvt") or self.tile not in (64, 128):
             raise ValueError(f"bad widen/tile {self.widen}/{self.tile}")
 
@@ -1097,6 +1150,7 @@ def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE,
 DEFAULT_WIDEN = "cvt"  # chosen by measurement: profiling/NOTES.md "decode v3"
 DEFAULT_PDL = True  # as FlashInfer's kernels on SM90+ (profiling/NOTES.md "decode v5")
 DEFAULT_DYNAMIC = False  # dynamic split scheduling is opt-in (not bitwise reproducible): decode v6
+DEFAULT_STRIDED = False  # contiguous split ranges (strided: opt-in, NOTES "ninth session")
 # an FP8 D=64 tile of 64 tokens is only 4 KB of K: two M blocks per iteration halve the per-byte
 # cost of the tile chain (measured, profiling/NOTES.md "decode v5": 75.4 -> 69.4 us)
 FP8_D64_TILE = 128
@@ -1109,6 +1163,7 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
     here, once, for the op, the warm-up and the compile matrix alike. ``override`` replaces any
     tuning field (benchmarks compare variants with it)."""
     dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split
+    strided = override.pop("strided", DEFAULT_STRIDED) and split and not dynamic
     tile = override.get("tile", FP8_D64_TILE if (kv_dtype, head_dim) == ("fp8_e4m3", 64) else TILE)
     n_pad = max(8, (group * q_len + 7) // 8 * 8)
     stages, occupancy = decode_tuning(1 if kv_dtype == "fp8_e4m3" else 2, head_dim, n_pad, tile,
@@ -1118,6 +1173,7 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
         stages=stages, split=split, k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
         kv_form=kv_form, kv_layout=kv_layout, occupancy=occupancy, tile=tile,
         widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=DEFAULT_PDL, dynamic=dynamic,
+        strided=strided,
     )
     fields.update(override)
     return Sm90DecodeConfig(**fields)

@@ -108,3 +108,15 @@ def load_cg_f32x4(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float32, 
     vals = asm([T.f32()] * 4, [Int64(addr)], "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l",
                side_effects=True, loc=loc, ip=ip)
     return tuple(Float32(v) for v in vals)
+
+
+@dsl_user_op
+def load_b32_if(gmem_addr: Int64, pred: Int32, fallback: Int32, *, loc=None, ip=None) -> Int32:
+    """``@p ld.global.b32``: the word at ``gmem_addr`` if ``pred`` is nonzero, else ``fallback``
+    (the address is then not dereferenced). A predicated load instead of a branch around it, so
+    that ptxas can schedule it next to the loads around it; volatile, so that it stays behind a
+    ``griddepcontrol.wait`` before it."""
+    text = ("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $1, 0;\n\tmov.b32 $0, $3;\n\t"
+            "@p ld.global.b32 $0, [$2];\n\t}")
+    return Int32(asm([T.i32()], [Int32(pred), Int64(gmem_addr), Int32(fallback)], text, "=r,r,l,r",
+                     side_effects=True, loc=loc, ip=ip))

@@ -8,6 +8,8 @@ to local memory (``STL``/``LDL`` in SASS, when nvdisasm is installed).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cute_kernels.jit.compiler import COMPILE_TARGETS, nvdisasm_path
@@ -144,6 +146,36 @@ def test_qsa_row_tile_overlap_variant(kv):
         assert not re.search(r"\b(STL|LDL)\b", res.sass), "register spills"
     with pytest.raises(ValueError, match="overlap needs a single consumer warpgroup"):
         make_qsa_tile_config(**shape, overlap=True, consumers=2, producers=4, gather_groups=1)
+
+
+def _loads_before_first_use(sass: str) -> int:
+    """Global loads issued after ``griddepcontrol.wait`` (``ACQBULK``) before the first
+    instruction that reads the first such load's result (the request's length)."""
+    lines = [line.split(";")[0] for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+    start = next(i for i, line in enumerate(lines) if "ACQBULK" in line)
+    first = next(i for i in range(start, len(lines)) if re.search(r"\bLDG\b", lines[i]))
+    dst = re.search(r"LDG\S* (R\d+),", lines[first]).group(1)
+    use = next(i for i in range(first + 1, len(lines)) if re.search(rf"\b{dst}\b", lines[i]))
+    return sum(bool(re.search(r"\bLDG\b", line)) for line in lines[first:use])
+
+
+def test_decode_strided_split_loads_page_table_with_seq_len():
+    """Strided split tiles: the producer's first page-table load is issued before anything waits
+    for the request's length, so the two loads are in flight together (contiguous ranges need
+    the length first: one load). Non-split and dynamic schedules refuse ``strided``."""
+    from cute_kernels.jit.compiler import compile_config
+    from cute_kernels.sm90.decode import Sm90DecodeConfig, make_decode_config
+
+    shape = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=4, q_len=1, page_size=16, split=True)
+    strided = compile_config(make_decode_config(**shape, strided=True), "sm_90a", artifacts=True)
+    contiguous = compile_config(make_decode_config(**shape, strided=False), "sm_90a", artifacts=True)
+    if not strided.sass:
+        pytest.skip("no nvdisasm: the SASS order cannot be read")
+    assert _loads_before_first_use(strided.sass) >= 2
+    assert _loads_before_first_use(contiguous.sass) == 1
+    assert not make_decode_config(**{**shape, "split": False}, strided=True).strided  # nothing to stride
+    with pytest.raises(ValueError, match="strided tiles are a static split schedule"):
+        Sm90DecodeConfig(split=True, dynamic=True, strided=True)
 
 
 def _gate_load_runs(ptx: str) -> list[int]:

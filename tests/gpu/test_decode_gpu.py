@@ -60,7 +60,8 @@ VARIANT_CASES = [
     (FP8, FP16, 128, 16, 4, 32, 2, "HND", "tuple", 1),
     (BF16, BF16, 128, 32, 8, 16, 1, "HND", "single", 3),
 ]
-VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128), dict(pdl=False), dict(dynamic=True)]
+VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128), dict(pdl=False), dict(dynamic=True),
+            dict(strided=True), dict(strided=False)]
 
 
 def _ids(c):
@@ -207,6 +208,34 @@ def test_graph_capture_replay_bitwise_and_live_scales(gen):
         _check(c, out, _run(c, splits)[1])
         ks.fill_(0.05)
         vs.fill_(0.02)
+
+
+@pytest.mark.parametrize("strided", [True, False], ids=["strided", "contiguous"])
+def test_split_schedules(gen, strided):
+    """Strided split tiles (split s takes tiles s, s + S, ...) and contiguous ranges: contexts of
+    more than one 32-box page lookup per split, shorter than the split count (empty splits),
+    page-aligned, of 7 tokens and empty; against the reference, and graph replay equal to eager
+    bit for bit (both are static schedules)."""
+    from cute_kernels.ops.paged_decode import tuning_override
+
+    c = make_paged_decode_case(batch=6, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                               seq_lens=[0, 3 * 16, 7, 1000, 9001, 64 * 5], generator=gen)
+    with tuning_override(strided=strided):
+        for splits in (3, 16):
+            eager, lse = _run(c, splits)
+            _check(c, eager, lse)
+            out = torch.empty_like(c.q)
+            cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, num_splits=splits,
+                                      **c.kwargs())
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, num_splits=splits,
+                                          **c.kwargs())
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
 
 
 def test_nondeterministic_dynamic_split_matches_reference(gen):
