@@ -43,8 +43,8 @@ from ..jit.spec import ScalarArg, TensorArg
 from .fragments import (
     WIDEN_SHIFT_LOG2,
     cvt_e4m3x4_f16,
-    load_b32_if,
     ldmatrix_x4,
+    load_b32_if,
     load_cg_f32x4,
     q_permutation,
     widen_e4m3x4,
