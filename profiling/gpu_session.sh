@@ -46,6 +46,7 @@
 #   probe8     first-timing artifact with CUDA_MODULE_LOADING=EAGER vs LAZY (FP8 QSA decode); Llama B64 q4 decode x3
 #   widen9     FP8 prefill row tiles on a widened 16-bit copy: GPU tests, then prefill A/B against widening per row
 #   strided9   decode split CTAs taking strided tiles (first page-table load with seq_len): decode GPU tests, A/B
+#   final9     decode GPU tests (strided default) and the FP8 decode side by side with XQA / FlashInfer (needs part c)
 #   gate13     QSA decode with and without the output gate (1-tile and full rows, N 64/256)
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
@@ -218,6 +219,10 @@ PY
                 TAIL=12 run 150 strided_$i python3 -m profiling.bench_decode --kv fp8,bf16 --shapes B1,B8 \
                   --peers strided --quick --json "$OUT/strided_$i.json"
               done ;;
+    final9) run 300 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py tests/gpu/test_merge_gpu.py -q \
+              -p no:cacheprovider
+            TAIL=60 run 300 peers9 python3 -m profiling.bench_decode --kv fp8 --peers xqa,xqa_nopdl,fi,contiguous --quick \
+              --json "$OUT/decode_peers9.json" ;;
     gate13) TAIL=30 run 200 nogate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
               --decode-counts 64,2051 --no-gate --json "$OUT/nogate.json"
             TAIL=30 run 200 gate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
