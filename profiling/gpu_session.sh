@@ -47,6 +47,7 @@
 #   widen9     FP8 prefill row tiles on a widened 16-bit copy: GPU tests, then prefill A/B against widening per row
 #   strided9   decode split CTAs taking strided tiles (first page-table load with seq_len): decode GPU tests, A/B
 #   final9     decode GPU tests (strided default) and the FP8 decode side by side with XQA / FlashInfer (needs part c)
+#   rerun9     1x16384 correlated prefill (BF16, FP8) timed three times each in one process; FP8 decode B1/B8 again
 #   gate13     QSA decode with and without the output gate (1-tile and full rows, N 64/256)
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
@@ -223,6 +224,10 @@ PY
               -p no:cacheprovider
             TAIL=60 run 300 peers9 python3 -m profiling.bench_decode --kv fp8 --peers xqa,xqa_nopdl,fi,contiguous --quick \
               --json "$OUT/decode_peers9.json" ;;
+    rerun9) TAIL=10 run 200 rerun_prefill python3 -m profiling.bench_qsa --kinds prefill --kv bf16,fp8 --prefill-t 16384 \
+              --tuning ";;" --check --json "$OUT/rerun_prefill.json"
+            TAIL=8 run 100 rerun_decode python3 -m profiling.bench_decode --kv fp8 --shapes B1,B8 --peers contiguous \
+              --quick --json "$OUT/rerun_decode.json" ;;
     gate13) TAIL=30 run 200 nogate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
               --decode-counts 64,2051 --no-gate --json "$OUT/nogate.json"
             TAIL=30 run 200 gate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
