@@ -164,7 +164,8 @@ VARIANTS = {"bits": dict(widen="bits"), "cvt": dict(widen="cvt"), "t128": dict(t
 
 
 def variant_fields(name: str) -> dict:
-    """A named variant, or ad-hoc fields ``field=int[+field=int...]`` (e.g. ``occupancy=3+tile=128``)."""
+    """A named variant, or ad-hoc fields ``field=int[+field=int...]`` (e.g. ``occupancy=3+tile=128``;
+    ``num_splits=N`` is passed to the op)."""
     if name in VARIANTS:
         return VARIANTS[name]
     return parse_variants(name, sep="+")[0]
@@ -173,13 +174,16 @@ def variant_fields(name: str) -> dict:
 def variant(name):
     from cute_kernels.ops.paged_decode import tuning_override
 
+    fields = dict(variant_fields(name))
+    splits = fields.pop("num_splits", None)  # an op argument, not a kernel field
+
     def make(case, sm_scale, q_len):
         out = torch.empty_like(case.q)
 
         def fn():
-            with tuning_override(**variant_fields(name)):
+            with tuning_override(**fields):
                 return cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out=out,
-                                                 **case.kwargs())
+                                                 num_splits=splits, **case.kwargs())
         return fn, out
 
     return make

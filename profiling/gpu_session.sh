@@ -48,6 +48,7 @@
 #   strided9   decode split CTAs taking strided tiles (first page-table load with seq_len): decode GPU tests, A/B
 #   final9     decode GPU tests (strided default) and the FP8 decode side by side with XQA / FlashInfer (needs part c)
 #   rerun9     1x16384 correlated prefill (BF16, FP8) timed three times each in one process; FP8 decode B1/B8 again
+#   splits9    Qwen3 B8 FP8 decode: split counts and CTA sizing around the schedule's 12 x 3/SM, twice
 #   gate13     QSA decode with and without the output gate (1-tile and full rows, N 64/256)
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
@@ -228,6 +229,11 @@ PY
               --tuning ";;" --check --json "$OUT/rerun_prefill.json"
             TAIL=8 run 100 rerun_decode python3 -m profiling.bench_decode --kv fp8 --shapes B1,B8 --peers contiguous \
               --quick --json "$OUT/rerun_decode.json" ;;
+    splits9) for i in 1 2; do
+               TAIL=14 run 100 splits_$i python3 -m profiling.bench_decode --kv fp8 --shapes B8 --quick \
+                 --peers "num_splits=12+occupancy=3,num_splits=11+occupancy=3,num_splits=16+occupancy=4,num_splits=14+occupancy=4,num_splits=8+occupancy=2,num_splits=10+occupancy=3" \
+                 --json "$OUT/splits_$i.json"
+             done ;;
     gate13) TAIL=30 run 200 nogate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
               --decode-counts 64,2051 --no-gate --json "$OUT/nogate.json"
             TAIL=30 run 200 gate python3 -m profiling.bench_qsa --kinds decode --kv fp8,bf16 --decode-n 64,256 \
