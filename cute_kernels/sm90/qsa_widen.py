@@ -160,9 +160,12 @@ def use_widened_cache(kv_dtype: str, rows: int, num_reqs: int, width: int, page_
                       head_dim: int, force: bool | None = None) -> bool:
     """Whether an FP8 prefill's row tiles run on a widened 16-bit copy of the block table's pages
     (see the module docstring): the copy within :data:`WIDEN_MAX_BYTES` and
-    :data:`WIDEN_BYTES_PER_ROW` per row, and a page's rows within one launch's grid. ``force``
-    (tests, benchmarks): False never, True whenever the cache is FP8 and the grid fits."""
+    :data:`WIDEN_BYTES_PER_ROW` per row, a page's rows within one launch's grid, and at least one
+    page in the table. ``force`` (tests, benchmarks): False never, True whenever the cache is FP8,
+    the grid fits and the table has a page."""
     if kv_dtype != "fp8_e4m3" or widen_grid_rows(page_size, num_kv_heads, head_dim) > MAX_GRID_Y:
+        return False
+    if num_reqs * width == 0:  # no page to widen (and no empty grid to launch)
         return False
     if force is not None:
         return bool(force)

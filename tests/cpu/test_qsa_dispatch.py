@@ -214,6 +214,8 @@ def test_widened_cache_selection():
     assert use_widened_cache("fp8_e4m3", 64, 100, 168, **shape, force=True)
     assert not use_widened_cache("fp8_e4m3", 16384, 1, 11, **shape, force=False)
     assert not use_widened_cache("bf16", 16384, 1, 11, **shape, force=True)
+    assert not use_widened_cache("fp8_e4m3", 4096, 1, 0, **shape, force=True)  # an empty table: nothing to widen
+    assert not use_widened_cache("fp8_e4m3", 4096, 0, 11, **shape, force=True)
     assert widen_grid_rows(1568, 2, 256) == 196  # 16 rows of 256 per CTA
     huge = dict(page_size=MAX_GRID_Y * 16, num_kv_heads=2, head_dim=256)
     assert not use_widened_cache("fp8_e4m3", 64, 1, 1, **huge, force=True)
