@@ -151,15 +151,22 @@ class MergeStates:
 
     @cute.jit
     def accumulate(self, acc, part, lse, shift, weight_sum):
-        """acc += 2^(lse - shift) * part, with an empty split (lse = -inf) *selected away*, never
-        multiplied: its partial may hold NaN garbage and 0 * NaN is NaN."""
-        w = cute.math.exp2(lse - shift, fastmath=True)
-        keep = w > Float32(0.0)
+        """acc += 2^(lse - shift) * part (see :func:`add_split`); returns the new weight sum."""
         vals = cute.make_rmem_tensor((self.vec,), Float32)
         vals.store(part)
-        for e in cutlass.range_constexpr(self.vec):
-            acc[e] = acc[e] + (vals[e] * w if keep else Float32(0.0))
-        return weight_sum + w
+        return weight_sum + add_split(acc, vals, lse, shift, self.vec)
+
+
+@cute.jit
+def add_split(acc, vals, lse, shift, n: cutlass.Constexpr):
+    """``acc[:n] += 2^(lse - shift) * vals[:n]``; returns the weight. An empty split
+    (lse = -inf, weight 0) is *selected away*, never multiplied: its partial may hold NaN garbage
+    and 0 * NaN is NaN. Shared by this merge and the paged decode's fused merge."""
+    w = cute.math.exp2(lse - shift, fastmath=True)
+    keep = w > Float32(0.0)
+    for e in cutlass.range_constexpr(n):
+        acc[e] = acc[e] + (vals[e] * w if keep else Float32(0.0))
+    return w
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.merge import add_split
 from ..jit.compiler import KernelConfig
 from ..jit.dtypes import cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
@@ -818,11 +819,7 @@ class Sm90PagedDecode:
             for e in cutlass.range_constexpr(4):
                 acc[e] = acc[e] * alpha
             for j in cutlass.range_constexpr(MERGE_GROUP):
-                w = cute.math.exp2(lse_g[j] - shift, fastmath=True)
-                total += w
-                keep = w > Float32(0.0)  # an empty split wrote 0, but never multiply what it holds
-                for e in cutlass.range_constexpr(4):
-                    acc[e] = acc[e] + (o_g[j, e] * w if keep else Float32(0.0))
+                total += add_split(acc, o_g[j, None], lse_g[j], shift, 4)
             m = new_m
         inv = Float32(0.0)
         lse = -Float32.inf
