@@ -40,6 +40,11 @@ VEC = 16  # FP8 elements (16 bytes) per thread, of K and of V
 MAX_GRID_Y = 65535
 
 
+def rows_per_cta(head_dim: int) -> int:
+    """(token, head) rows one CTA widens: ``head_dim / VEC`` threads per row."""
+    return _THREADS // (head_dim // VEC)
+
+
 class QsaWidenPages:
     """Kernel: FP8 ``mK``/``mV [NB, PAGE, Hkv, D]`` pages at ``mBlockTable [NR, W]`` ->
     ``mWK``/``mWV [NR * W, PAGE, Hkv, D]`` (q's dtype) and ``mTable [NR, W]``."""
@@ -50,7 +55,7 @@ class QsaWidenPages:
         self.page = cfg.page_size
         self.out_dtype = cute_dtype(cfg.out_dtype)
         self.lanes = self.D // VEC  # threads per (token, head) row
-        self.rows_per_cta = _THREADS // self.lanes
+        self.rows_per_cta = rows_per_cta(self.D)
 
     @cute.jit
     def __call__(self, mK: cute.Tensor, mV: cute.Tensor, mBlockTable: cute.Tensor, mWK: cute.Tensor,
@@ -133,8 +138,7 @@ class QsaWidenConfig(KernelConfig):
 
 def widen_grid_rows(page_size: int, num_kv_heads: int, head_dim: int) -> int:
     """Row chunks per page (the launch's grid y): must stay <= 65535."""
-    rows_per_cta = _THREADS // (head_dim // VEC)
-    return -(-page_size * num_kv_heads // rows_per_cta)
+    return -(-page_size * num_kv_heads // rows_per_cta(head_dim))
 
 
 # ----------------------------------------------------------------------------------------------
