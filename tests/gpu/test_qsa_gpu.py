@@ -433,15 +433,12 @@ def test_row_tiles_path_taken(gen):
     """The union pre-pass really builds unions for correlated rows (length >= 0 on most tiles)
     and falls back for a tile holding a duplicate token (the reference counts it twice); outputs
     still match the reference."""
-    from cute_kernels.ops import qsa_sparse_attention as op
-
     c = _prefill_case(gen, 200, 24, 2, 1568, BF16, 3000, "correlated")
     c["packed_indices"][7, 3] = c["packed_indices"][7, 0]  # row 7 lists one token twice
     args = {k: v for k, v in c.items() if k != "meta"}
     out = torch.full_like(c["q"], float("nan"))
     cute_kernels.qsa_sparse_attention(**args, prefill=True, out=out)
-    launch = op._cache.get(op._key(c["q"], c["k_cache"], c["v_cache"], c["packed_indices"], c["block_table"],
-                                   c["token_to_req"], True, out, c["output_gate"]))
+    launch = _launch_of(c, out)
     assert launch is not None and launch.union_fn is not None
     R = launch.member.shape[1]
     length = launch.length.cpu()
