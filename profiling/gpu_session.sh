@@ -50,6 +50,8 @@
 #   rerun9     1x16384 correlated prefill (BF16, FP8) timed three times each in one process; FP8 decode B1/B8 again
 #   splits9    Qwen3 B8 FP8 decode: split counts and CTA sizing around the schedule's 12 x 3/SM, twice
 #   gate13     QSA decode with and without the output gate (1-tile and full rows, N 64/256)
+#   diag10     QSA decode N 4: time against valid_count caps (HBM and L2-resident), ncu of its split kernel and
+#              merge (BF16); ncu of the Llama B1 FP8 paged decode (warm caches, unlocked clocks)
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
@@ -242,6 +244,18 @@ PY
                --tuning "producers=1;producers=2;producers=1;producers=2" --json "$OUT/qsaprod.json" ;;
     # --report-api-errors no: the DSL's compiler probes driver entry points (cuGetProcAddress) and
     # those expected CUDA_ERROR_INVALID_VALUE returns would otherwise count as errors
+    diag10) TAIL=30 run 200 n4slope python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 --decode-n 4 \
+              --decode-counts 64,704,1408,2051 --json "$OUT/n4slope.json"
+            TAIL=20 run 200 n4l2 python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 --decode-n 4 --decode-shared \
+              --decode-counts 704,2051 --json "$OUT/n4l2.json"
+            python3 -m profiling.ncu_qsa --shape decode-bf16-4 > /dev/null 2>&1
+            TAIL=80 run 100 ncu_qsa_n4 ncu --cache-control none --clock-control none --kernel-name regex:qsa \
+              --launch-skip 6 --launch-count 2 --section SpeedOfLight --section LaunchStats --section Occupancy \
+              --section WarpStateStats --section MemoryWorkloadAnalysis python3 -m profiling.ncu_qsa --shape decode-bf16-4
+            python3 -m profiling.ncu_decode --shape "llama3-8b B1 ctx1000" > /dev/null 2>&1
+            TAIL=60 run 100 ncu_b1 ncu --cache-control none --clock-control none --kernel-name regex:decode \
+              --launch-skip 3 --launch-count 1 --section SpeedOfLight --section LaunchStats --section WarpStateStats \
+              python3 -m profiling.ncu_decode --shape "llama3-8b B1 ctx1000" ;;
     sanitize) run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize
               run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize_qsa ;;
     ncu) for sh in "qwen3-30b B8 ctx32000" "d256 h16/8 B32 ctx8192" "llama3-8b B1 ctx1000"; do

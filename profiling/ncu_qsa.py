@@ -20,6 +20,7 @@ SHAPES = {
     "decode-bf16-256": ("decode", 256, torch.bfloat16, "independent"),
     "decode-bf16-1": ("decode", 1, torch.bfloat16, "independent"),
     "decode-fp8-4": ("decode", 4, torch.float8_e4m3fn, "independent"),
+    "decode-bf16-4": ("decode", 4, torch.bfloat16, "independent"),
     "decode-fp8-256": ("decode", 256, torch.float8_e4m3fn, "independent"),
     "decode-bf16-64": ("decode", 64, torch.bfloat16, "independent"),
     "decode-fp8-64": ("decode", 64, torch.float8_e4m3fn, "independent"),
