@@ -8,11 +8,12 @@ the on-disk cache, with a progress bar, then loads them into memory.
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import product
 
 from .jit.compiler import KernelConfig, normalize_target
 from .jit.parallel import precompile
-from .sm90.decode import make_decode_config
+from .sm90.decode import DEFAULT_CLUSTER, cluster_fits, make_decode_config
 
 
 def decode_variants(
@@ -33,9 +34,11 @@ def decode_variants(
 
     ``kv_forms``: ``"single"`` for one ``[P, 2, ...]`` cache tensor, ``"pair"`` for a (K, V) tuple.
     The op sizes a kernel for the CTAs per SM a call produces (1 up to the variant's maximum,
-    depending on batch and context), so each of those occupancies is a variant too.
+    depending on batch and context), so each of those occupancies is a variant too; a split
+    config comes with its cluster-merge form as well (splits of at most MAX_CLUSTER CTAs).
     """
     group = num_q_heads // num_kv_heads
+    want_cluster = override.pop("cluster", DEFAULT_CLUSTER)
     out: list[KernelConfig] = []
     for kv, q_len, split, st, layout, form in product(kv_dtypes, q_lens, (False, True), scale_tensors,
                                                       kv_layouts, kv_forms):
@@ -44,10 +47,13 @@ def decode_variants(
                       page_size=page_size, split=split, k_scale_tensor=st, v_scale_tensor=st, kv_form=form,
                       kv_layout=layout)
         base = make_decode_config(**fields, **override)
-        out.append(base)
+        configs = [base]
         if "occupancy" not in override:
-            for occ in range(1, base.occupancy):
-                out.append(make_decode_config(**fields, **override, occupancy=occ))
+            configs += [make_decode_config(**fields, **override, occupancy=occ) for occ in range(1, base.occupancy)]
+        for cfg in configs:
+            out.append(cfg)
+            if want_cluster and cfg.split and not cfg.dynamic and cluster_fits(cfg):
+                out.append(dataclasses.replace(cfg, cluster=True))
     return out
 
 

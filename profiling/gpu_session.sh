@@ -52,6 +52,8 @@
 #   gate13     QSA decode with and without the output gate (1-tile and full rows, N 64/256)
 #   diag10     QSA decode N 4: time against valid_count caps (HBM and L2-resident), ncu of its split kernel and
 #              merge (BF16); ncu of the Llama B1 FP8 paged decode (warm caches, unlocked clocks)
+#   cluster10  decode GPU tests with the cluster merge (DSMEM) default, then A/B against the global fused merge
+#              (and the cluster at 2 CTAs/SM sizing, at 8 splits) on the split shapes, twice
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
@@ -256,6 +258,12 @@ PY
             TAIL=60 run 100 ncu_b1 ncu --cache-control none --clock-control none --kernel-name regex:decode \
               --launch-skip 3 --launch-count 1 --section SpeedOfLight --section LaunchStats --section WarpStateStats \
               python3 -m profiling.ncu_decode --shape "llama3-8b B1 ctx1000" ;;
+    cluster10) run 420 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py tests/gpu/test_merge_gpu.py -q \
+                 -p no:cacheprovider
+               for i in 1 2; do
+                 TAIL=30 run 150 cluster_$i python3 -m profiling.bench_decode --kv fp8,bf16 --shapes B1,B8,d64 \
+                   --peers global,occupancy=2,num_splits=8 --quick --json "$OUT/cluster_$i.json"
+               done ;;
     sanitize) run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize
               run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize_qsa ;;
     ncu) for sh in "qwen3-30b B8 ctx32000" "d256 h16/8 B32 ctx8192" "llama3-8b B1 ctx1000"; do

@@ -23,7 +23,7 @@ from .. import reference
 from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
-from ..sm90.decode import make_decode_config
+from ..sm90.decode import DEFAULT_CLUSTER, MAX_CLUSTER, cluster_fits, make_decode_config
 from ._launch import LaunchCache
 from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
 
@@ -208,11 +208,14 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
 
+    override = dict(_cache.override)
+    want_cluster = override.pop("cluster", DEFAULT_CLUSTER)
+
     def config_for(split, **tuning):
         return make_decode_config(
             q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=group, q_len=q_len,
             page_size=page, split=split, k_scale_tensor=ks_t, v_scale_tensor=vs_t,
-            kv_form="pair" if pair else "single", kv_layout=kv_layout, **{**tuning, **_cache.override},
+            kv_form="pair" if pair else "single", kv_layout=kv_layout, **{**tuning, **override},
         )
 
     probe = config_for(False)
@@ -223,6 +226,9 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     if not deterministic and split and math.ceil(block_table.shape[1] * page / probe.tile) >= DYNAMIC_MIN_TILES * num_splits:
         tuning["dynamic"] = True
     config = config_for(split, **tuning)
+    if want_cluster and config.split and not config.dynamic and num_splits <= MAX_CLUSTER \
+            and cluster_fits(config):
+        config = config_for(split, cluster=True, **tuning)
     target = compile_target(device)
     fn = get_kernel(config, target)
     part_o = part_lse = scratch = counters = None

@@ -47,7 +47,11 @@ from .fragments import (
     ldmatrix_x4,
     load_b32_if,
     load_cg_f32x4,
+    load_dsmem_f32,
+    load_dsmem_f32x4,
     q_permutation,
+    special_register,
+    store_shared_f32,
     widen_e4m3x4,
 )
 
@@ -59,6 +63,8 @@ NUM_THREADS = (MMA_WARPS + 1) * 32
 BAR_MMA = 1  # named barrier of the consumer warpgroup (0 is __syncthreads)
 DYNAMIC_CHUNK_TILES = 2  # small grabs: a CTA's tail is at most ~2 tiles (~3 us at 3 CTAs/SM)
 MERGE_GROUP = 16  # splits whose partials one thread of the fused merge has in flight at once
+MAX_CLUSTER = 16  # most split CTAs of one cluster merge (a non-portable cluster size above 8)
+CLUSTER_GROUP = 8  # splits whose DSMEM partials one thread of the cluster merge has in flight at once
 LOG2E = math.log2(math.e)
 
 
@@ -184,11 +190,18 @@ class Sm90PagedDecode:
         num_splits = mPartO.shape[0] if const_expr(cfg.split) else 1
         num_kv_heads = mK4.shape[head]
         batch = mBlockTable.shape[0]
-        self.kernel(
+        kernel = self.kernel(
             mQ, tma_k, tma_tK, tma_v, tma_tV, mK4.shape[0], mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse,
             mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
-        ).launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream,
-                 min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100, use_pdl=cfg.pdl)
+        )
+        if const_expr(cfg.cluster):
+            # the splits of one (KV head, request) form one cluster and merge through DSMEM
+            kernel.launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream,
+                          cluster=[num_splits, 1, 1], min_blocks_per_mp=cfg.occupancy,
+                          preferred_smem_carveout=100, use_pdl=cfg.pdl)
+        else:
+            kernel.launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream,
+                          min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100, use_pdl=cfg.pdl)
 
     def mmas_and_layouts(self):
         """The two tiled WGMMAs (swap-AB: KV tokens on M, the group's query rows on N; A from
@@ -319,6 +332,9 @@ class Sm90PagedDecode:
             self.consume(mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                          qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
                          seq_len, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId)
+        if const_expr(self.cfg.cluster):
+            # every thread of the CTA, the producer warp too: the cluster barriers count them all
+            self.cluster_merge(mO, mLse, storage.sK.data_ptr().toint())
 
     # ------------------------------------------------------------------------------------------
 
@@ -660,7 +676,9 @@ class Sm90PagedDecode:
                     if n < self.rows:
                         token = batch_idx * self.q_len + n // G
                         head = kv_head * G + n % G
-                        if const_expr(cfg.split):
+                        if const_expr(cfg.cluster):
+                            store_shared_f32(k_base + self.part_lse_offset(n), lse)
+                        elif const_expr(cfg.split):
                             mPartLse[split, token, head] = lse
                         else:
                             mLse[token, head] = lse
@@ -672,11 +690,14 @@ class Sm90PagedDecode:
                 token = batch_idx * self.q_len + n // G
                 head = kv_head * G + n % G
                 val = acc_o[i] * inv[slot_of(cO0[i][1])]
-                if const_expr(cfg.split):
+                if const_expr(cfg.cluster):
+                    # the K stages are free now (every tile consumed, no TMA in flight)
+                    store_shared_f32(k_base + (n * D + d) * 4, val)
+                elif const_expr(cfg.split):
                     mPartO[split, token, head, d] = val
                 else:
                     mO[token, head, d] = val.to(mO.element_type)
-        if const_expr(cfg.split):
+        if const_expr(cfg.split and not cfg.cluster):
             self.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx)
 
     def consumer_state(self, qk_mma, pv_mma, tidx):
@@ -778,7 +799,7 @@ class Sm90PagedDecode:
                     d0 = (idx % chunks) * 4
                     token = batch_idx * self.q_len + n // G
                     head = kv_head * G + n % G
-                    self.merge_row_chunk(mO, mLse, mPartO, mPartLse, num_splits, token, head, d0)
+                    self.merge_row_chunk(mO, mLse, num_splits, token, head, d0, (mPartO, mPartLse), MERGE_GROUP, False)
             if tidx == 0:
                 counter.store(Int32(0))
                 if const_expr(self.cfg.dynamic):
@@ -787,9 +808,52 @@ class Sm90PagedDecode:
                     grab = counter + cute.arch.grid_dim()[2] * cute.arch.grid_dim()[1]
                     grab.store(Int32(0))
 
+    def part_lse_offset(self, n):
+        """(Traced.) Byte offset of row ``n``'s LSE in the cluster merge's shared-memory partial:
+        fp32 ``O[rows, D]`` first, then the LSEs."""
+        return (self.rows * self.D + n) * 4
+
     @cute.jit
-    def merge_row_chunk(self, mO, mLse, mPartO, mPartLse, num_splits, token, head, d0):
-        """Merge 4 output dims of one query row over all splits, MERGE_GROUP splits at a time.
+    def cluster_merge(self, mO, mLse, part_base):
+        """Merge the split partials of one (KV head, request) inside its cluster (``num_splits``
+        CTAs, at most MAX_CLUSTER).
+
+        Each split CTA has left its normalized partial O and its LSE in its own shared memory
+        (``part_base``). After a cluster barrier (release / acquire) CTA ``rank`` merges its share
+        of the ``rows x D / 4`` four-element chunks, reading every split's chunk and LSE through
+        DSMEM (CLUSTER_GROUP splits' loads in flight together, ranks past the last clamped to it
+        and weighted 0), and writes the output; a second barrier keeps every CTA's shared memory
+        alive until all of them have read it. Against the global fused merge this saves the
+        fence, the arrival atomic and the last CTA's L2 round trip, and the merge is spread over
+        all split CTAs (measured: profiling/NOTES.md "tenth session")."""
+        G = self.G
+        # indices read again here rather than kept live through the main loop (register pressure)
+        tidx = special_register("tid.x")
+        rank = special_register("ctaid.x")
+        kv_head = special_register("ctaid.y")
+        batch_idx = special_register("ctaid.z")
+        num_splits = special_register("nctaid.x")
+        chunks = self.D // 4
+        work = self.rows * chunks
+        per = (work + num_splits - 1) // num_splits
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        for j in cutlass.range(tidx, per, NUM_THREADS, unroll=1):
+            idx = rank * per + j
+            if idx < work:
+                n = idx // chunks
+                d0 = (idx - n * chunks) * 4
+                self.merge_row_chunk(mO, mLse, num_splits, batch_idx * self.q_len + n // G, kv_head * G + n % G,
+                                     d0, (part_base, n), CLUSTER_GROUP, True)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def merge_row_chunk(self, mO, mLse, num_splits, token, head, d0, src, group: cutlass.Constexpr,
+                        dsmem: cutlass.Constexpr):
+        """Merge 4 output dims of one query row over all splits, ``group`` splits at a time. The
+        partials come from global memory (``src = (mPartO, mPartLse)``, the fused merge) or from
+        the cluster's shared memory (``dsmem``: ``src = (part_base, n)``, the cluster merge).
 
         Every load of a group (its LSEs and 16-byte partials) is issued before any is used, so a
         group costs one L2 round trip instead of one per split (this merge is on the critical
@@ -799,17 +863,23 @@ class Sm90PagedDecode:
         total = Float32(0.0)
         acc = cute.make_rmem_tensor((4,), Float32)
         acc.fill(0.0)
-        lse_g = cute.make_rmem_tensor((MERGE_GROUP,), Float32)
-        o_g = cute.make_rmem_tensor((MERGE_GROUP, 4), Float32)
-        for g in cutlass.range((num_splits + MERGE_GROUP - 1) // MERGE_GROUP, unroll=1):
-            for j in cutlass.range_constexpr(MERGE_GROUP):
-                s = cutlass.min(g * MERGE_GROUP + j, num_splits - 1)
-                lse_g[j] = self.load_cg(mPartLse, (s, token, head))
-                addr = (mPartO.iterator + cute.crd2idx((s, token, head, d0), mPartO.layout)).toint()
-                o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_cg_f32x4(addr)
+        lse_g = cute.make_rmem_tensor((group,), Float32)
+        o_g = cute.make_rmem_tensor((group, 4), Float32)
+        for g in cutlass.range((num_splits + group - 1) // group, unroll=1):
+            for j in cutlass.range_constexpr(group):
+                s = cutlass.min(g * group + j, num_splits - 1)
+                if const_expr(dsmem):
+                    part_base, n = src
+                    lse_g[j] = load_dsmem_f32(part_base + self.part_lse_offset(n), s)
+                    o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_dsmem_f32x4(part_base + (n * self.D + d0) * 4, s)
+                else:
+                    mPartO, mPartLse = src
+                    lse_g[j] = self.load_cg(mPartLse, (s, token, head))
+                    addr = (mPartO.iterator + cute.crd2idx((s, token, head, d0), mPartO.layout)).toint()
+                    o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_cg_f32x4(addr)
             new_m = m
-            for j in cutlass.range_constexpr(MERGE_GROUP):
-                if g * MERGE_GROUP + j >= num_splits:
+            for j in cutlass.range_constexpr(group):
+                if g * group + j >= num_splits:
                     lse_g[j] = -Float32.inf
                 new_m = cute.arch.fmax(new_m, lse_g[j])
             # all splits so far empty: shift by 0 so every weight is exp2(-inf) = 0 (no inf - inf)
@@ -818,7 +888,7 @@ class Sm90PagedDecode:
             total = total * alpha
             for e in cutlass.range_constexpr(4):
                 acc[e] = acc[e] * alpha
-            for j in cutlass.range_constexpr(MERGE_GROUP):
+            for j in cutlass.range_constexpr(group):
                 total += add_split(acc, o_g[j, None], lse_g[j], shift, 4)
             m = new_m
         inv = Float32(0.0)
@@ -1010,6 +1080,7 @@ class Sm90DecodeConfig(KernelConfig):
     pdl: bool = False
     dynamic: bool = False
     strided: bool = False
+    cluster: bool = False
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -1036,6 +1107,11 @@ class Sm90DecodeConfig(KernelConfig):
             raise ValueError("strided tiles are a static split schedule (split=True, dynamic=False)")
         if self.widen not in ("bits", "cvt") or self.tile not in (64, 128):
             raise ValueError(f"bad widen/tile {self.widen}/{self.tile}")
+        if self.cluster:
+            if not self.split or self.dynamic:
+                raise ValueError("the cluster merge needs a static split (split=True, dynamic=False)")
+            if not cluster_fits(self):
+                raise ValueError("cluster merge: the partials do not fit the K stages' shared memory")
 
     @property
     def n_pad(self) -> int:
@@ -1151,9 +1227,19 @@ DEFAULT_DYNAMIC = False  # dynamic split scheduling is opt-in (not bitwise repro
 # Measured (NOTES "ninth session", two runs): Qwen3 B8 ctx32000 FP8 71.0 / 71.1 -> 70.5 / 70.4 us,
 # Llama B1 FP8 5.5 -> 5.4, BF16 B8 127.7 -> 127.2; unsplit shapes unchanged
 DEFAULT_STRIDED = True
+# a static split into at most MAX_CLUSTER CTAs merges inside a thread-block cluster through DSMEM
+# instead of through global memory (profiling/NOTES.md "tenth session")
+DEFAULT_CLUSTER = True
 # an FP8 D=64 tile of 64 tokens is only 4 KB of K: two M blocks per iteration halve the per-byte
 # cost of the tile chain (measured, profiling/NOTES.md "decode v5": 75.4 -> 69.4 us)
 FP8_D64_TILE = 128
+
+
+def cluster_fits(cfg: Sm90DecodeConfig) -> bool:
+    """Whether a CTA's fp32 partial (``rows x (D + 1)`` words: O and the LSEs) fits the K stages,
+    where the cluster merge leaves it once the main loop is done."""
+    kv_bytes = 1 if cfg.kv_dtype == "fp8_e4m3" else 2
+    return cfg.group * cfg.q_len * (cfg.head_dim + 1) * 4 <= cfg.stages * cfg.tile * cfg.head_dim * kv_bytes
 
 
 def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int, page_size: int,

@@ -120,3 +120,38 @@ def load_b32_if(gmem_addr: Int64, pred: Int32, fallback: Int32, *, loc=None, ip=
             "@p ld.global.b32 $0, [$2];\n\t}")
     return Int32(asm([T.i32()], [Int32(pred), Int64(gmem_addr), Int32(fallback)], text, "=r,r,l,r",
                      side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def store_shared_f32(smem_addr: Int32, val: Float32, *, loc=None, ip=None) -> None:
+    """``st.shared.f32`` at a 32-bit shared-window address (the cluster merge's partials)."""
+    asm([], [Int32(smem_addr), Float32(val)], "st.shared.f32 [$0], $1;", "r,f", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_dsmem_f32(smem_addr: Int32, rank: Int32, *, loc=None, ip=None) -> Float32:
+    """``ld.shared::cluster.f32`` of the word at ``smem_addr`` in the shared memory of cluster CTA
+    ``rank`` (``mapa`` maps the local address). Volatile, so it stays behind the cluster barrier
+    that publishes the data."""
+    text = "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, $1, $2;\n\tld.shared::cluster.f32 $0, [a];\n\t}"
+    return Float32(asm([T.f32()], [Int32(smem_addr), Int32(rank)], text, "=f,r,r", side_effects=True,
+                       loc=loc, ip=ip))
+
+
+@dsl_user_op
+def load_dsmem_f32x4(smem_addr: Int32, rank: Int32, *, loc=None, ip=None) -> tuple[Float32, Float32, Float32, Float32]:
+    """``ld.shared::cluster.v4.f32``: four floats at a 16-byte aligned ``smem_addr`` of cluster CTA
+    ``rank`` (see :func:`load_dsmem_f32`)."""
+    text = ("{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, $4, $5;\n\t"
+            "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [a];\n\t}")
+    vals = asm([T.f32()] * 4, [Int32(smem_addr), Int32(rank)], text, "=f,=f,=f,=f,r,r", side_effects=True,
+               loc=loc, ip=ip)
+    return tuple(Float32(v) for v in vals)
+
+
+@dsl_user_op
+def special_register(name: str, *, loc=None, ip=None) -> Int32:
+    """``mov.u32`` of a special register (``%tid.x``, ``%ctaid.y``, ``%nctaid.x``...), volatile so
+    that the compiler reads it again where it is used instead of keeping an earlier read live in
+    a register through the main loop (the cluster merge's indices)."""
+    return Int32(asm([T.i32()], [], f"mov.u32 $0, %{name};", "=r", side_effects=True, loc=loc, ip=ip))

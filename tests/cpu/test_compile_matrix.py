@@ -178,6 +178,30 @@ def test_decode_strided_split_loads_page_table_with_seq_len():
         Sm90DecodeConfig(split=True, dynamic=True, strided=True)
 
 
+def test_decode_cluster_merge_reads_partials_through_dsmem():
+    """The cluster merge: partials cross the cluster through DSMEM (``mapa`` +
+    ``ld.shared::cluster``) between two cluster barriers, with no global arrival atomic and no
+    global partial stores; the global fused merge keeps its atomic. The config refuses it without
+    a static split."""
+    from cute_kernels.jit.compiler import compile_config
+    from cute_kernels.sm90.decode import Sm90DecodeConfig, make_decode_config
+
+    shape = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=4, q_len=1, page_size=16, split=True)
+    cluster = compile_config(make_decode_config(**shape, cluster=True), "sm_90a", artifacts=True).ptx
+    fused = compile_config(make_decode_config(**shape), "sm_90a", artifacts=True).ptx
+    assert len(re.findall(r"barrier\.cluster\.arrive", cluster)) == 2
+    assert len(re.findall(r"barrier\.cluster\.wait", cluster)) == 2
+    assert re.search(r"mapa\.shared::cluster", cluster) and re.search(r"ld\.shared::cluster\.v4\.f32", cluster)
+    assert not re.search(r"\batom\.", cluster) and not re.search(r"st\.global\.f32", cluster)
+    assert re.search(r"\batom\.", fused) and not re.search(r"barrier\.cluster", fused)
+    with pytest.raises(ValueError, match="cluster merge needs a static split"):
+        Sm90DecodeConfig(split=False, cluster=True)
+    with pytest.raises(ValueError, match="cluster merge needs a static split"):
+        Sm90DecodeConfig(split=True, dynamic=True, cluster=True)
+    with pytest.raises(ValueError, match="do not fit"):  # 64 rows x 257 words > 2 stages x 64 x 64 B
+        Sm90DecodeConfig(split=True, cluster=True, head_dim=64, group=16, q_len=4, stages=2)
+
+
 def _gate_load_runs(ptx: str) -> list[int]:
     """Sizes of the runs of 16-bit global loads (only the gate is read that way) that no branch
     and no global store interrupts, in program order."""

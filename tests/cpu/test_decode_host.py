@@ -3,6 +3,8 @@ derivation, the argument order of the generated caller, and CPU-side validation.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -147,3 +149,17 @@ def test_public_ops_are_bound_on_first_access():
 
     fn = cute_kernels.paged_decode
     assert vars(cute_kernels)["paged_decode"] is fn is op.paged_decode
+
+
+def test_warmup_lists_the_cluster_merge_variants():
+    """Every split config a shape can reach comes with its cluster-merge form (the op takes it for
+    splits of at most MAX_CLUSTER CTAs), unless the warm-up is told ``cluster=False``."""
+    from cute_kernels.warmup import decode_variants
+
+    shape = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16, scale_tensors=(False,))
+    configs = decode_variants(**shape)
+    split = [c for c in configs if c.split and not c.cluster]
+    clustered = {c for c in configs if c.cluster}
+    assert split and all(c.split and not c.dynamic for c in clustered)
+    assert {dataclasses.replace(c, cluster=True) for c in split} == clustered
+    assert not any(c.cluster for c in decode_variants(**shape, cluster=False))

@@ -61,7 +61,7 @@ VARIANT_CASES = [
     (BF16, BF16, 128, 32, 8, 16, 1, "HND", "single", 3),
 ]
 VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128), dict(pdl=False), dict(dynamic=True),
-            dict(strided=True), dict(strided=False)]
+            dict(strided=True), dict(strided=False), dict(cluster=False), dict(cluster=False, strided=False)]
 
 
 def _ids(c):
@@ -210,18 +210,20 @@ def test_graph_capture_replay_bitwise_and_live_scales(gen):
         vs.fill_(0.02)
 
 
+@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "global"])
 @pytest.mark.parametrize("strided", [True, False], ids=["strided", "contiguous"])
-def test_split_schedules(gen, strided):
-    """Strided split tiles (split s takes tiles s, s + S, ...) and contiguous ranges: contexts of
-    more than one 32-box page lookup per split, shorter than the split count (empty splits),
-    page-aligned, of 7 tokens and empty; against the reference, and graph replay equal to eager
-    bit for bit (both are static schedules)."""
+def test_split_schedules(gen, strided, cluster):
+    """Strided split tiles (split s takes tiles s, s + S, ...) and contiguous ranges, merged in a
+    cluster (DSMEM) or through global memory: contexts of more than one 32-box page lookup per
+    split, shorter than the split count (empty splits), page-aligned, of 7 tokens and empty;
+    against the reference, and graph replay equal to eager bit for bit (static schedules). 16
+    splits: the largest cluster, two rounds of the cluster merge's groups of 8."""
     from cute_kernels.ops.paged_decode import tuning_override
 
     c = make_paged_decode_case(batch=6, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                                seq_lens=[0, 3 * 16, 7, 1000, 9001, 64 * 5], generator=gen)
-    with tuning_override(strided=strided):
-        for splits in (3, 16):
+    with tuning_override(strided=strided, cluster=cluster):
+        for splits in (3, 9, 16):
             eager, lse = _run(c, splits)
             _check(c, eager, lse)
             out = torch.empty_like(c.q)
