@@ -54,6 +54,8 @@
 #              merge (BF16); ncu of the Llama B1 FP8 paged decode (warm caches, unlocked clocks)
 #   cluster10  decode GPU tests with the cluster merge (DSMEM) default, then A/B against the global fused merge
 #              (and the cluster at 2 CTAs/SM sizing, at 8 splits) on the split shapes, twice
+#   final10    decode GPU tests (cluster merge for small split grids), decode memcheck, A/B cluster vs global merge
+#   peers10    FP8 decode side by side with XQA / FlashInfer and the global-merge variant (needs part c)
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
@@ -264,6 +266,16 @@ PY
                  TAIL=30 run 150 cluster_$i python3 -m profiling.bench_decode --kv fp8,bf16 --shapes B1,B8,d64 \
                    --peers global,occupancy=2,num_splits=8 --quick --json "$OUT/cluster_$i.json"
                done ;;
+    final10) run 300 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py tests/gpu/test_merge_gpu.py -q \
+               -p no:cacheprovider
+             run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+               python3 -m profiling.sanitize
+             for i in 1 2; do
+               TAIL=14 run 150 cluster_$i python3 -m profiling.bench_decode --kv fp8,bf16 --shapes B1,B8,d64 \
+                 --peers global --quick --json "$OUT/cluster_$i.json"
+             done ;;
+    peers10) TAIL=60 run 300 peers10 python3 -m profiling.bench_decode --kv fp8 --peers xqa,xqa_nopdl,fi,global --quick \
+               --json "$OUT/decode_peers10.json" ;;
     sanitize) run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize
               run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize_qsa ;;
     ncu) for sh in "qwen3-30b B8 ctx32000" "d256 h16/8 B32 ctx8192" "llama3-8b B1 ctx1000"; do

@@ -68,6 +68,22 @@ def choose_schedule(items: int, max_context: int, num_sms: int, max_occupancy: i
     return splits, per_sm
 
 
+# CTAs per SM a cluster-merged launch is sized for at least: a cluster of up to 16 split CTAs must
+# fit in one GPC, which a kernel sized for one CTA per SM (135 KB of shared memory) made wait for a
+# second wave (Llama B1 FP8: 7.9 us sized for 1, 4.5 sized for 2, 5.4 with the global merge)
+CLUSTER_MIN_SIZING = 2
+
+
+def use_cluster_merge(items: int, num_splits: int, num_sms: int) -> bool:
+    """Whether a split launch merges in thread-block clusters (DSMEM) rather than through global
+    memory: at most MAX_CLUSTER splits and at most one CTA per SM in all. The cluster saves the
+    merge's global round trips, which matter in latency-bound launches (Llama B1: 5.4 -> 4.5 us);
+    a grid that fills the GPU with several CTAs per SM lost to the clusters' co-scheduling
+    (Qwen3 B8 FP8, 12-CTA clusters at 3 per SM: 70.4 -> 89.6 us). Measured: profiling/NOTES.md
+    "tenth session"."""
+    return 2 <= num_splits <= MAX_CLUSTER and items * num_splits <= num_sms
+
+
 def launch_schedule(items: int, max_context: int, num_sms: int, max_occupancy: int, tile: int, head_dim: int,
                     fp8: bool, num_splits: int | None = None) -> tuple[int, int]:
     """``(num_splits, CTAs per SM the kernel is sized for)`` of a launch, from shapes only:
@@ -209,7 +225,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
 
     override = dict(_cache.override)
-    want_cluster = override.pop("cluster", DEFAULT_CLUSTER)
+    # cluster: None = the rule (use_cluster_merge), True = whenever the split count allows, False = never
+    force_cluster = override.pop("cluster", None)
 
     def config_for(split, **tuning):
         return make_decode_config(
@@ -219,15 +236,21 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         )
 
     probe = config_for(False)
-    num_splits, per_sm = launch_schedule(B * Hkv, block_table.shape[1] * page, device_sm_count(device.index or 0),
-                                         probe.occupancy, probe.tile, D, k.dtype == FP8, num_splits)
+    sms = device_sm_count(device.index or 0)
+    num_splits, per_sm = launch_schedule(B * Hkv, block_table.shape[1] * page, sms, probe.occupancy, probe.tile, D,
+                                         k.dtype == FP8, num_splits)
     split = num_splits > 1
+    if force_cluster is None:
+        cluster = DEFAULT_CLUSTER and use_cluster_merge(B * Hkv, num_splits, sms)
+    else:
+        cluster = bool(force_cluster) and 2 <= num_splits <= MAX_CLUSTER
+    if cluster:
+        per_sm = max(per_sm, CLUSTER_MIN_SIZING)
     tuning = {} if per_sm >= probe.occupancy else dict(occupancy=per_sm)
     if not deterministic and split and math.ceil(block_table.shape[1] * page / probe.tile) >= DYNAMIC_MIN_TILES * num_splits:
         tuning["dynamic"] = True
     config = config_for(split, **tuning)
-    if want_cluster and config.split and not config.dynamic and num_splits <= MAX_CLUSTER \
-            and cluster_fits(config):
+    if cluster and not config.dynamic and cluster_fits(config):
         config = config_for(split, cluster=True, **tuning)
     target = compile_target(device)
     fn = get_kernel(config, target)

@@ -163,3 +163,15 @@ def test_warmup_lists_the_cluster_merge_variants():
     assert split and all(c.split and not c.dynamic for c in clustered)
     assert {dataclasses.replace(c, cluster=True) for c in split} == clustered
     assert not any(c.cluster for c in decode_variants(**shape, cluster=False))
+
+
+def test_cluster_merge_only_for_small_split_grids():
+    """The cluster merge serves split launches of at most 16 CTAs per (request, KV head) that put at
+    most one CTA on each SM (latency-bound); fuller grids keep the global merge."""
+    sms = 132
+    assert op.use_cluster_merge(8, 16, sms)  # Llama B1 ctx 1000: 8 heads x 16 splits
+    assert op.use_cluster_merge(4, 2, sms)
+    assert not op.use_cluster_merge(32, 12, sms)  # Qwen3 B8 ctx 32000: 384 CTAs
+    assert not op.use_cluster_merge(8, 1, sms)  # no split
+    assert not op.use_cluster_merge(2, 32, sms)  # more splits than a cluster holds
+    assert op.CLUSTER_MIN_SIZING >= 2
