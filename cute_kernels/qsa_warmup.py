@@ -4,8 +4,7 @@ The op picks ``(tile, splits)`` from the config table (``sm90/qsa.py`` ``split_t
 rows x Hkv and ``prefill``); the split count itself is a runtime value (the grid), so the
 compiled variants a deployment needs are: per tile of the table, the direct-output kernel (with
 and without the output gate) and, if any entry splits, the split-K kernel plus the fused merge
-(with and without the gate), and for each split count of at most 16 that a small batch reaches
-the cluster-merge kernel (both gate modes); with the block table's width, the prefill row-tile kernel (both
+(with and without the gate); with the block table's width, the prefill row-tile kernel (both
 gate modes) and its union pre-pass, and for an FP8 cache the widening pre-pass and the 16-bit
 row-tile kernel that runs on its copy. This enumerates them from the table for both profiles, compiles the
 missing ones in parallel processes into the disk cache with a progress bar, and loads them.
@@ -13,11 +12,9 @@ missing ones in parallel processes into the disk cache with a progress bar, and 
 
 from __future__ import annotations
 
-import dataclasses
-
 from .jit.compiler import KernelConfig, normalize_target
 from .jit.parallel import precompile
-from .sm90.qsa import H200_SMS, PRODUCTION_TOPK, cluster_fits, make_qsa_config, split_table, use_cluster_merge
+from .sm90.qsa import H200_SMS, PRODUCTION_TOPK, make_qsa_config, split_table
 from .sm90.qsa_merge import QsaMergeConfig
 from .sm90.qsa_tile import TILE_MIN_ROWS, make_qsa_tile_config, row_tile_plan
 from .sm90.qsa_union import QsaUnionConfig
@@ -51,21 +48,10 @@ def qsa_variants(
     kv = _KV.get(kv_cache_dtype, kv_cache_dtype) or q_dtype
     group = num_q_heads // num_kv_heads
     reach: set[tuple[int, bool]] = set()
-    clusters: set[tuple[int, int]] = set()  # (tile, splits) of entries whose smallest batch clusters
     for prefill in (False, True):
-        lo = 1
-        for max_bp, tile, splits in split_table(kv, head_dim, group, prefill, topk, num_sms):
+        for _, tile, splits in split_table(kv, head_dim, group, prefill, topk, num_sms):
             reach.add((tile, splits > 1))
-            if use_cluster_merge(lo, splits, num_sms):
-                clusters.add((tile, splits))
-            lo = max_bp + 1
     out: list[KernelConfig] = []
-    for tile, splits in sorted(clusters):
-        for gate in gates:
-            cfg = make_qsa_config(q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, page_size=page_size,
-                                  split=False, gate=gate, **{"tile": tile, "pdl": True, **override})
-            if cluster_fits(cfg):
-                out.append(dataclasses.replace(cfg, cluster=splits))
     for tile, split in sorted(reach):
         for gate in ((False,) if split else gates):
             out.append(make_qsa_config(q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group,

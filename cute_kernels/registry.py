@@ -79,7 +79,7 @@ def qsa_matrix() -> list[KernelConfig]:
     (gated) and split-K, plus the fused merges; D 64/128 and GQA 16/1 once each; the prefill's
     row-tile kernel (both cache dtypes x both groups, gated, at the rows per CTA the op uses) and
     its union pre-pass (5 rows, 16K-token bitmap; 8 rows, the largest bitmap); the FP8 prefill's
-    widening pre-pass (bf16 and fp16 copies); the cluster-merge kernel of small decode batches."""
+    widening pre-pass (bf16 and fp16 copies)."""
     from .sm90.qsa import make_qsa_config
     from .sm90.qsa_merge import QsaMergeConfig
     from .sm90.qsa_tile import make_qsa_tile_config
@@ -97,9 +97,6 @@ def qsa_matrix() -> list[KernelConfig]:
     out.append(make_qsa_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=64, group=1, page_size=16,
                                split=False, gate=False))
     out += [QsaMergeConfig(out_dtype="bf16", head_dim=256, vec=4, gate=g, pdl=True) for g in (True, False)]
-    # the cluster merge of small decode batches (N 4: 11 splits, N 16: 4), gated
-    out += [make_qsa_config(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, split=False,
-                            gate=True, pdl=True, cluster=s) for kv, s in (("bf16", 11), ("fp8_e4m3", 4))]
     out += [make_qsa_tile_config(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=group, page_size=page, gate=True)
             for kv in ("bf16", "fp8_e4m3") for group, page in ((12, 1568), (6, 784))]
     out += [QsaUnionConfig(rows_per_tile=5, page_size=1568, max_tokens=16384, union_cap=4160),

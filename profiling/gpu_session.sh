@@ -56,8 +56,6 @@
 #              (and the cluster at 2 CTAs/SM sizing, at 8 splits) on the split shapes, twice
 #   final10    decode GPU tests (cluster merge for small split grids), decode memcheck, A/B cluster vs global merge
 #   peers10    FP8 decode side by side with XQA / FlashInfer and the global-merge variant (needs part c)
-#   qsacl10    QSA GPU tests with the cluster merge of small split decode batches, QSA memcheck, decode split
-#              tests, then the QSA decode A/B (cluster vs the merge kernel, interleaved twice)
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
@@ -278,13 +276,6 @@ PY
              done ;;
     peers10) TAIL=60 run 300 peers10 python3 -m profiling.bench_decode --kv fp8 --peers xqa,xqa_nopdl,fi,global --quick \
                --json "$OUT/decode_peers10.json" ;;
-    qsacl10) run 420 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider
-             run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-               python3 -m profiling.sanitize_qsa
-             run 200 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py -q -p no:cacheprovider \
-               -k "split_schedules or tuning_variants or graph"
-             TAIL=40 run 200 qsacl python3 -m profiling.bench_qsa --kinds decode --kv bf16,fp8 --decode-n 1,4,16,64 \
-               --tuning ";cluster=0;;cluster=0" --check --json "$OUT/qsacl.json" ;;
     sanitize) run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize
               run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize_qsa ;;
     ncu) for sh in "qwen3-30b B8 ctx32000" "d256 h16/8 B32 ctx8192" "llama3-8b B1 ctx1000"; do

@@ -34,15 +34,7 @@ from .. import reference
 from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
-from ..sm90.decode import MAX_CLUSTER
-from ..sm90.qsa import (
-    MAX_GROUP,
-    Sm90QsaConfig,
-    cluster_fits,
-    make_qsa_config,
-    select_config,
-    use_cluster_merge,
-)
+from ..sm90.qsa import MAX_GROUP, Sm90QsaConfig, make_qsa_config, select_config
 from ..sm90.qsa_merge import QsaMergeConfig
 from ..sm90.qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_tile_plan
 from ..sm90.qsa_union import QsaUnionConfig
@@ -100,9 +92,7 @@ def tuning_override(**fields):
     tuning fields (benchmarks and tests comparing variants); part of the launch-cache key.
     ``tile_rows=R`` forces the prefill row-tile kernel's rows per CTA (1 = the per-row kernel),
     ``consumers=1|2`` its consumer warpgroups, ``widen=0|1`` whether an FP8 cache's row tiles run
-    on a widened 16-bit copy (1: whenever possible, whatever the copy's size), ``cluster=0|1``
-    whether a split decode launch merges in thread-block clusters (1: whenever the split count
-    allows; default: :func:`use_cluster_merge`)."""
+    on a widened 16-bit copy (1: whenever possible, whatever the copy's size)."""
     return _cache.tuning_override(**fields)
 
 
@@ -121,7 +111,7 @@ def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
             None if gate is None else (gate.shape, gate.stride(), gate.data_ptr() % 16), _cache.override_key)
 
 
-_LAUNCH_FIELDS = ("splits", "tile_rows", "widen", "cluster")  # read where the launch is chosen, not kernel fields
+_LAUNCH_FIELDS = ("splits", "tile_rows", "widen")  # read where the launch is chosen, not kernel fields
 # fields only the row-tile kernel's config has (warp roles, register split), kept from the per-row one
 _TILE_ONLY_FIELDS = ({f.name for f in dataclasses.fields(Sm90QsaTileConfig)}
                      - {f.name for f in dataclasses.fields(Sm90QsaConfig)})
@@ -190,32 +180,13 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
             wide = (bt.shape[0], bt.shape[1], Hkv)
         return _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, same_strides, device,
                                   target, wide)
-    sms = device_sm_count(device.index or 0)
-    tile, splits = select_config(rows, Hkv, prefill, kv_name, D, group, topk, sms)
+    tile, splits = select_config(rows, Hkv, prefill, kv_name, D, group, topk, device_sm_count(device.index or 0))
     splits = _cache.override.get("splits", splits)
     tuning = _kernel_tuning()
     split = splits > 1
     tuning.setdefault("kv_same_strides", same_strides)
-    force_cluster = _cache.override.get("cluster")
-    if force_cluster is None:
-        cluster = use_cluster_merge(rows * Hkv, splits, sms)
-    else:
-        cluster = bool(force_cluster) and 2 <= splits <= MAX_CLUSTER
-    tile = tuning.pop("tile", tile)
-    if cluster:
-        # the splits of a (row, KV head) as one cluster that merges (gate included) in DSMEM
-        config = make_qsa_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
-                                 split=False, gate=gate is not None, tile=tile, **{"pdl": True, **tuning})
-        if cluster_fits(config):
-            fn = get_kernel(dataclasses.replace(config, cluster=splits), target)
-            lse = _workspace.get(device, rows * Hq)[:rows * Hq].view(rows, Hq)
-            f_lse = ffi_tensor(lse)
-
-            def call(q, k, v, idx, bt, t2r, out, gate, ks, vs):
-                fn(q, k, v, idx, bt, t2r, out, f_lse, gate if gate is not None else q, ks, vs)
-            return _Launch(call, fn, None, None, None, lse, splits, gate is not None)
     config = make_qsa_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
-                             split=split, gate=gate is not None, tile=tile, **tuning)
+                             split=split, gate=gate is not None, tile=tuning.pop("tile", tile), **tuning)
     fn = get_kernel(config, target)
     merge_fn = part_o = part_lse = lse = None
     if split:

@@ -54,7 +54,6 @@ from .fragments import (
     store_shared_f32,
     widen_e4m3x4,
 )
-from .qsa_merge import sigmoid
 
 TILE = 64  # default KV tokens per tile (one WGMMA M); 128 = two M blocks per iteration
 MMA_M = 64
@@ -97,7 +96,6 @@ class Sm90PagedDecode:
         self.G = cfg.group
         self.q_len = cfg.q_len
         self.rows = cfg.group * cfg.q_len
-        self.num_threads = NUM_THREADS
         self.N = cfg.n_pad
         self.page = cfg.page_size
         self.tile = cfg.tile
@@ -336,7 +334,7 @@ class Sm90PagedDecode:
                          seq_len, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId)
         if const_expr(self.cfg.cluster):
             # every thread of the CTA, the producer warp too: the cluster barriers count them all
-            self.cluster_merge(mO, mLse, None, storage.sK.data_ptr().toint())
+            self.cluster_merge(mO, mLse, storage.sK.data_ptr().toint())
 
     # ------------------------------------------------------------------------------------------
 
@@ -815,17 +813,8 @@ class Sm90PagedDecode:
         fp32 ``O[rows, D]`` first, then the LSEs."""
         return (self.rows * self.D + n) * 4
 
-    def cluster_coords(self):
-        """(Traced.) ``(rank, num_splits, token0, head0)`` of this CTA for the cluster merge: its
-        split (the rank in its cluster), the split count, and the output token and head of the
-        group's first query row. Read from the special registers again rather than kept live
-        through the main loop (register pressure); the QSA kernel's grid puts the split on z."""
-        rank = special_register("ctaid.x")
-        num_splits = special_register("nctaid.x")
-        return rank, num_splits, special_register("ctaid.z") * self.q_len, special_register("ctaid.y") * self.G
-
     @cute.jit
-    def cluster_merge(self, mO, mLse, mGate, part_base):
+    def cluster_merge(self, mO, mLse, part_base):
         """Merge the split partials of one (KV head, request) inside its cluster (``num_splits``
         CTAs, at most MAX_CLUSTER).
 
@@ -838,39 +827,38 @@ class Sm90PagedDecode:
         fence, the arrival atomic and the last CTA's L2 round trip, and the merge is spread over
         all split CTAs (measured: profiling/NOTES.md "tenth session")."""
         G = self.G
+        # indices read again here rather than kept live through the main loop (register pressure)
         tidx = special_register("tid.x")
-        rank, num_splits, token0, head0 = self.cluster_coords()
+        rank = special_register("ctaid.x")
+        kv_head = special_register("ctaid.y")
+        batch_idx = special_register("ctaid.z")
+        num_splits = special_register("nctaid.x")
         chunks = self.D // 4
         work = self.rows * chunks
         per = (work + num_splits - 1) // num_splits
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
-        for j in cutlass.range(tidx, per, self.num_threads, unroll=1):
+        for j in cutlass.range(tidx, per, NUM_THREADS, unroll=1):
             idx = rank * per + j
             if idx < work:
                 n = idx // chunks
                 d0 = (idx - n * chunks) * 4
-                self.merge_row_chunk(mO, mLse, num_splits, token0 + n // G, head0 + n % G, d0, (part_base, n),
-                                     CLUSTER_GROUP, True, mGate)
+                self.merge_row_chunk(mO, mLse, num_splits, batch_idx * self.q_len + n // G, kv_head * G + n % G,
+                                     d0, (part_base, n), CLUSTER_GROUP, True)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
     @cute.jit
     def merge_row_chunk(self, mO, mLse, num_splits, token, head, d0, src, group: cutlass.Constexpr,
-                        dsmem: cutlass.Constexpr, mGate=None):
+                        dsmem: cutlass.Constexpr):
         """Merge 4 output dims of one query row over all splits, ``group`` splits at a time. The
         partials come from global memory (``src = (mPartO, mPartLse)``, the fused merge) or from
         the cluster's shared memory (``dsmem``: ``src = (part_base, n)``, the cluster merge).
-        ``mGate`` (QSA): the output is ``round(O) * sigmoid(gate)``, the gate loaded first.
 
         Every load of a group (its LSEs and 16-byte partials) is issued before any is used, so a
         group costs one L2 round trip instead of one per split (this merge is on the critical
         path of every split request); indices past the last split are clamped to it and weighted
         0. Groups are combined with a running max, as in online softmax."""
-        gate = cute.make_rmem_tensor((4,), Float32)
-        if const_expr(mGate is not None):  # in flight with the first group of partials
-            for e in cutlass.range_constexpr(4):
-                gate[e] = mGate[token, head, d0 + e].to(Float32)
         m = -Float32.inf
         total = Float32(0.0)
         acc = cute.make_rmem_tensor((4,), Float32)
@@ -909,10 +897,7 @@ class Sm90PagedDecode:
             inv = 1.0 / total
             lse = m + cute.math.log2(total, fastmath=True)
         for e in cutlass.range_constexpr(4):
-            o = (acc[e] * inv).to(mO.element_type)  # the attention output, rounded first
-            if const_expr(mGate is not None):
-                o = (o.to(Float32) * sigmoid(gate[e])).to(mO.element_type)
-            mO[token, head, d0 + e] = o
+            mO[token, head, d0 + e] = (acc[e] * inv).to(mO.element_type)
         if d0 == 0:
             mLse[token, head] = lse
 

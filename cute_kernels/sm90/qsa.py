@@ -49,8 +49,8 @@ from ..jit.asm import asm
 from ..jit.compiler import KernelConfig
 from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
-from .decode import BAR_MMA, MAX_CLUSTER, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_column, slot_of
-from .fragments import cvt_e4m3x4_f16, special_register, store_shared_f32
+from .decode import BAR_MMA, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_column, slot_of
+from .fragments import cvt_e4m3x4_f16
 from .qsa_merge import sigmoid
 
 PRODUCER_WARP = MMA_WARPS  # the first producer warp
@@ -175,12 +175,11 @@ class Sm90QsaAttention(Sm90PagedDecode):
         v_scale: Float32,
         stream,
     ):
-        num_splits = mO.shape[0] if const_expr(self.cfg.split) else max(1, self.cfg.cluster)
+        num_splits = mO.shape[0] if const_expr(self.cfg.split) else 1
         self.launch(self.kernel, (mQ, mK, mV, mIdx, mBlockTable, mTokenToReq, mO, mLse, mGate, k_scale, v_scale),
-                    [mQ.shape[0], mK.shape[2], num_splits], stream,
-                    cluster=[1, 1, self.cfg.cluster] if const_expr(self.cfg.cluster) else None)
+                    [mQ.shape[0], mK.shape[2], num_splits], stream)
 
-    def launch(self, kernel, args, grid, stream, cluster=None):
+    def launch(self, kernel, args, grid, stream):
         """(Traced inside ``__call__``.) The shared-memory plan and the launch of ``kernel(*args,
         MMAs, layouts)``; shared by the row-tile kernel."""
         cfg = self.cfg
@@ -208,13 +207,9 @@ class Sm90QsaAttention(Sm90PagedDecode):
         smem = Storage.size_in_bytes()
         if const_expr(cfg.occupancy * (smem + 1024) > SMEM_PER_SM or smem > 227 * 1024):
             raise ValueError(f"{cfg.label()}: {smem} bytes of shared memory x {cfg.occupancy} CTAs per SM do not fit")
-        launch = kernel(*args, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout)
-        if const_expr(cluster is not None):
-            launch.launch(grid=grid, block=[self.num_threads, 1, 1], cluster=cluster, stream=stream,
-                          min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100, use_pdl=cfg.pdl)
-        else:
-            launch.launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=cfg.occupancy,
-                          preferred_smem_carveout=100, use_pdl=cfg.pdl)
+        kernel(*args, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=cfg.occupancy,
+            preferred_smem_carveout=100, use_pdl=cfg.pdl)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -265,14 +260,6 @@ class Sm90QsaAttention(Sm90PagedDecode):
             self.consume_tiles(mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale,
                                v_scale, qk_mma, pv_mma, k_layout, v_layout, row, kv_head, split, my_tiles,
                                tidx, warp, lane)
-        if const_expr(cfg.cluster):
-            # every thread, the gather warps too: the cluster barriers count them all
-            self.cluster_merge(mO, mLse, mGate if const_expr(cfg.gate) else None, storage.sK.data_ptr().toint())
-
-    def cluster_coords(self):
-        """(Traced.) See :meth:`Sm90PagedDecode.cluster_coords`: the grid is (row, KV head, split)."""
-        rank = special_register("ctaid.z")
-        return rank, special_register("nctaid.z"), special_register("ctaid.x"), special_register("ctaid.y") * self.G
 
     # ------------------------------------------------------------------------------------------
 
@@ -708,7 +695,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
             cute.arch.mbarrier_arrive(empty + stage)
 
         self.epilogue(acc_o, row_max, row_sum, sRed, cO0, thr_pv, mO, mLse, mGate, v_scale, row, kv_head, split,
-                      n_base, warp, lane, k_base)
+                      n_base, warp, lane)
 
     # ------------------------------------------------------------------------------------------
 
@@ -734,7 +721,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
 
     @cute.jit
     def epilogue(self, acc_o, row_max, row_sum, sRed, cO0, thr_pv, mO, mLse, mGate, v_scale, row, kv_head, split,
-                 n_base, warp, lane, k_base):
+                 n_base, warp, lane):
         """Normalize and store: fp32 partials + LSE (split), or O in q's dtype (gated) + LSE.
         A row (or split) without a valid entry gets O = 0 and LSE = -inf."""
         cfg = self.cfg
@@ -755,23 +742,13 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 if lane < 4:
                     token, head, live = self.out_row(mO, row, kv_head, n)
                     if live:
-                        if const_expr(cfg.cluster):
-                            store_shared_f32(k_base + self.part_lse_offset(n), lse)
-                        elif const_expr(cfg.split):
+                        if const_expr(cfg.split):
                             mLse[split, token, head] = lse
                         else:
                             mLse[token, head] = lse
         cO = thr_pv.partition_C(cute.make_identity_tensor((D, N)))
         n = cute.size(acc_o)
-        if const_expr(cfg.cluster):
-            # the normalized partial into this CTA's K stages (every tile consumed, no copy in
-            # flight), for the cluster merge; the gate is applied there
-            for e in cutlass.range_constexpr(n):
-                nc = cO[e][1]
-                if nc < self.G:
-                    d = self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])
-                    store_shared_f32(k_base + (nc * D + d) * 4, acc_o[e] * inv[slot_of(cO0[e][1])])
-        elif const_expr(not cfg.gate or cfg.split):
+        if const_expr(not cfg.gate or cfg.split):
             for e in cutlass.range_constexpr(n):
                 token, head, live = self.out_row(mO, row, kv_head, cO[e][1])
                 if live:
@@ -836,7 +813,6 @@ class Sm90QsaConfig(KernelConfig):
     producers: int = 1
     pdl: bool = False
     kv_same_strides: bool = False
-    cluster: int = 0
 
     kernel_id = "sm90.qsa"
     targets = ("sm_90a",)
@@ -861,12 +837,6 @@ class Sm90QsaConfig(KernelConfig):
             raise ValueError(f"bad tile/stages {self.tile}/{self.stages}")
         if self.gate and self.split:
             raise ValueError("the gate of a split launch is applied by the merge")
-        if self.cluster:
-            if self.split or not 2 <= self.cluster <= MAX_CLUSTER:
-                raise ValueError(f"a cluster merge takes 2..{MAX_CLUSTER} splits and no split partials, got "
-                                 f"cluster={self.cluster} split={self.split}")
-            if not cluster_fits(self):
-                raise ValueError("cluster merge: the partials do not fit the K stages' shared memory")
         words = self.tile // 32
         chunks_per_row = self.head_dim * DTYPE_BITS[self.kv_dtype] // 8 // 16
         copies = 32 // max(1, 32 // chunks_per_row)  # warp-wide copies per 32-token word
@@ -1000,20 +970,6 @@ def split_table(kv_dtype: str, head_dim: int, group: int, prefill: bool, topk: i
     if table[-1][0] != 0:
         table.append((0, tile, 1))
     return tuple(table)
-
-
-def use_cluster_merge(items: int, splits: int, num_sms: int = H200_SMS) -> bool:
-    """Whether a split decode launch (``items`` = rows x KV heads) runs its splits as thread-block
-    clusters that merge, gate included, through DSMEM instead of the split kernel + merge kernel
-    pair: at most MAX_CLUSTER splits and at most one CTA per SM in all, as for the paged decode
-    (``ops/paged_decode.use_cluster_merge``; measured in profiling/NOTES.md "tenth session")."""
-    return 2 <= splits <= MAX_CLUSTER and items * splits <= num_sms
-
-
-def cluster_fits(cfg: Sm90QsaConfig) -> bool:
-    """Whether a CTA's fp32 partial (``group x (D + 1)`` words) fits the K stages it is left in."""
-    kv_bytes = DTYPE_BITS[cfg.kv_dtype] // 8
-    return cfg.group * (cfg.head_dim + 1) * 4 <= cfg.stages * cfg.tile * cfg.head_dim * kv_bytes
 
 
 def select_config(rows: int, num_kv_heads: int, prefill: bool, kv_dtype: str, head_dim: int, group: int,

@@ -315,31 +315,3 @@ def test_op_on_cpu_runs_the_reference_and_validates():
         cute_kernels.qsa_sparse_attention(**dict(args, v_scale=float("nan")), prefill=True)
     with pytest.raises(ValueError, match="k_cache and v_cache must match"):
         cute_kernels.qsa_sparse_attention(**dict(args, v_cache=args["v_cache"][:1]), prefill=True)
-
-
-def test_cluster_merge_rule_config_and_warmup():
-    """Small split decode batches run their splits as thread-block clusters that merge (gate
-    included) through DSMEM: at most 16 splits and one CTA per SM in all. The config refuses a
-    cluster with split partials or too many splits; the warm-up compiles the cluster kernel for
-    every split count of at most 16 that the table gives a batch that small."""
-    from cute_kernels.qsa_warmup import qsa_variants
-    from cute_kernels.sm90.qsa import Sm90QsaConfig, select_config, split_table, use_cluster_merge
-
-    assert use_cluster_merge(4 * 2, select_config(4, 2, False, "bf16", 256, 12)[1])  # N 4: 11 splits, 88 CTAs
-    assert use_cluster_merge(16 * 2, select_config(16, 2, False, "fp8_e4m3", 256, 12)[1])  # N 16: 4 splits
-    assert not use_cluster_merge(1 * 2, select_config(1, 2, False, "bf16", 256, 12)[1])  # N 1: 33 splits
-    assert not use_cluster_merge(64 * 2, 2)  # 256 CTAs
-    with pytest.raises(ValueError, match="cluster merge takes"):
-        Sm90QsaConfig(split=True, cluster=4)
-    with pytest.raises(ValueError, match="cluster merge takes"):
-        Sm90QsaConfig(cluster=17)
-    configs = qsa_variants(head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568, kv_cache_dtype="bf16")
-    clusters = {(c.cluster, c.gate) for c in configs if isinstance(c, Sm90QsaConfig) and c.cluster}
-    expect = set()
-    lo = 1
-    for max_bp, _, s in split_table("bf16", 256, 12, False):
-        if use_cluster_merge(lo, s):
-            expect |= {(s, True), (s, False)}
-        lo = max_bp + 1
-    assert {11, 4} <= {s for s, _ in clusters} and expect <= clusters
-    assert all(not c.split and c.pdl for c in configs if isinstance(c, Sm90QsaConfig) and c.cluster)
