@@ -56,8 +56,6 @@
 #              (and the cluster at 2 CTAs/SM sizing, at 8 splits) on the split shapes, twice
 #   final10    decode GPU tests (cluster merge for small split grids), decode memcheck, A/B cluster vs global merge
 #   peers10    FP8 decode side by side with XQA / FlashInfer and the global-merge variant (needs part c)
-#   prefetch10 decode GPU tests with the early L2 prefetch of the first tiles (before griddepcontrol.wait), then
-#              the FP8/BF16 A/B against prefetch=0
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
@@ -278,10 +276,6 @@ PY
              done ;;
     peers10) TAIL=60 run 300 peers10 python3 -m profiling.bench_decode --kv fp8 --peers xqa,xqa_nopdl,fi,global --quick \
                --json "$OUT/decode_peers10.json" ;;
-    prefetch10) run 200 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py tests/gpu/test_merge_gpu.py -q \
-                  -p no:cacheprovider
-                TAIL=30 run 150 prefetch python3 -m profiling.bench_decode --kv fp8,bf16 --shapes "B1 ctx,B8 ctx,d256" \
-                  --peers prefetch=0 --quick --json "$OUT/prefetch.json" ;;
     sanitize) run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize
               run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize_qsa ;;
     ncu) for sh in "qwen3-30b B8 ctx32000" "d256 h16/8 B32 ctx8192" "llama3-8b B1 ctx1000"; do

@@ -287,14 +287,9 @@ class Sm90PagedDecode:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if const_expr(self.cfg.pdl):
-            if const_expr(self.cfg.prefetch):
-                if warp == PRODUCER_WARP:
-                    self.prefetch_head(tma_k, mK, tma_v, mV, sK, sV, mBlockTable, mSeqLens, num_pages, batch_idx,
-                                       kv_head, split, num_splits, lane)
             # a programmatic dependent launch may start while the previous kernel in the stream
-            # still runs: everything above touched only shared memory (the prefetch only warms
-            # L2); from here on we read its outputs (and overwrite what it may read), which is
-            # safe after this wait
+            # still runs: everything above touched only shared memory; from here on we read its
+            # outputs (and overwrite what it may read), which is safe after this wait
             cute.arch.griddepcontrol_wait()
 
         # this CTA's tiles: split s takes a contiguous chunk of the request's tiles, or (strided)
@@ -371,32 +366,6 @@ class Sm90PagedDecode:
             state_v.advance()
 
     @cute.jit
-    def prefetch_head(self, tma_k, mK, tma_v, mV, sK, sV, mBlockTable, mSeqLens, num_pages, batch_idx, kv_head,
-                      split, num_splits, lane):
-        """Before ``griddepcontrol.wait``: L2 prefetches (TMA ``prefetch.tensor``) of the K and V
-        boxes of this CTA's first tiles, so that their HBM reads overlap the previous kernel's
-        tail instead of following it. The request length and page ids read here may be stale (the
-        previous kernel may still write them): they only choose what to warm, never what is
-        computed, and are read again after the wait; their loads bypass L1 (``.cg``) so that no
-        stale line stays there. Out-of-range page ids are TMA-clipped (nothing is fetched)."""
-        nb = self.boxes_per_tile
-        _, tKgK, _, tVgV = self.partition_tma(tma_k, mK, tma_v, mV, sK, sV, kv_head)
-        seq_len = cute.arch.load(mSeqLens.iterator + cute.crd2idx((batch_idx,), mSeqLens.layout), Int32, cop="cg")
-        box = self.box_of(split, num_splits, Int32(0), lane)
-        page_id = self.mask_page(self.load_page_raw(mBlockTable, batch_idx, box, predicated=True, cache=".cg"),
-                                 num_pages, seq_len, box)
-        num_tiles = (seq_len + self.tile - 1) // self.tile
-        boxes_per_page = self.page // self.box
-        for k in cutlass.range_constexpr(min(self.stages, 32 // nb)):
-            tile = split + k * num_splits
-            if tile < num_tiles:
-                for j in cutlass.range_constexpr(nb):
-                    pid = cute.arch.shuffle_sync(page_id, k * nb + j)
-                    sub = ((tile * nb + j) % boxes_per_page) if const_expr(boxes_per_page > 1) else 0
-                    cute.prefetch(tma_k, tKgK[None, sub, pid])
-                    cute.prefetch(tma_v, tVgV[None, sub, pid])
-
-    @cute.jit
     def partition_tma(self, tma_k, mK, tma_v, mV, sK, sV, kv_head):
         """TMA partitions of this KV head: (box, D, box-in-page, page) global views, stage tiles
         split into boxes."""
@@ -430,8 +399,7 @@ class Sm90PagedDecode:
         return self.mask_page(self.load_page_raw(mBlockTable, batch_idx, box_idx), num_pages, seq_len, box_idx)
 
     @cute.jit
-    def load_page_raw(self, mBlockTable, batch_idx, box_idx, predicated: cutlass.Constexpr = False,
-                      cache: cutlass.Constexpr = ""):
+    def load_page_raw(self, mBlockTable, batch_idx, box_idx, predicated: cutlass.Constexpr = False):
         """The block-table entry of box ``box_idx``, -1 past the table; read whatever the
         request's length (an address inside the table), so that it need not wait for it.
         ``predicated``: one predicated load instead of a branch around a load."""
@@ -441,7 +409,7 @@ class Sm90PagedDecode:
             inside = logical_page < mBlockTable.shape[1]
             lp = cutlass.min(logical_page, mBlockTable.shape[1] - 1)  # an address near the row when outside
             addr = mBlockTable.iterator + cute.crd2idx((batch_idx, lp), mBlockTable.layout)
-            raw = load_b32_if(addr.toint(), Int32(inside), raw, cache)
+            raw = load_b32_if(addr.toint(), Int32(inside), raw)
         else:
             if logical_page < mBlockTable.shape[1]:
                 raw = mBlockTable[batch_idx, logical_page]
@@ -1113,7 +1081,6 @@ class Sm90DecodeConfig(KernelConfig):
     dynamic: bool = False
     strided: bool = False
     cluster: bool = False
-    prefetch: bool = False
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -1140,8 +1107,6 @@ class Sm90DecodeConfig(KernelConfig):
             raise ValueError("strided tiles are a static split schedule (split=True, dynamic=False)")
         if self.widen not in ("bits", "cvt") or self.tile not in (64, 128):
             raise ValueError(f"bad widen/tile {self.widen}/{self.tile}")
-        if self.prefetch and (not self.pdl or self.dynamic or (self.split and not self.strided)):
-            raise ValueError("the early L2 prefetch needs PDL and a strided split or no split")
         if self.cluster:
             if not self.split or self.dynamic:
                 raise ValueError("the cluster merge needs a static split (split=True, dynamic=False)")
@@ -1265,9 +1230,6 @@ DEFAULT_STRIDED = True
 # a static split into at most MAX_CLUSTER CTAs merges inside a thread-block cluster through DSMEM
 # instead of through global memory (profiling/NOTES.md "tenth session")
 DEFAULT_CLUSTER = True
-# before griddepcontrol.wait, the producer warms L2 with its CTA's first tiles (profiling/NOTES.md
-# "tenth session")
-DEFAULT_PREFETCH = True
 # an FP8 D=64 tile of 64 tokens is only 4 KB of K: two M blocks per iteration halve the per-byte
 # cost of the tile chain (measured, profiling/NOTES.md "decode v5": 75.4 -> 69.4 us)
 FP8_D64_TILE = 128
@@ -1288,8 +1250,6 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
     tuning field (benchmarks compare variants with it)."""
     dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split
     strided = override.pop("strided", DEFAULT_STRIDED) and split and not dynamic
-    pdl = override.pop("pdl", DEFAULT_PDL)
-    prefetch = override.pop("prefetch", DEFAULT_PREFETCH) and pdl and not dynamic and (strided or not split)
     tile = override.get("tile", FP8_D64_TILE if (kv_dtype, head_dim) == ("fp8_e4m3", 64) else TILE)
     n_pad = max(8, (group * q_len + 7) // 8 * 8)
     stages, occupancy = decode_tuning(1 if kv_dtype == "fp8_e4m3" else 2, head_dim, n_pad, tile,
@@ -1298,8 +1258,8 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
         q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len, page_size=page_size,
         stages=stages, split=split, k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
         kv_form=kv_form, kv_layout=kv_layout, occupancy=occupancy, tile=tile,
-        widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=pdl, dynamic=dynamic,
-        strided=strided, prefetch=bool(prefetch),
+        widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=DEFAULT_PDL, dynamic=dynamic,
+        strided=strided,
     )
     fields.update(override)
     return Sm90DecodeConfig(**fields)

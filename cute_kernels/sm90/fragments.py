@@ -111,14 +111,13 @@ def load_cg_f32x4(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float32, 
 
 
 @dsl_user_op
-def load_b32_if(gmem_addr: Int64, pred: Int32, fallback: Int32, cache: str = "", *, loc=None, ip=None) -> Int32:
+def load_b32_if(gmem_addr: Int64, pred: Int32, fallback: Int32, *, loc=None, ip=None) -> Int32:
     """``@p ld.global.b32``: the word at ``gmem_addr`` if ``pred`` is nonzero, else ``fallback``
     (the address is then not dereferenced). A predicated load instead of a branch around it, so
     that ptxas can schedule it next to the loads around it; volatile, so that it stays behind a
-    ``griddepcontrol.wait`` before it. ``cache=".cg"``: not allocated in L1 (a read before that
-    wait must not leave a stale line for the reads after it)."""
+    ``griddepcontrol.wait`` before it."""
     text = ("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $1, 0;\n\tmov.b32 $0, $3;\n\t"
-            f"@p ld.global{cache}.b32 $0, [$2];\n\t}}")
+            "@p ld.global.b32 $0, [$2];\n\t}")
     return Int32(asm([T.i32()], [Int32(pred), Int64(gmem_addr), Int32(fallback)], text, "=r,r,l,r",
                      side_effects=True, loc=loc, ip=ip))
 

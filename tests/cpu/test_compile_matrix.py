@@ -202,29 +202,6 @@ def test_decode_cluster_merge_reads_partials_through_dsmem():
         Sm90DecodeConfig(split=True, cluster=True, head_dim=64, group=16, q_len=4, stages=2)
 
 
-def test_decode_prefetches_its_first_tiles_before_the_pdl_wait():
-    """With PDL the producer warms L2 with its CTA's first tiles (TMA ``prefetch.tensor``, K and V
-    boxes of ``stages`` tiles) before ``griddepcontrol.wait``, reading the length and page ids it
-    needs past L1 (``.cg``); without PDL, or with a dynamic or contiguous split, there is nothing
-    to overlap and the config refuses it."""
-    from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.decode import Sm90DecodeConfig, make_decode_config
-
-    shape = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=4, q_len=1, page_size=16, split=True)
-    cfg = make_decode_config(**shape)
-    assert cfg.prefetch and cfg.pdl and cfg.strided
-    ptx = compile_config(cfg, "sm_90a", artifacts=True).ptx
-    wait = ptx.index("griddepcontrol.wait")
-    head = ptx[:wait]
-    assert len(re.findall(r"cp\.async\.bulk\.prefetch\.tensor", head)) == 2 * cfg.stages * cfg.tile // 16
-    assert re.search(r"ld\.global\.cg\.b32", head) and not re.search(r"cp\.async\.bulk\.tensor", head)
-    assert not make_decode_config(**shape, pdl=False).prefetch
-    assert not make_decode_config(**shape, strided=False).prefetch
-    assert not make_decode_config(**shape, dynamic=True).prefetch
-    with pytest.raises(ValueError, match="early L2 prefetch"):
-        Sm90DecodeConfig(split=True, strided=False, pdl=True, prefetch=True)
-
-
 def _gate_load_runs(ptx: str) -> list[int]:
     """Sizes of the runs of 16-bit global loads (only the gate is read that way) that no branch
     and no global store interrupts, in program order."""
