@@ -20,8 +20,11 @@ Design (numbers and the alternatives measured are in profiling/NOTES.md):
 - **16-bit cache: SS WGMMA** straight from the TMA'd tiles (V^T as an MN-major A operand).
 - Online softmax over tokens (the M dim): per-column maxima cross the 4 warps through shared
   memory once per tile; row sums stay per thread until the end.
-- ``split``: fp32 partial outputs and base-2 LSE per split for ``merge_states``; otherwise the
-  output (in the query dtype) and the LSE are written directly.
+- ``split``: each split CTA normalizes its fp32 partial and base-2 LSE, and the splits of a
+  (request, KV head) merge without a second launch: through global memory, where the last CTA to
+  arrive (an arrival counter) reads every partial from L2, or (``cluster``, small grids) as one
+  thread-block cluster whose CTAs each merge a share of the output from the others' shared
+  memory (DSMEM). Unsplit, the output (in the query dtype) and the LSE are written directly.
 """
 
 from __future__ import annotations
