@@ -134,7 +134,9 @@ _cache = LaunchCache()
 
 def tuning_override(**fields):
     """``with tuning_override(widen="bits", tile=128): ...`` forces kernel tuning fields (for
-    benchmarks comparing variants). The override is part of the launch-cache key."""
+    benchmarks comparing variants). The override is part of the launch-cache key. ``cluster``
+    is a launch choice: ``False`` never merges in clusters, ``True`` does whenever the split
+    count allows (at most MAX_CLUSTER), absent leaves it to :func:`use_cluster_merge`."""
     return _cache.tuning_override(**fields)
 
 
