@@ -13,7 +13,7 @@ from itertools import product
 
 from .jit.compiler import KernelConfig, normalize_target
 from .jit.parallel import precompile
-from .sm90.decode import DEFAULT_CLUSTER, cluster_fits, make_decode_config
+from .sm90.decode import CLUSTER_MIN_SIZING, DEFAULT_CLUSTER, cluster_fits, make_decode_config
 
 
 def decode_variants(
@@ -35,7 +35,8 @@ def decode_variants(
     ``kv_forms``: ``"single"`` for one ``[P, 2, ...]`` cache tensor, ``"pair"`` for a (K, V) tuple.
     The op sizes a kernel for the CTAs per SM a call produces (1 up to the variant's maximum,
     depending on batch and context), so each of those occupancies is a variant too; a split
-    config comes with its cluster-merge form as well (splits of at most MAX_CLUSTER CTAs).
+    config sized for at least CLUSTER_MIN_SIZING CTAs per SM comes with its cluster-merge form as
+    well (splits of at most MAX_CLUSTER CTAs).
     """
     group = num_q_heads // num_kv_heads
     want_cluster = override.pop("cluster", DEFAULT_CLUSTER)
@@ -52,7 +53,9 @@ def decode_variants(
             configs += [make_decode_config(**fields, **override, occupancy=occ) for occ in range(1, base.occupancy)]
         for cfg in configs:
             out.append(cfg)
-            if want_cluster and cfg.split and not cfg.dynamic and cluster_fits(cfg):
+            # the op sizes a cluster-merged launch for at least CLUSTER_MIN_SIZING CTAs per SM
+            if (want_cluster and cfg.split and not cfg.dynamic and cfg.occupancy >= CLUSTER_MIN_SIZING
+                    and cluster_fits(cfg)):
                 out.append(dataclasses.replace(cfg, cluster=True))
     return out
 

@@ -14,6 +14,7 @@ argument itself. When it refuses one, the call is validated in full for a clear 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from .. import reference
 from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
-from ..sm90.decode import DEFAULT_CLUSTER, MAX_CLUSTER, cluster_fits, make_decode_config
+from ..sm90.decode import CLUSTER_MIN_SIZING, DEFAULT_CLUSTER, MAX_CLUSTER, cluster_fits, make_decode_config
 from ._launch import LaunchCache
 from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
 
@@ -68,12 +69,6 @@ def choose_schedule(items: int, max_context: int, num_sms: int, max_occupancy: i
     return splits, per_sm
 
 
-# CTAs per SM a cluster-merged launch is sized for at least: a cluster of up to 16 split CTAs must
-# fit in one GPC, which a kernel sized for one CTA per SM (135 KB of shared memory) made wait for a
-# second wave (Llama B1 FP8: 7.9 us sized for 1, 4.5 sized for 2, 5.4 with the global merge)
-CLUSTER_MIN_SIZING = 2
-
-
 def use_cluster_merge(items: int, num_splits: int, num_sms: int) -> bool:
     """Whether a split launch merges in thread-block clusters (DSMEM) rather than through global
     memory: at most MAX_CLUSTER splits and at most one CTA per SM in all. The cluster saves the
@@ -82,6 +77,30 @@ def use_cluster_merge(items: int, num_splits: int, num_sms: int) -> bool:
     (Qwen3 B8 FP8, 12-CTA clusters at 3 per SM: 70.4 -> 89.6 us). Measured: profiling/NOTES.md
     "tenth session"."""
     return 2 <= num_splits <= MAX_CLUSTER and items * num_splits <= num_sms
+
+
+def plan_launch(items: int, max_context: int, num_sms: int, max_occupancy: int, tile: int, head_dim: int,
+                fp8: bool, num_splits: int | None, deterministic: bool, force_cluster: bool | None,
+                force_dynamic: bool = False) -> tuple[int, dict, bool]:
+    """``(num_splits, tuning fields, cluster merge)`` of a launch, from shapes only. The split
+    count and sizing come from :func:`launch_schedule`; a non-deterministic call with enough tiles
+    per split schedules them dynamically; the cluster merge (``force_cluster`` None: the rule
+    :func:`use_cluster_merge`; True: whenever the split count allows; False: never; never with a
+    dynamic split) is decided before the sizing, which it raises to CLUSTER_MIN_SIZING."""
+    num_splits, per_sm = launch_schedule(items, max_context, num_sms, max_occupancy, tile, head_dim, fp8, num_splits)
+    split = num_splits > 1
+    auto_dynamic = not deterministic and split and math.ceil(max_context / tile) >= DYNAMIC_MIN_TILES * num_splits
+    dynamic = auto_dynamic or (split and force_dynamic)
+    if force_cluster is None:
+        cluster = DEFAULT_CLUSTER and not dynamic and use_cluster_merge(items, num_splits, num_sms)
+    else:
+        cluster = bool(force_cluster) and not dynamic and 2 <= num_splits <= MAX_CLUSTER
+    if cluster:
+        per_sm = max(per_sm, CLUSTER_MIN_SIZING)
+    tuning = {} if per_sm >= max_occupancy else dict(occupancy=per_sm)
+    if auto_dynamic:
+        tuning["dynamic"] = True
+    return num_splits, tuning, cluster
 
 
 def launch_schedule(items: int, max_context: int, num_sms: int, max_occupancy: int, tile: int, head_dim: int,
@@ -238,22 +257,13 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         )
 
     probe = config_for(False)
-    sms = device_sm_count(device.index or 0)
-    num_splits, per_sm = launch_schedule(B * Hkv, block_table.shape[1] * page, sms, probe.occupancy, probe.tile, D,
-                                         k.dtype == FP8, num_splits)
+    num_splits, tuning, cluster = plan_launch(
+        B * Hkv, block_table.shape[1] * page, device_sm_count(device.index or 0), probe.occupancy, probe.tile, D,
+        k.dtype == FP8, num_splits, deterministic, force_cluster, bool(override.get("dynamic", False)))
     split = num_splits > 1
-    if force_cluster is None:
-        cluster = DEFAULT_CLUSTER and use_cluster_merge(B * Hkv, num_splits, sms)
-    else:
-        cluster = bool(force_cluster) and 2 <= num_splits <= MAX_CLUSTER
-    if cluster:
-        per_sm = max(per_sm, CLUSTER_MIN_SIZING)
-    tuning = {} if per_sm >= probe.occupancy else dict(occupancy=per_sm)
-    if not deterministic and split and math.ceil(block_table.shape[1] * page / probe.tile) >= DYNAMIC_MIN_TILES * num_splits:
-        tuning["dynamic"] = True
     config = config_for(split, **tuning)
-    if cluster and not config.dynamic and cluster_fits(config):
-        config = config_for(split, cluster=True, **tuning)
+    if cluster and cluster_fits(config):
+        config = dataclasses.replace(config, cluster=True)
     target = compile_target(device)
     fn = get_kernel(config, target)
     part_o = part_lse = scratch = counters = None

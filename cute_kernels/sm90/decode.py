@@ -1233,6 +1233,10 @@ DEFAULT_STRIDED = True
 # a static split into at most MAX_CLUSTER CTAs merges inside a thread-block cluster through DSMEM
 # instead of through global memory (profiling/NOTES.md "tenth session")
 DEFAULT_CLUSTER = True
+# CTAs per SM a cluster-merged launch is sized for at least: a cluster of up to 16 split CTAs must
+# fit in one GPC, which a kernel sized for one CTA per SM (135 KB of shared memory) made wait for a
+# second wave (Llama B1 FP8: 7.9 us sized for 1, 4.5 sized for 2, 5.4 with the global merge)
+CLUSTER_MIN_SIZING = 2
 # an FP8 D=64 tile of 64 tokens is only 4 KB of K: two M blocks per iteration halve the per-byte
 # cost of the tile chain (measured, profiling/NOTES.md "decode v5": 75.4 -> 69.4 us)
 FP8_D64_TILE = 128

@@ -152,13 +152,15 @@ def test_public_ops_are_bound_on_first_access():
 
 
 def test_warmup_lists_the_cluster_merge_variants():
-    """Every split config a shape can reach comes with its cluster-merge form (the op takes it for
-    splits of at most MAX_CLUSTER CTAs), unless the warm-up is told ``cluster=False``."""
+    """Every split config a shape can reach at the cluster sizing (>= 2 CTAs per SM) comes with its
+    cluster-merge form (the op takes it for splits of at most MAX_CLUSTER CTAs), unless the
+    warm-up is told ``cluster=False``."""
+    from cute_kernels.sm90.decode import CLUSTER_MIN_SIZING
     from cute_kernels.warmup import decode_variants
 
     shape = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16, scale_tensors=(False,))
     configs = decode_variants(**shape)
-    split = [c for c in configs if c.split and not c.cluster]
+    split = [c for c in configs if c.split and not c.cluster and c.occupancy >= CLUSTER_MIN_SIZING]
     clustered = {c for c in configs if c.cluster}
     assert split and all(c.split and not c.dynamic for c in clustered)
     assert {dataclasses.replace(c, cluster=True) for c in split} == clustered
@@ -175,3 +177,20 @@ def test_cluster_merge_only_for_small_split_grids():
     assert not op.use_cluster_merge(8, 1, sms)  # no split
     assert not op.use_cluster_merge(2, 32, sms)  # more splits than a cluster holds
     assert op.CLUSTER_MIN_SIZING >= 2
+
+
+def test_cluster_decision_precedes_the_sizing():
+    """A small static split clusters and is sized for at least CLUSTER_MIN_SIZING CTAs per SM; a
+    dynamic split (``deterministic=False`` with enough tiles per split, or forced) never
+    clusters, so it keeps the schedule's sizing; ``force_cluster`` False never clusters."""
+    sms = 132
+    # Llama B1 ctx 1000 FP8: 16 splits x 8 heads, one CTA per SM -> cluster, sized for 2
+    n, tuning, cluster = op.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, None)
+    assert (n, cluster) == (16, True) and tuning == dict(occupancy=op.CLUSTER_MIN_SIZING)
+    assert op.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, False) == (16, dict(occupancy=1), False)
+    # Qwen3 B8 ctx 32000: 12 x 32 CTAs -> global merge at 3 CTAs/SM
+    assert op.plan_launch(32, 32016, sms, 4, 64, 128, True, None, True, None) == (12, dict(occupancy=3), False)
+    # one request, long context, deterministic=False: dynamic chunks, no cluster, no raised sizing
+    n, tuning, cluster = op.plan_launch(4, 8192, sms, 4, 64, 128, True, 4, False, None)
+    assert tuning.get("dynamic") and not cluster
+    assert not op.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, True, force_dynamic=True)[2]
