@@ -57,6 +57,10 @@
 #   final10    decode GPU tests (cluster merge for small split grids), decode memcheck, A/B cluster vs global merge
 #   peers10    FP8 decode side by side with XQA / FlashInfer and the global-merge variant (needs part c)
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
+#   final11    decode GPU tests (a cluster launch takes the split count, no merge workspace), decode memcheck,
+#              A/B cluster vs global merge on the split shapes
+#   peers11f   FP8 decode side by side with XQA (with and without PDL), FlashInfer and SDPA, with accuracy (part c)
+#   peers11b   BF16 decode side by side with XQA, FlashInfer, FA4 and SDPA, with accuracy (needs part c)
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
 export PYTHONUNBUFFERED=1
@@ -276,6 +280,16 @@ PY
              done ;;
     peers10) TAIL=60 run 300 peers10 python3 -m profiling.bench_decode --kv fp8 --peers xqa,xqa_nopdl,fi,global --quick \
                --json "$OUT/decode_peers10.json" ;;
+    final11) run 300 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py tests/gpu/test_merge_gpu.py -q \
+               -p no:cacheprovider
+             run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+               python3 -m profiling.sanitize
+             TAIL=14 run 150 cluster11 python3 -m profiling.bench_decode --kv fp8,bf16 --shapes B1,B8,d64 \
+               --peers global --quick --json "$OUT/cluster11.json" ;;
+    peers11f) TAIL=60 run 420 peers11f python3 -m profiling.bench_decode --kv fp8 --peers xqa,xqa_nopdl,fi,sdpa \
+                --json "$OUT/decode_peers11_fp8.json" --png "$OUT/decode_peers11_fp8.png" ;;
+    peers11b) TAIL=60 run 500 peers11b python3 -m profiling.bench_decode --kv bf16 --peers xqa,fi,fa4,sdpa \
+                --json "$OUT/decode_peers11_bf16.json" --png "$OUT/decode_peers11_bf16.png" ;;
     sanitize) run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize
               run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize_qsa ;;
     ncu) for sh in "qwen3-30b B8 ctx32000" "d256 h16/8 B32 ctx8192" "llama3-8b B1 ctx1000"; do

@@ -268,10 +268,11 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     fn = get_kernel(config, target)
     part_o = part_lse = scratch = counters = None
     lse_numel = T * Hq
-    part_numel = num_splits * T * Hq * D if split else 0
-    plse_numel = num_splits * lse_numel if split else 0
+    global_merge = split and not config.cluster  # a cluster merges in shared memory: no workspace
+    part_numel = num_splits * T * Hq * D if global_merge else 0
+    plse_numel = num_splits * lse_numel if global_merge else 0
     ws = _workspace.get(device, part_numel + plse_numel + (0 if return_lse else lse_numel))
-    if split:
+    if global_merge:
         part_o = ws[:part_numel].view(num_splits, T, Hq, D)
         part_lse = ws[part_numel:part_numel + plse_numel].view(num_splits, T, Hq)
         # arrival counters, then (dynamic split) the tile-chunk counters
@@ -281,7 +282,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         scratch = ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
     order = tuple(a.name for a in config.signature())
     caller = _make_caller(fn, order, dict(part_out=ffi_tensor(part_o), part_lse=ffi_tensor(part_lse),
-                                          counters=ffi_tensor(counters), sm_scale=scale))
+                                          counters=ffi_tensor(counters), sm_scale=scale, num_splits=num_splits))
     return _Launch(caller, scratch, (T, Hq, D))
 
 

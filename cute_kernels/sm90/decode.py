@@ -136,12 +136,13 @@ class Sm90PagedDecode:
         mSeqLens: cute.Tensor,  # [B] int32
         mO: cute.Tensor,  # [T, Hq, D] in the query's dtype
         mLse: cute.Tensor,  # [T, Hq] fp32
-        mPartO: cute.Tensor,  # split: [S, T, Hq, D] fp32 partials (else: mO again, unused)
-        mPartLse: cute.Tensor,  # split: [S, T, Hq] (else: mLse again, unused)
-        mCounter: cute.Tensor,  # split: int32 [>= B * Hkv] arrival counters, zero between launches
+        mPartO: cute.Tensor,  # global merge: [S, T, Hq, D] fp32 partials (else: mO again, unused)
+        mPartLse: cute.Tensor,  # global merge: [S, T, Hq] (else: mLse again, unused)
+        mCounter: cute.Tensor,  # global merge: int32 [>= B * Hkv] arrival counters, zero between launches
         k_scale,  # Float32 or [1] fp32 tensor
         v_scale,
         sm_scale: Float32,
+        num_splits,  # the grid's split count (1 without split)
         stream,
     ):
         D, N = self.D, self.N
@@ -190,21 +191,16 @@ class Sm90PagedDecode:
             sP: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(p_layout)], 1024]
 
         self.storage = Storage
-        num_splits = mPartO.shape[0] if const_expr(cfg.split) else 1
         num_kv_heads = mK4.shape[head]
         batch = mBlockTable.shape[0]
         kernel = self.kernel(
             mQ, tma_k, tma_tK, tma_v, tma_tV, mK4.shape[0], mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse,
             mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
         )
-        if const_expr(cfg.cluster):
-            # the splits of one (KV head, request) form one cluster and merge through DSMEM
-            kernel.launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream,
-                          cluster=[num_splits, 1, 1], min_blocks_per_mp=cfg.occupancy,
-                          preferred_smem_carveout=100, use_pdl=cfg.pdl)
-        else:
-            kernel.launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream,
-                          min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100, use_pdl=cfg.pdl)
+        # cluster merge: the splits of one (KV head, request) form one cluster and merge through DSMEM
+        kernel.launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream,
+                      cluster=[num_splits, 1, 1] if const_expr(cfg.cluster) else None,
+                      min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100, use_pdl=cfg.pdl)
 
     def mmas_and_layouts(self):
         """The two tiled WGMMAs (swap-AB: KV tokens on M, the group's query rows on N; A from
@@ -1131,11 +1127,16 @@ class Sm90DecodeConfig(KernelConfig):
         else:
             caches = (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
                       TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
-        split = (
-            TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=16),  # merged with 16-byte loads
-            TensorArg("part_lse", "fp32", ("S", "T", "Hq"), align=4),
-            TensorArg("counters", "int32", ("C",), align=4),  # the fused merge's arrival counters
-        ) if self.split else ()
+        if self.cluster:  # partials stay in the cluster's shared memory: only the grid's split count
+            split = (ScalarArg("num_splits", "int32"),)
+        elif self.split:
+            split = (
+                TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=16),  # merged with 16-byte loads
+                TensorArg("part_lse", "fp32", ("S", "T", "Hq"), align=4),
+                TensorArg("counters", "int32", ("C",), align=4),  # the fused merge's arrival counters
+            )
+        else:
+            split = ()
         return (
             TensorArg("q", self.q_dtype, ("T", "Hq", D)),
             *caches,
@@ -1150,8 +1151,10 @@ class Sm90DecodeConfig(KernelConfig):
         )
 
     def build(self):
-        entry = {(False, "single"): _Single, (False, "pair"): _Pair,
-                 (True, "single"): _SplitSingle, (True, "pair"): _SplitPair}[(self.split, self.kv_form)]
+        merge = "cluster" if self.cluster else "global" if self.split else None
+        entry = {(None, "single"): _Single, (None, "pair"): _Pair, ("global", "single"): _SplitSingle,
+                 ("global", "pair"): _SplitPair, ("cluster", "single"): _ClusterSingle,
+                 ("cluster", "pair"): _ClusterPair}[(merge, self.kv_form)]
         return entry(self)
 
 
@@ -1163,14 +1166,14 @@ class _Single(Sm90PagedDecode):
     @cute.jit
     def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32, stream):
         self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
-                    sm_scale, stream)
+                    sm_scale, 1, stream)
 
 
 class _Pair(Sm90PagedDecode):
     @cute.jit
     def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32, stream):
         self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
-                    sm_scale, stream)
+                    sm_scale, 1, stream)
 
 
 class _SplitSingle(Sm90PagedDecode):
@@ -1178,7 +1181,7 @@ class _SplitSingle(Sm90PagedDecode):
     def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
                  sm_scale: Float32, stream):
         self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
-                    sm_scale, stream)
+                    sm_scale, mPartO.shape[0], stream)
 
 
 class _SplitPair(Sm90PagedDecode):
@@ -1186,7 +1189,23 @@ class _SplitPair(Sm90PagedDecode):
     def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
                  sm_scale: Float32, stream):
         self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
-                    sm_scale, stream)
+                    sm_scale, mPartO.shape[0], stream)
+
+
+class _ClusterSingle(Sm90PagedDecode):
+    @cute.jit
+    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, num_splits: Int32, k_scale, v_scale,
+                 sm_scale: Float32, stream):
+        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
+                    sm_scale, num_splits, stream)
+
+
+class _ClusterPair(Sm90PagedDecode):
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, num_splits: Int32, k_scale, v_scale,
+                 sm_scale: Float32, stream):
+        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
+                    sm_scale, num_splits, stream)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -167,6 +167,17 @@ def test_warmup_lists_the_cluster_merge_variants():
     assert not any(c.cluster for c in decode_variants(**shape, cluster=False))
 
 
+def test_cluster_launch_takes_no_merge_workspace():
+    """A cluster-merged launch keeps its partials in shared memory: its compiled function takes the
+    split count as a scalar instead of the global merge's partials and arrival counters."""
+    cfg = make_decode_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=4, q_len=1, page_size=16,
+                             split=True, occupancy=2)
+    names = [a.name for a in cfg.signature()]
+    assert {"part_out", "part_lse", "counters"} <= set(names) and "num_splits" not in names
+    names = [a.name for a in dataclasses.replace(cfg, cluster=True).signature()]
+    assert "num_splits" in names and not {"part_out", "part_lse", "counters"} & set(names)
+
+
 def test_cluster_merge_only_for_small_split_grids():
     """The cluster merge serves split launches of at most 16 CTAs per (request, KV head) that put at
     most one CTA on each SM (latency-bound); fuller grids keep the global merge."""
