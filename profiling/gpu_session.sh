@@ -59,8 +59,6 @@
 #   sanitize   compute-sanitizer memcheck on decode/merge and QSA shapes
 #   final11    decode GPU tests (a cluster launch takes the split count, no merge workspace), decode memcheck,
 #              A/B cluster vs global merge on the split shapes
-#   look11     decode GPU tests (page ids loaded one batch ahead), decode memcheck, A/B without the lookahead and
-#              against the dynamic schedule on every shape, twice
 #   peers11f   FP8 decode side by side with XQA (with and without PDL), FlashInfer and SDPA, with accuracy (part c)
 #   peers11b   BF16 decode side by side with XQA, FlashInfer, FA4 and SDPA, with accuracy (needs part c)
 set -o pipefail
@@ -288,14 +286,6 @@ PY
                python3 -m profiling.sanitize
              TAIL=14 run 150 cluster11 python3 -m profiling.bench_decode --kv fp8,bf16 --shapes B1,B8,d64 \
                --peers global --quick --json "$OUT/cluster11.json" ;;
-    look11) run 300 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py tests/gpu/test_merge_gpu.py -q \
-              -p no:cacheprovider
-            run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-              python3 -m profiling.sanitize
-            for i in 1 2; do
-              TAIL=40 run 150 look_$i python3 -m profiling.bench_decode --kv fp8,bf16 --peers nolookahead,dynamic \
-                --quick --json "$OUT/look_$i.json"
-            done ;;
     peers11f) TAIL=60 run 420 peers11f python3 -m profiling.bench_decode --kv fp8 --peers xqa,xqa_nopdl,fi,sdpa \
                 --json "$OUT/decode_peers11_fp8.json" --png "$OUT/decode_peers11_fp8.png" ;;
     peers11b) TAIL=60 run 500 peers11b python3 -m profiling.bench_decode --kv bf16 --peers xqa,fi,fa4,sdpa \

@@ -352,25 +352,12 @@ class Sm90PagedDecode:
         if const_expr(not self.cfg.strided):
             first_raw = self.load_page_raw(mBlockTable, batch_idx, box0)
         page_id = self.mask_page(first_raw, num_pages, seq_len, box0)
-        batch_tiles = 32 // nb  # tiles per batch of 32 page ids
-        next_raw = Int32(-1)
-        if const_expr(self.cfg.lookahead):
-            # the next batch's entries are loaded one batch ahead: a batch's first TMA never
-            # waits for its page-table round trip (the producer's main stall on long contexts)
-            next_raw = self.load_page_raw(mBlockTable, batch_idx, self.box_of(tile_begin, tile_step, batch_tiles, lane),
-                                          predicated=True)
         k = Int32(0)
         for tile in cutlass.range(tile_begin, tile_end, tile_step, unroll=1):
             rel = k * nb  # box index relative to this CTA's first box
             if rel % 32 == 0 and k > 0:
-                if const_expr(self.cfg.lookahead):
-                    page_id = self.mask_page(next_raw, num_pages, seq_len, self.box_of(tile_begin, tile_step, k, lane))
-                    next_raw = self.load_page_raw(mBlockTable, batch_idx,
-                                                  self.box_of(tile_begin, tile_step, k + batch_tiles, lane),
-                                                  predicated=True)
-                else:
-                    page_id = self.lookup_page(mBlockTable, num_pages, batch_idx, seq_len,
-                                               self.box_of(tile_begin, tile_step, k, lane))
+                page_id = self.lookup_page(mBlockTable, num_pages, batch_idx, seq_len,
+                                           self.box_of(tile_begin, tile_step, k, lane))
             k += 1
             pipe_k.producer_acquire(state_k)
             self.load_tile(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, pipe_k, pipe_v, state_k, state_v, page_id, rel, tile)
@@ -1071,9 +1058,7 @@ class Sm90DecodeConfig(KernelConfig):
     (request, KV head) take chunks of tiles from a shared counter instead of fixed ranges (their
     counters follow the arrival counters in ``counters``). ``strided`` (static split only, the
     default): split s takes tiles s, s + S, ... instead of a contiguous range, so its first
-    page-table lookup does not wait for the request's length. ``lookahead`` (static schedules):
-    the producer loads the page ids of its next batch of 32 boxes while it issues the current
-    batch's TMAs, instead of when it reaches the next batch.
+    page-table lookup does not wait for the request's length.
     """
 
     q_dtype: str = "bf16"
@@ -1095,7 +1080,6 @@ class Sm90DecodeConfig(KernelConfig):
     dynamic: bool = False
     strided: bool = False
     cluster: bool = False
-    lookahead: bool = False
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -1265,8 +1249,6 @@ DEFAULT_DYNAMIC = False  # dynamic split scheduling is opt-in (not bitwise repro
 # Measured (NOTES "ninth session", two runs): Qwen3 B8 ctx32000 FP8 71.0 / 71.1 -> 70.5 / 70.4 us,
 # Llama B1 FP8 5.5 -> 5.4, BF16 B8 127.7 -> 127.2; unsplit shapes unchanged
 DEFAULT_STRIDED = True
-# page ids loaded one batch of 32 boxes ahead of their TMAs (see Sm90DecodeConfig.lookahead)
-DEFAULT_LOOKAHEAD = True
 # a static split into at most MAX_CLUSTER CTAs merges inside a thread-block cluster through DSMEM
 # instead of through global memory (profiling/NOTES.md "tenth session")
 DEFAULT_CLUSTER = True
@@ -1303,7 +1285,7 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
         stages=stages, split=split, k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
         kv_form=kv_form, kv_layout=kv_layout, occupancy=occupancy, tile=tile,
         widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=DEFAULT_PDL, dynamic=dynamic,
-        strided=strided, lookahead=DEFAULT_LOOKAHEAD,
+        strided=strided,
     )
     fields.update(override)
     return Sm90DecodeConfig(**fields)

@@ -61,8 +61,7 @@ VARIANT_CASES = [
     (BF16, BF16, 128, 32, 8, 16, 1, "HND", "single", 3),
 ]
 VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128), dict(pdl=False), dict(dynamic=True),
-            dict(strided=True), dict(strided=False), dict(cluster=False), dict(cluster=False, strided=False),
-            dict(lookahead=False)]
+            dict(strided=True), dict(strided=False), dict(cluster=False), dict(cluster=False, strided=False)]
 
 
 def _ids(c):
