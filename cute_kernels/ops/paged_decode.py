@@ -103,6 +103,25 @@ def plan_launch(items: int, max_context: int, num_sms: int, max_occupancy: int, 
     return num_splits, tuning, cluster
 
 
+def plan_config(config_for, items: int, max_context: int, num_sms: int, num_splits: int | None,
+                deterministic: bool, force_cluster: bool | None, force_dynamic: bool = False):
+    """``(num_splits, config)`` of a launch: :func:`plan_launch` on the variant ``config_for(split,
+    **tuning)`` builds, then the config it asks for. When the plan wants a cluster merge but the
+    partials do not fit that config's K stages (:func:`cluster_fits`), the launch is planned
+    again without the cluster, so it does not keep the sizing raised for one."""
+    probe = config_for(False)
+    fp8 = probe.kv_dtype == "fp8_e4m3"
+    args = (items, max_context, num_sms, probe.occupancy, probe.tile, probe.head_dim, fp8, num_splits, deterministic)
+    splits, tuning, cluster = plan_launch(*args, force_cluster, force_dynamic)
+    config = config_for(splits > 1, **tuning)
+    if cluster:
+        if cluster_fits(config):
+            return splits, dataclasses.replace(config, cluster=True)
+        splits, tuning, _ = plan_launch(*args, False, force_dynamic)
+        config = config_for(splits > 1, **tuning)
+    return splits, config
+
+
 def launch_schedule(items: int, max_context: int, num_sms: int, max_occupancy: int, tile: int, head_dim: int,
                     fp8: bool, num_splits: int | None = None) -> tuple[int, int]:
     """``(num_splits, CTAs per SM the kernel is sized for)`` of a launch, from shapes only:
@@ -256,14 +275,10 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
             kv_form="pair" if pair else "single", kv_layout=kv_layout, **{**tuning, **override},
         )
 
-    probe = config_for(False)
-    num_splits, tuning, cluster = plan_launch(
-        B * Hkv, block_table.shape[1] * page, device_sm_count(device.index or 0), probe.occupancy, probe.tile, D,
-        k.dtype == FP8, num_splits, deterministic, force_cluster, bool(override.get("dynamic", False)))
+    num_splits, config = plan_config(config_for, B * Hkv, block_table.shape[1] * page,
+                                     device_sm_count(device.index or 0), num_splits, deterministic, force_cluster,
+                                     bool(override.get("dynamic", False)))
     split = num_splits > 1
-    config = config_for(split, **tuning)
-    if cluster and cluster_fits(config):
-        config = dataclasses.replace(config, cluster=True)
     target = compile_target(device)
     fn = get_kernel(config, target)
     part_o = part_lse = scratch = counters = None

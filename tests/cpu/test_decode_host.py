@@ -178,6 +178,29 @@ def test_cluster_launch_takes_no_merge_workspace():
     assert "num_splits" in names and not {"part_out", "part_lse", "counters"} & set(names)
 
 
+def test_plan_config_drops_a_cluster_whose_partials_do_not_fit():
+    """The op's config: the cluster form where the plan asks for it and the partials fit the K
+    stages (Llama B1 FP8); where they do not (BF16 D 128, 64 rows: two stages at 2 CTAs/SM), the
+    launch is planned again without the cluster, so its sizing is the global merge's (1 CTA/SM),
+    not the one raised for the cluster."""
+    def config_for(kv, **shape):
+        return lambda split, **tuning: make_decode_config(q_dtype="bf16", kv_dtype=kv, split=split, page_size=16,
+                                                          **shape, **tuning)
+
+    llama = config_for("fp8_e4m3", head_dim=128, group=4, q_len=1)
+    n, cfg = op.plan_config(llama, 8, 1008, 132, None, True, None)
+    assert n == 16 and cfg.cluster and cfg.occupancy >= op.CLUSTER_MIN_SIZING
+
+    wide = config_for("bf16", head_dim=128, group=16, q_len=4)
+    probe = wide(False)
+    assert op.plan_launch(1, 1008, 132, probe.occupancy, probe.tile, 128, False, None, True, None)[2]  # wanted
+    assert not op.cluster_fits(wide(True, occupancy=op.CLUSTER_MIN_SIZING))
+    n, cfg = op.plan_config(wide, 1, 1008, 132, None, True, None)
+    n_global, tuning, _ = op.plan_launch(1, 1008, 132, probe.occupancy, probe.tile, 128, False, None, True, False)
+    assert n == n_global == 16 and not cfg.cluster
+    assert cfg == wide(True, **tuning) and cfg.occupancy == 1
+
+
 def test_cluster_merge_only_for_small_split_grids():
     """The cluster merge serves split launches of at most 16 CTAs per (request, KV head) that put at
     most one CTA on each SM (latency-bound); fuller grids keep the global merge."""
