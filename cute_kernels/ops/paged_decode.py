@@ -85,14 +85,18 @@ def plan_launch(items: int, max_context: int, num_sms: int, max_occupancy: int, 
     """``(num_splits, tuning fields, cluster merge)`` of a launch, from shapes only. The split
     count and sizing come from :func:`launch_schedule`; a non-deterministic call with enough tiles
     per split schedules them dynamically; the cluster merge (``force_cluster`` None: the rule
-    :func:`use_cluster_merge`; True: whenever the split count allows; False: never; never with a
-    dynamic split) is decided before the sizing, which it raises to CLUSTER_MIN_SIZING."""
+    :func:`use_cluster_merge`, for a kernel that can be sized for CLUSTER_MIN_SIZING CTAs per SM;
+    True: whenever the split count allows; False: never; never with a dynamic split) is decided
+    before the sizing, which it raises to CLUSTER_MIN_SIZING."""
     num_splits, per_sm = launch_schedule(items, max_context, num_sms, max_occupancy, tile, head_dim, fp8, num_splits)
     split = num_splits > 1
     auto_dynamic = not deterministic and split and math.ceil(max_context / tile) >= DYNAMIC_MIN_TILES * num_splits
     dynamic = auto_dynamic or (split and force_dynamic)
     if force_cluster is None:
-        cluster = DEFAULT_CLUSTER and not dynamic and use_cluster_merge(items, num_splits, num_sms)
+        # the clusters won only sized for CLUSTER_MIN_SIZING CTAs per SM (sized for one, 16-CTA
+        # clusters waited for a second wave): a kernel that cannot be sized so keeps the global merge
+        cluster = (DEFAULT_CLUSTER and not dynamic and max_occupancy >= CLUSTER_MIN_SIZING
+                   and use_cluster_merge(items, num_splits, num_sms))
     else:
         cluster = bool(force_cluster) and not dynamic and 2 <= num_splits <= MAX_CLUSTER
     if cluster:

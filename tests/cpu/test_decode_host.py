@@ -228,3 +228,7 @@ def test_cluster_decision_precedes_the_sizing():
     n, tuning, cluster = op.plan_launch(4, 8192, sms, 4, 64, 128, True, 4, False, None)
     assert tuning.get("dynamic") and not cluster
     assert not op.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, True, force_dynamic=True)[2]
+    # a kernel that fits only one CTA per SM cannot be sized for the cluster: the rule keeps the
+    # global merge (forcing still clusters)
+    assert not op.plan_launch(8, 1008, sms, 1, 64, 128, True, None, True, None)[2]
+    assert op.plan_launch(8, 1008, sms, 1, 64, 128, True, None, True, True)[2]
