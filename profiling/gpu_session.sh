@@ -61,6 +61,8 @@
 #              A/B cluster vs global merge on the split shapes
 #   peers11f   FP8 decode side by side with XQA (with and without PDL), FlashInfer and SDPA, with accuracy (part c)
 #   peers11b   BF16 decode side by side with XQA, FlashInfer, FA4 and SDPA, with accuracy (needs part c)
+#   dtest12    decode + merge GPU tests (K/V loads evict-first, TMA descriptors prefetched)
+#   evict12    decode A/B, every shape: default against evict_first=0 / prefetch_desc=0 / both
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
 export PYTHONUNBUFFERED=1
@@ -298,6 +300,13 @@ PY
              --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy \
              --section WarpStateStats --section MemoryWorkloadAnalysis python3 -m profiling.ncu_decode --shape "$sh"
          done ;;
+    dtest12) run 330 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py tests/gpu/test_merge_gpu.py -q \
+               -p no:cacheprovider ;;
+    evict12) run 200 warm_decode python3 -m profiling.warm_variants decode \
+               "evict_first=1;evict_first=0+prefetch_desc=0;evict_first=0;prefetch_desc=0"
+             TAIL=40 run 300 evict12 python3 -m profiling.bench_decode --kv fp8,bf16 --quick \
+               --peers "evict_first=0+prefetch_desc=0,evict_first=0,prefetch_desc=0" \
+               --json "$OUT/evict12.json" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -86,6 +86,9 @@ Q_PRESCALE_LOG2 = {"bf16": 64, "fp16": 0}
 P_PRESCALE_LOG2 = {"bf16": 64, "fp16": 0}
 
 
+EVICT_FIRST_POLICY = 0x12F0000000000000  # L2 cache-policy operand: evict first (CUTLASS CacheHintSm90)
+
+
 class Sm90PagedDecode:
     """Kernel object; all fields are compile-time (see :class:`Sm90DecodeConfig`)."""
 
@@ -263,6 +266,12 @@ class Sm90PagedDecode:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
 
+        if const_expr(self.cfg.prefetch_desc):
+            if warp == PRODUCER_WARP:
+                # the TMA descriptors are kernel parameters, not outputs of the previous kernel:
+                # fetching them now keeps that round trip off the first page load after the wait
+                cpasync.prefetch_descriptor(tma_k)
+                cpasync.prefetch_descriptor(tma_v)
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
@@ -433,7 +442,7 @@ class Sm90PagedDecode:
             pid = cute.arch.shuffle_sync(page_id, (rel + j) % 32)
             sub = ((tile * nb + j) % boxes_per_page) if const_expr(boxes_per_page > 1) else 0
             cute.copy(tma_k, tKgK[None, sub, pid], tKsK[None, j, 0, state_k.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(state_k))
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state_k), **self.cache_hint())
         pipe_k.producer_commit(state_k)
         pipe_v.producer_acquire(state_v)
         for j in cutlass.range_constexpr(nb):
@@ -441,11 +450,20 @@ class Sm90PagedDecode:
             sub = ((tile * nb + j) % boxes_per_page) if const_expr(boxes_per_page > 1) else 0
             if const_expr(self.fp8):
                 cute.copy(tma_v, tVgV[None, sub, pid], tVsV[None, j, 0, state_v.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state_v))
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state_v), **self.cache_hint())
             else:
                 cute.copy(tma_v, tVgV[None, sub, pid], tVsV[None, 0, j, state_v.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state_v))
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state_v), **self.cache_hint())
         pipe_v.producer_commit(state_v)
+
+    def cache_hint(self) -> dict:
+        """(Traced.) The K/V TMA loads' L2 policy: evict-first (CUTLASS's CacheHintSm90::EVICT_FIRST)
+        when ``evict_first``. Every KV byte is read once per call, so it should not push out what
+        is read again soon: the block table, the query, and the split partials the fused merge
+        reads back at the end of the kernel."""
+        if self.cfg.evict_first:
+            return dict(cache_policy=cutlass.Int64(EVICT_FIRST_POLICY))
+        return {}
 
     @cute.jit
     def produce_dynamic(self, tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
@@ -1058,7 +1076,9 @@ class Sm90DecodeConfig(KernelConfig):
     (request, KV head) take chunks of tiles from a shared counter instead of fixed ranges (their
     counters follow the arrival counters in ``counters``). ``strided`` (static split only, the
     default): split s takes tiles s, s + S, ... instead of a contiguous range, so its first
-    page-table lookup does not wait for the request's length.
+    page-table lookup does not wait for the request's length. ``evict_first``: K/V TMA loads
+    carry the L2 evict-first policy. ``prefetch_desc``: the producer warp prefetches the two TMA
+    descriptors at the kernel's start, before the programmatic-dependent wait.
     """
 
     q_dtype: str = "bf16"
@@ -1080,6 +1100,8 @@ class Sm90DecodeConfig(KernelConfig):
     dynamic: bool = False
     strided: bool = False
     cluster: bool = False
+    evict_first: bool = True
+    prefetch_desc: bool = True
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
