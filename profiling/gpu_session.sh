@@ -63,6 +63,8 @@
 #   peers11b   BF16 decode side by side with XQA, FlashInfer, FA4 and SDPA, with accuracy (needs part c)
 #   dtest12    decode + merge GPU tests (K/V loads evict-first, TMA descriptors prefetched)
 #   evict12    decode A/B, every shape: default against evict_first=0 / prefetch_desc=0 / both
+#   smem12     decode + merge GPU tests, then Qwen3 B8 A/B (twice): the fused merge staged in shared memory
+#              against merging from L2 in rounds, and against the eleventh session's kernel
 set -o pipefail
 source .wheelhouse/gpu_env.sh >/dev/null
 export PYTHONUNBUFFERED=1
@@ -307,6 +309,12 @@ PY
              TAIL=40 run 300 evict12 python3 -m profiling.bench_decode --kv fp8,bf16 --quick \
                --peers "evict_first=0+prefetch_desc=0,evict_first=0,prefetch_desc=0" \
                --json "$OUT/evict12.json" ;;
+    smem12) run 330 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py tests/gpu/test_merge_gpu.py -q \
+              -p no:cacheprovider
+            for r in 1 2; do
+              TAIL=12 run 150 "smem12_$r" python3 -m profiling.bench_decode --kv fp8,bf16 --quick --shapes "B8 ctx" \
+                --peers "smem_merge=0,evict_first=0+prefetch_desc=0+smem_merge=0" --json "$OUT/smem12_$r.json"
+            done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -48,10 +48,14 @@ from .fragments import (
     WIDEN_SHIFT_LOG2,
     cvt_e4m3x4_f16,
     ldmatrix_x4,
+    cp_async_4,
+    cp_async_16,
     load_b32_if,
     load_cg_f32x4,
     load_dsmem_f32,
     load_dsmem_f32x4,
+    load_shared_f32,
+    load_shared_f32x4,
     q_permutation,
     special_register,
     store_shared_f32,
@@ -715,7 +719,8 @@ class Sm90PagedDecode:
                 else:
                     mO[token, head, d] = val.to(mO.element_type)
         if const_expr(cfg.split and not cfg.cluster):
-            self.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx)
+            self.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx,
+                              (k_base, v_base))
 
     def consumer_state(self, qk_mma, pv_mma, tidx):
         """(Traced.) The swap-AB consumer's per-thread state, shared with the QSA kernel: MMA
@@ -788,7 +793,8 @@ class Sm90PagedDecode:
         cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
 
     @cute.jit
-    def merge_splits(self, mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx):
+    def merge_splits(self, mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx,
+                     kv_bases):
         """The last of the request's split CTAs (per KV head) to finish merges all partials.
 
         Saves a second kernel launch (about 2 us on the critical path of small batches). Each CTA
@@ -796,6 +802,11 @@ class Sm90PagedDecode:
         CTA that sees count S-1 reads every split's partial from L2 (``ld.global.cg``: another
         SM wrote them), writes the final output and LSE, and resets the counter to 0 so that the
         next launch (or CUDA-graph replay) starts clean.
+
+        ``smem_merge``: when every split's partial fits the (now idle) K and V stages, the merging
+        CTA first copies them all there with ``cp.async`` (every copy in flight at once, no
+        registers held) and merges from shared memory: one L2 round trip instead of one per
+        ``threads`` chunks x MERGE_GROUP splits (two at Qwen3 B8: 8 rows x 128 dims, 12 splits).
         """
         G = self.G
         threads = MMA_WARPS * 32
@@ -809,6 +820,11 @@ class Sm90PagedDecode:
             cute.arch.fence_acq_rel_gpu()
             chunks = self.D // 4
             work = self.rows * chunks
+            fits = False
+            if const_expr(self.cfg.smem_merge):
+                fits = num_splits <= self.merge_slots()
+            if fits:
+                self.stage_partials(mPartO, mPartLse, num_splits, batch_idx, kv_head, tidx, kv_bases)
             for it in cutlass.range((work + threads - 1) // threads, unroll=1):
                 idx = it * threads + tidx
                 if idx < work:
@@ -816,7 +832,12 @@ class Sm90PagedDecode:
                     d0 = (idx % chunks) * 4
                     token = batch_idx * self.q_len + n // G
                     head = kv_head * G + n % G
-                    self.merge_row_chunk(mO, mLse, num_splits, token, head, d0, (mPartO, mPartLse), MERGE_GROUP, False)
+                    if fits:
+                        self.merge_row_chunk(mO, mLse, num_splits, token, head, d0, (kv_bases, n), MERGE_GROUP,
+                                             "smem")
+                    else:
+                        self.merge_row_chunk(mO, mLse, num_splits, token, head, d0, (mPartO, mPartLse),
+                                             MERGE_GROUP, "global")
             if tidx == 0:
                 counter.store(Int32(0))
                 if const_expr(self.cfg.dynamic):
@@ -829,6 +850,47 @@ class Sm90PagedDecode:
         """(Traced.) Byte offset of row ``n``'s LSE in the cluster merge's shared-memory partial:
         fp32 ``O[rows, D]`` first, then the LSEs."""
         return (self.rows * self.D + n) * 4
+
+    def merge_slots(self) -> int:
+        """(Trace time.) Split partials the K stages and then the V stages hold (fused merge)."""
+        return merge_slots(self.cfg)
+
+    @cute.jit
+    def merge_slot(self, s, kv_bases):
+        """(Traced.) Shared-window address of split ``s``'s partial: the K stages' slots first,
+        then the V stages'."""
+        k_base, v_base = kv_bases
+        per = self.merge_slots() // 2
+        slot = merge_slot_bytes(self.cfg)
+        return k_base + s * slot if s < per else v_base + (s - per) * slot
+
+    @cute.jit
+    def stage_partials(self, mPartO, mPartLse, num_splits, batch_idx, kv_head, tidx, kv_bases):
+        """Copy every split's partial O rows (16-byte ``cp.async``) and LSEs (4-byte) of this
+        (request, KV head) into shared memory, all in flight together, then wait for them and
+        publish them to the merging threads. The K/V stages are idle: every tile was consumed
+        and no TMA load is outstanding."""
+        G, D, rows = self.G, self.D, self.rows
+        threads = MMA_WARPS * 32
+        chunks = D // 4
+        per_split = rows * chunks
+        for i in cutlass.range(tidx, num_splits * per_split, threads, unroll=4):
+            s = i // per_split
+            rem = i - s * per_split
+            n = rem // chunks
+            c = rem - n * chunks
+            src = mPartO.iterator + cute.crd2idx((s, batch_idx * self.q_len + n // G, kv_head * G + n % G, c * 4),
+                                                  mPartO.layout)
+            cp_async_16(self.merge_slot(s, kv_bases) + (n * D + c * 4) * 4, src.toint())
+        for i in cutlass.range(tidx, num_splits * rows, threads, unroll=1):
+            s = i // rows
+            n = i - s * rows
+            src = mPartLse.iterator + cute.crd2idx((s, batch_idx * self.q_len + n // G, kv_head * G + n % G),
+                                                    mPartLse.layout)
+            cp_async_4(self.merge_slot(s, kv_bases) + self.part_lse_offset(n), src.toint())
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=threads)
 
     @cute.jit
     def cluster_merge(self, mO, mLse, part_base):
@@ -861,16 +923,18 @@ class Sm90PagedDecode:
                 n = idx // chunks
                 d0 = (idx - n * chunks) * 4
                 self.merge_row_chunk(mO, mLse, num_splits, batch_idx * self.q_len + n // G, kv_head * G + n % G,
-                                     d0, (part_base, n), CLUSTER_GROUP, True)
+                                     d0, (part_base, n), CLUSTER_GROUP, "dsmem")
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
     @cute.jit
     def merge_row_chunk(self, mO, mLse, num_splits, token, head, d0, src, group: cutlass.Constexpr,
-                        dsmem: cutlass.Constexpr):
+                        source: cutlass.Constexpr):
         """Merge 4 output dims of one query row over all splits, ``group`` splits at a time. The
-        partials come from global memory (``src = (mPartO, mPartLse)``, the fused merge) or from
-        the cluster's shared memory (``dsmem``: ``src = (part_base, n)``, the cluster merge).
+        partials come from global memory (``source`` "global": ``src = (mPartO, mPartLse)``, the
+        fused merge), from this CTA's shared memory ("smem": ``src = ((k_base, v_base), n)``, the
+        fused merge after :meth:`stage_partials`) or from the cluster's shared memory ("dsmem":
+        ``src = (part_base, n)``, the cluster merge).
 
         Every load of a group (its LSEs and 16-byte partials) is issued before any is used, so a
         group costs one L2 round trip instead of one per split (this merge is on the critical
@@ -885,10 +949,15 @@ class Sm90PagedDecode:
         for g in cutlass.range((num_splits + group - 1) // group, unroll=1):
             for j in cutlass.range_constexpr(group):
                 s = cutlass.min(g * group + j, num_splits - 1)
-                if const_expr(dsmem):
+                if const_expr(source == "dsmem"):
                     part_base, n = src
                     lse_g[j] = load_dsmem_f32(part_base + self.part_lse_offset(n), s)
                     o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_dsmem_f32x4(part_base + (n * self.D + d0) * 4, s)
+                elif const_expr(source == "smem"):
+                    kv_bases, n = src
+                    slot = self.merge_slot(s, kv_bases)
+                    lse_g[j] = load_shared_f32(slot + self.part_lse_offset(n))
+                    o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_shared_f32x4(slot + (n * self.D + d0) * 4)
                 else:
                     mPartO, mPartLse = src
                     lse_g[j] = self.load_cg(mPartLse, (s, token, head))
@@ -1078,7 +1147,9 @@ class Sm90DecodeConfig(KernelConfig):
     default): split s takes tiles s, s + S, ... instead of a contiguous range, so its first
     page-table lookup does not wait for the request's length. ``evict_first``: K/V TMA loads
     carry the L2 evict-first policy. ``prefetch_desc``: the producer warp prefetches the two TMA
-    descriptors at the kernel's start, before the programmatic-dependent wait.
+    descriptors at the kernel's start, before the programmatic-dependent wait. ``smem_merge``: the
+    fused merge stages the partials in shared memory first when they fit
+    (:meth:`Sm90PagedDecode.merge_splits`).
     """
 
     q_dtype: str = "bf16"
@@ -1102,6 +1173,7 @@ class Sm90DecodeConfig(KernelConfig):
     cluster: bool = False
     evict_first: bool = True
     prefetch_desc: bool = True
+    smem_merge: bool = True
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -1281,6 +1353,19 @@ CLUSTER_MIN_SIZING = 2
 # an FP8 D=64 tile of 64 tokens is only 4 KB of K: two M blocks per iteration halve the per-byte
 # cost of the tile chain (measured, profiling/NOTES.md "decode v5": 75.4 -> 69.4 us)
 FP8_D64_TILE = 128
+
+
+def merge_slot_bytes(cfg: Sm90DecodeConfig) -> int:
+    """Bytes of one split's partial staged in shared memory by the fused merge: fp32
+    ``O[rows, D]``, then the rows' LSEs, rounded up to 16 bytes."""
+    return (cfg.group * cfg.q_len * (cfg.head_dim + 1) * 4 + 15) // 16 * 16
+
+
+def merge_slots(cfg: Sm90DecodeConfig) -> int:
+    """Split partials the fused merge stages in shared memory (``smem_merge``): as many as the K
+    stages hold, then as many as the V stages hold. A launch with more splits merges from L2."""
+    kv_bytes = 1 if cfg.kv_dtype == "fp8_e4m3" else 2
+    return 2 * (cfg.stages * cfg.tile * cfg.head_dim * kv_bytes // merge_slot_bytes(cfg))
 
 
 def cluster_fits(cfg: Sm90DecodeConfig) -> bool:

@@ -155,3 +155,35 @@ def special_register(name: str, *, loc=None, ip=None) -> Int32:
     that the compiler reads it again where it is used instead of keeping an earlier read live in
     a register through the main loop (the cluster merge's indices)."""
     return Int32(asm([T.i32()], [], f"mov.u32 $0, %{name};", "=r", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def cp_async_16(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None:
+    """``cp.async.cg.shared.global [smem], [gmem], 16``: 16 bytes from L2 (past L1) into shared
+    memory, without holding registers while in flight (the fused merge's partials)."""
+    asm([], [Int32(smem_addr), Int64(gmem_addr)], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l",
+        side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_4(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None:
+    """``cp.async.ca.shared.global [smem], [gmem], 4``: one word (4-byte copies cannot bypass L1;
+    the fused merge reads each LSE once, right after the acquire that makes it visible)."""
+    asm([], [Int32(smem_addr), Int64(gmem_addr)], "cp.async.ca.shared.global [$0], [$1], 4;", "r,l",
+        side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_shared_f32(smem_addr: Int32, *, loc=None, ip=None) -> Float32:
+    """``ld.shared.f32`` at a 32-bit shared-window address (volatile: it stays behind the barrier
+    that publishes the data)."""
+    return Float32(asm([T.f32()], [Int32(smem_addr)], "ld.shared.f32 $0, [$1];", "=f,r", side_effects=True,
+                       loc=loc, ip=ip))
+
+
+@dsl_user_op
+def load_shared_f32x4(smem_addr: Int32, *, loc=None, ip=None) -> tuple[Float32, Float32, Float32, Float32]:
+    """``ld.shared.v4.f32``: four floats at a 16-byte aligned shared-window address."""
+    vals = asm([T.f32()] * 4, [Int32(smem_addr)], "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r",
+               side_effects=True, loc=loc, ip=ip)
+    return tuple(Float32(v) for v in vals)

@@ -61,7 +61,8 @@ VARIANT_CASES = [
     (BF16, BF16, 128, 32, 8, 16, 1, "HND", "single", 3),
 ]
 VARIANTS = [dict(widen="bits"), dict(tile=128), dict(widen="bits", tile=128), dict(pdl=False), dict(dynamic=True),
-            dict(strided=True), dict(strided=False), dict(cluster=False), dict(cluster=False, strided=False)]
+            dict(strided=True), dict(strided=False), dict(cluster=False), dict(cluster=False, strided=False),
+            dict(smem_merge=False), dict(evict_first=False, prefetch_desc=False)]
 
 
 def _ids(c):
@@ -238,6 +239,31 @@ def test_split_schedules(gen, strided, cluster):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16"])
+def test_fused_merge_staging(gen, kv):
+    """The global fused merge with every split's partial staged in shared memory (as many splits
+    as the stages hold), one split more than they hold (merged from L2 in rounds) and with the
+    staging turned off, against the reference; q_len 2 so that a partial's rows span two tokens."""
+    from cute_kernels.ops.paged_decode import plan_config
+    from cute_kernels.ops.paged_decode import tuning_override
+    from cute_kernels.sm90.decode import make_decode_config, merge_slots
+
+    c = make_paged_decode_case(batch=3, num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
+                               seq_lens=[6000, 0, 777], kv_dtype=kv, q_len=2, generator=gen)
+    kv_name = "fp8_e4m3" if kv == torch.float8_e4m3fn else "bf16"
+
+    def config_for(split, **tuning):
+        return make_decode_config(q_dtype="bf16", kv_dtype=kv_name, head_dim=128, group=4, q_len=2, page_size=16,
+                                  split=split, **tuning)
+
+    slots = merge_slots(plan_config(config_for, 12, 6000, 132, 8, True, False)[1])
+    assert slots >= 2
+    for splits, staged in ((slots, True), (slots + 1, True), (slots, False)):
+        with tuning_override(cluster=False, smem_merge=staged):
+            out, lse = _run(c, splits)
+        _check(c, out, lse)
 
 
 def test_nondeterministic_dynamic_split_matches_reference(gen):
