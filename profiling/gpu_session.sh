@@ -63,6 +63,8 @@
 #   peers11b   BF16 decode side by side with XQA, FlashInfer, FA4 and SDPA, with accuracy (needs part c)
 #   dtest12    decode + merge GPU tests (K/V loads evict-first, TMA descriptors prefetched)
 #   evict12    decode A/B, every shape: default against evict_first=0 / prefetch_desc=0 / both
+#   qevict12   QSA forced-split and evict-first GPU tests, then decode A/B of the gather with the L2
+#              evict-first policy (default, evict_first=1, default)
 #   smem12     decode + merge GPU tests, then Qwen3 B8 A/B (twice): the fused merge staged in shared memory
 #              against merging from L2 in rounds, and against the eleventh session's kernel
 set -o pipefail
@@ -315,6 +317,10 @@ PY
               TAIL=12 run 150 "smem12_$r" python3 -m profiling.bench_decode --kv fp8,bf16 --quick --shapes "B8 ctx" \
                 --peers "smem_merge=0,evict_first=0+prefetch_desc=0+smem_merge=0" --json "$OUT/smem12_$r.json"
             done ;;
+    qevict12) run 200 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider \
+                -k "evict_first or forced_splits"
+              TAIL=40 run 300 qsa_evict12 python3 -m profiling.bench_qsa --kinds decode --decode-n 1,4,16,64,256 \
+                --check --tuning ";evict_first=1;" --json "$OUT/qsa_evict12.json" ;;
     *) echo "unknown step $step" ;;
   esac
 done

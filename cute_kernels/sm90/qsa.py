@@ -49,7 +49,7 @@ from ..jit.asm import asm
 from ..jit.compiler import KernelConfig
 from ..jit.dtypes import DTYPE_BITS, cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
-from .decode import BAR_MMA, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_column, slot_of
+from .decode import BAR_MMA, EVICT_FIRST_POLICY, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_column, slot_of
 from .fragments import cvt_e4m3x4_f16
 from .qsa_merge import sigmoid
 
@@ -68,13 +68,19 @@ def cp_async_zfill_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, l
 
 
 @dsl_user_op
-def cp_async_zfill_16_at(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, smem_off: int, gmem_off: int, *,
-                         loc=None, ip=None) -> None:
+def cp_async_zfill_16_at(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, smem_off: int, gmem_off: int,
+                         policy: Int64 | None = None, *, loc=None, ip=None) -> None:
     """:func:`cp_async_zfill_16` at ``[smem + smem_off]``, ``[gmem + gmem_off]`` (compile-time byte
-    offsets in the instruction: no address arithmetic per copy)."""
-    asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
-        f"cp.async.cg.shared.global [$0+{int(smem_off)}], [$1+{int(gmem_off)}], 16, $2;", "r,l,r",
-        side_effects=True, loc=loc, ip=ip)
+    offsets in the instruction: no address arithmetic per copy); with ``policy``, an L2
+    cache-policy operand (``.L2::cache_hint``)."""
+    if policy is None:
+        asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
+            f"cp.async.cg.shared.global [$0+{int(smem_off)}], [$1+{int(gmem_off)}], 16, $2;", "r,l,r",
+            side_effects=True, loc=loc, ip=ip)
+    else:
+        asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes), Int64(policy)],
+            f"cp.async.cg.shared.global.L2::cache_hint [$0+{int(smem_off)}], [$1+{int(gmem_off)}], 16, $2, $3;",
+            "r,l,r,l", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -527,9 +533,10 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 v_dst = v_sbase + stage * st_v + u_v + q * 16
                 k_src = k_row + Int64((q ^ ((u_k >> xs_k) % G)) * 16)
                 v_src = v_row + Int64((q ^ ((u_v >> xs_v) % G)) * 16)
+                policy = Int64(EVICT_FIRST_POLICY) if const_expr(self.cfg.evict_first) else None
                 for g in cutlass.range_constexpr(cpr // G):
-                    cp_async_zfill_16_at(k_dst, k_src, nbytes, g * A_k, g * G * 16)
-                    cp_async_zfill_16_at(v_dst, v_src, nbytes, g * A_v, g * G * 16)
+                    cp_async_zfill_16_at(k_dst, k_src, nbytes, g * A_k, g * G * 16, policy)
+                    cp_async_zfill_16_at(v_dst, v_src, nbytes, g * A_v, g * G * 16, policy)
 
     @cute.jit
     def copy_widened(self, k_addr, v_addr, bits, word0, part, rows_per_part, k_sbase, v_sbase, k_layout, v_layout,
@@ -798,6 +805,8 @@ class Sm90QsaConfig(KernelConfig):
     launches, whose predecessor is usually the previous layer's merge (a few CTAs that release
     their dependents at once): H200, 16 copies in a graph, BF16 N = 4 12.0 -> 11.2 us, FP8 N = 16
     17.9 -> 16.8. Off without splits: one-wave grids gained nothing and FP8 N = 64 lost 3 us.
+    ``evict_first``: the gathered K/V rows carry the L2 evict-first policy (the paged decode's
+    choice); off for the row tiles, whose union rows other tiles read again.
     """
 
     q_dtype: str = "bf16"
@@ -813,6 +822,7 @@ class Sm90QsaConfig(KernelConfig):
     producers: int = 1
     pdl: bool = False
     kv_same_strides: bool = False
+    evict_first: bool = False
 
     kernel_id = "sm90.qsa"
     targets = ("sm_90a",)

@@ -142,6 +142,16 @@ def test_forced_splits(gen, kv, splits, gate):
 
 
 @pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_evict_first_gather(gen, kv, splits):
+    """The per-row kernel with its K/V gather under the L2 evict-first policy."""
+    c = _case(gen, 24, 24, 2, 1568, 6, kv)
+    with tuning_override(splits=splits, evict_first=True):
+        out, ref = _run(c, False)
+    _check(out, ref)
+
+
+@pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_tile_128(gen, kv, splits):
     """The two-M-block tile (not chosen by the table today; benchmarks compare it)."""
