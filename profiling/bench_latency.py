@@ -17,7 +17,7 @@ from cute_kernels.testing import make_paged_decode_case
 from .bench_utils import time_eager, time_graph, write_json
 
 
-def run(out_json=None):
+def run(out_json=None, quick=False):
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
     rows = []
@@ -25,8 +25,8 @@ def run(out_json=None):
         case = make_paged_decode_case(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                                       seq_lens=1000, kv_dtype=kv, generator=g, poison_tail=False)
         out = torch.empty_like(case.q)
-        for name, ov in (("pdl", {}), ("nopdl", dict(pdl=False))):
-            for splits in (None, 2, 4, 8, 16):
+        for name, ov in (("pdl", {}),) if quick else (("pdl", {}), ("nopdl", dict(pdl=False))):
+            for splits in (None,) if quick else (None, 2, 4, 8, 16):
                 with tuning_override(**ov):
                     def fn():
                         return cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens,
@@ -37,7 +37,8 @@ def run(out_json=None):
                 print(f"{rows[-1]['kv']:<14} {name:<5} splits={str(rows[-1]['splits']):<5} graph {t*1e6:6.2f} us  eager {e*1e6:6.2f} us",
                       flush=True)
     rows.append(host_costs())
-    rows += split_sweep()
+    if not quick:
+        rows += split_sweep()
     write_json(out_json, rows)
     return rows
 
@@ -171,12 +172,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="cute-kernels bench latency")
     p.add_argument("--json", default=None)
     p.add_argument("--eager-study", action="store_true", help="only the eager-call variance study")
+    p.add_argument("--quick", action="store_true", help="only the default launch (graph and eager) and host costs")
     a = p.parse_args(argv)
     if a.eager_study:
         rows = eager_study()
         write_json(a.json, rows)
         return
-    run(a.json)
+    run(a.json, quick=a.quick)
 
 
 if __name__ == "__main__":

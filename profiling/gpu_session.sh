@@ -65,6 +65,7 @@
 #   evict12    decode A/B, every shape: default against evict_first=0 / prefetch_desc=0 / both
 #   qevict12   QSA forced-split and evict-first GPU tests, then decode A/B of the gather with the L2
 #              evict-first policy (default, evict_first=1, default)
+#   final12    Llama B1 graph/eager latency (default launch) and the QSA decode table (--check)
 #   smem12     decode + merge GPU tests, then Qwen3 B8 A/B (twice): the fused merge staged in shared memory
 #              against merging from L2 in rounds, and against the eleventh session's kernel
 set -o pipefail
@@ -321,6 +322,8 @@ PY
                 -k "evict_first or forced_splits"
               TAIL=40 run 300 qsa_evict12 python3 -m profiling.bench_qsa --kinds decode --decode-n 1,4,16,64,256 \
                 --check --tuning ";evict_first=1;" --json "$OUT/qsa_evict12.json" ;;
+    final12) TAIL=8 run 100 latency12 python3 -m profiling.bench_latency --quick --json "$OUT/latency12.json"
+             TAIL=14 run 150 qsa12 python3 -m profiling.bench_qsa --kinds decode --check --json "$OUT/qsa12.json" ;;
     *) echo "unknown step $step" ;;
   esac
 done

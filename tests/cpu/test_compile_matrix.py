@@ -116,7 +116,9 @@ def test_qsa_gather_copies_whole_lines_with_immediate_offsets(kind):
     shape = dict(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, gate=True)
     cfg = make_qsa_tile_config(**shape) if kind.startswith("tile") else make_qsa_config(**shape, split=False)
     res = compile_config(cfg, "sm_90a", artifacts=True)
-    copies = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+(\+\d+)?\], \[%rd\d+(\+\d+)?\]", res.ptx)
+    # (the per-row kernel's copies carry the L2 evict-first policy: ``.L2::cache_hint``)
+    copies = re.findall(r"cp\.async\.cg\.shared\.global(?:\.L2::cache_hint)? \[%r\d+(\+\d+)?\], \[%rd\d+(\+\d+)?\]",
+                        res.ptx)
     assert copies and all(s_off or g_off for s_off, g_off in copies[1:]), copies[:4]
     if res.sass:  # the DSL's nvdisasm: at most a few instructions between a row's copies
         lines = [line for line in res.sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
@@ -241,3 +243,33 @@ def test_gated_qsa_epilogues_batch_their_gate_loads(kv):
             assert runs == [per_group] * cfg.consumers, (cfg.label(), runs)
         else:
             assert runs == [32], (cfg.label(), runs)
+
+
+def test_decode_l2_policy_descriptor_prefetch_and_staged_merge():
+    """The paged decode's K/V TMA loads carry the evict-first L2 policy operand, the producer
+    prefetches both TMA descriptors ahead of the PDL wait, and a split kernel's fused merge
+    stages the partials with ``cp.async``; each is gone with its tuning field off. The QSA
+    per-row gather carries the same policy, the row-tile gather does not."""
+    import re
+
+    from cute_kernels.jit.compiler import compile_config
+    from cute_kernels.sm90.decode import EVICT_FIRST_POLICY, make_decode_config
+    from cute_kernels.sm90.qsa import make_qsa_config
+    from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
+
+    shape = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1, page_size=16, split=True)
+    on = compile_config(make_decode_config(**shape), "sm_90a", artifacts=True).ptx
+    off = compile_config(make_decode_config(**shape, evict_first=False, prefetch_desc=False, smem_merge=False),
+                         "sm_90a", artifacts=True).ptx
+    policy = f"mov.b64 \t%rd\\d+, {EVICT_FIRST_POLICY};"
+    assert re.search(policy, on) and not re.search(policy, off)
+    assert on.count("prefetch.tensormap") == 2 and "prefetch.tensormap" not in off
+    wait = on.index("griddepcontrol.wait")
+    assert all(m.start() < wait for m in re.finditer("prefetch.tensormap", on))
+    assert "cp.async.cg.shared.global" in on and "cp.async.cg.shared.global" not in off
+
+    qsa = dict(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=12, page_size=1568, gate=True)
+    row = compile_config(make_qsa_config(**qsa, split=False), "sm_90a", artifacts=True).ptx
+    tile = compile_config(make_qsa_tile_config(**qsa), "sm_90a", artifacts=True).ptx
+    assert "cp.async.cg.shared.global.L2::cache_hint" in row
+    assert "L2::cache_hint" not in tile
