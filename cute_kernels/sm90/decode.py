@@ -46,10 +46,10 @@ from ..jit.dtypes import cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
 from .fragments import (
     WIDEN_SHIFT_LOG2,
-    cvt_e4m3x4_f16,
-    ldmatrix_x4,
     cp_async_4,
     cp_async_16,
+    cvt_e4m3x4_f16,
+    ldmatrix_x4,
     load_b32_if,
     load_cg_f32x4,
     load_dsmem_f32,

@@ -246,8 +246,7 @@ def test_fused_merge_staging(gen, kv):
     """The global fused merge with every split's partial staged in shared memory (as many splits
     as the stages hold), one split more than they hold (merged from L2 in rounds) and with the
     staging turned off, against the reference; q_len 2 so that a partial's rows span two tokens."""
-    from cute_kernels.ops.paged_decode import plan_config
-    from cute_kernels.ops.paged_decode import tuning_override
+    from cute_kernels.ops.paged_decode import plan_config, tuning_override
     from cute_kernels.sm90.decode import make_decode_config, merge_slots
 
     c = make_paged_decode_case(batch=3, num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
