@@ -46,7 +46,6 @@ from ..jit.dtypes import cute_dtype
 from ..jit.spec import ScalarArg, TensorArg
 from .fragments import (
     WIDEN_SHIFT_LOG2,
-    cp_async_4,
     cp_async_16,
     cvt_e4m3x4_f16,
     ldmatrix_x4,
@@ -866,9 +865,9 @@ class Sm90PagedDecode:
 
     @cute.jit
     def stage_partials(self, mPartO, mPartLse, num_splits, batch_idx, kv_head, tidx, kv_bases):
-        """Copy every split's partial O rows (16-byte ``cp.async``) and LSEs (4-byte) of this
-        (request, KV head) into shared memory, all in flight together, then wait for them and
-        publish them to the merging threads. The K/V stages are idle: every tile was consumed
+        """Copy every split's partial O rows (16-byte ``cp.async.cg``) and LSEs (``ld.global.cg``
+        then a shared store) of this (request, KV head) into shared memory, all in flight
+        together, then wait for them and publish them to the merging threads. The K/V stages are idle: every tile was consumed
         and no TMA load is outstanding."""
         G, D, rows = self.G, self.D, self.rows
         threads = MMA_WARPS * 32
@@ -882,12 +881,14 @@ class Sm90PagedDecode:
             src = mPartO.iterator + cute.crd2idx((s, batch_idx * self.q_len + n // G, kv_head * G + n % G, c * 4),
                                                   mPartO.layout)
             cp_async_16(self.merge_slot(s, kv_bases) + (n * D + c * 4) * 4, src.toint())
+        # The LSEs through registers with ld.global.cg: a 4-byte cp.async can only be .ca, and an
+        # L1 line of another (request, KV head)'s LSEs, read by an earlier merge on this SM while
+        # one of its splits was still running, would hand this merge a stale value.
         for i in cutlass.range(tidx, num_splits * rows, threads, unroll=1):
             s = i // rows
             n = i - s * rows
-            src = mPartLse.iterator + cute.crd2idx((s, batch_idx * self.q_len + n // G, kv_head * G + n % G),
-                                                    mPartLse.layout)
-            cp_async_4(self.merge_slot(s, kv_bases) + self.part_lse_offset(n), src.toint())
+            lse = self.load_cg(mPartLse, (s, batch_idx * self.q_len + n // G, kv_head * G + n % G))
+            store_shared_f32(self.merge_slot(s, kv_bases) + self.part_lse_offset(n), lse)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=threads)

@@ -166,14 +166,6 @@ def cp_async_16(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> Non
 
 
 @dsl_user_op
-def cp_async_4(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None:
-    """``cp.async.ca.shared.global [smem], [gmem], 4``: one word (4-byte copies cannot bypass L1;
-    the fused merge reads each LSE once, right after the acquire that makes it visible)."""
-    asm([], [Int32(smem_addr), Int64(gmem_addr)], "cp.async.ca.shared.global [$0], [$1], 4;", "r,l",
-        side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def load_shared_f32(smem_addr: Int32, *, loc=None, ip=None) -> Float32:
     """``ld.shared.f32`` at a 32-bit shared-window address (volatile: it stays behind the barrier
     that publishes the data)."""

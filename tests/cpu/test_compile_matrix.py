@@ -267,6 +267,9 @@ def test_decode_l2_policy_descriptor_prefetch_and_staged_merge():
     wait = on.index("griddepcontrol.wait")
     assert all(m.start() < wait for m in re.finditer("prefetch.tensormap", on))
     assert "cp.async.cg.shared.global" in on and "cp.async.cg.shared.global" not in off
+    # nothing the merge copies may come through L1: other SMs wrote it in this kernel, and an L1
+    # line holding a neighbouring (request, head)'s LSEs may have been read before they were final
+    assert "cp.async.ca" not in on
 
     qsa = dict(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=12, page_size=1568, gate=True)
     row = compile_config(make_qsa_config(**qsa, split=False), "sm_90a", artifacts=True).ptx
