@@ -867,8 +867,8 @@ class Sm90PagedDecode:
     def stage_partials(self, mPartO, mPartLse, num_splits, batch_idx, kv_head, tidx, kv_bases):
         """Copy every split's partial O rows (16-byte ``cp.async.cg``) and LSEs (``ld.global.cg``
         then a shared store) of this (request, KV head) into shared memory, all in flight
-        together, then wait for them and publish them to the merging threads. The K/V stages are idle: every tile was consumed
-        and no TMA load is outstanding."""
+        together, then wait for them and publish them to the merging threads. The K/V stages
+        are idle: every tile was consumed and no TMA load is outstanding."""
         G, D, rows = self.G, self.D, self.rows
         threads = MMA_WARPS * 32
         chunks = D // 4
