@@ -821,7 +821,7 @@ class Sm90PagedDecode:
             work = self.rows * chunks
             fits = False
             if const_expr(self.cfg.smem_merge):
-                fits = num_splits <= self.merge_slots()
+                fits = num_splits <= merge_slots(self.cfg)
             if fits:
                 self.stage_partials(mPartO, mPartLse, num_splits, batch_idx, kv_head, tidx, kv_bases)
             for it in cutlass.range((work + threads - 1) // threads, unroll=1):
@@ -846,20 +846,17 @@ class Sm90PagedDecode:
                     grab.store(Int32(0))
 
     def part_lse_offset(self, n):
-        """(Traced.) Byte offset of row ``n``'s LSE in the cluster merge's shared-memory partial:
-        fp32 ``O[rows, D]`` first, then the LSEs."""
+        """(Traced.) Byte offset of row ``n``'s LSE in a shared-memory partial (the cluster merge's,
+        or a slot of the staged fused merge, :func:`merge_slot_bytes`): fp32 ``O[rows, D]`` first,
+        then the LSEs."""
         return (self.rows * self.D + n) * 4
-
-    def merge_slots(self) -> int:
-        """(Trace time.) Split partials the K stages and then the V stages hold (fused merge)."""
-        return merge_slots(self.cfg)
 
     @cute.jit
     def merge_slot(self, s, kv_bases):
         """(Traced.) Shared-window address of split ``s``'s partial: the K stages' slots first,
         then the V stages'."""
         k_base, v_base = kv_bases
-        per = self.merge_slots() // 2
+        per = merge_slots(self.cfg) // 2
         slot = merge_slot_bytes(self.cfg)
         return k_base + s * slot if s < per else v_base + (s - per) * slot
 
@@ -1356,24 +1353,28 @@ CLUSTER_MIN_SIZING = 2
 FP8_D64_TILE = 128
 
 
+def kv_stages_bytes(cfg: Sm90DecodeConfig) -> int:
+    """Bytes of all K stages (the V stages are as large): where a split's partial goes once the
+    main loop is done."""
+    return cfg.stages * cfg.tile * cfg.head_dim * (1 if cfg.kv_dtype == "fp8_e4m3" else 2)
+
+
 def merge_slot_bytes(cfg: Sm90DecodeConfig) -> int:
-    """Bytes of one split's partial staged in shared memory by the fused merge: fp32
-    ``O[rows, D]``, then the rows' LSEs, rounded up to 16 bytes."""
+    """Bytes of one split's partial in shared memory (the cluster merge's own, or one staged by
+    the fused merge): fp32 ``O[rows, D]``, then the rows' LSEs, rounded up to 16 bytes."""
     return (cfg.group * cfg.q_len * (cfg.head_dim + 1) * 4 + 15) // 16 * 16
 
 
 def merge_slots(cfg: Sm90DecodeConfig) -> int:
     """Split partials the fused merge stages in shared memory (``smem_merge``): as many as the K
     stages hold, then as many as the V stages hold. A launch with more splits merges from L2."""
-    kv_bytes = 1 if cfg.kv_dtype == "fp8_e4m3" else 2
-    return 2 * (cfg.stages * cfg.tile * cfg.head_dim * kv_bytes // merge_slot_bytes(cfg))
+    return 2 * (kv_stages_bytes(cfg) // merge_slot_bytes(cfg))
 
 
 def cluster_fits(cfg: Sm90DecodeConfig) -> bool:
-    """Whether a CTA's fp32 partial (``rows x (D + 1)`` words: O and the LSEs) fits the K stages,
-    where the cluster merge leaves it once the main loop is done."""
-    kv_bytes = 1 if cfg.kv_dtype == "fp8_e4m3" else 2
-    return cfg.group * cfg.q_len * (cfg.head_dim + 1) * 4 <= cfg.stages * cfg.tile * cfg.head_dim * kv_bytes
+    """Whether a CTA's partial fits the K stages, where the cluster merge leaves it once the main
+    loop is done (the stages' size is a multiple of 16, so the slot's rounding changes nothing)."""
+    return merge_slot_bytes(cfg) <= kv_stages_bytes(cfg)
 
 
 def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int, page_size: int,
