@@ -2,7 +2,8 @@
 
 Shapes include out-of-range page ids, a partial last page, an empty request, split and no split,
 HND and NHD, FP8 and BF16 caches, the cluster merge (DSMEM; 2, 3 and 16 CTAs) and the global fused
-merge: any out-of-bounds access fails the run.
+merge (3 splits: staged in shared memory; 40: more than the stages hold, merged from L2): any
+out-of-bounds access fails the run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def main():
 
     for kv, layout, splits, cluster in ((torch.float8_e4m3fn, "HND", 1, None), (torch.float8_e4m3fn, "NHD", 3, None),
                                         (torch.bfloat16, "HND", 2, None), (torch.float8_e4m3fn, "HND", 16, True),
-                                        (torch.float8_e4m3fn, "HND", 3, False)):
+                                        (torch.float8_e4m3fn, "HND", 3, False), (torch.float8_e4m3fn, "HND", 40, False)):
         c = make_paged_decode_case(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                                    seq_lens=[0, 17, 300, 1000], kv_dtype=kv, kv_layout=layout, generator=g)
         c.block_table[2, 3] = 10**6  # out-of-range page ids must be zero-filled, never read
