@@ -143,10 +143,11 @@ def test_forced_splits(gen, kv, splits, gate):
 
 @pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("splits", [1, 5])
-def test_evict_first_gather(gen, kv, splits):
-    """The per-row kernel with its K/V gather under the L2 evict-first policy."""
+def test_gather_without_l2_policy(gen, kv, splits):
+    """The per-row kernel's plain gather (``evict_first=False``; the default copies carry the L2
+    evict-first policy and run in every other per-row test)."""
     c = _case(gen, 24, 24, 2, 1568, 6, kv)
-    with tuning_override(splits=splits, evict_first=True):
+    with tuning_override(splits=splits, evict_first=False):
         out, ref = _run(c, False)
     _check(out, ref)
 
