@@ -65,6 +65,7 @@
 #   evict12    decode A/B, every shape: default against evict_first=0 / prefetch_desc=0 / both
 #   qevict12   QSA forced-split and evict-first GPU tests, then decode A/B of the gather with the L2
 #              evict-first policy (default, evict_first=1, default)
+#   retest12a/b  retest12 in two calls of under 600 s: (a) the GPU tests, (b) memcheck, A/B and latency
 #   retest12   (next session) decode + merge GPU tests, the QSA plain-gather test, decode memcheck, Qwen3 B8
 #              A/B and B1 latency on the
 #              staged merge whose LSE loads changed after the twelfth session's GPU runs
@@ -327,6 +328,15 @@ PY
                 --check --tuning ";evict_first=1;" --json "$OUT/qsa_evict12.json" ;;
     final12) TAIL=8 run 100 latency12 python3 -m profiling.bench_latency --quick --json "$OUT/latency12.json"
              TAIL=14 run 150 qsa12 python3 -m profiling.bench_qsa --kinds decode --check --json "$OUT/qsa12.json" ;;
+    retest12a) run 330 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py tests/gpu/test_merge_gpu.py -q \
+                 -p no:cacheprovider
+               run 200 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider \
+                 -k "l2_policy or forced_splits" ;;
+    retest12b) run 150 sanitize compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+                 python3 -m profiling.sanitize
+               TAIL=12 run 150 smem12_retest python3 -m profiling.bench_decode --kv fp8,bf16 --quick --shapes "B8 ctx" \
+                 --peers "smem_merge=0,evict_first=0+prefetch_desc=0+smem_merge=0" --json "$OUT/smem12_retest.json"
+               TAIL=8 run 100 latency12_retest python3 -m profiling.bench_latency --quick --json "$OUT/latency12_retest.json" ;;
     retest12) run 330 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py tests/gpu/test_merge_gpu.py -q \
                 -p no:cacheprovider
               run 200 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider \
