@@ -129,7 +129,9 @@ def host_costs():
 def eager_study(repeats: int = 5):
     """Why eager B1 times vary between runs: the same call timed ``repeats`` times on the default
     stream, on a side stream, and with the garbage collector off, next to its host time per call
-    (perf_counter over back-to-back calls)."""
+    (perf_counter over back-to-back calls). Then the launch forms side by side (the default's
+    cluster merge, the global merge, one split), each with its host time: an eager time well
+    above the host time means the GPU side of the launch is the limit, not Python."""
     import gc
 
     from .bench_utils import host_overhead
@@ -141,8 +143,12 @@ def eager_study(repeats: int = 5):
     out = torch.empty_like(case.q)
     kw = case.kwargs()
 
+    def call(splits=None):
+        return cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out=out,
+                                         num_splits=splits, **kw)
+
     def fn():
-        return cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out=out, **kw)
+        return call()
 
     rows = []
     side = torch.cuda.Stream()
@@ -165,6 +171,17 @@ def eager_study(repeats: int = 5):
         sel = [r for r in rows if r["study"] == name][-repeats:]
         print(f"eager study {name:<8} eager " + " ".join(f"{r['eager_us']:5.2f}" for r in sel)
               + "  host " + " ".join(f"{r['host_us']:5.2f}" for r in sel), flush=True)
+    forms = (("cluster", {}, None), ("global", dict(cluster=False), None), ("pdl0", dict(pdl=False), None),
+             ("splits1", {}, 1))
+    for _ in range(2):
+        for name, ov, splits in forms:
+            with tuning_override(**ov):
+                def form():
+                    return call(splits)
+                g_us = time_graph(form, reps=50) * 1e6
+                e_us, h_us = time_eager(form, reps=50) * 1e6, host_overhead(form) * 1e6
+            rows.append(dict(study="form " + name, graph_us=g_us, eager_us=e_us, host_us=h_us))
+            print(f"launch form {name:<8} graph {g_us:5.2f}  eager {e_us:5.2f}  host {h_us:5.2f}", flush=True)
     return rows
 
 

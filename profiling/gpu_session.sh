@@ -65,6 +65,11 @@
 #   evict12    decode A/B, every shape: default against evict_first=0 / prefetch_desc=0 / both
 #   qevict12   QSA forced-split and evict-first GPU tests, then decode A/B of the gather with the L2
 #              evict-first policy (default, evict_first=1, default)
+#   mgroup13a  all QSA GPU tests on the merge whose load group follows the split count
+#   mgroup13b  QSA decode N 1/4/16 A/B of that merge against groups of 8 (interleaved, twice); the
+#              row-tile prefill 1 x 16384 A/B of the L2 evict-first gather
+#   eager13    the eager B1 call, two processes: its variance study and its launch forms (cluster merge,
+#              global merge, no PDL, one split), each with graph, eager and host time
 #   retest12a/b  retest12 in two calls of under 600 s: (a) the GPU tests, (b) memcheck, A/B and latency
 #   retest12   (next session) decode + merge GPU tests, the QSA plain-gather test, decode memcheck, Qwen3 B8
 #              A/B and B1 latency on the
@@ -337,6 +342,14 @@ PY
                TAIL=12 run 150 smem12_retest python3 -m profiling.bench_decode --kv fp8,bf16 --quick --shapes "B8 ctx" \
                  --peers "smem_merge=0,evict_first=0+prefetch_desc=0+smem_merge=0" --json "$OUT/smem12_retest.json"
                TAIL=8 run 100 latency12_retest python3 -m profiling.bench_latency --quick --json "$OUT/latency12_retest.json" ;;
+    mgroup13a) run 420 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider ;;
+    mgroup13b) TAIL=30 run 240 qsa_mgroup13 python3 -m profiling.bench_qsa --kinds decode --decode-n 1,4,16 --check \
+                 --tuning ";merge_group=8;;merge_group=8" --json "$OUT/qsa_mgroup13.json"
+               TAIL=20 run 200 qsa_tile_evict13 python3 -m profiling.bench_qsa --kinds prefill --prefill-t 16384 \
+                 --selection correlated --tuning ";evict_first=1;;evict_first=1" --json "$OUT/qsa_tile_evict13.json" ;;
+    eager13) for i in 1 2; do
+               TAIL=12 run 150 eager13_$i python3 -m profiling.bench_latency --eager-study --json "$OUT/eager13_$i.json"
+             done ;;
     retest12) run 330 pytest_decode python3 -m pytest tests/gpu/test_decode_gpu.py tests/gpu/test_merge_gpu.py -q \
                 -p no:cacheprovider
               run 200 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider \

@@ -6,6 +6,11 @@ kernel is :class:`~cute_kernels.common.merge.MergeStates` with that epilogue: sa
 (one row ``(n, h)`` per ``head_dim / vec`` threads, 16-byte partial loads, empty splits selected
 away by the inherited ``accumulate``), the gate read with the same vector width, and no LSE
 store. It runs as a programmatic dependent launch of the split-K kernel (``pdl``).
+
+Unlike ``merge_states`` (whose split count is only known on the device), the op knows the split
+count when it picks this kernel, so the loads in flight per thread (``group``) are a compile-time
+choice made from it (:func:`merge_group`): every split of a decode batch in one round trip up to
+16 splits (N = 4 rows at D 256 split 11 ways), where ``merge_states``'s groups of 8 take two.
 """
 
 from __future__ import annotations
@@ -34,9 +39,18 @@ def sigmoid(x: Float32) -> Float32:
 class QsaMerge(MergeStates):
     """Kernel: ``mO [N, H, D] = round(merge(mPartialO, mPartialLse)) * sigmoid(mGate)``."""
 
-    def __init__(self, out_dtype, head_dim: int, vec: int, gate: bool, pdl: bool):
+    def __init__(self, out_dtype, head_dim: int, vec: int, gate: bool, pdl: bool, group: int):
         super().__init__(out_dtype, head_dim, vec, pdl)
         self.gate = gate
+        self.group = group
+
+    @cute.jit
+    def merge_row(self, mPartialO, mPartialLse, num_splits, n, h, lane):
+        """As :meth:`MergeStates.merge_row`, in groups of the config's ``group`` splits."""
+        acc = cute.make_rmem_tensor((self.vec,), Float32)
+        acc.fill(0.0)
+        weight_sum, shift = self.merge_groups(acc, mPartialO, mPartialLse, num_splits, n, h, lane, self.group)
+        return acc, weight_sum, shift
 
     @cute.jit
     def __call__(self, mPartialO: cute.Tensor, mPartialLse: cute.Tensor, mO: cute.Tensor, mGate: cute.Tensor,
@@ -68,16 +82,32 @@ class QsaMerge(MergeStates):
             cute.local_tile(mO[n, h, None], (self.vec,), (lane,)).store(o)
 
 
+MAX_MERGE_GROUP = 16
+
+
+def merge_group(splits: int) -> int:
+    """Splits whose partial loads one merge thread issues together: the smallest power of two
+    that holds them all (at least 2, at most MAX_MERGE_GROUP), so a merge of up to 16 splits is
+    one dependent L2 round trip and a small split count does not carry idle predicated loads
+    (8 of them for S = 2 cost 35 % at N 256, see ``common/merge.py``)."""
+    g = 2
+    while g < min(splits, MAX_MERGE_GROUP):
+        g *= 2
+    return g
+
+
 @dataclass(frozen=True)
 class QsaMergeConfig(KernelConfig):
     """Compile key of :class:`QsaMerge`: output (= q) dtype, head dim, vector width (fp32 lanes
-    of a partial load), whether a gate is applied, and PDL behind the split-K kernel."""
+    of a partial load), whether a gate is applied, PDL behind the split-K kernel, and ``group``,
+    the splits whose loads are in flight together (:func:`merge_group` of the launch's splits)."""
 
     out_dtype: str = "bf16"
     head_dim: int = 256
     vec: int = 4
     gate: bool = True
     pdl: bool = True
+    group: int = 8
 
     kernel_id = "sm90.qsa_merge"
     targets = ("sm_90a",)
@@ -88,6 +118,8 @@ class QsaMergeConfig(KernelConfig):
             raise ValueError(f"qsa merge output dtype must be bf16/fp16, got {self.out_dtype}")
         if self.vec not in (1, 2, 4) or self.head_dim % self.vec or self.head_dim // self.vec > 1024:
             raise ValueError(f"bad head_dim/vec {self.head_dim}/{self.vec}")
+        if self.group not in (2, 4, 8, 16):
+            raise ValueError(f"qsa merge group must be 2, 4, 8 or 16 splits, got {self.group}")
 
     def signature(self):
         D = self.head_dim
@@ -100,4 +132,4 @@ class QsaMergeConfig(KernelConfig):
         )
 
     def build(self):
-        return QsaMerge(cute_dtype(self.out_dtype), self.head_dim, self.vec, self.gate, self.pdl)
+        return QsaMerge(cute_dtype(self.out_dtype), self.head_dim, self.vec, self.gate, self.pdl, self.group)

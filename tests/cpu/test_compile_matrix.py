@@ -276,3 +276,21 @@ def test_decode_l2_policy_descriptor_prefetch_and_staged_merge():
     tile = compile_config(make_qsa_tile_config(**qsa), "sm_90a", artifacts=True).ptx
     assert "cp.async.cg.shared.global.L2::cache_hint" in row
     assert "L2::cache_hint" not in tile
+
+
+@pytest.mark.parametrize("splits", [2, 3, 4, 11, 16, 33])
+def test_qsa_merge_issues_every_split_of_a_group_before_using_one(splits):
+    """The QSA merge's group is chosen from the launch's split count: every split up to 16 in
+    one round trip (its 16-byte partial loads all issued before the first weight), never more
+    loads than the next power of two (idle predicated loads cost at small S)."""
+    import re
+
+    from cute_kernels.jit.compiler import compile_config
+    from cute_kernels.sm90.qsa_merge import QsaMergeConfig, merge_group
+
+    group = merge_group(splits)
+    assert group == {2: 2, 3: 4, 4: 4, 11: 16, 16: 16, 33: 16}[splits]
+    ptx = compile_config(QsaMergeConfig(group=group), "sm_90a", artifacts=True).ptx
+    body = ptx[ptx.index("griddepcontrol.wait"):]
+    first_use = body.index("ex2.approx")
+    assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", body[:first_use])) == group
