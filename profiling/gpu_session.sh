@@ -68,6 +68,9 @@
 #   mgroup13a  all QSA GPU tests on the merge whose load group follows the split count
 #   mgroup13b  QSA decode N 1/4/16 A/B of that merge against groups of 8 (interleaved, twice); the
 #              row-tile prefill 1 x 16384 A/B of the L2 evict-first gather
+#   kvbar13a   all QSA GPU tests and the QSA memcheck with the per-row gather's separate K and V barriers
+#   kvbar13b   QSA decode A/B of the separate K/V barriers (default) against one barrier per slot
+#   peers13    FP8 and BF16 decode side by side with the peers (needs part c)
 #   eager13    the eager B1 call, two processes: its variance study and its launch forms (cluster merge,
 #              global merge, no PDL, one split), each with graph, eager and host time
 #   retest12a/b  retest12 in two calls of under 600 s: (a) the GPU tests, (b) memcheck, A/B and latency
@@ -347,6 +350,15 @@ PY
                  --tuning ";merge_group=8;;merge_group=8" --json "$OUT/qsa_mgroup13.json"
                TAIL=20 run 200 qsa_tile_evict13 python3 -m profiling.bench_qsa --kinds prefill --prefill-t 16384 \
                  --selection correlated --tuning ";evict_first=1;;evict_first=1" --json "$OUT/qsa_tile_evict13.json" ;;
+    kvbar13a) run 300 pytest_qsa python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider
+              run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+                python3 -m profiling.sanitize_qsa ;;
+    kvbar13b) TAIL=45 run 280 qsa_kvbar13 python3 -m profiling.bench_qsa --kinds decode --decode-n 1,4,16,64,256 \
+                --tuning ";kv_barriers=0;;kv_barriers=0" --json "$OUT/qsa_kvbar13.json" ;;
+    peers13) TAIL=30 run 280 peers13f python3 -m profiling.bench_decode --kv fp8 --peers xqa,xqa_nopdl,fi,sdpa \
+               --json "$OUT/decode_peers13_fp8.json" --png "$OUT/decode_peers13_fp8.png"
+             TAIL=30 run 300 peers13b python3 -m profiling.bench_decode --kv bf16 --peers xqa,fi,fa4,sdpa \
+               --json "$OUT/decode_peers13_bf16.json" --png "$OUT/decode_peers13_bf16.png" ;;
     eager13) for i in 1 2; do
                TAIL=12 run 150 eager13_$i python3 -m profiling.bench_latency --eager-study --json "$OUT/eager13_$i.json"
              done ;;

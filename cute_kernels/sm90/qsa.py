@@ -20,6 +20,8 @@ Design:
 - **Pipeline.** ``stages`` shared-memory slots, each guarded by a "full" mbarrier (32 no-inc
   ``cp.async.mbarrier.arrive`` of the producer lanes + one ordinary arrive of lane 0 after it
   wrote the bitmask, which releases that store) and an "empty" mbarrier (128 consumer arrives).
+  With ``kv_barriers`` a slot's K rows are copied first and released by "full" alone, its V rows
+  after them by a second barrier, so QK and the softmax run while V is still arriving.
 - **Swap-AB WGMMA** (as in ``decode.py``, whose helpers this kernel inherits): the KV group's
   ``G`` query heads are the MMA's N (padded to 8/16), the tile's tokens its M. 16-bit caches run
   SS WGMMA straight from the gathered tiles (after a ``fence.proxy.async``, since cp.async
@@ -197,7 +199,8 @@ class Sm90QsaAttention(Sm90PagedDecode):
         # built from evaluated annotations: this module's ``from __future__ import annotations``
         # would leave a class body's annotations as strings outside a traced function
         fields = {
-            "full": cute.struct.MemRange[cutlass.Int64, cfg.stages],
+            # kv_barriers: the V halves' barriers follow the K halves' (full + stages + s)
+            "full": cute.struct.MemRange[cutlass.Int64, cfg.stages * (2 if cfg.kv_barriers else 1)],
             "empty": cute.struct.MemRange[cutlass.Int64, cfg.stages],
             "mask": cute.struct.MemRange[Int32, cfg.stages * self.R * (cfg.tile // 32)],
             "red": cute.struct.MemRange[Float32, MMA_WARPS * cfg.n_pad],
@@ -288,6 +291,8 @@ class Sm90QsaAttention(Sm90PagedDecode):
             for s in cutlass.range_constexpr(cfg.stages):
                 # cp.async no-inc arrivals of every producer lane + the bitmask writers' releases
                 cute.arch.mbarrier_init(full + s, 32 * self.P + self.mask_writers)
+                if const_expr(cfg.kv_barriers):  # V: the cp.async no-inc arrivals only
+                    cute.arch.mbarrier_init(full + cfg.stages + s, 32 * self.P)
                 cute.arch.mbarrier_init(empty + s, MMA_WARPS * 32)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -436,24 +441,35 @@ class Sm90QsaAttention(Sm90PagedDecode):
                         b = b if m_row == row_in_tile else Int32(0)
                     sMask[m_row * words + m_word, stage] = b
             # ---- gather: one warp-wide copy covers `rpc` token rows ----
-            if const_expr(self.widen_in_producer):
-                self.copy_widened(k_addr, v_addr, bits, word0, part, rows_per_part, k_sbase, v_sbase, k_layout,
-                                  v_layout, stage, lane_bytes, chunk, sub)
-            if const_expr(not self.widen_in_producer):
-                self.copy_lines(self.line_copy_plan(k_layout, v_layout), k_addr, v_addr, kv_delta, bits, word0, part,
-                                k_sbase, v_sbase, k_layout, v_layout, stage, lane)
-            if const_expr(self.widen_in_producer):
-                # plain stores, read by WGMMA through the async proxy
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(full + stage)
-            else:
+            if const_expr(self.cfg.kv_barriers):
+                plan = self.line_copy_plan(k_layout, v_layout)
+                # (per-row kernel: mode 0, no widening) K first, released with the bitmask on the
+                # slot's first barrier, then V on its second
+                self.copy_lines(plan, k_addr, v_addr, kv_delta, bits, word0, part, k_sbase, v_sbase, k_layout,
+                                v_layout, stage, lane, "k")
                 cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
-            if const_expr(mode == 0):
                 if lane == 0 and part == 0:
                     cute.arch.mbarrier_arrive(full + stage)  # releases the bitmask store above
+                self.copy_lines(plan, k_addr, v_addr, kv_delta, bits, word0, part, k_sbase, v_sbase, k_layout,
+                                v_layout, stage, lane, "v")
+                cute.arch.cp_async_mbarrier_arrive_noinc(full + self.stages + stage)
             else:
-                if writer:
+                if const_expr(self.widen_in_producer):
+                    self.copy_widened(k_addr, v_addr, bits, word0, part, rows_per_part, k_sbase, v_sbase, k_layout,
+                                      v_layout, stage, lane_bytes, chunk, sub)
+                    # plain stores, read by WGMMA through the async proxy
+                    cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.mbarrier_arrive(full + stage)
+                else:
+                    self.copy_lines(self.line_copy_plan(k_layout, v_layout), k_addr, v_addr, kv_delta, bits, word0,
+                                    part, k_sbase, v_sbase, k_layout, v_layout, stage, lane)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+                if const_expr(mode == 0):
+                    if lane == 0 and part == 0:
+                        cute.arch.mbarrier_arrive(full + stage)  # releases the bitmask store above
+                else:
+                    if writer:
+                        cute.arch.mbarrier_arrive(full + stage)
             if const_expr(mode == 1):
                 mem_a = mem_b
 
@@ -502,13 +518,14 @@ class Sm90QsaAttention(Sm90PagedDecode):
 
     @cute.jit
     def copy_lines(self, plan, k_addr, v_addr, kv_delta, bits, word0, part, k_sbase, v_sbase, k_layout, v_layout,
-                   stage, lane):
+                   stage, lane, which: cutlass.Constexpr = "kv"):
         """The tile's K and V rows this warp owns, a 128-byte line per row per copy: G lanes (a
         swizzle group) serve one row, 32 / G rows per warp-wide copy, so each copy reads whole
         lines like the per-row copy but every address is computed once per row, not per chunk.
         Lane q of a row writes slot q of each group, reading the row's chunk ``q ^ X(token)``
         there (the swizzle moved to the source side), so the copies of a row differ only by
-        compile-time offsets (``[reg + imm]``)."""
+        compile-time offsets (``[reg + imm]``). ``which``: "kv" both rows of each token, "k" or
+        "v" only that half (the separate K and V barriers)."""
         eb, cpr = self.kv_bytes, self.chunks_per_row
         (G, A_k, xs_k, st_k), (_, A_v, xs_v, st_v) = plan
         per_copy = 32 // G  # rows per warp-wide copy
@@ -535,8 +552,10 @@ class Sm90QsaAttention(Sm90PagedDecode):
                 v_src = v_row + Int64((q ^ ((u_v >> xs_v) % G)) * 16)
                 policy = Int64(EVICT_FIRST_POLICY) if const_expr(self.cfg.evict_first) else None
                 for g in cutlass.range_constexpr(cpr // G):
-                    cp_async_zfill_16_at(k_dst, k_src, nbytes, g * A_k, g * G * 16, policy)
-                    cp_async_zfill_16_at(v_dst, v_src, nbytes, g * A_v, g * G * 16, policy)
+                    if const_expr(which != "v"):
+                        cp_async_zfill_16_at(k_dst, k_src, nbytes, g * A_k, g * G * 16, policy)
+                    if const_expr(which != "k"):
+                        cp_async_zfill_16_at(v_dst, v_src, nbytes, g * A_v, g * G * 16, policy)
 
     @cute.jit
     def copy_widened(self, k_addr, v_addr, bits, word0, part, rows_per_part, k_sbase, v_sbase, k_layout, v_layout,
@@ -688,6 +707,10 @@ class Sm90QsaAttention(Sm90PagedDecode):
                               cS[0][0] - cS0[0][0], warp, lane)
 
             # ---------------- O^T += V^T P^T ----------------
+            if const_expr(self.cfg.kv_barriers):
+                cute.arch.mbarrier_wait(full + self.stages + stage, (i // self.stages) % 2)
+                if const_expr(not self.fp8):
+                    cute.arch.fence_proxy("async.shared", space="cta")  # V, as K above
             if const_expr(self.fp8):
                 # after QK: the K fragments are dead, so K and V fragments share registers
                 self.load_v_fragments(tOrV, v_base, v_layout, stage, warp, lane)
@@ -810,6 +833,8 @@ class Sm90QsaConfig(KernelConfig):
     by :func:`make_qsa_config`: H200, decode BF16 N = 4 10.9 -> 10.2 us, N = 16 23.4 -> 21.9,
     FP8 N = 64 40.6 -> 38.6, N = 256 139.9 -> 136.3); off for the row tiles (not measured there:
     their union rows are read again by neighbouring tiles).
+    ``kv_barriers``: a slot's K rows are copied first and released on their own barrier, V after
+    them on a second one, so QK and the softmax overlap V's arrival (per-row kernel only).
     """
 
     q_dtype: str = "bf16"
@@ -826,6 +851,7 @@ class Sm90QsaConfig(KernelConfig):
     pdl: bool = False
     kv_same_strides: bool = False
     evict_first: bool = False
+    kv_barriers: bool = False
 
     kernel_id = "sm90.qsa"
     targets = ("sm_90a",)
@@ -1003,6 +1029,6 @@ def make_qsa_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, p
     stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile, producers)
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=split, gate=gate and not split, occupancy=occupancy,
-                  producers=producers, pdl=split, kv_same_strides=True, evict_first=True)
+                  producers=producers, pdl=split, kv_same_strides=True, evict_first=True, kv_barriers=True)
     fields.update(override)
     return Sm90QsaConfig(**fields)

@@ -647,6 +647,8 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
             raise ValueError("the row-tile kernel does not split")
         if self.pdl:  # it reads the union pre-pass's output, written by the launch just before
             raise ValueError("the row-tile kernel is not a programmatic dependent launch")
+        if self.kv_barriers:  # its consumers wait on one barrier per slot
+            raise ValueError("the row-tile kernel releases K and V of a slot together (kv_barriers=False)")
         if not 1 <= self.rows_per_cta or self.rows_per_cta * self.group > MAX_COLUMNS:
             raise ValueError(f"rows_per_cta * group must be in [1, {MAX_COLUMNS}], got {self.rows_per_cta} x "
                              f"{self.group}")

@@ -294,3 +294,29 @@ def test_qsa_merge_issues_every_split_of_a_group_before_using_one(splits):
     body = ptx[ptx.index("griddepcontrol.wait"):]
     first_use = body.index("ex2.approx")
     assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", body[:first_use])) == group
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+def test_qsa_per_row_gather_releases_k_before_v(kv):
+    """The per-row QSA gather (``kv_barriers``, default) issues a slot's K copies, arrives on the
+    slot's K barrier, then issues its V copies and arrives on the V barrier, so QK can start while
+    V is in flight; off, K and V copies interleave under one arrival. The row tiles refuse it."""
+    import re
+
+    from cute_kernels.jit.compiler import compile_config
+    from cute_kernels.sm90.qsa import make_qsa_config
+    from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
+
+    shape = dict(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, split=True, gate=False)
+
+    def copy_sequence(cfg):
+        ptx = compile_config(cfg, "sm_90a", artifacts=True).ptx
+        seq = "".join("A" if "mbarrier.arrive" in ln else "c" for ln in ptx.splitlines() if "cp.async" in ln)
+        return re.sub(r"c+", lambda m: f"c{len(m.group())}", seq)
+
+    n = 32 if kv == "bf16" else 16  # K (or V) copies of one producer warp per slot
+    assert copy_sequence(make_qsa_config(**shape)) == f"c{n}Ac{n}A"
+    assert copy_sequence(make_qsa_config(**shape, kv_barriers=False)) == f"c{2 * n}A"
+    with pytest.raises(ValueError, match="kv_barriers"):
+        make_qsa_tile_config(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, gate=True,
+                             kv_barriers=True)

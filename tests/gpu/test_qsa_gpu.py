@@ -153,6 +153,17 @@ def test_gather_without_l2_policy(gen, kv, splits):
 
 
 @pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_gather_with_one_barrier_per_slot(gen, kv, splits):
+    """The per-row kernel with K and V of a slot released together (``kv_barriers=False``; the
+    default releases K first and runs in every other per-row test)."""
+    c = _case(gen, 24, 24, 2, 1568, 6, kv)
+    with tuning_override(splits=splits, kv_barriers=False):
+        out, ref = _run(c, True)
+    _check(out, ref)
+
+
+@pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_tile_128(gen, kv, splits):
     """The two-M-block tile (not chosen by the table today; benchmarks compare it)."""
