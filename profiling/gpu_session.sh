@@ -71,6 +71,7 @@
 #   kvbar13a   all QSA GPU tests and the QSA memcheck with the per-row gather's separate K and V barriers
 #   kvbar13b   QSA decode A/B of the separate K/V barriers (default) against one barrier per slot
 #   peers13    FP8 and BF16 decode side by side with the peers (needs part c)
+#   final13    the QSA tests of the K/V release rule and the forced splits, then the QSA decode table
 #   eager13    the eager B1 call, two processes: its variance study and its launch forms (cluster merge,
 #              global merge, no PDL, one split), each with graph, eager and host time
 #   retest12a/b  retest12 in two calls of under 600 s: (a) the GPU tests, (b) memcheck, A/B and latency
@@ -359,6 +360,9 @@ PY
                --json "$OUT/decode_peers13_fp8.json" --png "$OUT/decode_peers13_fp8.png"
              TAIL=30 run 300 peers13b python3 -m profiling.bench_decode --kv bf16 --peers xqa,fi,fa4,sdpa \
                --json "$OUT/decode_peers13_bf16.json" --png "$OUT/decode_peers13_bf16.png" ;;
+    final13) run 120 pytest_qsa13 python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider \
+               -k "barriers_against_the_rule or forced_splits"
+             TAIL=14 run 150 qsa13 python3 -m profiling.bench_qsa --kinds decode --check --json "$OUT/qsa13.json" ;;
     eager13) for i in 1 2; do
                TAIL=12 run 150 eager13_$i python3 -m profiling.bench_latency --eager-study --json "$OUT/eager13_$i.json"
              done ;;

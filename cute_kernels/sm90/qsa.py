@@ -834,7 +834,11 @@ class Sm90QsaConfig(KernelConfig):
     FP8 N = 64 40.6 -> 38.6, N = 256 139.9 -> 136.3); off for the row tiles (not measured there:
     their union rows are read again by neighbouring tiles).
     ``kv_barriers``: a slot's K rows are copied first and released on their own barrier, V after
-    them on a second one, so QK and the softmax overlap V's arrival (per-row kernel only).
+    them on a second one, so QK and the softmax overlap V's arrival (per-row kernel only). On for
+    split launches by :func:`make_qsa_config`, whose few tiles per CTA end on the last tile's
+    chain (H200, two interleaved pairs, µs: BF16 N = 1 7.9 -> 7.6-7.7, N = 4 10.1-10.2 -> 9.9-10.0,
+    FP8 N = 4 8.9 -> 8.8-8.9, N = 16 within 0.2); off without splits, where the split copies slowed
+    the memory-bound loop (FP8 N = 64 39.2-39.4 -> 41.1-41.6, BF16 N = 256 256.9-257.1 -> 257.6-257.9).
     """
 
     q_dtype: str = "bf16"
@@ -1029,6 +1033,6 @@ def make_qsa_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, p
     stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile, producers)
     fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
                   tile=tile, stages=stages, split=split, gate=gate and not split, occupancy=occupancy,
-                  producers=producers, pdl=split, kv_same_strides=True, evict_first=True, kv_barriers=True)
+                  producers=producers, pdl=split, kv_same_strides=True, evict_first=True, kv_barriers=split)
     fields.update(override)
     return Sm90QsaConfig(**fields)

@@ -298,9 +298,10 @@ def test_qsa_merge_issues_every_split_of_a_group_before_using_one(splits):
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
 def test_qsa_per_row_gather_releases_k_before_v(kv):
-    """The per-row QSA gather (``kv_barriers``, default) issues a slot's K copies, arrives on the
-    slot's K barrier, then issues its V copies and arrives on the V barrier, so QK can start while
-    V is in flight; off, K and V copies interleave under one arrival. The row tiles refuse it."""
+    """The per-row QSA gather of a split launch (``kv_barriers``, its default) issues a slot's K
+    copies, arrives on the slot's K barrier, then issues its V copies and arrives on the V
+    barrier, so QK can start while V is in flight; off (the unsplit default), K and V copies
+    interleave under one arrival. The row tiles refuse it."""
     import re
 
     from cute_kernels.jit.compiler import compile_config
@@ -317,6 +318,7 @@ def test_qsa_per_row_gather_releases_k_before_v(kv):
     n = 32 if kv == "bf16" else 16  # K (or V) copies of one producer warp per slot
     assert copy_sequence(make_qsa_config(**shape)) == f"c{n}Ac{n}A"
     assert copy_sequence(make_qsa_config(**shape, kv_barriers=False)) == f"c{2 * n}A"
+    assert copy_sequence(make_qsa_config(**{**shape, "split": False})) == f"c{2 * n}A"
     with pytest.raises(ValueError, match="kv_barriers"):
         make_qsa_tile_config(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, gate=True,
                              kv_barriers=True)

@@ -154,11 +154,12 @@ def test_gather_without_l2_policy(gen, kv, splits):
 
 @pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("splits", [1, 5])
-def test_gather_with_one_barrier_per_slot(gen, kv, splits):
-    """The per-row kernel with K and V of a slot released together (``kv_barriers=False``; the
-    default releases K first and runs in every other per-row test)."""
+def test_gather_barriers_against_the_rule(gen, kv, splits):
+    """The per-row kernel with the other K/V release than its default: a split launch with K and
+    V of a slot released together, an unsplit one with K released before V (``kv_barriers``; the
+    defaults run in every other per-row test)."""
     c = _case(gen, 24, 24, 2, 1568, 6, kv)
-    with tuning_override(splits=splits, kv_barriers=False):
+    with tuning_override(splits=splits, kv_barriers=splits == 1):
         out, ref = _run(c, True)
     _check(out, ref)
 
