@@ -61,20 +61,13 @@ MAX_GROUP = 16  # the WGMMA N of one CTA (query heads of one KV head)
 
 
 @dsl_user_op
-def cp_async_zfill_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
-    """``cp.async.cg.shared.global [smem], [gmem], 16, src_bytes``: copies ``src_bytes`` (16 or 0)
-    and zero-fills the rest; with 0 nothing is read from global memory. ``.cg``: L2 only, the
-    gathered rows are used once per CTA."""
-    asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-        "r,l,r", side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def cp_async_zfill_16_at(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, smem_off: int, gmem_off: int,
                          policy: Int64 | None = None, *, loc=None, ip=None) -> None:
-    """:func:`cp_async_zfill_16` at ``[smem + smem_off]``, ``[gmem + gmem_off]`` (compile-time byte
-    offsets in the instruction: no address arithmetic per copy); with ``policy``, an L2
-    cache-policy operand (``.L2::cache_hint``)."""
+    """``cp.async.cg.shared.global [smem + smem_off], [gmem + gmem_off], 16, src_bytes``: copies
+    ``src_bytes`` (16 or 0) and zero-fills the rest; with 0 nothing is read from global memory.
+    ``.cg``: L2 only, the gathered rows are used once per CTA. The byte offsets are compile-time
+    immediates (no address arithmetic per copy); with ``policy``, an L2 cache-policy operand
+    (``.L2::cache_hint``)."""
     if policy is None:
         asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
             f"cp.async.cg.shared.global [$0+{int(smem_off)}], [$1+{int(gmem_off)}], 16, $2;", "r,l,r",
@@ -441,35 +434,28 @@ class Sm90QsaAttention(Sm90PagedDecode):
                         b = b if m_row == row_in_tile else Int32(0)
                     sMask[m_row * words + m_word, stage] = b
             # ---- gather: one warp-wide copy covers `rpc` token rows ----
-            if const_expr(self.cfg.kv_barriers):
-                plan = self.line_copy_plan(k_layout, v_layout)
-                # (per-row kernel: mode 0, no widening) K first, released with the bitmask on the
-                # slot's first barrier, then V on its second
-                self.copy_lines(plan, k_addr, v_addr, kv_delta, bits, word0, part, k_sbase, v_sbase, k_layout,
-                                v_layout, stage, lane, "k")
+            if const_expr(self.widen_in_producer):
+                self.copy_widened(k_addr, v_addr, bits, word0, part, rows_per_part, k_sbase, v_sbase, k_layout,
+                                  v_layout, stage, lane_bytes, chunk, sub)
+                # plain stores, read by WGMMA through the async proxy
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(full + stage)
+            else:
+                # kv_barriers (per-row kernel): K only here, released with the bitmask; V below
+                self.copy_lines(self.line_copy_plan(k_layout, v_layout), k_addr, v_addr, kv_delta, bits, word0,
+                                part, k_sbase, v_sbase, k_layout, v_layout, stage, lane,
+                                "k" if const_expr(self.cfg.kv_barriers) else "kv")
                 cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+            if const_expr(mode == 0):
                 if lane == 0 and part == 0:
                     cute.arch.mbarrier_arrive(full + stage)  # releases the bitmask store above
-                self.copy_lines(plan, k_addr, v_addr, kv_delta, bits, word0, part, k_sbase, v_sbase, k_layout,
-                                v_layout, stage, lane, "v")
-                cute.arch.cp_async_mbarrier_arrive_noinc(full + self.stages + stage)
             else:
-                if const_expr(self.widen_in_producer):
-                    self.copy_widened(k_addr, v_addr, bits, word0, part, rows_per_part, k_sbase, v_sbase, k_layout,
-                                      v_layout, stage, lane_bytes, chunk, sub)
-                    # plain stores, read by WGMMA through the async proxy
-                    cute.arch.fence_proxy("async.shared", space="cta")
+                if writer:
                     cute.arch.mbarrier_arrive(full + stage)
-                else:
-                    self.copy_lines(self.line_copy_plan(k_layout, v_layout), k_addr, v_addr, kv_delta, bits, word0,
-                                    part, k_sbase, v_sbase, k_layout, v_layout, stage, lane)
-                    cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
-                if const_expr(mode == 0):
-                    if lane == 0 and part == 0:
-                        cute.arch.mbarrier_arrive(full + stage)  # releases the bitmask store above
-                else:
-                    if writer:
-                        cute.arch.mbarrier_arrive(full + stage)
+            if const_expr(self.cfg.kv_barriers):
+                self.copy_lines(self.line_copy_plan(k_layout, v_layout), k_addr, v_addr, kv_delta, bits, word0,
+                                part, k_sbase, v_sbase, k_layout, v_layout, stage, lane, "v")
+                cute.arch.cp_async_mbarrier_arrive_noinc(full + self.stages + stage)
             if const_expr(mode == 1):
                 mem_a = mem_b
 
