@@ -15,7 +15,7 @@ from __future__ import annotations
 from .jit.compiler import KernelConfig, normalize_target
 from .jit.parallel import precompile
 from .sm90.qsa import H200_SMS, PRODUCTION_TOPK, make_qsa_config, split_table
-from .sm90.qsa_merge import QsaMergeConfig, merge_group
+from .sm90.qsa_merge import QsaMergeConfig, merge_shape
 from .sm90.qsa_tile import TILE_MIN_ROWS, make_qsa_tile_config, row_tile_plan
 from .sm90.qsa_union import QsaUnionConfig
 from .sm90.qsa_widen import QsaWidenConfig
@@ -48,12 +48,12 @@ def qsa_variants(
     kv = _KV.get(kv_cache_dtype, kv_cache_dtype) or q_dtype
     group = num_q_heads // num_kv_heads
     reach: set[tuple[int, bool]] = set()
-    merge_groups: set[int] = set()
+    merges: set[tuple[int, int]] = set()
     for prefill in (False, True):
         for _, tile, splits in split_table(kv, head_dim, group, prefill, topk, num_sms):
             reach.add((tile, splits > 1))
             if splits > 1:
-                merge_groups.add(merge_group(splits))
+                merges.add(merge_shape(splits))
     out: list[KernelConfig] = []
     for tile, split in sorted(reach):
         for gate in ((False,) if split else gates):
@@ -61,8 +61,8 @@ def qsa_variants(
                                        page_size=page_size, split=split, gate=gate,
                                        **{"tile": tile, **override}))
         if split:
-            out += [QsaMergeConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4, gate=g, pdl=True, group=m)
-                    for m in sorted(merge_groups) for g in gates]
+            out += [QsaMergeConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4, gate=g, pdl=True, group=m,
+                                   lanes=lanes) for m, lanes in sorted(merges) for g in gates]
     plan = None if block_table_width is None else row_tile_plan(
         TILE_MIN_ROWS, True, kv, group, page_size, block_table_width, topk)
     if plan is not None:

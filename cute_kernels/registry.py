@@ -96,8 +96,8 @@ def qsa_matrix() -> list[KernelConfig]:
                                gate=False))
     out.append(make_qsa_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=64, group=1, page_size=16,
                                split=False, gate=False))
-    out += [QsaMergeConfig(out_dtype="bf16", head_dim=256, vec=4, gate=g, pdl=True, group=m)
-            for g, m in ((True, 16), (False, 16), (True, 4), (False, 2))]
+    out += [QsaMergeConfig(out_dtype="bf16", head_dim=256, vec=4, gate=g, pdl=True, group=m, lanes=lanes)
+            for g, m, lanes in ((True, 16, 1), (False, 16, 1), (True, 4, 1), (False, 2, 1), (True, 16, 4))]
     out += [make_qsa_tile_config(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=group, page_size=page, gate=True)
             for kv in ("bf16", "fp8_e4m3") for group, page in ((12, 1568), (6, 784))]
     out += [QsaUnionConfig(rows_per_tile=5, page_size=1568, max_tokens=16384, union_cap=4160),

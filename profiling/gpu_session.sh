@@ -72,6 +72,8 @@
 #   kvbar13b   QSA decode A/B of the separate K/V barriers (default) against one barrier per slot
 #   peers13    FP8 and BF16 decode side by side with the peers (needs part c)
 #   final13    the QSA tests of the K/V release rule and the forced splits, then the QSA decode table
+#   lanes14    (branch next/qsa-merge-lanes) QSA merge with several threads per row chunk: its GPU tests and
+#              the decode N 1 (33 splits: 4 lanes by default there) and N 4 A/B
 #   eager13    the eager B1 call, two processes: its variance study and its launch forms (cluster merge,
 #              global merge, no PDL, one split), each with graph, eager and host time
 #   retest12a/b  retest12 in two calls of under 600 s: (a) the GPU tests, (b) memcheck, A/B and latency
@@ -363,6 +365,11 @@ PY
     final13) run 120 pytest_qsa13 python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider \
                -k "barriers_against_the_rule or forced_splits"
              TAIL=14 run 150 qsa13 python3 -m profiling.bench_qsa --kinds decode --check --json "$OUT/qsa13.json" ;;
+    lanes14) run 300 pytest_lanes python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider \
+               -k "merge_lanes or forced_splits"
+             TAIL=30 run 200 qsa_lanes14 python3 -m profiling.bench_qsa --kinds decode --decode-n 1,4 \
+               --tuning ";merge_lanes=1;merge_lanes=2,merge_group=8;;merge_lanes=1;merge_lanes=2,merge_group=8" \
+               --json "$OUT/qsa_lanes14.json" ;;
     eager13) for i in 1 2; do
                TAIL=12 run 150 eager13_$i python3 -m profiling.bench_latency --eager-study --json "$OUT/eager13_$i.json"
              done ;;

@@ -121,20 +121,21 @@ class MergeStates:
         return acc, weight_sum, shift
 
     @cute.jit
-    def merge_groups(self, acc, mPartialO, mPartialLse, num_splits, n, h, lane, group: cutlass.Constexpr):
+    def merge_groups(self, acc, mPartialO, mPartialLse, num_splits, n, h, lane, group: cutlass.Constexpr,
+                     first=0, stride: cutlass.Constexpr = 1):
         """``merge_row`` in groups of ``group`` splits: accumulates into ``acc`` (zeros), returns
-        (sum of weights, shift)."""
+        (sum of weights, shift). Visits splits ``first, first + stride, ...`` (all by default)."""
         weight_sum = Float32(0.0)
         shift = Float32(0.0)  # the running max LSE, 0 while every split so far is empty
         lse_max = -Float32.inf
-        for s0 in cutlass.range(0, num_splits, group, unroll=1):
+        for s0 in cutlass.range(first, num_splits, group * stride, unroll=1):
             lses = cute.make_rmem_tensor((group,), Float32)
             parts = cute.make_rmem_tensor((group * self.vec,), Float32)
             for j in cutlass.range_constexpr(group):
                 lses[j] = -Float32.inf  # past the last split: weight 0, its (unread) value selected away
-                if s0 + j < num_splits:
-                    lses[j] = mPartialLse[s0 + j, n, h]
-                    src = cute.local_tile(mPartialO[s0 + j, n, h, None], (self.vec,), (lane,))
+                if s0 + j * stride < num_splits:
+                    lses[j] = mPartialLse[s0 + j * stride, n, h]
+                    src = cute.local_tile(mPartialO[s0 + j * stride, n, h, None], (self.vec,), (lane,))
                     cute.local_tile(parts, (self.vec,), (j,)).store(src.load())
             for j in cutlass.range_constexpr(group):
                 lse_max = cute.arch.fmax(lse_max, lses[j])

@@ -35,7 +35,7 @@ from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..sm90.qsa import MAX_GROUP, Sm90QsaConfig, make_qsa_config, select_config
-from ..sm90.qsa_merge import QsaMergeConfig, merge_group
+from ..sm90.qsa_merge import QsaMergeConfig, merge_shape
 from ..sm90.qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_tile_plan
 from ..sm90.qsa_union import QsaUnionConfig
 from ..sm90.qsa_widen import QsaWidenConfig, use_widened_cache
@@ -111,7 +111,7 @@ def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
             None if gate is None else (gate.shape, gate.stride(), gate.data_ptr() % 16), _cache.override_key)
 
 
-_LAUNCH_FIELDS = ("splits", "tile_rows", "widen", "merge_group")  # read where the launch is chosen, not kernel fields
+_LAUNCH_FIELDS = ("splits", "tile_rows", "widen", "merge_group", "merge_lanes")  # read where the launch is chosen, not kernel fields
 # fields only the row-tile kernel's config has (warp roles, register split), kept from the per-row one
 _TILE_ONLY_FIELDS = ({f.name for f in dataclasses.fields(Sm90QsaTileConfig)}
                      - {f.name for f in dataclasses.fields(Sm90QsaConfig)})
@@ -196,9 +196,11 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
             if t is not None:
                 while vec > 1 and widest_vector([t]) < vec * t.element_size():
                     vec //= 2
-        group = _cache.override.get("merge_group", merge_group(splits))
+        group, lanes = merge_shape(splits)
+        group = _cache.override.get("merge_group", group)
+        lanes = _cache.override.get("merge_lanes", lanes)
         merge_fn = get_kernel(QsaMergeConfig(out_dtype=q_name, head_dim=D, vec=vec, gate=gate is not None,
-                                             pdl=True, group=group), target)
+                                             pdl=True, group=group, lanes=lanes), target)
         n_o, n_l = splits * rows * Hq * D, splits * rows * Hq
         ws = _workspace.get(device, n_o + n_l)
         part_o = ws[:n_o].view(splits, rows, Hq, D)

@@ -280,20 +280,22 @@ def test_decode_l2_policy_descriptor_prefetch_and_staged_merge():
 
 @pytest.mark.parametrize("splits", [2, 3, 4, 11, 16, 33])
 def test_qsa_merge_issues_every_split_of_a_group_before_using_one(splits):
-    """The QSA merge's group is chosen from the launch's split count: every split up to 16 in
-    one round trip (its 16-byte partial loads all issued before the first weight), never more
-    loads than the next power of two (idle predicated loads cost at small S)."""
+    """The QSA merge's shape is chosen from the launch's split count: every split in one round
+    trip (its 16-byte partial loads all issued before the first weight), up to 16 per thread and
+    beyond that shared by ``lanes`` threads per chunk (combined by butterfly shuffles), never
+    more loads than the next power of two (idle predicated loads cost at small S)."""
     import re
 
     from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.qsa_merge import QsaMergeConfig, merge_group
+    from cute_kernels.sm90.qsa_merge import QsaMergeConfig, merge_shape
 
-    group = merge_group(splits)
-    assert group == {2: 2, 3: 4, 4: 4, 11: 16, 16: 16, 33: 16}[splits]
-    ptx = compile_config(QsaMergeConfig(group=group), "sm_90a", artifacts=True).ptx
+    group, lanes = merge_shape(splits)
+    assert (group, lanes) == {2: (2, 1), 3: (4, 1), 4: (4, 1), 11: (16, 1), 16: (16, 1), 33: (16, 4)}[splits]
+    ptx = compile_config(QsaMergeConfig(group=group, lanes=lanes), "sm_90a", artifacts=True).ptx
     body = ptx[ptx.index("griddepcontrol.wait"):]
     first_use = body.index("ex2.approx")
     assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", body[:first_use])) == group
+    assert ("shfl.sync.bfly" in body) == (lanes > 1)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])

@@ -165,9 +165,9 @@ def test_warmup_covers_every_table_entry():
     assert reach <= {(c.tile, c.split) for c in kernels}
     assert len(configs) == len(set(configs))
     # the merge's load group is chosen from the split count: every reachable one is compiled
-    from cute_kernels.sm90.qsa_merge import merge_group
-    groups = {merge_group(s) for p in (False, True) for _, _, s in split_table("fp8_e4m3", 256, 12, p) if s > 1}
-    assert {(m.group, m.gate) for m in merges} == {(g, gate) for g in groups for gate in (True, False)}
+    from cute_kernels.sm90.qsa_merge import merge_shape
+    shapes = {merge_shape(s) for p in (False, True) for _, _, s in split_table("fp8_e4m3", 256, 12, p) if s > 1}
+    assert {(m.group, m.lanes, m.gate) for m in merges} == {(*m, gate) for m in shapes for gate in (True, False)}
 
 
 def test_row_tile_plan():

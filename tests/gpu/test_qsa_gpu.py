@@ -165,6 +165,17 @@ def test_gather_barriers_against_the_rule(gen, kv, splits):
 
 
 @pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("splits,lanes,group", [(20, 2, 16), (20, 8, 4), (33, 4, 16), (40, 8, 8), (6, 2, 4)])
+def test_merge_lanes(gen, kv, splits, lanes, group):
+    """The QSA merge with several threads per chunk of a row, each merging a strided share of
+    the splits (short rows leave many splits empty: an empty share must combine as weight 0)."""
+    c = _case(gen, 24, 24, 2, 1568, 6, kv)
+    with tuning_override(splits=splits, merge_lanes=lanes, merge_group=group):
+        out, ref = _run(c, False)
+    _check(out, ref)
+
+
+@pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_tile_128(gen, kv, splits):
     """The two-M-block tile (not chosen by the table today; benchmarks compare it)."""
