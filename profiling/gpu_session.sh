@@ -74,6 +74,8 @@
 #   final13    the QSA tests of the K/V release rule and the forced splits, then the QSA decode table
 #   lanes14    (branch next/qsa-merge-lanes) QSA merge with several threads per row chunk: its GPU tests and
 #              the decode N 1 (33 splits: 4 lanes by default there) and N 4 A/B
+#   rel14      unsplit QSA launches that release the next kernel early (pdl + release 1/2): the chained
+#              GPU test, then the decode A/B at N 64/256 (interleaved, twice)
 #   eager13    the eager B1 call, two processes: its variance study and its launch forms (cluster merge,
 #              global merge, no PDL, one split), each with graph, eager and host time
 #   retest12a/b  retest12 in two calls of under 600 s: (a) the GPU tests, (b) memcheck, A/B and latency
@@ -370,6 +372,12 @@ PY
              TAIL=30 run 200 qsa_lanes14 python3 -m profiling.bench_qsa --kinds decode --decode-n 1,4 \
                --tuning ";merge_lanes=1;merge_lanes=2,merge_group=8;;merge_lanes=1;merge_lanes=2,merge_group=8" \
                --json "$OUT/qsa_lanes14.json" ;;
+    rel14) run 200 warm14 python3 -m profiling.warm_variants qsa "pdl=1,release=1;pdl=1,release=2;pdl=1"
+           run 200 pytest_rel14 python3 -m pytest tests/gpu/test_qsa_gpu.py -q -p no:cacheprovider \
+             -k "unsplit_release_chain or forced_splits"
+           TAIL=40 run 250 qsa_rel14 python3 -m profiling.bench_qsa --kinds decode --decode-n 64,256 \
+             --tuning ";pdl=1,release=1;pdl=1,release=2;pdl=1;;pdl=1,release=1;pdl=1,release=2;pdl=1" \
+             --json "$OUT/qsa_rel14.json" ;;
     eager13) for i in 1 2; do
                TAIL=12 run 150 eager13_$i python3 -m profiling.bench_latency --eager-study --json "$OUT/eager13_$i.json"
              done ;;

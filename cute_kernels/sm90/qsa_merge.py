@@ -140,7 +140,8 @@ def merge_lanes(splits: int) -> int:
     """Threads sharing one chunk of a merged row: 1 up to MAX_MERGE_GROUP splits, else the fewest
     (a power of two, at most MAX_MERGE_LANES) whose share of the splits fits one group, so every
     split's load is in flight at once (N 1 at D 256: 33 splits, 4 lanes of 9; one thread walking
-    all 33 took three rounds, 2.5 us, in the thirteenth session's timeline)."""
+    all 33 took three rounds, 2.5 us, in the thirteenth session's timeline). H200, two
+    interleaved pairs: N 1 BF16 7.7-7.9 -> 7.0 us, FP8 8.5 -> 8.0."""
     lanes = 1
     while -(-splits // lanes) > MAX_MERGE_GROUP and lanes < MAX_MERGE_LANES:
         lanes *= 2
