@@ -76,6 +76,8 @@
 #              the decode N 1 (33 splits: 4 lanes by default there) and N 4 A/B
 #   rel14      unsplit QSA launches that release the next kernel early (pdl + release 1/2): the chained
 #              GPU test, then the decode A/B at N 64/256 (interleaved, twice)
+#   final14a   every QSA GPU test (per-row, merge lanes, row tiles, union pre-pass) and the QSA memcheck
+#   final14b   the QSA decode table (--check), then an A/B of 4 gather warps per CTA at N 4/16/64
 #   eager13    the eager B1 call, two processes: its variance study and its launch forms (cluster merge,
 #              global merge, no PDL, one split), each with graph, eager and host time
 #   retest12a/b  retest12 in two calls of under 600 s: (a) the GPU tests, (b) memcheck, A/B and latency
@@ -378,6 +380,13 @@ PY
            TAIL=40 run 250 qsa_rel14 python3 -m profiling.bench_qsa --kinds decode --decode-n 64,256 \
              --tuning ";pdl=1,release=1;pdl=1,release=2;pdl=1;;pdl=1,release=1;pdl=1,release=2;pdl=1" \
              --json "$OUT/qsa_rel14.json" ;;
+    final14a) run 420 pytest_qsa14 python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
+                -p no:cacheprovider
+              run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+                python3 -m profiling.sanitize_qsa ;;
+    final14b) TAIL=14 run 170 qsa14 python3 -m profiling.bench_qsa --kinds decode --check --json "$OUT/qsa14.json"
+              TAIL=30 run 250 qsa_p4_14 python3 -m profiling.bench_qsa --kinds decode --decode-n 4,16,64 \
+                --tuning ";producers=4;;producers=4" --json "$OUT/qsa_p4_14.json" ;;
     eager13) for i in 1 2; do
                TAIL=12 run 150 eager13_$i python3 -m profiling.bench_latency --eager-study --json "$OUT/eager13_$i.json"
              done ;;
