@@ -74,7 +74,7 @@
 #   final13    the QSA tests of the K/V release rule and the forced splits, then the QSA decode table
 #   lanes14    (branch next/qsa-merge-lanes) QSA merge with several threads per row chunk: its GPU tests and
 #              the decode N 1 (33 splits: 4 lanes by default there) and N 4 A/B
-#   rel14      unsplit QSA launches that release the next kernel early (pdl + release 1/2): the chained
+#   rel14      (branch next/unsplit-release) unsplit QSA launches that release the next kernel early (pdl + release 1/2): the chained
 #              GPU test, then the decode A/B at N 64/256 (interleaved, twice)
 #   final14a   every QSA GPU test (per-row, merge lanes, row tiles, union pre-pass) and the QSA memcheck
 #   final14b   the QSA decode table (--check), then an A/B of 4 gather warps per CTA at N 4/16/64
