@@ -81,7 +81,7 @@ def qsa_matrix() -> list[KernelConfig]:
     its union pre-pass (5 rows, 16K-token bitmap; 8 rows, the largest bitmap); the FP8 prefill's
     widening pre-pass (bf16 and fp16 copies)."""
     from .sm90.qsa import make_qsa_config
-    from .sm90.qsa_merge import QsaMergeConfig
+    from .sm90.qsa_merge import QsaMergeConfig, merge_shape
     from .sm90.qsa_tile import make_qsa_tile_config
     from .sm90.qsa_union import QsaUnionConfig
     from .sm90.qsa_widen import QsaWidenConfig
@@ -96,8 +96,10 @@ def qsa_matrix() -> list[KernelConfig]:
                                gate=False))
     out.append(make_qsa_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=64, group=1, page_size=16,
                                split=False, gate=False))
+    # the merge shapes of the decode table's split counts: N 4 (11), N 16 (4), S 2, N 1 (33: lanes)
     out += [QsaMergeConfig(out_dtype="bf16", head_dim=256, vec=4, gate=g, pdl=True, group=m, lanes=lanes)
-            for g, m, lanes in ((True, 16, 1), (False, 16, 1), (True, 4, 1), (False, 2, 1), (True, 16, 4))]
+            for g, splits in ((True, 11), (False, 11), (True, 4), (False, 2), (True, 33))
+            for m, lanes in (merge_shape(splits),)]
     out += [make_qsa_tile_config(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=group, page_size=page, gate=True)
             for kv in ("bf16", "fp8_e4m3") for group, page in ((12, 1568), (6, 784))]
     out += [QsaUnionConfig(rows_per_tile=5, page_size=1568, max_tokens=16384, union_cap=4160),
