@@ -147,9 +147,6 @@ def eager_study(repeats: int = 5):
         return cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out=out,
                                          num_splits=splits, **kw)
 
-    def fn():
-        return call()
-
     rows = []
     side = torch.cuda.Stream()
     for name in ("default", "side", "nogc", "default"):
@@ -157,16 +154,16 @@ def eager_study(repeats: int = 5):
             if name == "side":
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    e, h = time_eager(fn, reps=50), host_overhead(fn)
+                    e, h = time_eager(call, reps=50), host_overhead(call)
                 torch.cuda.current_stream().wait_stream(side)
             elif name == "nogc":
                 gc.disable()
                 try:
-                    e, h = time_eager(fn, reps=50), host_overhead(fn)
+                    e, h = time_eager(call, reps=50), host_overhead(call)
                 finally:
                     gc.enable()
             else:
-                e, h = time_eager(fn, reps=50), host_overhead(fn)
+                e, h = time_eager(call, reps=50), host_overhead(call)
             rows.append(dict(study=name, eager_us=e * 1e6, host_us=h * 1e6))
         sel = [r for r in rows if r["study"] == name][-repeats:]
         print(f"eager study {name:<8} eager " + " ".join(f"{r['eager_us']:5.2f}" for r in sel)
