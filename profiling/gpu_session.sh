@@ -76,6 +76,8 @@
 #              the decode N 1 (33 splits: 4 lanes by default there) and N 4 A/B
 #   rel14      (branch next/unsplit-release) unsplit QSA launches that release the next kernel early (pdl + release 1/2): the chained
 #              GPU test, then the decode A/B at N 64/256 (interleaved, twice)
+#   final15a   every QSA GPU test and the QSA memcheck, on the tree the issue closes with
+#   final15b   every other GPU test (decode, merge, glue, layer, probe), then the whole QSA table (--check)
 #   final14a   every QSA GPU test (per-row, merge lanes, row tiles, union pre-pass) and the QSA memcheck
 #   final14b   the QSA decode table (--check), then an A/B of 4 gather warps per CTA at N 4/16/64
 #   eager13    the eager B1 call, two processes: its variance study and its launch forms (cluster merge,
@@ -380,6 +382,13 @@ PY
            TAIL=40 run 250 qsa_rel14 python3 -m profiling.bench_qsa --kinds decode --decode-n 64,256 \
              --tuning ";pdl=1,release=1;pdl=1,release=2;pdl=1;;pdl=1,release=1;pdl=1,release=2;pdl=1" \
              --json "$OUT/qsa_rel14.json" ;;
+    final15a) run 420 pytest_qsa15 python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
+                -p no:cacheprovider
+              run 150 sanitize_qsa15 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+                python3 -m profiling.sanitize_qsa ;;
+    final15b) run 240 pytest15 python3 -m pytest tests/gpu -q -p no:cacheprovider \
+                --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py
+              TAIL=40 run 330 qsa15 python3 -m profiling.bench_qsa --check --json "$OUT/qsa15.json" ;;
     final14a) run 420 pytest_qsa14 python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider
               run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
