@@ -78,6 +78,7 @@
 #              GPU test, then the decode A/B at N 64/256 (interleaved, twice)
 #   final15a   every QSA GPU test and the QSA memcheck, on the tree the issue closes with
 #   final15b   every other GPU test (decode, merge, glue, layer, probe), then the whole QSA table (--check)
+#   confirm15  1x16384 correlated prefill three times (clocks and power sampled around each), then the decode table
 #   final14a   every QSA GPU test (per-row, merge lanes, row tiles, union pre-pass) and the QSA memcheck
 #   final14b   the QSA decode table (--check), then an A/B of 4 gather warps per CTA at N 4/16/64
 #   eager13    the eager B1 call, two processes: its variance study and its launch forms (cluster merge,
@@ -389,6 +390,13 @@ PY
     final15b) run 240 pytest15 python3 -m pytest tests/gpu -q -p no:cacheprovider \
                 --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py
               TAIL=40 run 330 qsa15 python3 -m profiling.bench_qsa --check --json "$OUT/qsa15.json" ;;
+    confirm15) for i in 1 2 3; do
+                 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader
+                 TAIL=3 run 150 prefill15_$i python3 -m profiling.bench_qsa --kinds prefill --prefill-t 16384 \
+                   --selection correlated --json "$OUT/prefill15_$i.json"
+               done
+               nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader
+               TAIL=12 run 150 decode15 python3 -m profiling.bench_qsa --kinds decode --json "$OUT/decode15.json" ;;
     final14a) run 420 pytest_qsa14 python3 -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider
               run 150 sanitize_qsa compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
