@@ -78,6 +78,7 @@
 #              GPU test, then the decode A/B at N 64/256 (interleaved, twice)
 #   final15a   every QSA GPU test and the QSA memcheck, on the tree the issue closes with
 #   final15b   every other GPU test (decode, merge, glue, layer, probe), then the whole QSA table (--check)
+#   lanes15    small-N QSA decode: the merge with 2 and 4 lanes per chunk at N 4 (S 11), twice, interleaved
 #   clocks15   SM clock, power and clock-event reasons sampled while the 1x16384 prefill is timed 4x (graph, eager)
 #   confirm15  1x16384 correlated prefill three times (clocks and power sampled around each), then the decode table
 #   final14a   every QSA GPU test (per-row, merge lanes, row tiles, union pre-pass) and the QSA memcheck
@@ -391,6 +392,10 @@ PY
     final15b) run 240 pytest15 python3 -m pytest tests/gpu -q -p no:cacheprovider \
                 --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py
               TAIL=40 run 330 qsa15 python3 -m profiling.bench_qsa --check --json "$OUT/qsa15.json" ;;
+    lanes15) for i in 1 2; do
+               TAIL=16 run 200 lanes15_$i python3 -m profiling.bench_qsa --kinds decode --decode-n 4,16 \
+                 --tuning ";merge_lanes=2,merge_group=8;merge_lanes=4,merge_group=4" --json "$OUT/lanes15_$i.json"
+             done ;;
     clocks15) TAIL=10 run 200 clocks15_bf16 python3 -m profiling.probe_clocks --kv bf16 --rounds 4 --json "$OUT/clocks15_bf16.json"
               TAIL=8 run 200 clocks15_fp8 python3 -m profiling.probe_clocks --kv fp8 --rounds 3 --json "$OUT/clocks15_fp8.json" ;;
     confirm15) for i in 1 2 3; do
