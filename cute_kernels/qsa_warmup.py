@@ -60,9 +60,9 @@ def qsa_variants(
             out.append(make_qsa_config(q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group,
                                        page_size=page_size, split=split, gate=gate,
                                        **{"tile": tile, **override}))
-        if split:
-            out += [QsaMergeConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4, gate=g, pdl=True, group=m,
-                                   lanes=lanes) for m, lanes in sorted(merges) for g in gates]
+    # one merge per (group, lanes) the split counts reach, whatever tile split them
+    out += [QsaMergeConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4, gate=g, pdl=True, group=m, lanes=lanes)
+            for m, lanes in sorted(merges) for g in gates]
     plan = None if block_table_width is None else row_tile_plan(
         TILE_MIN_ROWS, True, kv, group, page_size, block_table_width, topk)
     if plan is not None:
