@@ -150,22 +150,29 @@ def _compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="sm_90a", help="compile target: sm_90a or sm_100a (no GPU needed)")
     p.add_argument("--kernel", default=None, help="only variants whose label contains this text")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--digests", default=None, metavar="FILE",
+                   help="write the normalized-PTX digest of every compiled variant to FILE (JSON; entries of other archs kept)")
+    p.add_argument("--check-digests", default=None, metavar="FILE",
+                   help="compare every variant's normalized-PTX digest with FILE; fail on any difference")
 
 
 @command("compile", "compile every registered kernel variant for an arch and show the instruction evidence",
          _compile_args)
 def run_compile(args: argparse.Namespace) -> int:
     from .jit.compiler import normalize_target
+    from .jit.ptx_digest import compare_digests, ptx_digest, read_digests, write_digests
     from .registry import compile_with_evidence, variants_for
 
     arch = normalize_target(args.arch)
     results, failed = [], 0
+    digests: dict[str, str] = {}
     for config in variants_for(arch):
         if args.kernel and args.kernel not in config.label():
             continue
         try:
             compiled, ev = compile_with_evidence(config, arch)
             ok = not ev.missing and ev.ptx_target == arch
+            digests[f"{arch}:{config.label()}"] = ptx_digest(compiled.ptx or "")
             results.append(dict(kernel=config.label(), seconds=round(compiled.seconds, 2), ok=ok,
                                 ptx=ev.ptx, sass=ev.sass, missing=ev.missing))
         except Exception as e:  # report and go on: one broken variant must not hide the rest
@@ -182,6 +189,18 @@ def run_compile(args: argparse.Namespace) -> int:
         print(json.dumps(dict(arch=arch, results=results), indent=1))
     else:
         print(f"{len(results) - failed}/{len(results)} variants compiled with their evidence for {arch}")
+    if args.digests:  # update this arch's entries of an existing file, keep the others
+        import os
+
+        kept = read_digests(args.digests) if os.path.exists(args.digests) else {}
+        kept = {k: v for k, v in kept.items() if not k.startswith(f"{arch}:") or (args.kernel and args.kernel not in k)}
+        write_digests(args.digests, {**kept, **digests})
+    if args.check_digests:
+        expected = {k: v for k, v in read_digests(args.check_digests).items() if k.startswith(f"{arch}:")
+                    and (not args.kernel or args.kernel in k)}
+        diff = compare_digests(expected, digests)
+        print("\n".join(diff) if diff else f"PTX digests of {len(digests)} variants match {args.check_digests}")
+        failed += bool(diff)
     return 1 if failed else 0
 
 
