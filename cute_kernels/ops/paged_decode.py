@@ -1,4 +1,4 @@
-"""``cute_kernels.paged_decode``: paged decode attention on SM90 (CuTe-DSL kernel).
+"""``cute_kernels.paged_decode``: paged decode attention (CuTe-DSL kernels: SM90's own, the portable SM80-class one elsewhere).
 
 The host side only looks at shapes, dtypes, strides and pointers: it never reads tensor data
 and never synchronizes, so a call captures in a CUDA graph (after a warm-up call has compiled
@@ -25,6 +25,7 @@ from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..sm90.decode import CLUSTER_MIN_SIZING, DEFAULT_CLUSTER, MAX_CLUSTER, cluster_fits, make_decode_config
+from . import _sm80
 from ._launch import LaunchCache
 from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
 
@@ -251,8 +252,9 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     if q.stride(-2) != D and Hq > 1:
         raise ValueError(f"q must have contiguous heads (stride(-2) == head_dim {D}), got strides {q.stride()}")
     check_tensor("q", q, device=device, align_bytes=16)
-    if k.dtype not in (FP8, q.dtype):
-        raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
+    if k.dtype not in (FP8, q.dtype) and (q.dtype, k.dtype) != (torch.bfloat16, torch.float16):
+        raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype} (or float16 for a "
+                        f"bfloat16 query), got {k.dtype}")
     for name, t in ((("k_cache", k), ("v_cache", v)) if pair else (("kv_cache", k),)):
         check_tensor(name, t, device=device, align_bytes=16)  # TMA: 16-byte aligned base and strides
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
@@ -269,6 +271,14 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
 
     override = dict(_cache.override)
+    target = compile_target(device)
+    # backend="sm80" forces the portable kernel (tests and benchmarks run it on SM90)
+    if _sm80.use_sm80(target, dtype_name(q.dtype), dtype_name(k.dtype), override.pop("backend", None) == "sm80"):
+        caller, scratch = _sm80.prepare_decode(
+            q=q, k=k, v=v, pair=pair, block_table=block_table, kv_layout=kv_layout, q_len=q_len, group=group,
+            page=page, sm_scale=scale, ks_tensor=ks_t, vs_tensor=vs_t, return_lse=return_lse, num_splits=num_splits,
+            target=target, num_sms=device_sm_count(device.index or 0), override=override)
+        return _Launch(caller, scratch, (T, Hq, D))
     # cluster: None = the rule (use_cluster_merge), True = whenever the split count allows, False = never
     force_cluster = override.pop("cluster", None)
 
@@ -283,7 +293,6 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
                                      device_sm_count(device.index or 0), num_splits, deterministic, force_cluster,
                                      bool(override.get("dynamic", False)))
     split = num_splits > 1
-    target = compile_target(device)
     fn = get_kernel(config, target)
     part_o = part_lse = scratch = counters = None
     lse_numel = T * Hq
@@ -330,8 +339,10 @@ def paged_decode(
     KV length including the new tokens); k/v scales as floats or 1-element fp32 device tensors
     (read on the device, so they may change between CUDA-graph replays).
 
-    Supported here: SM90, head_dim 64/128/256, page size 16/32/64/128, Hq / Hkv x q_len <= 64,
-    a 16-bit cache of the query's dtype or an FP8 e4m3 cache. ``num_splits`` (split-KV count)
+    Supported here: SM80/86/89/90/100/103/120/121 (``sm90.decode`` on SM90, the portable
+    ``sm80.decode`` elsewhere and for an fp16 cache with a bf16 query), head_dim 64/128/256, page
+    size 16/32/64/128, Hq / Hkv x q_len <= 64, a 16-bit cache of the query's dtype, an fp16 cache
+    with a bf16 query (portable kernel), or an FP8 e4m3 cache. ``num_splits`` (split-KV count)
     defaults to a shape-based heuristic. ``deterministic=False`` lets the split CTAs of a request
     take tile chunks dynamically from a counter (better balanced: Qwen3 B=8 ctx 32000 FP8 83 ->
     86 % of roofline), at the price of results that differ in the last bits from run to run (the

@@ -1,0 +1,188 @@
+"""SM80-class paged decode (SM80/86/89/120/121, and SM90/SM100 where their own kernels do not
+serve a shape): warp-level ``mma.sync`` m16n8k16, ``ldmatrix``, 16-byte ``cp.async`` page gathers
+into a shared-memory ring; no TMA, no WGMMA. Design: docs/design/sm80.md.
+
+One CTA per (split, KV head, request). Its query rows are the KV group's ``group x q_len`` rows
+(row r: draft token r // group, head r % group), padded to 16-row MMA tiles; the ``warps_n``
+warps of a row tile split each stage's tokens and keep separate softmax states, merged once at
+the end (:mod:`~cute_kernels.roles.warp_attention`). Split s takes tiles s, s + S, ...; a split
+launch writes fp32 partials and their base-2 LSE for :mod:`cute_kernels.common.merge`.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from ..roles.cp_async_pages import PagedKVGather
+from ..roles.warp_attention import LOG2E, WarpTileAttention
+
+
+class Sm80PagedDecode:
+    """Kernel object; every field is compile-time (see ``plans.sm80.Sm80DecodeConfig``)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.G, self.q_len = cfg.group, cfg.q_len
+        self.R = cfg.group * cfg.q_len
+        self.engine = WarpTileAttention(
+            D=cfg.head_dim, q_dtype=cfg.q_dtype, kv_dtype=cfg.kv_dtype, mma_dtype=cfg.mma_dtype,
+            widen_method=cfg.widen, warps_m=cfg.warps_m, warps_n=cfg.warps_n, m_tiles=cfg.m_tiles, tw=cfg.tw,
+            q_regs=cfg.q_regs,
+        )
+        eng = self.engine
+        self.gather = PagedKVGather(eng.tile, cfg.head_dim, eng.kv_bytes, eng.threads, cfg.page_size)
+        self.stages = cfg.stages
+        self.kv_region = max(cfg.stages * self.gather.stage_bytes, eng.merge_bytes)
+
+    @cute.jit
+    def launch(self, mQ, mKc, mVc, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32,
+               num_splits, stream):
+        cfg, eng = self.cfg, self.engine
+        if const_expr(cfg.kv_form == "single"):
+            mK4 = mKc[None, 0, None, None, None]
+            mV4 = mVc[None, 1, None, None, None]
+        else:
+            mK4, mV4 = mKc, mVc
+        tok, head = (2, 1) if const_expr(cfg.kv_layout == "HND") else (1, 2)
+        # (token-in-page, d, head, page) views
+        mK = cute.make_tensor(mK4.iterator, cute.select(mK4.layout, mode=[tok, 3, head, 0]))
+        mV = cute.make_tensor(mV4.iterator, cute.select(mV4.layout, mode=[tok, 3, head, 0]))
+
+        @cute.struct
+        class Storage:
+            kv: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.kv_region], 1024]
+            q: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, eng.q_bytes], 1024]
+            stats: cute.struct.MemRange[Float32, (2 * eng.warps_n + 1) * eng.rows]
+            scale: cute.struct.MemRange[Float32, eng.rows]
+
+        self.storage = Storage
+        kernel = self.kernel(mQ, mK, mV, mK4.shape[0], mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale)
+        kernel.launch(grid=[num_splits, mK4.shape[head], mBlockTable.shape[0]], block=[eng.threads, 1, 1],
+                      smem=Storage.size_in_bytes(), stream=stream, use_pdl=cfg.pdl)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, num_pages: Int32, mBlockTable: cute.Tensor,
+               mSeqLens: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, k_scale, v_scale, sm_scale: Float32):
+        cfg, eng, G = self.cfg, self.engine, self.G
+        tidx, _, _ = cute.arch.thread_idx()
+        split, kv_head, batch_idx = cute.arch.block_idx()
+        num_splits = cute.arch.grid_dim()[0]
+        warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        wm = warp_id // eng.warps_n
+        wn = warp_id % eng.warps_n
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
+        kv_base = storage.kv.data_ptr().toint()
+        sq_base = storage.q.data_ptr().toint()
+        sStats = storage.stats.get_tensor(eng.stats_layout())
+        sScale = storage.scale.get_tensor(cute.make_layout(eng.rows))
+        if const_expr(cfg.pdl):
+            cute.arch.griddepcontrol_wait()
+
+        ks = k_scale[0] if const_expr(isinstance(k_scale, cute.Tensor)) else Float32(k_scale)
+        vs = v_scale[0] if const_expr(isinstance(v_scale, cute.Tensor)) else Float32(v_scale)
+        seq_len = mSeqLens[batch_idx]
+        q_len = self.q_len
+
+        def row_token_head(r):
+            return batch_idx * q_len + r // G, kv_head * G + r % G
+
+        def row_valid(r):
+            return r < self.R
+
+        logit_scale = sm_scale * ks * Float32(LOG2E * 2.0 ** eng.widen_log2)
+        eng.stage_q(mQ, row_token_head, row_valid, logit_scale, sq_base, sScale, tidx)
+        cute.arch.barrier()
+
+        state = eng.make_state()
+        acc_o, acc_s, tSrQ, row_max, row_sum = state
+        eng.load_q_all(tSrQ, sq_base, wm, lane)
+        slots = 2 * eng.m_tiles
+        row_scale = cute.make_rmem_tensor((slots,), Float32)
+        limits = cute.make_rmem_tensor((slots,), Int32)
+        for mt in cutlass.range_constexpr(eng.m_tiles):
+            for h in cutlass.range_constexpr(2):
+                r = eng.thread_row(wm, lane, mt, h)
+                row_scale[2 * mt + h] = sScale[r]
+                # draft token r // G sees positions < seq_len - q_len + r // G + 1
+                limits[2 * mt + h] = seq_len - q_len + r // G + 1
+        min_limit = seq_len - q_len + 1
+
+        num_tiles = (seq_len + eng.tile - 1) // eng.tile
+        n_mine = (num_tiles - split + num_splits - 1) // num_splits  # tiles split, split + S, ...
+        n_mine = cutlass.max(n_mine, Int32(0))
+
+        def tile_of(i):
+            return split + i * num_splits
+
+        def issue(tile_idx, stage_addr):
+            self.gather.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, seq_len, stage_addr, tidx)
+
+        g = self.gather
+        eng.mainloop(issue, tile_of, n_mine, self.stages, kv_base, g.stage_bytes, g.tile_bytes, state, sq_base,
+                   row_scale, limits, min_limit, wm, wn, lane)
+        if const_expr(cfg.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+        sO = cute.make_tensor(cute.recast_ptr(storage.kv.data_ptr(), dtype=Float32), eng.o_layout())
+        eng.finish(state, sO, sStats, wm, wn, lane, vs)
+        self.store(mO, mLse, sO, sStats, batch_idx, kv_head, split, tidx)
+
+    @cute.jit
+    def store(self, mO, mLse, sO, sStats, batch_idx, kv_head, split, tidx):
+        """Coalesced output: four dims per thread and step, row by row. Split: fp32 partial
+        ``mO[split, token, head, d]`` and ``mLse[split, token, head]``; else the query's dtype."""
+        G = self.G
+        chunks = self.engine.D // 4
+        work = self.R * chunks
+        for it in cutlass.range((work + self.engine.threads - 1) // self.engine.threads, unroll=1):
+            idx = it * self.engine.threads + tidx
+            if idx < work:
+                r = idx // chunks
+                d0 = (idx % chunks) * 4
+                token = batch_idx * self.q_len + r // G
+                head = kv_head * G + r % G
+                vals = self.engine.output_chunk(sO, r, d0)
+                if const_expr(self.cfg.split):
+                    cute.local_tile(mO[split, token, head, None], (4,), (d0 // 4,)).store(vals.load())
+                    if d0 == 0:
+                        mLse[split, token, head] = sStats[2 * self.engine.warps_n, r]
+                else:
+                    cute.local_tile(mO[token, head, None], (4,), (d0 // 4,)).store(vals.load().to(mO.element_type))
+                    if d0 == 0:
+                        mLse[token, head] = sStats[2 * self.engine.warps_n, r]
+
+
+# Entry points: the compiled function takes only its variant's arguments, in the order of the
+# config's signature().
+
+
+class Sm80DecodeSingle(Sm80PagedDecode):
+    @cute.jit
+    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32, stream):
+        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale, 1, stream)
+
+
+class Sm80DecodePair(Sm80PagedDecode):
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32, stream):
+        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale, 1, stream)
+
+
+class Sm80DecodeSplitSingle(Sm80PagedDecode):
+    @cute.jit
+    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mPartO, mPartLse, k_scale, v_scale, sm_scale: Float32,
+                 stream):
+        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mPartO, mPartLse, k_scale, v_scale, sm_scale,
+                    mPartO.shape[0], stream)
+
+
+class Sm80DecodeSplitPair(Sm80PagedDecode):
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mPartO, mPartLse, k_scale, v_scale, sm_scale: Float32,
+                 stream):
+        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mPartO, mPartLse, k_scale, v_scale, sm_scale,
+                    mPartO.shape[0], stream)
