@@ -205,7 +205,7 @@ def run_compile(args: argparse.Namespace) -> int:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", choices=["decode", "merge", "qsa", "layer", "latency"], help="which benchmark")
+    p.add_argument("what", choices=["decode", "merge", "qsa", "layer", "latency", "sm80"], help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
 
 

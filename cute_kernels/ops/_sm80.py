@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..common.merge import MergeStatesConfig
 from ..jit.compiler import get_kernel
-from ..plans.sm80 import PDL_TARGETS, decode_splits, make_decode_config
+from ..plans.sm80 import PDL_TARGETS, decode_splits, make_decode_config, make_prefill_config
 from ._torch import DeviceBuffer, dtype_name, ffi_tensor
 
 SM90_TARGET = "sm_90a"
@@ -81,3 +81,53 @@ def prepare_decode(*, q, k, v, pair, block_table, kv_layout, q_len, group, page,
         merge(part_o, part_lse, out, lse)
 
     return split_caller, scratch
+
+
+def use_sm80_prefill(target: str, forced: bool) -> bool:
+    """Whether a prefill runs ``sm80.prefill``: on every arch but SM90 (whose own prefill kernel
+    serves it), and when forced."""
+    return forced or target != SM90_TARGET
+
+
+def prepare_prefill(*, q, k, pair, page, group, kv_layout, causal, write_lse, sm_scale, ks_tensor, vs_tensor,
+                    target, override):
+    """``caller(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale,
+    max_query_len)`` launching ``sm80.prefill`` (``lse`` is ignored unless ``write_lse``)."""
+    config = make_prefill_config(target=target, q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype),
+                                 head_dim=q.shape[2], group=group, page_size=page, causal=causal,
+                                 write_lse=write_lse, kv_form="pair" if pair else "single", kv_layout=kv_layout,
+                                 k_scale_tensor=ks_tensor, v_scale_tensor=vs_tensor, **override)
+    fn = get_kernel(config, target)
+
+    def caller(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, max_query_len):
+        caches = (k, v) if pair else (k,)
+        lses = (lse,) if write_lse else ()
+        fn(q, *caches, block_table, seq_lens, query_start_loc, out, *lses, k_scale, v_scale, sm_scale, max_query_len)
+
+    return caller
+
+
+def run_prefill(q, kv_cache, block_table, seq_lens, query_start_loc, *, max_query_len: int, kv_layout="HND",
+                causal=True, sm_scale=None, k_scale=1.0, v_scale=1.0, out=None, return_lse=False, **override):
+    """``sm80.prefill`` on CUDA tensors with the ``paged_prefill`` contract, without the op's
+    validation and launch cache (the op in ``ops.paged_prefill`` adds those); for tests and
+    benchmarks that force the portable kernel on any arch."""
+    import torch
+
+    from ._torch import compile_target
+
+    pair = isinstance(kv_cache, (tuple, list))
+    k = kv_cache[0] if pair else kv_cache
+    v = kv_cache[1] if pair else kv_cache
+    T, Hq, D = q.shape
+    k4 = k if pair else k[:, 0]
+    Hkv, page = (k4.shape[1], k4.shape[2]) if kv_layout == "HND" else (k4.shape[2], k4.shape[1])
+    caller = prepare_prefill(q=q, k=k, pair=pair, page=page, group=Hq // Hkv, kv_layout=kv_layout, causal=causal,
+                             write_lse=return_lse, sm_scale=D ** -0.5 if sm_scale is None else float(sm_scale),
+                             ks_tensor=isinstance(k_scale, torch.Tensor), vs_tensor=isinstance(v_scale, torch.Tensor),
+                             target=compile_target(q.device), override=override)
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty((T, Hq), dtype=torch.float32, device=q.device) if return_lse else None
+    if T:
+        caller(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, max_query_len)
+    return (out, lse) if return_lse else out

@@ -284,3 +284,86 @@ def decode_splits(items: int, max_context: int, num_sms: int, tile: int, ctas_pe
         return 1
     max_tiles = max(1, math.ceil(max_context / tile))
     return max(1, min(MAX_SPLITS, max_tiles, slots // max(items, 1)))
+
+
+# ------------------------------------------------------------------------------------------------
+# prefill
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sm80PrefillConfig(_Sm80Common):
+    """Compile key of ``sm80.prefill``: varlen query tiles against paged K/V, FA2-style. A CTA
+    takes ``rows`` packed query rows (row p of a request: token p // group, head p % group) of one
+    request and KV head. ``causal``: query j of a request sees positions < seq_len - q_len + j + 1
+    (else all seq_len). ``write_lse``: the base-2 LSE is an argument and is written."""
+
+    group: int = 4
+    causal: bool = True
+    write_lse: bool = False
+
+    kernel_id = "sm80.prefill"
+
+    def __post_init__(self):
+        self._validate()
+        if self.group < 1:
+            raise ValueError(f"group must be >= 1, got {self.group}")
+
+    def signature(self):
+        D = self.head_dim
+        ks, vs = self._scales()
+        lse = (TensorArg("lse", "fp32", ("T", "Hq"), align=4),) if self.write_lse else ()
+        return (
+            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
+            *self._caches(),
+            TensorArg("block_table", "int32", ("B", "W"), align=4),
+            TensorArg("seq_lens", "int32", ("B",), align=4),
+            TensorArg("query_start_loc", "int32", ("B1",), align=4),
+            TensorArg("out", self.q_dtype, ("T", "Hq", D), align=8),
+            *lse,
+            ks, vs,
+            ScalarArg("sm_scale", "fp32"),
+            ScalarArg("max_query_len", "int32"),
+        )
+
+    def build(self):
+        from ..sm80 import prefill
+
+        entry = {(False, "single"): prefill.Sm80PrefillSingle, (False, "pair"): prefill.Sm80PrefillPair,
+                 (True, "single"): prefill.Sm80PrefillSingleLse, (True, "pair"): prefill.Sm80PrefillPairLse}
+        return entry[(self.write_lse, self.kv_form)](self)
+
+
+PREFILL_CTAS_PER_SM = 2
+PREFILL_MAX_STAGES = 3
+
+
+def prefill_tiling(target: str, kv_dtype: str, head_dim: int) -> dict:
+    """FA2-style prefill tiling on ``target``: four warps of 16 query rows each (64 rows per
+    CTA), each reading the whole stage of 32 tokens (16 at D 256, where O alone takes 128
+    registers; 64 spill: ptxas keeps every k-block's K fragments live at once); the deepest ring
+    (2 or 3 stages) that lets two CTAs share an SM, else one. Q stays in registers up to D 128."""
+    tw = 16 if head_dim == 256 else 32
+    fields = dict(kv_dtype=kv_dtype, head_dim=head_dim, warps_m=4, warps_n=1, m_tiles=1, tw=tw)
+    for ctas in (PREFILL_CTAS_PER_SM, 1):
+        stages = fit_stages(target, fields, ctas, PREFILL_MAX_STAGES)
+        if stages is not None:
+            break
+    if stages is None:
+        raise ValueError(f"no prefill tiling of D {head_dim} fits {target}'s shared memory")
+    return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128)
+
+
+def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int,
+                        causal: bool = True, write_lse: bool = False, kv_form: str = "single",
+                        kv_layout: str = "HND", k_scale_tensor: bool = False, v_scale_tensor: bool = False,
+                        **override) -> Sm80PrefillConfig:
+    """The config the prefill op, the warm-up and the compile matrix use on ``target``;
+    ``override`` replaces tuning fields (``smem_target``: size the ring for another arch)."""
+    fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
+                  causal=causal, write_lse=write_lse, kv_form=kv_form, kv_layout=kv_layout,
+                  k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
+                  widen=default_widen(target) if kv_dtype == "fp8_e4m3" else "bits", pdl=target in PDL_TARGETS)
+    fields.update(prefill_tiling(override.pop("smem_target", target), kv_dtype, head_dim))
+    fields.update(override)
+    return Sm80PrefillConfig(**fields)

@@ -20,6 +20,21 @@ from cutlass import Int32, Int64, const_expr
 from .warp_ptx import cp_async_16_zfill, swizzle
 
 
+def cache_views(mKc, mVc, kv_form: str, kv_layout: str):
+    """(Traced.) ``(mK, mV, num_pages, num_kv_heads)`` with K and V as (token-in-page, d, head,
+    page) views of a 5-D ``[P, 2, ...]`` cache (``kv_form`` "single": ``mKc`` is ``mVc``) or of a
+    (K, V) pair of 4-D caches, HND or NHD."""
+    if kv_form == "single":
+        mK4 = mKc[None, 0, None, None, None]
+        mV4 = mVc[None, 1, None, None, None]
+    else:
+        mK4, mV4 = mKc, mVc
+    tok, head = (2, 1) if kv_layout == "HND" else (1, 2)
+    mK = cute.make_tensor(mK4.iterator, cute.select(mK4.layout, mode=[tok, 3, head, 0]))
+    mV = cute.make_tensor(mV4.iterator, cute.select(mV4.layout, mode=[tok, 3, head, 0]))
+    return mK, mV, mK4.shape[0], mK4.shape[head]
+
+
 class PagedKVGather:
     """Static geometry of the gather: ``tile`` tokens per stage, head dim ``D``, ``kv_bytes`` per
     element, ``threads`` copying, ``page`` tokens per page."""

@@ -18,7 +18,6 @@ transposed by pairs of bytes, which puts O's even and odd head dims in separate 
 thread then owns four consecutive dims of a 16-dim chunk).
 """
 
-from __future__ import annotations
 
 import math
 
@@ -151,6 +150,33 @@ class WarpTileAttention:
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         return acc_o, acc_s, tSrQ, row_max, row_sum
+
+    @cute.jit
+    def row_setup(self, sScale, wm, lane, row_limit):
+        """This thread's rows' logit multipliers (from :meth:`stage_q`) and visibility limits
+        (``row_limit(r)``: tokens ``< limit`` are visible to CTA row r)."""
+        slots = 2 * self.m_tiles
+        row_scale = cute.make_rmem_tensor((slots,), Float32)
+        limits = cute.make_rmem_tensor((slots,), Int32)
+        for mt in cutlass.range_constexpr(self.m_tiles):
+            for h in cutlass.range_constexpr(2):
+                r = self.thread_row(wm, lane, mt, h)
+                row_scale[2 * mt + h] = sScale[r]
+                limits[2 * mt + h] = row_limit(r)
+        return row_scale, limits
+
+    def storage(self, kv_region: int):
+        """(Traced.) Shared storage: the K/V ring (the fp32 merge rows overlay it), the staged Q
+        rows, per-row statistics and logit scales."""
+
+        @cute.struct
+        class Storage:
+            kv: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, kv_region], 1024]
+            q: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.q_bytes], 1024]
+            stats: cute.struct.MemRange[Float32, (2 * self.warps_n + 1) * self.rows]
+            scale: cute.struct.MemRange[Float32, self.rows]
+
+        return Storage
 
     def thread_row(self, wm, lane, mt, h):
         """(Traced.) CTA row of this thread's row slot (m-tile ``mt``, half ``h``)."""

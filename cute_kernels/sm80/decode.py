@@ -15,7 +15,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..roles.cp_async_pages import PagedKVGather
+from ..roles.cp_async_pages import PagedKVGather, cache_views
 from ..roles.warp_attention import LOG2E, WarpTileAttention
 
 
@@ -40,27 +40,11 @@ class Sm80PagedDecode:
     def launch(self, mQ, mKc, mVc, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32,
                num_splits, stream):
         cfg, eng = self.cfg, self.engine
-        if const_expr(cfg.kv_form == "single"):
-            mK4 = mKc[None, 0, None, None, None]
-            mV4 = mVc[None, 1, None, None, None]
-        else:
-            mK4, mV4 = mKc, mVc
-        tok, head = (2, 1) if const_expr(cfg.kv_layout == "HND") else (1, 2)
-        # (token-in-page, d, head, page) views
-        mK = cute.make_tensor(mK4.iterator, cute.select(mK4.layout, mode=[tok, 3, head, 0]))
-        mV = cute.make_tensor(mV4.iterator, cute.select(mV4.layout, mode=[tok, 3, head, 0]))
-
-        @cute.struct
-        class Storage:
-            kv: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.kv_region], 1024]
-            q: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, eng.q_bytes], 1024]
-            stats: cute.struct.MemRange[Float32, (2 * eng.warps_n + 1) * eng.rows]
-            scale: cute.struct.MemRange[Float32, eng.rows]
-
-        self.storage = Storage
-        kernel = self.kernel(mQ, mK, mV, mK4.shape[0], mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale)
-        kernel.launch(grid=[num_splits, mK4.shape[head], mBlockTable.shape[0]], block=[eng.threads, 1, 1],
-                      smem=Storage.size_in_bytes(), stream=stream, use_pdl=cfg.pdl)
+        mK, mV, num_pages, num_kv_heads = cache_views(mKc, mVc, cfg.kv_form, cfg.kv_layout)
+        self.storage = eng.storage(self.kv_region)
+        kernel = self.kernel(mQ, mK, mV, num_pages, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale)
+        kernel.launch(grid=[num_splits, num_kv_heads, mBlockTable.shape[0]], block=[eng.threads, 1, 1],
+                      smem=self.storage.size_in_bytes(), stream=stream, use_pdl=cfg.pdl)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, num_pages: Int32, mBlockTable: cute.Tensor,
@@ -98,17 +82,12 @@ class Sm80PagedDecode:
         cute.arch.barrier()
 
         state = eng.make_state()
-        acc_o, acc_s, tSrQ, row_max, row_sum = state
-        eng.load_q_all(tSrQ, sq_base, wm, lane)
-        slots = 2 * eng.m_tiles
-        row_scale = cute.make_rmem_tensor((slots,), Float32)
-        limits = cute.make_rmem_tensor((slots,), Int32)
-        for mt in cutlass.range_constexpr(eng.m_tiles):
-            for h in cutlass.range_constexpr(2):
-                r = eng.thread_row(wm, lane, mt, h)
-                row_scale[2 * mt + h] = sScale[r]
-                # draft token r // G sees positions < seq_len - q_len + r // G + 1
-                limits[2 * mt + h] = seq_len - q_len + r // G + 1
+        eng.load_q_all(state[2], sq_base, wm, lane)
+
+        def row_limit(r):  # draft token r // G sees positions < seq_len - q_len + r // G + 1
+            return seq_len - q_len + r // G + 1
+
+        row_scale, limits = eng.row_setup(sScale, wm, lane, row_limit)
         min_limit = seq_len - q_len + 1
 
         num_tiles = (seq_len + eng.tile - 1) // eng.tile
