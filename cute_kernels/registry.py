@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from .jit.compiler import CompiledKernel, KernelConfig, compile_config, normalize_target
 
 # SASS mnemonics worth reporting per family (the PTX evidence is what tests assert)
-SASS_FAMILIES = ("HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "UTCHMMA", "UTCQMMA", "LDSM", "LDG.E.128", "STL", "LDL")
+SASS_FAMILIES = ("HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "UTCHMMA", "UTCQMMA", "HMMA", "LDSM", "LDGSTS",
+                 "LDG.E.128", "STL", "LDL")
 
 
 def variants() -> list[KernelConfig]:
@@ -29,6 +30,7 @@ def variants() -> list[KernelConfig]:
     out += [Sm90ProbeConfig(), Sm100ProbeConfig()]
     out += decode_matrix()
     out += qsa_matrix()
+    out += sm80_matrix()
 
     # layer glue: query quantization (per-tensor / per-KV-head scales, full and partial RoPE with
     # both cache dtypes) and KV-cache writes (FP8 and 16-bit caches, both layouts and containers)
@@ -106,6 +108,39 @@ def qsa_matrix() -> list[KernelConfig]:
             QsaUnionConfig(rows_per_tile=8, page_size=784, max_tokens=524288, union_cap=4160)]
     out += [QsaWidenConfig(out_dtype="bf16", head_dim=256, page_size=1568),
             QsaWidenConfig(out_dtype="fp16", head_dim=128, page_size=800)]
+    return out
+
+
+def sm80_matrix() -> list[KernelConfig]:
+    """The portable kernels, a representative set per target (a config names the one target its
+    tiling was sized for; ``cute-kernels compile --arch sm_86`` builds that target's): decode with a BF16
+    cache (split and not) and an FP8 cache (the target's widening), prefill with an FP8 cache and
+    the LSE; on SM80 also the bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90
+    the shapes SM90 sends here (an fp16 cache with a bf16 query) and both widenings there."""
+    from .plans.sm80 import TARGETS, make_decode_config, make_prefill_config
+
+    shape = dict(q_dtype="bf16", head_dim=128, page_size=16)
+    out: list[KernelConfig] = []
+    for t in TARGETS:
+        per = [
+            make_decode_config(target=t, kv_dtype="bf16", group=8, q_len=1, split=False, **shape),
+            make_decode_config(target=t, kv_dtype="bf16", group=4, q_len=2, split=True, kv_form="pair",
+                               kv_layout="NHD", **shape),
+            make_decode_config(target=t, kv_dtype="fp8_e4m3", group=8, q_len=1, split=True, k_scale_tensor=True,
+                               v_scale_tensor=True, **shape),
+            make_prefill_config(target=t, kv_dtype="fp8_e4m3", group=4, write_lse=True, **shape),
+        ]
+        out += per
+    sm80 = dict(target="sm_80", q_dtype="bf16", kv_dtype="fp8_e4m3", page_size=16, split=False)
+    out += [make_decode_config(head_dim=64, group=8, q_len=1, **sm80),
+            make_decode_config(head_dim=256, group=16, q_len=4, **sm80),
+            make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,
+                                page_size=64, causal=False)]
+    out += [make_decode_config(target="sm_90a", kv_dtype="fp16", group=4, q_len=1, split=False, **shape),
+            make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, widen="bits",
+                               smem_target="sm_86", **shape),
+            make_prefill_config(target="sm_90a", q_dtype="fp16", kv_dtype="fp16", head_dim=64, group=1,
+                                page_size=32)]
     return out
 
 

@@ -5,9 +5,10 @@ request; the reference fallback closes every list, so every (arch, phase, KV dty
 Opt-in kernels (``sm90.decode_fp8q``) are deliberately absent from these lists: they change
 numerics (FP8 query) and are used only when named with ``backend=``.
 
-An arch without an FP8-QK kernel in its list never gets an FP8 query; that is why SM80/86/89 and
-SM120/121 are pure fallback rows today (vLLM's L4 crash, anchors §3.2, was an FP8 query planned
-on SM89 from a global setting).
+An arch without an FP8-QK kernel in its list never gets an FP8 query: SM80/86/89 and SM120/121
+run the portable ``sm80.*`` kernels, which widen FP8 K/V on chip and keep the model-dtype query
+(vLLM's L4 crash, anchors §3.2, was an FP8 query planned on SM89 from a global setting). The
+portable kernels also close the SM90 and SM100/103 lists, for what the arch's own kernels refuse.
 """
 
 from __future__ import annotations
@@ -17,30 +18,33 @@ from .errors import UnsupportedConfig
 from .kernels import FALLBACKS, KERNELS, PHASES
 
 # (arch, phase) -> kernel ids tried automatically, real kernels first. The fallback is appended.
+_PORTABLE = {"decode": ("sm80.decode",), "prefill": ("sm80.prefill",)}
 _AUTO = {
-    ("sm90", "decode"): ("sm90.decode",),
-    ("sm100", "decode"): ("sm100.decode",),
-    ("sm100", "prefill"): ("sm100.prefill",),
-    ("sm103", "decode"): ("sm100.decode",),
-    ("sm103", "prefill"): ("sm100.prefill",),
+    **{(arch, phase): ids for arch in ("sm80", "sm86", "sm89", "sm120", "sm121") for phase, ids in _PORTABLE.items()},
+    ("sm90", "decode"): ("sm90.decode",) + _PORTABLE["decode"],
+    ("sm90", "prefill"): _PORTABLE["prefill"],
+    ("sm100", "decode"): ("sm100.decode",) + _PORTABLE["decode"],
+    ("sm100", "prefill"): ("sm100.prefill",) + _PORTABLE["prefill"],
+    ("sm103", "decode"): ("sm100.decode",) + _PORTABLE["decode"],
+    ("sm103", "prefill"): ("sm100.prefill",) + _PORTABLE["prefill"],
 }
 
 ARCH_SUMMARY = {
-    "sm80": "Ampere: no FP8 tensor cores; no CuTe attention kernel, reference fallback; "
-            "model-dtype query always.",
-    "sm86": "Ampere (consumer): as SM80; reference fallback; model-dtype query always.",
-    "sm89": "Ada: FP8 tensor cores but no FP8 attention kernel here (vLLM's L4 crash was an FP8 "
-            "query on SM89); reference fallback; model-dtype query always.",
+    "sm80": "Ampere: no FP8 tensor cores; portable sm80.decode / sm80.prefill (warp MMA, cp.async; "
+            "FP8 K/V widened by bit operations, 163 KB shared memory); model-dtype query always.",
+    "sm86": "Ampere (consumer): as SM80 with 99 KB of shared memory per block; model-dtype query always.",
+    "sm89": "Ada: portable sm80.* kernels, FP8 K/V widened by the cvt instruction (vLLM's L4 crash was "
+            "an FP8 query on SM89: never here); 99 KB; model-dtype query always.",
     "sm90": "Hopper: sm90.decode (issue 3) reads FP8 KV and converts it on chip, so the query "
             "stays in the model dtype and q_scale is unused; FP8-query decode "
-            "(sm90.decode_fp8q) is opt-in only; prefill uses the reference fallback.",
+            "(sm90.decode_fp8q) is opt-in only; sm80.* serve what sm90.decode refuses and prefill.",
     "sm100": "Blackwell: tcgen05 TRT-LLM-style decode and prefill (planned) compute QK in FP8 "
-             "for an FP8 cache, where the layer quantizes the query with q_scale; reference "
-             "fallback until they land.",
+             "for an FP8 cache, where the layer quantizes the query with q_scale; the portable "
+             "sm80.* kernels until they land.",
     "sm103": "Blackwell Ultra: same kernels and rules as SM100.",
-    "sm120": "Blackwell (consumer): no tcgen05 and no FP8 attention kernel; reference fallback; "
+    "sm120": "Blackwell (consumer): no tcgen05; portable sm80.* kernels (cvt widening, 99 KB); "
              "model-dtype query always.",
-    "sm121": "Blackwell (GB10): as SM120; no tcgen05; reference fallback; model-dtype query always.",
+    "sm121": "Blackwell (GB10): as SM120; no tcgen05; portable sm80.* kernels; model-dtype query always.",
 }
 
 

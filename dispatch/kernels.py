@@ -47,6 +47,10 @@ class KernelInfo:
     kv_layouts: tuple[str, ...]
     description: str
     planned_in: str = ""
+    # (model dtype, 16-bit cache dtype) pairs served besides a cache of the model's dtype
+    mixed_16bit: tuple[tuple[str, str], ...] = ()
+    # what the kernel's GPU tests have run on, when that is not its own hardware (see below)
+    verified: str = ""
 
     def __post_init__(self):
         # Registry entries are code, so an inconsistent one is a bug caught at import time.
@@ -101,6 +105,17 @@ _REFERENCE_LIMITS = dict(
     max_q_len=None, kv_layouts=("HND", "NHD"),
 )
 
+# The portable SM80-class kernels (warp mma.sync + ldmatrix + cp.async) run on every arch from
+# SM80. Their GPU tests run on the H200 with the same code (only SM80 instructions inside); the
+# lead flips this once that run is recorded: docs/design/sm80.md#verification says what it covers.
+SM80_VERIFIED_ON_SM90 = False
+_SM80_LIMITS = dict(
+    status="available", archs=SUPPORTED_ARCHS, kv_dtypes=_ALL_KV, model_dtypes=_ALL_16, qk_dtype="model",
+    supports_quant_query_input=False, head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128),
+    kv_layouts=("HND", "NHD"), mixed_16bit=(("bf16", "fp16"),), planned_in="docs/design/sm80.md",
+    verified="SM80 code on SM90 hardware" if SM80_VERIFIED_ON_SM90 else "",
+)
+
 _REGISTRY = (
     KernelInfo(
         id="sm90.decode",
@@ -128,6 +143,18 @@ _REGISTRY = (
         id="sm100.prefill", status="planned", phases=("prefill",), max_q_len=None,
         description="Blackwell tcgen05 paged prefill (TRT-LLM style); QK in FP8 for an FP8 cache",
         **_SM100_LIMITS,
+    ),
+    KernelInfo(
+        id="sm80.decode", phases=("decode",), max_gqa_ratio=16, max_q_len=4,
+        description=("portable paged decode (SM80 ... SM121) on warp MMA with cp.async page gathers; FP8 K/V "
+                     "widened exactly (cvt from SM89, bit operations before), never an FP8 query"),
+        **_SM80_LIMITS,
+    ),
+    KernelInfo(
+        id="sm80.prefill", phases=("prefill",), max_gqa_ratio=None, max_q_len=None,
+        description=("portable FA2-style paged prefill (SM80 ... SM121) on warp MMA with cp.async page gathers: "
+                     "varlen, chunked, causal; FP8 K/V widened exactly, never an FP8 query"),
+        **_SM80_LIMITS,
     ),
     KernelInfo(
         id="reference.paged_decode", phases=("decode",),

@@ -276,7 +276,7 @@ class AttentionLayer:
         import cute_kernels
         from cute_kernels import reference
 
-        if p.kernel not in ("sm90.decode", "reference.paged_decode"):
+        if p.kernel not in ("sm90.decode", "sm80.decode", "reference.paged_decode"):
             raise UnsupportedConfig(f"the decode plan chose {p.kernel}, which has no op in this build ({p.reason})")
         B = metadata.num_decode_reqs
         bt, sl = metadata.block_table, metadata.seq_lens
@@ -285,9 +285,9 @@ class AttentionLayer:
         q_in, q_scale = self._query_for(p, q)
         common = dict(kv_layout=self.kv_layout, q_len_per_req=metadata.q_len_per_req, sm_scale=self.sm_scale,
                       k_scale=self.k_scale, v_scale=self.v_scale)
-        if p.kernel == "sm90.decode":
-            if q_scale is not None:  # pragma: no cover - the registry says sm90.decode takes no q_scale
-                raise UnsupportedConfig("sm90.decode does not apply q_scale")
+        if p.kernel in ("sm90.decode", "sm80.decode"):  # the op runs the arch's kernel
+            if q_scale is not None:  # pragma: no cover - the registry says these take no q_scale
+                raise UnsupportedConfig(f"{p.kernel} does not apply q_scale")
             res = cute_kernels.paged_decode(q_in, kv_cache, bt, sl, out=out, **common)
             if res is not out:  # CPU tensors run the reference, which returns a new tensor
                 out.copy_(res)
@@ -297,7 +297,7 @@ class AttentionLayer:
     def _prefill(self, p: Plan, q, kv_cache, metadata: AttentionMetadata, out):
         from cute_kernels import reference
 
-        if p.kernel != "reference.paged_prefill":
+        if p.kernel not in ("sm80.prefill", "reference.paged_prefill"):
             raise UnsupportedConfig(f"the prefill plan chose {p.kernel}, which has no op in this build ({p.reason})")
         nd, T = metadata.num_decode_tokens, q.shape[0]
         first = metadata.num_decode_reqs
@@ -305,6 +305,15 @@ class AttentionLayer:
         if starts[first] != nd or starts[-1] != T or any(b < a for a, b in zip(starts, starts[1:])):
             raise ValueError(f"query_start_loc must be non-decreasing with query_start_loc[num_decode_reqs={first}] "
                              f"== num_decode_tokens ({nd}) and query_start_loc[-1] == T ({T}), got {starts}")
+        if p.kernel == "sm80.prefill" and q.is_cuda:  # every prefill row in one launch
+            from cute_kernels.ops._sm80 import run_prefill
+
+            q_in, q_scale = self._query_for(p, q[nd:])
+            run_prefill(q_in, kv_cache, metadata.block_table[first:], metadata.seq_lens[first:],
+                        metadata.query_start_loc[first:] - nd, max_query_len=max(b - a for a, b in zip(
+                            starts[first:], starts[first + 1:])), kv_layout=self.kv_layout, sm_scale=self.sm_scale,
+                        k_scale=self.k_scale, v_scale=self.v_scale, out=out[nd:])
+            return
         for r in range(first, metadata.num_reqs):
             s, e = starts[r], starts[r + 1]
             if e == s:

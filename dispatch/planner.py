@@ -126,8 +126,10 @@ def _violations(k: KernelInfo, req: _Request) -> list[str]:
         out.append(f"{k.id} supports kv_cache_dtype {_slash(k.kv_dtypes)}, got {req.kv_cache_dtype}")
     if req.model_dtype not in k.model_dtypes:
         out.append(f"{k.id} supports model_dtype {_slash(k.model_dtypes)}, got {req.model_dtype}")
-    elif not k.is_fallback and req.kv_cache_dtype not in ("fp8_e4m3", req.model_dtype):
-        # A tensor-core kernel multiplies Q and K in one 16-bit type; only FP8 K is converted on chip.
+    elif (not k.is_fallback and req.kv_cache_dtype not in ("fp8_e4m3", req.model_dtype)
+          and (req.model_dtype, req.kv_cache_dtype) not in k.mixed_16bit):
+        # A tensor-core kernel multiplies Q and K in one 16-bit type; only FP8 K is converted on chip
+        # (and, for kernels that list the pair, a bf16 query scaled exactly into an fp16 MMA).
         out.append(f"{k.id} needs a 16-bit kv_cache_dtype equal to model_dtype {req.model_dtype}, "
                    f"got {req.kv_cache_dtype}")
     if k.head_dims is not None and req.head_dim not in k.head_dims:

@@ -63,8 +63,10 @@ class _Sm80Common(KernelConfig):
     """Fields both kernels share. ``warps_m x warps_n`` warps; ``m_tiles`` 16-row MMA tiles per
     warp; ``tw`` tokens per warp and stage (a stage holds ``warps_n * tw`` tokens); ``stages``
     cp.async ring depth; ``q_regs`` keeps Q's fragments in registers; ``widen`` ("bits" or "cvt",
-    FP8 caches); ``pdl`` programmatic dependent launch (SM90+ targets only)."""
+    FP8 caches); ``pdl`` programmatic dependent launch (SM90+ targets only). ``target``: the one
+    compile target the tiling was chosen for (the plan sizes the ring by its shared memory)."""
 
+    target: str = "sm_80"
     q_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     head_dim: int = 128
@@ -83,6 +85,12 @@ class _Sm80Common(KernelConfig):
     pdl: bool = False
 
     def _validate(self):
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, got {self.target}")
+        if self.fp8 and self.widen == "cvt" and self.target not in CVT_TARGETS:
+            raise ValueError(f"the cvt widening needs SM89 or newer, not {self.target}")
+        if self.pdl and self.target not in PDL_TARGETS:
+            raise ValueError(f"programmatic dependent launch needs SM90 or newer, not {self.target}")
         if self.q_dtype not in ("bf16", "fp16"):
             raise ValueError(f"q dtype must be bf16 or fp16, got {self.q_dtype}")
         if self.kv_dtype not in ("bf16", "fp16", "fp8_e4m3"):
@@ -121,8 +129,7 @@ class _Sm80Common(KernelConfig):
 
     @property
     def targets(self) -> tuple[str, ...]:
-        targets = CVT_TARGETS if self.fp8 and self.widen == "cvt" else TARGETS
-        return tuple(t for t in targets if not self.pdl or t in PDL_TARGETS)
+        return (self.target,)
 
     @property
     def evidence(self) -> dict:
@@ -219,9 +226,9 @@ def decode_tiling(target: str, kv_dtype: str, head_dim: int, rows: int) -> dict:
     """Warp grid and ring of a decode CTA on ``target``: one warp row per 16-row MMA tile, the
     other warps (of up to four) splitting each stage's tokens, 16 each (decode is memory-bound:
     each K/V byte is read and widened by one warp only). Candidates: 4, 2 or 1 token warps, each
-    sized for 3, 2 or 1 CTAs per SM with a ring of at least 3 stages; the winner keeps at least
-    8 warps per SM busy if any does, then the most K/V bytes in flight per SM (``stages - 1``
-    tiles per CTA). Q stays in registers up to D 128 (at D 256 its 64 registers would crowd
+    sized for 3, 2 or 1 CTAs per SM with the deepest ring that fits; the winner keeps the most
+    warps per SM busy up to 8 (two per scheduler), then the most K/V bytes in flight per SM
+    (``stages - 1`` tiles per CTA). Q stays in registers up to D 128 (at D 256 its 64 registers would crowd
     out O's 128)."""
     warps_m = max(1, math.ceil(rows / 16))
     kvb = 1 if kv_dtype == "fp8_e4m3" else 2
@@ -232,13 +239,12 @@ def decode_tiling(target: str, kv_dtype: str, head_dim: int, rows: int) -> dict:
         fields = dict(kv_dtype=kv_dtype, head_dim=head_dim, warps_m=warps_m, warps_n=warps_n, m_tiles=1, tw=16)
         for ctas in (3, 2, 1):
             stages = fit_stages(target, fields, ctas, DECODE_MAX_STAGES)
-            if stages is None or stages < 3:
+            if stages is None:
                 continue
             in_flight = ctas * (stages - 1) * 2 * 16 * warps_n * head_dim * kvb
             key = (min(ctas * warps_m * warps_n, 8), in_flight, warps_n)
             if best is None or key > best[0]:
                 best = (key, dict(warps_m=warps_m, warps_n=warps_n, m_tiles=1, tw=16, stages=stages))
-            break
     if best is None:
         raise ValueError(f"no decode tiling of D {head_dim} fits {target}'s shared memory")
     return dict(best[1], q_regs=head_dim <= 128)
@@ -261,7 +267,7 @@ def make_decode_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: in
     """The config the op, the warm-up and the compile matrix use for a problem on ``target``;
     ``override`` replaces any tuning field (tests force the bit-trick widening or a small-smem
     ring with it)."""
-    fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len,
+    fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len,
                   page_size=page_size, split=split, kv_form=kv_form, kv_layout=kv_layout,
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
                   widen=default_widen(target) if kv_dtype == "fp8_e4m3" else "bits",
@@ -360,8 +366,8 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
                         **override) -> Sm80PrefillConfig:
     """The config the prefill op, the warm-up and the compile matrix use on ``target``;
     ``override`` replaces tuning fields (``smem_target``: size the ring for another arch)."""
-    fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
-                  causal=causal, write_lse=write_lse, kv_form=kv_form, kv_layout=kv_layout,
+    fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group,
+                  page_size=page_size, causal=causal, write_lse=write_lse, kv_form=kv_form, kv_layout=kv_layout,
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
                   widen=default_widen(target) if kv_dtype == "fp8_e4m3" else "bits", pdl=target in PDL_TARGETS)
     fields.update(prefill_tiling(override.pop("smem_target", target), kv_dtype, head_dim))

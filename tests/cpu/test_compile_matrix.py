@@ -12,12 +12,14 @@ import re
 
 import pytest
 
-from cute_kernels.jit.compiler import COMPILE_TARGETS, nvdisasm_path
+from cute_kernels.jit.compiler import ALL_TARGETS, COMPILE_TARGETS, nvdisasm_path
 from cute_kernels.registry import compile_with_evidence, variants_for
 
 pytestmark = pytest.mark.compile
 
-CASES = [(arch, v) for arch in COMPILE_TARGETS for v in variants_for(arch)]
+# every variant for the main targets; the portable sm80.* kernels for every arch they claim
+CASES = [(arch, v) for arch in ALL_TARGETS for v in variants_for(arch)
+         if arch in COMPILE_TARGETS or v.kernel_id.startswith("sm80.")]
 
 
 @pytest.mark.parametrize("arch,config", CASES, ids=[f"{a}-{c.label()}" for a, c in CASES])

@@ -55,7 +55,7 @@ def _make_available(monkeypatch, *kernel_ids):
     _set_status(monkeypatch, "available", *kernel_ids)
 
 
-REAL_KERNELS = ("sm90.decode", "sm90.decode_fp8q", "sm100.decode", "sm100.prefill")
+REAL_KERNELS = ("sm90.decode", "sm90.decode_fp8q", "sm100.decode", "sm100.prefill", "sm80.decode", "sm80.prefill")
 
 
 @pytest.fixture
@@ -105,10 +105,18 @@ def test_arch_matrix(registry, monkeypatch):
         assert (p.arch, p.phase, p.model_dtype) == (arch, phase, model)
         if arch in NO_FP8_QUERY_ARCHS or kv != "fp8":
             assert p.q_dtype == model, p  # no FP8 tensor-core attention kernel, or a 16-bit cache
+        sm80_built = KERNELS[f"sm80.{phase}"].status == "available"
+        # the portable kernels serve every cache but a bf16 one under an fp16 model
+        portable = sm80_built and (kv, model) != ("bf16", "fp16")
         if arch == "sm90" and phase == "decode":
             assert p.q_dtype == model and not p.applies_q_scale  # FP8 KV is converted on chip
             served = sm90_built and kv in ("fp8", model)  # a 16-bit cache must match the model
-            assert p.kernel == ("sm90.decode" if served else "reference.paged_decode")
+            assert p.kernel == ("sm90.decode" if served else f"sm80.{phase}" if portable
+                                else "reference.paged_decode")
+        if arch in NO_FP8_QUERY_ARCHS or (arch == "sm90" and phase == "prefill"):
+            assert p.kernel == (f"sm80.{phase}" if portable else f"reference.paged_{phase}"), p
+        if registry == "as_registered" and arch in ("sm100", "sm103"):
+            assert p.kernel == (f"sm80.{phase}" if portable else f"reference.paged_{phase}"), p
         if registry == "all_built" and arch in ("sm100", "sm103") and kv == "fp8":
             assert p.kernel == f"sm100.{phase}" and p.q_dtype == "fp8_e4m3" and p.quantize_query
         cells += 1
@@ -126,15 +134,34 @@ def test_every_arch_phase_list_ends_with_the_reference_fallback():
         assert "sm90.decode_fp8q" not in ids  # opt-in only
         assert r["summary"]
     sm90 = next(r for r in rows if (r["arch"], r["phase"]) == ("sm90", "decode"))
-    assert [k["id"] for k in sm90["kernels"]] == ["sm90.decode", "reference.paged_decode"]
+    assert [k["id"] for k in sm90["kernels"]] == ["sm90.decode", "sm80.decode", "reference.paged_decode"]
     assert [k["id"] for k in sm90["opt_in"]] == ["sm90.decode_fp8q"]
     for arch in NO_FP8_QUERY_ARCHS:
-        assert kernels_for(arch, "decode") == ("reference.paged_decode",)
+        for phase in PHASES:
+            assert kernels_for(arch, phase) == (f"sm80.{phase}", f"reference.paged_{phase}")
+    for arch in ("sm100", "sm103"):
+        for phase in PHASES:
+            assert kernels_for(arch, phase) == (f"sm100.{phase}", f"sm80.{phase}", f"reference.paged_{phase}")
+
+
+def test_matrix_names_a_kernel_in_every_cell():
+    """``cute-kernels matrix`` (bf16 model): every (arch, phase, KV dtype) cell is served by a
+    kernel, none by the reference; the reference stays reachable with backend="reference"."""
+    for arch, phase, kv in itertools.product(SUPPORTED_ARCHS, PHASES, KV_DTYPES):
+        p = _plan(arch, phase, kv, "bf16")
+        assert not p.is_fallback, p
+        assert p.q_dtype == "bf16"  # no cell plans an FP8 query today
+        assert _plan(arch, phase, kv, "bf16", backend="reference").is_fallback
 
 
 def test_registry_ids_and_statuses():
-    assert set(KERNELS) == {"sm90.decode", "sm90.decode_fp8q", "sm100.decode", "sm100.prefill",
-                            "reference.paged_decode", "reference.paged_prefill"}
+    assert set(KERNELS) == {"sm90.decode", "sm90.decode_fp8q", "sm100.decode", "sm100.prefill", "sm80.decode",
+                            "sm80.prefill", "reference.paged_decode", "reference.paged_prefill"}
+    for kid in ("sm80.decode", "sm80.prefill"):
+        k = KERNELS[kid]
+        assert k.status == "available" and k.archs == SUPPORTED_ARCHS and k.qk_dtype == "model"
+        assert not k.supports_quant_query_input and k.mixed_16bit == (("bf16", "fp16"),)
+        assert k.verified in ("", "SM80 code on SM90 hardware")
     sm90 = KERNELS["sm90.decode"]
     assert sm90.status in ("planned", "available") and sm90.planned_in == "issue 3"
     assert sm90.qk_dtype == "model" and not sm90.supports_quant_query_input
@@ -232,7 +259,7 @@ def test_sm90_decode_chosen_when_available(sm90_decode_available, kv, model):
     (dict(page_size=8), "page_size 16/32/64/128, got 8"),
     (dict(num_q_heads=64, num_kv_heads=2), "GQA ratio .* up to 16, got 32"),
     (dict(q_len=8), "q_len up to 4, got 8"),
-    (dict(kv="fp16", model="bf16"), "equal to model_dtype bf16, got fp16"),
+    (dict(kv="bf16", model="fp16"), "equal to model_dtype fp16, got bf16"),
 ])
 def test_sm90_decode_falls_back_with_reason(sm90_decode_available, change, needle):
     p = _plan("sm90", "decode", **{"kv": "fp8", **change})
@@ -241,10 +268,15 @@ def test_sm90_decode_falls_back_with_reason(sm90_decode_available, change, needl
     assert re.search(needle, p.reason), p.reason
 
 
-def test_sm90_prefill_still_falls_back(sm90_decode_available):
+def test_sm90_prefill_runs_the_portable_kernel(sm90_decode_available):
     p = _plan("sm90", "prefill", "fp8")
-    assert p.kernel == "reference.paged_prefill" and p.q_dtype == "bf16"
-    assert "no CuTe kernel targets sm90 prefill" in p.reason
+    assert p.kernel == "sm80.prefill" and p.q_dtype == "bf16" and not p.applies_q_scale
+
+
+def test_sm90_prefill_falls_back_without_the_portable_kernel(sm90_decode_available, monkeypatch):
+    _set_status(monkeypatch, "planned", "sm80.prefill")
+    p = _plan("sm90", "prefill", "fp8")
+    assert p.kernel == "reference.paged_prefill" and "sm80.prefill is planned" in p.reason
 
 
 def test_fallback_reason_names_the_planned_kernel(all_planned):
@@ -385,11 +417,12 @@ def test_bad_arguments_name_the_argument(kw, needle):
 
 
 def test_plan_is_frozen_and_serialisable():
-    p = _plan("sm89")
+    p = _plan("sm89", backend="reference")
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.kernel = "sm90.decode"
     d = p.to_dict()
     assert d["kernel"] == p.kernel and d["is_fallback"] is True and d["num_q_heads"] == 32
+    assert _plan("sm89").to_dict()["is_fallback"] is False
     assert p.gqa_ratio == 4
 
 
