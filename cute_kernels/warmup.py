@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 from itertools import product
 
+from .common.merge import MergeStatesConfig
 from .jit.compiler import KernelConfig, normalize_target
 from .jit.parallel import precompile
+from .plans import sm80
 from .sm90.decode import CLUSTER_MIN_SIZING, DEFAULT_CLUSTER, cluster_fits, make_decode_config
 
 
@@ -60,11 +62,31 @@ def decode_variants(
     return out
 
 
+def portable_decode_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
+                             kv_dtypes=("fp8_e4m3",), q_dtype: str = "bf16", q_lens=(1,), scale_tensors=(False, True),
+                             kv_layouts=("HND",), kv_forms=("single",), **override) -> list[KernelConfig]:
+    """The ``sm80.decode`` configs (split and not, with the split's merge) a model shape reaches on
+    ``target`` (any arch but SM90, whose own decode kernel serves it)."""
+    group = num_q_heads // num_kv_heads
+    out: list[KernelConfig] = []
+    for kv, q_len, split, st, layout, form in product(kv_dtypes, q_lens, (False, True), scale_tensors,
+                                                      kv_layouts, kv_forms):
+        kv = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}.get(kv, kv)
+        out.append(sm80.make_decode_config(target=target, q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim,
+                                           group=group, q_len=q_len, page_size=page_size, split=split,
+                                           k_scale_tensor=st, v_scale_tensor=st, kv_form=form, kv_layout=layout,
+                                           **override))
+    out.append(MergeStatesConfig(out_dtype=q_dtype, head_dim=head_dim, vec=4, pdl=target in sm80.PDL_TARGETS))
+    return out
+
+
 def warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, **shape) -> list[KernelConfig]:
     """Compile (in parallel, into the disk cache) and load every decode variant for ``shape``.
 
-    ``shape`` takes the keyword arguments of :func:`decode_variants`. Returns the configs.
+    ``shape`` takes the keyword arguments of :func:`decode_variants`: SM90's own decode kernel on
+    SM90, the portable ``sm80.decode`` elsewhere. Returns the configs.
     """
-    configs = decode_variants(**shape)
-    precompile(configs, normalize_target(arch), workers=workers, progress=progress)
+    target = normalize_target(arch)
+    configs = decode_variants(**shape) if target == "sm_90a" else portable_decode_variants(target=target, **shape)
+    precompile(configs, target, workers=workers, progress=progress)
     return configs

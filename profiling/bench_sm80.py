@@ -30,6 +30,8 @@ from .bench_utils import bench_setup, time_graph, write_json
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 PAGE = 16
+# prefill tilings compared with the plan's (``sm80`` column)
+PREFILL_VARIANTS = {"tw64": dict(tw=64, q_regs=False)}
 
 # name, Hq, Hkv, D, B, q_len, prefix (issue 23's shapes)
 PREFILL_SHAPES = [
@@ -44,15 +46,20 @@ PREFILL_SHAPES = [
 ]
 
 
-def _fi_decode(case, sm_scale, tensor_cores):
-    import flashinfer
-
-    B = case.block_table.shape[0]
+def _fi_pages(case):
+    """FlashInfer's paged-KV description of a case: (indptr, indices, last page lengths)."""
     lens = case.seq_lens.tolist()
     n = [math.ceil(L / PAGE) for L in lens]
     indptr = torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    indices = torch.cat([case.block_table[b, : n[b]] for b in range(B)]).int()
+    indices = torch.cat([case.block_table[b, : n[b]] for b in range(len(lens))]).int()
     last = torch.tensor([L - (k - 1) * PAGE for L, k in zip(lens, n)], dtype=torch.int32, device="cuda")
+    return indptr, indices, last
+
+
+def _fi_decode(case, sm_scale, tensor_cores):
+    import flashinfer
+
+    indptr, indices, last = _fi_pages(case)
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, case.kv_layout, use_tensor_cores=tensor_cores)
     w.plan(indptr, indices, last, case.q.shape[1], case.meta["num_kv_heads"], case.meta["head_dim"], PAGE,
@@ -122,12 +129,7 @@ def _causal_flops(q_lens, prefixes, Hq, D):
 def _fi_prefill(c, qsl, q_lens, Hq, Hkv, D):
     import flashinfer
 
-    B = len(q_lens)
-    lens = c.seq_lens.tolist()
-    n = [math.ceil(L / PAGE) for L in lens]
-    kv_indptr = torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    indices = torch.cat([c.block_table[b, : n[b]] for b in range(B)]).int()
-    last = torch.tensor([L - (k - 1) * PAGE for L, k in zip(lens, n)], dtype=torch.int32, device="cuda")
+    kv_indptr, indices, last = _fi_pages(c)
     ws = torch.zeros(512 << 20, dtype=torch.uint8, device="cuda")
     w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, c.kv_layout, backend="fa2")
     w.plan(qsl, kv_indptr, indices, last, Hq, Hkv, D, PAGE, causal=True, q_data_type=c.q.dtype,
@@ -149,10 +151,14 @@ def bench_prefill(shapes=None, out_json=None, check=True):
         flops = _causal_flops(q_lens, prefixes, Hq, D)
         row = dict(shape=name)
         out = torch.empty_like(c.q)
-        ours = (lambda: run_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=q_len, out=out),
-                out)
-        ref = prefill_reference(c, qsl, True)[0] if check and B * q_len <= 8192 else None
-        for pname, made in (("sm80", lambda: ours), ("fi_fa2", lambda: _fi_prefill(c, qsl, q_lens, Hq, Hkv, D))):
+        def ours(**fields):
+            return (lambda: run_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=q_len, out=out,
+                                        **fields), out)
+
+        ref = prefill_reference(c, qsl, True)[0] if check and B * q_len <= 4096 else None
+        entries = [("sm80", ours)] + [(f"sm80_{k}", lambda f=f: ours(**f)) for k, f in PREFILL_VARIANTS.items()]
+        entries.append(("fi_fa2", lambda: _fi_prefill(c, qsl, q_lens, Hq, Hkv, D)))
+        for pname, made in entries:
             try:
                 fn, o = made()
                 fn()

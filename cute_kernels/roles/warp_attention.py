@@ -27,6 +27,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
 from ..jit.dtypes import cute_dtype
+from .cp_async_pages import PagedKVGather
 from .fp8_widen_sw import qk_permutation, widen, widen_scale_log2
 from .warp_ptx import (
     ldmatrix_x4,
@@ -433,3 +434,15 @@ class WarpTileAttention:
     def stats_layout(self):
         """(Traced.) ``(2 * warps_n + 1, rows)``: per wn slice max and sum, then the LSE."""
         return cute.make_layout((2 * self.warps_n + 1, self.rows), stride=(self.rows, 1))
+
+
+def engine_for(cfg):
+    """``(engine, gather, ring bytes)`` of a portable kernel's config: the attention engine, the
+    page gather of its stages, and the shared memory of the K/V ring (which the fp32 merge rows
+    overlay after the main loop)."""
+    engine = WarpTileAttention(
+        D=cfg.head_dim, q_dtype=cfg.q_dtype, kv_dtype=cfg.kv_dtype, mma_dtype=cfg.mma_dtype, widen_method=cfg.widen,
+        warps_m=cfg.warps_m, warps_n=cfg.warps_n, m_tiles=cfg.m_tiles, tw=cfg.tw, q_regs=cfg.q_regs,
+    )
+    gather = PagedKVGather(engine.tile, cfg.head_dim, engine.kv_bytes, engine.threads, cfg.page_size)
+    return engine, gather, max(cfg.stages * gather.stage_bytes, engine.merge_bytes)

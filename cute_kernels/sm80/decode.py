@@ -15,8 +15,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..roles.cp_async_pages import PagedKVGather, cache_views
-from ..roles.warp_attention import LOG2E, WarpTileAttention
+from ..roles.cp_async_pages import cache_views
+from ..roles.warp_attention import LOG2E, engine_for
 
 
 class Sm80PagedDecode:
@@ -26,15 +26,8 @@ class Sm80PagedDecode:
         self.cfg = cfg
         self.G, self.q_len = cfg.group, cfg.q_len
         self.R = cfg.group * cfg.q_len
-        self.engine = WarpTileAttention(
-            D=cfg.head_dim, q_dtype=cfg.q_dtype, kv_dtype=cfg.kv_dtype, mma_dtype=cfg.mma_dtype,
-            widen_method=cfg.widen, warps_m=cfg.warps_m, warps_n=cfg.warps_n, m_tiles=cfg.m_tiles, tw=cfg.tw,
-            q_regs=cfg.q_regs,
-        )
-        eng = self.engine
-        self.gather = PagedKVGather(eng.tile, cfg.head_dim, eng.kv_bytes, eng.threads, cfg.page_size)
+        self.engine, self.gather, self.kv_region = engine_for(cfg)
         self.stages = cfg.stages
-        self.kv_region = max(cfg.stages * self.gather.stage_bytes, eng.merge_bytes)
 
     @cute.jit
     def launch(self, mQ, mKc, mVc, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32,

@@ -15,8 +15,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..roles.cp_async_pages import PagedKVGather, cache_views
-from ..roles.warp_attention import LOG2E, WarpTileAttention
+from ..roles.cp_async_pages import cache_views
+from ..roles.warp_attention import LOG2E, engine_for
 
 
 class Sm80PagedPrefill:
@@ -25,14 +25,7 @@ class Sm80PagedPrefill:
     def __init__(self, cfg):
         self.cfg = cfg
         self.G = cfg.group
-        self.engine = WarpTileAttention(
-            D=cfg.head_dim, q_dtype=cfg.q_dtype, kv_dtype=cfg.kv_dtype, mma_dtype=cfg.mma_dtype,
-            widen_method=cfg.widen, warps_m=cfg.warps_m, warps_n=cfg.warps_n, m_tiles=cfg.m_tiles, tw=cfg.tw,
-            q_regs=cfg.q_regs,
-        )
-        eng = self.engine
-        self.gather = PagedKVGather(eng.tile, cfg.head_dim, eng.kv_bytes, eng.threads, cfg.page_size)
-        self.kv_region = max(cfg.stages * self.gather.stage_bytes, eng.merge_bytes)
+        self.engine, self.gather, self.kv_region = engine_for(cfg)
 
     @cute.jit
     def launch(self, mQ, mKc, mVc, mBlockTable, mSeqLens, mQStart, mO, mLse, k_scale, v_scale, sm_scale: Float32,
