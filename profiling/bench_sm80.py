@@ -30,8 +30,19 @@ from .bench_utils import bench_setup, time_graph, write_json
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 PAGE = 16
-# prefill tilings compared with the plan's (``sm80`` column)
+# tilings compared with the plan's (``sm80`` column); ``--variants name:field=int+field=int;...``
 PREFILL_VARIANTS = {"tw64": dict(tw=64, q_regs=False)}
+DECODE_VARIANTS: dict[str, dict] = {}
+
+
+def parse_named_variants(text: str | None) -> dict[str, dict]:
+    """``"a:tw=32+stages=4;b:m_tiles=2"`` -> ``{"a": {"tw": 32, "stages": 4}, "b": {"m_tiles": 2}}``."""
+    out = {}
+    for spec in (text or "").split(";"):
+        if spec:
+            name, _, fields = spec.partition(":")
+            out[name] = {k: int(v) for k, v in (f.split("=") for f in fields.split("+") if f)}
+    return out
 
 # name, Hq, Hkv, D, B, q_len, prefix (issue 23's shapes)
 PREFILL_SHAPES = [
@@ -91,6 +102,7 @@ def bench_decode(kv_dtypes=("bf16", "fp8"), shapes=None, out_json=None):
                 return fn, out
 
             entries = {"sm80": ours, "sm80_bits": lambda: ours(widen="bits") if kvn == "fp8" else None,
+                       **{f"sm80_{k}": (lambda f=f: ours(**f)) for k, f in DECODE_VARIANTS.items()},
                        "sm90": lambda: ours(backend=None) if torch.cuda.get_device_capability() == (9, 0) else None,
                        "fi": lambda: _fi_decode(case, D ** -0.5, False) if q_len == 1 else None,
                        "fi_tc": lambda: _fi_decode(case, D ** -0.5, True) if q_len == 1 else None}
@@ -186,7 +198,9 @@ def main(argv=None):
     p.add_argument("--kv", default="bf16,fp8", help="decode: cache dtypes")
     p.add_argument("--shapes", default=None, help="comma-separated substrings selecting shapes by name")
     p.add_argument("--json", default=None)
+    p.add_argument("--variants", default=None, help="extra tilings: name:field=int+field=int;...")
     args = p.parse_args(argv)
+    (DECODE_VARIANTS if args.what == "decode" else PREFILL_VARIANTS).update(parse_named_variants(args.variants))
     sel = args.shapes.split(",") if args.shapes else None
     if args.what == "decode":
         shapes = [s for s in DECODE_SHAPES if not sel or any(x in s[0] for x in sel)]

@@ -215,6 +215,11 @@ class Sm80DecodeConfig(_Sm80Common):
 
 DECODE_CTAS_PER_SM = 2  # the decode kernel is sized so that two CTAs share an SM
 DECODE_MAX_STAGES = 8
+# FP8 caches: 32 tokens per warp and stage (a 16-token FP8 tile is half the bytes of a BF16 one
+# for the same per-tile softmax and barrier cost). H200, tokens per warp 16 -> 32: Qwen3 B8
+# ctx 32000 78.0 -> 72.7 us, D 64 B32 ctx 8192 114 -> 75.9 us, D 256 384 -> 362 us; BF16 caches
+# lose with 32 (D 256: 650 -> 1060 us): profiling/results/sm80_decode_tune_h200.json
+DECODE_FP8_TW = 32
 
 
 def default_widen(target: str) -> str:
@@ -224,7 +229,8 @@ def default_widen(target: str) -> str:
 
 def decode_tiling(target: str, kv_dtype: str, head_dim: int, rows: int) -> dict:
     """Warp grid and ring of a decode CTA on ``target``: one warp row per 16-row MMA tile, the
-    other warps (of up to four) splitting each stage's tokens, 16 each (decode is memory-bound:
+    other warps (of up to four) splitting each stage's tokens, 16 each (32 for an FP8 cache,
+    ``DECODE_FP8_TW``; decode is memory-bound:
     each K/V byte is read and widened by one warp only). Candidates: 4, 2 or 1 token warps, each
     sized for 3, 2 or 1 CTAs per SM with the deepest ring that fits; the winner keeps the most
     warps per SM busy up to 8 (two per scheduler), then the most K/V bytes in flight per SM
@@ -232,19 +238,20 @@ def decode_tiling(target: str, kv_dtype: str, head_dim: int, rows: int) -> dict:
     out O's 128)."""
     warps_m = max(1, math.ceil(rows / 16))
     kvb = 1 if kv_dtype == "fp8_e4m3" else 2
+    tw = DECODE_FP8_TW if kv_dtype == "fp8_e4m3" else 16
     best = None
     for warps_n in (4, 2, 1):
         if warps_m * warps_n > 4:
             continue
-        fields = dict(kv_dtype=kv_dtype, head_dim=head_dim, warps_m=warps_m, warps_n=warps_n, m_tiles=1, tw=16)
+        fields = dict(kv_dtype=kv_dtype, head_dim=head_dim, warps_m=warps_m, warps_n=warps_n, m_tiles=1, tw=tw)
         for ctas in (3, 2, 1):
             stages = fit_stages(target, fields, ctas, DECODE_MAX_STAGES)
             if stages is None:
                 continue
-            in_flight = ctas * (stages - 1) * 2 * 16 * warps_n * head_dim * kvb
+            in_flight = ctas * (stages - 1) * 2 * tw * warps_n * head_dim * kvb
             key = (min(ctas * warps_m * warps_n, 8), in_flight, warps_n)
             if best is None or key > best[0]:
-                best = (key, dict(warps_m=warps_m, warps_n=warps_n, m_tiles=1, tw=16, stages=stages))
+                best = (key, dict(warps_m=warps_m, warps_n=warps_n, m_tiles=1, tw=tw, stages=stages))
     if best is None:
         raise ValueError(f"no decode tiling of D {head_dim} fits {target}'s shared memory")
     return dict(best[1], q_regs=head_dim <= 128)

@@ -142,8 +142,11 @@ class WarpTileAttention:
         """(Traced.) Accumulators and softmax state of one thread: O (zeroed), S, Q fragments,
         running max (-inf) and sum (0) of its 2 * m_tiles rows."""
         mt, nt = self.m_tiles, self.tw // 8
-        acc_o = cute.make_rmem_tensor(((2, 2), mt, self.D // 8), Float32)
-        acc_o.fill(0.0)
+        # O in 16-dim chunks (two n8 tiles each), one tensor per chunk: each P·V MMA then
+        # accumulates into a whole tensor in place (no register copies around a sliced view)
+        acc_o = [cute.make_rmem_tensor(((2, 2), mt, 2), Float32) for _ in range(self.D // 16)]
+        for chunk in acc_o:
+            chunk.fill(0.0)
         acc_s = cute.make_rmem_tensor(((2, 2), mt, nt), Float32)
         tSrQ = cute.make_rmem_tensor(((2, 2, 2), mt, self.D // 16 if self.q_regs else 1), self.mma_dtype)
         row_max = cute.make_rmem_tensor((2 * mt,), Float32)
@@ -274,8 +277,8 @@ class WarpTileAttention:
                 total = row_sum[slot] * alpha
                 for n in cutlass.range_constexpr(self.D // 8):
                     for e in cutlass.range_constexpr(2):
-                        i = 2 * h + e + 4 * mt + 4 * mt_n * n
-                        acc_o[i] = acc_o[i] * alpha
+                        i = 2 * h + e + 4 * mt + 4 * mt_n * (n % 2)
+                        acc_o[n // 2][i] = acc_o[n // 2][i] * alpha
                 for n in cutlass.range_constexpr(nt):
                     for e in cutlass.range_constexpr(2):
                         i = 2 * h + e + 4 * mt + 4 * mt_n * n
@@ -290,27 +293,27 @@ class WarpTileAttention:
         atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, Float32, (16, 8, 16)))
         mt_n = self.m_tiles
         kbs = self.tw // 16
-        tOrP = cute.make_rmem_tensor(((2, 2, 2), mt_n, kbs), self.mma_dtype)
-        for kb in cutlass.range_constexpr(kbs):
-            for mt in cutlass.range_constexpr(mt_n):
-                for e in cutlass.range_constexpr(8):
-                    tOrP[e + 8 * mt + 8 * mt_n * kb] = acc_s[e % 4 + 4 * mt + 4 * mt_n * (2 * kb + e // 4)].to(
-                        self.mma_dtype)
         mi = lane // 8
         for kb in cutlass.range_constexpr(kbs):
+            # P of these 16 tokens, converted here so that S's registers die as P's are made
+            tOrP = cute.make_rmem_tensor(((2, 2, 2), mt_n, 1), self.mma_dtype)
+            for mt in cutlass.range_constexpr(mt_n):
+                for e in cutlass.range_constexpr(8):
+                    tOrP[e + 8 * mt] = acc_s[e % 4 + 4 * mt + 4 * mt_n * (2 * kb + e // 4)].to(self.mma_dtype)
             row = wn * self.tw + kb * 16 + (mi % 2) * 8 + lane % 8
             if const_expr(self.fp8):
                 for dc2 in cutlass.range_constexpr(self.D // 32):
                     col = dc2 * 32 + (mi // 2) * 16
                     r = ldmatrix_x4(v_base + swizzle(row * self.kv_row_bytes + col), True)
-                    bV = cute.make_rmem_tensor(((2, 2), 4, 1), self.mma_dtype)
-                    regs = cute.recast_tensor(bV, Int32)
-                    for j in cutlass.range_constexpr(4):
-                        lo, hi = widen(r[j], self.widen_method, "02")
-                        chunk = j // 2  # 16-dim chunk within the 32
-                        regs[2 * (2 * chunk) + j % 2] = lo  # even dims of the chunk
-                        regs[2 * (2 * chunk + 1) + j % 2] = hi  # odd dims
-                    self.gemm_pv(atom, acc_o, tOrP, bV, kb, 4 * dc2, 4)
+                    for half in cutlass.range_constexpr(2):  # 16-dim chunk 2 dc2 + half
+                        bV = cute.make_rmem_tensor(((2, 2), 2, 1), self.mma_dtype)
+                        regs = cute.recast_tensor(bV, Int32)
+                        for j in cutlass.range_constexpr(2 * half, 2 * half + 2):
+                            lo, hi = widen(r[j], self.widen_method, "02")
+                            regs[j % 2] = lo  # even dims of the chunk
+                            regs[2 + j % 2] = hi  # odd dims
+                        cute.gemm(atom, acc_o[2 * dc2 + half], tOrP[None, None, 0], bV[None, None, 0],
+                                  acc_o[2 * dc2 + half])
             else:
                 for dc in cutlass.range_constexpr(self.D // 16):
                     col = dc * 16 + (mi // 2) * 8
@@ -319,15 +322,7 @@ class WarpTileAttention:
                     regs = cute.recast_tensor(bV, Int32)
                     for j in cutlass.range_constexpr(4):
                         regs[2 * (j // 2) + j % 2] = r[j]
-                    self.gemm_pv(atom, acc_o, tOrP, bV, kb, 2 * dc, 2)
-
-    @cute.jit
-    def gemm_pv(self, atom, acc_o, tOrP, bV, kb, n0: cutlass.Constexpr, count: cutlass.Constexpr):
-        """acc_o[n-tiles n0 .. n0 + count) += P(kb) V."""
-        mt_n = self.m_tiles
-        view = cute.make_tensor(acc_o.iterator + 4 * mt_n * n0,
-                                cute.make_layout(((2, 2), mt_n, count), stride=((1, 2), 4, 4 * mt_n)))
-        cute.gemm(atom, view, tOrP[None, None, kb], bV[None, None, 0], view)
+                    cute.gemm(atom, acc_o[dc], tOrP[None, None, 0], bV[None, None, 0], acc_o[dc])
 
     def o_dim(self, n: int, e: int, lane):
         """(Traced.) Head dim of O accumulator column (n-tile ``n``, element ``e`` of a pair)."""
@@ -414,7 +409,8 @@ class WarpTileAttention:
                         sStats[2 * WN, r] = lse
                 for n in cutlass.range_constexpr(self.D // 8):
                     for e in cutlass.range_constexpr(2):
-                        sO[self.o_dim(n, e, lane), r, wn] = acc_o[2 * h + e + 4 * mt + 4 * mt_n * n] * factor
+                        val = acc_o[n // 2][2 * h + e + 4 * mt + 4 * mt_n * (n % 2)]
+                        sO[self.o_dim(n, e, lane), r, wn] = val * factor
         cute.arch.barrier()
 
     @cute.jit
