@@ -351,7 +351,7 @@ def test_argument_errors_after_a_cached_call(gen, path):
 def _prefill_case(gen, rows, hq, hkv, page, kv, first, selection, **kw):
     """1 x ``rows`` prefill rows at positions ``first ..`` of one request, with the benchmark's
     selection model (``correlated``: neighbours share ~90 % of their blocks)."""
-    from profiling.qsa_selection import qsa_indices
+    from cute_kernels.bench.qsa_selection import qsa_indices
 
     ctx = first + rows
     c = _case(gen, rows, hq, hkv, page, 1, kv, ctx=ctx, positions="all", **kw)
