@@ -19,11 +19,11 @@
 #
 # Settings: OUT (profiling/out), CUTE_KERNELS_CACHE_DIR (/tmp/ck_cache), TAIL (lines of each log
 # printed, 25), ARCHIVE=1 (pack $OUT into one results.tgz at the end). Without internet, install
-# first with profiling/offline/ (this script sources install.sh when .wheelhouse/ exists).
+# first with profiling/offline/ (this script sources install.sh when .wheelhouse/part* exist).
 # What each tier's script measures: profiling/README.md.
 set -o pipefail
 cd "$(dirname "$0")/.."
-if [ -d .wheelhouse ]; then
+if ls -d .wheelhouse/part* > /dev/null 2>&1; then
   # shellcheck source=offline/install.sh
   source profiling/offline/install.sh || exit 2
 else

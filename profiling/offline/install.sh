@@ -6,7 +6,7 @@
 # (in one transfer or several: source this after each). It stages the parts it finds, waits until
 # every file of the manifest is there, checks their sha256, installs them into SITE (a folder of
 # its own: the host's torch and triton stay as they are), and puts the repository and SITE on
-# PYTHONPATH. Sourcing it again once installed only sets PYTHONPATH.
+# PYTHONPATH. Sourcing it again once installed only sets PYTHONPATH. Its status is 0 once ready.
 #
 # Settings: WHEELHOUSE (.wheelhouse), STAGE (/tmp/ck-wheelhouse), SITE (/tmp/ck-site).
 _ck_wh=${WHEELHOUSE:-$PWD/.wheelhouse}
@@ -41,12 +41,19 @@ _ck_install() {
   touch "$_ck_site/.installed"
 }
 
+_ck_done() {  # leaves nothing behind but PYTHONPATH; the status of `source` says whether it is ready
+  local status=$1
+  unset -f _ck_install _ck_done
+  unset _ck_wh _ck_stage _ck_site _ck_part _ck_pth
+  return "$status"
+}
 if [ -e "$_ck_site/.installed" ] || _ck_install; then
   # a --target install runs no .pth file: the DSL's adds its dsl_packages folder to sys.path
   _ck_pth=""
   [ -d "$_ck_site/nvidia_cutlass_dsl/dsl_packages" ] && _ck_pth="$_ck_site/nvidia_cutlass_dsl/dsl_packages"
   export PYTHONPATH="$PWD:$_ck_site${_ck_pth:+:$_ck_pth}${PYTHONPATH:+:$PYTHONPATH}"
   echo "offline install: ready ($_ck_site)"
+  _ck_done 0
+else
+  _ck_done 1
 fi
-unset -f _ck_install
-unset _ck_wh _ck_stage _ck_part _ck_pth

@@ -9,7 +9,7 @@
 #   PY=3.12         the GPU host's Python (wheels are chosen for CPython PY on x86-64 Linux)
 #   CUDA=13         13 or 12: which build of the DSL's libraries (the host driver's CUDA major)
 #   PEERS=1         0 leaves out FlashInfer and FA4 (bench decode then skips those peers)
-#   PART_MIB=60     the largest folder a transfer can take
+#   PART_MIB=48     the largest part folder: a transfer that also carries the repository must fit
 #   DEST=.wheelhouse
 #
 # Result: DEST/part1, part2, ... each at most PART_MIB, with a manifest. A wheel larger than a
@@ -20,7 +20,7 @@ set -euo pipefail
 PY=${PY:-3.12}
 CUDA=${CUDA:-13}
 PEERS=${PEERS:-1}
-PART_MIB=${PART_MIB:-60}
+PART_MIB=${PART_MIB:-48}
 DEST=${DEST:-.wheelhouse}
 DSL=$(sed -n 's/.*"nvidia-cutlass-dsl==\([^"]*\)".*/\1/p' pyproject.toml | head -1)
 [ -n "$DSL" ] || { echo "run from the repository root (pyproject.toml pins nvidia-cutlass-dsl)" >&2; exit 2; }
