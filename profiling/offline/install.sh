@@ -13,8 +13,8 @@ _ck_wh=${WHEELHOUSE:-$PWD/.wheelhouse}
 _ck_stage=${STAGE:-/tmp/ck-wheelhouse}
 _ck_site=${SITE:-/tmp/ck-site}
 mkdir -p "$_ck_stage" "$_ck_site"
-for _ck_part in "$_ck_wh"/part*; do
-  [ -d "$_ck_part" ] && cp -n "$_ck_part"/* "$_ck_stage/"
+for _ck_part in "$_ck_wh"/part*/*; do
+  [ -f "$_ck_part" ] && [ ! -e "$_ck_stage/${_ck_part##*/}" ] && cp "$_ck_part" "$_ck_stage/"
 done
 
 _ck_install() {
@@ -30,14 +30,16 @@ _ck_install() {
   fi
   (cd "$_ck_stage" && grep -v '^#' MANIFEST.sha256 | sed 's#  part[0-9]*/#  #' | sha256sum --quiet -c -) \
     || { echo "offline install: checksum mismatch, copy the parts again"; return 1; }
-  # wheels too large for one part were unpacked, packed as xz and cut in pieces
-  for name in $(ls "$_ck_stage" | sed -n 's/\.tar\.xz\.piece00$//p'); do
-    cat "$_ck_stage/$name".tar.xz.piece* | xz -d -T0 | tar -xf - -C "$_ck_site" || return 1
-  done
+  # the wheels first: pip --target --upgrade replaces a top-level folder that is already there
+  # (the DSL's library wheel and its base wheel share nvidia_cutlass_dsl/)
   if ls "$_ck_stage"/*.whl >/dev/null 2>&1; then
     python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$_ck_site" "$_ck_stage"/*.whl || return 1
   fi
+  # then the wheels too large for one part: unpacked, packed as xz, cut in pieces
+  for name in $(ls "$_ck_stage" | sed -n 's/\.tar\.xz\.piece00$//p'); do
+    cat "$_ck_stage/$name".tar.xz.piece* | xz -d -T0 | tar -xf - -C "$_ck_site" || return 1
+  done
   touch "$_ck_site/.installed"
 }
 
