@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import reference
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -115,3 +117,44 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64."""
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_prefill_case(gen, *, q_lens, prefixes, kv, q, D, Hq, Hkv, page, layout, container):
+    """A varlen paged-prefill problem: request b has ``q_lens[b]`` new tokens after a cached prefix of
+    ``prefixes[b]``; returns the case (its ``q`` is ``[sum(q_lens), Hq, D]``) and ``query_start_loc``."""
+    seq_lens = [p + n for p, n in zip(prefixes, q_lens)]
+    c = make_paged_decode_case(batch=len(q_lens), num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=page,
+                               seq_lens=seq_lens, kv_dtype=kv, q_dtype=q, kv_layout=layout, container=container,
+                               generator=gen, device=gen.device.type)
+    T = sum(q_lens)
+    c.q = torch.randn(T, Hq, D, device=gen.device, generator=gen).to(q)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    qsl = torch.tensor(starts, dtype=torch.int32, device=gen.device)
+    return c, qsl
+
+
+def prefill_reference(c, qsl, causal):
+    """Per request: the reference decode with q_len_per_req = the request's q_len (causal), or
+    every query row as its own one-token request over the whole sequence (not causal)."""
+    starts = qsl.tolist()
+    lens = c.seq_lens.tolist()
+    out = torch.zeros_like(c.q, dtype=torch.float32)
+    lse = torch.full(c.q.shape[:2], float("-inf"), device=c.q.device)
+    for b in range(len(lens)):
+        s, e = starts[b], starts[b + 1]
+        if e == s:
+            continue
+        if causal:
+            o, l_ = reference.paged_decode(c.q[s:e], c.kv_cache, c.block_table[b:b + 1], c.seq_lens[b:b + 1],
+                                           kv_layout=c.kv_layout, q_len_per_req=e - s, k_scale=c.k_scale,
+                                           v_scale=c.v_scale, return_lse=True)
+        else:
+            n = e - s
+            o, l_ = reference.paged_decode(c.q[s:e], c.kv_cache, c.block_table[b:b + 1].expand(n, -1).contiguous(),
+                                           c.seq_lens[b:b + 1].expand(n).contiguous(), kv_layout=c.kv_layout,
+                                           k_scale=c.k_scale, v_scale=c.v_scale, return_lse=True)
+        out[s:e] = o.float()
+        lse[s:e] = l_
+    return out.to(c.q.dtype), lse

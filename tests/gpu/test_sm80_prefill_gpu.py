@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cute_kernels import reference
 from cute_kernels.ops._sm80 import run_prefill
-from cute_kernels.testing import make_paged_decode_case, rel_err
+from cute_kernels.testing import make_prefill_case, prefill_reference, rel_err
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="needs SM80 or newer")
 FP8, BF16, FP16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
@@ -44,45 +43,6 @@ def _ids(c):
     extra = "-".join(f"{k}{v}" for k, v in ov.items())
     return (f"{str(kv)[6:]}-{str(q)[6:]}-d{D}-h{Hq}/{Hkv}-p{page}-{lay}-{cont}-{'causal' if causal else 'full'}"
             + (f"-{extra}" if extra else ""))
-
-
-def make_prefill_case(gen, *, q_lens, prefixes, kv, q, D, Hq, Hkv, page, layout, container):
-    seq_lens = [p + n for p, n in zip(prefixes, q_lens)]
-    c = make_paged_decode_case(batch=len(q_lens), num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=page,
-                               seq_lens=seq_lens, kv_dtype=kv, q_dtype=q, kv_layout=layout, container=container,
-                               generator=gen)
-    T = sum(q_lens)
-    c.q = torch.randn(T, Hq, D, device="cuda", generator=gen).to(q)
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")
-    return c, qsl
-
-
-def prefill_reference(c, qsl, causal):
-    """Per request: the reference decode with q_len_per_req = the request's q_len (causal), or
-    every query row as its own one-token request over the whole sequence (not causal)."""
-    starts = qsl.tolist()
-    lens = c.seq_lens.tolist()
-    out = torch.zeros_like(c.q, dtype=torch.float32)
-    lse = torch.full(c.q.shape[:2], float("-inf"), device="cuda")
-    for b in range(len(lens)):
-        s, e = starts[b], starts[b + 1]
-        if e == s:
-            continue
-        if causal:
-            o, l_ = reference.paged_decode(c.q[s:e], c.kv_cache, c.block_table[b:b + 1], c.seq_lens[b:b + 1],
-                                           kv_layout=c.kv_layout, q_len_per_req=e - s, k_scale=c.k_scale,
-                                           v_scale=c.v_scale, return_lse=True)
-        else:
-            n = e - s
-            o, l_ = reference.paged_decode(c.q[s:e], c.kv_cache, c.block_table[b:b + 1].expand(n, -1).contiguous(),
-                                           c.seq_lens[b:b + 1].expand(n).contiguous(), kv_layout=c.kv_layout,
-                                           k_scale=c.k_scale, v_scale=c.v_scale, return_lse=True)
-        out[s:e] = o.float()
-        lse[s:e] = l_
-    return out.to(c.q.dtype), lse
 
 
 def _check(c, qsl, causal, out, lse, seed):
