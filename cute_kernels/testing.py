@@ -158,3 +158,28 @@ def prefill_reference(c, qsl, causal):
         out[s:e] = o.float()
         lse[s:e] = l_
     return out.to(c.q.dtype), lse
+
+
+def check_attention(out, lse, ref, ref_lse, seed, tol: float = 5e-3):
+    """The GPU tests' verdict on one call: no NaN/inf in ``out``, relative error <= ``tol``, the
+    same empty (-inf LSE) rows as the reference, LSEs close elsewhere; ``seed`` in every message."""
+    assert torch.isfinite(out).all(), f"seed {seed}: NaN/inf in output"
+    err = rel_err(out, ref)
+    assert err <= tol, f"seed {seed}: relative error {err:.2e} > {tol}"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"seed {seed}: -inf LSE rows differ"
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-3, rtol=1e-4, msg=lambda m: f"seed {seed}: {m}")
+
+
+def capture_graph(fn):
+    """``fn`` (a call whose variant is compiled and loaded) run once on a side stream, then
+    captured into a CUDA graph, which is returned."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph

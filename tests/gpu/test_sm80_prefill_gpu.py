@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cute_kernels.ops._sm80 import run_prefill
-from cute_kernels.testing import make_prefill_case, prefill_reference, rel_err
+from cute_kernels.testing import capture_graph, check_attention, make_prefill_case, prefill_reference
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="needs SM80 or newer")
 FP8, BF16, FP16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
@@ -46,13 +46,7 @@ def _ids(c):
 
 
 def _check(c, qsl, causal, out, lse, seed):
-    ref, ref_lse = prefill_reference(c, qsl, causal)
-    assert torch.isfinite(out).all(), f"seed {seed}: NaN/inf in output"
-    err = rel_err(out, ref)
-    assert err <= TOL, f"seed {seed}: relative error {err:.2e} > {TOL}"
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"seed {seed}: -inf LSE rows differ"
-    fin = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-3, rtol=1e-4, msg=lambda m: f"seed {seed}: {m}")
+    check_attention(out, lse, *prefill_reference(c, qsl, causal), seed, TOL)
 
 
 def _run(c, qsl, causal, **override):
@@ -83,10 +77,7 @@ def test_sm80_prefill_long_prompt_and_graph_replay(gen):
     _check(c, qsl, True, eager, lse, seed)
     out = torch.empty_like(c.q)
     args = dict(max_query_len=2048, k_scale=c.k_scale, v_scale=c.v_scale, out=out, return_lse=True)
-    run_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, **args)  # compiled and loaded before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, **args)
+    graph = capture_graph(lambda: run_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, **args))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
