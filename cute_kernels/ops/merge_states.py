@@ -6,9 +6,9 @@ import torch
 
 from .. import reference
 from .._nvtx import op_range
-from ..common.merge import MergeStatesConfig
 from ..jit.compiler import get_kernel
 from ..jit.spec import call_arguments
+from ..plans.merge_states import MergeStatesConfig
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -14,7 +14,6 @@ argument itself. When it refuses one, the call is validated in full for a clear 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -24,120 +23,11 @@ from .. import reference
 from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
-from ..sm90.decode import CLUSTER_MIN_SIZING, DEFAULT_CLUSTER, MAX_CLUSTER, cluster_fits, make_decode_config
+from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, make_decode_config, plan_config
 from ._launch import LaunchCache
 from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
 
 FP8 = torch.float8_e4m3fn
-HEAD_DIMS = (64, 128, 256)
-PAGE_SIZES = (16, 32, 64, 128)
-MAX_ROWS = 64  # group * q_len: the WGMMA N of one CTA
-MAX_SPLITS = 64
-
-
-# CTAs per SM to aim for with an FP8 cache, by head dim (measured, profiling/NOTES.md "v4", "v5"):
-# D=64 runs 128-token tiles (see FP8_D64_TILE) and does best unsplit at up to 3 CTAs/SM; large
-# tiles want deeper pipelines (D=256: 2 CTAs with 3 stages beat 3 with 2).
-_FP8_CTAS_PER_SM = {64: 3, 128: 3, 256: 2}
-# ... and the fewest CTAs per SM the kernel is sized for: D=64 (128-token tiles) lands on 2 CTAs/SM
-# for B=32 x 8 heads, yet the kernel sized for 3 (4 stages) beats the one sized for 2 (7 stages):
-# 69.3 vs 73.0 us (profiling/NOTES.md "decode v5"); D=256 likewise (B=32 x 8 heads, unsplit):
-# sized for 3 (2 stages) 242-249 us against 251-258 sized for 2 (3 stages), four runs of the
-# seventh session (NOTES "decode v7")
-_FP8_MIN_SIZING = {64: 3, 256: 3}
-# deterministic=False: dynamic split scheduling when each split has at least this many tiles (with
-# a tile or two per split, as B=1, the chunk counter's round trips cost more than balancing gains)
-DYNAMIC_MIN_TILES = 8
-
-
-def choose_schedule(items: int, max_context: int, num_sms: int, max_occupancy: int, tile: int = 64,
-                    target_per_sm: int | None = None) -> tuple[int, int]:
-    """``(num_splits, CTAs per SM)`` from shapes only (the block-table width bounds the context).
-
-    ``items`` = requests x KV heads. When they cannot fill the GPU, split each request's context
-    so that about ``target_per_sm`` CTAs land on every SM in a single wave (a second, partial
-    wave runs alone: measured 63 % of roofline for Qwen3 B=8 with 416 CTAs on 396 slots); then
-    size the kernel for the CTAs per SM that actually result, which frees shared memory for more
-    pipeline stages when fewer CTAs share an SM.
-    """
-    target = min(target_per_sm or max_occupancy, max_occupancy)
-    max_tiles = max(1, math.ceil(max_context / tile))
-    splits = 1
-    if items < num_sms * target:
-        splits = max(1, min(MAX_SPLITS, max_tiles, (num_sms * target) // max(items, 1)))
-    per_sm = max(1, min(max_occupancy, math.ceil(items * splits / num_sms)))
-    return splits, per_sm
-
-
-def use_cluster_merge(items: int, num_splits: int, num_sms: int) -> bool:
-    """Whether a split launch merges in thread-block clusters (DSMEM) rather than through global
-    memory: at most MAX_CLUSTER splits and at most one CTA per SM in all. The cluster saves the
-    merge's global round trips, which matter in latency-bound launches (Llama B1: 5.4 -> 4.5 us);
-    a grid that fills the GPU with several CTAs per SM lost to the clusters' co-scheduling
-    (Qwen3 B8 FP8, 12-CTA clusters at 3 per SM: 70.4 -> 89.6 us). Measured: profiling/NOTES.md
-    "tenth session"."""
-    return 2 <= num_splits <= MAX_CLUSTER and items * num_splits <= num_sms
-
-
-def plan_launch(items: int, max_context: int, num_sms: int, max_occupancy: int, tile: int, head_dim: int,
-                fp8: bool, num_splits: int | None, deterministic: bool, force_cluster: bool | None,
-                force_dynamic: bool = False) -> tuple[int, dict, bool]:
-    """``(num_splits, tuning fields, cluster merge)`` of a launch, from shapes only. The split
-    count and sizing come from :func:`launch_schedule`; a non-deterministic call with enough tiles
-    per split schedules them dynamically; the cluster merge (``force_cluster`` None: the rule
-    :func:`use_cluster_merge`, for a kernel that can be sized for CLUSTER_MIN_SIZING CTAs per SM;
-    True: whenever the split count allows; False: never; never with a dynamic split) is decided
-    before the sizing, which it raises to CLUSTER_MIN_SIZING."""
-    num_splits, per_sm = launch_schedule(items, max_context, num_sms, max_occupancy, tile, head_dim, fp8, num_splits)
-    split = num_splits > 1
-    auto_dynamic = not deterministic and split and math.ceil(max_context / tile) >= DYNAMIC_MIN_TILES * num_splits
-    dynamic = auto_dynamic or (split and force_dynamic)
-    if force_cluster is None:
-        # the clusters won only sized for CLUSTER_MIN_SIZING CTAs per SM (sized for one, 16-CTA
-        # clusters waited for a second wave): a kernel that cannot be sized so keeps the global merge
-        cluster = (DEFAULT_CLUSTER and not dynamic and max_occupancy >= CLUSTER_MIN_SIZING
-                   and use_cluster_merge(items, num_splits, num_sms))
-    else:
-        cluster = bool(force_cluster) and not dynamic and 2 <= num_splits <= MAX_CLUSTER
-    if cluster:
-        per_sm = max(per_sm, CLUSTER_MIN_SIZING)
-    tuning = {} if per_sm >= max_occupancy else dict(occupancy=per_sm)
-    if auto_dynamic:
-        tuning["dynamic"] = True
-    return num_splits, tuning, cluster
-
-
-def plan_config(config_for, items: int, max_context: int, num_sms: int, num_splits: int | None,
-                deterministic: bool, force_cluster: bool | None, force_dynamic: bool = False):
-    """``(num_splits, config)`` of a launch: :func:`plan_launch` on the variant ``config_for(split,
-    **tuning)`` builds, then the config it asks for. When the plan wants a cluster merge but the
-    partials do not fit that config's K stages (:func:`cluster_fits`), the launch is planned
-    again without the cluster, so it does not keep the sizing raised for one."""
-    probe = config_for(False)
-    fp8 = probe.kv_dtype == "fp8_e4m3"
-    args = (items, max_context, num_sms, probe.occupancy, probe.tile, probe.head_dim, fp8, num_splits, deterministic)
-    splits, tuning, cluster = plan_launch(*args, force_cluster, force_dynamic)
-    config = config_for(splits > 1, **tuning)
-    if cluster:
-        if cluster_fits(config):
-            return splits, dataclasses.replace(config, cluster=True)
-        splits, tuning, _ = plan_launch(*args, False, force_dynamic)
-        config = config_for(splits > 1, **tuning)
-    return splits, config
-
-
-def launch_schedule(items: int, max_context: int, num_sms: int, max_occupancy: int, tile: int, head_dim: int,
-                    fp8: bool, num_splits: int | None = None) -> tuple[int, int]:
-    """``(num_splits, CTAs per SM the kernel is sized for)`` of a launch, from shapes only:
-    :func:`choose_schedule` with the FP8 per-head-dim targets, a caller's ``num_splits`` kept (then
-    sized for the kernel's maximum), and FP8 sizing never below ``_FP8_MIN_SIZING``."""
-    splits, per_sm = choose_schedule(items, max_context, num_sms, max_occupancy, tile,
-                                     _FP8_CTAS_PER_SM.get(head_dim) if fp8 else None)
-    if num_splits is not None:
-        splits, per_sm = num_splits, max_occupancy
-    if fp8:
-        per_sm = max(per_sm, _FP8_MIN_SIZING.get(head_dim, 1))
-    return splits, per_sm
 
 
 # split partials / unused LSE targets, and the fused merge's arrival counters (zero between

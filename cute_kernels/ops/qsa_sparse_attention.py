@@ -34,11 +34,11 @@ from .. import reference
 from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
-from ..sm90.qsa import MAX_GROUP, Sm90QsaConfig, make_qsa_config, select_config
-from ..sm90.qsa_merge import QsaMergeConfig, merge_shape
-from ..sm90.qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_tile_plan
-from ..sm90.qsa_union import QsaUnionConfig
-from ..sm90.qsa_widen import QsaWidenConfig, use_widened_cache
+from ..plans.sm90_qsa import HEAD_DIMS, MAX_GROUP, Sm90QsaConfig, make_qsa_config, select_config
+from ..plans.sm90_qsa_merge import QsaMergeConfig, merge_shape
+from ..plans.sm90_qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_tile_plan
+from ..plans.sm90_qsa_union import QsaUnionConfig
+from ..plans.sm90_qsa_widen import QsaWidenConfig, use_widened_cache
 from ._launch import LaunchCache
 from ._torch import (
     NAME_TO_TORCH,
@@ -52,7 +52,6 @@ from ._torch import (
 )
 
 FP8 = torch.float8_e4m3fn
-HEAD_DIMS = (64, 128, 256)
 
 
 _workspace = DeviceBuffer("qsa_sparse_attention", torch.float32)  # split-K partials, unused LSE

@@ -15,8 +15,15 @@ import torch
 
 from .. import reference
 from .._nvtx import op_range
-from ..common.quantize import ROPE_MAX_VEC, VECTOR_WIDTHS, QuantizeQueryConfig
 from ..jit.compiler import get_kernel
+from ..plans.quantize_query import (
+    DEFAULT_ITEMS,
+    DEFAULT_ITEMS_ROPE,
+    DEFAULT_PDL,
+    ROPE_MAX_VEC,
+    VECTOR_WIDTHS,
+    QuantizeQueryConfig,
+)
 from ._launch import LaunchCache
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
@@ -77,14 +84,6 @@ def _check_rope(rope, q: torch.Tensor):
                          f"in [2, head_dim {D}], got {rot}")
     check_tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(T,), device=q.device)
     return cos_sin, positions
-
-
-# head rows per thread: profiling/NOTES.md "layer glue v2"
-DEFAULT_ITEMS = 2
-# RoPE: 2 rows per thread when 2 divides Hq (a thread's rows share one token's cos/sin), measured
-# on SM90 only; other targets keep 1 (on sm_100a the 2-row RoPE kernel spills a register)
-DEFAULT_ITEMS_ROPE = {"sm_90a": 2}
-DEFAULT_PDL = True  # programmatic dependent launch: the launch overlaps the previous kernel's tail
 
 
 def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None, target: str = "sm_90a") -> QuantizeQueryConfig:

@@ -12,8 +12,8 @@ import torch
 
 from .. import reference
 from .._nvtx import op_range
-from ..common.kv_write import WriteKVCacheConfig
 from ..jit.compiler import get_kernel
+from ..plans.write_kv_cache import DEFAULT_ITEMS, DEFAULT_PDL, WriteKVCacheConfig
 from ._launch import LaunchCache
 from ._torch import check_tensor, compile_target, dtype_name
 from .quantize_query import check_scale, vector_width
@@ -57,11 +57,6 @@ def _cache_geometry(kv_cache, kv_layout: str, device) -> tuple[bool, tuple, list
     P, a, b, D = shape4
     Hkv, page = (a, b) if kv_layout == "HND" else (b, a)
     return pair, (P, Hkv, page, D), tensors
-
-
-# (token, head) rows per thread: profiling/NOTES.md "layer glue v2"
-DEFAULT_ITEMS = 1
-DEFAULT_PDL = True  # programmatic dependent launch: the launch overlaps the previous kernel's tail
 
 
 def make_config(key, value, kv_cache, slot_mapping, kv_layout: str, k_scale_tensor: bool,

@@ -30,7 +30,6 @@ Design (numbers and the alternatives measured are in profiling/NOTES.md):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -40,11 +39,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.merge import add_split
-from ..jit.compiler import KernelConfig
 from ..jit.dtypes import cute_dtype
-from ..jit.spec import ScalarArg, TensorArg
-from .fragments import (
+from ..jit.spec import bind_arguments
+from ..roles.fragments import (
+    EVICT_FIRST_POLICY,
     WIDEN_SHIFT_LOG2,
     cp_async_16,
     cvt_e4m3x4_f16,
@@ -60,17 +58,13 @@ from .fragments import (
     store_shared_f32,
     widen_e4m3x4,
 )
+from ..roles.merge import add_split
 
-TILE = 64  # default KV tokens per tile (one WGMMA M); 128 = two M blocks per iteration
 MMA_M = 64
 MMA_WARPS = 4
 PRODUCER_WARP = MMA_WARPS
 NUM_THREADS = (MMA_WARPS + 1) * 32
 BAR_MMA = 1  # named barrier of the consumer warpgroup (0 is __syncthreads)
-DYNAMIC_CHUNK_TILES = 2  # small grabs: a CTA's tail is at most ~2 tiles (~3 us at 3 CTAs/SM)
-MERGE_GROUP = 16  # splits whose partials one thread of the fused merge has in flight at once
-MAX_CLUSTER = 16  # most split CTAs of one cluster merge (a non-portable cluster size above 8)
-CLUSTER_GROUP = 8  # splits whose DSMEM partials one thread of the cluster merge has in flight at once
 LOG2E = math.log2(math.e)
 
 
@@ -89,14 +83,12 @@ Q_PRESCALE_LOG2 = {"bf16": 64, "fp16": 0}
 P_PRESCALE_LOG2 = {"bf16": 64, "fp16": 0}
 
 
-EVICT_FIRST_POLICY = 0x12F0000000000000  # L2 cache-policy operand: evict first (CUTLASS CacheHintSm90)
-
-
 class Sm90PagedDecode:
     """Kernel object; all fields are compile-time (see :class:`Sm90DecodeConfig`)."""
 
-    def __init__(self, cfg: Sm90DecodeConfig):
+    def __init__(self, cfg):
         self.cfg = cfg
+        self.arg_names = cfg.arg_names()
         self.q_dtype = cute_dtype(cfg.q_dtype)
         self.kv_dtype = cute_dtype(cfg.kv_dtype)
         self.fp8 = cfg.kv_dtype == "fp8_e4m3"
@@ -111,7 +103,7 @@ class Sm90PagedDecode:
         self.box = min(cfg.page_size, self.tile)  # tokens per TMA box
         self.boxes_per_tile = self.tile // self.box
         # dynamic split: tiles per grab (their page ids must fit one per lane of the producer warp)
-        self.chunk_tiles = max(1, min(DYNAMIC_CHUNK_TILES, 32 // self.boxes_per_tile))
+        self.chunk_tiles = max(1, min(cfg.chunk_tiles_max, 32 // self.boxes_per_tile))
         self.stages = cfg.stages
         # FP8 "bits": exact widening to the query's type by bit operations (values x 2^-shift);
         # FP8 "cvt": exact hardware e4m3 -> f16 conversion, so the MMAs run in fp16 and a BF16
@@ -131,6 +123,26 @@ class Sm90PagedDecode:
     # ------------------------------------------------------------------------------------------
     # host side
     # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def __call__(self, *args):
+        """The config's arguments (``Sm90DecodeConfig.signature()``: a variant takes only the ones
+        it uses, each costs host time per call) and the stream. Arguments a variant does not
+        take are passed to :meth:`launch` as unused placeholders."""
+        a = bind_arguments(self.arg_names, args)
+        mQ, mBlockTable, mSeqLens, mO, mLse = a["q"], a["block_table"], a["seq_lens"], a["out"], a["lse"]
+        if const_expr(self.cfg.kv_form == "single"):
+            mKc = mVc = a["kv_cache"]
+        else:
+            mKc, mVc = a["k_cache"], a["v_cache"]
+        mPartO, mPartLse, mCounter, num_splits = mO, mLse, mSeqLens, 1
+        if const_expr(self.cfg.merge == "global"):
+            mPartO, mPartLse, mCounter = a["part_out"], a["part_lse"], a["counters"]
+            num_splits = mPartO.shape[0]
+        elif const_expr(self.cfg.merge == "cluster"):
+            num_splits = a["num_splits"]
+        self.launch(mQ, mKc, mVc, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, a["k_scale"],
+                    a["v_scale"], a["sm_scale"], num_splits, a["stream"])
 
     @cute.jit
     def launch(
@@ -821,7 +833,7 @@ class Sm90PagedDecode:
             work = self.rows * chunks
             fits = False
             if const_expr(self.cfg.smem_merge):
-                fits = num_splits <= merge_slots(self.cfg)
+                fits = num_splits <= self.cfg.merge_slots()
             if fits:
                 self.stage_partials(mPartO, mPartLse, num_splits, batch_idx, kv_head, tidx, kv_bases)
             for it in cutlass.range((work + threads - 1) // threads, unroll=1):
@@ -832,11 +844,11 @@ class Sm90PagedDecode:
                     token = batch_idx * self.q_len + n // G
                     head = kv_head * G + n % G
                     if fits:
-                        self.merge_row_chunk(mO, mLse, num_splits, token, head, d0, (kv_bases, n), MERGE_GROUP,
+                        self.merge_row_chunk(mO, mLse, num_splits, token, head, d0, (kv_bases, n), self.cfg.merge_group,
                                              "smem")
                     else:
                         self.merge_row_chunk(mO, mLse, num_splits, token, head, d0, (mPartO, mPartLse),
-                                             MERGE_GROUP, "global")
+                                             self.cfg.merge_group, "global")
             if tidx == 0:
                 counter.store(Int32(0))
                 if const_expr(self.cfg.dynamic):
@@ -856,8 +868,8 @@ class Sm90PagedDecode:
         """(Traced.) Shared-window address of split ``s``'s partial: the K stages' slots first,
         then the V stages'."""
         k_base, v_base = kv_bases
-        per = merge_slots(self.cfg) // 2
-        slot = merge_slot_bytes(self.cfg)
+        per = self.cfg.merge_slots() // 2
+        slot = self.cfg.merge_slot_bytes()
         return k_base + s * slot if s < per else v_base + (s - per) * slot
 
     @cute.jit
@@ -921,7 +933,7 @@ class Sm90PagedDecode:
                 n = idx // chunks
                 d0 = (idx - n * chunks) * 4
                 self.merge_row_chunk(mO, mLse, num_splits, batch_idx * self.q_len + n // G, kv_head * G + n % G,
-                                     d0, (part_base, n), CLUSTER_GROUP, "dsmem")
+                                     d0, (part_base, n), self.cfg.cluster_group, "dsmem")
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
@@ -1119,282 +1131,3 @@ class Sm90PagedDecode:
                 sV[d, t, stage] = sV.element_type(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
-
-
-@dataclass(frozen=True)
-class Sm90DecodeConfig(KernelConfig):
-    """Compile key of :class:`Sm90PagedDecode`.
-
-    ``stages`` and ``occupancy`` normally come from :func:`decode_tuning`.
-    ``n_pad`` = ``group * q_len`` rounded up to a multiple of 8 (the WGMMA N). ``split`` selects
-    fp32 partial outputs (for ``merge_states``) over a direct write. ``k_scale_tensor`` /
-    ``v_scale_tensor``: the scale arrives as a 1-element fp32 device tensor (read by the kernel,
-    so CUDA-graph replays see new values) instead of a float argument. ``kv_form``: one 5-D
-    ``[P, 2, ...]`` cache tensor (``"single"``) or separate K and V tensors (``"pair"``);
-    ``kv_layout``: HND or NHD. ``occupancy``: CTAs per SM the register allocation must allow
-    (``__launch_bounds__`` min blocks; 0 = no constraint). ``widen`` (FP8 caches): ``"bits"``
-    widens exactly to the query's type with integer ops and runs the MMAs in that type;
-    ``"cvt"`` uses the one-instruction exact e4m3 -> f16 conversion and runs the MMAs in fp16
-    (a BF16 query is rescaled by a power of two per CTA to fit fp16's range). ``tile``: KV
-    tokens per iteration (64 or 128, i.e. one or two WGMMA M blocks). ``pdl``: launched as a
-    programmatic dependent launch (the launch and prologue overlap the previous kernel's tail; the
-    kernel waits in ``griddepcontrol.wait`` before touching global memory and lets its own
-    dependents launch once its main loop is done). ``dynamic`` (split only): the CTAs of one
-    (request, KV head) take chunks of tiles from a shared counter instead of fixed ranges (their
-    counters follow the arrival counters in ``counters``). ``strided`` (static split only, the
-    default): split s takes tiles s, s + S, ... instead of a contiguous range, so its first
-    page-table lookup does not wait for the request's length. ``evict_first``: K/V TMA loads
-    carry the L2 evict-first policy. ``prefetch_desc``: the producer warp prefetches the two TMA
-    descriptors at the kernel's start, before the programmatic-dependent wait. ``smem_merge``: the
-    fused merge stages the partials in shared memory first when they fit
-    (:meth:`Sm90PagedDecode.merge_splits`).
-    """
-
-    q_dtype: str = "bf16"
-    kv_dtype: str = "fp8_e4m3"
-    head_dim: int = 128
-    group: int = 8
-    q_len: int = 1
-    page_size: int = 16
-    stages: int = 4
-    split: bool = False
-    k_scale_tensor: bool = False
-    v_scale_tensor: bool = False
-    kv_form: str = "single"
-    kv_layout: str = "HND"
-    occupancy: int = 0
-    widen: str = "bits"
-    tile: int = 64
-    pdl: bool = False
-    dynamic: bool = False
-    strided: bool = False
-    cluster: bool = False
-    evict_first: bool = True
-    prefetch_desc: bool = True
-    smem_merge: bool = True
-
-    kernel_id = "sm90.decode"
-    targets = ("sm_90a",)
-    evidence = {"sm_90a": (r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor", r"mbarrier\.try_wait")}
-
-    def __post_init__(self):
-        if self.q_dtype not in ("bf16", "fp16"):
-            raise ValueError(f"q dtype must be bf16 or fp16, got {self.q_dtype}")
-        if self.kv_dtype not in ("bf16", "fp16", "fp8_e4m3"):
-            raise ValueError(f"kv dtype must be bf16, fp16 or fp8_e4m3, got {self.kv_dtype}")
-        if self.kv_dtype != "fp8_e4m3" and self.kv_dtype != self.q_dtype:
-            raise ValueError("a 16-bit KV cache must have the query's dtype")
-        if self.head_dim not in (64, 128, 256):
-            raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
-        if self.page_size not in (16, 32, 64, 128):
-            raise ValueError(f"page_size must be 16, 32, 64 or 128, got {self.page_size}")
-        if not 1 <= self.group * self.q_len <= 64:
-            raise ValueError("group * q_len must be in [1, 64]")
-        if self.kv_form not in ("single", "pair") or self.kv_layout not in ("HND", "NHD"):
-            raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
-        if self.dynamic and not self.split:
-            raise ValueError("dynamic tile scheduling needs split partials (split=True)")
-        if self.strided and (self.dynamic or not self.split):
-            raise ValueError("strided tiles are a static split schedule (split=True, dynamic=False)")
-        if self.widen not in ("bits", "cvt") or self.tile not in (64, 128):
-            raise ValueError(f"bad widen/tile {self.widen}/{self.tile}")
-        if self.cluster:
-            if not self.split or self.dynamic:
-                raise ValueError("the cluster merge needs a static split (split=True, dynamic=False)")
-            if not cluster_fits(self):
-                raise ValueError("cluster merge: the partials do not fit the K stages' shared memory")
-
-    @property
-    def n_pad(self) -> int:
-        return max(8, (self.group * self.q_len + 7) // 8 * 8)
-
-    def signature(self):
-        D = self.head_dim
-        kscale = TensorArg("k_scale", "fp32", (1,), align=4) if self.k_scale_tensor else ScalarArg("k_scale", "fp32")
-        vscale = TensorArg("v_scale", "fp32", (1,), align=4) if self.v_scale_tensor else ScalarArg("v_scale", "fp32")
-        page = self.page_size
-        inner = ("Hkv", page) if self.kv_layout == "HND" else (page, "Hkv")
-        if self.kv_form == "single":
-            caches = (TensorArg("kv_cache", self.kv_dtype, ("P", 2, *inner, D)),)
-        else:
-            caches = (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
-                      TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
-        if self.cluster:  # partials stay in the cluster's shared memory: only the grid's split count
-            split = (ScalarArg("num_splits", "int32"),)
-        elif self.split:
-            split = (
-                TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=16),  # merged with 16-byte loads
-                TensorArg("part_lse", "fp32", ("S", "T", "Hq"), align=4),
-                TensorArg("counters", "int32", ("C",), align=4),  # the fused merge's arrival counters
-            )
-        else:
-            split = ()
-        return (
-            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
-            *caches,
-            TensorArg("block_table", "int32", ("B", "W"), align=4),
-            TensorArg("seq_lens", "int32", ("B",), align=4),
-            TensorArg("out", self.q_dtype, ("T", "Hq", D), align=2),
-            TensorArg("lse", "fp32", ("T", "Hq"), align=4),
-            *split,
-            kscale,
-            vscale,
-            ScalarArg("sm_scale", "fp32"),
-        )
-
-    def build(self):
-        merge = "cluster" if self.cluster else "global" if self.split else None
-        entry = {(None, "single"): _Single, (None, "pair"): _Pair, ("global", "single"): _SplitSingle,
-                 ("global", "pair"): _SplitPair, ("cluster", "single"): _ClusterSingle,
-                 ("cluster", "pair"): _ClusterPair}[(merge, self.kv_form)]
-        return entry(self)
-
-
-# Entry points: the compiled function takes only the arguments its variant uses (every tensor
-# argument costs host time at each TVM-FFI call), in the order of Sm90DecodeConfig.signature().
-
-
-class _Single(Sm90PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32, stream):
-        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
-                    sm_scale, 1, stream)
-
-
-class _Pair(Sm90PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32, stream):
-        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
-                    sm_scale, 1, stream)
-
-
-class _SplitSingle(Sm90PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
-                 sm_scale: Float32, stream):
-        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
-                    sm_scale, mPartO.shape[0], stream)
-
-
-class _SplitPair(Sm90PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
-                 sm_scale: Float32, stream):
-        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
-                    sm_scale, mPartO.shape[0], stream)
-
-
-class _ClusterSingle(Sm90PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, num_splits: Int32, k_scale, v_scale,
-                 sm_scale: Float32, stream):
-        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
-                    sm_scale, num_splits, stream)
-
-
-class _ClusterPair(Sm90PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, num_splits: Int32, k_scale, v_scale,
-                 sm_scale: Float32, stream):
-        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
-                    sm_scale, num_splits, stream)
-
-
-# ----------------------------------------------------------------------------------------------
-# host-side tuning (no GPU, no tensors)
-# ----------------------------------------------------------------------------------------------
-
-SMEM_PER_SM = 227 * 1024  # usable per SM on H100/H200 (228 KB minus the 1 KB reserved per CTA)
-
-
-def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE,
-                  occupancy: int | None = None) -> tuple[int, int]:
-    """(stages, CTAs per SM) for a decode variant (``occupancy`` forces the CTA count).
-
-    More resident CTAs hide the per-tile chain (ldmatrix -> widen -> WGMMA -> softmax) better
-    than deeper pipelines, as long as the SM keeps enough KV bytes in flight. Registers: a
-    thread holds the O^T accumulator (``D * n / 128``), the S^T accumulator (``tile * n / 128``)
-    and, for FP8, the widened K fragments (``tile * D / 256``); ``occupancy`` CTAs of 160 threads
-    must fit 64K registers.
-    """
-    stage = 2 * tile * head_dim * kv_bytes
-    fixed = n_pad * head_dim * 2 + n_pad * tile * 2 + MMA_WARPS * n_pad * 4 + 4 * 1024
-    if occupancy is not None:
-        return max(2, min(8, (SMEM_PER_SM // occupancy - fixed) // stage)), occupancy
-    # calibrated on ptxas: FP8 D=128, tile 64: n=8 -> 82-89 registers, n=16 -> 96 (no spills at 4 CTAs/SM)
-    regs = 40 + head_dim * n_pad // 128 + tile * n_pad // 128 + (tile * head_dim // 256 if kv_bytes == 1 else 0)
-    regs = (regs + 7) // 8 * 8
-    max_occ = max(1, min(4, 65536 // (NUM_THREADS * regs)))
-    for occ in range(max_occ, 0, -1):
-        stages = min(8, (SMEM_PER_SM // occ - fixed) // stage)
-        # >= ~96 KB of KV in flight per SM keeps HBM busy (measured: BF16 D=256 reaches the
-        # roofline with a single CTA holding 2 x 64 KB)
-        if stages >= 2 and occ * stages * stage >= 96 * 1024:
-            return stages, occ
-    return 2, 1
-
-
-DEFAULT_WIDEN = "cvt"  # chosen by measurement: profiling/NOTES.md "decode v3"
-DEFAULT_PDL = True  # as FlashInfer's kernels on SM90+ (profiling/NOTES.md "decode v5")
-DEFAULT_DYNAMIC = False  # dynamic split scheduling is opt-in (not bitwise reproducible): decode v6
-# split s takes tiles s, s + S, ...: its first page-table load goes out with the seq_len load.
-# Measured (NOTES "ninth session", two runs): Qwen3 B8 ctx32000 FP8 71.0 / 71.1 -> 70.5 / 70.4 us,
-# Llama B1 FP8 5.5 -> 5.4, BF16 B8 127.7 -> 127.2; unsplit shapes unchanged
-DEFAULT_STRIDED = True
-# a static split into at most MAX_CLUSTER CTAs merges inside a thread-block cluster through DSMEM
-# instead of through global memory (profiling/NOTES.md "tenth session")
-DEFAULT_CLUSTER = True
-# CTAs per SM a cluster-merged launch is sized for at least: a cluster of up to 16 split CTAs must
-# fit in one GPC, which a kernel sized for one CTA per SM (135 KB of shared memory) made wait for a
-# second wave (Llama B1 FP8: 7.9 us sized for 1, 4.5 sized for 2, 5.4 with the global merge)
-CLUSTER_MIN_SIZING = 2
-# an FP8 D=64 tile of 64 tokens is only 4 KB of K: two M blocks per iteration halve the per-byte
-# cost of the tile chain (measured, profiling/NOTES.md "decode v5": 75.4 -> 69.4 us)
-FP8_D64_TILE = 128
-
-
-def kv_stages_bytes(cfg: Sm90DecodeConfig) -> int:
-    """Bytes of all K stages (the V stages are as large): where a split's partial goes once the
-    main loop is done."""
-    return cfg.stages * cfg.tile * cfg.head_dim * (1 if cfg.kv_dtype == "fp8_e4m3" else 2)
-
-
-def merge_slot_bytes(cfg: Sm90DecodeConfig) -> int:
-    """Bytes of one split's partial in shared memory (the cluster merge's own, or one staged by
-    the fused merge): fp32 ``O[rows, D]``, then the rows' LSEs, rounded up to 16 bytes."""
-    return (cfg.group * cfg.q_len * (cfg.head_dim + 1) * 4 + 15) // 16 * 16
-
-
-def merge_slots(cfg: Sm90DecodeConfig) -> int:
-    """Split partials the fused merge stages in shared memory (``smem_merge``): as many as the K
-    stages hold, then as many as the V stages hold. A launch with more splits merges from L2."""
-    return 2 * (kv_stages_bytes(cfg) // merge_slot_bytes(cfg))
-
-
-def cluster_fits(cfg: Sm90DecodeConfig) -> bool:
-    """Whether a CTA's partial fits the K stages, where the cluster merge leaves it once the main
-    loop is done (the stages' size is a multiple of 16, so the slot's rounding changes nothing)."""
-    return merge_slot_bytes(cfg) <= kv_stages_bytes(cfg)
-
-
-def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int, page_size: int,
-                       split: bool, k_scale_tensor: bool = False, v_scale_tensor: bool = False,
-                       kv_form: str = "single", kv_layout: str = "HND", **override) -> Sm90DecodeConfig:
-    """The config the op uses for a problem: tuning (stages, occupancy, tile, widening) filled in
-    here, once, for the op, the warm-up and the compile matrix alike. ``override`` replaces any
-    tuning field (benchmarks compare variants with it)."""
-    dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split
-    strided = override.pop("strided", DEFAULT_STRIDED) and split and not dynamic
-    tile = override.get("tile", FP8_D64_TILE if (kv_dtype, head_dim) == ("fp8_e4m3", 64) else TILE)
-    n_pad = max(8, (group * q_len + 7) // 8 * 8)
-    stages, occupancy = decode_tuning(1 if kv_dtype == "fp8_e4m3" else 2, head_dim, n_pad, tile,
-                                      override.get("occupancy"))
-    fields = dict(
-        q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len, page_size=page_size,
-        stages=stages, split=split, k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
-        kv_form=kv_form, kv_layout=kv_layout, occupancy=occupancy, tile=tile,
-        widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=DEFAULT_PDL, dynamic=dynamic,
-        strided=strided,
-    )
-    fields.update(override)
-    return Sm90DecodeConfig(**fields)

@@ -38,8 +38,6 @@ Design:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import cache
 
 import cutlass
 import cutlass.cute as cute
@@ -48,16 +46,13 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..jit.asm import asm
-from ..jit.compiler import KernelConfig
-from ..jit.dtypes import DTYPE_BITS, cute_dtype
-from ..jit.spec import ScalarArg, TensorArg
-from .decode import BAR_MMA, EVICT_FIRST_POLICY, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_column, slot_of
-from .fragments import cvt_e4m3x4_f16
-from .qsa_merge import sigmoid
+from ..jit.dtypes import cute_dtype
+from ..jit.spec import DTYPE_BITS
+from ..roles.fragments import EVICT_FIRST_POLICY, cvt_e4m3x4_f16, sigmoid
+from .decode import BAR_MMA, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_column, slot_of
 
 PRODUCER_WARP = MMA_WARPS  # the first producer warp
 LOG2E = math.log2(math.e)
-MAX_GROUP = 16  # the WGMMA N of one CTA (query heads of one KV head)
 
 
 @dsl_user_op
@@ -114,7 +109,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
     are its own.
     """
 
-    def __init__(self, cfg: Sm90QsaConfig):
+    def __init__(self, cfg):
         # not decode's __init__ (it takes a decode config): set the attributes its helpers read
         self.cfg = cfg
         self.q_dtype = cute_dtype(cfg.q_dtype)
@@ -205,9 +200,9 @@ class Sm90QsaAttention(Sm90PagedDecode):
             fields["sP"] = cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(p_layout)], 1024]
         Storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
         self.storage = Storage
-        # a launch asking for more than the 227 KB a CTA may hold fails at run time: refuse to compile
+        # a launch asking for more shared memory than a CTA may hold fails at run time: refuse to compile
         smem = Storage.size_in_bytes()
-        if const_expr(cfg.occupancy * (smem + 1024) > SMEM_PER_SM or smem > 227 * 1024):
+        if const_expr(not cfg.hw.smem_fits(smem, cfg.occupancy)):
             raise ValueError(f"{cfg.label()}: {smem} bytes of shared memory x {cfg.occupancy} CTAs per SM do not fit")
         kernel(*args, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=cfg.occupancy,
@@ -795,230 +790,12 @@ class Sm90QsaAttention(Sm90PagedDecode):
                     mO[token, head, self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])] = ov[e]
 
 
-@dataclass(frozen=True)
-class Sm90QsaConfig(KernelConfig):
-    """Compile key of :class:`Sm90QsaAttention`.
+def __getattr__(name):
+    # Host-side names that moved to cute_kernels.plans.sm90_qsa, still imported by the lab scripts
+    # under profiling/ until the benchmark tool moves into the package (see
+    # tests/cpu/test_architecture.py, ALLOWED_UPWARD), resolved only when asked for.
+    if name in ('select_config',):
+        from ..plans import sm90_qsa
 
-    ``group``: query heads per KV head (1..16; the WGMMA N is ``n_pad``, a multiple of 8).
-    ``page_size``: tokens per cache page (any; ``t // page`` divides by this constant).
-    ``tile``: tokens per iteration (64 or 128: one or two WGMMA M blocks). ``stages``: gather
-    slots in flight. ``split``: fp32 partials for the merge (the split count is the grid's
-    third dim, a runtime value) instead of the final output. ``gate``: multiply the output by
-    ``sigmoid(gate)`` (non-split; the merge applies it otherwise). ``occupancy``: CTAs per SM the
-    register allocation must allow (0 = no constraint). ``producers``: gather warps (1, or a
-    multiple of the tile's 32-token words: each then copies a slice of one word's rows).
-    ``kv_same_strides``: k_cache and v_cache have identical strides (the two halves of one
-    buffer, as in production): V row addresses are K's plus a constant, half the gather's address
-    shuffles. ``pdl``: launched as a programmatic dependent of the previous kernel (its shared-memory
-    setup overlaps that kernel's tail; it waits before its first global read). On for split
-    launches, whose predecessor is usually the previous layer's merge (a few CTAs that release
-    their dependents at once): H200, 16 copies in a graph, BF16 N = 4 12.0 -> 11.2 us, FP8 N = 16
-    17.9 -> 16.8. Off without splits: one-wave grids gained nothing and FP8 N = 64 lost 3 us.
-    ``evict_first``: the gathered K/V rows carry the L2 evict-first policy, so that they do not
-    push the index lists, block tables, partials and gates out of L2 (on for the per-row kernel
-    by :func:`make_qsa_config`: H200, decode BF16 N = 4 10.9 -> 10.2 us, N = 16 23.4 -> 21.9,
-    FP8 N = 64 40.6 -> 38.6, N = 256 139.9 -> 136.3); off for the row tiles (not measured there:
-    their union rows are read again by neighbouring tiles).
-    ``kv_barriers``: a slot's K rows are copied first and released on their own barrier, V after
-    them on a second one, so QK and the softmax overlap V's arrival (per-row kernel only). On for
-    split launches by :func:`make_qsa_config`, whose few tiles per CTA end on the last tile's
-    chain (H200, two interleaved pairs, µs: BF16 N = 1 7.9 -> 7.6-7.7, N = 4 10.1-10.2 -> 9.9-10.0,
-    FP8 N = 4 8.9 -> 8.8-8.9, N = 16 within 0.2); off without splits, where the split copies slowed
-    the memory-bound loop (FP8 N = 64 39.2-39.4 -> 41.1-41.6, BF16 N = 256 256.9-257.1 -> 257.6-257.9).
-    """
-
-    q_dtype: str = "bf16"
-    kv_dtype: str = "bf16"
-    head_dim: int = 256
-    group: int = 12
-    page_size: int = 1568
-    tile: int = 64
-    stages: int = 3
-    split: bool = False
-    gate: bool = False
-    occupancy: int = 1
-    producers: int = 1
-    pdl: bool = False
-    kv_same_strides: bool = False
-    evict_first: bool = False
-    kv_barriers: bool = False
-
-    kernel_id = "sm90.qsa"
-    targets = ("sm_90a",)
-    # tensor cores, the zero-filling cp.async gather and the mbarrier pipeline
-    evidence = {"sm_90a": (r"wgmma\.mma_async", r"cp\.async\.cg\.shared\.global", r"cp\.async\.mbarrier\.arrive",
-                           r"mbarrier\.try_wait")}
-
-    def __post_init__(self):
-        if self.q_dtype not in ("bf16", "fp16"):
-            raise ValueError(f"q dtype must be bf16 or fp16, got {self.q_dtype}")
-        if self.kv_dtype not in ("bf16", "fp16", "fp8_e4m3"):
-            raise ValueError(f"kv dtype must be bf16, fp16 or fp8_e4m3, got {self.kv_dtype}")
-        if self.kv_dtype != "fp8_e4m3" and self.kv_dtype != self.q_dtype:
-            raise ValueError("a 16-bit KV cache must have the query's dtype")
-        if self.head_dim not in (64, 128, 256):
-            raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
-        if not 1 <= self.group <= MAX_GROUP:
-            raise ValueError(f"group (num_q_heads / num_kv_heads) must be in [1, {MAX_GROUP}], got {self.group}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be positive, got {self.page_size}")
-        if self.tile not in (64, 128) or self.stages < 1:
-            raise ValueError(f"bad tile/stages {self.tile}/{self.stages}")
-        if self.gate and self.split:
-            raise ValueError("the gate of a split launch is applied by the merge")
-        words = self.tile // 32
-        chunks_per_row = self.head_dim * DTYPE_BITS[self.kv_dtype] // 8 // 16
-        copies = 32 // max(1, 32 // chunks_per_row)  # warp-wide copies per 32-token word
-        if self.producers != 1 and not (self.producers % words == 0 and self.producers <= 8
-                                         and copies % (self.producers // words) == 0):
-            raise ValueError(f"producers must be 1 or a multiple of the tile's {words} words (<= 8) that "
-                             f"divides its rows, got {self.producers}")
-
-    @property
-    def n_pad(self) -> int:
-        return max(8, (self.group + 7) // 8 * 8)
-
-    @property
-    def widen(self) -> str:
-        """FP8 widening used by the inherited decode helpers: exact ``cvt`` to fp16."""
-        return "cvt"
-
-    def signature(self):
-        D = self.head_dim
-        out = "fp32" if self.split else self.q_dtype
-        o_shape = ("S", "T", "Hq", D) if self.split else ("T", "Hq", D)
-        lse_shape = ("S", "T", "Hq") if self.split else ("T", "Hq")
-        cache = ("NB", self.page_size, "Hkv", D)
-        return (
-            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
-            TensorArg("k_cache", self.kv_dtype, cache),
-            TensorArg("v_cache", self.kv_dtype, cache),
-            TensorArg("packed_indices", "int32", ("T", "W"), align=4),
-            TensorArg("block_table", "int32", ("R", "BW"), align=4),
-            TensorArg("token_to_req", "int32", ("T",), align=4),
-            TensorArg("out", out, o_shape, align=4),
-            TensorArg("lse", "fp32", lse_shape, align=4),
-            TensorArg("gate", self.q_dtype, ("GT", "GH", D), align=2),
-            ScalarArg("k_scale", "fp32"),
-            ScalarArg("v_scale", "fp32"),
-        )
-
-    def build(self):
-        return Sm90QsaAttention(self)
-
-
-# ----------------------------------------------------------------------------------------------
-# host-side tuning and the config table (no GPU, no tensors)
-# ----------------------------------------------------------------------------------------------
-
-SMEM_PER_SM = 228 * 1024  # per SM on H100/H200, of which 1 KB per resident CTA is reserved
-H200_SMS = 132
-TILE = 64
-MAX_SPLITS = 64
-PRODUCTION_TOPK = 2051  # 2048 selected tokens + 4 - 1 (qsa-contract §1)
-
-
-def qsa_producers(tile: int = TILE) -> int:
-    """Gather warps of the per-row kernel: one per 32-token word of the tile. One warp issuing
-    every copy was the limit once a CTA owned its SM (H200, decode N = 256: BF16 340.7 -> 296.1
-    us, FP8 177.5 -> 160.1 us with two; N = 64 BF16 89.5 -> 78.8 us)."""
-    return tile // 32
-
-
-def qsa_tuning(kv_dtype: str, head_dim: int, group: int, tile: int = TILE,
-               producers: int | None = None) -> tuple[int, int]:
-    """(stages, CTAs per SM) of a variant: the most resident CTAs that still get >= 3 gather
-    slots each (falling back to 2, then 1) while keeping >= 96 KB of K/V in flight per SM
-    (what the paged decode kernel measured to saturate HBM) and fitting the registers (measured
-    with ptxas at D = 256, G = 12: ~100 for 16-bit caches, 156-172 for FP8, whose K/V fragments
-    live in registers) of the consumer warpgroup plus ``producers`` gather warps."""
-    producers = qsa_producers(tile) if producers is None else producers
-    threads = (MMA_WARPS + producers) * 32
-    kv_bytes = DTYPE_BITS[kv_dtype] // 8
-    n_pad = max(8, (group + 7) // 8 * 8)
-    stage = 2 * tile * head_dim * kv_bytes
-    # Q, P, reduction, barriers + bitmasks + 1024-byte alignment slack, the reserved 1 KB
-    fixed = n_pad * head_dim * 2 + n_pad * tile * 2 + MMA_WARPS * n_pad * 4 + 2 * 1024 + 1024
-    # accumulators O^T and S^T (fp32) + the widened K/V fragments of FP8 (fp16 pairs per register)
-    regs = 32 + head_dim * n_pad // 128 + tile * n_pad // 128 + (tile * head_dim // 256 if kv_bytes == 1 else 0)
-    regs = (regs + 7) // 8 * 8
-    max_occ = max(1, min(4, 65536 // (threads * regs)))
-    for want in (3, 2, 1):
-        for occ in range(max_occ, 0, -1):
-            stages = min(4, (SMEM_PER_SM // occ - fixed) // stage)
-            if stages >= want and occ * stages * stage >= 96 * 1024:
-                return stages, occ
-    return 1, 1
-
-
-@cache
-def split_table(kv_dtype: str, head_dim: int, group: int, prefill: bool, topk: int = PRODUCTION_TOPK,
-                num_sms: int = H200_SMS) -> tuple[tuple[int, int, int], ...]:
-    """The config table: ``((max_bp, tile, splits), ...)`` by increasing ``max_bp`` (0 on the last
-    entry = no bound), keyed by ``bp = rows * num_kv_heads``.
-
-    Built from a cost model in units of one tile's gather (the kernel is bound by gathered bytes):
-    ``bp * S`` CTAs of ``ceil(tiles / S)`` tiles each load ``ceil(bp * S / num_sms)`` of them per
-    SM (CTAs sharing an SM share its gather rate), plus 2 tiles of start-up (index and page
-    lookups, Q staging, epilogue) per wave of ``slots = num_sms * occupancy`` (co-resident CTAs
-    overlap theirs); with ``S > 1`` the merge adds one tile of latency plus its traffic (fp32
-    partials written and read back, ``2 * G * D * 4`` bytes per CTA, spread over the SMs).
-    Counting waves by slots alone had FP8 (2 CTAs per SM) split 3x too finely: measured on the
-    H200, FP8 N = 4 rows 16.1 us at the old S = 33 vs 10.4 at S = 11, N = 64 48.2 (S = 2) vs 42.1
-    (S = 1); BF16 (1 CTA per SM) is unchanged by the rewrite and was at its measured optimum. ``S`` never exceeds the tiles
-    of a full row and never grows with ``bp`` (wave-quantization wiggles are not worth a
-    non-monotonic table). ``prefill`` batches beyond 2048 (row, head) pairs never split: they
-    fill the machine and a merge would only add traffic; below that both profiles agree (the
-    flag is kept so they can be tuned apart).
-    """
-    tile = TILE
-    _, occ = qsa_tuning(kv_dtype, head_dim, group, tile)
-    slots = num_sms * occ
-    tiles = max(1, -(-topk // tile))
-    tile_bytes = 2 * tile * head_dim * (DTYPE_BITS[kv_dtype] // 8)
-    partial_bytes = 2 * group * head_dim * 4
-
-    def cost(bp, s):
-        per_sm = -(-bp * s // num_sms)
-        waves = -(-bp * s // slots)
-        merge = 1 + bp * s * partial_bytes / (num_sms * tile_bytes) if s > 1 else 0
-        return per_sm * -(-tiles // s) + 2 * waves + merge
-
-    table: list[tuple[int, int, int]] = []
-    prev = min(MAX_SPLITS, tiles)
-    for bp in range(1, (2048 if prefill else 8 * slots) + 1):
-        s = min(range(1, prev + 1), key=lambda k: (cost(bp, k), k))
-        prev = s
-        if table and table[-1][2] == s:
-            table[-1] = (bp, tile, s)
-        else:
-            table.append((bp, tile, s))
-        if s == 1:
-            break
-    table[-1] = (0, tile, table[-1][2]) if table[-1][2] == 1 else table[-1]
-    if table[-1][0] != 0:
-        table.append((0, tile, 1))
-    return tuple(table)
-
-
-def select_config(rows: int, num_kv_heads: int, prefill: bool, kv_dtype: str, head_dim: int, group: int,
-                  topk: int = PRODUCTION_TOPK, num_sms: int = H200_SMS) -> tuple[int, int]:
-    """``(tile, splits)`` for a launch, from the table (0 = unbounded last entry)."""
-    bp = rows * num_kv_heads
-    for max_bp, tile, splits in split_table(kv_dtype, head_dim, group, prefill, topk, num_sms):
-        if max_bp == 0 or bp <= max_bp:
-            return tile, max(1, min(splits, -(-max(topk, 1) // tile)))
-    raise AssertionError("config table without a last entry")  # pragma: no cover
-
-
-def make_qsa_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int, split: bool,
-                    gate: bool, tile: int = TILE, **override) -> Sm90QsaConfig:
-    """The config the op, the warm-up and the compile matrix use: tuning filled in here, once.
-    ``override`` replaces tuning fields (benchmarks)."""
-    producers = override.get("producers", qsa_producers(tile))
-    stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile, producers)
-    fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
-                  tile=tile, stages=stages, split=split, gate=gate and not split, occupancy=occupancy,
-                  producers=producers, pdl=split, kv_same_strides=True, evict_first=True, kv_barriers=split)
-    fields.update(override)
-    return Sm90QsaConfig(**fields)
+        return getattr(sm90_qsa, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,40 +10,41 @@ import torch
 
 from cute_kernels import reference
 from cute_kernels.ops import paged_decode as op
-from cute_kernels.sm90.decode import Sm90DecodeConfig, decode_tuning, make_decode_config
+from cute_kernels.plans import sm90_decode as plan
+from cute_kernels.plans.sm90_decode import Sm90DecodeConfig, decode_tuning, make_decode_config
 
 
 def test_schedule_fills_one_wave_with_the_measured_ctas_per_sm():
     sms = 132
     # Qwen3-30B B=8 ctx 32000, FP8 D=128: 32 (request, head) pairs -> 12 splits, 3 CTAs/SM (4 stages)
-    assert op.choose_schedule(32, 32016, sms, 4, 64, 3) == (12, 3)
+    assert plan.choose_schedule(32, 32016, sms, 4, 64, 3) == (12, 3)
     # 512 pairs fill the GPU: no split, 4 CTAs/SM
-    assert op.choose_schedule(512, 8208, sms, 4, 64, 3) == (1, 4)
+    assert plan.choose_schedule(512, 8208, sms, 4, 64, 3) == (1, 4)
     # FP8 D=64: small tiles want more chains: 2 splits, 4 CTAs/SM
-    assert op.choose_schedule(256, 8208, sms, 4, 64, 4) == (2, 4)
+    assert plan.choose_schedule(256, 8208, sms, 4, 64, 4) == (2, 4)
     # FP8 D=256: the split count aims at 2 CTAs/SM (launch_schedule then sizes the kernel for 3)
-    assert op.choose_schedule(256, 8208, sms, 3, 64, 2) == (1, 2)
+    assert plan.choose_schedule(256, 8208, sms, 3, 64, 2) == (1, 2)
     # one request, short context: split down to single tiles, never more splits than tiles
-    assert op.choose_schedule(8, 1024, sms, 4, 64, 3)[0] == 16
-    assert op.choose_schedule(1, 64, sms, 4, 64, 3)[0] == 1
+    assert plan.choose_schedule(8, 1024, sms, 4, 64, 3)[0] == 16
+    assert plan.choose_schedule(1, 64, sms, 4, 64, 3)[0] == 1
     # BF16 (no FP8 target): aim for the occupancy the kernel allows
-    assert op.choose_schedule(32, 32016, sms, 3) == (12, 3)
+    assert plan.choose_schedule(32, 32016, sms, 3) == (12, 3)
 
 
 def test_launch_schedule_sizes_fp8_d64_and_d256_for_three_ctas():
     sms = 132
     # D=256 and D=64, B=32 x 8 heads: unsplit, ~2 CTAs per SM land, the kernel is sized for 3
     # (measured faster than sizing for the 2 that land: NOTES "decode v5", "decode v7")
-    assert op.launch_schedule(256, 8208, sms, 3, 64, 256, True) == (1, 3)
-    assert op.launch_schedule(256, 8208, sms, 4, 128, 64, True) == (1, 3)
+    assert plan.launch_schedule(256, 8208, sms, 3, 64, 256, True) == (1, 3)
+    assert plan.launch_schedule(256, 8208, sms, 4, 128, 64, True) == (1, 3)
     # BF16 D=256 keeps the sizing of the CTAs that land
-    assert op.launch_schedule(256, 8208, sms, 3, 64, 256, False) == (1, 2)
+    assert plan.launch_schedule(256, 8208, sms, 3, 64, 256, False) == (1, 2)
     # Qwen3 B=8 FP8 D=128: 12 splits, 3 CTAs/SM
-    assert op.launch_schedule(32, 32016, sms, 4, 64, 128, True) == (12, 3)
+    assert plan.launch_schedule(32, 32016, sms, 4, 64, 128, True) == (12, 3)
     # a caller's split count is kept and the kernel sized for its maximum occupancy
-    assert op.launch_schedule(32, 32016, sms, 4, 64, 128, True, num_splits=5) == (5, 4)
+    assert plan.launch_schedule(32, 32016, sms, 4, 64, 128, True, num_splits=5) == (5, 4)
     # one request, short context
-    assert op.launch_schedule(8, 1024, sms, 4, 64, 128, True) == (16, 1)
+    assert plan.launch_schedule(8, 1024, sms, 4, 64, 128, True) == (16, 1)
 
 
 def test_tuning_fits_shared_memory_and_registers():
@@ -155,7 +156,7 @@ def test_warmup_lists_the_cluster_merge_variants():
     """Every split config a shape can reach at the cluster sizing (>= 2 CTAs per SM) comes with its
     cluster-merge form (the op takes it for splits of at most MAX_CLUSTER CTAs), unless the
     warm-up is told ``cluster=False``."""
-    from cute_kernels.sm90.decode import CLUSTER_MIN_SIZING
+    from cute_kernels.plans.sm90_decode import CLUSTER_MIN_SIZING
     from cute_kernels.warmup import decode_variants
 
     shape = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16, scale_tensors=(False,))
@@ -188,15 +189,15 @@ def test_plan_config_drops_a_cluster_whose_partials_do_not_fit():
                                                           **shape, **tuning)
 
     llama = config_for("fp8_e4m3", head_dim=128, group=4, q_len=1)
-    n, cfg = op.plan_config(llama, 8, 1008, 132, None, True, None)
-    assert n == 16 and cfg.cluster and cfg.occupancy >= op.CLUSTER_MIN_SIZING
+    n, cfg = plan.plan_config(llama, 8, 1008, 132, None, True, None)
+    assert n == 16 and cfg.cluster and cfg.occupancy >= plan.CLUSTER_MIN_SIZING
 
     wide = config_for("bf16", head_dim=128, group=16, q_len=4)
     probe = wide(False)
-    assert op.plan_launch(1, 1008, 132, probe.occupancy, probe.tile, 128, False, None, True, None)[2]  # wanted
-    assert not op.cluster_fits(wide(True, occupancy=op.CLUSTER_MIN_SIZING))
-    n, cfg = op.plan_config(wide, 1, 1008, 132, None, True, None)
-    n_global, tuning, _ = op.plan_launch(1, 1008, 132, probe.occupancy, probe.tile, 128, False, None, True, False)
+    assert plan.plan_launch(1, 1008, 132, probe.occupancy, probe.tile, 128, False, None, True, None)[2]  # wanted
+    assert not wide(True, occupancy=plan.CLUSTER_MIN_SIZING).cluster_fits()
+    n, cfg = plan.plan_config(wide, 1, 1008, 132, None, True, None)
+    n_global, tuning, _ = plan.plan_launch(1, 1008, 132, probe.occupancy, probe.tile, 128, False, None, True, False)
     assert n == n_global == 16 and not cfg.cluster
     assert cfg == wide(True, **tuning) and cfg.occupancy == 1
 
@@ -205,12 +206,12 @@ def test_cluster_merge_only_for_small_split_grids():
     """The cluster merge serves split launches of at most 16 CTAs per (request, KV head) that put at
     most one CTA on each SM (latency-bound); fuller grids keep the global merge."""
     sms = 132
-    assert op.use_cluster_merge(8, 16, sms)  # Llama B1 ctx 1000: 8 heads x 16 splits
-    assert op.use_cluster_merge(4, 2, sms)
-    assert not op.use_cluster_merge(32, 12, sms)  # Qwen3 B8 ctx 32000: 384 CTAs
-    assert not op.use_cluster_merge(8, 1, sms)  # no split
-    assert not op.use_cluster_merge(2, 32, sms)  # more splits than a cluster holds
-    assert op.CLUSTER_MIN_SIZING >= 2
+    assert plan.use_cluster_merge(8, 16, sms)  # Llama B1 ctx 1000: 8 heads x 16 splits
+    assert plan.use_cluster_merge(4, 2, sms)
+    assert not plan.use_cluster_merge(32, 12, sms)  # Qwen3 B8 ctx 32000: 384 CTAs
+    assert not plan.use_cluster_merge(8, 1, sms)  # no split
+    assert not plan.use_cluster_merge(2, 32, sms)  # more splits than a cluster holds
+    assert plan.CLUSTER_MIN_SIZING >= 2
 
 
 def test_cluster_decision_precedes_the_sizing():
@@ -219,16 +220,16 @@ def test_cluster_decision_precedes_the_sizing():
     clusters, so it keeps the schedule's sizing; ``force_cluster`` False never clusters."""
     sms = 132
     # Llama B1 ctx 1000 FP8: 16 splits x 8 heads, one CTA per SM -> cluster, sized for 2
-    n, tuning, cluster = op.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, None)
-    assert (n, cluster) == (16, True) and tuning == dict(occupancy=op.CLUSTER_MIN_SIZING)
-    assert op.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, False) == (16, dict(occupancy=1), False)
+    n, tuning, cluster = plan.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, None)
+    assert (n, cluster) == (16, True) and tuning == dict(occupancy=plan.CLUSTER_MIN_SIZING)
+    assert plan.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, False) == (16, dict(occupancy=1), False)
     # Qwen3 B8 ctx 32000: 12 x 32 CTAs -> global merge at 3 CTAs/SM
-    assert op.plan_launch(32, 32016, sms, 4, 64, 128, True, None, True, None) == (12, dict(occupancy=3), False)
+    assert plan.plan_launch(32, 32016, sms, 4, 64, 128, True, None, True, None) == (12, dict(occupancy=3), False)
     # one request, long context, deterministic=False: dynamic chunks, no cluster, no raised sizing
-    n, tuning, cluster = op.plan_launch(4, 8192, sms, 4, 64, 128, True, 4, False, None)
+    n, tuning, cluster = plan.plan_launch(4, 8192, sms, 4, 64, 128, True, 4, False, None)
     assert tuning.get("dynamic") and not cluster
-    assert not op.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, True, force_dynamic=True)[2]
+    assert not plan.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, True, force_dynamic=True)[2]
     # a kernel that fits only one CTA per SM cannot be sized for the cluster: the rule keeps the
     # global merge (forcing still clusters)
-    assert not op.plan_launch(8, 1008, sms, 1, 64, 128, True, None, True, None)[2]
-    assert op.plan_launch(8, 1008, sms, 1, 64, 128, True, None, True, True)[2]
+    assert not plan.plan_launch(8, 1008, sms, 1, 64, 128, True, None, True, None)[2]
+    assert plan.plan_launch(8, 1008, sms, 1, 64, 128, True, None, True, True)[2]

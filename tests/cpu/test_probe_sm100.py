@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from cute_kernels.jit.compiler import compile_config  # noqa: E402
-from cute_kernels.sm100.probe import Sm100ProbeConfig  # noqa: E402
+from cute_kernels.plans.probes import Sm100ProbeConfig  # noqa: E402
 
 pytestmark = pytest.mark.compile
 

@@ -15,8 +15,8 @@ import zlib
 import pytest
 import torch
 
+from cute_kernels.plans.sm90_qsa_union import QsaUnionConfig
 from cute_kernels.reference import qsa_union_reference
-from cute_kernels.sm90.qsa_union import QsaUnionConfig
 
 
 def _packed(rows: list[list[int]], width: int, counts: list[int] | None = None) -> torch.Tensor:

@@ -246,8 +246,8 @@ def test_fused_merge_staging(gen, kv):
     """The global fused merge with every split's partial staged in shared memory (as many splits
     as the stages hold), one split more than they hold (merged from L2 in rounds) and with the
     staging turned off, against the reference; q_len 2 so that a partial's rows span two tokens."""
-    from cute_kernels.ops.paged_decode import plan_config, tuning_override
-    from cute_kernels.sm90.decode import make_decode_config, merge_slots
+    from cute_kernels.ops.paged_decode import tuning_override
+    from cute_kernels.plans.sm90_decode import make_decode_config, plan_config
 
     c = make_paged_decode_case(batch=3, num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
                                seq_lens=[6000, 0, 777], kv_dtype=kv, q_len=2, generator=gen)
@@ -257,7 +257,7 @@ def test_fused_merge_staging(gen, kv):
         return make_decode_config(q_dtype="bf16", kv_dtype=kv_name, head_dim=128, group=4, q_len=2, page_size=16,
                                   split=split, **tuning)
 
-    slots = merge_slots(plan_config(config_for, 12, 6000, 132, 8, True, False)[1])
+    slots = plan_config(config_for, 12, 6000, 132, 8, True, False)[1].merge_slots()
     assert slots >= 2
     for splits, staged in ((slots, True), (slots + 1, True), (slots, False)):
         with tuning_override(cluster=False, smem_merge=staged):

@@ -18,10 +18,17 @@ un-permuting the rows of O (PV) — see ``decode.py``.
 
 from __future__ import annotations
 
+import math
+
+import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..jit.asm import asm
+
+_LOG2E = math.log2(math.e)
+
+EVICT_FIRST_POLICY = 0x12F0000000000000  # L2 cache-policy operand: evict first (CUTLASS CacheHintSm90)
 
 # log2 of the factor the widened values are *smaller* than the e4m3 values by
 WIDEN_SHIFT_LOG2 = {"bf16": 120, "fp16": 8}
@@ -179,3 +186,11 @@ def load_shared_f32x4(smem_addr: Int32, *, loc=None, ip=None) -> tuple[Float32, 
     vals = asm([T.f32()] * 4, [Int32(smem_addr)], "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r",
                side_effects=True, loc=loc, ip=ip)
     return tuple(Float32(v) for v in vals)
+
+
+def sigmoid(x: Float32) -> Float32:
+    """(Traced.) fp32 ``1 / (1 + e^-x)`` of the QSA output gate. ``rcp.approx`` (about 1 ulp of
+    fp32, far below the bf16 rounding that follows): an IEEE division is a call with a slow-path
+    branch per element, a large share of a gated epilogue (docs/design/qsa.md#output-gate).
+    Saturates to 0 and 1."""
+    return cute.arch.rcp_approx(Float32(1.0) + cute.math.exp2(-x * Float32(_LOG2E), fastmath=True))
