@@ -122,7 +122,7 @@ def target_mismatch(k: KernelInfo, arch: str, phase: str | None) -> str | None:
 
 def unmet_limits(k: KernelInfo, *, kv: str, model: str, head_dim: int, hq: int, hkv: int, page_size=None,
                  q_len=None, kv_layout=None) -> list[str]:
-    """The limits of ``k`` a request misses, each as ``"<what it accepts> (got <value>)"``
+    """The limits of ``k`` a request misses, each as ``"<what it needs> (got <value>)"``
     (empty = it accepts the request). ``page_size``, ``q_len``, ``kv_layout`` None: not asked."""
     out = []
     if kv not in k.kv_dtypes:
@@ -131,7 +131,7 @@ def unmet_limits(k: KernelInfo, *, kv: str, model: str, head_dim: int, hq: int, 
         out.append(f"model_dtype {_slash(k.model_dtypes)} (got {model})")
     elif not k.is_fallback and kv not in ("fp8_e4m3", model):
         # A tensor-core kernel multiplies Q and K in one 16-bit type; only FP8 K is converted on chip.
-        out.append(f"a 16-bit kv_cache_dtype equal to model_dtype {model} (got {kv})")
+        out.append(f"an FP8 cache or one of the model dtype {model} (got {kv})")
     if k.head_dims is not None and head_dim not in k.head_dims:
         out.append(f"head_dim {_slash(k.head_dims)} (got {head_dim})")
     group = hq // hkv
@@ -151,9 +151,9 @@ def unmet_limits(k: KernelInfo, *, kv: str, model: str, head_dim: int, hq: int, 
 
 def refusal(k: KernelInfo, unmet: list[str]) -> str | None:
     """One clause saying why ``k`` cannot serve a request (None = it can): ``"sm100.decode is not
-    built yet"``, ``"sm90.decode supports head_dim 64/128/256 (got 96) and page_size ... (got 8)"``."""
-    needs = f"supports {', '.join(unmet[:-1])} and {unmet[-1]}" if len(unmet) > 1 else (
-        f"supports {unmet[0]}" if unmet else "")
+    built yet"``, ``"sm90.decode needs head_dim 64/128/256 (got 96) and page_size ... (got 8)"``."""
+    needs = f"needs {', '.join(unmet[:-1])} and {unmet[-1]}" if len(unmet) > 1 else (
+        f"needs {unmet[0]}" if unmet else "")
     if k.status == "planned":
         return f"{k.id} is not built yet" + (f" and {needs}" if needs else "")
     return f"{k.id} {needs}" if needs else None
@@ -165,18 +165,17 @@ def _unmet(k: KernelInfo, req: _Request) -> list[str]:
 
 
 def _make_plan(k: KernelInfo, req: _Request, why: str, backend: str | None) -> Plan:
-    """Fix the query dtype from the chosen kernel and this group's cache dtype, nothing else."""
+    """Fix the query dtype from the chosen kernel and this group's cache dtype, nothing else. The
+    reason is one sentence: why this kernel, and the query's quantization when there is one (the
+    plan's ``q_dtype`` and ``applies_q_scale`` say the rest)."""
     fp8_query = k.computes_qk_in_fp8(req.kv_cache_dtype)
-    if fp8_query:
-        query = "QK runs in FP8, so the query is quantized to fp8_e4m3 with q_scale"
-    else:
-        query = f"the query stays {req.model_dtype} and q_scale is not applied"
+    query = ", where QK runs in FP8: the layer quantizes the query with q_scale" if fp8_query else ""
     return Plan(
         kernel=k.id,
         q_dtype="fp8_e4m3" if fp8_query else req.model_dtype,
         quantize_query=fp8_query and k.supports_quant_query_input,
         applies_q_scale=fp8_query,
-        reason=f"{why}; {query}.",
+        reason=f"{why}{query}.",
         backend=backend,
         **asdict(req),
     )
@@ -191,7 +190,7 @@ def _auto(req: _Request) -> Plan:
             return _make_plan(k, req, f"reference fallback: {why}", None)
         why = refusal(k, _unmet(k, req))
         if why is None:
-            return _make_plan(k, req, f"{k.id} serves it", None)
+            return _make_plan(k, req, f"{k.id} accepts this request", None)
         rejected.append(why)
     raise AssertionError(f"capability list of {req.arch} {req.phase} has no fallback")  # pragma: no cover
 
@@ -205,8 +204,8 @@ def _explicit(req: _Request, backend: str) -> Plan:
     why = target_mismatch(k, req.arch, req.phase) or refusal(k, _unmet(k, req))
     if why:
         raise UnsupportedConfig(f"backend={backend!r} cannot serve this request: {why}")
-    label = "reference fallback" if k.is_fallback else k.id
-    return _make_plan(k, req, f"{label} requested", backend)
+    label = "the reference fallback" if k.is_fallback else k.id
+    return _make_plan(k, req, f"{label} requested with backend={backend!r}", backend)
 
 
 def plan(

@@ -107,8 +107,8 @@ def plan_qsa(
         why = target_mismatch(k, arch_name, None) or why_not(k)
         if why:
             raise UnsupportedConfig(f"backend={backend!r} cannot serve this QSA layer: {why}")
-        label = "reference fallback" if k.is_fallback else kid
-        return QsaPlan(kernel=kid, reason=f"{label} requested; the query stays {model}.", backend=backend, **fields)
+        label = "the reference fallback" if k.is_fallback else kid
+        return QsaPlan(kernel=kid, reason=f"{label} requested with backend={backend!r}.", backend=backend, **fields)
     rejected: list[str] = []
     for kid in qsa_kernels_for(arch_name):
         k = KERNELS[kid]
@@ -117,6 +117,6 @@ def plan_qsa(
             return QsaPlan(kernel=kid, reason=f"reference fallback: {why}.", **fields)
         why = why_not(k)
         if why is None:
-            return QsaPlan(kernel=kid, reason=f"{kid} serves it; the query stays {model}.", **fields)
+            return QsaPlan(kernel=kid, reason=f"{kid} accepts this layer.", **fields)
         rejected.append(why)
     raise AssertionError("QSA capability list has no fallback")  # pragma: no cover

@@ -68,9 +68,10 @@ class _Override:
 class Launcher(LaunchCache):
     """The skeleton of one op. ``prepare(*args)`` validates the op's arguments in full and returns
     its launch (an object whose ``reference`` attribute says CPU tensors run the reference);
-    ``reference(*args)`` computes the result with :mod:`cute_kernels.reference`. An op calls
-    :meth:`lookup`, then :meth:`run_reference` or its launch's caller inside
-    ``try: ... except Exception: launcher.refused(args); raise``."""
+    ``reference(*args)`` computes the result with :mod:`cute_kernels.reference`. An op's hot path
+    is ``launch = launcher.entries.get(key) or launcher.lookup(key, args)`` (one dict lookup when
+    the key is cached), then :meth:`run_reference` for a reference launch, else the launch's
+    caller inside ``try: ... except Exception: launcher.refused(args); raise``."""
 
     def __init__(self, prepare, reference, max_entries: int = 4096):
         super().__init__(max_entries)
@@ -113,9 +114,9 @@ def _identifier(name: str) -> str:
 def bind(params: tuple[str, ...], *steps) -> object:
     """One function ``call(*params)`` that calls each step's compiled function with its arguments
     in its signature's order. A step is ``(fn, signature, sources, constants)``: an argument is
-    the per-call parameter ``sources.get(name, name)`` (a parameter name, optionally with
-    ``.view(1)``: a 0-d scale tensor passed to a rank-1 argument) when that is one of ``params``,
-    else the constant ``constants[name]`` bound now (workspace views, ``sm_scale``...). A per-call
+    the constant ``constants[name]`` bound now (workspace views, ``sm_scale``...) when there is
+    one, else the per-call parameter ``sources.get(name, name)`` (a parameter name, optionally
+    with ``.view(1)``: a 0-d scale tensor passed to a rank-1 argument). A per-call
     fp32 scalar named ``*_scale`` is checked on the way (a positive finite float passes at the
     cost of one type test; anything else goes through :func:`check_scale`, which returns it as a
     float or raises naming it).
@@ -129,19 +130,19 @@ def bind(params: tuple[str, ...], *steps) -> object:
         env[f"_fn{i}"] = fn
         args = []
         for a in signature:
-            src = (sources or {}).get(a.name, a.name)
-            m = _SOURCE.match(src)
-            if m and m.group(1) in params:
-                if isinstance(a, ScalarArg) and a.dtype == "fp32" and a.name.endswith("_scale") and not m.group(2):
-                    p = m.group(1)
-                    src = f"({p} if type({p}) is float and 0.0 < {p} < _inf else _scale({p!r}, {p}))"
-                args.append(src)
-            elif constants is not None and a.name in constants:
+            if constants is not None and a.name in constants:  # bound now: workspace views, sm_scale...
                 const = f"_c{i}_{_identifier(a.name)}"
                 env[const] = constants[a.name]
                 args.append(const)
-            else:
+                continue
+            src = (sources or {}).get(a.name, a.name)
+            m = _SOURCE.match(src)
+            if not (m and m.group(1) in params):
                 raise KeyError(f"kernel argument {a.name!r} is neither a call parameter nor a bound constant")
+            if isinstance(a, ScalarArg) and a.dtype == "fp32" and a.name.endswith("_scale") and not m.group(2):
+                p = m.group(1)
+                src = f"({p} if type({p}) is float and 0.0 < {p} < _inf else _scale({p!r}, {p}))"
+            args.append(src)
         lines.append(f"    _fn{i}({', '.join(args)})")
     source = f"def call({', '.join(params)}):\n" + "\n".join(lines) + "\n"
     exec(compile(source, "<cute_kernels launch>", "exec"), env)  # noqa: S102 - source built from identifiers

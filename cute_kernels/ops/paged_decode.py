@@ -4,12 +4,13 @@ The host side only looks at shapes, dtypes, strides and pointers: it never reads
 and never synchronizes, so a call captures in a CUDA graph (after a warm-up call has compiled
 the variant). Split-KV workspaces are allocated once per device and reused.
 
-Host overhead: the first call with a new combination of shapes/strides/dtypes validates
-everything and builds a :class:`_Launch` (kernel, argument order, workspace views, bound once as
-TVM-FFI tensors so that they are not converted again at every call); later calls with the same
-combination look it up by a tuple of the attributes that select the kernel and go straight to the
-TVM-FFI call, which checks dtype, rank, static and shared extents, devices and alignment of every
-argument itself. When it refuses one, the call is validated in full for a clear error.
+The op runs on the shared launcher (:mod:`cute_kernels.ops._launch`): the first call with a new
+combination of shapes/strides/dtypes validates everything and prepares a :class:`_Launch` (kernel,
+split schedule and sizing from the plan :mod:`cute_kernels.plans.sm90_decode`, workspace views
+bound once as TVM-FFI tensors, one generated positional caller); later calls look it up by a tuple
+of the attributes that select the kernel and go straight to the TVM-FFI call, which checks dtype,
+rank, static and shared extents, devices and alignment of every argument itself. When it refuses
+one, the call is validated in full for a clear error.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, make_decode_config, plan_config
-from ._launch import LaunchCache
+from ._launch import Launcher, bind, check_scale
 from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
 
 FP8 = torch.float8_e4m3fn
@@ -36,40 +37,23 @@ _workspace = DeviceBuffer("paged_decode", torch.float32)
 _counters = DeviceBuffer("paged_decode", torch.int32, zero=True, min_numel=4096)
 
 
-_CALL_ARGS = ("q", "k", "v", "block_table", "seq_lens", "out", "lse", "k_scale", "v_scale")
-_SOURCE = {"q": "q", "kv_cache": "k", "k_cache": "k", "v_cache": "v", "block_table": "block_table",
-           "seq_lens": "seq_lens", "out": "out", "lse": "lse", "k_scale": "k_scale", "v_scale": "v_scale"}
-
-
-def _make_caller(fn, order, constants: dict):
-    """A function of the per-call tensors that calls ``fn`` with its arguments in ``order`` (the
-    config's signature), the per-key constants (workspace views, sm_scale) bound in: no dict or
-    list is built per call."""
-    args = ", ".join(_SOURCE.get(name, name) for name in order)
-    env = {"fn": fn, **constants}
-    exec(f"def call({', '.join(_CALL_ARGS)}):\n    fn({args})\n", env)  # noqa: S102 - fixed template
-    return env["call"]
-
-
 @dataclass
 class _Launch:
     """Everything a call needs that depends only on its key (shapes, strides, dtypes...)."""
 
-    fn: object  # caller of the compiled kernel with the workspace views bound (see _make_caller)
+    call: object  # the compiled kernel's caller, workspace views bound (ops._launch.bind)
     scratch_lse: object  # LSE target (a TVM-FFI tensor) when the caller did not ask for it
     out_shape: tuple
     reference: bool = False
-
-
-_cache = LaunchCache()
 
 
 def tuning_override(**fields):
     """``with tuning_override(widen="bits", tile=128): ...`` forces kernel tuning fields (for
     benchmarks comparing variants). The override is part of the launch-cache key. ``cluster``
     is a launch choice: ``False`` never merges in clusters, ``True`` does whenever the split
-    count allows (at most MAX_CLUSTER), absent leaves it to :func:`use_cluster_merge`."""
-    return _cache.tuning_override(**fields)
+    count allows (at most MAX_CLUSTER), absent leaves it to the plan's rule
+    (:func:`cute_kernels.plans.sm90_decode.use_cluster_merge`)."""
+    return _launcher.tuning_override(**fields)
 
 
 def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse, num_splits,
@@ -80,22 +64,12 @@ def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scal
     a shared extent (seq_lens, out, V), every device against the query's, pointer and stride
     alignment. A call that fails one of those checks is validated in full by :func:`_prepare`,
     whose error names the argument (see :func:`paged_decode`)."""
-    # type(), not isinstance(): torch.Tensor's metaclass makes isinstance cost ~0.15 us here
+    # type(), not isinstance(): torch.Tensor's metaclass makes isinstance slow. A scale contributes
+    # its kind: float (value checked per call) or a tensor's rank (a 0-d one goes as a [1] view)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
-            kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), out is None, return_lse, num_splits,
-            deterministic, _cache.override_key)
-
-
-def _check_scale(name: str, value, device):
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype != torch.float32:
-            raise ValueError(f"{name} must be a float or a 1-element float32 tensor, got {value.dtype} {tuple(value.shape)}")
-        if value.device != device:
-            raise ValueError(f"{name} must be on {device}, got {value.device}")
-        return True
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite float or a 1-element float32 tensor, got {value!r}")
-    return False
+            kv_layout, q_len, sm_scale, k_scale.dim() if type(k_scale) is torch.Tensor else type(k_scale),
+            v_scale.dim() if type(v_scale) is torch.Tensor else type(v_scale), out is None, return_lse, num_splits,
+            deterministic, _launcher.override_key)
 
 
 def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
@@ -121,13 +95,13 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         raise ValueError(f"head dim mismatch: q has {D}, kv_cache has {Dk}")
     if not isinstance(q_len, int) or q_len < 1:
         raise ValueError(f"q_len_per_req must be a positive int, got {q_len!r}")
-    ks_t = _check_scale("k_scale", k_scale, q.device)
-    vs_t = _check_scale("v_scale", v_scale, q.device)
+    ks_t = check_scale("k_scale", k_scale, device=q.device)
+    vs_t = check_scale("v_scale", v_scale, device=q.device)
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}")
     if not q.is_cuda:
-        return _Launch(None, None, (T, Hq, D), reference=True)
+        return _REFERENCE
     device = q.device
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
@@ -158,7 +132,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
 
-    override = dict(_cache.override)
+    override = dict(_launcher.override)
     # cluster: None = the rule (use_cluster_merge), True = whenever the split count allows, False = never
     force_cluster = override.pop("cluster", None)
 
@@ -189,10 +163,29 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     if not return_lse:
         base = part_numel + plse_numel
         scratch = ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
-    order = tuple(a.name for a in config.signature())
-    caller = _make_caller(fn, order, dict(part_out=ffi_tensor(part_o), part_lse=ffi_tensor(part_lse),
-                                          counters=ffi_tensor(counters), sm_scale=scale, num_splits=num_splits))
-    return _Launch(caller, scratch, (T, Hq, D))
+    sources = {"kv_cache": "k", "k_cache": "k", "v_cache": "v"}
+    for name, t, is_tensor in (("k_scale", k_scale, ks_t), ("v_scale", v_scale, vs_t)):
+        if is_tensor and t.dim() == 0:  # a 0-d scale tensor goes to the kernel's [1] argument as a view
+            sources[name] = f"{name}.view(1)"
+    constants = dict(part_out=ffi_tensor(part_o), part_lse=ffi_tensor(part_lse), counters=ffi_tensor(counters),
+                     sm_scale=scale, num_splits=num_splits)
+    return _Launch(bind(_CALL_PARAMS, (fn, config.signature(), sources, constants)), scratch, (T, Hq, D))
+
+
+def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
+               num_splits, deterministic):
+    res = reference.paged_decode(q, (k, v) if pair else k, block_table, seq_lens, kv_layout=kv_layout,
+                                 q_len_per_req=q_len, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+                                 return_lse=return_lse)
+    if out is None:
+        return res
+    out.copy_(res[0] if return_lse else res)
+    return (out, res[1]) if return_lse else out
+
+
+_CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "out", "lse", "k_scale", "v_scale")
+_REFERENCE = _Launch(None, None, None, reference=True)
+_launcher = Launcher(_prepare, _reference)
 
 
 def paged_decode(
@@ -217,15 +210,16 @@ def paged_decode(
     ``q`` ``[B * q_len_per_req, Hq, D]`` with ``stride(-1) == 1`` and ``stride(-2) == D`` (any
     token stride, so a slice of a fused QKV tensor works); ``kv_cache`` one HND/NHD tensor or a
     ``(k, v)`` tuple; ``block_table`` int32 ``[B, max_pages]``; ``seq_lens`` int32 ``[B]`` (total
-    KV length including the new tokens); k/v scales as floats or 1-element fp32 device tensors
-    (read on the device, so they may change between CUDA-graph replays).
+    KV length including the new tokens); k/v scales as floats or 1-element fp32 device tensors of
+    any rank, 0-d included (read on the device, so they may change between CUDA-graph replays).
 
-    Supported here: SM90, head_dim 64/128/256, page size 16/32/64/128, Hq / Hkv x q_len <= 64,
-    a 16-bit cache of the query's dtype or an FP8 e4m3 cache. ``num_splits`` (split-KV count)
+    Supported here (the limits of :mod:`cute_kernels.plans.sm90_decode`): SM90, head_dim
+    64/128/256, page size 16/32/64/128, Hq / Hkv x q_len <= 64, a 16-bit cache of the query's
+    dtype or an FP8 e4m3 cache. ``num_splits`` (split-KV count)
     defaults to a shape-based heuristic. ``deterministic=False`` lets the split CTAs of a request
-    take tile chunks dynamically from a counter (better balanced: Qwen3 B=8 ctx 32000 FP8 83 ->
-    86 % of roofline), at the price of results that differ in the last bits from run to run (the
-    tiles' accumulation order changes); the default keeps fixed ranges, so repeated calls and
+    take tile chunks dynamically from a counter (better balanced: docs/design/sm90-decode.md#dynamic-split),
+    at the price of results that differ in the last bits from run to run (the tiles'
+    accumulation order changes); the default keeps fixed ranges, so repeated calls and
     CUDA-graph replays are bitwise identical. Returns ``out`` (the query's dtype) and, with
     ``return_lse``, the base-2 LSE ``[B * q_len, Hq]`` fp32. CPU tensors run the reference.
     """
@@ -234,30 +228,16 @@ def paged_decode(
         raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
     k = kv_cache[0] if pair else kv_cache
     v = kv_cache[1] if pair else kv_cache
+    args = (q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
+            return_lse, num_splits, deterministic)
     try:
         key = _key(q, k, v, pair, block_table, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
                    return_lse, num_splits, deterministic)
-        launch = _cache.entries.get(key)
-    except (AttributeError, TypeError):  # not tensors: let the validation say what is wrong
-        key, launch = None, None
-    if launch is None:
-        launch = _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
-                          v_scale, out, return_lse, num_splits, deterministic)
-        if key is not None:
-            _cache.put(key, launch)
-    else:  # float scales are call arguments, not part of the key: check their values here
-        # (a float in range passes the first test; a tensor's shape, dtype and device are checked
-        # by the compiled function; _check_scale accepts positive ints and raises for the rest)
-        if not (type(k_scale) is float and 0.0 < k_scale < math.inf) and type(k_scale) is not torch.Tensor:
-            _check_scale("k_scale", k_scale, q.device)
-        if not (type(v_scale) is float and 0.0 < v_scale < math.inf) and type(v_scale) is not torch.Tensor:
-            _check_scale("v_scale", v_scale, q.device)
-    if launch.reference:  # no compiled function checks the arguments here: validate every call
-        _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                 return_lse, num_splits, deterministic)
-        return reference.paged_decode(q, kv_cache, block_table, seq_lens, kv_layout=kv_layout,
-                                      q_len_per_req=q_len_per_req, sm_scale=sm_scale, k_scale=k_scale,
-                                      v_scale=v_scale, return_lse=return_lse)
+    except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
+        key = None
+    launch = _launcher.entries.get(key) or _launcher.lookup(key, args)
+    if launch.reference:
+        return _launcher.run_reference(args)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
@@ -265,14 +245,10 @@ def paged_decode(
         try:
             if _NVTX:
                 with op_range("paged_decode", q=q, kv_cache=k, block_table=block_table):
-                    launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
+                    launch.call(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
             else:
-                launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
+                launch.call(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
         except Exception:
-            # The compiled function refused an argument the launch key leaves to it (see _key):
-            # validate in full so that the error names the argument and what was expected.
-            _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale,
-                     out, return_lse, num_splits, deterministic)
+            _launcher.refused(args)  # raises the error that names the argument
             raise
     return (out, lse) if return_lse else out
-

@@ -15,14 +15,12 @@ from typing import ClassVar
 
 from ..jit.spec import KernelConfig, ScalarArg, TensorArg
 from . import hw
+from .sm90_attention import HEAD_DIMS, KV_DTYPES, Q_DTYPES, check_qkv  # noqa: F401 - the limits
 
 # ---------------------------------------------------------------------------------------------
 # limits: what the kernel accepts (the registry and the op read these)
 # ---------------------------------------------------------------------------------------------
 
-Q_DTYPES = ("bf16", "fp16")
-KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")  # a 16-bit cache must have the query's dtype
-HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (16, 32, 64, 128)
 MAX_ROWS = 64  # query rows of one CTA, group x q_len: the WGMMA N
 KV_LAYOUTS = ("HND", "NHD")
@@ -108,14 +106,7 @@ class Sm90DecodeConfig(KernelConfig):
     cluster_group: ClassVar[int] = CLUSTER_GROUP
 
     def __post_init__(self):
-        if self.q_dtype not in Q_DTYPES:
-            raise ValueError(f"q dtype must be bf16 or fp16, got {self.q_dtype}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv dtype must be bf16, fp16 or fp8_e4m3, got {self.kv_dtype}")
-        if self.kv_dtype != "fp8_e4m3" and self.kv_dtype != self.q_dtype:
-            raise ValueError("a 16-bit KV cache must have the query's dtype")
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
+        check_qkv(self.q_dtype, self.kv_dtype, self.head_dim)
         if self.page_size not in PAGE_SIZES:
             raise ValueError(f"page_size must be 16, 32, 64 or 128, got {self.page_size}")
         if not 1 <= self.group * self.q_len <= MAX_ROWS:

@@ -14,14 +14,12 @@ from typing import ClassVar
 
 from ..jit.spec import DTYPE_BITS, KernelConfig, ScalarArg, TensorArg
 from . import hw
+from .sm90_attention import HEAD_DIMS, KV_DTYPES, Q_DTYPES, check_qkv  # noqa: F401 - the limits
 
 # ---------------------------------------------------------------------------------------------
 # limits
 # ---------------------------------------------------------------------------------------------
 
-Q_DTYPES = ("bf16", "fp16")
-KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")  # a 16-bit cache must have the query's dtype
-HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # query heads of one KV head: the WGMMA N of one CTA
 PRODUCTION_TOPK = 2051  # 2048 selected tokens + 4 - 1 (qsa-contract §1)
 
@@ -82,14 +80,7 @@ class Sm90QsaConfig(KernelConfig):
     consumer_warps: ClassVar[int] = CONSUMER_WARPS
 
     def __post_init__(self):
-        if self.q_dtype not in Q_DTYPES:
-            raise ValueError(f"q dtype must be bf16 or fp16, got {self.q_dtype}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv dtype must be bf16, fp16 or fp8_e4m3, got {self.kv_dtype}")
-        if self.kv_dtype != "fp8_e4m3" and self.kv_dtype != self.q_dtype:
-            raise ValueError("a 16-bit KV cache must have the query's dtype")
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
+        check_qkv(self.q_dtype, self.kv_dtype, self.head_dim)
         if not 1 <= self.group <= MAX_GROUP:
             raise ValueError(f"group (num_q_heads / num_kv_heads) must be in [1, {MAX_GROUP}], got {self.group}")
         if self.page_size < 1:
@@ -115,19 +106,26 @@ class Sm90QsaConfig(KernelConfig):
         """FP8 widening of the swap-AB fragments: exact ``cvt`` to fp16."""
         return "cvt"
 
+    def inputs(self, table_rows: str = "R"):
+        """The query, the cache halves and the selection arguments every QSA attention kernel
+        takes first (the block table's row extent is named ``table_rows``)."""
+        cache = ("NB", self.page_size, "Hkv", self.head_dim)
+        return (
+            TensorArg("q", self.q_dtype, ("T", "Hq", self.head_dim)),
+            TensorArg("k_cache", self.kv_dtype, cache),
+            TensorArg("v_cache", self.kv_dtype, cache),
+            TensorArg("packed_indices", "int32", ("T", "W"), align=4),
+            TensorArg("block_table", "int32", (table_rows, "BW"), align=4),
+            TensorArg("token_to_req", "int32", ("T",), align=4),
+        )
+
     def signature(self):
         D = self.head_dim
         out = "fp32" if self.split else self.q_dtype
         o_shape = ("S", "T", "Hq", D) if self.split else ("T", "Hq", D)
         lse_shape = ("S", "T", "Hq") if self.split else ("T", "Hq")
-        cache = ("NB", self.page_size, "Hkv", D)
         return (
-            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
-            TensorArg("k_cache", self.kv_dtype, cache),
-            TensorArg("v_cache", self.kv_dtype, cache),
-            TensorArg("packed_indices", "int32", ("T", "W"), align=4),
-            TensorArg("block_table", "int32", ("R", "BW"), align=4),
-            TensorArg("token_to_req", "int32", ("T",), align=4),
+            *self.inputs(),
             TensorArg("out", out, o_shape, align=4),
             TensorArg("lse", "fp32", lse_shape, align=4),
             TensorArg("gate", self.q_dtype, ("GT", "GH", D), align=2),

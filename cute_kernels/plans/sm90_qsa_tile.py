@@ -143,14 +143,8 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
 
     def signature(self):
         D, R = self.head_dim, self.rows_per_cta
-        cache = ("NB", self.page_size, "Hkv", D)
         return (
-            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
-            TensorArg("k_cache", self.kv_dtype, cache),
-            TensorArg("v_cache", self.kv_dtype, cache),
-            TensorArg("packed_indices", "int32", ("T", "W"), align=4),
-            TensorArg("block_table", "int32", ("NR", "BW"), align=4),
-            TensorArg("token_to_req", "int32", ("T",), align=4),
+            *self.inputs("NR"),
             TensorArg("union", "int32", ("NT", "UCAP"), align=4),
             TensorArg("member", "int32", ("NT", R, "UW"), align=4),
             TensorArg("length", "int32", ("NT",), align=4),

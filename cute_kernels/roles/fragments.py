@@ -194,3 +194,37 @@ def sigmoid(x: Float32) -> Float32:
     branch per element, a large share of a gated epilogue (docs/design/qsa.md#output-gate).
     Saturates to 0 and 1."""
     return cute.arch.rcp_approx(Float32(1.0) + cute.math.exp2(-x * Float32(_LOG2E), fastmath=True))
+
+
+@dsl_user_op
+def cp_async_zfill_16_at(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, smem_off: int, gmem_off: int,
+                         policy: Int64 | None = None, *, loc=None, ip=None) -> None:
+    """``cp.async.cg.shared.global [smem + smem_off], [gmem + gmem_off], 16, src_bytes``: copies
+    ``src_bytes`` (16 or 0) and zero-fills the rest; with 0 nothing is read from global memory.
+    ``.cg``: L2 only, the gathered rows are used once per CTA. The byte offsets are compile-time
+    immediates (no address arithmetic per copy); with ``policy``, an L2 cache-policy operand
+    (``.L2::cache_hint``)."""
+    if policy is None:
+        asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
+            f"cp.async.cg.shared.global [$0+{int(smem_off)}], [$1+{int(gmem_off)}], 16, $2;", "r,l,r",
+            side_effects=True, loc=loc, ip=ip)
+    else:
+        asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes), Int64(policy)],
+            f"cp.async.cg.shared.global.L2::cache_hint [$0+{int(smem_off)}], [$1+{int(gmem_off)}], 16, $2, $3;",
+            "r,l,r,l", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_nc_b32x4(gmem_addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """``ld.global.nc.L1::no_allocate.v4.b32``: 16 bytes of the (read-only) cache, kept out of L1
+    (each gathered row is used once per CTA)."""
+    regs = asm([T.i32()] * 4, [Int64(gmem_addr)],
+               "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc=loc, ip=ip)
+    return tuple(Int32(r) for r in regs)
+
+
+@dsl_user_op
+def store_shared_b32x4(smem_addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
+    """``st.shared.v4.b32``: one 16-byte store."""
+    asm([], [Int32(smem_addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+        "r,r,r,r,r", side_effects=True, loc=loc, ip=ip)

@@ -16,6 +16,8 @@ Both run in base 2 with masked logits at -inf; a row whose maximum is still -inf
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -24,6 +26,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 BAR_MMA = 1  # named barrier of the consumer warpgroup (0 is __syncthreads)
+LOG2E = math.log2(math.e)  # logits are scaled into base 2 (exp2 is the hardware's exponential)
 
 
 def slot_of(n_static: int) -> int:

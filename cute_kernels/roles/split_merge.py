@@ -1,4 +1,4 @@
-"""Split-partial epilogue and the merges fused into the SM90 paged decode kernel (device role).
+"""The merges fused into the SM90 paged decode kernel (device role).
 
 With a split-KV launch each split CTA normalizes its fp32 partial output and base-2 LSE, and the
 splits of one (request, KV head) merge without a second launch:
@@ -32,76 +32,28 @@ from .fragments import (
     store_shared_f32,
 )
 from .merge import add_split
-from .softmax import BAR_MMA, slot_column, slot_of
+from .softmax import BAR_MMA
 
 
 class SplitMerge:
     """Output and merge of a swap-AB consumer's ``rows = G x q_len`` query rows (``N`` padded) of
     head dim ``D``. ``merge``: None (no split: the output is written directly), ``"global"`` or
     ``"cluster"``. The merge tuning (``merge_slots`` and ``merge_slot_bytes`` of the staged
-    merge, splits in flight per thread ``merge_group`` / ``cluster_group``) comes from the plan;
-    ``out_log2``: log2 of the power of two the output is scaled back by (the FP8 bit widening);
-    ``softmax`` and ``fragments``: the consumer's :class:`~.softmax.SwapAbSoftmax` and
-    :class:`~.widen.Fp8Fragments` (row reductions and the head-dim order of O)."""
+    merge, splits in flight per thread ``merge_group`` / ``cluster_group``) comes from the plan.
+    The consumer writes its normalized partial and LSE where :meth:`part_lse_offset` says (its
+    epilogue stays in the kernel's consumer: moved into a function of its own, the traced IR
+    differs and so does the PTX)."""
 
     def __init__(self, *, D: int, N: int, G: int, q_len: int, merge: str | None, smem_merge: bool, dynamic: bool,
-                 merge_slots: int, merge_slot_bytes: int, merge_group: int, cluster_group: int, out_log2: int,
-                 warps: int, num_threads: int, softmax, fragments):
+                 merge_slots: int, merge_slot_bytes: int, merge_group: int, cluster_group: int,
+                 warps: int, num_threads: int):
         self.D, self.N, self.G, self.q_len = D, N, G, q_len
         self.rows = G * q_len
         self.split, self.cluster = merge is not None, merge == "cluster"
         self.smem_merge, self.dynamic = smem_merge, dynamic
         self.merge_slots, self.merge_slot_bytes = merge_slots, merge_slot_bytes
         self.merge_group, self.cluster_group = merge_group, cluster_group
-        self.out_log2 = out_log2
         self.warps, self.num_threads = warps, num_threads
-        self.softmax, self.fragments = softmax, fragments
-
-    @cute.jit
-    def store_output(self, acc_o, row_max, row_sum, sRed, thr_pv, cO0, mO, mLse, mPartO, mPartLse, vs, k_base,
-                     batch_idx, kv_head, split, n_base, warp, lane):
-        """The consumer's epilogue: row sums over the warpgroup, then O normalized (times ``vs``)
-        and the base-2 LSE, written as the output (no split), as this split's fp32 partial
-        (global merge), or into the CTA's idle K stages (cluster merge). A row without a token
-        gets O = 0 and LSE = -inf."""
-        D, N, G = self.D, self.N, self.G
-        nslots = N // 4
-        self.softmax.publish_slot_reduction(row_sum, sRed, n_base, warp, lane, lambda a, b: a + b)
-        inv = cute.make_rmem_tensor((nslots,), Float32)
-        for s in cutlass.range_constexpr(nslots):
-            n = slot_column(s, n_base)
-            total = sRed[0, n] + sRed[1, n] + sRed[2, n] + sRed[3, n]
-            inv[s] = Float32(0.0)
-            lse = -Float32.inf
-            if total > Float32(0.0):
-                inv[s] = vs * Float32(2.0 ** self.out_log2) / total
-                lse = row_max[s] + cute.math.log2(total, fastmath=True)
-            if warp == 0:
-                if lane < 4:
-                    if n < self.rows:
-                        token = batch_idx * self.q_len + n // G
-                        head = kv_head * G + n % G
-                        if const_expr(self.cluster):
-                            store_shared_f32(k_base + self.part_lse_offset(n), lse)
-                        elif const_expr(self.split):
-                            mPartLse[split, token, head] = lse
-                        else:
-                            mLse[token, head] = lse
-        cO = thr_pv.partition_C(cute.make_identity_tensor((D, N)))
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            n = cO[i][1]
-            if n < self.rows:
-                d = self.fragments.physical_d(cO0[i][0], cO[i][0] - cO0[i][0])
-                token = batch_idx * self.q_len + n // G
-                head = kv_head * G + n % G
-                val = acc_o[i] * inv[slot_of(cO0[i][1])]
-                if const_expr(self.cluster):
-                    # the K stages are free now (every tile consumed, no TMA in flight)
-                    store_shared_f32(k_base + (n * D + d) * 4, val)
-                elif const_expr(self.split):
-                    mPartO[split, token, head, d] = val
-                else:
-                    mO[token, head, d] = val.to(mO.element_type)
 
     @cute.jit
     def merge_splits(self, mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx,

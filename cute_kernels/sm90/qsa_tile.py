@@ -12,11 +12,11 @@ the other instead, each 64-token tile of row r masked to row r's columns: the pe
 result, with its gathered bytes.
 
 The gather (index and page lookups, zero-filling cp.async; FP8 widened to fp16 by the gather
-warps here), the pipeline and the Q staging are :class:`~cute_kernels.sm90.qsa.Sm90QsaAttention`'s,
-which takes R from the config; the consumer and epilogue are this module's. No split-K: prefill
-batches fill the machine.
+warps here), the pipeline and the Q staging are the roles the per-row kernel uses too
+(:mod:`cute_kernels.roles.qsa_gather`, :mod:`cute_kernels.roles.query`), with R rows per CTA; the
+consumer and epilogue are this module's. No split-K: prefill batches fill the machine.
 
-Warp roles (``TILE_SCHEDULE``, measured): 16-bit caches run two consumer warpgroups on alternate
+Warp roles (``TILE_SCHEDULE`` in the plan, docs/design/qsa.md#row-tile-warp-roles): 16-bit caches run two consumer warpgroups on alternate
 union tiles of the same rows (each its own running max, sum and O, combined at the end through the
 idle K tiles); FP8 caches run one consumer and two groups of gather warps on alternate pipeline
 slots, so two tiles are widened at once, and that one consumer issues each tile's QK together
@@ -30,70 +30,71 @@ from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
-from cutlass.tensor_utils import LayoutEnum
+from cutlass.cute.nvgpu import warpgroup
 
+from ..jit.dtypes import cute_dtype
 from ..roles.fragments import sigmoid
-from .decode import BAR_MMA, MMA_M, MMA_WARPS
-from .qsa import LOG2E, Sm90QsaAttention
+from ..roles.qsa_gather import QsaGather
+from ..roles.query import QueryStager
+from ..roles.softmax import BAR_MMA, LOG2E, QuadSoftmax, query_on_m_mmas
 
 BAR_CONSUMERS = BAR_MMA + 1  # named barrier of both consumer warpgroups (BAR_MMA: the first's own)
 
 
-class Sm90QsaTileAttention(Sm90QsaAttention):
-    """Kernel object; all fields are compile-time (see :class:`Sm90QsaTileConfig`).
+class Sm90QsaTileAttention:
+    """Kernel object of :class:`cute_kernels.plans.sm90_qsa_tile.Sm90QsaTileConfig`; every field
+    is compile-time.
 
-    16-bit caches run the MMAs the FlashAttention way round ("mq"): the tile's R x G query
-    columns are the WGMMA's M (64, one warpgroup), the KV tokens its N. Then a query's logits
-    live in one quad of threads: the softmax needs two shuffles and no shared-memory reduction
-    or barrier, and P goes from the QK accumulators straight into registers as the A operand of
-    an RS PV WGMMA (no P round trip through shared memory). The inherited swap-AB consumer
-    (tokens on M) reduced across the warpgroup twice per tile and staged P in shared memory: at
-    1 x 16384 its single consumer warp per scheduler issued ~1000 instructions per 64-token tile
-    at 5.7 cycles each (ncu). FP8 caches use the same consumer: the gather warps widen their
-    rows to fp16 tiles, and the query is scaled into fp16 range by a power of two.
+    The MMAs run the FlashAttention way round: the tile's R x G query columns are the WGMMA's M
+    (64, one warpgroup), the KV tokens its N. Then a query's logits live in one quad of threads:
+    the softmax needs two shuffles and no shared-memory reduction or barrier, and P goes from the
+    QK accumulators straight into registers as the A operand of an RS PV WGMMA (no P round trip
+    through shared memory), where the swap-AB consumer (tokens on M) reduces across the
+    warpgroup twice per tile and stages P in shared memory (docs/design/qsa.md#row-tile-prefill).
+    FP8 caches use the same consumer: the gather warps widen their rows to fp16 tiles, and the
+    query is scaled into fp16 range by a power of two.
     """
 
     def __init__(self, cfg):
-        super().__init__(cfg)
-        self.mq = True
-        self.N = MMA_M  # Q rows staged (zeros past R x G)
+        self.cfg = cfg
+        self.q_dtype = cute_dtype(cfg.q_dtype)
+        self.kv_dtype = cute_dtype(cfg.kv_dtype)
+        self.fp8 = cfg.kv_dtype == "fp8_e4m3"
+        self.D = cfg.head_dim
+        self.G = cfg.group
+        self.R = cfg.rows_per_cta  # query rows per CTA: R rows x G heads are the WGMMA's M
+        self.tile = cfg.tile
+        self.stages = cfg.stages
+        self.words = self.tile // 32  # membership words per tile (per row)
+        self.warps = cfg.consumer_warps
+        self.mma_m = cfg.hw.WGMMA_M
+        self.N = self.mma_m  # Q rows staged (zeros past R x G)
         # FP8: the gather warps widen rows to fp16 tiles (exact), K and V are then plain B
-        # operands in natural column order, and Q is rescaled into fp16 range (dynamic_q_scale)
-        self.widen_in_producer = self.fp8
-        self.q_permuted = False
+        # operands in natural column order, and Q is rescaled into fp16 range (dynamic scale)
+        self.mma_dtype = cute_dtype("fp16") if self.fp8 else self.q_dtype
         # consumer warpgroups: with two, each takes every other union tile of the same rows (its
         # own running max, sum and O), so one group's softmax overlaps the other's MMAs; they
         # combine at the end through shared memory
         self.consumers = cfg.consumers
-        self.producer_warp = MMA_WARPS * self.consumers
+        self.producer_warp = self.warps * self.consumers
         self.num_threads = (self.producer_warp + cfg.producers) * 32
         # gather groups: each group of producers // groups warps fills every groups-th slot, so
         # that many tiles are in flight at once. FP8's widening gather is synchronous (loads, then
         # convert, then store), so one group keeps a single tile in flight
         self.groups = cfg.gather_groups
-        if self.groups > 1:
-            self.P = cfg.producers // self.groups  # the gather's work split is per group
-            self.local_words = self.words if self.P == 1 else 1
-            self.parts = 1 if self.P == 1 else self.P // self.words
+        self.P = cfg.producers // self.groups  # the gather's work split is per group
+        self.gather = QsaGather(cfg, R=self.R, producers=self.P, N=self.N, warps=self.warps,
+                                num_threads=self.num_threads, mma_dtype=self.mma_dtype, kv_dtype=self.kv_dtype,
+                                widen_in_producer=self.fp8)
+        self.query = QueryStager(self.D, self.N, self.G, self.R, bounded=True,
+                                 dynamic_q_scale=self.fp8 and cfg.q_dtype == "bf16", q_pre=0, q_permuted=False,
+                                 widen=cfg.widen, warps=self.warps)
+        self.softmax = QuadSoftmax(self.words)
 
-    def mmas_and_layouts(self):
-        if not self.mq:
-            return super().mmas_and_layouts()
-        D, T, dt = self.D, self.tile, self.mma_dtype
-        qk_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
-                                                   tiler_mn=(MMA_M, T))
-        pv_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                                   (1, 1, 1), tiler_mn=(MMA_M, D),
-                                                   a_source=warpgroup.OperandSource.RMEM)
-        # K as B (tokens x D, K-major) and V as MN-major B (D contiguous): the gather's
-        # coordinates stay (token, d, stage) and (d, token, stage)
-        k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (MMA_M, T, D), dt, self.stages)
-        v_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (MMA_M, D, T), dt, self.stages)
-        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (MMA_M, T, D), dt, 1)
-        return qk_mma, pv_mma, k_layout, v_layout, q_layout, None
+    # ------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------
 
     @cute.jit
     def __call__(
@@ -114,9 +115,14 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         v_scale: Float32,
         stream,
     ):
-        self.launch(self.tile_kernel, (mQ, mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, mO, mLse,
-                                       mGate, k_scale, v_scale),
-                    [mLen.shape[0], mK.shape[2], 1], stream)
+        mmas = query_on_m_mmas(self.D, self.tile, self.stages, self.mma_dtype, self.mma_m)
+        self.gather.launch(self.tile_kernel, (mQ, mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, mO,
+                                              mLse, mGate, k_scale, v_scale),
+                           [mLen.shape[0], mK.shape[2], 1], stream, mmas)
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
 
     @cute.kernel
     def tile_kernel(
@@ -146,7 +152,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         tile, kv_head, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
-        storage, sQ, sP, sRed, sMask, full, empty = self.setup_shared(q_layout, p_layout, tidx)
+        storage, sQ, sP, sRed, sMask, full, empty = self.gather.setup_shared(q_layout, p_layout, tidx)
         if warp >= self.producer_warp:
             if const_expr(self.cfg.producer_regs > 0):
                 cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
@@ -168,12 +174,12 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         wg = Int32(0)
         if const_expr(self.consumers == 1):
-            q_log2 = self.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
+            q_log2 = self.query.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
             cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
-            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
         else:
-            wg = warp // MMA_WARPS
-            tidx = tidx % (MMA_WARPS * 32)  # the thread's index in its warpgroup (MMA slices)
+            wg = warp // self.warps
+            tidx = tidx % (self.warps * 32)  # the thread's index in its warpgroup (MMA slices)
             q_log2 = self.stage_q_shared(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane, wg)
         # logits in log2 units (the query was scaled by 2^q_log2 when staged: FP8 -> fp16 MMAs)
         c = Float32(D ** -0.5 * LOG2E) * k_scale * cute.math.exp2(-q_log2, fastmath=False)
@@ -185,10 +191,10 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         tOrV = pv_mma.make_fragment_B(thr_pv.partition_B(sV))
         # static coordinates of thread 0 plus this thread's offsets (rows 16 warp + lane / 4 + {0, 8},
         # columns 2 (lane % 4) + 8 j + {0, 1})
-        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((MMA_M, T)))
-        cS = thr_qk.partition_C(cute.make_identity_tensor((MMA_M, T)))
-        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((MMA_M, D)))
-        cO = thr_pv.partition_C(cute.make_identity_tensor((MMA_M, D)))
+        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.mma_m, T)))
+        cS = thr_qk.partition_C(cute.make_identity_tensor((self.mma_m, T)))
+        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.mma_m, D)))
+        cO = thr_pv.partition_C(cute.make_identity_tensor((self.mma_m, D)))
         m_off = cS[0][0] - cS0[0][0]
         n_off = cS[0][1] - cS0[0][1]
         acc_s = cute.make_rmem_tensor(cS.shape, Float32)
@@ -199,7 +205,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         sc, sh, sj = acc_s.layout.stride[0]
         p_view = cute.make_tensor(acc_s.iterator, cute.make_layout(((2, 2, 2), 1, T // 16),
                                                                    stride=((sc, sh, sj), 0, 2 * sj)))
-        tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((MMA_M, T)), self.mma_dtype)
+        tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((self.mma_m, T)), self.mma_dtype)
         # the bitmask words of the thread's two query columns' tile rows (padding columns: the
         # last row's, their output is dropped)
         word_base = cute.make_rmem_tensor((2,), Int32)
@@ -227,10 +233,10 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                 warpgroup.commit_group()
                 self.load_mask(cs, stage)
                 warpgroup.wait_group(0)
-                alpha, grew = self.softmax_tile(cs)
+                alpha, grew = self.softmax.softmax_tile(cs)
                 tOrP.store(p_view.load().to(self.mma_dtype))
                 if grew:  # the running max moved: rescale the output rows (skipped on most tiles)
-                    self.rescale(cs, alpha)
+                    self.softmax.rescale(cs, alpha)
                 warpgroup.fence()
                 self.issue_pv(cs, tOrP, stage)
                 warpgroup.commit_group()
@@ -269,7 +275,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
             warpgroup.commit_group()
             self.load_mask(cs, Int32(0))
             warpgroup.wait_group(0)
-            self.softmax_tile(cs)
+            self.softmax.softmax_tile(cs)
             tOrP.store(cs.p_view.load().to(self.mma_dtype))
             # P of an even tile in tOrP, of an odd one in tOrP2
             for i in cutlass.range(1, my_tiles, 2, unroll=1):
@@ -301,12 +307,12 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         warpgroup.commit_group()
         self.load_mask(cs, stage)
         warpgroup.wait_group(1)  # QK(i) done (groups complete in order); PV(i-1) may still run
-        alpha, grew = self.softmax_tile(cs)
+        alpha, grew = self.softmax.softmax_tile(cs)
         p_next.store(cs.p_view.load().to(self.mma_dtype))
         warpgroup.wait_group(0)  # PV(i-1) done: O is free, and so is stage i-1
         cute.arch.mbarrier_arrive(cs.empty + prev)
         if grew:
-            self.rescale(cs, alpha)
+            self.softmax.rescale(cs, alpha)
 
     @cute.jit
     def wait_full(self, cs, i):
@@ -340,56 +346,15 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                 cs.mw[h * self.words + k] = cs.sMask[cs.word_base[h] + k, stage] >> cs.n_off
 
     @cute.jit
-    def softmax_tile(self, cs):
-        """Masked online softmax of one tile in place: ``cs.acc_s`` becomes P, the running max and
-        sum move on. Returns (alpha per row half, whether a max grew: O needs rescaling)."""
-        words = self.words
-        acc_s, mw, cS0, c, row_max, row_sum = cs.acc_s, cs.mw, cs.cS0, cs.c, cs.row_max, cs.row_sum
-        tile_max = cute.make_rmem_tensor((2,), Float32)
-        tile_max.fill(-Float32.inf)
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            m_s, n_s = cS0[e]
-            h = m_s // 8
-            v = acc_s[e] * c
-            if (mw[h * words + n_s // 32] >> (n_s % 32)) & 1 == 0:
-                v = -Float32.inf
-            acc_s[e] = v
-            tile_max[h] = cute.arch.fmax(tile_max[h], v)
-        alpha = cute.make_rmem_tensor((2,), Float32)
-        safe = cute.make_rmem_tensor((2,), Float32)
-        grew = False
-        for h in cutlass.range_constexpr(2):
-            t = tile_max[h]
-            for off in (1, 2):  # a query's columns live in one quad
-                t = cute.arch.fmax(t, cute.arch.shuffle_sync_bfly(t, off))
-            new_max = cute.arch.fmax(row_max[h], t)
-            safe[h] = new_max if new_max != -Float32.inf else Float32(0.0)
-            alpha[h] = cute.math.exp2(row_max[h] - safe[h], fastmath=True)
-            grew = grew or new_max > row_max[h]
-            row_max[h] = new_max
-            row_sum[h] = row_sum[h] * alpha[h]
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            h = cS0[e][0] // 8
-            p = cute.math.exp2(acc_s[e] - safe[h], fastmath=True)
-            row_sum[h] = row_sum[h] + p
-            acc_s[e] = p
-        return alpha, grew
-
-    @cute.jit
-    def rescale(self, cs, alpha):
-        for e in cutlass.range_constexpr(cute.size(cs.acc_o)):
-            cs.acc_o[e] = cs.acc_o[e] * alpha[cs.cO0[e][0] // 8]
-
-    @cute.jit
     def stage_q_shared(self, mQ, sQ, sRed, tile, kv_head, tidx, warp, lane, wg):
         """Two consumer warpgroups: the first stages Q and publishes its scale exponent (FP8),
         then both wait for sQ. Returns that exponent."""
         if wg == 0:
-            q_log2 = self.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
+            q_log2 = self.query.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
             if tidx == 0:
                 sRed[0, 1] = q_log2  # column 0 is stage_q's scratch
             cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
-        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=2 * MMA_WARPS * 32)
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=2 * self.warps * 32)
         return sRed[0, 1]
 
     @cute.jit
@@ -401,7 +366,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         tiles (element-major: conflict-free)."""
         n = cute.size(acc_o)
         half = n // 2
-        nt = MMA_WARPS * 32
+        nt = self.warps * 32
         sX = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
                               cute.make_layout((2, half + 4, nt), stride=((half + 4) * nt, nt, 1)))
         # both groups' last WGMMAs (async proxy) are done before the K tiles are overwritten
@@ -546,7 +511,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                 req = mTokenToReq[row0]  # the pre-pass checked that every row shares it
             n = (length + self.tile - 1) // self.tile
             mine = n if const_expr(groups == 1) else (n - g + groups - 1) // groups
-            self.gather_list(mK, mV, mUnion, tile, length, length, Int32(g), Int32(groups), mine, Int32(g), req,
+            self.gather.gather_list(mK, mV, mUnion, tile, length, length, Int32(g), Int32(groups), mine, Int32(g), req,
                              mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, pw, lane, mMember,
                              1, Int32(0), groups)
         else:
@@ -562,7 +527,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                     j0 = (g + groups - i0 % groups) % groups
                     mine = (n - j0 + groups - 1) // groups
                 if n > j0:
-                    self.gather_list(mK, mV, mIdx, row, topk, count, Int32(j0), Int32(groups), mine, i0 + j0,
+                    self.gather.gather_list(mK, mV, mIdx, row, topk, count, Int32(j0), Int32(groups), mine, i0 + j0,
                                      mTokenToReq[row], mBlockTable, storage, k_layout, v_layout, sMask, full, empty,
                                      kv_head, pw, lane, None, 2, r, groups)
                 i0 = i0 + n

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("cute_kernels", "dispatch")
 LAYERS = ("jit", "roles", "kernels", "plans", "ops", "dispatch", "cli")
@@ -158,3 +160,20 @@ def test_plans_registry_and_dispatch_import_without_the_dsl_or_torch():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_no_kernel_or_role_class_inherits_another():
+    """Kernels compose roles; none inherits another kernel's (or a role's) class."""
+    bad = []
+    for module, path in MODULES.items():
+        if layer_of(module) in ("roles", "kernels"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef) and node.bases:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name}({ast.unparse(node.bases[0])})")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_source_file_over_the_limit(module):
+    lines = MODULES[module].read_text().count("\n")
+    assert lines <= MAX_LINES, f"{module}: {lines} lines (split it into smaller modules)"

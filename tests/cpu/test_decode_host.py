@@ -59,7 +59,11 @@ def test_tuning_fits_shared_memory_and_registers():
 
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("form", ["single", "pair"])
-def test_signature_and_generated_caller_order(split, form):
+def test_signature_and_bound_caller_order(split, form):
+    """The launcher's caller passes the op's per-call values and the launch's bound constants in
+    the kernel signature's order (one binder for every op: ``ops._launch.bind``)."""
+    from cute_kernels.ops._launch import bind
+
     cfg = make_decode_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1, page_size=16,
                              split=split, kv_form=form)
     names = [a.name for a in cfg.signature()]
@@ -67,13 +71,35 @@ def test_signature_and_generated_caller_order(split, form):
     assert ("kv_cache" in names) == (form == "single")
     assert ("counters" in names) == split
     seen = []
-    caller = op._make_caller(lambda *a: seen.append(a), tuple(names),
-                             dict(part_out="PO", part_lse="PL", counters="C", sm_scale=0.5))
-    caller("Q", "K", "V", "BT", "SL", "O", "L", "KS", "VS")
+    caller = bind(op._CALL_PARAMS, (lambda *a: seen.append(a), cfg.signature(),
+                                    {"kv_cache": "k", "k_cache": "k", "v_cache": "v"},
+                                    dict(part_out="PO", part_lse="PL", counters="C", sm_scale=0.5)))
+    caller("Q", "K", "V", "BT", "SL", "O", "L", 1.5, 2.5)
     src = {"q": "Q", "kv_cache": "K", "k_cache": "K", "v_cache": "V", "block_table": "BT", "seq_lens": "SL",
-           "out": "O", "lse": "L", "part_out": "PO", "part_lse": "PL", "counters": "C", "k_scale": "KS",
-           "v_scale": "VS", "sm_scale": 0.5}
+           "out": "O", "lse": "L", "part_out": "PO", "part_lse": "PL", "counters": "C", "k_scale": 1.5,
+           "v_scale": 2.5, "sm_scale": 0.5}
     assert seen == [tuple(src[n] for n in names)]
+    # float scales are checked on the way: an int becomes a float, a bad value names the argument
+    caller("Q", "K", "V", "BT", "SL", "O", "L", 2, 2.5)
+    assert seen[-1][names.index("k_scale")] == 2.0 and type(seen[-1][names.index("k_scale")]) is float
+    with pytest.raises(ValueError, match="v_scale must be a positive finite float"):
+        caller("Q", "K", "V", "BT", "SL", "O", "L", 1.5, float("nan"))
+
+
+def test_bind_views_a_0d_scale_and_refuses_an_unbound_argument():
+    from cute_kernels.jit.spec import ScalarArg, TensorArg
+    from cute_kernels.ops._launch import bind
+
+    class Scale:
+        def view(self, *shape):
+            return ("view", shape)
+
+    sig = (TensorArg("x", "fp32", (4,)), TensorArg("k_scale", "fp32", (1,), align=4), ScalarArg("n", "int32"))
+    seen = []
+    bind(("x", "k_scale"), (lambda *a: seen.append(a), sig, {"k_scale": "k_scale.view(1)"}, {"n": 3}))("X", Scale())
+    assert seen == [("X", ("view", (1,)), 3)]
+    with pytest.raises(KeyError, match="'n' is neither a call parameter nor a bound constant"):
+        bind(("x", "k_scale"), (print, sig, None, None))
 
 
 def test_config_rejects_unsupported():
@@ -140,7 +166,7 @@ def test_tuning_override_is_part_of_the_key_and_nests():
     cache.put("c", 3)  # full: starts over instead of growing without bound
     assert cache.get("a") is None and cache.get("c") == 3
     with op.tuning_override(tile=128):  # the op's public override feeds its launch key
-        assert op._cache.override_key == (("tile", 128),)
+        assert op._launcher.override_key == (("tile", 128),)
 
 
 def test_public_ops_are_bound_on_first_access():
@@ -233,3 +259,28 @@ def test_cluster_decision_precedes_the_sizing():
     # global merge (forcing still clusters)
     assert not plan.plan_launch(8, 1008, sms, 1, 64, 128, True, None, True, None)[2]
     assert plan.plan_launch(8, 1008, sms, 1, 64, 128, True, None, True, True)[2]
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_scale_tensors_of_one_element_any_rank(shape):
+    """The one scale validator accepts a 1-element fp32 tensor of any rank (a 0-d one included; the
+    launcher passes it to the kernel's ``[1]`` argument as a view) and names the argument otherwise."""
+    from cute_kernels.ops._launch import check_scale, scale_kind
+
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 8, 64, generator=gen).bfloat16()
+    kv = (torch.randn(6, 2, 2, 16, 64, generator=gen) * 8).to(torch.float8_e4m3fn)
+    bt = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    sl = torch.tensor([40, 17], dtype=torch.int32)
+    ks, vs = torch.full(shape, 0.5), torch.full(shape, 2.0)
+    assert check_scale("k_scale", ks) is True and scale_kind(ks) == len(shape) and scale_kind(0.5) is float
+    torch.testing.assert_close(op.paged_decode(q, kv, bt, sl, k_scale=ks, v_scale=vs),
+                               reference.paged_decode(q, kv, bt, sl, k_scale=0.5, v_scale=2.0), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="k_scale must be a float or a 1-element tensor, got shape"):
+        check_scale("k_scale", torch.ones(2))
+    with pytest.raises(TypeError, match="k_scale must be a float or a float32 tensor, got dtype float16"):
+        check_scale("k_scale", torch.ones(shape, dtype=torch.float16))
+    with pytest.raises(ValueError, match="k_scale must be a positive finite float, got a tensor"):
+        check_scale("k_scale", ks, tensors=False)
+    with pytest.raises(ValueError, match="k_scale must be a positive finite float or a float32 tensor"):
+        check_scale("k_scale", True)

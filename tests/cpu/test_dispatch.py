@@ -174,7 +174,7 @@ def test_sm90_decode_fp8_cache_keeps_a_bf16_query(sm90_decode_available):
     p = _plan("sm90", "decode", "fp8", "bf16")
     assert p.kernel == "sm90.decode"
     assert (p.q_dtype, p.quantize_query, p.applies_q_scale) == ("bf16", False, False)
-    assert "q_scale is not applied" in p.reason
+    assert p.reason == "sm90.decode accepts this request."  # one sentence: the fields say the query
 
 
 @pytest.mark.parametrize("arch", ["sm90", "sm100", "sm103"])
@@ -213,7 +213,7 @@ def test_explicit_fp8q_backend_quantizes_query_once_built(all_planned, monkeypat
     p = _plan("sm90", "decode", "fp8", backend=kid)
     assert (p.kernel, p.q_dtype, p.quantize_query, p.applies_q_scale) == (kid, "fp8_e4m3", True, True)
     assert p.backend == kid
-    _raises(r"supports kv_cache_dtype fp8_e4m3 \(got bf16\)", kv="bf16", backend=kid)
+    _raises(r"needs kv_cache_dtype fp8_e4m3 \(got bf16\)", kv="bf16", backend=kid)
     assert _plan("sm90", "decode", "fp8").kernel == "reference.paged_decode"  # never automatic
     _make_available(monkeypatch, "sm90.decode")
     assert _plan("sm90", "decode", "fp8").kernel == "sm90.decode"  # the automatic choice is the BF16-QK one
@@ -228,7 +228,7 @@ def test_explicit_fp8q_backend_quantizes_query_once_built(all_planned, monkeypat
 def test_sm90_decode_chosen_when_available(sm90_decode_available, kv, model):
     p = _plan("sm90", "decode", kv, model)
     assert p.kernel == "sm90.decode" and p.q_dtype == model and not p.applies_q_scale
-    assert p.reason == f"sm90.decode serves it; the query stays {model} and q_scale is not applied."
+    assert p.reason == "sm90.decode accepts this request."
 
 
 @pytest.mark.parametrize("change,needle", [
@@ -236,7 +236,7 @@ def test_sm90_decode_chosen_when_available(sm90_decode_available, kv, model):
     (dict(page_size=8), r"page_size 16/32/64/128 \(got 8\)"),
     (dict(num_q_heads=64, num_kv_heads=2, q_len=4), r"GQA ratio x q_len up to 64 \(got 32 x 4\)"),
     (dict(q_len=17), r"GQA ratio x q_len up to 64 \(got 4 x 17\)"),
-    (dict(kv="fp16", model="bf16"), r"equal to model_dtype bf16 \(got fp16\)"),
+    (dict(kv="fp16", model="bf16"), r"an FP8 cache or one of the model dtype bf16 \(got fp16\)"),
 ])
 def test_sm90_decode_falls_back_with_reason(sm90_decode_available, change, needle):
     p = _plan("sm90", "decode", **{"kv": "fp8", **change})
@@ -262,8 +262,7 @@ def test_sm90_prefill_still_falls_back(sm90_decode_available):
 def test_fallback_reason_names_the_planned_kernel(all_planned):
     p = _plan("sm90", "decode", "fp8")
     assert p.kernel == "reference.paged_decode"
-    assert p.reason == ("reference fallback: sm90.decode is not built yet; the query stays bf16 and q_scale is "
-                        "not applied.")
+    assert p.reason == "reference fallback: sm90.decode is not built yet."
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,7 +287,7 @@ def test_explicit_backend_refused(all_planned, kw, needle):
     (dict(page_size=8), r"page_size 16/32/64/128 \(got 8\)"),
     (dict(num_q_heads=128, num_kv_heads=1), r"GQA ratio x q_len up to 64 \(got 128 x 1\)"),
     (dict(q_len=32), r"GQA ratio x q_len up to 64 \(got 4 x 32\)"),
-    (dict(model="fp16", kv="bf16"), r"equal to model_dtype fp16 \(got bf16\)"),
+    (dict(model="fp16", kv="bf16"), r"an FP8 cache or one of the model dtype fp16 \(got bf16\)"),
 ])
 def test_explicit_backend_refused_by_limits(sm90_decode_available, kw, needle):
     _raises(needle, backend="sm90.decode", **kw)
@@ -304,7 +303,7 @@ def test_explicit_backend_lists_every_violation(all_planned):
 
 def test_explicit_layout_refused(sm90_decode_available, monkeypatch):
     _make_available(monkeypatch, "sm100.decode")
-    _raises(r"sm100.decode supports kv_layout HND \(got NHD\)", arch="sm100", kv_layout="NHD",
+    _raises(r"sm100.decode needs kv_layout HND \(got NHD\)", arch="sm100", kv_layout="NHD",
             backend="sm100.decode")
     assert _plan(kv_layout="nhd", backend="sm90.decode").kv_layout == "NHD"
 
@@ -414,3 +413,20 @@ def test_dispatch_import_does_not_load_torch_or_cutlass():
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("registry", ["as_registered", "all_built"])
+def test_reasons_are_one_short_sentence(registry, monkeypatch):
+    """What ``cute-kernels matrix`` and ``plan`` print: one sentence per plan, each kernel named
+    once, no clause repeated, nothing about how or when the project was built."""
+    if registry == "all_built":
+        _make_available(monkeypatch, *REAL_KERNELS)
+    shapes = [{}, dict(head_dim=96, page_size=8), dict(num_q_heads=64, num_kv_heads=1, q_len=2)]
+    for arch, phase, kv, shape in itertools.product(SUPPORTED_ARCHS, PHASES, KV_DTYPES, shapes):
+        r = _plan(arch, phase, kv, **shape).reason
+        assert r.endswith(".") and r.count(". ") == 0 and len(r) <= 200, r
+        clauses = [c for part in r.rstrip(".").split("; ") for c in part.split(" and ")]
+        assert len(clauses) == len(set(clauses)), r
+        for kid in KERNELS:
+            assert r.count(kid + " ") + r.count(kid + ".") <= 1, r
+        assert not re.search(r"\b(issue|session|NOTES)\b", r), r

@@ -303,7 +303,7 @@ def test_bad_inputs_raise(gen):
         run(c.q, c.kv_cache, c.block_table, c.seq_lens[:1])
     with pytest.raises(ValueError, match="multiple of num kv heads"):
         run(c.q[:, :7], c.kv_cache, c.block_table, c.seq_lens)
-    with pytest.raises(ValueError, match="k_scale must be a float or a 1-element float32"):
+    with pytest.raises(ValueError, match="k_scale must be a float or a 1-element tensor"):
         run(c.q, c.kv_cache, c.block_table, c.seq_lens, k_scale=torch.ones(2, device="cuda"))
     with pytest.raises(ValueError, match="q must have contiguous heads"):
         run(c.q.transpose(0, 1).contiguous().transpose(0, 1), c.kv_cache, c.block_table, c.seq_lens)
@@ -341,7 +341,7 @@ def test_bad_inputs_raise_after_a_cached_call(gen):
         run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "out": out.float()})
     with pytest.raises(ValueError, match="out must have shape"):
         run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "out": out[:1]})
-    with pytest.raises(ValueError, match="k_scale must be a float or a 1-element float32"):
+    with pytest.raises(ValueError, match="k_scale must be a float or a 1-element tensor"):
         run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "k_scale": torch.ones(2, device="cuda")})
     ks = torch.ones(1, device="cuda")
     run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "k_scale": ks})  # caches the tensor-scale variant
@@ -356,4 +356,10 @@ def test_bad_inputs_raise_after_a_cached_call(gen):
     out.fill_(float("nan"))
     run(c.q, c.kv_cache, c.block_table, c.seq_lens, **good)
     ref = reference.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, **c.kwargs())
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= TOL
+    # 0-d scale tensors: the launcher passes them to the kernel's [1] arguments as views
+    out.fill_(float("nan"))
+    zero_d = dict(k_scale=torch.tensor(float(c.k_scale), device="cuda"),
+                  v_scale=torch.tensor(float(c.v_scale), device="cuda"))
+    run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, **zero_d})
     assert torch.isfinite(out).all() and rel_err(out, ref) <= TOL

@@ -406,7 +406,7 @@ def _launch_of(c, out):
     """The op's cached launch of case ``c`` (under the active tuning override)."""
     from cute_kernels.ops import qsa_sparse_attention as op
 
-    return op._cache.get(op._key(c["q"], c["k_cache"], c["v_cache"], c["packed_indices"], c["block_table"],
+    return op._launcher.get(op._key(c["q"], c["k_cache"], c["v_cache"], c["packed_indices"], c["block_table"],
                                  c["token_to_req"], True, out, c["output_gate"]))
 
 
