@@ -7,7 +7,7 @@ capability listing (:func:`qsa_capability_table`, the registry's ``call_site="qs
 never appears in :func:`dispatch.plan`'s per-phase lists. The query is never FP8 here: the SM90
 kernel converts FP8 K/V on chip and runs QK in the model dtype, so ``q_scale`` never applies.
 
-Pure Python like the rest of ``dispatch`` (no torch, no DSL). Design: docs/design/dispatch.md#qsa.
+Pure Python like the rest of ``dispatch`` (no torch, no DSL). Design: docs/design/dispatch.md#the-design-as-it-stands.
 """
 
 from __future__ import annotations

@@ -68,13 +68,13 @@ class MergeStates:
 
         One pass in groups of UNROLL splits with a running maximum (the sum is rescaled when it
         moves): a row costs ceil(S / UNROLL) dependent round trips, where a separate max pass and
-        a scalar tail would cost several times that (docs/design/merge.md#loads-in-flight)."""
+        a scalar tail would cost several times that (docs/design/merge.md#one-pass-with-loads-in-flight)."""
         acc = cute.make_rmem_tensor((self.vec,), Float32)
         acc.fill(0.0)
         weight_sum = Float32(0.0)
         shift = Float32(0.0)
         # S <= 2 (a prefix + suffix merge, the op's most common use): groups of 2, not 8, whose
-        # idle predicated lanes and registers cost time (docs/design/merge.md#loads-in-flight)
+        # idle predicated lanes and registers cost time (docs/design/merge.md#one-pass-with-loads-in-flight)
         if num_splits <= 2:
             weight_sum, shift = self.rows.merge_groups(acc, mPartialO, mPartialLse, num_splits, n, h, lane, 2)
         else:

@@ -1,6 +1,6 @@
 """Plan of the query quantization to FP8 with optional fused NeoX RoPE (``common.quantize_query``).
 
-Host-only. The kernel is :mod:`cute_kernels.common.quantize`; design: docs/design/layer.md#quantize-query.
+Host-only. The kernel is :mod:`cute_kernels.common.quantize`; design: docs/design/layer.md#the-design-as-it-stands.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROPE_MAX_VEC = 8  # with RoPE a thread owns two chunks (a rotation pair): 2 x 8 
 FP8_TARGETS = tuple(t for t in ALL_TARGETS if t not in ("sm_80", "sm_86"))
 ITEMS = (1, 2, 4)
 
-# head rows per thread (docs/design/layer.md#rows-per-thread)
+# head rows per thread (docs/design/layer.md#rows-per-thread-and-pdl)
 DEFAULT_ITEMS = 2
 # RoPE: 2 rows per thread when 2 divides Hq (a thread's rows share one token's cos/sin), measured
 # on SM90 only; other targets keep 1 (on sm_100a the 2-row RoPE kernel spills a register)

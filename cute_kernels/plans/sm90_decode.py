@@ -199,14 +199,14 @@ class Sm90DecodeConfig(KernelConfig):
 
 
 # ---------------------------------------------------------------------------------------------
-# tuning: stages and CTAs per SM of a variant (docs/design/sm90-decode.md#sizing)
+# tuning: stages and CTAs per SM of a variant (docs/design/sm90-decode.md#split-count-and-sizing)
 # ---------------------------------------------------------------------------------------------
 
 # The sizing shares 227 KB (the SM's 228 KB less one CTA's reservation) among the CTAs and counts
 # 4 KB per CTA for the barriers, the 1 KB alignment of the tiles and the other CTAs' reservations.
 _SMEM_BUDGET = hw.SMEM_PER_SM - hw.SMEM_RESERVED_PER_CTA
 # >= ~96 KB of KV in flight per SM keeps HBM busy (a single BF16 D 256 CTA holding 2 x 64 KB
-# reaches the roofline): docs/design/sm90-decode.md#sizing
+# reaches the roofline): docs/design/sm90-decode.md#split-count-and-sizing
 KV_BYTES_IN_FLIGHT = 96 * 1024
 
 
@@ -235,21 +235,21 @@ def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE,
     return 2, 1
 
 
-DEFAULT_WIDEN = "cvt"  # docs/design/sm90-decode.md#fp8-widening
+DEFAULT_WIDEN = "cvt"  # docs/design/sm90-decode.md#fp8-widening-hardware-conversion
 DEFAULT_PDL = True  # as FlashInfer's kernels on SM90+: docs/design/sm90-decode.md#programmatic-dependent-launch
 DEFAULT_DYNAMIC = False  # dynamic split scheduling is opt-in: not bitwise reproducible
 # split s takes tiles s, s + S, ...: its first page-table load goes out with the seq_len load
-# (docs/design/sm90-decode.md#strided-splits)
+# (docs/design/sm90-decode.md#strided-split-tiles)
 DEFAULT_STRIDED = True
 # a static split into at most MAX_CLUSTER CTAs merges inside a thread-block cluster through DSMEM
-# instead of through global memory (docs/design/sm90-decode.md#cluster-merge)
+# instead of through global memory (docs/design/sm90-decode.md#cluster-merge-for-small-split-grids)
 DEFAULT_CLUSTER = True
 # CTAs per SM a cluster-merged launch is sized for at least: a cluster of up to 16 split CTAs must
 # fit in one GPC, which a kernel sized for one CTA per SM (135 KB of shared memory) made wait for
-# a second wave (docs/design/sm90-decode.md#cluster-merge)
+# a second wave (docs/design/sm90-decode.md#cluster-merge-for-small-split-grids)
 CLUSTER_MIN_SIZING = 2
 # an FP8 D=64 tile of 64 tokens is only 4 KB of K: two M blocks per iteration halve the per-byte
-# cost of the tile chain (docs/design/sm90-decode.md#tile-size)
+# cost of the tile chain (docs/design/sm90-decode.md#pipelining-occupancy-one-wave)
 FP8_D64_TILE = 128
 
 
@@ -277,7 +277,7 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
 
 
 # ---------------------------------------------------------------------------------------------
-# launch schedule: split count, sizing, cluster choice (docs/design/sm90-decode.md#split-schedule)
+# launch schedule: split count, sizing, cluster choice (docs/design/sm90-decode.md#split-count-and-sizing)
 # ---------------------------------------------------------------------------------------------
 
 # CTAs per SM to aim for with an FP8 cache, by head dim: D=64 runs 128-token tiles (FP8_D64_TILE)
@@ -285,7 +285,7 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
 # 3 stages beat 3 with 2)
 FP8_CTAS_PER_SM = {64: 3, 128: 3, 256: 2}
 # ... and the fewest CTAs per SM an FP8 kernel is sized for: at D=64 and D=256 the kernel sized
-# for 3 CTAs beats the one sized for the 2 that land (docs/design/sm90-decode.md#sizing)
+# for 3 CTAs beats the one sized for the 2 that land (docs/design/sm90-decode.md#split-count-and-sizing)
 FP8_MIN_SIZING = {64: 3, 256: 3}
 # deterministic=False: dynamic split scheduling when each split has at least this many tiles (with
 # a tile or two per split, as B=1, the chunk counter's round trips cost more than balancing gains)
@@ -315,7 +315,7 @@ def use_cluster_merge(items: int, num_splits: int, num_sms: int) -> bool:
     memory: at most MAX_CLUSTER splits and at most one CTA per SM in all. The cluster saves the
     merge's global round trips, which matter in latency-bound launches; a grid that fills the GPU
     with several CTAs per SM loses to the clusters' co-scheduling
-    (docs/design/sm90-decode.md#cluster-merge)."""
+    (docs/design/sm90-decode.md#cluster-merge-for-small-split-grids)."""
     return 2 <= num_splits <= MAX_CLUSTER and items * num_splits <= num_sms
 
 

@@ -44,14 +44,14 @@ class Sm90QsaConfig(KernelConfig):
     buffer, as in production): V row addresses are K's plus a constant, half the gather's address
     shuffles. ``pdl``: launched as a programmatic dependent of the previous kernel (its
     shared-memory setup overlaps that kernel's tail; it waits before its first global read); on
-    for split launches only (docs/design/qsa.md#programmatic-dependent-launch). ``evict_first``:
+    for split launches only (docs/design/qsa.md#pdl-split-launches-only). ``evict_first``:
     the gathered K/V rows carry the L2 evict-first policy, so that they do not push the index
     lists, block tables, partials and gates out of L2; on for the per-row kernel, off for the row
-    tiles, whose union rows are read again by neighbouring tiles (docs/design/qsa.md#l2-policy).
+    tiles, whose union rows are read again by neighbouring tiles (docs/design/qsa.md#l2-evict-first-per-row-gather).
     ``kv_barriers``: a slot's K rows are copied first and released on their own barrier, V after
     them on a second one, so QK and the softmax overlap V's arrival (per-row kernel only); on for
     split launches, whose few tiles per CTA end on the last tile's chain, off without splits, where
-    the split copies slowed the memory-bound loop (docs/design/qsa.md#separate-k-and-v-barriers).
+    the split copies slowed the memory-bound loop (docs/design/qsa.md#k-before-v-split-launches).
     """
 
     q_dtype: str = "bf16"
@@ -149,7 +149,7 @@ KV_BYTES_IN_FLIGHT = 96 * 1024
 
 def qsa_producers(tile: int = TILE) -> int:
     """Gather warps of the per-row kernel: one per 32-token word of the tile (one warp issuing
-    every copy was the limit once a CTA owned its SM: docs/design/qsa.md#gather-warps)."""
+    every copy was the limit once a CTA owned its SM: docs/design/qsa.md#per-row-kernel)."""
     return tile // 32
 
 

@@ -3,7 +3,7 @@
 Host-only. A call runs either the prefill row-tile path (the widening pre-pass for an FP8 cache
 whose copy is small enough, the union pre-pass, the row-tile kernel) or the per-row kernel with
 the split count of the config table, followed by the fused merge when it split
-(docs/design/qsa.md#launch-paths). The op (:mod:`cute_kernels.ops.qsa_sparse_attention`) applies
+(docs/design/qsa.md#the-design-as-it-stands). The op (:mod:`cute_kernels.ops.qsa_sparse_attention`) applies
 this to tensors; the warm-up and the compile matrix enumerate it here.
 """
 

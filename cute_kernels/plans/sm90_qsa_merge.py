@@ -1,6 +1,6 @@
 """Plan of the QSA split-K merge with the fused output gate (``sm90.qsa_merge``).
 
-Host-only. The kernel is :mod:`cute_kernels.sm90.qsa_merge`; design: docs/design/merge.md#qsa-merge.
+Host-only. The kernel is :mod:`cute_kernels.sm90.qsa_merge`; design: docs/design/qsa.md#merge.
 Unlike ``merge_states`` (whose split count is only known on the device), the op knows the split
 count when it picks this kernel, so the loads in flight per thread (``group``) and the threads
 sharing a row's chunk (``lanes``) are compile-time choices made from it (:func:`merge_shape`).
@@ -20,7 +20,7 @@ def merge_group(splits: int) -> int:
     """Splits whose partial loads one merge thread issues together: the smallest power of two
     that holds them all (at least 2, at most MAX_MERGE_GROUP), so a merge of up to 16 splits is
     one dependent L2 round trip and a small split count does not carry idle predicated loads
-    (docs/design/merge.md#loads-in-flight)."""
+    (docs/design/merge.md#one-pass-with-loads-in-flight)."""
     g = 2
     while g < min(splits, MAX_MERGE_GROUP):
         g *= 2
@@ -31,7 +31,7 @@ def merge_lanes(splits: int) -> int:
     """Threads sharing one chunk of a merged row: 1 up to MAX_MERGE_GROUP splits, else the fewest
     (a power of two, at most MAX_MERGE_LANES) whose share of the splits fits one group, so every
     split's load is in flight at once (N 1 at D 256: 33 splits, 4 lanes of 9;
-    docs/design/merge.md#merge-lanes)."""
+    docs/design/qsa.md#merge)."""
     lanes = 1
     while -(-splits // lanes) > MAX_MERGE_GROUP and lanes < MAX_MERGE_LANES:
         lanes *= 2

@@ -2,7 +2,7 @@
 register split and the row-tile launch plan.
 
 Host-only. The kernel is :mod:`cute_kernels.sm90.qsa_tile`; design and measurements:
-docs/design/qsa.md#row-tile-prefill.
+docs/design/qsa.md#row-tiles-over-the-union.
 """
 
 from __future__ import annotations

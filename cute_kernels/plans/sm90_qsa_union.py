@@ -1,7 +1,7 @@
 """Plan of the QSA row-tile union pre-pass (``sm90.qsa_union``).
 
 Host-only. The kernel is :mod:`cute_kernels.sm90.qsa_union` (it sizes its shared memory and picks
-its CTAs per SM from the hardware facts its config carries); design: docs/design/qsa.md#union-pre-pass.
+its CTAs per SM from the hardware facts its config carries); design: docs/design/qsa.md#row-tiles-over-the-union.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Plan of the QSA widening pre-pass (``sm90.qsa_widen``): FP8 pages into a 16-bit copy, and when
 a prefill uses it.
 
-Host-only. The kernel is :mod:`cute_kernels.sm90.qsa_widen`; design: docs/design/qsa.md#widened-copy.
+Host-only. The kernel is :mod:`cute_kernels.sm90.qsa_widen`; design: docs/design/qsa.md#fp8-prefill-on-a-widened-copy.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ VEC = 16  # FP8 elements (16 bytes) per thread, of K and of V
 WIDEN_MAX_BYTES = 1 << 30
 # ... and at most this much per query row of the batch, so that the widening (reading the FP8
 # pages once, writing the copy) costs at most about a quarter of what the 16-bit kernel saves
-# (docs/design/qsa.md#widened-copy). The block table's width decides the copy's size: a table
+# (docs/design/qsa.md#fp8-prefill-on-a-widened-copy). The block table's width decides the copy's size: a table
 # trimmed to the batch's longest context keeps it small.
 WIDEN_BYTES_PER_ROW = 24 << 10
 

@@ -1,6 +1,6 @@
 """Plan of the paged KV-cache write (``common.write_kv_cache``).
 
-Host-only. The kernel is :mod:`cute_kernels.common.kv_write`; design: docs/design/layer.md#kv-cache-write.
+Host-only. The kernel is :mod:`cute_kernels.common.kv_write`; design: docs/design/layer.md#the-design-as-it-stands.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .quantize_query import FP8_TARGETS, ITEMS
 NUM_THREADS = 256
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)  # elements per thread, widest first
 
-# (token, head) rows per thread (docs/design/layer.md#rows-per-thread)
+# (token, head) rows per thread (docs/design/layer.md#rows-per-thread-and-pdl)
 DEFAULT_ITEMS = 1
 DEFAULT_PDL = True  # programmatic dependent launch: the launch overlaps the previous kernel's tail
 

@@ -191,7 +191,7 @@ def load_shared_f32x4(smem_addr: Int32, *, loc=None, ip=None) -> tuple[Float32, 
 def sigmoid(x: Float32) -> Float32:
     """(Traced.) fp32 ``1 / (1 + e^-x)`` of the QSA output gate. ``rcp.approx`` (about 1 ulp of
     fp32, far below the bf16 rounding that follows): an IEEE division is a call with a slow-path
-    branch per element, a large share of a gated epilogue (docs/design/qsa.md#output-gate).
+    branch per element, a large share of a gated epilogue (docs/design/qsa.md#gated-epilogue).
     Saturates to 0 and 1."""
     return cute.arch.rcp_approx(Float32(1.0) + cute.math.exp2(-x * Float32(_LOG2E), fastmath=True))
 

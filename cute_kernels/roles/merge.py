@@ -84,7 +84,7 @@ class RowMerge:
         All LSE and 16-byte partial loads of a group are issued before any is used (one dependent
         round trip per group), and the last group's missing splits are predicated off (not
         clamped: idle loads cost at small split counts) and weighted as empty
-        (docs/design/merge.md#loads-in-flight)."""
+        (docs/design/merge.md#one-pass-with-loads-in-flight)."""
         weight_sum = Float32(0.0)
         shift = Float32(0.0)  # the running max LSE, 0 while every split so far is empty
         lse_max = -Float32.inf

@@ -11,7 +11,7 @@ coordinate is out of range, so no page id can make the kernel read outside the c
 Schedules (per split CTA): a contiguous tile range, strided tiles ``s, s + S, ...`` (whose first
 page-table load need not wait for the request's length), or dynamic chunks taken from a shared
 counter; :meth:`PagedKVProducer.next_tile` is the consumer's side of the same schedule.
-Design: docs/design/sm90-decode.md#paged-kv-producer.
+Design: docs/design/sm90-decode.md#the-design-as-it-stands.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Pipeline: ``stages`` slots, each guarded by a "full" mbarrier (32 no-inc ``cp.as
 of each producer lane + one ordinary arrive of each bitmask writer, which releases its store) and
 an "empty" mbarrier (one arrive per consumer thread). With ``kv_barriers`` a slot's K rows are
 copied first and released by "full" alone, its V rows after them by a second barrier, so QK and the
-softmax run while V is still arriving. Design: docs/design/qsa.md#gather.
+softmax run while V is still arriving. Design: docs/design/qsa.md#gather-a-line-per-row.
 """
 
 from __future__ import annotations

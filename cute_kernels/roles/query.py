@@ -6,7 +6,7 @@ padding rows are zeros. For an FP8 cache the widened K fragments see their colum
 within 16-column blocks, so Q is staged with the same permutation (``q_permuted``) and scaled by
 a power of two: fixed (``q_pre``, the bit widening's range guard) or, for a BF16 query feeding
 fp16 MMAs (``dynamic_q_scale``), ``2^(14 - e)`` with ``e`` the exponent of the tile's max |q|, so
-that nothing overflows fp16 and the scale is exact. Design: docs/design/sm90-decode.md#fp8-widening.
+that nothing overflows fp16 and the scale is exact. Design: docs/design/sm90-decode.md#fp8-widening-hardware-conversion.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Two forms, by which MMA dimension holds the KV tokens:
   in registers as the A operand of the PV WGMMA.
 
 Both run in base 2 with masked logits at -inf; a row whose maximum is still -inf shifts by 0, so
-``exp2(-inf) = 0`` and no ``inf - inf``. Design: docs/design/sm90-decode.md#online-softmax.
+``exp2(-inf) = 0`` and no ``inf - inf``. Design: docs/design/sm90-decode.md#the-design-as-it-stands.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ splits of one (request, KV head) merge without a second launch:
   own idle K stages and merges a share of the rows from the others' shared memory (DSMEM).
 
 Both weigh splits with :func:`cute_kernels.roles.merge.add_split` (empty splits selected away).
-Design: docs/design/sm90-decode.md#split-kv-merge and docs/design/merge.md.
+Design: docs/design/sm90-decode.md#the-design-as-it-stands and docs/design/merge.md.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class SplitMerge:
         and weighted 0), and writes the output; a second barrier keeps every CTA's shared memory
         alive until all of them have read it. Against the global fused merge this saves the
         fence, the arrival atomic and the last CTA's L2 round trip, and the merge is spread over
-        all split CTAs (docs/design/sm90-decode.md#cluster-merge)."""
+        all split CTAs (docs/design/sm90-decode.md#cluster-merge-for-small-split-grids)."""
         G = self.G
         # indices read again here rather than kept live through the main loop (register pressure)
         tidx = special_register("tid.x")

@@ -6,7 +6,7 @@ WGMMAs: QK keeps 16-bit precision and no 16-bit copy of a tile is ever written t
 Two widenings (:mod:`.fragments`): ``"bits"`` (integer ops, the query's type, values scaled by a
 power of two) and ``"cvt"`` (the exact ``cvt.rn.f16x2.e4m3x2``, fp16). The byte pairing of both
 puts the even head dim of a pair on logical row r and the odd one on r + 8, which
-:meth:`Fp8Fragments.physical_d` undoes for the output. Design: docs/design/sm90-decode.md#fp8-widening.
+:meth:`Fp8Fragments.physical_d` undoes for the output. Design: docs/design/sm90-decode.md#fp8-widening-hardware-conversion.
 """
 
 from __future__ import annotations

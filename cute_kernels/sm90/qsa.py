@@ -328,14 +328,3 @@ class Sm90QsaAttention:
                 token, head, live = self.out_row(mO, row, kv_head, cO[e][1])
                 if live:
                     mO[token, head, self.frags.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])] = ov[e]
-
-
-def __getattr__(name):
-    # Host-side names that moved to cute_kernels.plans.sm90_qsa, still imported by the lab scripts
-    # under profiling/ until the benchmark tool moves into the package (see
-    # tests/cpu/test_architecture.py, ALLOWED_UPWARD), resolved only when asked for.
-    if name in ('select_config',):
-        from ..plans import sm90_qsa
-
-        return getattr(sm90_qsa, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

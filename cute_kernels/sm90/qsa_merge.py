@@ -9,7 +9,7 @@ the split-K kernel (``pdl``).
 
 The op knows the split count when it picks this kernel, so the loads in flight per thread
 (``group``) and the threads sharing a chunk (``lanes``) are compile-time choices made from it
-(:func:`cute_kernels.plans.sm90_qsa_merge.merge_shape`). Design: docs/design/merge.md#qsa-merge.
+(:func:`cute_kernels.plans.sm90_qsa_merge.merge_shape`). Design: docs/design/qsa.md#merge.
 """
 
 from __future__ import annotations

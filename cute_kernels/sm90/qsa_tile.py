@@ -51,7 +51,7 @@ class Sm90QsaTileAttention:
     the softmax needs two shuffles and no shared-memory reduction or barrier, and P goes from the
     QK accumulators straight into registers as the A operand of an RS PV WGMMA (no P round trip
     through shared memory), where the swap-AB consumer (tokens on M) reduces across the
-    warpgroup twice per tile and stages P in shared memory (docs/design/qsa.md#row-tile-prefill).
+    warpgroup twice per tile and stages P in shared memory (docs/design/qsa.md#row-tiles-over-the-union).
     FP8 caches use the same consumer: the gather warps widen their rows to fp16 tiles, and the
     query is scaled into fp16 range by a power of two.
     """
@@ -531,14 +531,3 @@ class Sm90QsaTileAttention:
                                      mTokenToReq[row], mBlockTable, storage, k_layout, v_layout, sMask, full, empty,
                                      kv_head, pw, lane, None, 2, r, groups)
                 i0 = i0 + n
-
-
-def __getattr__(name):
-    # Host-side names that moved to cute_kernels.plans.sm90_qsa_tile, still imported by the lab scripts
-    # under profiling/ until the benchmark tool moves into the package (see
-    # tests/cpu/test_architecture.py, ALLOWED_UPWARD), resolved only when asked for.
-    if name in ('row_tile_plan',):
-        from ..plans import sm90_qsa_tile
-
-        return getattr(sm90_qsa_tile, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -84,14 +84,3 @@ class QsaWidenPages:
         if const_expr(self.out_dtype == cutlass.Float16):
             return x.to(cutlass.Float16)
         return x.to(Float32).to(self.out_dtype)
-
-
-def __getattr__(name):
-    # Host-side names that moved to cute_kernels.plans.sm90_qsa_widen, still imported by the lab scripts
-    # under profiling/ until the benchmark tool moves into the package (see
-    # tests/cpu/test_architecture.py, ALLOWED_UPWARD), resolved only when asked for.
-    if name in ('use_widened_cache',):
-        from ..plans import sm90_qsa_widen
-
-        return getattr(sm90_qsa_widen, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,14 +44,8 @@ LAYER_OF = {
     "cute_kernels.bench": "cli",
 }
 
-# (importer, imported) edges that go upward on purpose, with the reason.
-_LAB = ("host-side names that moved to the plans, resolved on attribute access for the lab scripts under "
-        "profiling/ that still import them from the kernel modules; drop once the benchmark tool imports the plans")
-ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    ("cute_kernels.sm90.qsa", "cute_kernels.plans.sm90_qsa"): _LAB,
-    ("cute_kernels.sm90.qsa_tile", "cute_kernels.plans.sm90_qsa_tile"): _LAB,
-    ("cute_kernels.sm90.qsa_widen", "cute_kernels.plans.sm90_qsa_widen"): _LAB,
-}
+# (importer, imported) edges that go upward on purpose, inside a function, with the reason: none.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, Path]:

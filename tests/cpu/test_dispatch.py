@@ -62,7 +62,7 @@ REAL_KERNELS = ("sm90.decode", "sm90.decode_fp8q", "sm100.decode", "sm100.prefil
 
 @pytest.fixture
 def sm90_decode_available(monkeypatch):
-    """The registry as it will be once issue 3 lands: ``sm90.decode`` built."""
+    """The registry with ``sm90.decode`` built."""
     _make_available(monkeypatch, "sm90.decode")
 
 

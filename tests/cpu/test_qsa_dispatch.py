@@ -137,7 +137,7 @@ def test_split_table_shape(kv, group, prefill):
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
 def test_split_table_matches_the_measured_optima(kv):
-    """The H200 sweep of forced split counts (profiling/NOTES.md "QSA v4", Hq 24 / Hkv 2 / D 256):
+    """The H200 sweep of forced split counts (docs/design/qsa.md#split-table, Hq 24 / Hkv 2 / D 256):
     the fastest split counts were N = 4 rows: 11, N = 16: 4, N = 64: 1, for BF16 and FP8 alike
     (FP8's two CTAs per SM share one SM's gather rate; counting them as twice the rate split FP8
     3x too finely: N = 4 at 33 splits took 16.1 us against 10.4 at 11). Split launches are
