@@ -69,9 +69,10 @@ class Launcher(LaunchCache):
     """The skeleton of one op. ``prepare(*args)`` validates the op's arguments in full and returns
     its launch (an object whose ``reference`` attribute says CPU tensors run the reference);
     ``reference(*args)`` computes the result with :mod:`cute_kernels.reference`. An op's hot path
-    is ``launch = launcher.entries.get(key) or launcher.lookup(key, args)`` (one dict lookup when
-    the key is cached), then :meth:`run_reference` for a reference launch, else the launch's
-    caller inside ``try: ... except Exception: launcher.refused(args); raise``."""
+    is ``launch = launcher.entries.get(key)`` (one dict lookup), then the launch's caller inside
+    ``try: ... except Exception: launcher.refused(args); raise``; a missing or reference launch
+    goes through :meth:`lookup` and :meth:`run_reference`, where the argument tuple is built (off
+    the hot path)."""
 
     def __init__(self, prepare, reference, max_entries: int = 4096):
         super().__init__(max_entries)
@@ -102,7 +103,7 @@ class Launcher(LaunchCache):
 # ---------------------------------------------------------------------------------------------
 
 _NAME = re.compile(r"^[A-Za-z_]\w*$")
-_SOURCE = re.compile(r"^([A-Za-z_]\w*)(\.view\(1\))?$")
+_SOURCE = re.compile(r"^([A-Za-z_]\w*)(\.view\(1\)\??)?$")
 
 
 def _identifier(name: str) -> str:
@@ -115,8 +116,9 @@ def bind(params: tuple[str, ...], *steps) -> object:
     """One function ``call(*params)`` that calls each step's compiled function with its arguments
     in its signature's order. A step is ``(fn, signature, sources, constants)``: an argument is
     the constant ``constants[name]`` bound now (workspace views, ``sm_scale``...) when there is
-    one, else the per-call parameter ``sources.get(name, name)`` (a parameter name, optionally
-    with ``.view(1)``: a 0-d scale tensor passed to a rank-1 argument). A per-call
+    one, else the per-call parameter ``sources.get(name, name)``: a parameter name, optionally
+    with ``.view(1)`` (a 1-element tensor of another rank passed to a rank-1 argument) or
+    ``.view(1)?`` (the same when it is not 1-D already: a rank the launch key leaves open). A per-call
     fp32 scalar named ``*_scale`` is checked on the way (a positive finite float passes at the
     cost of one type test; anything else goes through :func:`check_scale`, which returns it as a
     float or raises naming it).
@@ -139,8 +141,12 @@ def bind(params: tuple[str, ...], *steps) -> object:
             m = _SOURCE.match(src)
             if not (m and m.group(1) in params):
                 raise KeyError(f"kernel argument {a.name!r} is neither a call parameter nor a bound constant")
-            if isinstance(a, ScalarArg) and a.dtype == "fp32" and a.name.endswith("_scale") and not m.group(2):
-                p = m.group(1)
+            p, how = m.group(1), m.group(2)
+            if how == ".view(1)":  # a 1-element tensor of another rank, known at prepare time
+                src = f"{p}.view(1)"
+            elif how == ".view(1)?":  # a 1-element tensor whose rank the key leaves open
+                src = f"({p} if {p}.ndim == 1 else {p}.view(1))"
+            elif isinstance(a, ScalarArg) and a.dtype == "fp32" and a.name.endswith("_scale"):
                 src = f"({p} if type({p}) is float and 0.0 < {p} < _inf else _scale({p!r}, {p}))"
             args.append(src)
         lines.append(f"    _fn{i}({', '.join(args)})")
@@ -189,12 +195,6 @@ def check_scale(name: str, value, *, device=None, tensors: bool = True, num_q_he
         kinds = " or a float32 tensor" if tensors else ""
         raise ValueError(f"{name} must be a positive finite float{kinds}, got {value!r}")
     return False
-
-
-def scale_kind(value):
-    """The part of a launch key a scale contributes: ``float`` for a number (its value is checked
-    per call), the tensor's rank for a tensor (a 0-d one is passed as a ``[1]`` view)."""
-    return value.dim() if type(value) is not float and _is_tensor(value) else type(value)
 
 
 def _float_scale(name: str, value) -> float:

@@ -113,14 +113,16 @@ def merge_states(
         ``lse = log2(sum_s 2^lse_s)``; a row with every split empty gets 0 and ``-inf``.
         CPU tensors run the torch reference.
     """
-    args = (partial_out, partial_lse, out_dtype, out, out_lse)
     try:
         key = _key(partial_out, partial_lse, out_dtype, out, out_lse)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
-    launch = _launcher.entries.get(key) or _launcher.lookup(key, args)
-    if launch.reference:
-        return _launcher.run_reference(args)
+    launch = _launcher.entries.get(key)
+    if launch is None or launch.reference:  # the argument tuple is built off the hot path only
+        args = (partial_out, partial_lse, out_dtype, out, out_lse)
+        launch = launch or _launcher.lookup(key, args)
+        if launch.reference:
+            return _launcher.run_reference(args)
     S, N, H, D = partial_out.shape
     if out is None:
         out = torch.empty((N, H, D), dtype=launch.out_dtype, device=partial_out.device)
@@ -137,6 +139,6 @@ def merge_states(
         else:
             launch.call(partial_out, partial_lse, out, out_lse)
     except Exception:
-        _launcher.refused(args)  # raises the error that names the argument
+        _launcher.refused((partial_out, partial_lse, out_dtype, out, out_lse))  # raises the error that names the argument
         raise
     return out, out_lse

@@ -64,11 +64,11 @@ def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scal
     a shared extent (seq_lens, out, V), every device against the query's, pointer and stride
     alignment. A call that fails one of those checks is validated in full by :func:`_prepare`,
     whose error names the argument (see :func:`paged_decode`)."""
-    # type(), not isinstance(): torch.Tensor's metaclass makes isinstance slow. A scale contributes
-    # its kind: float (value checked per call) or a tensor's rank (a 0-d one goes as a [1] view)
+    # type(), not isinstance(): torch.Tensor's metaclass makes isinstance slow. A float scale's
+    # value is checked per call by the caller; a tensor scale's rank too (a 1-element tensor of
+    # another rank, 0-d included, goes to the kernel as a [1] view)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
-            kv_layout, q_len, sm_scale, k_scale.dim() if type(k_scale) is torch.Tensor else type(k_scale),
-            v_scale.dim() if type(v_scale) is torch.Tensor else type(v_scale), out is None, return_lse, num_splits,
+            kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), out is None, return_lse, num_splits,
             deterministic, _launcher.override_key)
 
 
@@ -164,9 +164,9 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         base = part_numel + plse_numel
         scratch = ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
     sources = {"kv_cache": "k", "k_cache": "k", "v_cache": "v"}
-    for name, t, is_tensor in (("k_scale", k_scale, ks_t), ("v_scale", v_scale, vs_t)):
-        if is_tensor and t.dim() == 0:  # a 0-d scale tensor goes to the kernel's [1] argument as a view
-            sources[name] = f"{name}.view(1)"
+    for name, is_tensor in (("k_scale", ks_t), ("v_scale", vs_t)):
+        if is_tensor:  # the key holds the type only: a 1-element tensor of any rank is viewed as [1]
+            sources[name] = f"{name}.view(1)?"
     constants = dict(part_out=ffi_tensor(part_o), part_lse=ffi_tensor(part_lse), counters=ffi_tensor(counters),
                      sm_scale=scale, num_splits=num_splits)
     return _Launch(bind(_CALL_PARAMS, (fn, config.signature(), sources, constants)), scratch, (T, Hq, D))
@@ -229,16 +229,18 @@ def paged_decode(
         raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
     k = kv_cache[0] if pair else kv_cache
     v = kv_cache[1] if pair else kv_cache
-    args = (q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-            return_lse, num_splits, deterministic)
     try:
         key = _key(q, k, v, pair, block_table, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
                    return_lse, num_splits, deterministic)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
-    launch = _launcher.entries.get(key) or _launcher.lookup(key, args)
-    if launch.reference:
-        return _launcher.run_reference(args)
+    launch = _launcher.entries.get(key)
+    if launch is None or launch.reference:  # the argument tuple is built off the hot path only
+        args = (q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
+                return_lse, num_splits, deterministic)
+        launch = launch or _launcher.lookup(key, args)
+        if launch.reference:
+            return _launcher.run_reference(args)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
@@ -249,7 +251,8 @@ def paged_decode(
                     launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
             else:
                 launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
-        except Exception:
-            _launcher.refused(args)  # raises the error that names the argument
+        except Exception:  # raises the error that names the argument
+            _launcher.refused((q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
+                               v_scale, out, return_lse, num_splits, deterministic))
             raise
     return (out, lse) if return_lse else out

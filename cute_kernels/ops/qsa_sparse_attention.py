@@ -308,15 +308,17 @@ def qsa_sparse_attention(
     ``out = round(attn) * sigmoid(gate)``. ``out``: optional output (q's shape and dtype).
     CPU tensors run the reference.
     """
-    args = (q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale, out,
-            output_gate)
     try:
         key = _key(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out, output_gate)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
-    launch = _launcher.entries.get(key) or _launcher.lookup(key, args)
-    if launch.reference:
-        return _launcher.run_reference(args)
+    launch = _launcher.entries.get(key)
+    if launch is None or launch.reference:  # the argument tuple is built off the hot path only
+        args = (q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale, out,
+                output_gate)
+        launch = launch or _launcher.lookup(key, args)
+        if launch.reference:
+            return _launcher.run_reference(args)
     if out is None:
         out = torch.empty_like(q)
     if q.shape[0] == 0:
@@ -329,7 +331,8 @@ def qsa_sparse_attention(
         else:
             launch.call(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, output_gate, k_scale,
                         v_scale)
-    except Exception:
-        _launcher.refused(args)  # raises the error that names the argument
+    except Exception:  # raises the error that names the argument
+        _launcher.refused((q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale,
+                           out, output_gate))
         raise
     return out

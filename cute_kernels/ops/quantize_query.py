@@ -158,14 +158,16 @@ def quantize_query(
         ``out``. CPU tensors run the reference, and so do SM80/86 GPUs (no FP8 conversion
         instructions; the dispatch layer never quantizes a query there).
     """
-    args = (q, q_scale, out, rope)
     try:
         key = _key(q, q_scale, out, rope)
     except (AttributeError, TypeError, ValueError):  # not tensors: the validation says what is wrong
         key = None
-    launch = _launcher.entries.get(key) or _launcher.lookup(key, args)
-    if launch.reference:
-        return _launcher.run_reference(args)
+    launch = _launcher.entries.get(key)
+    if launch is None or launch.reference:  # the argument tuple is built off the hot path only
+        args = (q, q_scale, out, rope)
+        launch = launch or _launcher.lookup(key, args)
+        if launch.reference:
+            return _launcher.run_reference(args)
     if out is None:
         out = torch.empty(q.shape, dtype=FP8, device=q.device)
     if q.shape[0] and q.shape[1]:
@@ -177,6 +179,6 @@ def quantize_query(
             else:
                 launch.call(q, out, q_scale, cos_sin, positions)
         except Exception:
-            _launcher.refused(args)  # raises the error that names the argument
+            _launcher.refused((q, q_scale, out, rope))  # raises the error that names the argument
             raise
     return out

@@ -163,15 +163,17 @@ def write_kv_cache(
     CPU tensors run the reference, and so does an FP8 cache on SM80/86 (no FP8 conversion
     instructions there; that torch path reads the slots on the host, so it is not graph-capturable).
     """
-    args = (key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
     try:
         launch_key = _key(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
     except (AttributeError, TypeError, ValueError):  # not tensors: the validation says what is wrong
         launch_key = None
-    launch = _launcher.entries.get(launch_key) or _launcher.lookup(launch_key, args)
-    if launch.reference:
-        _launcher.run_reference(args)
-        return
+    launch = _launcher.entries.get(launch_key)
+    if launch is None or launch.reference:  # the argument tuple is built off the hot path only
+        args = (key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
+        launch = launch or _launcher.lookup(launch_key, args)
+        if launch.reference:
+            _launcher.run_reference(args)
+            return
     if key.shape[0] == 0 or key.shape[1] == 0:
         return
     k_cache, v_cache = (kv_cache[0], kv_cache[1]) if launch.pair else (kv_cache, kv_cache)
@@ -182,5 +184,5 @@ def write_kv_cache(
         else:
             launch.call(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     except Exception:
-        _launcher.refused(args)  # raises the error that names the argument
+        _launcher.refused((key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale))  # raises the error that names the argument
         raise

@@ -432,7 +432,7 @@ def compile_variants() -> list[Sm90DecodeConfig]:
     # the alternative FP8 widening, kept compiling and tested
     out.append(make_decode_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1,
                                   page_size=16, split=False, widen="bits"))
-    # the cluster merge (DSMEM) of splits of up to 16 CTAs: FP8 at the Qwen3 B8 sizing, BF16
+    # the cluster merge (DSMEM) of splits of up to 16 CTAs: FP8 sized for 3 CTAs per SM, BF16
     for kv, occ in (("fp8_e4m3", 3), ("bf16", None)):
         out.append(make_decode_config(q_dtype="bf16", kv_dtype=kv, head_dim=128, group=8, q_len=1, page_size=16,
                                       split=True, cluster=True, **({"occupancy": occ} if occ else {})))

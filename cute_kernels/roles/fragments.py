@@ -1,4 +1,6 @@
-"""Register-fragment helpers for the SM90 FP8-KV decode: ldmatrix and exact FP8 -> 16-bit widening.
+"""Inline-PTX primitives of the SM90 kernels (device role helpers): ldmatrix, exact FP8 -> 16-bit
+widening, DSMEM / ``.cg`` / shared loads and stores, zero-filling ``cp.async``, the output gate's
+sigmoid.
 
 **Why bit tricks.** WGMMA has no BF16 x E4M3 form, so FP8 K/V must be widened before the MMA.
 The DSL's generic conversion goes e4m3 -> f16 -> f32 -> bf16 (four SASS ops per pair), which is
@@ -13,7 +15,7 @@ which also means stale cache bytes can never inject NaN into P·V.
 row) widens to two 16-bit pairs: ``lo = (b0, b2)`` and ``hi = (b1, b3)``. Both are a shift and a
 masked merge away from ``x``. The MMA then sees the K columns in a permuted order, which the
 kernel compensates by permuting Q the same way when it stages Q in shared memory (QK), and by
-un-permuting the rows of O (PV) — see ``decode.py``.
+un-permuting the rows of O (PV): :mod:`.query` and :mod:`.widen`.
 """
 
 from __future__ import annotations

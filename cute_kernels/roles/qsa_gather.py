@@ -151,8 +151,7 @@ class QsaGather:
         l + 32, ...); with ``P = k * words`` producer warps, warp ``pw`` owns word ``pw % words``
         and copies the ``pw // words``-th of k slices of its rows. The copies are issue-bound, so
         16-bit and unwidened FP8 rows go out a 128-byte line per row per copy, every address
-        computed once per row (:meth:`copy_lines`; before: ~20 instructions of shuffles and
-        swizzle arithmetic per 512-byte row copy).
+        computed once per row (:meth:`copy_lines`; docs/design/qsa.md#gather-a-line-per-row).
 
         ``mode`` (row tiles): 0 = one query row (lane 0 writes the mask words); 1 = the tile's
         union list, row r's words are the validity bits AND its membership bits

@@ -60,7 +60,7 @@ class SplitMerge:
                      kv_bases):
         """The last of the request's split CTAs (per KV head) to finish merges all partials.
 
-        Saves a second kernel launch (about 2 us on the critical path of small batches). Each CTA
+        Saves a second kernel launch on the critical path of small batches. Each CTA
         publishes its partial (fence + one atomic per CTA on a per-(request, head) counter); the
         CTA that sees count S-1 reads every split's partial from L2 (``ld.global.cg``: another
         SM wrote them), writes the final output and LSE, and resets the counter to 0 so that the
@@ -69,7 +69,7 @@ class SplitMerge:
         ``smem_merge``: when every split's partial fits the (now idle) K and V stages, the merging
         CTA first copies them all there with ``cp.async`` (every copy in flight at once, no
         registers held) and merges from shared memory: one L2 round trip instead of one per
-        ``threads`` chunks x MERGE_GROUP splits (two at Qwen3 B8: 8 rows x 128 dims, 12 splits).
+        ``threads`` chunks x ``merge_group`` splits (docs/design/sm90-decode.md#l2-policy-descriptor-prefetch-staged-merge).
         """
         G = self.G
         threads = self.warps * 32

@@ -1,6 +1,8 @@
 """SM90 paged decode: BF16/FP16 queries against an FP8 (or BF16/FP16) paged KV cache.
 
-Design (numbers and the alternatives measured are in profiling/NOTES.md):
+Design, with the measurements behind each choice: docs/design/sm90-decode.md. Plan (config,
+limits, tuning, launch schedule): :mod:`cute_kernels.plans.sm90_decode`; the parts are roles
+(:mod:`cute_kernels.roles`):
 
 - **One CTA per (split, KV head, request)**, 4 consumer warps (one warpgroup) plus one producer
   warp. The producer walks the CTA's 64-token KV tiles, looks the pages up in the block table
@@ -12,11 +14,11 @@ Design (numbers and the alternatives measured are in profiling/NOTES.md):
   ``S^T[64, n] = K[64, D] . Q^T`` and ``O^T[D, n] += V^T[D, 64] . P^T``. Q (once) and P (per
   tile) live in shared memory as the B operand.
 - **FP8 cache: register-sourced A.** K and V^T fragments are read from the TMA'd FP8 tile with
-  ``ldmatrix`` (V with ``.trans``) and widened exactly to the query's 16-bit type with bit
-  operations (see ``fragments.py``), then fed to RS WGMMA: QK keeps 16-bit precision and no
-  16-bit copy of the tile is ever written to shared memory. The widening scales K and V by a
-  power of two; Q and P are pre-scaled by powers of two so every product stays in fp32's normal
-  range, and all of it folds into the logit scale and the output scale.
+  ``ldmatrix`` (V with ``.trans``) and widened exactly to a 16-bit type (``roles/widen.py``),
+  then fed to RS WGMMA: QK keeps 16-bit precision and no 16-bit copy of the tile is ever written
+  to shared memory. The bit widening scales K and V by a power of two; Q and P are pre-scaled by
+  powers of two so every product stays in fp32's normal range, and all of it folds into the logit
+  scale and the output scale.
 - **16-bit cache: SS WGMMA** straight from the TMA'd tiles (V^T as an MN-major A operand).
 - Online softmax over tokens (the M dim): per-column maxima cross the 4 warps through shared
   memory once per tile; row sums stay per thread until the end.

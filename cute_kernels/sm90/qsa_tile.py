@@ -447,9 +447,9 @@ class Sm90QsaTileAttention:
             # All gate loads are in flight before the first output store (all n elements fit in
             # registers as packed 16-bit values): the compiler cannot move a load of mGate above a
             # store to mO (they may alias), and a load under a branch waits inside it, so one load
-            # per element between stores serialized an L2 round trip each (ncu: ~40 % of the
-            # row-tile kernel's stall samples at 1 x 4096). A dead row's gate is read from token
-            # 0 (which exists) and never used: no branch.
+            # per element between stores serialized an L2 round trip each
+            # (docs/design/qsa.md#gated-epilogue). A dead row's gate is read from token 0 (which
+            # exists) and never used: no branch.
             gtok = cute.make_rmem_tensor((2,), Int32)
             for h in cutlass.range_constexpr(2):
                 gtok[h] = token[h] * live[h]

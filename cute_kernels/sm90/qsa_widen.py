@@ -3,8 +3,8 @@ cache take the 16-bit row-tile kernel.
 
 Why: the row-tile kernel with an FP8 cache must widen every gathered row to fp16 in its gather
 warps (WGMMA has no 16-bit x e4m3 form), which takes 8 of the 12 warps a CTA can hold and leaves
-room for one consumer warpgroup; with a 16-bit cache it runs two. At 1 x 16384 the FP8 kernel
-took 3.40 ms against 2.52-2.71 for BF16 (profiling/NOTES.md). But a prefill's rows select from
+room for one consumer warpgroup; with a 16-bit cache it runs two, and runs faster
+(docs/design/qsa.md#fp8-prefill-on-a-widened-copy). But a prefill's rows select from
 few distinct tokens: one request's whole context (16384 tokens x 2 KV heads x 256 x 2 bytes, K and
 V) is 16 MB of FP8, while the gather reads ~32 GB of selected rows. Widening every page the
 batch's block table addresses once (a streaming copy, ~3 bytes moved per cache byte) and running

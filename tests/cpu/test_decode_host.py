@@ -91,6 +91,8 @@ def test_bind_views_a_0d_scale_and_refuses_an_unbound_argument():
     from cute_kernels.ops._launch import bind
 
     class Scale:
+        ndim = 0
+
         def view(self, *shape):
             return ("view", shape)
 
@@ -98,6 +100,13 @@ def test_bind_views_a_0d_scale_and_refuses_an_unbound_argument():
     seen = []
     bind(("x", "k_scale"), (lambda *a: seen.append(a), sig, {"k_scale": "k_scale.view(1)"}, {"n": 3}))("X", Scale())
     assert seen == [("X", ("view", (1,)), 3)]
+    # a rank the key leaves open: viewed only when not 1-D already
+    caller = bind(("x", "k_scale"), (lambda *a: seen.append(a), sig, {"k_scale": "k_scale.view(1)?"}, {"n": 3}))
+    one_d, zero_d = torch.ones(1), torch.tensor(2.0)
+    caller("X", one_d)
+    assert seen[-1][1] is one_d
+    caller("X", zero_d)
+    assert seen[-1][1].shape == (1,) and seen[-1][1].data_ptr() == zero_d.data_ptr()
     with pytest.raises(KeyError, match="'n' is neither a call parameter nor a bound constant"):
         bind(("x", "k_scale"), (print, sig, None, None))
 
@@ -265,7 +274,7 @@ def test_cluster_decision_precedes_the_sizing():
 def test_scale_tensors_of_one_element_any_rank(shape):
     """The one scale validator accepts a 1-element fp32 tensor of any rank (a 0-d one included; the
     launcher passes it to the kernel's ``[1]`` argument as a view) and names the argument otherwise."""
-    from cute_kernels.ops._launch import check_scale, scale_kind
+    from cute_kernels.ops._launch import check_scale
 
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(2, 8, 64, generator=gen).bfloat16()
@@ -273,7 +282,7 @@ def test_scale_tensors_of_one_element_any_rank(shape):
     bt = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
     sl = torch.tensor([40, 17], dtype=torch.int32)
     ks, vs = torch.full(shape, 0.5), torch.full(shape, 2.0)
-    assert check_scale("k_scale", ks) is True and scale_kind(ks) == len(shape) and scale_kind(0.5) is float
+    assert check_scale("k_scale", ks) is True and check_scale("k_scale", 0.5) is False
     torch.testing.assert_close(op.paged_decode(q, kv, bt, sl, k_scale=ks, v_scale=vs),
                                reference.paged_decode(q, kv, bt, sl, k_scale=0.5, v_scale=2.0), atol=0, rtol=0)
     with pytest.raises(ValueError, match="k_scale must be a float or a 1-element tensor, got shape"):
