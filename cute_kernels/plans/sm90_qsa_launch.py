@@ -9,8 +9,9 @@ this to tensors; the warm-up and the compile matrix enumerate it here.
 
 from __future__ import annotations
 
+from ..jit.spec import KernelConfig
 from . import hw
-from .sm90_qsa import PRODUCTION_TOPK, KernelConfig, make_qsa_config, split_table
+from .sm90_qsa import PRODUCTION_TOPK, make_qsa_config, split_table
 from .sm90_qsa_merge import QsaMergeConfig, merge_shape
 from .sm90_qsa_tile import TILE_MIN_ROWS, make_qsa_tile_config, row_tile_plan
 from .sm90_qsa_union import QsaUnionConfig

@@ -418,7 +418,7 @@ def test_kernel_compiles_for_sm90a_with_evidence(config):
     compiled = compile_config(config, "sm_90a", artifacts=True)
     ptx = compiled.ptx
     assert re.search(r"^\.target\s+sm_90a", ptx, re.M)
-    for pattern in config.evidence["sm_90a"]:
+    for _, pattern in config.evidence["sm_90a"]:
         assert re.search(pattern, ptx), pattern
     # one thread block of 256 threads per tile; index loads are plain global loads, the only
     # atomics are on shared memory
