@@ -10,22 +10,30 @@ from __future__ import annotations
 
 import importlib
 
-from .registry import OPS as _OPS
-
 __version__ = "0.1.0"
 
-__all__ = sorted(_OPS) + ["reference", "__version__"]
+
+def _ops() -> dict:
+    from .registry import OPS  # the registry loads the plans: only when an op is first asked for
+
+    return OPS
 
 
 def __getattr__(name):
-    if name in _OPS:
-        module, attr = _OPS[name]
-        value = getattr(importlib.import_module(module), attr)
+    if name == "__all__":
+        value = sorted(_ops()) + ["reference", "__version__"]
     elif name == "reference":
         value = importlib.import_module("cute_kernels.reference")
+    elif name in _ops():
+        module, attr = _ops()[name]
+        value = getattr(importlib.import_module(module), attr)
     else:
         raise AttributeError(f"module 'cute_kernels' has no attribute {name!r}")
     # bound once: later lookups find it in the module dict and skip this hook (an import-system
     # round trip on every `cute_kernels.paged_decode(...)` call otherwise)
     globals()[name] = value
     return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_ops()) | {"reference"})

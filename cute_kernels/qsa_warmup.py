@@ -11,6 +11,7 @@ from __future__ import annotations
 from .jit.parallel import precompile
 from .jit.spec import KernelConfig, normalize_target
 from .plans.sm90_qsa_launch import qsa_variants
+from .registry import KERNELS, arch_of_target
 
 __all__ = ["qsa_variants", "qsa_warmup"]
 
@@ -22,6 +23,10 @@ def qsa_warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = Tr
     ``qsa_warmup(head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568, kv_cache_dtype="fp8")``.
     Returns the configs.
     """
+    target = normalize_target(arch)
+    info = KERNELS["sm90.qsa"]  # the registry says where the kernel runs
+    if arch_of_target(target) not in info.archs:
+        raise ValueError(f"{info.id} runs on {'/'.join(info.archs)}: nothing to warm up for {target}")
     configs = qsa_variants(**shape)
-    precompile(configs, normalize_target(arch), workers=workers, progress=progress)
+    precompile(configs, target, workers=workers, progress=progress)
     return configs

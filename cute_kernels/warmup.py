@@ -12,6 +12,7 @@ from __future__ import annotations
 from .jit.parallel import precompile
 from .jit.spec import KernelConfig, normalize_target
 from .plans.sm90_decode import decode_variants
+from .registry import KERNELS, arch_of_target
 
 __all__ = ["decode_variants", "warmup"]
 
@@ -22,6 +23,10 @@ def warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, 
     ``shape`` takes the keyword arguments of :func:`~cute_kernels.plans.sm90_decode.decode_variants`.
     Returns the configs.
     """
+    target = normalize_target(arch)
+    info = KERNELS["sm90.decode"]  # the registry says where the kernel runs
+    if arch_of_target(target) not in info.archs:
+        raise ValueError(f"{info.id} runs on {'/'.join(info.archs)}: nothing to warm up for {target}")
     configs = decode_variants(**shape)
-    precompile(configs, normalize_target(arch), workers=workers, progress=progress)
+    precompile(configs, target, workers=workers, progress=progress)
     return configs
