@@ -297,9 +297,12 @@ def test_scale_tensors_of_one_element_any_rank(shape):
 
 def test_warmups_read_the_registry():
     """The warm-ups refuse an arch their kernel does not run on (the registry says where it runs)."""
-    import cute_kernels
+    # (the functions by their modules: once imported, the module cute_kernels.warmup shadows the
+    # package's lazy attribute of the same name)
+    from cute_kernels.qsa_warmup import qsa_warmup
+    from cute_kernels.warmup import warmup
 
     with pytest.raises(ValueError, match="sm90.decode runs on sm90: nothing to warm up for sm_100a"):
-        cute_kernels.warmup(arch="sm_100a", head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16)
+        warmup(arch="sm_100a", head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16)
     with pytest.raises(ValueError, match="sm90.qsa runs on sm90: nothing to warm up for sm_80"):
-        cute_kernels.qsa_warmup(arch="sm_80", head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568)
+        qsa_warmup(arch="sm_80", head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568)
