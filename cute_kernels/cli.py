@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dispatch import SUPPORTED_ARCHS, UnsupportedConfig, capability_table, plan
-from dispatch.kernels import PHASES
+
+from .registry import PHASES
 
 MATRIX_KV_DTYPES = ("bf16", "fp16", "fp8")
 
@@ -147,8 +148,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _compile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", default="sm_90a", help="compile target: sm_90a or sm_100a (no GPU needed)")
+    p.add_argument("--arch", default="sm_90a", help="compile target: sm_80 ... sm_121a (no GPU needed)")
     p.add_argument("--kernel", default=None, help="only variants whose label contains this text")
+    p.add_argument("--ci", action="store_true", help="only the representative set the CPU test suite compiles")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--digests", default=None, metavar="FILE",
                    help="write the normalized-PTX digest of every compiled variant to FILE (JSON; entries of other archs kept)")
@@ -156,19 +158,22 @@ def _compile_args(p: argparse.ArgumentParser) -> None:
                    help="compare every variant's normalized-PTX digest with FILE; fail on any difference")
 
 
-@command("compile", "compile every registered kernel variant for an arch and show the instruction evidence",
-         _compile_args)
+@command("compile", "compile the registered kernel variants of an arch (the compile matrix) and show the "
+         "instruction evidence", _compile_args)
 def run_compile(args: argparse.Namespace) -> int:
-    from .jit.compiler import normalize_target
+    from .jit.evidence import compile_with_evidence
     from .jit.ptx_digest import compare_digests, ptx_digest, read_digests, write_digests
-    from .registry import compile_with_evidence, variants_for
+    from .jit.spec import normalize_target
+    from .registry import compile_matrix
 
     arch = normalize_target(args.arch)
     results, failed = [], 0
     digests: dict[str, str] = {}
-    for config in variants_for(arch):
-        if args.kernel and args.kernel not in config.label():
-            continue
+    selection = [c for t, c in compile_matrix(ci=args.ci) if t == arch and (not args.kernel or args.kernel in c.label())]
+    # the digest-file entries this run speaks for: the selection when filtered, else all of the arch's
+    ours = {f"{arch}:{c.label()}" for c in selection}
+    owned = (lambda k: k in ours) if args.kernel or args.ci else (lambda k: k.startswith(f"{arch}:"))
+    for config in selection:
         try:
             compiled, ev = compile_with_evidence(config, arch)
             ok = not ev.missing and ev.ptx_target == arch
@@ -183,7 +188,7 @@ def run_compile(args: argparse.Namespace) -> int:
             r = results[-1]
             status = "ok  " if ok else "FAIL"
             secs = f"{r['seconds']:6.2f}s" if r.get("seconds") is not None else "   -   "
-            detail = r.get("error") or " ".join(f"{k}x{v}" for k, v in {**r["ptx"], **r["sass"]}.items())
+            detail = r.get("error") or ev.summary()
             print(f"{status} {secs} {r['kernel']}\n           {detail}", flush=True)
     if args.json:
         print(json.dumps(dict(arch=arch, results=results), indent=1))
@@ -193,11 +198,9 @@ def run_compile(args: argparse.Namespace) -> int:
         import os
 
         kept = read_digests(args.digests) if os.path.exists(args.digests) else {}
-        kept = {k: v for k, v in kept.items() if not k.startswith(f"{arch}:") or (args.kernel and args.kernel not in k)}
-        write_digests(args.digests, {**kept, **digests})
+        write_digests(args.digests, {**{k: v for k, v in kept.items() if not owned(k)}, **digests})
     if args.check_digests:
-        expected = {k: v for k, v in read_digests(args.check_digests).items() if k.startswith(f"{arch}:")
-                    and (not args.kernel or args.kernel in k)}
+        expected = {k: v for k, v in read_digests(args.check_digests).items() if owned(k)}
         diff = compare_digests(expected, digests)
         print("\n".join(diff) if diff else f"PTX digests of {len(digests)} variants match {args.check_digests}")
         failed += bool(diff)

@@ -20,7 +20,7 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference
-from cute_kernels.ops._sm80 import run_prefill
+from cute_kernels.ops._sm80_prefill import run_prefill
 from cute_kernels.ops.paged_decode import tuning_override
 from cute_kernels.testing import make_paged_decode_case, make_prefill_case, prefill_reference, rel_err
 

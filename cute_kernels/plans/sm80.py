@@ -1,59 +1,55 @@
-"""Host-only plan of the SM80-class kernels (``sm80.decode``, ``sm80.prefill``): their configs
-(compile key and call signature), limits, per-arch hardware budgets and tile/stage choice, and the
-split schedule. No torch, no DSL at import time (the kernels are imported by ``build()`` only).
-Design and measurements: docs/design/sm80.md.
+"""Plan of the portable SM80-class kernels (``sm80.decode``, ``sm80.prefill``): their configs
+(compile key and call signature), limits, tiling and ring depth per target, the split schedule,
+the warm-up's variants and the compile matrix.
+
+Host-only. The kernels are :mod:`cute_kernels.sm80.decode` and :mod:`cute_kernels.sm80.prefill`;
+the shared-memory capacity of each target comes from :mod:`.hw`. Design: docs/design/sm80.md.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import product
 
-from ..jit.compiler import KernelConfig
-from ..jit.spec import ScalarArg, TensorArg
+from ..jit.spec import ALL_TARGETS, KernelConfig, ScalarArg, TensorArg
+from . import hw
+from .merge_states import MergeStatesConfig
 
-# ------------------------------------------------------------------------------------------------
-# Hardware, written once. Opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
-# and per SM, per compile target, from the CUDA programming guide's compute-capability table:
-# 8.0 163 / 164 KB, 8.6 and 8.9 99 / 100 KB, 9.0 and 10.x 227 / 228 KB, 12.x 99 / 100 KB.
-# ------------------------------------------------------------------------------------------------
-KB = 1024
-SMEM_PER_BLOCK = {
-    "sm_80": 163 * KB, "sm_86": 99 * KB, "sm_89": 99 * KB, "sm_90a": 227 * KB, "sm_100a": 227 * KB,
-    "sm_103a": 227 * KB, "sm_120a": 99 * KB, "sm_121a": 99 * KB,
-}
-SMEM_PER_SM = {
-    "sm_80": 164 * KB, "sm_86": 100 * KB, "sm_89": 100 * KB, "sm_90a": 228 * KB, "sm_100a": 228 * KB,
-    "sm_103a": 228 * KB, "sm_120a": 100 * KB, "sm_121a": 100 * KB,
-}
-SMEM_RESERVED_PER_BLOCK = 1 * KB  # the runtime's own share of every resident block (8.x and later)
-REGS_PER_SM = 64 * KB
-# every target these kernels are built for: mma.sync / ldmatrix / cp.async exist on all of them
-TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_103a", "sm_120a", "sm_121a")
-# the e4m3 -> f16x2 conversion instruction exists from SM89 on (cuda_fp8.hpp gates it at 890)
-CVT_TARGETS = ("sm_89", "sm_90a", "sm_100a", "sm_103a", "sm_120a", "sm_121a")
-# griddepcontrol (programmatic dependent launch) exists from SM90 on
-PDL_TARGETS = ("sm_90a", "sm_100a", "sm_103a", "sm_120a", "sm_121a")
+# mma.sync / ldmatrix / cp.async exist on every target from SM80 on
+TARGETS = ALL_TARGETS
+CVT_TARGETS = hw.FP8_CVT_TARGETS  # where the "cvt" FP8 widening exists
+PDL_TARGETS = hw.PDL_TARGETS
 
 # ------------------------------------------------------------------------------------------------
-# Limits (the registry and the ops state the same ones)
+# Limits: the registry, the dispatcher and the ops state exactly these
 # ------------------------------------------------------------------------------------------------
+Q_DTYPES = ("bf16", "fp16")
+KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+# (query, cache) pairs of different 16-bit types that run exactly (a bf16 query scaled per row
+# into an fp16 MMA); fp16 -> bf16 is not exact, so the reverse pair is refused
+MIXED_16BIT = (("bf16", "fp16"),)
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (16, 32, 64, 128)
+KV_LAYOUTS = ("HND", "NHD")
 MAX_DECODE_ROWS = 64  # group x q_len: four 16-row MMA tiles, one per warp row
 MAX_SPLITS = 64
 
-EVIDENCE = (r"mma\.sync\.aligned\.m16n8k16", r"ldmatrix\.sync\.aligned", r"cp\.async\.cg\.shared\.global")
-CVT_EVIDENCE = r"cvt\.rn\.f16x2\.e4m3x2"
+EVIDENCE = (
+    ("mma.sync m16n8k16", r"mma\.sync\.aligned\.m16n8k16"),
+    ("ldmatrix", r"ldmatrix\.sync\.aligned"),
+    ("cp.async 16-byte gather", r"cp\.async\.cg\.shared\.global"),
+)
+CVT_EVIDENCE = ("cvt e4m3x2 -> f16x2", r"cvt\.rn\.f16x2\.e4m3x2")
 
 
 def mma_dtype(q_dtype: str, kv_dtype: str) -> str:
     """The MMA operand type: the cache's for a 16-bit cache of the query's type; fp16 for an FP8
     cache (exact widening) and for a bf16 query against an fp16 cache (query scaled per row by a
     power of two). A bf16 cache with an fp16 query is refused (fp16 -> bf16 is not exact)."""
-    if kv_dtype == "fp8_e4m3" or kv_dtype == "fp16":
+    if kv_dtype == "fp8_e4m3" or kv_dtype == q_dtype == "fp16" or (q_dtype, kv_dtype) in MIXED_16BIT:
         return "fp16"
-    if kv_dtype == "bf16" and q_dtype == "bf16":
+    if kv_dtype == q_dtype == "bf16":
         return "bf16"
     raise ValueError(f"a {kv_dtype} cache with a {q_dtype} query is not supported (no exact common 16-bit type)")
 
@@ -91,16 +87,16 @@ class _Sm80Common(KernelConfig):
             raise ValueError(f"the cvt widening needs SM89 or newer, not {self.target}")
         if self.pdl and self.target not in PDL_TARGETS:
             raise ValueError(f"programmatic dependent launch needs SM90 or newer, not {self.target}")
-        if self.q_dtype not in ("bf16", "fp16"):
-            raise ValueError(f"q dtype must be bf16 or fp16, got {self.q_dtype}")
-        if self.kv_dtype not in ("bf16", "fp16", "fp8_e4m3"):
-            raise ValueError(f"kv dtype must be bf16, fp16 or fp8_e4m3, got {self.kv_dtype}")
+        if self.q_dtype not in Q_DTYPES:
+            raise ValueError(f"q dtype must be one of {Q_DTYPES}, got {self.q_dtype}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv dtype must be one of {KV_DTYPES}, got {self.kv_dtype}")
         mma_dtype(self.q_dtype, self.kv_dtype)
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
         if self.page_size not in PAGE_SIZES:
             raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {self.page_size}")
-        if self.kv_form not in ("single", "pair") or self.kv_layout not in ("HND", "NHD"):
+        if self.kv_form not in ("single", "pair") or self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
         if self.tw % 16 or self.tw < 16 or self.warps_m * self.warps_n > 8 or self.stages < 2:
             raise ValueError(f"bad tiling: tw {self.tw}, warps {self.warps_m}x{self.warps_n}, stages {self.stages}")
@@ -133,8 +129,8 @@ class _Sm80Common(KernelConfig):
 
     @property
     def evidence(self) -> dict:
-        pats = EVIDENCE + ((CVT_EVIDENCE,) if self.fp8 and self.widen == "cvt" else ())
-        return {t: pats for t in self.targets}
+        pairs = EVIDENCE + ((CVT_EVIDENCE,) if self.fp8 and self.widen == "cvt" else ())
+        return {t: pairs for t in self.targets}
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA (see the kernels' storage structs)."""
@@ -201,24 +197,24 @@ class Sm80DecodeConfig(_Sm80Common):
             ScalarArg("sm_scale", "fp32"),
         )
 
+    def merge_config(self) -> MergeStatesConfig:
+        """The merge of a split launch's partials (a programmatic dependent launch where PDL exists)."""
+        return MergeStatesConfig(out_dtype=self.q_dtype, head_dim=self.head_dim, vec=4, pdl=self.pdl)
+
     def build(self):
-        from ..sm80 import decode
+        from ..sm80.decode import Sm80PagedDecode  # the kernel module imports the DSL: only here
 
-        entry = {(False, "single"): decode.Sm80DecodeSingle, (False, "pair"): decode.Sm80DecodePair,
-                 (True, "single"): decode.Sm80DecodeSplitSingle, (True, "pair"): decode.Sm80DecodeSplitPair}
-        return entry[(self.split, self.kv_form)](self)
+        return Sm80PagedDecode(self)
 
 
 # ------------------------------------------------------------------------------------------------
-# tuning
+# decode tuning and schedule
 # ------------------------------------------------------------------------------------------------
 
-DECODE_CTAS_PER_SM = 2  # the decode kernel is sized so that two CTAs share an SM
+DECODE_CTAS_PER_SM = 2  # the split schedule fills one wave of two CTAs per SM
 DECODE_MAX_STAGES = 8
 # FP8 caches: 32 tokens per warp and stage (a 16-token FP8 tile is half the bytes of a BF16 one
-# for the same per-tile softmax and barrier cost). H200, tokens per warp 16 -> 32: Qwen3 B8
-# ctx 32000 78.0 -> 72.7 us, D 64 B32 ctx 8192 114 -> 75.9 us, D 256 384 -> 362 us; BF16 caches
-# lose with 32 (D 256: 650 -> 1060 us): profiling/results/sm80_decode_tune_h200.json
+# for the same per-tile softmax and barrier cost); BF16 caches keep 16 (docs/design/sm80.md#measurements)
 DECODE_FP8_TW = 32
 
 
@@ -229,13 +225,12 @@ def default_widen(target: str) -> str:
 
 def decode_tiling(target: str, kv_dtype: str, head_dim: int, rows: int) -> dict:
     """Warp grid and ring of a decode CTA on ``target``: one warp row per 16-row MMA tile, the
-    other warps (of up to four) splitting each stage's tokens, 16 each (32 for an FP8 cache,
-    ``DECODE_FP8_TW``; decode is memory-bound:
-    each K/V byte is read and widened by one warp only). Candidates: 4, 2 or 1 token warps, each
-    sized for 3, 2 or 1 CTAs per SM with the deepest ring that fits; the winner keeps the most
-    warps per SM busy up to 8 (two per scheduler), then the most K/V bytes in flight per SM
-    (``stages - 1`` tiles per CTA). Q stays in registers up to D 128 (at D 256 its 64 registers would crowd
-    out O's 128)."""
+    other warps (of up to four) splitting each stage's tokens, 16 each (``DECODE_FP8_TW`` for an
+    FP8 cache; decode is memory-bound: each K/V byte is read and widened by one warp only).
+    Candidates: 4, 2 or 1 token warps, each sized for 3, 2 or 1 CTAs per SM with the deepest ring
+    that fits; the winner keeps the most warps per SM busy up to 8 (two per scheduler), then the
+    most K/V bytes in flight per SM (``stages - 1`` tiles per CTA). Q stays in registers up to
+    D 128 (at D 256 its 64 registers would crowd out O's 128)."""
     warps_m = max(1, math.ceil(rows / 16))
     kvb = 1 if kv_dtype == "fp8_e4m3" else 2
     tw = DECODE_FP8_TW if kv_dtype == "fp8_e4m3" else 16
@@ -258,28 +253,31 @@ def decode_tiling(target: str, kv_dtype: str, head_dim: int, rows: int) -> dict:
 
 
 def fit_stages(target: str, cfg_fields: dict, ctas_per_sm: int, max_stages: int) -> int | None:
-    """Deepest ring (2 .. max_stages) within the target's per-block opt-in that lets
-    ``ctas_per_sm`` CTAs share an SM's shared memory; None if none does."""
+    """Deepest ring (2 .. max_stages) within the target's per-CTA limit that lets ``ctas_per_sm``
+    CTAs share an SM's shared memory (each with the runtime's reservation); None if none does."""
     D, kvb = cfg_fields["head_dim"], (1 if cfg_fields["kv_dtype"] == "fp8_e4m3" else 2)
     tile = cfg_fields["tw"] * cfg_fields["warps_n"]
     rows = 16 * cfg_fields["m_tiles"] * cfg_fields["warps_m"]
-    budget = min(SMEM_PER_BLOCK[target], SMEM_PER_SM[target] // ctas_per_sm - SMEM_RESERVED_PER_BLOCK)
+    budget = min(hw.max_smem_per_cta(target), hw.SMEM_PER_SM_OF[target] // ctas_per_sm - hw.SMEM_RESERVED_PER_CTA)
     fits = [s for s in range(2, max_stages + 1) if smem_bytes(D, kvb, tile, s, rows, cfg_fields["warps_n"]) <= budget]
     return max(fits) if fits else None
+
+
+def _scale_fields(kv_dtype: str, target: str) -> dict:
+    return dict(widen=default_widen(target) if kv_dtype == "fp8_e4m3" else "bits", pdl=target in PDL_TARGETS)
 
 
 def make_decode_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int,
                        page_size: int, split: bool, kv_form: str = "single", kv_layout: str = "HND",
                        k_scale_tensor: bool = False, v_scale_tensor: bool = False, **override) -> Sm80DecodeConfig:
     """The config the op, the warm-up and the compile matrix use for a problem on ``target``;
-    ``override`` replaces any tuning field (tests force the bit-trick widening or a small-smem
-    ring with it)."""
+    ``override`` replaces any tuning field (tests force the bit-trick widening, or, with
+    ``smem_target``, a ring sized for another target's shared memory: a 99 KB build run on an
+    H200)."""
     fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len,
                   page_size=page_size, split=split, kv_form=kv_form, kv_layout=kv_layout,
-                  k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
-                  widen=default_widen(target) if kv_dtype == "fp8_e4m3" else "bits",
-                  pdl=target in PDL_TARGETS)
-    # ``smem_target``: size the ring for another arch's shared memory (a 99 KB build run on an H200)
+                  k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
+    override = dict(override)
     fields.update(decode_tiling(override.pop("smem_target", target), kv_dtype, head_dim, group * q_len))
     fields.update(override)
     return Sm80DecodeConfig(**fields)
@@ -297,6 +295,34 @@ def decode_splits(items: int, max_context: int, num_sms: int, tile: int, ctas_pe
         return 1
     max_tiles = max(1, math.ceil(max_context / tile))
     return max(1, min(MAX_SPLITS, max_tiles, slots // max(items, 1)))
+
+
+def plan_decode(config_for, items: int, max_context: int, num_sms: int,
+                num_splits: int | None) -> tuple[int, Sm80DecodeConfig]:
+    """``(splits, config)`` of one decode launch: ``config_for(split)`` builds the config; the
+    unsplit one's tile sizes the split schedule."""
+    probe = config_for(False)
+    splits = decode_splits(items, max_context, num_sms, probe.tile, num_splits=num_splits)
+    return splits, (probe if splits <= 1 else config_for(True))
+
+
+def decode_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
+                    kv_dtypes=("fp8_e4m3",), q_dtype: str = "bf16", q_lens=(1,), scale_tensors=(False, True),
+                    kv_layouts=("HND",), kv_forms=("single",), **override) -> list[KernelConfig]:
+    """The ``sm80.decode`` configs (split and not, with the split's merge) that a model shape
+    reaches on ``target`` (the warm-up's list)."""
+    group = num_q_heads // num_kv_heads
+    out: list[KernelConfig] = []
+    merges: list[KernelConfig] = []
+    for kv, q_len, split, st, layout, form in product(kv_dtypes, q_lens, (False, True), scale_tensors, kv_layouts,
+                                                      kv_forms):
+        cfg = make_decode_config(target=target, q_dtype=q_dtype, kv_dtype={"fp8": "fp8_e4m3"}.get(kv, kv),
+                                 head_dim=head_dim, group=group, q_len=q_len, page_size=page_size, split=split,
+                                 k_scale_tensor=st, v_scale_tensor=st, kv_form=form, kv_layout=layout, **override)
+        out.append(cfg)
+        if split and cfg.merge_config() not in merges:
+            merges.append(cfg.merge_config())
+    return out + merges
 
 
 # ------------------------------------------------------------------------------------------------
@@ -340,11 +366,9 @@ class Sm80PrefillConfig(_Sm80Common):
         )
 
     def build(self):
-        from ..sm80 import prefill
+        from ..sm80.prefill import Sm80PagedPrefill  # the kernel module imports the DSL: only here
 
-        entry = {(False, "single"): prefill.Sm80PrefillSingle, (False, "pair"): prefill.Sm80PrefillPair,
-                 (True, "single"): prefill.Sm80PrefillSingleLse, (True, "pair"): prefill.Sm80PrefillPairLse}
-        return entry[(self.write_lse, self.kv_form)](self)
+        return Sm80PagedPrefill(self)
 
 
 PREFILL_CTAS_PER_SM = 2
@@ -372,11 +396,77 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
                         kv_layout: str = "HND", k_scale_tensor: bool = False, v_scale_tensor: bool = False,
                         **override) -> Sm80PrefillConfig:
     """The config the prefill op, the warm-up and the compile matrix use on ``target``;
-    ``override`` replaces tuning fields (``smem_target``: size the ring for another arch)."""
+    ``override`` replaces tuning fields (``smem_target``: size the ring for another target)."""
     fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group,
                   page_size=page_size, causal=causal, write_lse=write_lse, kv_form=kv_form, kv_layout=kv_layout,
-                  k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
-                  widen=default_widen(target) if kv_dtype == "fp8_e4m3" else "bits", pdl=target in PDL_TARGETS)
+                  k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
+    override = dict(override)
     fields.update(prefill_tiling(override.pop("smem_target", target), kv_dtype, head_dim))
     fields.update(override)
     return Sm80PrefillConfig(**fields)
+
+
+# ------------------------------------------------------------------------------------------------
+# compile matrix
+# ------------------------------------------------------------------------------------------------
+
+
+def _q_for(kv: str) -> str:
+    return "fp16" if kv == "fp16" else "bf16"
+
+
+def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
+    """The variants of ``kernel_id`` (both kernels: None) in every target's full set (``cute-kernels compile --arch <target> --kernel sm80.``): decode
+    for each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
+    (four); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
+    a (K, V) pair in NHD with scale tensors; prefill for each cache dtype x head dim, with the LSE
+    and without a causal mask once each. Plus :func:`ci_variants` (on SM90: a 99 KB ring)."""
+    out: list[KernelConfig] = []
+    for t in TARGETS:
+        for kv in KV_DTYPES:
+            for d in HEAD_DIMS:
+                shape = dict(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=d, page_size=16)
+                out += [make_decode_config(group=8, q_len=1, split=s, **shape) for s in (False, True)]
+                out.append(make_prefill_config(group=4, **shape))
+            out.append(make_decode_config(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=128, group=16, q_len=4,
+                                          page_size=16, split=True))
+        out.append(make_decode_config(target=t, q_dtype="bf16", kv_dtype="fp16", head_dim=128, group=8, q_len=1,
+                                      page_size=16, split=False))
+        if t in CVT_TARGETS:
+            out.append(make_decode_config(target=t, q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8,
+                                          q_len=1, page_size=16, split=True, widen="bits"))
+        out.append(make_prefill_config(target=t, q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=8, page_size=64,
+                                       causal=False, write_lse=True, kv_form="pair", kv_layout="NHD"))
+    return [c for c in dict.fromkeys(out + ci_variants()) if kernel_id in (None, c.kernel_id)]
+
+
+def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
+    """The variants of ``kernel_id`` (both: None) in the representative set the CPU test suite
+    compiles per target (the full set is one
+    command away): decode with a BF16 cache (split and not, the second as a (K, V) pair in NHD)
+    and with an FP8 cache (the target's widening, scale tensors), prefill with an FP8 cache and
+    the LSE; on SM80 also the bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90
+    the shapes SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a
+    ring sized for 99 KB (run on the H200 as the SM86 build's stand-in) and an fp16 D 64 prefill."""
+    shape = dict(q_dtype="bf16", head_dim=128, page_size=16)
+    out: list[KernelConfig] = []
+    for t in TARGETS:
+        out += [
+            make_decode_config(target=t, kv_dtype="bf16", group=8, q_len=1, split=False, **shape),
+            make_decode_config(target=t, kv_dtype="bf16", group=4, q_len=2, split=True, kv_form="pair",
+                               kv_layout="NHD", **shape),
+            make_decode_config(target=t, kv_dtype="fp8_e4m3", group=8, q_len=1, split=True, k_scale_tensor=True,
+                               v_scale_tensor=True, **shape),
+            make_prefill_config(target=t, kv_dtype="fp8_e4m3", group=4, write_lse=True, **shape),
+        ]
+    sm80 = dict(target="sm_80", q_dtype="bf16", kv_dtype="fp8_e4m3", page_size=16, split=False)
+    out += [make_decode_config(head_dim=64, group=8, q_len=1, **sm80),
+            make_decode_config(head_dim=256, group=16, q_len=4, **sm80),
+            make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,
+                                page_size=64, causal=False)]
+    out += [make_decode_config(target="sm_90a", kv_dtype="fp16", group=4, q_len=1, split=False, **shape),
+            make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, widen="bits",
+                               smem_target="sm_86", **shape),
+            make_prefill_config(target="sm_90a", q_dtype="fp16", kv_dtype="fp16", head_dim=64, group=1,
+                                page_size=32)]
+    return [c for c in out if kernel_id in (None, c.kernel_id)]

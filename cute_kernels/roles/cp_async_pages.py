@@ -4,11 +4,13 @@ or a (K, V) pair.
 
 Every thread of the CTA copies ``tile * D * bytes / 16 / threads`` 16-byte chunks of K and as many
 of V per stage. Token rows are stored at ``D * bytes`` bytes each with the 128-byte XOR swizzle
-(:func:`~cute_kernels.roles.warp_ptx.swizzle`), K first, then V, one stage after the other. A
+(:func:`swizzle`), K first, then V, one stage after the other. A
 row past ``limit`` (the sequence's end, or what the CTA's queries can see), of a page past the
 block-table row, or of a page id outside ``[0, P)`` is zero-filled and never read: stale cache
 bytes can then neither leak NaN into P·V nor be dereferenced. Page ids are read once per thread
 and page: a stage's rows of one thread share their page when a page holds several row steps.
+Addresses are 32-bit shared-window addresses (``smem_ptr.toint()``): the inner loops compute them
+with plain integer arithmetic, no layout algebra. Design: docs/design/sm80.md#kv-gather-and-the-ring.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 
-from .warp_ptx import cp_async_16_zfill, swizzle
+from .fragments import cp_async_zfill_16_at
+
+
+def swizzle(byte_offset):
+    """(Traced or int.) The 128-byte XOR swizzle of a byte offset from a 1024-byte aligned base:
+    the 16-byte chunk within each 128-byte line is XORed with the line index mod 8. Eight rows
+    read at the same column (``ldmatrix``) then hit eight different bank groups, whatever the row
+    length (64, 128, 256 or 512 bytes)."""
+    return byte_offset ^ (((byte_offset >> 7) & 7) << 4)
 
 
 def cache_views(mKc, mVc, kv_form: str, kv_layout: str):
@@ -99,4 +109,4 @@ class PagedKVGather:
                     src_t = mK if const_expr(which == 0) else mV
                     src = (src_t.iterator + cute.crd2idx((slot, d, kv_head, safe), src_t.layout)).toint()
                     dst = smem_base + which * self.tile_bytes + swizzle(row * self.row_bytes + c * 16)
-                    cp_async_16_zfill(dst, Int64(src), nbytes)
+                    cp_async_zfill_16_at(dst, Int64(src), nbytes, 0, 0)

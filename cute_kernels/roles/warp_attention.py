@@ -10,7 +10,8 @@ tokens (``tw`` each); every warp keeps its own online-softmax state, and the ``w
 of a row merge once, at the end, through shared memory.
 
 MMA operands are 16-bit: the cache's type for a 16-bit cache; fp16 for an FP8 cache (K/V widened
-exactly, :mod:`~cute_kernels.roles.fp8_widen_sw`) and for a bf16 query against an fp16 cache. A
+exactly by the SM90 kernels' helpers, :func:`.fragments.widen_e4m3x4` to fp16 with the bit trick,
+values times 2^-8, or :func:`.fragments.cvt_e4m3x4_f16`) and for a bf16 query against an fp16 cache. A
 bf16 query that enters an fp16 MMA is scaled per row by a power of two into fp16's range (exact;
 the logits divide it out). FP8 K is widened from one ldmatrix register of four consecutive head
 dims per lane group, so the query's columns are staged permuted the same way; FP8 V is read
@@ -27,13 +28,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
 from ..jit.dtypes import cute_dtype
-from .cp_async_pages import PagedKVGather
-from .fp8_widen_sw import qk_permutation, widen, widen_scale_log2
-from .warp_ptx import (
-    ldmatrix_x4,
-    store_shared_v4,
-    swizzle,
-)
+from .cp_async_pages import PagedKVGather, swizzle
+from .fragments import WIDEN_SHIFT_LOG2, cvt_e4m3x4_f16, ldmatrix_x4, q_permutation, store_shared_b32x4, widen_e4m3x4
 
 LOG2E = math.log2(math.e)
 FP16_TARGET_LOG2 = 14  # a row's largest |q| is scaled to [2^13, 2^16) for an fp16 MMA
@@ -64,8 +60,18 @@ class WarpTileAttention:
         self.kv_bytes = 1 if self.fp8 else 2
         self.kv_row_bytes = D * self.kv_bytes
         self.q_row_bytes = D * 2
-        self.widen_log2 = widen_scale_log2(widen_method) if self.fp8 else 0
+        # log2 of the factor the widened values are smaller than the e4m3 values by (bits: 2^-8)
+        self.widen_log2 = WIDEN_SHIFT_LOG2["fp16"] if self.fp8 and widen_method == "bits" else 0
         self.atom_dtype = self.mma_dtype
+
+    def widen(self, x, pair_tokens: bool):
+        """(Traced.) Four e4m3 bytes of one ``ldmatrix`` register -> two fp16x2 registers. The bit
+        trick pairs ``(b0, b2)``, ``(b1, b3)`` always; ``cvt`` pairs ``(b0, b1)``, ``(b2, b3)``, or
+        ``(b0, b2)``, ``(b1, b3)`` with ``pair_tokens`` (V from ``ldmatrix.trans``: the two tokens
+        of one head dim)."""
+        if self.widen_method == "bits":
+            return widen_e4m3x4(x, "fp16")
+        return cvt_e4m3x4_f16(x, pair_tokens)
 
     # ---------------------------------------------------------------------------------------
     # shared-memory footprint (bytes; the kernel's storage struct and the plan use these)
@@ -124,13 +130,13 @@ class WarpTileAttention:
             scale = cute.math.exp2(Float32(e_shift), fastmath=False)
             packed = cute.make_rmem_tensor((16,), self.mma_dtype)
             for k in cutlass.range_constexpr(16):
-                src = qk_permutation(k, self.widen_method) if const_expr(self.fp8) else k
+                src = q_permutation(k, self.widen_method) if const_expr(self.fp8) else k
                 packed[k] = (vals[src] * scale).to(self.mma_dtype)
             if idx < work:
                 words = cute.recast_tensor(packed, Int32)
                 base = r * self.q_row_bytes + c * 32
-                store_shared_v4(sq_base + swizzle(base), words[0], words[1], words[2], words[3])
-                store_shared_v4(sq_base + swizzle(base + 16), words[4], words[5], words[6], words[7])
+                store_shared_b32x4(sq_base + swizzle(base), words[0], words[1], words[2], words[3])
+                store_shared_b32x4(sq_base + swizzle(base + 16), words[4], words[5], words[6], words[7])
                 if c == 0:
                     sScale[r] = logit_scale * cute.math.exp2(-Float32(e_shift), fastmath=False)
 
@@ -220,7 +226,7 @@ class WarpTileAttention:
                     col = kb2 * 32 + (mi // 2) * 16
                     r = ldmatrix_x4(k_base + swizzle(row * self.kv_row_bytes + col), False)
                     for j in cutlass.range_constexpr(4):
-                        lo, hi = widen(r[j], self.widen_method, "01")
+                        lo, hi = self.widen(r[j], False)
                         base = 2 * (2 * n16 + j % 2) + 2 * nt * (j // 2)
                         regs[base] = lo
                         regs[base + 1] = hi
@@ -309,7 +315,7 @@ class WarpTileAttention:
                         bV = cute.make_rmem_tensor(((2, 2), 2, 1), self.mma_dtype)
                         regs = cute.recast_tensor(bV, Int32)
                         for j in cutlass.range_constexpr(2 * half, 2 * half + 2):
-                            lo, hi = widen(r[j], self.widen_method, "02")
+                            lo, hi = self.widen(r[j], True)
                             regs[j % 2] = lo  # even dims of the chunk
                             regs[2 + j % 2] = hi  # odd dims
                         cute.gemm(atom, acc_o[2 * dc2 + half], tOrP[None, None, 0], bV[None, None, 0],

@@ -15,6 +15,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..jit.spec import bind_arguments
 from ..roles.cp_async_pages import cache_views
 from ..roles.warp_attention import LOG2E, engine_for
 
@@ -24,10 +25,27 @@ class Sm80PagedDecode:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.arg_names = cfg.arg_names()
         self.G, self.q_len = cfg.group, cfg.q_len
         self.R = cfg.group * cfg.q_len
         self.engine, self.gather, self.kv_region = engine_for(cfg)
         self.stages = cfg.stages
+
+    @cute.jit
+    def __call__(self, *args):
+        """The config's arguments (``Sm80DecodeConfig.signature()``: one cache tensor or K and V,
+        the output and LSE or a split's partials) and the stream."""
+        a = bind_arguments(self.arg_names, args)
+        if const_expr(self.cfg.kv_form == "single"):
+            mKc = mVc = a["kv_cache"]
+        else:
+            mKc, mVc = a["k_cache"], a["v_cache"]
+        if const_expr(self.cfg.split):
+            mO, mLse, num_splits = a["part_out"], a["part_lse"], a["part_out"].shape[0]
+        else:
+            mO, mLse, num_splits = a["out"], a["lse"], 1
+        self.launch(a["q"], mKc, mVc, a["block_table"], a["seq_lens"], mO, mLse, a["k_scale"], a["v_scale"],
+                    a["sm_scale"], num_splits, a["stream"])
 
     @cute.jit
     def launch(self, mQ, mKc, mVc, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32,
@@ -127,34 +145,3 @@ class Sm80PagedDecode:
                     if d0 == 0:
                         mLse[token, head] = sStats[2 * self.engine.warps_n, r]
 
-
-# Entry points: the compiled function takes only its variant's arguments, in the order of the
-# config's signature().
-
-
-class Sm80DecodeSingle(Sm80PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32, stream):
-        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale, 1, stream)
-
-
-class Sm80DecodePair(Sm80PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32, stream):
-        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale, 1, stream)
-
-
-class Sm80DecodeSplitSingle(Sm80PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mPartO, mPartLse, k_scale, v_scale, sm_scale: Float32,
-                 stream):
-        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mPartO, mPartLse, k_scale, v_scale, sm_scale,
-                    mPartO.shape[0], stream)
-
-
-class Sm80DecodeSplitPair(Sm80PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mPartO, mPartLse, k_scale, v_scale, sm_scale: Float32,
-                 stream):
-        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mPartO, mPartLse, k_scale, v_scale, sm_scale,
-                    mPartO.shape[0], stream)

@@ -15,6 +15,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..jit.spec import bind_arguments
 from ..roles.cp_async_pages import cache_views
 from ..roles.warp_attention import LOG2E, engine_for
 
@@ -24,8 +25,22 @@ class Sm80PagedPrefill:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.arg_names = cfg.arg_names()
         self.G = cfg.group
         self.engine, self.gather, self.kv_region = engine_for(cfg)
+
+    @cute.jit
+    def __call__(self, *args):
+        """The config's arguments (``Sm80PrefillConfig.signature()``: one cache tensor or K and V,
+        the LSE only where it is written) and the stream."""
+        a = bind_arguments(self.arg_names, args)
+        if const_expr(self.cfg.kv_form == "single"):
+            mKc = mVc = a["kv_cache"]
+        else:
+            mKc, mVc = a["k_cache"], a["v_cache"]
+        mLse = a["lse"] if const_expr(self.cfg.write_lse) else a["out"]
+        self.launch(a["q"], mKc, mVc, a["block_table"], a["seq_lens"], a["query_start_loc"], a["out"], mLse,
+                    a["k_scale"], a["v_scale"], a["sm_scale"], a["max_query_len"], a["stream"])
 
     @cute.jit
     def launch(self, mQ, mKc, mVc, mBlockTable, mSeqLens, mQStart, mO, mLse, k_scale, v_scale, sm_scale: Float32,
@@ -137,37 +152,3 @@ class Sm80PagedPrefill:
                     if d0 == 0:
                         mLse[token, head] = sStats[2 * self.engine.warps_n, r]
 
-
-# Entry points, in the order of the config's signature().
-
-
-class Sm80PrefillSingle(Sm80PagedPrefill):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mQStart, mO, k_scale, v_scale, sm_scale: Float32,
-                 max_query_len: Int32, stream):
-        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mQStart, mO, mO, k_scale, v_scale, sm_scale, max_query_len,
-                    stream)
-
-
-class Sm80PrefillPair(Sm80PagedPrefill):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mQStart, mO, k_scale, v_scale, sm_scale: Float32,
-                 max_query_len: Int32, stream):
-        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mQStart, mO, mO, k_scale, v_scale, sm_scale, max_query_len,
-                    stream)
-
-
-class Sm80PrefillSingleLse(Sm80PagedPrefill):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mQStart, mO, mLse, k_scale, v_scale, sm_scale: Float32,
-                 max_query_len: Int32, stream):
-        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mQStart, mO, mLse, k_scale, v_scale, sm_scale,
-                    max_query_len, stream)
-
-
-class Sm80PrefillPairLse(Sm80PagedPrefill):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mQStart, mO, mLse, k_scale, v_scale, sm_scale: Float32,
-                 max_query_len: Int32, stream):
-        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mQStart, mO, mLse, k_scale, v_scale, sm_scale, max_query_len,
-                    stream)

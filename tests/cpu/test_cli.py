@@ -51,10 +51,12 @@ def test_matrix_text(capsys, sm90_decode_planned):
         assert len(r) == 7 and r[5] in ("yes", "no")
     sm90_fp8 = next(r for r in rows if r[:3] == ["sm90", "decode", "fp8_e4m3"])
     assert sm90_fp8[3] == "sm80.decode" and sm90_fp8[4] == "bf16" and sm90_fp8[5] == "no"
+    assert sm90_fp8[6] == "sm90.decode is not built yet; sm80.decode accepts this request."
     for r in rows:  # every cell names a kernel, none the reference
         assert not r[3].startswith("reference."), r
         if r[0] in ("sm80", "sm86", "sm89", "sm120", "sm121"):
             assert r[3] == f"sm80.{r[1]}" and r[4] == "bf16" and r[5] == "no"
+            assert r[6].endswith(f"(verified as SM80 code on SM90 hardware, not on {r[0]}).")
     for arch in SUPPORTED_ARCHS:  # per-arch notes follow the table
         assert f"\n  {arch} " in out
 
@@ -82,6 +84,7 @@ def test_plan_text(capsys, sm90_decode_planned):
     out = capsys.readouterr().out
     assert "kernel           sm80.decode\n" in out
     assert "query dtype      bf16" in out and "q_scale applied  no" in out
+    assert "sm90.decode is not built yet" in out
     assert main(["plan", "--arch", "sm_90a", "--phase", "decode", "--kv-cache-dtype", "fp8", "--backend",
                  "reference"]) == 0
     assert "kernel           reference.paged_decode (reference fallback)" in capsys.readouterr().out

@@ -92,7 +92,7 @@ def test_sm80_decode_matches_reference(case, gen):
 @pytest.mark.parametrize("widen", ["bits", "cvt"])
 def test_every_fp8_code_widens_exactly(widen, gen):
     """K and V pages holding every e4m3 code (NaN codes excluded: the bit trick maps them to ±480,
-    see fp8_widen_sw) with a one-hot query: each output row is one V row exactly (fp32 compare
+    see docs/design/sm80.md) with a one-hot query: each output row is one V row exactly (fp32 compare
     against torch's conversion), and the LSE shows each logit exactly."""
     D, page = 128, 16
     codes = torch.arange(256, dtype=torch.int32)
@@ -143,3 +143,19 @@ def test_graph_replay_equals_eager_and_sees_new_scales(gen):
         _check(c, eager2, lse2, seed)
         ks.fill_(0.05)
         vs.fill_(0.02)
+
+
+def test_sm90_sends_what_its_kernel_refuses_to_the_portable_one(gen):
+    """Without an override: on SM90 an fp16 cache with a bf16 query (which sm90.decode refuses)
+    runs sm80.decode; on every other arch every decode does."""
+    from cute_kernels.ops._torch import compile_target
+    from cute_kernels.ops.paged_decode import decode_kernel
+
+    seed = gen.initial_seed()
+    assert decode_kernel(compile_target(torch.device("cuda")), "bf16", "fp16").id == "sm80.decode"
+    c = make_paged_decode_case(batch=4, num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
+                               seq_lens=_lens(gen, 4, 16), kv_dtype=FP16, q_dtype=BF16, generator=gen)
+    out = torch.full_like(c.q, float("nan"))
+    out, lse = cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, return_lse=True,
+                                         **c.kwargs())
+    _check(c, out, lse, seed)

@@ -2,7 +2,7 @@
 requests against cached prefixes, empty requests (q_len 0), causal and not, every cache dtype and
 both FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, a ring sized for 99 KB
 of shared memory, and CUDA-graph replay. Runs on any SM80+ GPU (the H200 included): the kernel is
-launched through ``ops._sm80.run_prefill``, which forces it whatever the arch. Outputs are
+launched through ``ops._sm80_prefill.run_prefill``, which runs it whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cute_kernels.ops._sm80 import run_prefill
+from cute_kernels.ops._sm80_prefill import run_prefill
 from cute_kernels.testing import capture_graph, check_attention, make_prefill_case, prefill_reference
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="needs SM80 or newer")
