@@ -119,6 +119,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def ragged_seq_lens(gen, batch: int, page: int) -> list[int]:
+    """``batch`` random lengths below 1500 with the edge cases first: an empty request (zeros and
+    a -inf LSE), a page-aligned end, one shorter than a page."""
+    lens = torch.randint(1, 1500, (batch,), generator=gen, device=gen.device).tolist()
+    lens[0] = 0
+    lens[1] = 3 * page
+    lens[2] = 7
+    return lens
+
+
 def make_prefill_case(gen, *, q_lens, prefixes, kv, q, D, Hq, Hkv, page, layout, container):
     """A varlen paged-prefill problem: request b has ``q_lens[b]`` new tokens after a cached prefix of
     ``prefixes[b]``; returns the case (its ``q`` is ``[sum(q_lens), Hq, D]``) and ``query_start_loc``."""
@@ -183,3 +193,28 @@ def capture_graph(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph
+
+
+def check_graph_replay(case, call, eager, check, seed=None, new_scales=(0.11, 0.007)):
+    """``call(out)`` writes an attention of ``case`` into ``out`` (its variant compiled), ``eager()``
+    returns ``(out, lse)`` of a fresh eager call, ``check(out, lse)`` judges a result. Captured into
+    a CUDA graph, the replay must equal the eager result bitwise, before and after new values are
+    written into the case's k/v scale tensors (read on the device, so a replay sees them); the
+    result under the new scales is checked, then the scales are restored."""
+    ks, vs = case.k_scale, case.v_scale
+    saved = (ks.clone(), vs.clone())
+    out = torch.empty_like(case.q)
+    graph = capture_graph(lambda: call(out))
+    for step in range(2):
+        if step:
+            ks.fill_(new_scales[0])
+            vs.fill_(new_scales[1])
+        expected, lse = eager()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        what = "did not see the new scales" if step else "differs from eager"
+        assert torch.equal(out, expected), f"seed {seed}: graph replay {what}"
+    check(out, lse)
+    ks.copy_(saved[0])
+    vs.copy_(saved[1])

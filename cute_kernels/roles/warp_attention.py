@@ -29,7 +29,14 @@ from cutlass.cute.nvgpu import warp
 
 from ..jit.dtypes import cute_dtype
 from .cp_async_pages import PagedKVGather, swizzle
-from .fragments import WIDEN_SHIFT_LOG2, cvt_e4m3x4_f16, ldmatrix_x4, q_permutation, store_shared_b32x4, widen_e4m3x4
+from .fragments import (
+    WIDEN_SHIFT_LOG2,
+    cvt_e4m3x4_f16,
+    ldmatrix_x4,
+    q_permutation,
+    store_shared_b32x4,
+    widen_e4m3x4,
+)
 
 LOG2E = math.log2(math.e)
 FP16_TARGET_LOG2 = 14  # a row's largest |q| is scaled to [2^13, 2^16) for an fp16 MMA

@@ -12,7 +12,13 @@ import torch
 import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.paged_decode import tuning_override
-from cute_kernels.testing import capture_graph, check_attention, make_paged_decode_case, rel_err
+from cute_kernels.testing import (
+    check_attention,
+    check_graph_replay,
+    make_paged_decode_case,
+    ragged_seq_lens,
+    rel_err,
+)
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="needs SM80 or newer")
 FP8, BF16, FP16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
@@ -54,14 +60,6 @@ def _ids(c):
     return f"{str(kv)[6:]}-{str(q)[6:]}-d{D}-h{Hq}/{Hkv}-p{page}-q{ql}-{lay}-{cont}-s{s}" + (f"-{extra}" if extra else "")
 
 
-def _lens(gen, batch, page):
-    lens = torch.randint(1, 1500, (batch,), generator=gen, device="cuda").tolist()
-    lens[0] = 0  # an empty request: zeros and -inf
-    lens[1] = 3 * page  # page-aligned end
-    lens[2] = 7  # shorter than one page
-    return lens
-
-
 def _run(case, splits, **override):
     out = torch.full_like(case.q, float("nan"))
     with tuning_override(backend="sm80", **override):
@@ -82,7 +80,7 @@ def test_sm80_decode_matches_reference(case, gen):
     seed = gen.initial_seed()
     B = 6
     c = make_paged_decode_case(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=page,
-                               seq_lens=_lens(gen, B, page), kv_dtype=kv, q_dtype=q, q_len=q_len,
+                               seq_lens=ragged_seq_lens(gen, B, page), kv_dtype=kv, q_dtype=q, q_len=q_len,
                                kv_layout=layout, container=container, generator=gen)
     out, lse = _run(c, splits, **override)
     _check(c, out, lse, seed)
@@ -120,29 +118,16 @@ def test_graph_replay_equals_eager_and_sees_new_scales(gen):
     c = make_paged_decode_case(batch=8, num_q_heads=32, num_kv_heads=4, head_dim=128, page_size=16,
                                seq_lens=torch.randint(100, 4000, (8,), generator=gen, device="cuda").tolist(),
                                generator=gen)
-    ks = torch.tensor([0.05], device="cuda")
-    vs = torch.tensor([0.02], device="cuda")
-    c.k_scale, c.v_scale = ks, vs
-    for splits in (1, 4):
-        eager, _ = _run(c, splits)
-        out = torch.empty_like(c.q)
+    c.k_scale, c.v_scale = torch.tensor([0.05], device="cuda"), torch.tensor([0.02], device="cuda")
+
+    def call(out, splits):
         with tuning_override(backend="sm80"):
-            graph = capture_graph(lambda out=out, splits=splits: cute_kernels.paged_decode(
-                c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, num_splits=splits, **c.kwargs()))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager), f"seed {seed}: replay differs from eager"
-        ks.fill_(0.11)
-        vs.fill_(0.007)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager2, lse2 = _run(c, splits)
-        assert torch.equal(out, eager2), f"seed {seed}: replay did not see the new scales"
-        _check(c, eager2, lse2, seed)
-        ks.fill_(0.05)
-        vs.fill_(0.02)
+            cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, num_splits=splits,
+                                      **c.kwargs())
+
+    for splits in (1, 4):
+        check_graph_replay(c, lambda out, s=splits: call(out, s), lambda s=splits: _run(c, s),
+                           lambda out, lse: _check(c, out, lse, seed), seed)
 
 
 def test_sm90_sends_what_its_kernel_refuses_to_the_portable_one(gen):
@@ -154,7 +139,7 @@ def test_sm90_sends_what_its_kernel_refuses_to_the_portable_one(gen):
     seed = gen.initial_seed()
     assert decode_kernel(compile_target(torch.device("cuda")), "bf16", "fp16").id == "sm80.decode"
     c = make_paged_decode_case(batch=4, num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
-                               seq_lens=_lens(gen, 4, 16), kv_dtype=FP16, q_dtype=BF16, generator=gen)
+                               seq_lens=ragged_seq_lens(gen, 4, 16), kv_dtype=FP16, q_dtype=BF16, generator=gen)
     out = torch.full_like(c.q, float("nan"))
     out, lse = cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, return_lse=True,
                                          **c.kwargs())
