@@ -5,7 +5,9 @@ sanitize``; docs/design/testing.md#sanitizer):
 
 Shapes include out-of-range page ids, a partial last page, an empty request, split and no split,
 HND and NHD, FP8 and BF16 caches, the cluster merge (DSMEM; 2, 3 and 16 CTAs) and the global fused
-merge (3 splits: staged in shared memory; 40: more than the stages hold, merged from L2): any
+merge (3 splits: staged in shared memory; 40: more than the stages hold, merged from L2); then the
+portable ``sm80.decode`` (forced) with the same bad page ids, both FP8 widenings, a ring sized for
+99 KB, split and not, and ``sm80.prefill`` on varlen chunks against cached prefixes: any
 out-of-bounds access fails the run.
 """
 
@@ -14,7 +16,8 @@ from __future__ import annotations
 import torch
 
 import cute_kernels
-from cute_kernels.testing import make_paged_decode_case
+from cute_kernels.ops._sm80_prefill import run_prefill
+from cute_kernels.testing import make_paged_decode_case, make_prefill_case
 
 
 def main():
@@ -31,6 +34,22 @@ def main():
         c.block_table[3, 5] = -5
         with tuning_override(**({} if cluster is None else {"cluster": cluster})):
             cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=splits, **c.kwargs())
+    for kv, layout, splits, extra in ((torch.float8_e4m3fn, "HND", 1, {"widen": "bits"}),
+                                      (torch.float8_e4m3fn, "NHD", 5, {}),
+                                      (torch.bfloat16, "HND", 3, {"smem_target": "sm_86"})):
+        c = make_paged_decode_case(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                                   seq_lens=[0, 17, 300, 1000], kv_dtype=kv, kv_layout=layout, generator=g)
+        c.block_table[2, 3] = 10**6
+        c.block_table[3, 5] = -5
+        with tuning_override(backend="sm80", **extra):
+            cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=splits, **c.kwargs())
+    for kv in (torch.float8_e4m3fn, torch.bfloat16):
+        c, qsl = make_prefill_case(g, q_lens=[37, 0, 130, 5], prefixes=[0, 50, 33, 1000], kv=kv, q=torch.bfloat16,
+                                   D=128, Hq=32, Hkv=8, page=16, layout="HND", container="single")
+        c.block_table[2, 3] = 10**6
+        c.block_table[3, 5] = -5
+        run_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=130, k_scale=c.k_scale,
+                    v_scale=c.v_scale, return_lse=True)
     po = torch.randn(3, 5, 4, 128, device="cuda")
     pl = torch.randn(3, 5, 4, device="cuda")
     cute_kernels.merge_states(po, pl, out_dtype=torch.bfloat16)
