@@ -176,24 +176,26 @@ def run_compile(args: argparse.Namespace) -> int:
     for config in selection:
         try:
             compiled, ev = compile_with_evidence(config, arch)
-            ok = not ev.missing and ev.ptx_target == arch
+            # the compile matrix's rule: the evidence, the requested target, no register spills
+            spills = "STL" in ev.sass or "LDL" in ev.sass
+            ok = not ev.missing and ev.ptx_target == arch and not spills
             digests[f"{arch}:{config.label()}"] = ptx_digest(compiled.ptx or "")
             results.append(dict(kernel=config.label(), seconds=round(compiled.seconds, 2), ok=ok,
-                                ptx=ev.ptx, sass=ev.sass, missing=ev.missing))
+                                ptx=ev.ptx, sass=ev.sass, missing=ev.missing, spills=spills))
         except Exception as e:  # report and go on: one broken variant must not hide the rest
             ok = False
             results.append(dict(kernel=config.label(), seconds=None, ok=False, error=f"{type(e).__name__}: {e}"))
         failed += not ok
         if not args.json:
             r = results[-1]
-            status = "ok  " if ok else "FAIL"
+            status = "ok" if ok else "SPILL" if r.get("spills") else "FAIL"
             secs = f"{r['seconds']:6.2f}s" if r.get("seconds") is not None else "   -   "
             detail = r.get("error") or ev.summary()
-            print(f"{status} {secs} {r['kernel']}\n           {detail}", flush=True)
+            print(f"{status:5} {secs} {r['kernel']}\n            {detail}", flush=True)
     if args.json:
         print(json.dumps(dict(arch=arch, results=results), indent=1))
     else:
-        print(f"{len(results) - failed}/{len(results)} variants compiled with their evidence for {arch}")
+        print(f"{len(results) - failed}/{len(results)} variants compiled with their evidence and no spills for {arch}")
     if args.digests:  # update this arch's entries of an existing file, keep the others
         import os
 
