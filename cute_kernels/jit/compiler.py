@@ -32,7 +32,7 @@ from .spec import Arg, fake_arguments
 # Targets this package compiles for. Arch-specific kernels name their own subset; arch-neutral
 # ones (merge) compile for every target the DSL knows from SM80 on.
 ALL_TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_103a", "sm_120a", "sm_121a")
-COMPILE_TARGETS = ("sm_90a", "sm_100a")
+COMPILE_TARGETS = ("sm_90a", "sm_100a", "sm_103a")
 
 _lock = threading.RLock()
 _memory: dict[tuple, Any] = {}
@@ -76,6 +76,7 @@ class CompiledKernel:
     seconds: float
     ptx: str | None = None
     sass: str | None = None
+    cubin: bytes | None = None
 
 
 def normalize_target(arch) -> str:
@@ -149,15 +150,24 @@ def compile_config(config: KernelConfig, arch: str, *, artifacts: bool = False) 
             seconds = time.perf_counter() - t0
             if "TVMFFI" not in type(fn).__name__:
                 raise RuntimeError(f"expected a TVM-FFI function, got {type(fn).__name__}")
-            ptx = sass = None
+            ptx = sass = cubin = None
             if artifacts:
                 ptx = _read_artifact(fn.__ptx__)
-                sass = _disassemble(fn.__cubin__, dump)
+                cubin = _read_binary(fn.__cubin__)
+                sass = _disassemble(cubin, dump)
         finally:
             os.environ["CUTE_DSL_ARCH"] = previous
             if dump is not None:
                 shutil.rmtree(dump, ignore_errors=True)
-    return CompiledKernel(config, arch, fn, seconds, ptx, sass)
+    return CompiledKernel(config, arch, fn, seconds, ptx, sass, cubin)
+
+
+def _read_binary(value) -> bytes | None:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str) and os.path.isfile(value):
+        return Path(value).read_bytes()
+    return None
 
 
 def _read_artifact(value) -> str | None:

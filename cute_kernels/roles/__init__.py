@@ -1,0 +1,1 @@
+"""Device roles: arch-neutral pieces (DSL) that kernels compose instead of inheriting."""
