@@ -251,11 +251,13 @@ class Sm100DecodeConfig(_Sm100Config):
     # -- budgets -------------------------------------------------------------------------------
     @property
     def registers(self) -> RegisterBudget:
-        """Softmax warpgroup (S, P, row sums: ~4 N live registers), the MMA + TMA warpgroup, and
-        in ``cvt`` mode the converter warpgroup (one 16-byte ldmatrix tile and its fp16 copy)."""
+        """Softmax warpgroup (per thread ~4 n live fp32: S, correction, running max, row sums),
+        the MMA + TMA warpgroup (the TMA warp keeps a tile's box addresses live), and in ``cvt``
+        mode the converter warpgroup (one ldmatrix tile and its fp16 copy)."""
+        softmax = 192 if self.n <= 16 else 240
         if self.mode == "cvt":
-            return RegisterBudget((("softmax", 192), ("mma_tma", 104), ("convert", 160)))
-        return RegisterBudget((("softmax", 192), ("mma_tma", 128)))
+            return RegisterBudget((("softmax", softmax), ("mma_tma", 104), ("convert", 160)))
+        return RegisterBudget((("softmax", softmax), ("mma_tma", 192)))
 
     @property
     def threads(self) -> int:

@@ -521,11 +521,6 @@ class Sm100PagedDecode:
         # thread t reads TMEM lane t: token t of the tile, the n columns of S^T
         t_load_s, t_store_o, tStS, tOtO = self.tmem_copies(tCtS, tCtO, tidx)
         sP_tn = cute.composition(sP, cute.make_layout((KV_TILE, N), stride=(N, 1)))
-        # query position of each column (padding columns repeat the last row's)
-        q_pos = cute.make_rmem_tensor((N,), Int32)
-        for n in cutlass.range_constexpr(N):
-            r = cutlass.min(row0 + n, Int32(self.rows - 1))
-            q_pos[n] = seq_len - self.q_len + r // self.G
         m_ref = cute.make_rmem_tensor((N,), Float32)
         m_ref.fill(-Float32.inf)
         row_sum = cute.make_rmem_tensor((N,), Float32)
@@ -551,7 +546,9 @@ class Sm100PagedDecode:
             for n in cutlass.range_constexpr(N):
                 v = s[n] * c
                 if edge:
-                    if not key_visible(pos, q_pos[n], window_left):
+                    # the column's query position (padding columns repeat the last row's)
+                    q_pos = seq_len - self.q_len + cutlass.min(row0 + n, Int32(self.rows - 1)) // self.G
+                    if not key_visible(pos, q_pos, window_left):
                         v = -Float32.inf
                 s[n] = v
                 w = cute.arch.warp_redux_sync(v, kind="fmax")
@@ -582,8 +579,10 @@ class Sm100PagedDecode:
                 cute.arch.mbarrier_wait(o_done, (it - 1) % 2)  # PV(it - 1) is done with P and O
                 if rescale != 0:
                     self.rescale_o(t_load_s, t_store_o, tOtO, corr, s)
+            rP = cute.make_rmem_tensor((N,), self.mma_dtype)
             for n in cutlass.range_constexpr(N):
-                sP_tn[tidx, n] = s[n].to(self.mma_dtype)
+                rP[n] = s[n].to(self.mma_dtype)
+            cute.autovec_copy(rP, sP_tn[tidx, None])  # the row is n contiguous elements: 16-byte stores
             if tile * KV_TILE + KV_TILE > seq_len:
                 if const_expr(not self.cvt):
                     self.zero_v_tail(sV, pipe_v, it, seq_len - tile * KV_TILE, tidx)
