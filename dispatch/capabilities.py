@@ -34,9 +34,9 @@ ARCH_SUMMARY = {
     "sm90": "Hopper: sm90.decode (issue 3) reads FP8 KV and converts it on chip, so the query "
             "stays in the model dtype and q_scale is unused; FP8-query decode "
             "(sm90.decode_fp8q) is opt-in only; prefill uses the reference fallback.",
-    "sm100": "Blackwell: tcgen05 TRT-LLM-style decode and prefill (planned) compute QK in FP8 "
-             "for an FP8 cache, where the layer quantizes the query with q_scale; reference "
-             "fallback until they land.",
+    "sm100": "Blackwell: tcgen05 TRT-LLM-style decode and prefill (compile-verified; each MMA family runs a "
+             "one-time self-check on first use) compute QK in FP8 for an FP8 cache, where the layer "
+             "quantizes the query with q_scale.",
     "sm103": "Blackwell Ultra: same kernels and rules as SM100.",
     "sm120": "Blackwell (consumer): no tcgen05 and no FP8 attention kernel; reference fallback; "
              "model-dtype query always.",

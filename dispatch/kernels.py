@@ -6,6 +6,10 @@ op; benchmarks and the CLI print them), so they never change meaning. A kernel i
 - ``"available"``: built and tested; chosen automatically when its limits accept a request;
 - ``"planned"``: designed but not built; named in plans so the reason can say why it was not
   used, refused when asked for explicitly;
+- ``"compile-verified"``: built and compile-checked for its arch (instruction evidence, budgets)
+  but never run on that hardware; chosen like an available kernel, and its op runs a one-time
+  runtime self-check per process before first use (``cute_kernels.ops._selfcheck``): a family
+  that failed it on this machine is refused here, with the recorded reason;
 - ``"fallback"``: the slow torch reference (:mod:`cute_kernels.reference`), which serves every
   arch, dtype and shape so that every request has a plan.
 
@@ -20,10 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cute_kernels.plans.sm100 import DECODE_LIMITS as _SM100_DECODE
+from cute_kernels.plans.sm100 import PREFILL_LIMITS as _SM100_PREFILL
+
 from .arch import SUPPORTED_ARCHS
 from .dtypes import KV_DTYPES, MODEL_DTYPES
 
-STATUSES = ("available", "planned", "fallback")
+STATUSES = ("available", "compile-verified", "planned", "fallback")
 PHASES = ("prefill", "decode")
 KV_LAYOUTS = ("HND", "NHD")
 
@@ -89,11 +96,11 @@ _SM90_DECODE_LIMITS = dict(
     archs=("sm90",), phases=("decode",), model_dtypes=_ALL_16, head_dims=(64, 128, 256),
     max_gqa_ratio=16, page_sizes=(16, 32, 64, 128), max_q_len=4, kv_layouts=("HND", "NHD"),
 )
-# Provisional limits of the Blackwell kernels, to be confirmed when they are built.
+# The Blackwell kernels: QK in FP8 for an FP8 cache (the layer quantizes the query, as for
+# trtllm-gen); their shape limits live with their configs (cute_kernels/plans/sm100.py).
 _SM100_LIMITS = dict(
     archs=("sm100", "sm103"), kv_dtypes=_ALL_KV, model_dtypes=_ALL_16, qk_dtype="fp8_e4m3",
-    supports_quant_query_input=True, head_dims=(64, 128, 256), max_gqa_ratio=None,
-    page_sizes=(16, 32, 64, 128), kv_layouts=("HND",), planned_in="a later SM100 tcgen05 issue",
+    supports_quant_query_input=True, planned_in="the SM100 tcgen05 kernels",
 )
 _REFERENCE_LIMITS = dict(
     status="fallback", archs=SUPPORTED_ARCHS, kv_dtypes=_ALL_KV, model_dtypes=_ALL_16, qk_dtype="model",
@@ -120,14 +127,16 @@ _REGISTRY = (
         **_SM90_DECODE_LIMITS,
     ),
     KernelInfo(
-        id="sm100.decode", status="planned", phases=("decode",), max_q_len=None,
-        description="Blackwell tcgen05 paged decode (TRT-LLM style); QK in FP8 for an FP8 cache",
-        **_SM100_LIMITS,
+        id="sm100.decode", status="compile-verified", phases=("decode",),
+        description=("Blackwell tcgen05 paged decode (swap-AB, S and O in TMEM, TMA page boxes, split-KV, "
+                     "sinks, sliding window); QK in FP8 for an FP8 cache"),
+        **_SM100_LIMITS, **_SM100_DECODE,
     ),
     KernelInfo(
-        id="sm100.prefill", status="planned", phases=("prefill",), max_q_len=None,
-        description="Blackwell tcgen05 paged prefill (TRT-LLM style); QK in FP8 for an FP8 cache",
-        **_SM100_LIMITS,
+        id="sm100.prefill", status="compile-verified", phases=("prefill",),
+        description=("Blackwell tcgen05 paged prefill (two ping-pong softmax warpgroups, a correction warpgroup, "
+                     "S/P aliased in TMEM, varlen, causal, sinks, sliding window); QK in FP8 for an FP8 cache"),
+        **_SM100_LIMITS, **_SM100_PREFILL,
     ),
     KernelInfo(
         id="reference.paged_decode", phases=("decode",),

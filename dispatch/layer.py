@@ -276,7 +276,7 @@ class AttentionLayer:
         import cute_kernels
         from cute_kernels import reference
 
-        if p.kernel not in ("sm90.decode", "reference.paged_decode"):
+        if p.kernel not in ("sm90.decode", "sm100.decode", "reference.paged_decode"):
             raise UnsupportedConfig(f"the decode plan chose {p.kernel}, which has no op in this build ({p.reason})")
         B = metadata.num_decode_reqs
         bt, sl = metadata.block_table, metadata.seq_lens
@@ -291,13 +291,19 @@ class AttentionLayer:
             res = cute_kernels.paged_decode(q_in, kv_cache, bt, sl, out=out, **common)
             if res is not out:  # CPU tensors run the reference, which returns a new tensor
                 out.copy_(res)
+        elif p.kernel == "sm100.decode":  # (an FP8 query when the plan quantized it, with its q_scale)
+            res = cute_kernels.paged_decode(q_in, kv_cache, bt, sl, out=out, q_scale=q_scale, **common)
+            if res is not out:
+                out.copy_(res)
         else:
             out.copy_(reference.paged_decode(q_in, kv_cache, bt, sl, q_scale=q_scale, **common))
 
     def _prefill(self, p: Plan, q, kv_cache, metadata: AttentionMetadata, out):
         from cute_kernels import reference
 
-        if p.kernel != "reference.paged_prefill":
+        if p.kernel == "sm100.prefill" and q.is_cuda:  # the tcgen05 kernel needs the paged_prefill op
+            raise UnsupportedConfig(f"the prefill plan chose {p.kernel}, which has no op in this build ({p.reason})")
+        if p.kernel not in ("reference.paged_prefill", "sm100.prefill"):  # CPU tensors: the reference
             raise UnsupportedConfig(f"the prefill plan chose {p.kernel}, which has no op in this build ({p.reason})")
         nd, T = metadata.num_decode_tokens, q.shape[0]
         first = metadata.num_decode_reqs

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from cute_kernels.plans import selfcheck_records
+from cute_kernels.plans.sm100 import family as sm100_family
+
 from .arch import parse_arch
 from .capabilities import kernels_for
 from .dtypes import kv_dtype_name, model_dtype_name, torch_dtype
@@ -117,11 +120,21 @@ def _target_mismatch(k: KernelInfo, req: _Request) -> str | None:
     return None
 
 
+def _family(k: KernelInfo, req: _Request) -> str:
+    """The self-check family ``k`` would run for ``req`` (its query dtype follows from the cache)."""
+    q = "fp8_e4m3" if k.computes_qk_in_fp8(req.kv_cache_dtype) else req.model_dtype
+    return sm100_family(k.id, q, req.kv_cache_dtype)
+
+
 def _violations(k: KernelInfo, req: _Request) -> list[str]:
     """Every reason ``k`` cannot serve ``req`` on its own arch/phase (empty = it can)."""
     out = []
     if k.status == "planned":
         out.append(f"{k.id} is planned ({k.planned_in}), not built yet")
+    if k.status == "compile-verified":
+        rec = selfcheck_records.lookup(_family(k, req))
+        if rec is not None and not rec.ok:
+            out.append(f"{rec.family} failed its runtime self-check on this machine ({rec.reason})")
     if req.kv_cache_dtype not in k.kv_dtypes:
         out.append(f"{k.id} supports kv_cache_dtype {_slash(k.kv_dtypes)}, got {req.kv_cache_dtype}")
     if req.model_dtype not in k.model_dtypes:
@@ -152,12 +165,16 @@ def _make_plan(k: KernelInfo, req: _Request, why: str, backend: str | None) -> P
     else:
         m = req.model_dtype
         query = f"QK never sees an FP8 query, so the query stays {m} and q_scale is not applied"
+    verified = ""
+    if k.status == "compile-verified":
+        verified = (f" It is compile-verified only (never run on {req.arch} hardware here): "
+                    f"{selfcheck_records.describe(_family(k, req))}.")
     return Plan(
         kernel=k.id,
         q_dtype="fp8_e4m3" if fp8_query else req.model_dtype,
         quantize_query=fp8_query and k.supports_quant_query_input,
         applies_q_scale=fp8_query,
-        reason=f"{why}; {query}.",
+        reason=f"{why}; {query}.{verified}",
         backend=backend,
         **asdict(req),
     )

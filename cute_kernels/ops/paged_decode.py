@@ -24,7 +24,9 @@ from .. import reference
 from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
+from ..plans.sm100 import TARGETS as SM100_TARGETS
 from ..sm90.decode import CLUSTER_MIN_SIZING, DEFAULT_CLUSTER, MAX_CLUSTER, cluster_fits, make_decode_config
+from . import _paged_decode_sm100 as sm100
 from ._launch import LaunchCache
 from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
 
@@ -169,6 +171,8 @@ class _Launch:
     scratch_lse: object  # LSE target (a TVM-FFI tensor) when the caller did not ask for it
     out_shape: tuple
     reference: bool = False
+    sm100: object = None  # the SM100 / SM103 launch (its own argument list: q_scale, sinks, window)
+    out_dtype: object = None
 
 
 _cache = LaunchCache()
@@ -183,7 +187,7 @@ def tuning_override(**fields):
 
 
 def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse, num_splits,
-         deterministic):
+         deterministic, q_scale=None, window_left=-1, sinks=None):
     """What selects the kernel, its schedule and its workspace: the query and cache geometry,
     the block-table width, the options. Left out is what the compiled function checks on every
     call (TVM-FFI): the dtypes of the other tensors, shapes tied to the query's or the cache's by
@@ -193,7 +197,7 @@ def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scal
     # type(), not isinstance(): torch.Tensor's metaclass makes isinstance cost ~0.15 us here
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), out is None, return_lse, num_splits,
-            deterministic, _cache.override_key)
+            deterministic, _cache.override_key, type(q_scale), window_left < 0, sinks is None)
 
 
 def _check_scale(name: str, value, device):
@@ -209,9 +213,9 @@ def _check_scale(name: str, value, device):
 
 
 def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-             num_splits, deterministic) -> _Launch:
+             num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> _Launch:
     """Full validation (clear errors naming the argument) and kernel selection for one key."""
-    check_tensor("q", q, dtype=(torch.bfloat16, torch.float16), ndim=3)
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
     T, Hq, D = q.shape
     if kv_layout not in ("HND", "NHD"):
         raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
@@ -233,12 +237,22 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         raise ValueError(f"q_len_per_req must be a positive int, got {q_len!r}")
     ks_t = _check_scale("k_scale", k_scale, q.device)
     vs_t = _check_scale("v_scale", v_scale, q.device)
+    sm100.check_args(q, k, pair, kv_layout, q_scale, sinks, window_left)
+    if q_scale is not None:
+        _check_scale("q_scale", q_scale, q.device)
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}")
+    out_dtype = torch.bfloat16 if q.dtype == FP8 else q.dtype
     if not q.is_cuda:
-        return _Launch(None, None, (T, Hq, D), reference=True)
+        return _Launch(None, None, (T, Hq, D), reference=True, out_dtype=out_dtype)
     device = q.device
+    if compile_target(device) in SM100_TARGETS:
+        return _prepare_sm100(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale,
+                              v_scale, out, return_lse, num_splits, sinks, out_dtype)
+    if q.dtype == FP8 or sinks is not None or window_left >= 0:
+        # the SM90 kernel has neither an FP8 query nor sinks / windows: the reference serves them
+        return _Launch(None, None, (T, Hq, D), reference=True, out_dtype=out_dtype)
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
     if page not in PAGE_SIZES:
@@ -262,11 +276,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         raise ValueError(f"q has {T} rows; expected batch {B} x q_len_per_req {q_len}")
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=device)
-
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
+    _check_common(num_splits, deterministic)
 
     override = dict(_cache.override)
     # cluster: None = the rule (use_cluster_merge), True = whenever the split count allows, False = never
@@ -305,6 +315,38 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     return _Launch(caller, scratch, (T, Hq, D))
 
 
+def _check_common(num_splits, deterministic):
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
+
+
+def _prepare_sm100(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale, v_scale, out,
+                   return_lse, num_splits, sinks, out_dtype) -> _Launch:
+    """The tcgen05 kernel, or the reference when its MMA family failed its runtime self-check."""
+    T, Hq, D = q.shape
+    device = q.device
+    check_tensor("q", q, device=device, align_bytes=16)
+    for name, t in ((("k_cache", k), ("v_cache", v)) if pair else (("kv_cache", k),)):
+        check_tensor(name, t, device=device, align_bytes=16)
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
+    B = block_table.shape[0]
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(B,), device=device)
+    if T != B * q_len:
+        raise ValueError(f"q has {T} rows; expected batch {B} x q_len_per_req {q_len}")
+    if k.dtype not in (FP8, q.dtype):
+        raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
+    if out is not None:
+        check_tensor("out", out, dtype=out_dtype, shape=(T, Hq, D), device=device)
+    _check_common(num_splits, True)
+    launch = sm100.prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale,
+                           v_scale, out, return_lse, num_splits, sinks)
+    if not sm100.self_check_passes(launch.config, device):
+        return _Launch(None, None, (T, Hq, D), reference=True, out_dtype=out_dtype)
+    return _Launch(None, None, (T, Hq, D), sm100=launch, out_dtype=out_dtype)
+
+
 def paged_decode(
     q: torch.Tensor,
     kv_cache,
@@ -320,6 +362,9 @@ def paged_decode(
     return_lse: bool = False,
     num_splits: int | None = None,
     deterministic: bool = True,
+    q_scale=None,
+    window_left: int = -1,
+    sinks: torch.Tensor | None = None,
 ):
     """Paged decode attention with a BF16/FP16 query and an FP8/BF16/FP16 KV cache.
 
@@ -338,6 +383,13 @@ def paged_decode(
     tiles' accumulation order changes); the default keeps fixed ranges, so repeated calls and
     CUDA-graph replays are bitwise identical. Returns ``out`` (the query's dtype) and, with
     ``return_lse``, the base-2 LSE ``[B * q_len, Hq]`` fp32. CPU tensors run the reference.
+
+    On SM100 / SM103 the tcgen05 kernel serves the call (compile-verified only: each MMA family
+    passes a one-time runtime self-check per process first, else the reference serves it), and
+    it also takes an FP8 query (``q_scale`` then required; output bf16), ``window_left`` (a query
+    at position p sees keys p - window_left ... p; -1: no window) and ``sinks`` (fp32 ``[Hq]``
+    sink logits); see :func:`cute_kernels.reference.paged_decode`. Elsewhere those three run the
+    reference.
     """
     pair = isinstance(kv_cache, (tuple, list))
     if pair and len(kv_cache) != 2:
@@ -346,13 +398,13 @@ def paged_decode(
     v = kv_cache[1] if pair else kv_cache
     try:
         key = _key(q, k, v, pair, block_table, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                   return_lse, num_splits, deterministic)
+                   return_lse, num_splits, deterministic, q_scale, window_left, sinks)
         launch = _cache.entries.get(key)
     except (AttributeError, TypeError):  # not tensors: let the validation say what is wrong
         key, launch = None, None
     if launch is None:
         launch = _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
-                          v_scale, out, return_lse, num_splits, deterministic)
+                          v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks)
         if key is not None:
             _cache.put(key, launch)
     else:  # float scales are call arguments, not part of the key: check their values here
@@ -363,11 +415,27 @@ def paged_decode(
         if not (type(v_scale) is float and 0.0 < v_scale < math.inf) and type(v_scale) is not torch.Tensor:
             _check_scale("v_scale", v_scale, q.device)
     if launch.reference:  # no compiled function checks the arguments here: validate every call
-        _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                 return_lse, num_splits, deterministic)
-        return reference.paged_decode(q, kv_cache, block_table, seq_lens, kv_layout=kv_layout,
-                                      q_len_per_req=q_len_per_req, sm_scale=sm_scale, k_scale=k_scale,
-                                      v_scale=v_scale, return_lse=return_lse)
+        if q.is_cuda:  # (a CUDA prepare may run the self-check: validate like a CPU call)
+            sm100.check_args(q, k, pair, kv_layout, q_scale, sinks, window_left)
+        else:
+            _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale,
+                     out, return_lse, num_splits, deterministic, q_scale, window_left, sinks)
+        res = reference.paged_decode(q, kv_cache, block_table, seq_lens, kv_layout=kv_layout,
+                                     q_len_per_req=q_len_per_req, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale,
+                                     v_scale=v_scale, return_lse=return_lse, window_left=window_left, sinks=sinks)
+        if out is None:
+            return res
+        out.copy_(res[0] if return_lse else res)
+        return (out, res[1]) if return_lse else out
+    if launch.sm100 is not None:
+        if window_left < -1:
+            sm100.check_args(q, k, pair, kv_layout, q_scale, sinks, window_left)
+        if out is None:
+            out = torch.empty(launch.out_shape, dtype=launch.out_dtype, device=q.device)
+        lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device)
+        if launch.out_shape[0]:
+            launch.sm100(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale, q_scale, sinks, window_left)
+        return (out, lse) if return_lse else out
     if out is None:
         out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse

@@ -35,6 +35,26 @@ HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (16, 32, 64, 128)
 
 
+# What dispatch may route to the tcgen05 kernels (the configs below refuse anything else).
+DECODE_LIMITS = dict(head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES, max_gqa_ratio=None, max_q_len=None,
+                     kv_layouts=("HND", "NHD"))
+PREFILL_LIMITS = dict(head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES, max_gqa_ratio=None, max_q_len=None,
+                      kv_layouts=("HND", "NHD"))
+
+
+def mode_of(q_dtype: str, kv_dtype: str) -> str:
+    """The MMA family a (query, cache) dtype pair runs in (see :attr:`_Sm100Config.mode`)."""
+    if kv_dtype != "fp8_e4m3":
+        return "f16"
+    return "f8" if q_dtype == "fp8_e4m3" else "cvt"
+
+
+def family(kernel_id: str, q_dtype: str, kv_dtype: str) -> str:
+    """The self-check family of a kernel for a (query, cache) dtype pair: variants of one MMA
+    family share their numerics, so one runtime check per process covers them."""
+    return f"{kernel_id}/{mode_of(q_dtype, kv_dtype)}"
+
+
 def pow2_at_least(x: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, math.ceil(math.log2(max(x, 1)))))
 
@@ -124,9 +144,7 @@ class _Sm100Config:
         """``"f16"``: 16-bit K/V straight from shared memory (kind::f16); ``"f8"``: FP8 query and
         FP8 K/V (kind::f8f6f4, P in e4m3); ``"cvt"``: FP8 K/V widened exactly to fp16 by
         converter warps into tensor memory, 16-bit query (kind::f16, A operand from TMEM)."""
-        if self.kv_dtype != "fp8_e4m3":
-            return "f16"
-        return "f8" if self.q_dtype == "fp8_e4m3" else "cvt"
+        return mode_of(self.q_dtype, self.kv_dtype)
 
     @property
     def mma_dtype(self) -> str:

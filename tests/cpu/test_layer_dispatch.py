@@ -183,7 +183,8 @@ def test_layer_arch_matrix(registry, monkeypatch):
                 continue
             assert (p.arch, p.phase, p.model_dtype) == (arch, phase, "bf16")
             assert p.kv_cache_dtype == ("fp8_e4m3" if kv == FP8 else "bf16")
-            fp8_query = kv == FP8 and arch in FP8_QK_ARCHS and KERNELS[f"sm100.{phase}"].status == "available"
+            fp8_query = (kv == FP8 and arch in FP8_QK_ARCHS
+                         and KERNELS[f"sm100.{phase}"].status in ("available", "compile-verified"))
             assert p.q_dtype == ("fp8_e4m3" if fp8_query else "bf16"), p
             # q_scale enters the logits exactly when the layer quantizes the query with it
             assert p.quantize_query == p.applies_q_scale == fp8_query, p
@@ -308,7 +309,7 @@ def test_forward_quantizes_only_phases_whose_plan_says_so(arch, fp8_reference, m
         layer = AttentionLayer(8, 2, 64, kv_cache_dtype=kv, page_size=16, arch=arch, q_scale=0.25, k_scale=ks)
         plans = layer.plans_for(step.metadata)
         out = layer.forward(step.q, step.k, step.v, step.kv_cache, step.metadata)
-        fp8_q = kv == FP8 and plans["decode"].kernel.startswith("reference.")  # sm90 decode never quantizes
+        fp8_q = kv == FP8 and plans["decode"].kernel != "sm90.decode"  # sm90 decode never quantizes
         quantized = {"decode": fp8_q, "prefill": kv == FP8}
         assert plans["prefill"].quantize_query == quantized["prefill"]
         if plans["decode"].is_fallback:
@@ -336,11 +337,16 @@ def test_fp8_query_plan_without_q_scale_is_refused(fp8_reference):
 
 
 def test_plan_without_an_op_is_refused_before_any_work(monkeypatch):
-    _set_status(monkeypatch, "available", *BUILT)
+    # a kernel the layer has no op for (the opt-in FP8-query SM90 decode, made automatic on sm100)
+    from dispatch import capabilities
+
+    fp8q = dataclasses.replace(KERNELS["sm90.decode_fp8q"], status="available", archs=("sm90", "sm100"))
+    monkeypatch.setitem(KERNELS, "sm90.decode_fp8q", fp8q)
+    monkeypatch.setitem(capabilities._AUTO, ("sm100", "decode"), ("sm90.decode_fp8q",))
     step = make_step(**BATCHES["decode"])
     layer = AttentionLayer(8, 2, 64, kv_cache_dtype=FP8, page_size=16, arch="sm100", q_scale=0.5)
     monkeypatch.setattr(cute_kernels, "quantize_query", lambda *a, **k: pytest.fail("quantized"), raising=False)
-    with pytest.raises(UnsupportedConfig, match="sm100.decode, which has no op"):
+    with pytest.raises(UnsupportedConfig, match="sm90.decode_fp8q, which has no op"):
         layer.forward(step.q, step.k, step.v, step.kv_cache, step.metadata)
 
 
