@@ -22,7 +22,7 @@ from .. import reference
 from ..jit.compiler import get_kernel
 from ..plans.sm100 import DECODE_LIMITS, Sm100DecodeConfig, family
 from ._selfcheck import Case, ensure
-from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
+from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name
 from .merge_states import merge_states
 
 FP8 = torch.float8_e4m3fn

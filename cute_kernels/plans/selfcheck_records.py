@@ -55,7 +55,7 @@ def lookup(family: str, device: str | None = None) -> CheckRecord | None:
     for (fam, dev), rec in _memory.items():
         if fam == family and (device is None or dev == device):
             return rec
-    for key, value in _load_file().items():
+    for value in _load_file().values():
         try:
             rec = CheckRecord(**value)
         except TypeError:

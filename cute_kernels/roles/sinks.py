@@ -20,11 +20,14 @@ LOG2E = math.log2(math.e)
 
 
 @cute.jit
-def fold_sink(m, l, sink_log2):
+def fold_sink(m, row_sum, sink_log2):
     """``(M, l', factor)``: the row's maximum and sum with the sink folded in, and the factor by
     which the accumulated output (relative to ``m``) is rescaled before the division by ``l'``."""
     big = cute.arch.fmax(m, sink_log2)
     keep = Float32(0.0)
     if m != -Float32.inf:
         keep = cute.math.exp2(m - big, fastmath=False)
-    return big, l * keep + cute.math.exp2(sink_log2 - big, fastmath=False), keep
+    extra = Float32(0.0)
+    if sink_log2 != -Float32.inf:  # (a -inf sink is no sink; -inf - -inf would be NaN)
+        extra = cute.math.exp2(sink_log2 - big, fastmath=False)
+    return big, row_sum * keep + extra, keep

@@ -22,19 +22,17 @@ query, widened exactly to fp16 (a bf16 query is rescaled by a power of two into 
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
-
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..jit.asm import asm
 from ..jit.dtypes import cute_dtype
+from ..jit.entry import entry
 from ..roles.attn_window import box_visible, decode_key_range, key_visible, split_tiles
 from ..roles.sinks import LOG2E, fold_sink
 from .tmem_convert import ConvertRole
@@ -114,14 +112,18 @@ class Sm100PagedDecode:
         return k_layout, v_layout, q_layout, p_layout
 
     @cute.jit
-    def launch(self, mQ, mKc, mVc, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, q_scale, mSinks,
-               sm_scale: Float32, window_left: Int32, stream):
+    def launch(self, q, block_table, seq_lens, k_scale, v_scale, sm_scale: Float32, window_left: Int32, stream,
+               kv_cache=None, k_cache=None, v_cache=None, out=None, lse=None, part_out=None, part_lse=None,
+               q_scale=None, sinks=None):
+        """Arguments by their signature names (plans/sm100.py); absent ones are None."""
         cfg = self.cfg
+        mQ, mBlockTable, mSeqLens, mSinks = q, block_table, seq_lens, sinks
+        mO, mLse = (part_out, part_lse) if const_expr(cfg.split) else (out, lse)
         if const_expr(cfg.kv_form == "single"):
-            mK4 = mKc[None, 0, None, None, None]
-            mV4 = mVc[None, 1, None, None, None]
+            mK4 = kv_cache[None, 0, None, None, None]
+            mV4 = kv_cache[None, 1, None, None, None]
         else:
-            mK4, mV4 = mKc, mVc
+            mK4, mV4 = k_cache, v_cache
         tok, head = (2, 1) if const_expr(cfg.kv_layout == "HND") else (1, 2)
         mK = cute.make_tensor(mK4.iterator, cute.select(mK4.layout, mode=[tok, 3, head, 0]))  # (tok, d, h, page)
         mVt = cute.make_tensor(mV4.iterator, cute.select(mV4.layout, mode=[3, tok, head, 0]))  # (d, tok, h, page)
@@ -699,87 +701,6 @@ class Sm100PagedDecode:
                     mLse[token_l, head_l] = lse[n]
 
 
-# ----------------------------------------------------------------------------------------------
-# entry points: the compiled function takes exactly the config's signature (plans/sm100.py)
-# ----------------------------------------------------------------------------------------------
-
-
-class _Entry:
-    def __init__(self, cfg):
-        self.k = Sm100PagedDecode(cfg)
-
-
-class _Plain(_Entry):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBT, mSL, mO, mLse, k_scale, v_scale, sm_scale: Float32, window_left: Int32,
-                 stream):
-        self.k.launch(mQ, mK, mV, mBT, mSL, mO, mLse, k_scale, v_scale, None, None, sm_scale, window_left, stream)
-
-
-class _Sinks(_Entry):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBT, mSL, mO, mLse, k_scale, v_scale, mSinks, sm_scale: Float32,
-                 window_left: Int32, stream):
-        self.k.launch(mQ, mK, mV, mBT, mSL, mO, mLse, k_scale, v_scale, None, mSinks, sm_scale, window_left, stream)
-
-
-class _Fp8Q(_Entry):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBT, mSL, mO, mLse, k_scale, v_scale, q_scale, sm_scale: Float32,
-                 window_left: Int32, stream):
-        self.k.launch(mQ, mK, mV, mBT, mSL, mO, mLse, k_scale, v_scale, q_scale, None, sm_scale, window_left, stream)
-
-
-class _Fp8QSinks(_Entry):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBT, mSL, mO, mLse, k_scale, v_scale, q_scale, mSinks, sm_scale: Float32,
-                 window_left: Int32, stream):
-        self.k.launch(mQ, mK, mV, mBT, mSL, mO, mLse, k_scale, v_scale, q_scale, mSinks, sm_scale, window_left,
-                      stream)
-
-
-class _SinglePlain(_Entry):
-    """The single-tensor cache: K and V are both views of the one argument."""
-
-    @cute.jit
-    def __call__(self, mQ, mKV, mBT, mSL, mO, mLse, k_scale, v_scale, sm_scale: Float32, window_left: Int32, stream):
-        self.k.launch(mQ, mKV, mKV, mBT, mSL, mO, mLse, k_scale, v_scale, None, None, sm_scale, window_left, stream)
-
-
-class _SingleSinks(_Entry):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBT, mSL, mO, mLse, k_scale, v_scale, mSinks, sm_scale: Float32, window_left: Int32,
-                 stream):
-        self.k.launch(mQ, mKV, mKV, mBT, mSL, mO, mLse, k_scale, v_scale, None, mSinks, sm_scale, window_left,
-                      stream)
-
-
-class _SingleFp8Q(_Entry):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBT, mSL, mO, mLse, k_scale, v_scale, q_scale, sm_scale: Float32,
-                 window_left: Int32, stream):
-        self.k.launch(mQ, mKV, mKV, mBT, mSL, mO, mLse, k_scale, v_scale, q_scale, None, sm_scale, window_left,
-                      stream)
-
-
-class _SingleFp8QSinks(_Entry):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBT, mSL, mO, mLse, k_scale, v_scale, q_scale, mSinks, sm_scale: Float32,
-                 window_left: Int32, stream):
-        self.k.launch(mQ, mKV, mKV, mBT, mSL, mO, mLse, k_scale, v_scale, q_scale, mSinks, sm_scale, window_left,
-                      stream)
-
-
 def decode_entry(cfg):
-    """The entry object whose ``__call__`` takes ``cfg.signature()`` in order."""
-    fp8q = cfg.q_dtype == "fp8_e4m3"
-    table = {
-        ("pair", False, False): _Plain, ("pair", False, True): _Sinks,
-        ("pair", True, False): _Fp8Q, ("pair", True, True): _Fp8QSinks,
-        ("single", False, False): _SinglePlain, ("single", False, True): _SingleSinks,
-        ("single", True, False): _SingleFp8Q, ("single", True, True): _SingleFp8QSinks,
-    }
-    return table[(cfg.kv_form, fp8q, cfg.sinks)](cfg)
-
-
-assert math  # noqa: S101 - keep the import for the design constants above
+    """The object to compile: its ``__call__`` takes ``cfg.signature()`` in order."""
+    return entry(Sm100PagedDecode(cfg), tuple(a.name for a in cfg.signature()))

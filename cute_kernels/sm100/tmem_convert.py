@@ -65,13 +65,13 @@ class ConvertRole:
         state_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.cvt_stages)
         for it in cutlass.range(count + 1, unroll=1):
             if it < count:
-                for c in cutlass.range_constexpr(cfg.k_chunks):
+                for _ in cutlass.range_constexpr(cfg.k_chunks):
                     self.convert(k_copies, pipe_k, state_k, pipe_c, state_c, KV_TILE)
                     state_k.advance()
                     state_c.advance()
             if it > 0:
                 valid = seq_len - (first + (it - 1) * step) * KV_TILE  # tokens of the tile before the end
-                for mb in cutlass.range_constexpr(cfg.m_blocks):
+                for _ in cutlass.range_constexpr(cfg.m_blocks):
                     for kt in cutlass.range_constexpr(KV_TILE // self.chunk):
                         self.convert(v_copies, pipe_v, state_v, pipe_c, state_c, valid - kt * self.chunk)
                         state_v.advance()
