@@ -382,3 +382,162 @@ class Sm100DecodeConfig(_Sm100Config):
         from ..sm100.decode import decode_entry
 
         return decode_entry(self)
+
+
+# ---- prefill ----------------------------------------------------------------------------------
+
+M_TILE = 128  # query rows per Q tile (one TMEM lane each)
+
+
+@dataclass(frozen=True)
+class Sm100PrefillConfig(_Sm100Config):
+    """Compile key of ``sm100.prefill`` (:class:`cute_kernels.sm100.prefill.Sm100PagedPrefill`).
+
+    The FA4 / CUTLASS Blackwell FMHA structure on a paged cache: one CTA per (pair of 128-row Q
+    tiles of one request, query head); two softmax warpgroups on the two Q tiles (ping-pong), a
+    correction warpgroup (rescales O in TMEM, writes the output), an MMA warp and a load warp (TMA:
+    the Q tiles and one K / V box per page). S and P share TMEM columns. ``causal``: queries see
+    keys up to their own position (the last ``q_len`` of the request's ``seq_len`` tokens);
+    ``write_lse``: the base-2 LSE is an output. The window is a runtime argument.
+    16-bit or FP8 (e4m3 Q, K, V: kind::f8f6f4, P in e4m3); a 16-bit query on an FP8 cache is
+    refused (the plan quantizes the query for this kernel).
+    """
+
+    q_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    head_dim: int = 128
+    group: int = 8
+    page_size: int = 16
+    causal: bool = True
+    sinks: bool = False
+    write_lse: bool = True
+    kv_form: str = "single"
+    kv_layout: str = "HND"
+    k_scale_tensor: bool = False
+    v_scale_tensor: bool = False
+    q_scale_tensor: bool = False
+    pdl: bool = True
+
+    kernel_id: ClassVar[str] = "sm100.prefill"
+
+    def __post_init__(self):
+        self._check_common()
+        if self.mode == "cvt":
+            raise ValueError(f"{self.kernel_id}: a 16-bit query on an FP8 cache is not supported: quantize the query "
+                             "(FP8 Q, K, V run in kind::f8f6f4)")
+        if self.group < 1:
+            raise ValueError(f"group must be >= 1, got {self.group}")
+        if self.q_scale_tensor and self.q_dtype != "fp8_e4m3":
+            raise ValueError("q_scale applies only to an FP8 query")
+        self.check_budgets()
+
+    # -- geometry ------------------------------------------------------------------------------
+    @property
+    def q_stages(self) -> int:
+        """Q tiles per CTA: two (ping-pong softmax warpgroups) while S0, S1, O0, O1 fit TMEM."""
+        return 2 if self.head_dim <= 128 else 1
+
+    @property
+    def n_block(self) -> int:
+        """Keys per KV block (the QK MMA's N): 128, or 64 at head dim 256 (shared memory)."""
+        return 128 if self.head_dim <= 128 else 64
+
+    @property
+    def kv_tile_bytes(self) -> int:
+        return self.n_block * self.head_dim * self.kv_bytes
+
+    @property
+    def fixed_smem(self) -> int:
+        q = round_up(self.q_stages * M_TILE * self.head_dim * self.mma_bytes, 1024)
+        stats = 3 * self.q_stages * M_TILE * 4  # per row: the correction scale, the final max and sum
+        return q + round_up(stats + 8 * 64, 1024) + 1024
+
+    @property
+    def stages(self) -> int:
+        """Stages of the K ring and of the V ring (a stage is one KV block of K, or of V)."""
+        return max(1, min(MAX_STAGES, (SMEM_BYTES - self.fixed_smem) // (2 * self.kv_tile_bytes)))
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.fixed_smem + 2 * self.stages * self.kv_tile_bytes
+
+    @property
+    def s_cols(self) -> int:
+        return self.q_stages * self.n_block
+
+    @property
+    def o_cols(self) -> int:
+        return self.q_stages * self.head_dim
+
+    @property
+    def p_offset(self) -> int:
+        """Columns from an S stage's start to its P (P overwrites the S it was computed from)."""
+        return self.n_block // 2
+
+    @property
+    def tmem_cols(self) -> int:
+        return pow2_at_least(self.s_cols + self.o_cols, TMEM_MIN_ALLOC)
+
+    @property
+    def registers(self) -> RegisterBudget:
+        """Softmax warpgroups (a row of S: n_block fp32 per thread), the correction warpgroup
+        (32-column chunks of an O row), the MMA + load warps (FA4's split of 512 per lane)."""
+        return RegisterBudget((("softmax0", 184), ("softmax1", 184), ("correction", 64), ("mma_load", 80)))
+
+    @property
+    def threads(self) -> int:
+        return self.registers.threads
+
+    def check_budgets(self) -> None:
+        if self.smem_bytes > SMEM_BYTES:
+            raise ValueError(f"{self.kernel_id}: {self.smem_bytes} bytes of shared memory exceed {SMEM_BYTES}")
+        if self.s_cols + self.o_cols > TMEM_COLUMNS:
+            raise ValueError(f"{self.kernel_id}: S and O need {self.s_cols + self.o_cols} TMEM columns, "
+                             f"more than {TMEM_COLUMNS}")
+        if self.stages < 2:
+            raise ValueError(f"{self.kernel_id}: shared memory holds {self.stages} K/V stage(s); need 2")
+        self.registers.check()
+
+    @property
+    def evidence(self) -> dict[str, tuple[str, ...]]:
+        pats = self.evidence_patterns() + (r"tcgen05\.st",)  # P is written into TMEM
+        return {t: pats for t in self.targets}
+
+    def signature(self):
+        from ..jit.spec import ScalarArg, TensorArg  # the arg spec needs the DSL until jit splits it
+
+        D = self.head_dim
+        inner = ("Hkv", self.page_size) if self.kv_layout == "HND" else (self.page_size, "Hkv")
+        if self.kv_form == "single":
+            caches = (TensorArg("kv_cache", self.kv_dtype, ("P", 2, *inner, D)),)
+        else:
+            caches = (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
+                      TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
+
+        def scale(name, tensor):
+            return TensorArg(name, "fp32", (1,), align=4) if tensor else ScalarArg(name, "fp32")
+
+        lse = (TensorArg("lse", "fp32", ("T", "Hq"), align=4),) if self.write_lse else ()
+        qs = (scale("q_scale", self.q_scale_tensor),) if self.q_dtype == "fp8_e4m3" else ()
+        sinks = (TensorArg("sinks", "fp32", ("Hq",), align=4),) if self.sinks else ()
+        return (
+            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
+            *caches,
+            TensorArg("block_table", "int32", ("B", "W"), align=4),
+            TensorArg("seq_lens", "int32", ("B",), align=4),
+            TensorArg("query_start_loc", "int32", ("B1",), align=4),
+            TensorArg("out", self.out_dtype, ("T", "Hq", D), align=16),
+            *lse,
+            scale("k_scale", self.k_scale_tensor),
+            scale("v_scale", self.v_scale_tensor),
+            *qs,
+            ScalarArg("sm_scale", "fp32"),
+            ScalarArg("max_query_len", "int32"),
+            *sinks,
+            ScalarArg("window_left", "int32"),
+        )
+
+    def build(self):
+        from ..sm100.prefill import prefill_entry
+
+        return prefill_entry(self)

@@ -58,3 +58,26 @@ def box_visible(start, length: cutlass.Constexpr, lo, hi):
     """Whether the ``length`` keys from ``start`` overlap ``[lo, hi)``: a box that does not is
     loaded as zeros (an out-of-range page coordinate), costing no memory traffic."""
     return start < hi and start + length > lo
+
+
+@cute.jit
+def prefill_key_range(seq_len, q_len, row_first, row_last, causal: cutlass.Constexpr, window_left):
+    """``[lo, hi)``: the keys any of rows ``row_first .. row_last`` (within the request's ``q_len``
+    new tokens, the last ``q_len`` of its ``seq_len``) sees. Causal: up to the last row's own
+    position; else the whole sequence. The window trims the start to the first row's window."""
+    first_pos = seq_len - q_len + row_first
+    hi = seq_len
+    if causal:
+        hi = cutlass.min(seq_len - q_len + row_last + 1, seq_len)
+    return window_start(first_pos, window_left), hi
+
+
+@cute.jit
+def key_visible_prefill(k_pos, q_pos, seq_len, causal: cutlass.Constexpr, window_left):
+    """Visibility of key ``k_pos`` to the query at ``q_pos`` (a key past the sequence never is)."""
+    ok = k_pos < seq_len
+    if causal:
+        ok = ok and k_pos <= q_pos
+    if window_left >= 0:
+        ok = ok and k_pos >= q_pos - window_left
+    return ok

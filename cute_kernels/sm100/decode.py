@@ -28,13 +28,12 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..jit.asm import asm
 from ..jit.dtypes import cute_dtype
 from ..jit.entry import entry
 from ..roles.attn_window import box_visible, decode_key_range, key_visible, split_tiles
 from ..roles.sinks import LOG2E, fold_sink
+from .kit import fresh_warp_index, last_mode, logical_view, scalar, set_registers, tmem_base
 from .tmem_convert import ConvertRole
 
 KV_TILE = 128
@@ -46,19 +45,6 @@ CVT_WARP0 = 8
 BAR_Q = 1  # named barriers (0 is __syncthreads): Q staged (softmax WG + MMA warp)
 BAR_SOFTMAX = 2  # the softmax warpgroup's column-max and row-sum exchange
 FP16_Q_TARGET_LOG2 = 14  # a bf16 query for fp16 MMAs: max |q| scaled into [2^14, 2^15)
-
-
-@dsl_user_op
-def fresh_warp_index(*, loc=None, ip=None) -> Int32:
-    """The warp index, read again from ``%tid.x`` (volatile): a value kept from before a role's
-    ``setmaxnreg`` would be spilled by ptxas, a fresh read is not."""
-    tid = Int32(asm([T.i32()], [], "mov.u32 $0, %tid.x;", "=r", side_effects=True, loc=loc, ip=ip))
-    return cute.arch.make_warp_uniform(tid // 32, loc=loc, ip=ip)
-
-
-def last_mode(t, i):
-    """(Traced.) ``t`` indexed at ``i`` in its last mode, every other mode kept."""
-    return t[(None,) * (cute.rank(t) - 1) + (i,)]
 
 
 class Sm100PagedDecode:
@@ -131,9 +117,9 @@ class Sm100PagedDecode:
         qk, pv = self.mmas()
         k_layout, v_layout, q_layout, p_layout = self.layouts(qk, pv)
         # one TMA box: a page of K (page x chunk), or box_v tokens of V^T (128 rows of D x box_v)
-        k_box = cute.select(self.token_view(k_layout, KV_TILE, self.chunk), mode=[0, 1])
+        k_box = cute.select(logical_view(k_layout, KV_TILE, self.chunk), mode=[0, 1])
         k_box = cute.composition(k_box, cute.make_layout((self.page, self.chunk), stride=(1, KV_TILE)))
-        v_box = cute.select(self.token_view(v_layout, KV_TILE, self.chunk), mode=[0, 1])
+        v_box = cute.select(logical_view(v_layout, KV_TILE, self.chunk), mode=[0, 1])
         v_box = cute.composition(v_box, cute.make_layout((KV_TILE, self.box_v)))
         tma_k, tma_tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mK, k_box,
                                                     (self.page, self.chunk))
@@ -165,11 +151,6 @@ class Sm100PagedDecode:
             q_scale, mSinks, sm_scale, window_left, qk, pv, k_layout, v_layout, q_layout, p_layout,
         ).launch(grid=[num_splits, num_kv_heads * cfg.row_tiles, batch], block=[self.threads, 1, 1],
                  stream=stream, min_blocks_per_mp=1, use_pdl=cfg.pdl)
-
-    @staticmethod
-    def token_view(layout, rows, cols):
-        """(rows, cols, stage) logical view of a staged MMA-operand layout (swizzle kept)."""
-        return cute.composition(layout, cute.make_layout((rows, cols, cute.size(layout, mode=[3]))))
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -241,7 +222,7 @@ class Sm100PagedDecode:
         # reconfiguration is spilled by ptxas (docs/design/sm100.md#registers).
         tmem_holder = storage.tmem_ptr.data_ptr()
         if warp < 4:
-            self.set_registers("softmax")
+            set_registers(self.regs, "softmax")
             seq_len, lo, hi, first, step, count = self.schedule(mSeqLens, b, split, num_splits, window_left)
             tCtS, tCtO, tCtC = self.tmem_tensors(qk, pv, tmem_holder)
             self.softmax(mQ, sQ, sP, sV, storage, tCtS, tCtO, pipe_s, pipe_v, p_full, o_done, qk, mO, mLse, mSinks,
@@ -249,7 +230,7 @@ class Sm100PagedDecode:
                          b, kv_head, row0)
             cute.arch.sync_threads()  # (every role ends in this barrier: then TMEM is free)
         elif warp < 8:
-            self.set_registers("mma_tma")
+            set_registers(self.regs, "mma_tma")
             seq_len, lo, hi, first, step, count = self.schedule(mSeqLens, b, split, num_splits, window_left)
             w = fresh_warp_index()
             if w == MMA_WARP:
@@ -262,9 +243,9 @@ class Sm100PagedDecode:
             cute.arch.sync_threads()
             if w == MMA_WARP:
                 cute.arch.relinquish_tmem_alloc_permit()
-                cute.arch.dealloc_tmem(self.tmem_base(tmem_holder), cfg.tmem_cols)
+                cute.arch.dealloc_tmem(tmem_base(tmem_holder), cfg.tmem_cols)
         elif const_expr(self.cvt):
-            self.set_registers("convert")
+            set_registers(self.regs, "convert")
             seq_len, lo, hi, first, step, count = self.schedule(mSeqLens, b, split, num_splits, window_left)
             tCtS, tCtO, tCtC = self.tmem_tensors(qk, pv, tmem_holder)
             ConvertRole(self).run(sK, sV, tCtC, pipe_k, pipe_v, pipe_c, seq_len, first, step, count)
@@ -278,22 +259,10 @@ class Sm100PagedDecode:
         first, step, count = split_tiles(lo, hi, KV_TILE, split, num_splits)
         return seq_len, lo, hi, first, step, count
 
-    def tmem_base(self, holder):
-        """(Traced.) The TMEM address the allocating warp published in shared memory."""
-        return cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=holder)
-
-    def set_registers(self, role: str):
-        """(Traced.) setmaxnreg for this warpgroup's role (docs/design/sm100.md#registers)."""
-        regs = self.regs.of(role)
-        if regs < self.regs.launch:
-            cute.arch.setmaxregister_decrease(regs)
-        elif regs > self.regs.launch:
-            cute.arch.setmaxregister_increase(regs)
-
     def tmem_tensors(self, qk, pv, holder):
         """(Traced.) S^T (2 stages), O^T (m_blocks x 128 rows), converted K/V chunks (``cvt``)."""
         cfg = self.cfg
-        tmem = self.tmem_base(holder)
+        tmem = tmem_base(holder)
         thr_qk, thr_pv = qk.get_slice(0), pv.get_slice(0)
         tCtS = thr_qk.make_fragment_C(qk.partition_shape_C((KV_TILE, self.N, 2)))
         tCtS = cute.make_tensor(tmem, tCtS.layout)
@@ -322,11 +291,11 @@ class Sm100PagedDecode:
         lane = cute.arch.lane_idx()
         pages = KV_TILE // self.page
         gK = cute.local_tile(mK[None, None, kv_head, None], (self.page, self.chunk), (0, None, None))
-        sK_boxes = cute.flat_divide(self.token_view(sK.layout, KV_TILE, self.chunk), (self.page, self.chunk))
+        sK_boxes = cute.flat_divide(logical_view(sK.layout, KV_TILE, self.chunk), (self.page, self.chunk))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(
             cute.make_tensor(sK.iterator, sK_boxes), 0, 2), cute.group_modes(gK, 0, 2))
         gV = cute.local_tile(mVt[None, None, kv_head, None], (KV_TILE, self.box_v), (None, None, None))
-        sV_boxes = cute.flat_divide(self.token_view(sV.layout, KV_TILE, self.chunk), (KV_TILE, self.box_v))
+        sV_boxes = cute.flat_divide(logical_view(sV.layout, KV_TILE, self.chunk), (KV_TILE, self.box_v))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(
             cute.make_tensor(sV.iterator, sV_boxes), 0, 2), cute.group_modes(gV, 0, 2))
 
@@ -516,9 +485,9 @@ class Sm100PagedDecode:
         pipeline.NamedBarrier(barrier_id=BAR_Q, num_threads=128 + 32).arrive()
 
         # logits in log2 units: S_acc * c
-        c = sm_scale * self.scalar(k_scale) * Float32(LOG2E) * cute.math.exp2(-q_log2, fastmath=False)
+        c = sm_scale * scalar(k_scale) * Float32(LOG2E) * cute.math.exp2(-q_log2, fastmath=False)
         if const_expr(cfg.q_dtype == "fp8_e4m3"):
-            c = c * self.scalar(q_scale)
+            c = c * scalar(q_scale)
 
         # thread t reads TMEM lane t: token t of the tile, the n columns of S^T
         t_load_s, t_store_o, tStS, tOtO = self.tmem_copies(tCtS, tCtO, tidx)
@@ -543,7 +512,10 @@ class Sm100PagedDecode:
 
             # ---- scale, mask, column maxima across the warpgroup ----
             pos = tile * KV_TILE + tidx
-            edge = tile * KV_TILE + KV_TILE > seq_len - self.q_len + 1 or tile * KV_TILE < seq_len - 1 - window_left
+            edge = tile * KV_TILE + KV_TILE > seq_len - self.q_len + 1  # the causal draft (and the sequence end)
+            if window_left >= 0:
+                if tile * KV_TILE < seq_len - 1 - window_left:  # the window start of the last draft row
+                    edge = True
             mine = -Float32.inf
             for n in cutlass.range_constexpr(N):
                 v = s[n] * c
@@ -596,12 +568,6 @@ class Sm100PagedDecode:
         self.epilogue(t_load_s, tOtO, m_ref, row_sum, sSum, mO, mLse, mSinks, v_scale, split, count, b, kv_head,
                       row0, tidx, warp, lane, s)
 
-    def scalar(self, x):
-        """(Traced.) A scale passed as a float or as a 1-element fp32 tensor."""
-        if const_expr(isinstance(x, cute.Tensor)):
-            return x[0]
-        return Float32(x)
-
     def tmem_copies(self, tCtS, tCtO, tidx):
         """(Traced.) tcgen05.ld of n columns of one TMEM lane per thread (32x32b), for S^T and O^T,
         and the matching tcgen05.st for the O correction."""
@@ -628,7 +594,7 @@ class Sm100PagedDecode:
         """Zero V^T columns (tokens) >= ``valid`` of this tile's V chunks once they have landed:
         cache rows past the sequence end may hold NaN, and 0 * NaN in the PV MMA is NaN."""
         cfg = self.cfg
-        sV_dt = self.token_view(sV.layout, KV_TILE, self.chunk)
+        sV_dt = logical_view(sV.layout, KV_TILE, self.chunk)
         sV3 = cute.make_tensor(sV.iterator, sV_dt)
         per_tile = cfg.v_chunks
         for mb in cutlass.range_constexpr(cfg.m_blocks):
@@ -656,7 +622,7 @@ class Sm100PagedDecode:
         if lane < N:
             sSum[warp, lane] = mine
         pipeline.NamedBarrier(barrier_id=BAR_SOFTMAX, num_threads=128).arrive_and_wait()
-        vs = Float32(1.0) if const_expr(cfg.split) else self.scalar(v_scale)
+        vs = Float32(1.0) if const_expr(cfg.split) else scalar(v_scale)
         factor = cute.make_rmem_tensor((N,), Float32)
         lse = cute.make_rmem_tensor((N,), Float32)
         for n in cutlass.range_constexpr(N):

@@ -1,0 +1,50 @@
+"""Small device helpers shared by the SM100 kernels (tensor memory, register roles, views)."""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..jit.asm import asm
+
+
+@dsl_user_op
+def fresh_warp_index(*, loc=None, ip=None) -> Int32:
+    """The warp index, read again from ``%tid.x`` (volatile): a value kept from before a role's
+    ``setmaxnreg`` would be spilled by ptxas, a fresh read is not."""
+    tid = Int32(asm([T.i32()], [], "mov.u32 $0, %tid.x;", "=r", side_effects=True, loc=loc, ip=ip))
+    return cute.arch.make_warp_uniform(tid // 32, loc=loc, ip=ip)
+
+
+def last_mode(t, i):
+    """(Traced.) ``t`` indexed at ``i`` in its last mode, every other mode kept."""
+    return t[(None,) * (cute.rank(t) - 1) + (i,)]
+
+
+def logical_view(layout_or_tensor, rows, cols):
+    """(rows, cols, stage) view of a staged MMA-operand layout or tensor (swizzle kept): element
+    (r, c) of an operand whose MMA modes are ((rows, k), 1, cols / k, stage)."""
+    stages = cute.size(layout_or_tensor, mode=[3])
+    return cute.composition(layout_or_tensor, cute.make_layout((rows, cols, stages)))
+
+
+def set_registers(budget, role: str):
+    """(Traced.) ``setmaxnreg`` of this warpgroup's role (plans/sm100.py ``RegisterBudget``)."""
+    regs = budget.of(role)
+    if regs < budget.launch:
+        cute.arch.setmaxregister_decrease(regs)
+    elif regs > budget.launch:
+        cute.arch.setmaxregister_increase(regs)
+
+
+def tmem_base(holder):
+    """(Traced.) The TMEM address the allocating warp published in shared memory at ``holder``."""
+    return cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=holder)
+
+
+def scalar(x):
+    """(Traced.) A scale passed as a float or as a 1-element fp32 tensor."""
+    if const_expr(isinstance(x, cute.Tensor)):
+        return x[0]
+    return Float32(x)
