@@ -430,7 +430,8 @@ class Sm100PagedPrefill:
             for i in cutlass.range_constexpr(self.n):
                 p = cute.math.exp2(rS[i] - m_use, fastmath=True)
                 row_sum = row_sum + p
-                rP[i] = p.to(self.mma_dtype)
+                rS[i] = p
+            rP.store(rS.load().to(self.mma_dtype).reshape(rP.shape))  # packed conversions
             if const_expr(s == 0):
                 if k0 + self.n > seq_len:
                     self.zero_v_tail(sV, pipe_v, j, seq_len - k0, t)
