@@ -10,16 +10,18 @@ when the config is built. Design and budget tables: docs/design/sm100.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar
+
+from ..jit.spec import KernelConfig, ScalarArg, TensorArg
+from .hw import MAX_SMEM_PER_CTA, REGISTERS_PER_SM
 
 # ---- hardware (B200/GB200 = sm_100a, B300/GB300 = sm_103a) ------------------------------------
 TARGETS = ("sm_100a", "sm_103a")
-SMEM_BYTES = 227 * 1024  # dynamic shared memory one CTA may use (228 KB per SM, 1 KB reserved per CTA)
+SMEM_BYTES = MAX_SMEM_PER_CTA  # 227 KB per CTA, as on SM90 (228 KB per SM, 1 KB reserved per CTA)
 TMEM_LANES = 128  # tensor-memory lanes = accumulator rows of a 1-CTA M=128 tcgen05.mma
 TMEM_COLUMNS = 512  # 32-bit columns per SM; an allocation is a power of two >= 32
 TMEM_MIN_ALLOC = 32
-REGISTERS_PER_SM = 64 * 1024
 SETMAXNREG_MIN, SETMAXNREG_MAX = 24, 256  # setmaxnreg operand range (multiples of 8)
 WARP = 32
 WARPGROUP = 128
@@ -31,6 +33,7 @@ MMA_K_BYTES = 32  # bytes of K per tcgen05.mma instruction (16 x 16-bit, 32 x 8-
 SWIZZLE_BYTES = 128  # widest UMMA / TMA swizzle: one chunk row
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp32": 4}
+MODEL_DTYPES = ("bf16", "fp16")
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (16, 32, 64, 128)
 
@@ -113,13 +116,10 @@ class RegisterBudget:
 # ---- shared helpers ---------------------------------------------------------------------------
 
 
-class _Sm100Config:
-    """What every SM100 config shares: the compile targets, a readable label, the common checks."""
+class _Sm100Config(KernelConfig):
+    """What every SM100 config shares: the compile targets, the evidence, the common checks."""
 
     targets: ClassVar[tuple[str, ...]] = TARGETS
-
-    def label(self) -> str:
-        return self.kernel_id + "[" + ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)) + "]"
 
     def _check_common(self) -> None:
         if self.kv_dtype not in ("bf16", "fp16", "fp8_e4m3"):
@@ -172,12 +172,15 @@ class _Sm100Config:
         """The tcgen05.mma kinds the compiled kernel must contain."""
         return ("kind::f8f6f4",) if self.mode == "f8" else ("kind::f16",)
 
-    def evidence_patterns(self) -> tuple[str, ...]:
-        pats = tuple(r"tcgen05\.mma\.cta_group::1\." + k.replace("::", r"::") for k in self.kinds)
-        pats += (r"tcgen05\.alloc", r"tcgen05\.dealloc", r"tcgen05\.ld", r"cp\.async\.bulk\.tensor",
-                 r"setmaxnreg")
+    def evidence_patterns(self) -> tuple[tuple[str, str], ...]:
+        """(display name, PTX regex): the MMA kind, TMEM allocation, loads (and stores), TMA, the
+        register reconfiguration; converted K/V need the exact e4m3 -> f16 conversion."""
+        pats = tuple((f"tcgen05.mma {k}", r"tcgen05\.mma\.cta_group::1\." + k) for k in self.kinds)
+        pats += (("tcgen05.alloc", r"tcgen05\.alloc"), ("tcgen05.dealloc", r"tcgen05\.dealloc"),
+                 ("tcgen05.ld", r"tcgen05\.ld"), ("TMA load", r"cp\.async\.bulk\.tensor"),
+                 ("setmaxnreg", r"setmaxnreg"))
         if self.mode == "cvt":
-            pats += (r"tcgen05\.st", r"cvt\.rn\.f16x2\.e4m3x2")
+            pats += (("tcgen05.st", r"tcgen05\.st"), ("cvt e4m3x2->f16x2", r"cvt\.rn\.f16x2\.e4m3x2"))
         return pats
 
 
@@ -337,12 +340,10 @@ class Sm100DecodeConfig(_Sm100Config):
 
     # -- compile key ---------------------------------------------------------------------------
     @property
-    def evidence(self) -> dict[str, tuple[str, ...]]:
+    def evidence(self) -> dict[str, tuple[tuple[str, str], ...]]:
         return {t: self.evidence_patterns() for t in self.targets}
 
     def signature(self):
-        from ..jit.spec import ScalarArg, TensorArg  # the arg spec needs the DSL until jit splits it
-
         D = self.head_dim
         inner = ("Hkv", self.page_size) if self.kv_layout == "HND" else (self.page_size, "Hkv")
         if self.kv_form == "single":
@@ -379,9 +380,21 @@ class Sm100DecodeConfig(_Sm100Config):
         )
 
     def build(self):
-        from ..sm100.decode import decode_entry
+        from ..sm100.decode import Sm100PagedDecode
 
-        return decode_entry(self)
+        return Sm100PagedDecode(self)
+
+
+MAX_SPLITS = 64
+
+
+def decode_splits(items: int, max_context: int, num_sms: int) -> int:
+    """Split-KV count of a decode launch of ``items`` CTAs (requests x KV heads x row tiles): fill
+    one wave of one CTA per SM (a decode CTA holds ~200 KB of shared memory), never more splits
+    than 128-token tiles, at most MAX_SPLITS. Not measured on hardware (docs/design/sm100.md)."""
+    if items >= num_sms:
+        return 1
+    return max(1, min(MAX_SPLITS, math.ceil(max_context / KV_TILE), num_sms // max(items, 1)))
 
 
 # ---- prefill ----------------------------------------------------------------------------------
@@ -499,13 +512,11 @@ class Sm100PrefillConfig(_Sm100Config):
         self.registers.check()
 
     @property
-    def evidence(self) -> dict[str, tuple[str, ...]]:
-        pats = self.evidence_patterns() + (r"tcgen05\.st",)  # P is written into TMEM
+    def evidence(self) -> dict[str, tuple[tuple[str, str], ...]]:
+        pats = self.evidence_patterns() + (("tcgen05.st (P)", r"tcgen05\.st"),)  # P is written into TMEM
         return {t: pats for t in self.targets}
 
     def signature(self):
-        from ..jit.spec import ScalarArg, TensorArg  # the arg spec needs the DSL until jit splits it
-
         D = self.head_dim
         inner = ("Hkv", self.page_size) if self.kv_layout == "HND" else (self.page_size, "Hkv")
         if self.kv_form == "single":
@@ -538,6 +549,41 @@ class Sm100PrefillConfig(_Sm100Config):
         )
 
     def build(self):
-        from ..sm100.prefill import prefill_entry
+        from ..sm100.prefill import Sm100PagedPrefill
 
-        return prefill_entry(self)
+        return Sm100PagedPrefill(self)
+
+
+# ---- compile matrix ---------------------------------------------------------------------------
+
+
+def decode_variants() -> list[Sm100DecodeConfig]:
+    """A representative set for CI (each compiles for sm_100a and sm_103a in 2-4 s): every MMA
+    family (16-bit, FP8 widened into TMEM, FP8 query), every head dim, split and unsplit, sinks,
+    both cache forms and layouts, scale tensors, row tiling (64 rows), pages 16-128."""
+    return [
+        Sm100DecodeConfig(q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=8, page_size=16),
+        Sm100DecodeConfig(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, page_size=16, split=True,
+                          sinks=True),
+        Sm100DecodeConfig(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", head_dim=128, group=8, page_size=16,
+                          split=True, kv_form="pair", kv_layout="NHD", k_scale_tensor=True, v_scale_tensor=True,
+                          q_scale_tensor=True),
+        Sm100DecodeConfig(q_dtype="fp16", kv_dtype="fp16", head_dim=64, group=4, q_len=2, page_size=32),
+        Sm100DecodeConfig(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=32, page_size=128, split=True),
+        Sm100DecodeConfig(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=256, group=16, q_len=4, page_size=64),
+        Sm100DecodeConfig(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", head_dim=64, group=4, page_size=16, sinks=True),
+    ]
+
+
+def prefill_variants() -> list[Sm100PrefillConfig]:
+    """Every MMA family and head dim (D 256: one Q tile per CTA), causal and not, sinks, no LSE,
+    both cache forms and layouts, pages 16-128."""
+    return [
+        Sm100PrefillConfig(q_dtype="bf16", kv_dtype="bf16", head_dim=128, page_size=16),
+        Sm100PrefillConfig(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", head_dim=128, page_size=16, sinks=True,
+                           q_scale_tensor=True),
+        Sm100PrefillConfig(q_dtype="fp16", kv_dtype="fp16", head_dim=64, page_size=32, causal=False,
+                           kv_form="pair", kv_layout="NHD", write_lse=False),
+        Sm100PrefillConfig(q_dtype="bf16", kv_dtype="bf16", head_dim=256, page_size=128, sinks=True),
+        Sm100PrefillConfig(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", head_dim=256, page_size=64),
+    ]

@@ -30,7 +30,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from ..jit.dtypes import cute_dtype
-from ..jit.entry import entry
+from ..jit.spec import bind_arguments
 from ..roles.attn_window import box_visible, decode_key_range, key_visible, split_tiles
 from ..roles.sinks import LOG2E, fold_sink
 from .kit import fresh_warp_index, last_mode, logical_view, scalar, set_registers, tmem_base
@@ -52,6 +52,7 @@ class Sm100PagedDecode:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.arg_names = cfg.arg_names()
         self.q_dtype = cute_dtype(cfg.q_dtype)
         self.kv_dtype = cute_dtype(cfg.kv_dtype)
         self.mma_dtype = cute_dtype(cfg.mma_dtype)
@@ -96,6 +97,12 @@ class Sm100PagedDecode:
         q_layout = sm100_utils.make_smem_layout_b(qk, (KV_TILE, self.N, self.D), self.mma_dtype, 1)
         p_layout = sm100_utils.make_smem_layout_b(pv, (KV_TILE, self.N, KV_TILE), self.mma_dtype, 1)
         return k_layout, v_layout, q_layout, p_layout
+
+    @cute.jit
+    def __call__(self, *args):
+        """The config's arguments in signature order (a variant takes only the ones it uses), then
+        the stream; :meth:`launch` receives them by name."""
+        self.launch(**bind_arguments(self.arg_names, args))
 
     @cute.jit
     def launch(self, q, block_table, seq_lens, k_scale, v_scale, sm_scale: Float32, window_left: Int32, stream,
@@ -665,8 +672,3 @@ class Sm100PagedDecode:
                     mLse[split, token_l, head_l] = lse[n]
                 else:
                     mLse[token_l, head_l] = lse[n]
-
-
-def decode_entry(cfg):
-    """The object to compile: its ``__call__`` takes ``cfg.signature()`` in order."""
-    return entry(Sm100PagedDecode(cfg), tuple(a.name for a in cfg.signature()))

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
-from ..jit.asm import asm
+from ..roles.fragments import special_register
 
 
 @dsl_user_op
 def fresh_warp_index(*, loc=None, ip=None) -> Int32:
     """The warp index, read again from ``%tid.x`` (volatile): a value kept from before a role's
     ``setmaxnreg`` would be spilled by ptxas, a fresh read is not."""
-    tid = Int32(asm([T.i32()], [], "mov.u32 $0, %tid.x;", "=r", side_effects=True, loc=loc, ip=ip))
-    return cute.arch.make_warp_uniform(tid // 32, loc=loc, ip=ip)
+    return cute.arch.make_warp_uniform(special_register("tid.x", loc=loc, ip=ip) // 32, loc=loc, ip=ip)
 
 
 def last_mode(t, i):

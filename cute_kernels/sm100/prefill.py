@@ -31,7 +31,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from ..jit.dtypes import cute_dtype
-from ..jit.entry import entry
+from ..jit.spec import bind_arguments
 from ..roles.attn_window import box_visible, key_visible_prefill, prefill_key_range
 from ..roles.sinks import LOG2E, fold_sink
 from .kit import fresh_warp_index, last_mode, logical_view, scalar, set_registers, tmem_base
@@ -47,6 +47,7 @@ class Sm100PagedPrefill:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.arg_names = cfg.arg_names()
         self.q_dtype = cute_dtype(cfg.q_dtype)
         self.kv_dtype = cute_dtype(cfg.kv_dtype)
         self.mma_dtype = cute_dtype(cfg.mma_dtype)
@@ -78,6 +79,12 @@ class Sm100PagedPrefill:
         k_layout = sm100_utils.make_smem_layout_b(qk, (M_TILE, self.n, self.D), self.kv_dtype, cfg.stages)
         v_layout = sm100_utils.make_smem_layout_b(pv, (M_TILE, self.D, self.n), self.kv_dtype, cfg.stages)
         return q_layout, k_layout, v_layout
+
+    @cute.jit
+    def __call__(self, *args):
+        """The config's arguments in signature order (a variant takes only the ones it uses), then
+        the stream; :meth:`launch` receives them by name."""
+        self.launch(**bind_arguments(self.arg_names, args))
 
     @cute.jit
     def launch(self, q, block_table, seq_lens, query_start_loc, out, k_scale, v_scale, sm_scale: Float32,
@@ -553,8 +560,3 @@ class Sm100PagedPrefill:
         """(Traced.) Columns ``ci * 32 ...`` of Q tile ``s``'s O (128 x 32)."""
         tO = tOtO[(None, None), 0, 0, s]
         return cute.flat_divide(tO, (M_TILE, CORR_COLS))[None, None, 0, ci]
-
-
-def prefill_entry(cfg):
-    """The object to compile: its ``__call__`` takes ``cfg.signature()`` in order."""
-    return entry(Sm100PagedPrefill(cfg), tuple(a.name for a in cfg.signature()))

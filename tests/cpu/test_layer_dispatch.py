@@ -19,10 +19,10 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference
-from cute_kernels.common.kv_write import WriteKVCacheConfig
-from cute_kernels.common.quantize import QuantizeQueryConfig
 from cute_kernels.ops import quantize_query as qq_op
 from cute_kernels.ops import write_kv_cache as kv_op
+from cute_kernels.plans.quantize_query import QuantizeQueryConfig
+from cute_kernels.plans.write_kv_cache import WriteKVCacheConfig
 from dispatch import KERNELS, SUPPORTED_ARCHS, AttentionLayer, AttentionMetadata, UnsupportedConfig
 
 FP8, BF16, FP16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
@@ -183,8 +183,9 @@ def test_layer_arch_matrix(registry, monkeypatch):
                 continue
             assert (p.arch, p.phase, p.model_dtype) == (arch, phase, "bf16")
             assert p.kv_cache_dtype == ("fp8_e4m3" if kv == FP8 else "bf16")
-            fp8_query = (kv == FP8 and arch in FP8_QK_ARCHS
-                         and KERNELS[f"sm100.{phase}"].status in ("available", "compile-verified"))
+            k = KERNELS[f"sm100.{phase}"]  # (compile-verified: served once the op is in the build)
+            fp8_query = kv == FP8 and arch in FP8_QK_ARCHS and (
+                k.status == "available" or (k.status == "compile-verified" and k.op is not None))
             assert p.q_dtype == ("fp8_e4m3" if fp8_query else "bf16"), p
             # q_scale enters the logits exactly when the layer quantizes the query with it
             assert p.quantize_query == p.applies_q_scale == fp8_query, p
@@ -337,16 +338,11 @@ def test_fp8_query_plan_without_q_scale_is_refused(fp8_reference):
 
 
 def test_plan_without_an_op_is_refused_before_any_work(monkeypatch):
-    # a kernel the layer has no op for (the opt-in FP8-query SM90 decode, made automatic on sm100)
-    from dispatch import capabilities
-
-    fp8q = dataclasses.replace(KERNELS["sm90.decode_fp8q"], status="available", archs=("sm90", "sm100"))
-    monkeypatch.setitem(KERNELS, "sm90.decode_fp8q", fp8q)
-    monkeypatch.setitem(capabilities._AUTO, ("sm100", "decode"), ("sm90.decode_fp8q",))
-    step = make_step(**BATCHES["decode"])
+    _set_status(monkeypatch, "available", *BUILT)  # sm100.prefill "built" but with no op in this build
+    step = make_step(**BATCHES["prefill"])
     layer = AttentionLayer(8, 2, 64, kv_cache_dtype=FP8, page_size=16, arch="sm100", q_scale=0.5)
     monkeypatch.setattr(cute_kernels, "quantize_query", lambda *a, **k: pytest.fail("quantized"), raising=False)
-    with pytest.raises(UnsupportedConfig, match="sm90.decode_fp8q, which has no op"):
+    with pytest.raises(UnsupportedConfig, match="sm100.prefill, which has no prefill op"):
         layer.forward(step.q, step.k, step.v, step.kv_cache, step.metadata)
 
 
@@ -396,7 +392,7 @@ def test_decode_only_forward_does_no_host_sync(monkeypatch):
     (dict(kv_layout="HDN"), "kv_layout must be 'HND' or 'NHD'"),
     (dict(arch="sm75"), "not supported"),
     (dict(model_dtype=torch.float32), "model_dtype"),
-    (dict(q_scale=torch.ones(3)), r"q_scale must be a float or a 1-element or \[num_kv_heads\] tensor"),
+    (dict(q_scale=torch.ones(3)), r"q_scale must be a float or a 1-element tensor or a per-KV-head \[num_kv_heads\]"),
     (dict(q_scale=torch.ones(2, dtype=torch.float64)), "q_scale must be a float or a float32 tensor"),
     (dict(k_scale=torch.ones(2)), "k_scale must be a float or a 1-element tensor"),
     (dict(v_scale=-1.0), "v_scale must be a positive finite float"),

@@ -7,7 +7,7 @@ pages and slots past each request's end, fresh random inputs per test (seeded by
 and NaN-filled ``out`` buffers so that any element the kernel fails to write fails the test.
 
 Tolerance: ``assert_close(rtol=2e-2, atol=2e-2)`` on the bf16 outputs against the fp32 reference
-on the same (dequantized) cache values, the issue's bound (the kernel's own error is ~1e-3: fp32
+on the same (dequantized) cache values, the contract's bound (the kernel's own error is ~1e-3: fp32
 accumulation, bf16/fp16 P and one bf16 output rounding).
 
 Grid (the contract's test table, §5): head layouts 24/2, 12/1, 6/1 at D 256, rows 1 to 2048,
@@ -100,8 +100,8 @@ def _check(out, ref):
 def _precompile():
     """Every variant the module will hit, compiled in parallel processes first."""
     from cute_kernels.jit.parallel import precompile
+    from cute_kernels.plans.sm90_qsa_tile import make_qsa_tile_config
     from cute_kernels.qsa_warmup import qsa_variants
-    from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
 
     shapes = {(hq, hkv, page, "fp8" if kv == FP8 else "bf16", 256, "bf16") for _, hq, hkv, page, _, _, kv in CASES}
     shapes |= {(16, 1, 96, "bf16", 128, "bf16"), (8, 8, 64, "fp8", 64, "bf16"), (12, 1, 800, "fp16", 256, "fp16"),
@@ -351,7 +351,7 @@ def test_argument_errors_after_a_cached_call(gen, path):
 def _prefill_case(gen, rows, hq, hkv, page, kv, first, selection, **kw):
     """1 x ``rows`` prefill rows at positions ``first ..`` of one request, with the benchmark's
     selection model (``correlated``: neighbours share ~90 % of their blocks)."""
-    from profiling.qsa_selection import qsa_indices
+    from cute_kernels.bench.qsa_selection import qsa_indices
 
     ctx = first + rows
     c = _case(gen, rows, hq, hkv, page, 1, kv, ctx=ctx, positions="all", **kw)
@@ -406,7 +406,7 @@ def _launch_of(c, out):
     """The op's cached launch of case ``c`` (under the active tuning override)."""
     from cute_kernels.ops import qsa_sparse_attention as op
 
-    return op._cache.get(op._key(c["q"], c["k_cache"], c["v_cache"], c["packed_indices"], c["block_table"],
+    return op._launcher.get(op._key(c["q"], c["k_cache"], c["v_cache"], c["packed_indices"], c["block_table"],
                                  c["token_to_req"], True, out, c["output_gate"]))
 
 
