@@ -103,14 +103,14 @@ class RegisterBudget:
             if regs % 8 or not SETMAXNREG_MIN <= regs <= SETMAXNREG_MAX:
                 raise ValueError(f"register budget of {name}: {regs} is not a multiple of 8 in "
                                  f"[{SETMAXNREG_MIN}, {SETMAXNREG_MAX}]")
+        if self.launch < SETMAXNREG_MIN:
+            raise ValueError(f"{self.threads} threads x {self.ctas_per_sm} CTA(s) leave {self.launch} registers "
+                             "per thread at launch")
         pool = self.launch * self.threads * self.ctas_per_sm
         if self.total > pool:
             raise ValueError(f"register budgets {dict(self.roles)} x {WARPGROUP} threads x {self.ctas_per_sm} CTA(s) "
                              f"= {self.total} exceed the {pool} registers the launch provides "
                              f"({self.launch} per thread; the SM has {REGISTERS_PER_SM})")
-        if self.launch < SETMAXNREG_MIN:
-            raise ValueError(f"{self.threads} threads x {self.ctas_per_sm} CTA(s) leave {self.launch} registers "
-                             "per thread at launch")
 
 
 # ---- shared helpers ---------------------------------------------------------------------------
@@ -129,8 +129,6 @@ class _Sm100Config(KernelConfig):
         if self.kv_dtype != "fp8_e4m3" and self.q_dtype != self.kv_dtype:
             raise ValueError(f"a 16-bit KV cache ({self.kv_dtype}) needs a query of the same dtype, "
                              f"got {self.q_dtype}")
-        if self.q_dtype == "fp8_e4m3" and self.kv_dtype != "fp8_e4m3":
-            raise ValueError("an FP8 query needs an FP8 KV cache (QK runs in FP8)")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
         if self.page_size not in PAGE_SIZES:
