@@ -43,10 +43,10 @@ from .plans import (
     probes,
     quantize_query,
     sm90_decode,
-    sm100,
     sm90_qsa,
     sm90_qsa_launch,
     sm90_qsa_tile,
+    sm100,
     write_kv_cache,
 )
 
