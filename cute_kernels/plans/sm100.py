@@ -460,8 +460,9 @@ class Sm100PrefillConfig(_Sm100Config):
     @property
     def fixed_smem(self) -> int:
         q = round_up(self.q_stages * M_TILE * self.head_dim * self.mma_bytes, 1024)
-        stats = 3 * self.q_stages * M_TILE * 4  # per row: the correction scale, the final max and sum
-        return q + round_up(stats + 8 * 64, 1024) + 1024
+        stats = 3 * 2 * M_TILE * 4  # per row of two tiles: the correction scale, the final max and sum
+        bars = 8 * (4 * MAX_STAGES + 14) + 16  # the K/V rings, seven barrier pairs, the TMEM address
+        return q + round_up(stats + bars, 1024) + 1024  # + alignment of the 1 KB-aligned buffers
 
     @property
     def stages(self) -> int:

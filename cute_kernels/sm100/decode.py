@@ -33,7 +33,7 @@ from ..jit.dtypes import cute_dtype
 from ..jit.spec import bind_arguments
 from ..roles.attn_window import box_visible, decode_key_range, key_visible, split_tiles
 from ..roles.sinks import LOG2E, fold_sink
-from .kit import fresh_warp_index, last_mode, logical_view, scalar, set_registers, tmem_base
+from .kit import check_smem, fresh_warp_index, last_mode, logical_view, scalar, set_registers, tmem_base
 from .tmem_convert import ConvertRole
 
 KV_TILE = 128
@@ -150,6 +150,7 @@ class Sm100PagedDecode:
             sP: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(p_layout)], 1024]
 
         self.storage = Storage
+        check_smem(Storage.size_in_bytes(), cfg)
         num_kv_heads = mK4.shape[head]
         batch = mBlockTable.shape[0]
         num_splits = mO.shape[0] if const_expr(cfg.split) else 1

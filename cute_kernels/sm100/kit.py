@@ -42,6 +42,14 @@ def tmem_base(holder):
     return cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=holder)
 
 
+def check_smem(struct_bytes: int, cfg) -> None:
+    """The kernel's shared-memory struct within its plan's budget (which the config checked
+    against the SM's limit): a plan that underestimates fails the compile, not the launch."""
+    if struct_bytes > cfg.smem_bytes:
+        raise ValueError(f"{cfg.kernel_id}: the kernel needs {struct_bytes} bytes of shared memory, its plan "
+                         f"budgets {cfg.smem_bytes}")
+
+
 def scalar(x):
     """(Traced.) A scale passed as a float or as a 1-element fp32 tensor."""
     if const_expr(isinstance(x, cute.Tensor)):

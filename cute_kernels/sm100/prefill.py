@@ -34,7 +34,7 @@ from ..jit.dtypes import cute_dtype
 from ..jit.spec import bind_arguments
 from ..roles.attn_window import box_visible, key_visible_prefill, prefill_key_range
 from ..roles.sinks import LOG2E, fold_sink
-from .kit import fresh_warp_index, last_mode, logical_view, scalar, set_registers, tmem_base
+from .kit import check_smem, fresh_warp_index, last_mode, logical_view, scalar, set_registers, tmem_base
 
 M_TILE = 128
 RESCALE_LOG2 = 8.0  # as in decode: P <= 2^8 between rescales
@@ -134,6 +134,7 @@ class Sm100PagedPrefill:
             sV: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(v_layout)], 1024]
 
         self.storage = Storage
+        check_smem(Storage.size_in_bytes(), cfg)
         num_q_heads = q.shape[1]
         batch = block_table.shape[0]
         q_tiles = (max_query_len + M_TILE * self.qs - 1) // (M_TILE * self.qs)
