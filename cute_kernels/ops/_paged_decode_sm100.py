@@ -23,7 +23,15 @@ from ..jit.compiler import get_kernel
 from ..plans.sm100 import DECODE_LIMITS, Sm100DecodeConfig, decode_splits, family
 from ._launch import bind, check_scale
 from ._selfcheck import Case, ensure
-from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
+from ._torch import (
+    DeviceBuffer,
+    check_paged_tensors,
+    check_tensor,
+    compile_target,
+    device_sm_count,
+    dtype_name,
+    ffi_tensor,
+)
 from .merge_states import merge_states
 
 FP8 = torch.float8_e4m3fn
@@ -85,16 +93,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q
         raise ValueError(f"page size must be one of {DECODE_LIMITS['page_sizes']}, got {page}")
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"num q heads ({Hq}) must be a multiple of num kv heads ({Hkv})")
-    if k.dtype not in (FP8, q.dtype):
-        raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
-    check_tensor("q", q, device=device, align_bytes=16)
-    for name, t in ((("k_cache", k), ("v_cache", v)) if pair else (("kv_cache", k),)):
-        check_tensor(name, t, device=device, align_bytes=16)  # TMA: 16-byte aligned base and strides
-    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
-    B = block_table.shape[0]
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(B,), device=device)
-    if T != B * q_len:
-        raise ValueError(f"q has {T} rows; expected batch {B} x q_len_per_req {q_len}")
+    B = check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len)
     out_dtype = torch.bfloat16 if q.dtype == FP8 else q.dtype
     if out is not None:
         check_tensor("out", out, dtype=out_dtype, shape=(T, Hq, D), device=device)

@@ -28,7 +28,15 @@ from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, make_decode_con
 from ..plans.sm100 import TARGETS as SM100_TARGETS
 from . import _paged_decode_sm100 as sm100
 from ._launch import Launcher, bind, check_scale
-from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
+from ._torch import (
+    DeviceBuffer,
+    check_paged_tensors,
+    check_tensor,
+    compile_target,
+    device_sm_count,
+    dtype_name,
+    ffi_tensor,
+)
 
 FP8 = torch.float8_e4m3fn
 
@@ -128,16 +136,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         raise ValueError(f"Hq/Hkv x q_len_per_req must be <= {MAX_ROWS}, got {group} x {q_len}")
     if q.stride(-2) != D and Hq > 1:
         raise ValueError(f"q must have contiguous heads (stride(-2) == head_dim {D}), got strides {q.stride()}")
-    check_tensor("q", q, device=device, align_bytes=16)
-    if k.dtype not in (FP8, q.dtype):
-        raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
-    for name, t in ((("k_cache", k), ("v_cache", v)) if pair else (("kv_cache", k),)):
-        check_tensor(name, t, device=device, align_bytes=16)  # TMA: 16-byte aligned base and strides
-    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
-    B = block_table.shape[0]
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(B,), device=device)
-    if T != B * q_len:
-        raise ValueError(f"q has {T} rows; expected batch {B} x q_len_per_req {q_len}")
+    B = check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len)
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=device)
 

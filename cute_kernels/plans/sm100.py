@@ -116,8 +116,23 @@ class RegisterBudget:
 # ---- shared helpers ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
 class _Sm100Config(KernelConfig):
-    """What every SM100 config shares: the compile targets, the evidence, the common checks."""
+    """What every SM100 config shares: the fields of the dtypes, shapes and cache arguments, the
+    compile targets, the evidence, the common checks."""
+
+    q_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    head_dim: int = 128
+    group: int = 8
+    page_size: int = 16
+    sinks: bool = False
+    kv_form: str = "single"
+    kv_layout: str = "HND"
+    k_scale_tensor: bool = False
+    v_scale_tensor: bool = False
+    q_scale_tensor: bool = False
+    pdl: bool = True
 
     targets: ClassVar[tuple[str, ...]] = TARGETS
 
@@ -135,6 +150,10 @@ class _Sm100Config(KernelConfig):
             raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {self.page_size}")
         if self.kv_form not in ("single", "pair") or self.kv_layout not in ("HND", "NHD"):
             raise ValueError(f"bad kv_form/kv_layout {self.kv_form!r}/{self.kv_layout!r}")
+        if self.group < 1:
+            raise ValueError(f"group must be >= 1, got {self.group}")
+        if self.q_scale_tensor and self.q_dtype != "fp8_e4m3":
+            raise ValueError("q_scale applies only to an FP8 query")
 
     # -- the MMA family ------------------------------------------------------------------------
     @property
@@ -198,29 +217,15 @@ class Sm100DecodeConfig(_Sm100Config):
     argument of every variant.
     """
 
-    q_dtype: str = "bf16"
-    kv_dtype: str = "bf16"
-    head_dim: int = 128
-    group: int = 8
     q_len: int = 1
-    page_size: int = 16
     split: bool = False
-    sinks: bool = False
-    kv_form: str = "single"
-    kv_layout: str = "HND"
-    k_scale_tensor: bool = False
-    v_scale_tensor: bool = False
-    q_scale_tensor: bool = False
-    pdl: bool = True
 
     kernel_id: ClassVar[str] = "sm100.decode"
 
     def __post_init__(self):
         self._check_common()
-        if self.group < 1 or self.q_len < 1:
-            raise ValueError(f"group and q_len must be >= 1, got {self.group}, {self.q_len}")
-        if self.q_scale_tensor and self.q_dtype != "fp8_e4m3":
-            raise ValueError("q_scale applies only to an FP8 query")
+        if self.q_len < 1:
+            raise ValueError(f"q_len must be >= 1, got {self.q_len}")
         self.check_budgets()
 
     # -- geometry ------------------------------------------------------------------------------
@@ -414,20 +419,8 @@ class Sm100PrefillConfig(_Sm100Config):
     refused (the plan quantizes the query for this kernel).
     """
 
-    q_dtype: str = "bf16"
-    kv_dtype: str = "bf16"
-    head_dim: int = 128
-    group: int = 8
-    page_size: int = 16
     causal: bool = True
-    sinks: bool = False
     write_lse: bool = True
-    kv_form: str = "single"
-    kv_layout: str = "HND"
-    k_scale_tensor: bool = False
-    v_scale_tensor: bool = False
-    q_scale_tensor: bool = False
-    pdl: bool = True
 
     kernel_id: ClassVar[str] = "sm100.prefill"
 
@@ -436,10 +429,6 @@ class Sm100PrefillConfig(_Sm100Config):
         if self.mode == "cvt":
             raise ValueError(f"{self.kernel_id}: a 16-bit query on an FP8 cache is not supported: quantize the query "
                              "(FP8 Q, K, V run in kind::f8f6f4)")
-        if self.group < 1:
-            raise ValueError(f"group must be >= 1, got {self.group}")
-        if self.q_scale_tensor and self.q_dtype != "fp8_e4m3":
-            raise ValueError("q_scale applies only to an FP8 query")
         self.check_budgets()
 
     # -- geometry ------------------------------------------------------------------------------

@@ -29,11 +29,19 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
-from ..jit.dtypes import cute_dtype
 from ..jit.spec import bind_arguments
 from ..roles.attn_window import box_visible, decode_key_range, key_visible, split_tiles
 from ..roles.sinks import LOG2E, fold_sink
-from .kit import check_smem, fresh_warp_index, last_mode, logical_view, scalar, set_registers, tmem_base
+from .kit import (
+    check_smem,
+    config_dtypes,
+    fresh_warp_index,
+    last_mode,
+    logical_view,
+    scalar,
+    set_registers,
+    tmem_base,
+)
 from .tmem_convert import ConvertRole
 
 KV_TILE = 128
@@ -53,10 +61,7 @@ class Sm100PagedDecode:
     def __init__(self, cfg):
         self.cfg = cfg
         self.arg_names = cfg.arg_names()
-        self.q_dtype = cute_dtype(cfg.q_dtype)
-        self.kv_dtype = cute_dtype(cfg.kv_dtype)
-        self.mma_dtype = cute_dtype(cfg.mma_dtype)
-        self.out_dtype = cute_dtype(cfg.out_dtype)
+        self.q_dtype, self.kv_dtype, self.mma_dtype, self.out_dtype = config_dtypes(cfg)
         self.cvt = cfg.mode == "cvt"
         self.D, self.N = cfg.head_dim, cfg.n
         self.G, self.q_len = cfg.group, cfg.q_len

@@ -6,6 +6,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cutlass_dsl import dsl_user_op
 
+from ..jit.dtypes import cute_dtype
 from ..roles.fragments import special_register
 
 
@@ -40,6 +41,12 @@ def set_registers(budget, role: str):
 def tmem_base(holder):
     """(Traced.) The TMEM address the allocating warp published in shared memory at ``holder``."""
     return cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=holder)
+
+
+def config_dtypes(cfg):
+    """(query, cache, MMA operand, output) CuTe types of an SM100 config's dtype names."""
+    return (cute_dtype(cfg.q_dtype), cute_dtype(cfg.kv_dtype), cute_dtype(cfg.mma_dtype),
+            cute_dtype(cfg.out_dtype))
 
 
 def check_smem(struct_bytes: int, cfg) -> None:

@@ -30,11 +30,19 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
-from ..jit.dtypes import cute_dtype
 from ..jit.spec import bind_arguments
 from ..roles.attn_window import box_visible, key_visible_prefill, prefill_key_range
 from ..roles.sinks import LOG2E, fold_sink
-from .kit import check_smem, fresh_warp_index, last_mode, logical_view, scalar, set_registers, tmem_base
+from .kit import (
+    check_smem,
+    config_dtypes,
+    fresh_warp_index,
+    last_mode,
+    logical_view,
+    scalar,
+    set_registers,
+    tmem_base,
+)
 
 M_TILE = 128
 RESCALE_LOG2 = 8.0  # as in decode: P <= 2^8 between rescales
@@ -48,10 +56,7 @@ class Sm100PagedPrefill:
     def __init__(self, cfg):
         self.cfg = cfg
         self.arg_names = cfg.arg_names()
-        self.q_dtype = cute_dtype(cfg.q_dtype)
-        self.kv_dtype = cute_dtype(cfg.kv_dtype)
-        self.mma_dtype = cute_dtype(cfg.mma_dtype)
-        self.out_dtype = cute_dtype(cfg.out_dtype)
+        self.q_dtype, self.kv_dtype, self.mma_dtype, self.out_dtype = config_dtypes(cfg)
         self.D, self.n = cfg.head_dim, cfg.n_block
         self.qs = cfg.q_stages
         self.page = cfg.page_size

@@ -15,7 +15,6 @@ from .conftest import sm90_only
 pytestmark = sm90_only()
 cute = pytest.importorskip("cutlass.cute")
 
-import cutlass  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 
 from cute_kernels.roles.attn_window import (  # noqa: E402
@@ -77,12 +76,12 @@ def _python(row_i, row_f):
     phi = min(seq_len - q_len + (q_len - 1) + 1, seq_len)
     out_i = [lo, hi, first_t + split, S, count, int(vis), int(vis_c), int(vis_n), int(k < hi and k + 16 > lo),
              plo, phi, seq_len - plo]
-    m, l, s = row_f
+    m, row_sum, s = row_f
     sl = s * math.log2(math.e)
     big = max(m, sl)
     keep = 0.0 if m == -math.inf else 2.0 ** (m - big)
     extra = 0.0 if sl == -math.inf else 2.0 ** (sl - big)
-    return out_i, [big, l * keep + extra, keep]
+    return out_i, [big, row_sum * keep + extra, keep]
 
 
 def test_roles_match_python():
