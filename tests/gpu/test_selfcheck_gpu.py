@@ -2,7 +2,7 @@
 
 No Blackwell GPU exists for this project, so the machinery that guards the compile-verified SM100
 kernels is proven here on the SM90 decode kernel: the check passes against it, and a deliberately
-broken variant of it (a wrong k_scale passed by the runner: a wrong answer, as a miscompiled or
+broken variant of it (k_scale doubled by the runner: a wrong answer, as a miscompiled or
 mis-scheduled kernel would give) fails the check, after which the guarded call serves the reference
 and a warning is logged. The cases are the ones the SM100 op builds for its families
 (``_paged_decode_sm100.self_check_cases``), with the SM90 op as the runner.
@@ -58,7 +58,7 @@ def test_check_passes_on_the_sm90_kernel(kv):
 
 def test_broken_kernel_fails_and_the_op_falls_back(caplog):
     cfg = Sm100DecodeConfig(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=4, page_size=16)
-    broken = sm90_runner(k_scale_error=1.3)
+    broken = sm90_runner(k_scale_error=2.0)
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 8, 128, generator=g).to(torch.bfloat16).cuda()
     kv = torch.randn(8, 2, 2, 16, 128, generator=g).to(torch.float8_e4m3fn).cuda()
