@@ -155,6 +155,15 @@ class _Sm100Config(KernelConfig):
         if self.q_scale_tensor and self.q_dtype != "fp8_e4m3":
             raise ValueError("q_scale applies only to an FP8 query")
 
+    # -- the K and V rings: equal depth, what shared memory holds besides ``fixed_smem`` --------
+    @property
+    def stages(self) -> int:
+        return max(1, min(MAX_STAGES, (SMEM_BYTES - self.fixed_smem) // (2 * self.stage_bytes)))
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.fixed_smem + 2 * self.stages * self.stage_bytes
+
     # -- the MMA family ------------------------------------------------------------------------
     @property
     def mode(self) -> str:
@@ -298,13 +307,8 @@ class Sm100DecodeConfig(_Sm100Config):
         return q + p + round_up(red + bars, 1024) + 1024  # + alignment slack of the rings
 
     @property
-    def stages(self) -> int:
-        """Stages of the K ring and of the V ring (equal depth)."""
-        return max(1, min(MAX_STAGES, (SMEM_BYTES - self.fixed_smem) // (2 * self.chunk_bytes)))
-
-    @property
-    def smem_bytes(self) -> int:
-        return self.fixed_smem + 2 * self.stages * self.chunk_bytes
+    def stage_bytes(self) -> int:
+        return self.chunk_bytes
 
     @property
     def cvt_cols(self) -> int:
@@ -454,13 +458,8 @@ class Sm100PrefillConfig(_Sm100Config):
         return q + round_up(stats + bars, 1024) + 1024  # + alignment of the 1 KB-aligned buffers
 
     @property
-    def stages(self) -> int:
-        """Stages of the K ring and of the V ring (a stage is one KV block of K, or of V)."""
-        return max(1, min(MAX_STAGES, (SMEM_BYTES - self.fixed_smem) // (2 * self.kv_tile_bytes)))
-
-    @property
-    def smem_bytes(self) -> int:
-        return self.fixed_smem + 2 * self.stages * self.kv_tile_bytes
+    def stage_bytes(self) -> int:
+        return self.kv_tile_bytes  # a stage is one KV block of K, or of V
 
     @property
     def s_cols(self) -> int:
