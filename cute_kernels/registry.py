@@ -10,6 +10,11 @@ Kernel ids are a contract (the attention layer maps an id to an op; benchmarks a
 them), so they never change meaning. A kernel is:
 
 - ``"available"``: built and tested; chosen automatically when its limits accept a request;
+- ``"compile-verified"``: built, and compile-checked for its arch on the CPU (instruction
+  evidence, shared-memory / TMEM / register budgets, no spills), but never run on that hardware;
+  chosen like an available kernel, and its op runs a one-time runtime self-check per process and
+  MMA family before the first use (:mod:`cute_kernels.ops._selfcheck`); a family that failed it
+  on the machine is refused by the dispatcher with the recorded reason;
 - ``"planned"``: designed but not built; named in plans so the reason can say why it was not
   used, refused when asked for explicitly;
 - ``"fallback"``: a slow torch reference (:mod:`cute_kernels.reference`), which serves every
@@ -48,10 +53,12 @@ from .plans import (
     sm90_qsa,
     sm90_qsa_launch,
     sm90_qsa_tile,
+    sm100,
     write_kv_cache,
 )
 
-STATUSES = ("available", "planned", "fallback")
+STATUSES = ("available", "compile-verified", "planned", "fallback")
+USABLE = ("available", "compile-verified")  # the statuses a dispatcher or an op chooses automatically
 PHASES = ("prefill", "decode")
 KV_LAYOUTS = ("HND", "NHD")
 CALL_SITES = ("attention", "qsa")
@@ -179,10 +186,11 @@ _SM90_DECODE = dict(
     head_dims=sm90_decode.HEAD_DIMS, page_sizes=sm90_decode.PAGE_SIZES, max_rows=sm90_decode.MAX_ROWS,
     kv_layouts=sm90_decode.KV_LAYOUTS,
 )
-# Provisional limits of the Blackwell kernels, to be confirmed when they are built.
+# The Blackwell kernels: QK in FP8 for an FP8 cache (the layer quantizes the query, as for
+# trtllm-gen); what they accept is their plan's (cute_kernels/plans/sm100.py).
 _SM100 = dict(
-    call_site="attention", archs=("sm100", "sm103"), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
-    head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128), kv_layouts=("HND",),
+    call_site="attention", archs=_archs(sm100.TARGETS), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
+    model_dtypes=sm100.MODEL_DTYPES,
 )
 # The portable SM80-class kernels: every arch from SM80 on, exactly their plan's limits; their GPU
 # suite passed on the H200 (the same code: only SM80 instructions inside), nowhere else yet
@@ -206,10 +214,15 @@ _ENTRIES = (
         description="SM90 paged decode with FP8 WGMMA on a q_scale-quantized query (opt-in)",
         **_SM90_DECODE,
     ),
-    KernelInfo(id="sm100.decode", status="planned", phases=("decode",),
-               description="Blackwell tcgen05 paged decode, QK in FP8 for an FP8 cache", **_SM100),
-    KernelInfo(id="sm100.prefill", status="planned", phases=("prefill",),
-               description="Blackwell tcgen05 paged prefill, QK in FP8 for an FP8 cache", **_SM100),
+    KernelInfo(id="sm100.decode", status="compile-verified", phases=("decode",), op="paged_decode",
+               description="Blackwell tcgen05 paged decode (swap-AB, S and O in TMEM, TMA page boxes, split-KV, "
+                           "sinks, sliding window); QK in FP8 for an FP8 cache",
+               variants=sm100.decode_variants, **sm100.DECODE_LIMITS, **_SM100),
+    KernelInfo(id="sm100.prefill", status="compile-verified", phases=("prefill",),
+               description="Blackwell tcgen05 paged prefill (ping-pong softmax warpgroups, a correction warpgroup, "
+                           "S and P aliased in TMEM, varlen, causal, sinks, sliding window); QK in FP8 for an "
+                           "FP8 cache",
+               variants=sm100.prefill_variants, **sm100.PREFILL_LIMITS, **_SM100),
     # after the arch-specific kernels: they serve what those refuse, and the archs without one
     KernelInfo(
         id="sm80.decode", phases=("decode",), max_rows=sm80.MAX_DECODE_ROWS, op="paged_decode",
@@ -284,13 +297,14 @@ QSA_FALLBACK = "reference.qsa_sparse_attention"
 
 def op_kernel(op: str, phase: str, target: str, model: str, kv: str) -> KernelInfo:
     """The kernel public op ``op`` runs for a ``phase`` call on ``target`` with these dtypes: the
-    first available, automatic kernel (registration order) of that op whose archs include the
-    target's and that takes the dtypes. So ``paged_decode`` runs ``sm90.decode`` on SM90 and
-    ``sm80.decode`` for what it refuses (an fp16 cache with a bf16 query) and on every other arch.
-    The op's own validation then applies the kernel's limits."""
+    first automatic kernel (registration order) of that op, available or compile-verified, whose
+    archs include the target's and that takes the dtypes. So ``paged_decode`` runs ``sm90.decode``
+    on SM90, ``sm100.decode`` on SM100/103 and ``sm80.decode`` for what those refuse (an fp16 cache
+    with a bf16 query) and on every other arch. The op's own validation then applies the kernel's
+    limits."""
     arch = arch_of_target(target)
     for info in KERNELS.values():
-        if (info.op == op and info.status == "available" and not info.opt_in and arch in info.archs
+        if (info.op == op and info.status in USABLE and not info.opt_in and arch in info.archs
                 and phase in info.phases and info.takes_dtypes(model, kv)):
             return info
     raise ValueError(f"{op} has no kernel for a {model} query and a {kv} cache on {target}")

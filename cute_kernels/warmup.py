@@ -4,7 +4,8 @@ Cold variants compile in a few seconds each; a serving engine should not pay tha
 request (nor inside CUDA-graph capture, where compiling is impossible). This enumerates the
 decode variants for a model's shapes on the arch's decode kernel (the registry's choice, as
 ``paged_decode`` makes it: :func:`cute_kernels.plans.sm90_decode.decode_variants` on SM90,
-:func:`cute_kernels.plans.sm80.decode_variants` elsewhere and for what ``sm90.decode`` refuses)
+:func:`cute_kernels.plans.sm80.decode_variants` where the portable kernel runs; ``sm100.decode``
+has none, its first call compiles)
 and compiles the missing ones in parallel processes into the on-disk cache, with a progress bar,
 then loads them into memory.
 """
@@ -35,8 +36,10 @@ def warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, 
         kernel = op_kernel("paged_decode", "decode", target, q_dtype, kv).id  # raises where none runs
         if kernel == "sm90.decode":
             configs += decode_variants(kv_dtypes=(kv,), q_dtype=q_dtype, **shape)
-        else:
+        elif kernel == "sm80.decode":
             configs += [c for c in sm80.decode_variants(target=target, kv_dtypes=(kv,), q_dtype=q_dtype, **shape)
                         if c not in configs]
+        else:
+            raise ValueError(f"{kernel} has no warm-up list: nothing to warm up for {target}")
     precompile(configs, target, workers=workers, progress=progress)
     return configs

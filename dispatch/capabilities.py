@@ -27,8 +27,8 @@ ARCH_SUMMARY = {
     "sm89": "Ada: the portable sm80.* kernels, FP8 K/V widened by the cvt instruction, a model-dtype query.",
     "sm90": "Hopper: sm90.decode widens FP8 K/V on chip, so the query stays in the model dtype "
             "(sm90.decode_fp8q is opt-in); sm80.* serve what it refuses, and prefill.",
-    "sm100": "Blackwell: the planned tcgen05 kernels compute QK in FP8 for an FP8 cache, with a query the "
-             "layer quantizes; the portable sm80.* kernels until they are built.",
+    "sm100": "Blackwell: the tcgen05 kernels (compile-verified: a runtime self-check before first use) compute QK "
+             "in FP8 for an FP8 cache, with a query the layer quantizes; sm80.* serve what they refuse.",
     "sm103": "Blackwell Ultra: as SM100.",
     "sm120": "Blackwell (consumer): no tcgen05 kernel; the portable sm80.* kernels (cvt widening, 99 KB), a "
              "model-dtype query.",

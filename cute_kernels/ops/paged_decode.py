@@ -1,5 +1,6 @@
 """``cute_kernels.paged_decode``: paged decode attention (CuTe-DSL kernels: ``sm90.decode`` on SM90,
-the portable ``sm80.decode`` on every other arch and for what ``sm90.decode`` refuses).
+``sm100.decode`` on SM100 / SM103, the portable ``sm80.decode`` on every other arch and for what
+those refuse).
 
 The host side only looks at shapes, dtypes, strides and pointers: it never reads tensor data
 and never synchronizes, so a call captures in a CUDA graph (after a warm-up call has compiled
@@ -13,9 +14,10 @@ of the attributes that select the kernel and go straight to the TVM-FFI call, wh
 rank, static and shared extents, devices and alignment of every argument itself. When it refuses
 one, the call is validated in full for a clear error.
 
-Which kernel runs comes from the registry (:func:`decode_kernel`): the first available decode
-kernel of the device's arch that takes the dtypes; ``tuning_override(backend="sm80")`` forces the
-portable one (its plan: :mod:`cute_kernels.plans.sm80`; a split launch there is followed by
+Which kernel runs comes from the registry (:func:`decode_kernel`): the first decode kernel of the
+device's arch, available or compile-verified, that takes the dtypes; the portable one also serves
+an SM100 / SM103 family that failed its runtime self-check, and ``tuning_override(backend="sm80")``
+forces it (its plan: :mod:`cute_kernels.plans.sm80`; a split launch there is followed by
 ``common.merge_states``).
 """
 
@@ -32,9 +34,18 @@ from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..plans import sm80
 from ..plans.sm90_decode import make_decode_config, plan_config
-from ..registry import KERNELS, KernelInfo, op_kernel
+from ..registry import KERNELS, KernelInfo, arch_of_target, op_kernel
+from . import _paged_decode_sm100 as sm100
 from ._launch import Launcher, bind, check_scale
-from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
+from ._torch import (
+    DeviceBuffer,
+    check_paged_tensors,
+    check_tensor,
+    compile_target,
+    device_sm_count,
+    dtype_name,
+    ffi_tensor,
+)
 
 FP8 = torch.float8_e4m3fn
 
@@ -53,6 +64,7 @@ class _Launch:
     scratch_lse: object  # LSE target (a TVM-FFI tensor) when the caller did not ask for it
     out_shape: tuple
     reference: bool = False
+    sm100: object = None  # SM100 / SM103: the tcgen05 launch (an FP8 query, sinks and a window too)
 
 
 def tuning_override(**fields):
@@ -80,7 +92,7 @@ def decode_kernel(target: str, q_dtype: str, kv_dtype: str, backend: str | None 
 
 
 def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse, num_splits,
-         deterministic):
+         deterministic, q_scale=None, window_left=-1, sinks=None):
     """What selects the kernel, its schedule and its workspace: the query and cache geometry,
     the block-table width, the options. Left out is what the compiled function checks on every
     call (TVM-FFI): the dtypes of the other tensors, shapes tied to the query's or the cache's by
@@ -92,13 +104,13 @@ def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scal
     # another rank, 0-d included, goes to the kernel as a [1] view)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), out is None, return_lse, num_splits,
-            deterministic, _launcher.override_key)
+            deterministic, _launcher.override_key, type(q_scale), window_left == -1, sinks is None)
 
 
 def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-             num_splits, deterministic) -> _Launch:
+             num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> _Launch:
     """Full validation (clear errors naming the argument) and kernel selection for one key."""
-    check_tensor("q", q, dtype=(torch.bfloat16, torch.float16), ndim=3)
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
     T, Hq, D = q.shape
     if kv_layout not in ("HND", "NHD"):
         raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
@@ -123,15 +135,36 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}")
+    sm100.check_features(q, k, q_scale, sinks, window_left)
+    if q_scale is not None:
+        check_scale("q_scale", q_scale, device=q.device)
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if not q.is_cuda:
         return _REFERENCE
     device = q.device
-    if k.dtype not in (FP8, q.dtype, torch.float16):
-        raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype} (or float16 for a "
-                        f"bfloat16 query), got {k.dtype}")
     override = dict(_launcher.override)
+    backend = override.pop("backend", None)
     target = compile_target(device)
-    info = decode_kernel(target, dtype_name(q.dtype), dtype_name(k.dtype), override.pop("backend", None))
+    if q.dtype == FP8 or sinks is not None or window_left != -1:  # what only sm100.decode takes
+        if backend is not None:
+            raise ValueError(f"backend={backend!r} takes no FP8 query, sinks or window")
+        info = None
+    else:
+        if k.dtype not in (FP8, q.dtype, torch.float16):
+            raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype} (or float16 for "
+                            f"a bfloat16 query), got {k.dtype}")
+        info = decode_kernel(target, dtype_name(q.dtype), dtype_name(k.dtype), backend)
+    if info is None or info.id == "sm100.decode":
+        launch = None
+        if arch_of_target(target) in KERNELS["sm100.decode"].archs:
+            launch = sm100.prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale,
+                                   k_scale, v_scale, out, num_splits, sinks)
+        if launch is not None:
+            return _Launch(None, None, (T, Hq, D), sm100=launch)
+        if info is None:  # no other kernel has an FP8 query, sinks or a window
+            return _REFERENCE
+        info = KERNELS[BACKENDS["sm80"]]  # its MMA family failed the runtime self-check: the portable kernel
     if D not in info.head_dims:
         raise ValueError(f"head_dim must be one of {info.head_dims}, got {D}")
     if page not in info.page_sizes:
@@ -143,14 +176,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         raise ValueError(f"Hq/Hkv x q_len_per_req must be <= {info.max_rows}, got {group} x {q_len}")
     if q.stride(-2) != D and Hq > 1:
         raise ValueError(f"q must have contiguous heads (stride(-2) == head_dim {D}), got strides {q.stride()}")
-    check_tensor("q", q, device=device, align_bytes=16)
-    for name, t in ((("k_cache", k), ("v_cache", v)) if pair else (("kv_cache", k),)):
-        check_tensor(name, t, device=device, align_bytes=16)  # TMA / cp.async: 16-byte aligned base and strides
-    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
-    B = block_table.shape[0]
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(B,), device=device)
-    if T != B * q_len:
-        raise ValueError(f"q has {T} rows; expected batch {B} x q_len_per_req {q_len}")
+    B = check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len, cache_dtypes=(FP8, q.dtype, k.dtype))
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=device)
 
@@ -234,10 +260,10 @@ def _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, group, page, scale,
 
 
 def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-               num_splits, deterministic):
+               num_splits, deterministic, q_scale=None, window_left=-1, sinks=None):
     res = reference.paged_decode(q, (k, v) if pair else k, block_table, seq_lens, kv_layout=kv_layout,
-                                 q_len_per_req=q_len, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-                                 return_lse=return_lse)
+                                 q_len_per_req=q_len, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale,
+                                 v_scale=v_scale, return_lse=return_lse, window_left=window_left, sinks=sinks)
     if out is None:
         return res
     out.copy_(res[0] if return_lse else res)
@@ -265,6 +291,9 @@ def paged_decode(
     return_lse: bool = False,
     num_splits: int | None = None,
     deterministic: bool = True,
+    q_scale=None,
+    window_left: int = -1,
+    sinks: torch.Tensor | None = None,
 ):
     """Paged decode attention with a BF16/FP16 query and an FP8/BF16/FP16 KV cache.
 
@@ -275,9 +304,10 @@ def paged_decode(
     KV length including the new tokens); k/v scales as floats or 1-element fp32 device tensors of
     any rank, 0-d included (read on the device, so they may change between CUDA-graph replays).
 
-    Supported here (the limits of :mod:`cute_kernels.plans.sm90_decode` and
-    :mod:`cute_kernels.plans.sm80`): every arch from SM80 on (``sm90.decode`` on SM90, the portable
-    ``sm80.decode`` elsewhere and for an fp16 cache with a bf16 query), head_dim 64/128/256, page
+    Supported here (the limits of :mod:`cute_kernels.plans.sm90_decode`, :mod:`cute_kernels.plans.sm100` and
+    :mod:`cute_kernels.plans.sm80`): every arch from SM80 on (``sm90.decode`` on SM90,
+    ``sm100.decode`` on SM100/103, the portable ``sm80.decode`` elsewhere and for what those refuse,
+    e.g. an fp16 cache with a bf16 query), head_dim 64/128/256, page
     size 16/32/64/128, Hq / Hkv x q_len <= 64, a 16-bit cache of the query's dtype, an fp16 cache
     with a bf16 query, or an FP8 e4m3 cache. ``num_splits`` (split-KV count)
     defaults to a shape-based heuristic. ``deterministic=False`` lets the split CTAs of a request
@@ -286,6 +316,14 @@ def paged_decode(
     accumulation order changes); the default keeps fixed ranges, so repeated calls and
     CUDA-graph replays are bitwise identical. Returns ``out`` (the query's dtype) and, with
     ``return_lse``, the base-2 LSE ``[B * q_len, Hq]`` fp32. CPU tensors run the reference.
+
+    On SM100 / SM103 the tcgen05 kernel ``sm100.decode`` serves the call. It is compile-verified
+    only: each MMA family passes a one-time runtime self-check per process before its first launch
+    (:mod:`cute_kernels.ops._selfcheck`), else ``sm80.decode`` serves it (logged). It also takes an
+    FP8 query (``q_scale`` then required, float or 1-element fp32 tensor; the output is bf16),
+    ``window_left`` (a query at position p sees keys p - window_left ... p; -1: no window) and
+    ``sinks`` (fp32 ``[Hq]`` sink logits): see :func:`cute_kernels.reference.paged_decode`. On
+    other archs (and for a family that failed its self-check) those three run the reference.
     """
     pair = isinstance(kv_cache, (tuple, list))
     if pair and len(kv_cache) != 2:
@@ -294,16 +332,19 @@ def paged_decode(
     v = kv_cache[1] if pair else kv_cache
     try:
         key = _key(q, k, v, pair, block_table, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                   return_lse, num_splits, deterministic)
+                   return_lse, num_splits, deterministic, q_scale, window_left, sinks)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
     launch = _launcher.entries.get(key)
     if launch is None or launch.reference:  # the argument tuple is built off the hot path only
         args = (q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                return_lse, num_splits, deterministic)
+                return_lse, num_splits, deterministic, q_scale, window_left, sinks)
         launch = launch or _launcher.lookup(key, args)
         if launch.reference:
             return _launcher.run_reference(args)
+    if launch.sm100 is not None:
+        return sm100.run(launch.sm100, q, k, v, block_table, seq_lens, out, return_lse, k_scale, v_scale, q_scale,
+                         sinks, window_left)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
@@ -316,6 +357,6 @@ def paged_decode(
                 launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
         except Exception:  # raises the error that names the argument
             _launcher.refused((q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
-                               v_scale, out, return_lse, num_splits, deterministic))
+                               v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks))
             raise
     return (out, lse) if return_lse else out

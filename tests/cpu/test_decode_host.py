@@ -309,14 +309,18 @@ def test_warmups_read_the_registry(monkeypatch):
     monkeypatch.setattr(warmup_module, "precompile", lambda configs, target, **kw: None)
     shape = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16)
     assert {c.kernel_id for c in warmup_module.warmup(arch="sm_90a", **shape)} == {"sm90.decode"}
-    for arch in ("sm_100a", "sm_86"):
+    for arch in ("sm_120a", "sm_86"):
         configs = warmup_module.warmup(arch=arch, **shape)
         assert {c.kernel_id for c in configs} == {"sm80.decode", "common.merge_states"}
         assert all(c.target == arch for c in configs if c.kernel_id == "sm80.decode")
     mixed = warmup_module.warmup(arch="sm_90a", kv_dtypes=("fp16", "fp8"), **shape)  # bf16 query
     assert {c.kernel_id for c in mixed} == {"sm80.decode", "common.merge_states", "sm90.decode"}
-    monkeypatch.setitem(KERNELS, "sm80.decode", dataclasses.replace(KERNELS["sm80.decode"], status="planned"))
-    with pytest.raises(ValueError, match="paged_decode has no kernel for a bf16 query and a fp8_e4m3 cache on sm_100a"):
+    fp16 = warmup_module.warmup(arch="sm_100a", kv_dtypes=("fp16",), **shape)  # sm100.decode refuses it
+    assert {c.target for c in fp16 if c.kernel_id == "sm80.decode"} == {"sm_100a"}
+    with pytest.raises(ValueError, match="sm100.decode has no warm-up list: nothing to warm up for sm_100a"):
         warmup_module.warmup(arch="sm_100a", **shape)
+    monkeypatch.setitem(KERNELS, "sm80.decode", dataclasses.replace(KERNELS["sm80.decode"], status="planned"))
+    with pytest.raises(ValueError, match="paged_decode has no kernel for a bf16 query and a bf16 cache on sm_86"):
+        warmup_module.warmup(arch="sm_86", kv_dtypes=("bf16",), **shape)
     with pytest.raises(ValueError, match="sm90.qsa runs on sm90: nothing to warm up for sm_80"):
         qsa_warmup(arch="sm_80", head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568)

@@ -78,7 +78,9 @@ def _check_invariants(p: Plan, model: str):
         assert k.status == "fallback"
         assert "fallback" in p.reason and "reference" in p.reason
     else:
-        assert k.status == "available", p
+        assert k.status in ("available", "compile-verified"), p
+        if k.status == "compile-verified":  # the reason says so, and what the self-check found
+            assert "compile-verified only" in p.reason and "self-check" in p.reason
     if p.quantize_query:
         assert p.q_dtype == "fp8_e4m3" and p.applies_q_scale
     if p.q_dtype != "fp8_e4m3":
@@ -117,8 +119,9 @@ def test_arch_matrix(registry, monkeypatch):
             assert p.kernel == ("sm90.decode" if served else "sm80.decode" if portable else fallback)
         if arch in NO_FP8_QUERY_ARCHS or (arch == "sm90" and phase == "prefill"):
             assert p.kernel == (f"sm80.{phase}" if portable else fallback), p
-        if registry == "as_registered" and arch in ("sm100", "sm103"):
-            assert p.kernel == (f"sm80.{phase}" if portable else fallback), p
+        if registry == "as_registered" and arch in ("sm100", "sm103"):  # their own (compile-verified) where
+            own = KERNELS[f"sm100.{phase}"].op is not None and kv in ("fp8", model)  # it has an op, else sm80
+            assert p.kernel == (f"sm100.{phase}" if own else f"sm80.{phase}" if portable else fallback), p
         if registry == "all_built" and arch in ("sm100", "sm103") and kv == "fp8":
             assert p.kernel == f"sm100.{phase}" and p.q_dtype == "fp8_e4m3" and p.quantize_query
         cells += 1
@@ -156,8 +159,9 @@ def test_matrix_names_a_kernel_in_every_cell(arch):
     A kernel not run on the arch's hardware says so in the reason."""
     for phase, kv in itertools.product(PHASES, KV_DTYPES):
         p = _plan(arch, phase, kv, "bf16")
-        assert not p.is_fallback and KERNELS[p.kernel].status == "available", p
-        assert p.q_dtype == "bf16"  # no cell plans an FP8 query today
+        assert not p.is_fallback and KERNELS[p.kernel].status in ("available", "compile-verified"), p
+        # only a kernel that computes QK in FP8 for an FP8 cache (sm100.*) gets an FP8 query
+        assert p.q_dtype == ("fp8_e4m3" if KERNELS[p.kernel].computes_qk_in_fp8(p.kv_cache_dtype) else "bf16")
         if p.kernel.startswith("sm80."):
             assert (arch == "sm90") != p.reason.endswith(
                 f"(verified as SM80 code on SM90 hardware, not on {arch}).")
@@ -367,6 +371,7 @@ def test_explicit_backend_lists_every_violation(all_planned):
 
 def test_explicit_layout_refused(sm90_decode_available, monkeypatch):
     _make_available(monkeypatch, "sm100.decode")
+    monkeypatch.setitem(KERNELS, "sm100.decode", dataclasses.replace(KERNELS["sm100.decode"], kv_layouts=("HND",)))
     _raises(r"sm100.decode needs kv_layout HND \(got NHD\)", arch="sm100", kv_layout="NHD",
             backend="sm100.decode")
     assert _plan(kv_layout="nhd", backend="sm90.decode").kv_layout == "NHD"

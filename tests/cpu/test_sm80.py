@@ -185,7 +185,8 @@ def test_compile_variants_cover_every_target_and_contain_the_ci_set():
     ("sm_90a", "bf16", "fp16", "sm80.decode"),  # what sm90.decode refuses
     ("sm_80", "bf16", "fp8_e4m3", "sm80.decode"),
     ("sm_86", "bf16", "bf16", "sm80.decode"),
-    ("sm_100a", "bf16", "fp8_e4m3", "sm80.decode"),  # until sm100.decode is built
+    ("sm_100a", "bf16", "fp8_e4m3", "sm100.decode"),  # compile-verified: chosen like an available one
+    ("sm_103a", "bf16", "fp16", "sm80.decode"),  # what sm100.decode refuses
     ("sm_121a", "fp16", "fp8_e4m3", "sm80.decode"),
 ])
 def test_paged_decode_runs_the_registry_choice(target, q, kv, kernel):
