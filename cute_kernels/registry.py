@@ -295,6 +295,7 @@ KERNELS: dict[str, KernelInfo] = {k.id: k for k in _ENTRIES}
 FALLBACKS = {"decode": "reference.paged_decode", "prefill": "reference.paged_prefill"}
 QSA_FALLBACK = "reference.qsa_sparse_attention"
 
+
 def op_kernel(op: str, phase: str, target: str, model: str, kv: str) -> KernelInfo:
     """The kernel public op ``op`` runs for a ``phase`` call on ``target`` with these dtypes: the
     first automatic kernel (registration order) of that op, available or compile-verified, whose
