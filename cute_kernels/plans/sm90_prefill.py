@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..jit.spec import ScalarArg, TensorArg
 from ..roles.prefill_blocks import box_source, kv_cap, m_block_of, n_block_range, request_rows, row_limit
 
 __all__ = [
@@ -164,6 +163,10 @@ class Sm90PrefillConfig:
 
     def signature(self):
         """Call arguments, in order (the op binds them by name)."""
+        # jit.spec still imports the DSL at its top; imported here so that the limits above load
+        # without it (dispatch reads them)
+        from ..jit.spec import ScalarArg, TensorArg
+
         D = self.head_dim
         page = self.page_size
         inner = ("Hkv", page) if self.kv_layout == "HND" else (page, "Hkv")

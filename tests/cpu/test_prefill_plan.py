@@ -115,11 +115,11 @@ def test_config_refuses(bad, match):
         plan.Sm90PrefillConfig(**bad)
 
 
-def test_plan_module_imports_no_torch():
+def test_plan_module_imports_neither_torch_nor_the_dsl():
     import subprocess
     import sys
 
     code = ("import sys; import cute_kernels.plans.sm90_prefill; "
-            "print('torch' in sys.modules)")
+            "print('torch' in sys.modules, 'cutlass' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"
