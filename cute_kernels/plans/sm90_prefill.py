@@ -1,0 +1,274 @@
+"""Host plan of the SM90 paged prefill (``sm90.prefill``): limits, the compile key and call
+signature (:class:`Sm90PrefillConfig`), tuning and the launch grid.
+
+Imports neither the CuTe DSL nor torch (the op, the dispatcher and the compile matrix read it);
+the kernel itself is ``cute_kernels/sm90/prefill.py``. Design and measurements:
+docs/design/sm90-prefill.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ..roles.prefill_blocks import box_source, kv_cap, m_block_of, n_block_range, request_rows, row_limit
+
+__all__ = [
+    "HEAD_DIMS", "PAGE_SIZES", "MAX_GROUP", "Q_DTYPES", "KV_DTYPES", "OUT_DTYPES", "Q_SCALE_KINDS", "TILE_M",
+    "SMEM_BUDGET", "MAX_BATCH", "Sm90PrefillConfig", "make_prefill_config", "grid", "smem_bytes",
+    "box_source", "kv_cap", "m_block_of", "n_block_range", "request_rows", "row_limit",
+]
+
+# ---- limits (each written once; dispatch and the op read them from here) ----
+HEAD_DIMS = (64, 128, 256)
+PAGE_SIZES = (16, 32, 64, 128)
+# one query head per CTA (no GQA packing): any ratio works; this bounds the compile key
+MAX_GROUP = 128
+Q_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+OUT_DTYPES = ("bf16", "fp16")
+# q_scale of an FP8 query: a Float32 argument, a 1-element fp32 tensor, or fp32 [Hkv]
+Q_SCALE_KINDS = ("none", "scalar", "tensor", "per_head")
+TILE_M = 128  # query rows per CTA: two consumer warpgroups of one 64-row WGMMA M each
+MAX_BATCH = 65535  # requests: the grid's z extent
+SMEM_BUDGET = 227 * 1024  # dynamic shared memory one CTA may use on H100/H200
+SMEM_RESERVE = 2048  # barriers, the per-row query scales, alignment padding
+
+# ---- tuning defaults: (kv kind, head dim) -> (tile_n, stages) ----
+# "16": 16-bit K/V straight from TMA; "widen": FP8 K/V widened to fp16 in shared memory for a
+# 16-bit query; "fp8": FP8 query and K/V (e4m3 WGMMA, V transposed in shared memory)
+_TILE_N = {("16", 64): 128, ("16", 128): 128, ("16", 256): 64,
+           ("widen", 64): 128, ("widen", 128): 128, ("widen", 256): 64,
+           ("fp8", 64): 128, ("fp8", 128): 128, ("fp8", 256): 128}
+
+
+def kv_kind(q_dtype: str, kv_dtype: str) -> str:
+    if kv_dtype != "fp8_e4m3":
+        return "16"
+    return "fp8" if q_dtype == "fp8_e4m3" else "widen"
+
+
+@dataclass(frozen=True)
+class Sm90PrefillConfig:
+    """Compile key of the SM90 paged prefill; the instance is the key.
+
+    Problem: ``q_dtype`` (bf16/fp16, or fp8_e4m3 for an FP8 query), ``kv_dtype`` (the query's
+    16-bit dtype, or fp8_e4m3), ``out_dtype`` (16-bit; the query's dtype for a 16-bit query),
+    ``head_dim``, ``group`` (Hq / Hkv), ``page_size``, ``kv_form`` ("single" ``[P, 2, ...]`` or
+    "pair" of K and V tensors), ``kv_layout`` ("HND"/"NHD"), ``causal``, ``write_lse`` (no LSE
+    argument when False), ``k_scale_tensor`` / ``v_scale_tensor`` (a 1-element fp32 tensor
+    instead of a float), ``q_scale`` (FP8 query only, :data:`Q_SCALE_KINDS`).
+
+    Tuning: ``tile_n`` KV tokens per tile; ``stages`` K/V stages the consumers read (16-bit or,
+    for FP8 KV, the widened / transposed copies); ``staging`` FP8 stages TMA writes before the
+    producer warpgroup widens or transposes them (0 for a 16-bit cache); ``overlap``: each
+    consumer warpgroup issues tile n's QK with tile n-1's PV and runs the softmax while PV is in
+    the tensor cores (FA3's intra-warpgroup overlap); ``pingpong``: the two consumer warpgroups
+    take turns issuing their WGMMAs (named barriers), so one's softmax overlaps the other's MMAs;
+    ``producer_regs`` / ``consumer_regs``: ``setmaxnreg`` targets (three warpgroups share 64K).
+    """
+
+    q_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    out_dtype: str = "bf16"
+    head_dim: int = 128
+    group: int = 8
+    page_size: int = 16
+    kv_form: str = "single"
+    kv_layout: str = "HND"
+    causal: bool = True
+    write_lse: bool = True
+    k_scale_tensor: bool = False
+    v_scale_tensor: bool = False
+    q_scale: str = "none"
+    tile_n: int = 128
+    stages: int = 2
+    staging: int = 0
+    overlap: bool = True
+    pingpong: bool = True
+    producer_regs: int = 24
+    consumer_regs: int = 240
+
+    kernel_id = "sm90.prefill"
+    targets = ("sm_90a",)
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"sm90.prefill: {msg}")
+
+        if self.q_dtype not in Q_DTYPES or self.kv_dtype not in KV_DTYPES or self.out_dtype not in OUT_DTYPES:
+            bad(f"dtypes q={self.q_dtype} kv={self.kv_dtype} out={self.out_dtype} not supported")
+        if self.q_dtype == "fp8_e4m3":
+            if self.kv_dtype != "fp8_e4m3":
+                bad("an FP8 query needs an FP8 KV cache")
+            if self.q_scale not in ("scalar", "tensor", "per_head"):
+                bad(f"an FP8 query needs q_scale in ('scalar', 'tensor', 'per_head'), got {self.q_scale!r}")
+        else:
+            if self.q_scale != "none":
+                bad("q_scale applies only to an FP8 query")
+            if self.out_dtype != self.q_dtype:
+                bad(f"a {self.q_dtype} query writes {self.q_dtype} output, got out_dtype={self.out_dtype}")
+            if self.kv_dtype != "fp8_e4m3" and self.kv_dtype != self.q_dtype:
+                bad("a 16-bit KV cache must have the query's dtype")
+        if self.head_dim not in HEAD_DIMS:
+            bad(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+        if self.page_size not in PAGE_SIZES:
+            bad(f"page_size must be one of {PAGE_SIZES}, got {self.page_size}")
+        if not 1 <= self.group <= MAX_GROUP:
+            bad(f"group (Hq / Hkv) must be in [1, {MAX_GROUP}], got {self.group}")
+        if self.kv_form not in ("single", "pair") or self.kv_layout not in ("HND", "NHD"):
+            bad(f"kv_form/kv_layout {self.kv_form}/{self.kv_layout} not supported")
+        k_step = 32 if self.kind == "fp8" else 16
+        if self.tile_n % k_step or not 16 <= self.tile_n <= 256:
+            bad(f"tile_n must be a multiple of {k_step} in [16, 256], got {self.tile_n}")
+        if self.tile_n % self.page_size and self.page_size % self.tile_n:
+            bad(f"tile_n {self.tile_n} and page_size {self.page_size}: one must divide the other")
+        if self.stages < 1 or (self.kind != "16") != (self.staging > 0):
+            bad(f"stages {self.stages} / staging {self.staging}: staging is for FP8 caches only")
+        if any(r % 8 or not 24 <= r <= 256 for r in (self.producer_regs, self.consumer_regs)) or (
+                128 * self.producer_regs + 256 * self.consumer_regs > 65536):
+            bad(f"registers {self.producer_regs}/{self.consumer_regs} do not fit 64K for 384 threads")
+        if smem_bytes(self) > SMEM_BUDGET:
+            bad(f"{smem_bytes(self)} bytes of shared memory exceed {SMEM_BUDGET}")
+
+    # ---- derived ----
+    @property
+    def kind(self) -> str:
+        """"16", "widen" or "fp8" (see :func:`kv_kind`)."""
+        return kv_kind(self.q_dtype, self.kv_dtype)
+
+    @property
+    def mma_dtype(self) -> str:
+        """The WGMMA operand type: the query's 16-bit type, fp16 for widened FP8 K/V, or e4m3."""
+        return {"16": self.q_dtype, "widen": "fp16", "fp8": "fp8_e4m3"}[self.kind]
+
+    @property
+    def box(self) -> int:
+        """KV tokens per TMA box: one page, or a tile-sized piece of a larger page."""
+        return min(self.page_size, self.tile_n)
+
+    @property
+    def evidence(self) -> dict:
+        """WGMMA with the operand types this variant claims (the PV one with P from registers),
+        TMA loads and mbarrier waits."""
+        if self.kind == "fp8":
+            ops = r"k32\.f32\.e4m3\.e4m3"
+        else:
+            ops = r"k16\.f32\." + {"bf16": r"bf16\.bf16", "fp16": r"f16\.f16"}[self.mma_dtype]
+        rs = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+" + ops + r" +\{[^}]*\}, *\{"
+        return {"sm_90a": (r"wgmma\.mma_async\.sync\.aligned\.m64n\d+" + ops, rs,
+                           r"cp\.async\.bulk\.tensor", r"mbarrier\.try_wait")}
+
+    def label(self) -> str:
+        return self.kernel_id + "[" + ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)) + "]"
+
+    def signature(self):
+        """Call arguments, in order (the op binds them by name)."""
+        # jit.spec still imports the DSL at its top; imported here so that the limits above load
+        # without it (dispatch reads them)
+        from ..jit.spec import ScalarArg, TensorArg
+
+        D = self.head_dim
+        page = self.page_size
+        inner = ("Hkv", page) if self.kv_layout == "HND" else (page, "Hkv")
+        if self.kv_form == "single":
+            caches = (TensorArg("kv_cache", self.kv_dtype, ("P", 2, *inner, D)),)
+        else:
+            caches = (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
+                      TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
+
+        def scale(name, tensor):
+            return TensorArg(name, "fp32", (1,), align=4) if tensor else ScalarArg(name, "fp32")
+
+        q_scale = ()
+        if self.q_scale == "scalar":
+            q_scale = (ScalarArg("q_scale", "fp32"),)
+        elif self.q_scale == "tensor":
+            q_scale = (TensorArg("q_scale", "fp32", (1,), align=4),)
+        elif self.q_scale == "per_head":
+            q_scale = (TensorArg("q_scale", "fp32", ("Hkv",), align=4),)
+        lse = (TensorArg("lse", "fp32", ("T", "Hq"), align=4),) if self.write_lse else ()
+        return (
+            TensorArg("q", self.q_dtype, ("T", "Hq", D)),  # TMA: 16-byte aligned base and strides
+            *caches,
+            TensorArg("block_table", "int32", ("B", "W"), align=4),
+            TensorArg("seq_lens", "int32", ("B",), align=4),
+            TensorArg("query_start_loc", "int32", ("B1",), align=4),  # B + 1 entries
+            TensorArg("out", self.out_dtype, ("T", "Hq", D)),
+            *lse,
+            scale("k_scale", self.k_scale_tensor),
+            scale("v_scale", self.v_scale_tensor),
+            *q_scale,
+            ScalarArg("sm_scale", "fp32"),
+            ScalarArg("max_query_len", "int32"),
+        )
+
+    def build(self):
+        from ..sm90.prefill import Sm90PagedPrefill  # kernels < plans: the allowed direction
+
+        return Sm90PagedPrefill(self)
+
+
+def smem_bytes(cfg: Sm90PrefillConfig) -> int:
+    """Shared memory of one CTA: Q, the stages the consumers read, the FP8 staging, the reserve."""
+    D, n = cfg.head_dim, cfg.tile_n
+    mma_bytes = 1 if cfg.kind == "fp8" else 2
+    kv_bytes = 1 if cfg.kv_dtype == "fp8_e4m3" else 2
+    q = TILE_M * D * mma_bytes
+    consumer_stages = cfg.stages * 2 * n * D * mma_bytes  # K and V (or V^T) of each stage
+    staging = cfg.staging * (2 if cfg.kind == "widen" else 1) * n * D * kv_bytes  # FP8: K+V, or V only
+    return q + consumer_stages + staging + SMEM_RESERVE
+
+
+def _tuning(kind: str, head_dim: int) -> tuple[int, int, int]:
+    """(tile_n, stages, staging): the deepest pipeline that fits, consumer stages first."""
+    tile_n = _TILE_N[(kind, head_dim)]
+    probe = dict(q_dtype={"16": "bf16", "widen": "bf16", "fp8": "fp8_e4m3"}[kind],
+                 kv_dtype="bf16" if kind == "16" else "fp8_e4m3", out_dtype="bf16", head_dim=head_dim,
+                 q_scale="scalar" if kind == "fp8" else "none", tile_n=tile_n)
+    best = None
+    for stages in (4, 3, 2, 1):
+        for staging in ((0,) if kind == "16" else (2, 1)):
+            if stages > 2 and head_dim > 64:
+                continue  # two stages already cover the TMA latency at D >= 128 (FA3's choice)
+            try:
+                Sm90PrefillConfig(**probe, stages=stages, staging=staging)
+            except ValueError:
+                continue
+            best = best or (tile_n, stages, staging)
+    if best is None:
+        raise ValueError(f"no tiling fits shared memory for {kind} D={head_dim}")
+    return best
+
+
+def make_prefill_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int,
+                        out_dtype: str | None = None, kv_form: str = "single", kv_layout: str = "HND",
+                        causal: bool = True, write_lse: bool = True, k_scale_tensor: bool = False,
+                        v_scale_tensor: bool = False, q_scale: str | None = None, **override) -> Sm90PrefillConfig:
+    """The config the op, the warm-up and the compile matrix use for a problem: tuning filled in
+    here, once. ``out_dtype`` defaults to the query's dtype (bf16 for an FP8 query); ``q_scale``
+    to "scalar" for an FP8 query. ``override`` replaces tuning fields (benchmarks, tests)."""
+    fp8_q = q_dtype == "fp8_e4m3"
+    out_dtype = out_dtype or ("bf16" if fp8_q else q_dtype)
+    q_scale = q_scale or ("scalar" if fp8_q else "none")
+    kind = kv_kind(q_dtype, kv_dtype)
+    tile_n, stages, staging = _tuning(kind, head_dim)
+    tile_n = override.pop("tile_n", tile_n)
+    if tile_n % page_size and page_size % tile_n:
+        tile_n = page_size  # e.g. 96-token tiles on 64-token pages
+    fields_ = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, head_dim=head_dim, group=group,
+                   page_size=page_size, kv_form=kv_form, kv_layout=kv_layout, causal=causal, write_lse=write_lse,
+                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, q_scale=q_scale, tile_n=tile_n,
+                   stages=stages, staging=staging)
+    fields_.update(override)
+    return Sm90PrefillConfig(**fields_)
+
+
+def num_m_blocks(max_query_len: int) -> int:
+    return max(0, (max_query_len + TILE_M - 1) // TILE_M)
+
+
+def grid(num_q_heads: int, batch: int, max_query_len: int) -> tuple[int, int, int]:
+    """The launch grid (computed inside the kernel's host function from the same values):
+    x = query head (fastest, so the heads of one KV group run together and share K/V in L2),
+    y = query block (reversed inside the kernel: longest first), z = request."""
+    return num_q_heads, num_m_blocks(max_query_len), batch

@@ -1,0 +1,1 @@
+"""Device roles that kernels compose (see the README map)."""
