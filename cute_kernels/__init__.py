@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _OPS = {
     "merge_states": "cute_kernels.ops.merge_states",
     "paged_decode": "cute_kernels.ops.paged_decode",
+    "paged_prefill": "cute_kernels.ops.paged_prefill",
     "qsa_sparse_attention": "cute_kernels.ops.qsa_sparse_attention",
     "qsa_warmup": "cute_kernels.qsa_warmup",
     "quantize_query": "cute_kernels.ops.quantize_query",

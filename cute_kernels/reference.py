@@ -259,6 +259,7 @@ def paged_prefill(
     k_scale=1.0,
     v_scale=1.0,
     return_lse: bool = False,
+    out_dtype: torch.dtype | None = None,
     float64: bool = False,
     q_chunk: int = PREFILL_Q_CHUNK,
     kv_chunk: int = PREFILL_KV_CHUNK,
@@ -277,6 +278,7 @@ def paged_prefill(
             without it, all ``seq_lens[b]`` positions.
         q_scale: required for (and only for) an FP8 query: per tensor, or fp32 ``[Hkv]``.
         return_lse: also return the base-2 LSE ``[T, Hq]`` fp32.
+        out_dtype: the output dtype (default q's; bf16 for an FP8 query, which may also write fp16).
         q_chunk, kv_chunk: the block sizes (results agree across them up to rounding).
 
     Defined results for data a kernel cannot refuse without synchronizing: KV positions at or
@@ -291,7 +293,7 @@ def paged_prefill(
     (with the defaults and 32 fp32 heads: 64 MiB of logits).
 
     Returns:
-        ``out`` ``[T, Hq, D]`` in q's dtype (bf16 for an FP8 q), and ``lse`` if asked.
+        ``out`` ``[T, Hq, D]`` in ``out_dtype``, and ``lse`` if asked.
     """
     acc = torch.float64 if float64 else torch.float32
     k_cache, v_cache = split_kv_cache(kv_cache, kv_layout)
@@ -316,7 +318,7 @@ def paged_prefill(
     if q.dtype == FP8:
         if q_scale is None:
             raise ValueError("an FP8 query needs q_scale")
-        out_dtype = torch.bfloat16
+        out_dtype = out_dtype or torch.bfloat16
         qs = query_scale(q_scale, Hq)
         if isinstance(qs, torch.Tensor) and qs.dim():
             if qs.numel() != Hq or q_scale.numel() != Hkv:
@@ -325,7 +327,7 @@ def paged_prefill(
     else:
         if q_scale is not None:
             raise ValueError("q_scale applies only to an FP8 query; a bf16/fp16 query is never rescaled")
-        out_dtype, qs = q.dtype, 1.0
+        out_dtype, qs = out_dtype or q.dtype, 1.0
     scale = (D ** -0.5) if sm_scale is None else float(sm_scale)
     ks = scale_value(k_scale, "k_scale")
     vs = scale_value(v_scale, "v_scale")
