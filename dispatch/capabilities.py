@@ -16,6 +16,15 @@ from .arch import SUPPORTED_ARCHS, parse_arch
 from .errors import UnsupportedConfig
 from .kernels import FALLBACKS, KERNELS, PHASES
 
+# SM90 prefill with an FP8 cache: the exact BF16-query kernel (FP8 K/V widened on chip) or the
+# FP8-query kernel (e4m3 QK and PV; the layer quantizes the prefill rows with q_scale). One
+# constant decides; the other kernel stays selectable with backend=.
+SM90_FP8_PREFILL = "sm90.prefill"
+SM90_FP8_PREFILL_REASON = (
+    "for an FP8 cache SM90 prefill keeps the exact BF16-query kernel (error of the FP8 widening only) until the "
+    "H200 measures the FP8-query kernel's speed and error against it; sm90.prefill_fp8q is selectable with backend="
+)
+
 # (arch, phase) -> kernel ids tried automatically, real kernels first. The fallback is appended.
 _AUTO = {
     ("sm90", "decode"): ("sm90.decode",),
@@ -31,9 +40,10 @@ ARCH_SUMMARY = {
     "sm86": "Ampere (consumer): as SM80; reference fallback; model-dtype query always.",
     "sm89": "Ada: FP8 tensor cores but no FP8 attention kernel here (vLLM's L4 crash was an FP8 "
             "query on SM89); reference fallback; model-dtype query always.",
-    "sm90": "Hopper: sm90.decode (issue 3) reads FP8 KV and converts it on chip, so the query "
-            "stays in the model dtype and q_scale is unused; FP8-query decode "
-            "(sm90.decode_fp8q) is opt-in only; prefill uses the reference fallback.",
+    "sm90": "Hopper: sm90.decode and sm90.prefill read FP8 KV and convert it on chip, so the query "
+            "stays in the model dtype and q_scale is unused; FP8-query decode (sm90.decode_fp8q, "
+            "planned) and prefill (sm90.prefill_fp8q) are chosen only with backend= (prefill: "
+            "SM90_FP8_PREFILL decides by measurement).",
     "sm100": "Blackwell: tcgen05 TRT-LLM-style decode and prefill (planned) compute QK in FP8 "
              "for an FP8 cache, where the layer quantizes the query with q_scale; reference "
              "fallback until they land.",
@@ -44,12 +54,27 @@ ARCH_SUMMARY = {
 }
 
 
+def _auto(name: str, phase: str) -> tuple[str, ...]:
+    if (name, phase) == ("sm90", "prefill"):  # read at call time: tests and measurements flip it
+        # the FP8-query kernel accepts FP8 caches only, so listed first it takes exactly those
+        return ("sm90.prefill_fp8q", "sm90.prefill") if SM90_FP8_PREFILL == "sm90.prefill_fp8q" else ("sm90.prefill",)
+    return _AUTO.get((name, phase), ())
+
+
 def kernels_for(arch, phase: str) -> tuple[str, ...]:
     """Kernel ids tried automatically for ``(arch, phase)``, the reference fallback last."""
     name = parse_arch(arch).name
     if phase not in PHASES:
         raise UnsupportedConfig(f"phase must be one of {PHASES}, got {phase!r}")
-    return _AUTO.get((name, phase), ()) + (FALLBACKS[phase],)
+    return _auto(name, phase) + (FALLBACKS[phase],)
+
+
+def choice_note(arch: str, phase: str, kv_cache_dtype: str) -> str:
+    """Why the automatic plan of ``(arch, phase, cache dtype)`` takes its kernel over an
+    alternative that could serve it too ("" when there is no such choice)."""
+    if (arch, phase, kv_cache_dtype) == ("sm90", "prefill", "fp8_e4m3"):
+        return SM90_FP8_PREFILL_REASON
+    return ""
 
 
 def opt_in_kernels(arch, phase: str) -> tuple[str, ...]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cute_kernels.plans import sm90_prefill as _sm90_prefill
+
 from .arch import SUPPORTED_ARCHS
 from .dtypes import KV_DTYPES, MODEL_DTYPES
 
@@ -89,6 +91,12 @@ _SM90_DECODE_LIMITS = dict(
     archs=("sm90",), phases=("decode",), model_dtypes=_ALL_16, head_dims=(64, 128, 256),
     max_gqa_ratio=16, page_sizes=(16, 32, 64, 128), max_q_len=4, kv_layouts=("HND", "NHD"),
 )
+# the SM90 prefill's limits, as its plan module writes them (host-only, no DSL at import)
+_SM90_PREFILL_LIMITS = dict(
+    archs=("sm90",), phases=("prefill",), model_dtypes=_sm90_prefill.OUT_DTYPES, head_dims=_sm90_prefill.HEAD_DIMS,
+    max_gqa_ratio=_sm90_prefill.MAX_GROUP, page_sizes=_sm90_prefill.PAGE_SIZES, max_q_len=None,
+    kv_layouts=KV_LAYOUTS, planned_in="cute_kernels/sm90/prefill.py",
+)
 # Provisional limits of the Blackwell kernels, to be confirmed when they are built.
 _SM100_LIMITS = dict(
     archs=("sm100", "sm103"), kv_dtypes=_ALL_KV, model_dtypes=_ALL_16, qk_dtype="fp8_e4m3",
@@ -120,6 +128,22 @@ _REGISTRY = (
         **_SM90_DECODE_LIMITS,
     ),
     KernelInfo(
+        id="sm90.prefill",
+        status="available",
+        kv_dtypes=_sm90_prefill.KV_DTYPES, qk_dtype="model", supports_quant_query_input=False,
+        description=("SM90 varlen paged prefill with WGMMA and TMA (warp-specialized, causal blocks skipped); "
+                     "FP8 K/V widened exactly on chip, the query stays in the model dtype"),
+        **_SM90_PREFILL_LIMITS,
+    ),
+    KernelInfo(
+        id="sm90.prefill_fp8q",
+        status="available",
+        kv_dtypes=("fp8_e4m3",), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
+        description=("SM90 varlen paged prefill with e4m3 WGMMA for QK and PV on a q_scale-quantized query "
+                     "(V transposed on chip, P rounded to e4m3)"),
+        **_SM90_PREFILL_LIMITS,
+    ),
+    KernelInfo(
         id="sm100.decode", status="planned", phases=("decode",), max_q_len=None,
         description="Blackwell tcgen05 paged decode (TRT-LLM style); QK in FP8 for an FP8 cache",
         **_SM100_LIMITS,
@@ -136,7 +160,7 @@ _REGISTRY = (
     ),
     KernelInfo(
         id="reference.paged_prefill", phases=("prefill",),
-        description="slow torch reference fallback: cute_kernels.reference.paged_decode, q_len_per_req=q_len",
+        description="slow torch reference fallback: cute_kernels.reference.paged_prefill",
         **_REFERENCE_LIMITS,
     ),
 )

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .arch import parse_arch
-from .capabilities import kernels_for
+from .capabilities import choice_note, kernels_for
 from .dtypes import kv_dtype_name, model_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
 from .kernels import FALLBACKS, KERNELS, KV_LAYOUTS, PHASES, KernelInfo
@@ -178,7 +178,8 @@ def _auto(req: _Request) -> Plan:
         problems = _violations(k, req)
         if not problems:
             why = f"{k.id} accepts this {req.arch} {req.phase} request: {k.description}"
-            return _make_plan(k, req, why, None)
+            note = choice_note(req.arch, req.phase, req.kv_cache_dtype)
+            return _make_plan(k, req, f"{why}; {note}" if note else why, None)
         rejected.extend(problems)
     raise AssertionError(f"capability list of {req.arch} {req.phase} has no fallback")  # pragma: no cover
 
