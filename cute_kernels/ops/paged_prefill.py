@@ -133,6 +133,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     P, Hkv, page, Dk = k4.shape if kv_layout == "HND" else (k4.shape[0], k4.shape[2], k4.shape[1], k4.shape[3])
     if Dk != D:
         raise ValueError(f"head dim mismatch: q has {D}, kv_cache has {Dk}")
+    if P == 0:  # a TMA descriptor needs a non-empty tensor; refused before any launch
+        raise ValueError("kv_cache has no pages (P = 0); allocate at least one page")
     if D not in plan.HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {plan.HEAD_DIMS}, got {D}")
     if page not in plan.PAGE_SIZES:

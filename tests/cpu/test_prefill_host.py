@@ -246,6 +246,7 @@ BAD = [
     ("q last dim", _set("q", lambda p: p["q"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
      "q must have a contiguous last dim"),
     ("layout", _set("kv_layout", "HDN"), ValueError, "kv_layout must be 'HND' or 'NHD'"),
+    ("no pages", _set("kv_cache", lambda p: p["kv_cache"][:0]), ValueError, r"kv_cache has no pages \(P = 0\)"),
     ("kv 4-D", _set("kv_cache", lambda p: p["kv_cache"][:, 0]), ValueError, "kv_cache must be 5-D"),
     ("kv [P,3]", _set("kv_cache", lambda p: torch.cat([p["kv_cache"], p["kv_cache"][:, :1]], 1)), ValueError,
      r"kv_cache must be \[P, 2, ...\]"),
