@@ -85,7 +85,7 @@ class Sm90PrefillConfig:
     staging: int = 0
     overlap: bool = True
     pingpong: bool = True
-    producer_regs: int = 24
+    producer_regs: int = 32
     consumer_regs: int = 240
 
     kernel_id = "sm90.prefill"
