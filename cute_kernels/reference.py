@@ -219,14 +219,14 @@ def prefill_block(state, rows, k, v, visible, scale):
     block ``k, v [Hkv, kc, D]``; ``visible [qc, kc]``; ``state = (m, l, o)`` (running max, sum of
     exponentials, unnormalized output), returned updated. Its logits ``[qc, Hkv, G, kc]`` are the
     largest temporary of :func:`paged_prefill` (module-level so that tests can watch the bound)."""
-    m, l, o = state
+    m, total, o = state
     logits = torch.einsum("qhgd,hkd->qhgk", rows, k) * scale
     logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
     m_new = torch.maximum(m, logits.amax(dim=-1))
     m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)  # no -inf - -inf
     alpha = torch.exp(m - m_safe)
     p = torch.exp(logits - m_safe.unsqueeze(-1))
-    return m_new, l * alpha + p.sum(dim=-1), o * alpha.unsqueeze(-1) + torch.einsum("qhgk,hkd->qhgd", p, v)
+    return m_new, total * alpha + p.sum(dim=-1), o * alpha.unsqueeze(-1) + torch.einsum("qhgk,hkd->qhgd", p, v)
 
 
 def prefill_spans(query_start_loc: torch.Tensor, num_tokens: int, max_query_len=None) -> list[int]:
@@ -362,11 +362,11 @@ def paged_prefill(
                 v = _gather_span(v_cache, block_table[b], p0, p1, acc) * vs
                 visible = torch.arange(p0, p1, device=dev).view(1, -1) < limit.view(-1, 1)
                 state = prefill_block(state, rows, k, v, visible, scale)
-            m, l, o = state
-            has = l > 0
-            safe_l = torch.where(has, l, torch.ones_like(l))
-            out[s + j0:s + j1] = torch.where(has.unsqueeze(-1), o / safe_l.unsqueeze(-1), 0.0).view(j1 - j0, Hq, D)
-            lse[s + j0:s + j1] = torch.where(has, (m + torch.log(safe_l)) / _LN2,
+            m, total, o = state
+            has = total > 0
+            safe = torch.where(has, total, torch.ones_like(total))
+            out[s + j0:s + j1] = torch.where(has.unsqueeze(-1), o / safe.unsqueeze(-1), 0.0).view(j1 - j0, Hq, D)
+            lse[s + j0:s + j1] = torch.where(has, (m + torch.log(safe)) / _LN2,
                                              torch.full_like(m, float("-inf"))).view(j1 - j0, Hq)
     out = out.to(out_dtype)
     if return_lse:

@@ -32,7 +32,7 @@ from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..plans import sm90_prefill as plan
 from ._launch import LaunchCache
-from ._torch import check_tensor, compile_target, dtype_name
+from ._torch import check_kv_cache, check_tensor, compile_target, dtype_name
 from .quantize_query import check_scale
 
 FP8 = torch.float8_e4m3fn
@@ -117,22 +117,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
     T, Hq, D = q.shape
     device = q.device
-    if kv_layout not in ("HND", "NHD"):
-        raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
-    if pair:
-        check_tensor("k_cache", k, ndim=4)
-        check_tensor("v_cache", v, ndim=4)
-        if k.shape != v.shape or k.dtype != v.dtype:
-            raise ValueError(f"k_cache and v_cache must match, got {tuple(k.shape)} {k.dtype} / {tuple(v.shape)} {v.dtype}")
-        k4 = k
-    else:
-        check_tensor("kv_cache", k, ndim=5)
-        if k.shape[1] != 2:
-            raise ValueError(f"kv_cache must be [P, 2, ...] (K and V), got shape {tuple(k.shape)}")
-        k4 = k[:, 0]
-    P, Hkv, page, Dk = k4.shape if kv_layout == "HND" else (k4.shape[0], k4.shape[2], k4.shape[1], k4.shape[3])
-    if Dk != D:
-        raise ValueError(f"head dim mismatch: q has {D}, kv_cache has {Dk}")
+    P, Hkv, page = check_kv_cache(k, v, pair, kv_layout, D)
     if P == 0:  # a TMA descriptor needs a non-empty tensor; refused before any launch
         raise ValueError("kv_cache has no pages (P = 0); allocate at least one page")
     if D not in plan.HEAD_DIMS:
