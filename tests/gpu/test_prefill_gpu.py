@@ -92,7 +92,10 @@ def _precompile():
     graph = VARIANTS["fp8-d128-g8-p32-nhd-tuple"]
     configs += _configs(graph, write_lse=(False,), scale_tensors=(True,))
     configs += _configs(CASES[0], write_lse=(False,))
-    precompile(list(dict.fromkeys(configs)), "sm_90a", progress=False)
+    try:
+        precompile(list(dict.fromkeys(configs)), "sm_90a", progress=False)
+    except Exception as e:  # a variant that does not compile fails its own tests, not every test here
+        print(f"precompile: {type(e).__name__}: {e}")
 
 
 # ----------------------------------------------------------------------------------------------
