@@ -38,7 +38,10 @@ SMEM_RESERVE = 2048  # barriers, the per-row query scales, alignment padding
 # 16-bit query; "fp8": FP8 query and K/V (e4m3 WGMMA, V transposed in shared memory)
 _TILE_N = {("16", 64): 128, ("16", 128): 128, ("16", 256): 64,
            ("widen", 64): 128, ("widen", 128): 128, ("widen", 256): 64,
-           ("fp8", 64): 128, ("fp8", 128): 128, ("fp8", 256): 128}
+           ("fp8", 64): 128, ("fp8", 128): 128, ("fp8", 256): 64}
+# setmaxnreg targets (producer, consumer): the TMA-only producer needs 32 (24 spilled); the
+# rewriting producer warpgroup 56 with the consumers at 224 (the 64K file: 128 p + 256 c)
+_REGS = {"16": (32, 240), "widen": (56, 224), "fp8": (56, 224)}
 
 
 def kv_kind(q_dtype: str, kv_dtype: str) -> str:
@@ -255,10 +258,11 @@ def make_prefill_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: in
     tile_n = override.pop("tile_n", tile_n)
     if tile_n % page_size and page_size % tile_n:
         tile_n = page_size  # e.g. 96-token tiles on 64-token pages
+    producer_regs, consumer_regs = _REGS[kind]
     fields_ = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, head_dim=head_dim, group=group,
                    page_size=page_size, kv_form=kv_form, kv_layout=kv_layout, causal=causal, write_lse=write_lse,
                    k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, q_scale=q_scale, tile_n=tile_n,
-                   stages=stages, staging=staging)
+                   stages=stages, staging=staging, producer_regs=producer_regs, consumer_regs=consumer_regs)
     fields_.update(override)
     return Sm90PrefillConfig(**fields_)
 

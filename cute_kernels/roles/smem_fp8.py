@@ -166,7 +166,8 @@ def widen_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_layo
     """e4m3 (token, d) staging tile -> fp16 tile, (token, d) when ``token_major`` (K) else
     (d, token) (V); tokens ``>= valid`` become zeros."""
     chunks = D // 16
-    for it in cutlass.range_constexpr(tile_n * chunks // nthreads):
+    # partly rolled: fully unrolled, ptxas keeps every chunk's swizzled addresses live (spills)
+    for it in cutlass.range(tile_n * chunks // nthreads, unroll=2):
         c = it * nthreads + tid
         row = c // chunks
         col = (c % chunks) * 16
@@ -194,7 +195,7 @@ def transpose_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_
     at K index k; tokens ``>= valid`` become zeros. Thread ``tid`` takes 4 x 4 blocks whose
     stores cover whole 128-byte rows of V^T per warp."""
     groups = tile_n // 4  # 4-token groups; group q is K indices 4q..4q+3
-    for it in cutlass.range_constexpr(groups * (D // 4) // nthreads):
+    for it in cutlass.range(groups * (D // 4) // nthreads, unroll=2):
         b = it * nthreads + tid
         q = b % groups
         d0 = (b // groups) * 4
@@ -217,7 +218,8 @@ def narrow_q_rows(q_base: Int32, q_layout, D: cutlass.Constexpr, sShift: cute.Te
     row = tid % 64
     half = tid // 64
     amax = Float32(0.0)
-    for c in cutlass.range_constexpr(D // 8):
+    # rolled loops: the per-chunk swizzled addresses are recomputed, not kept live (spills)
+    for c in cutlass.range(D // 8, unroll=1):
         w = ld_shared_v4(q_base + 2 * cute.crd2idx((row, c * 8, half), q_layout))
         for j in cutlass.range_constexpr(4):
             lo = _bf16_lo(w[j])
@@ -228,7 +230,7 @@ def narrow_q_rows(q_base: Int32, q_layout, D: cutlass.Constexpr, sShift: cute.Te
         e = ((_f32_bits(amax) >> 23) & 0xFF) - 127
         shift = cutlass.min(cutlass.max(Int32(14) - e, Int32(Q_SHIFT_MIN)), Int32(Q_SHIFT_MAX))
     s = cute.math.exp2(Float32(shift), fastmath=False)
-    for c in cutlass.range_constexpr(D // 8):
+    for c in cutlass.range(D // 8, unroll=1):
         addr = q_base + 2 * cute.crd2idx((row, c * 8, half), q_layout)
         w = ld_shared_v4(addr)
         o = cute.make_rmem_tensor((4,), Int32)
