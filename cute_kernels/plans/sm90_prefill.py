@@ -39,9 +39,12 @@ SMEM_RESERVE = 2048  # barriers, the per-row query scales, alignment padding
 _TILE_N = {("16", 64): 128, ("16", 128): 128, ("16", 256): 64,
            ("widen", 64): 128, ("widen", 128): 128, ("widen", 256): 64,
            ("fp8", 64): 128, ("fp8", 128): 128, ("fp8", 256): 64}
-# setmaxnreg targets (producer, consumer): the TMA-only producer needs 32 (24 spilled); the
-# rewriting producer warpgroup 56 with the consumers at 224 (the 64K file: 128 p + 256 c)
-_REGS = {"16": (32, 240), "widen": (56, 224), "fp8": (56, 224)}
+# setmaxnreg targets (producer, consumer) within the launch's REGS_PER_THREAD x 384: the TMA-only
+# producer needs 32 (24 spilled), the rewriting producer warpgroup 56
+_REGS = {"16": (32, 232), "widen": (56, 224), "fp8": (56, 224)}
+# registers per thread a 384-thread launch gets (64K / 384 rounded down to 8): setmaxnreg only moves
+# registers within the CTA's allocation, and an increase beyond it waits forever
+REGS_PER_THREAD = 65536 // 384 // 8 * 8
 
 
 def kv_kind(q_dtype: str, kv_dtype: str) -> str:
@@ -89,7 +92,7 @@ class Sm90PrefillConfig:
     overlap: bool = True
     pingpong: bool = True
     producer_regs: int = 32
-    consumer_regs: int = 240
+    consumer_regs: int = 232
 
     kernel_id = "sm90.prefill"
     targets = ("sm_90a",)
@@ -128,8 +131,9 @@ class Sm90PrefillConfig:
         if self.stages < 1 or (self.kind != "16") != (self.staging > 0):
             bad(f"stages {self.stages} / staging {self.staging}: staging is for FP8 caches only")
         if any(r % 8 or not 24 <= r <= 256 for r in (self.producer_regs, self.consumer_regs)) or (
-                128 * self.producer_regs + 256 * self.consumer_regs > 65536):
-            bad(f"registers {self.producer_regs}/{self.consumer_regs} do not fit 64K for 384 threads")
+                128 * self.producer_regs + 256 * self.consumer_regs > 384 * REGS_PER_THREAD):
+            bad(f"registers {self.producer_regs}/{self.consumer_regs} (producer/consumer) exceed the launch's "
+                f"{REGS_PER_THREAD} x 384")
         if smem_bytes(self) > SMEM_BUDGET:
             bad(f"{smem_bytes(self)} bytes of shared memory exceed {SMEM_BUDGET}")
 
