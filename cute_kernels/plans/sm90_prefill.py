@@ -134,6 +134,8 @@ class Sm90PrefillConfig:
                 128 * self.producer_regs + 256 * self.consumer_regs > 384 * REGS_PER_THREAD):
             bad(f"registers {self.producer_regs}/{self.consumer_regs} (producer/consumer) exceed the launch's "
                 f"{REGS_PER_THREAD} x 384")
+        if self.pingpong and not self.overlap:
+            bad("pingpong takes turns between overlapped consumers (overlap=True)")
         if smem_bytes(self) > SMEM_BUDGET:
             bad(f"{smem_bytes(self)} bytes of shared memory exceed {SMEM_BUDGET}")
 
@@ -263,10 +265,14 @@ def make_prefill_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: in
     if tile_n % page_size and page_size % tile_n:
         tile_n = page_size  # e.g. 96-token tiles on 64-token pages
     producer_regs, consumer_regs = _REGS[kind]
+    # the consumers take turns issuing at D <= 128 only (FA3/FA4's choice; at D = 256 the PV of one
+    # warpgroup alone fills the tensor cores for long)
+    pingpong = head_dim <= 128
     fields_ = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, head_dim=head_dim, group=group,
                    page_size=page_size, kv_form=kv_form, kv_layout=kv_layout, causal=causal, write_lse=write_lse,
                    k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, q_scale=q_scale, tile_n=tile_n,
-                   stages=stages, staging=staging, producer_regs=producer_regs, consumer_regs=consumer_regs)
+                   stages=stages, staging=staging, producer_regs=producer_regs, consumer_regs=consumer_regs,
+                   pingpong=pingpong)
     fields_.update(override)
     return Sm90PrefillConfig(**fields_)
 
