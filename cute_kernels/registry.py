@@ -29,6 +29,7 @@ def variants() -> list[KernelConfig]:
     out += [Sm90ProbeConfig(), Sm100ProbeConfig()]
     out += decode_matrix()
     out += qsa_matrix()
+    out += prefill_matrix()
 
     # layer glue: query quantization (per-tensor / per-KV-head scales, full and partial RoPE with
     # both cache dtypes) and KV-cache writes (FP8 and 16-bit caches, both layouts and containers)
@@ -72,6 +73,29 @@ def decode_matrix() -> list[KernelConfig]:
         out.append(make_decode_config(q_dtype="bf16", kv_dtype=kv, head_dim=128, group=8, q_len=1, page_size=16,
                                       split=True, cluster=True, **({"occupancy": occ} if occ else {})))
     return out
+
+
+def prefill_matrix() -> list:
+    """SM90 paged prefill: each head dim of each kind (16-bit K/V; FP8 K/V widened for a bf16 query,
+    narrowed to fp16, and for an fp16 one; FP8 query and K/V) with every scale form, both layouts
+    and containers, causal and not, with and without LSE; the serial consumer schedule once."""
+    from .plans.sm90_prefill import make_prefill_config
+
+    def cfg(q, kv, d, g, page, **kw):
+        return make_prefill_config(q_dtype=q, kv_dtype=kv, head_dim=d, group=g, page_size=page, **kw)
+
+    return [
+        cfg("bf16", "bf16", 128, 8, 16),
+        cfg("fp16", "fp16", 64, 4, 32, kv_form="pair", kv_layout="NHD", causal=False),
+        cfg("bf16", "bf16", 256, 1, 128, write_lse=False),
+        cfg("bf16", "bf16", 128, 8, 16, overlap=False, pingpong=False),
+        cfg("bf16", "fp8_e4m3", 128, 8, 16),
+        cfg("fp16", "fp8_e4m3", 64, 16, 64, kv_layout="NHD", k_scale_tensor=True, v_scale_tensor=True),
+        cfg("bf16", "fp8_e4m3", 256, 4, 32, kv_form="pair", causal=False),
+        cfg("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar"),
+        cfg("fp8_e4m3", "fp8_e4m3", 64, 8, 128, q_scale="tensor", kv_form="pair", kv_layout="NHD"),
+        cfg("fp8_e4m3", "fp8_e4m3", 256, 4, 16, q_scale="per_head", out_dtype="fp16", write_lse=False),
+    ]
 
 
 def qsa_matrix() -> list[KernelConfig]:

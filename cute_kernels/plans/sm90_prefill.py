@@ -38,7 +38,13 @@ SMEM_RESERVE = 2048  # barriers, the per-row query scales, alignment padding
 # 16-bit query; "fp8": FP8 query and K/V (e4m3 WGMMA, V transposed in shared memory)
 _TILE_N = {("16", 64): 128, ("16", 128): 128, ("16", 256): 64,
            ("widen", 64): 128, ("widen", 128): 128, ("widen", 256): 64,
-           ("fp8", 64): 128, ("fp8", 128): 128, ("fp8", 256): 128}
+           ("fp8", 64): 128, ("fp8", 128): 128, ("fp8", 256): 64}
+# setmaxnreg targets (producer, consumer) within the launch's REGS_PER_THREAD x 384: the TMA-only
+# producer needs 32 (24 spilled), the rewriting producer warpgroup 56
+_REGS = {"16": (32, 232), "widen": (56, 224), "fp8": (56, 224)}
+# registers per thread a 384-thread launch gets (64K / 384 rounded down to 8): setmaxnreg only moves
+# registers within the CTA's allocation, and an increase beyond it waits forever
+REGS_PER_THREAD = 65536 // 384 // 8 * 8
 
 
 def kv_kind(q_dtype: str, kv_dtype: str) -> str:
@@ -86,7 +92,7 @@ class Sm90PrefillConfig:
     overlap: bool = True
     pingpong: bool = True
     producer_regs: int = 32
-    consumer_regs: int = 240
+    consumer_regs: int = 232
 
     kernel_id = "sm90.prefill"
     targets = ("sm_90a",)
@@ -125,8 +131,11 @@ class Sm90PrefillConfig:
         if self.stages < 1 or (self.kind != "16") != (self.staging > 0):
             bad(f"stages {self.stages} / staging {self.staging}: staging is for FP8 caches only")
         if any(r % 8 or not 24 <= r <= 256 for r in (self.producer_regs, self.consumer_regs)) or (
-                128 * self.producer_regs + 256 * self.consumer_regs > 65536):
-            bad(f"registers {self.producer_regs}/{self.consumer_regs} do not fit 64K for 384 threads")
+                128 * self.producer_regs + 256 * self.consumer_regs > 384 * REGS_PER_THREAD):
+            bad(f"registers {self.producer_regs}/{self.consumer_regs} (producer/consumer) exceed the launch's "
+                f"{REGS_PER_THREAD} x 384")
+        if self.pingpong and not self.overlap:
+            bad("pingpong takes turns between overlapped consumers (overlap=True)")
         if smem_bytes(self) > SMEM_BUDGET:
             bad(f"{smem_bytes(self)} bytes of shared memory exceed {SMEM_BUDGET}")
 
@@ -255,10 +264,15 @@ def make_prefill_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: in
     tile_n = override.pop("tile_n", tile_n)
     if tile_n % page_size and page_size % tile_n:
         tile_n = page_size  # e.g. 96-token tiles on 64-token pages
+    producer_regs, consumer_regs = _REGS[kind]
+    # the consumers take turns issuing at D <= 128 only (FA3/FA4's choice; at D = 256 the PV of one
+    # warpgroup alone fills the tensor cores for long)
+    pingpong = head_dim <= 128
     fields_ = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, head_dim=head_dim, group=group,
                    page_size=page_size, kv_form=kv_form, kv_layout=kv_layout, causal=causal, write_lse=write_lse,
                    k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, q_scale=q_scale, tile_n=tile_n,
-                   stages=stages, staging=staging)
+                   stages=stages, staging=staging, producer_regs=producer_regs, consumer_regs=consumer_regs,
+                   pingpong=pingpong)
     fields_.update(override)
     return Sm90PrefillConfig(**fields_)
 

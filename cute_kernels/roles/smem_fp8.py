@@ -79,14 +79,32 @@ def e4m3x4_to_f16x4(x: Int32, *, loc=None, ip=None):
     return Int32(lo), Int32(hi)
 
 
+# byte selectors of the 4 x 4 byte transpose: interleave the bytes of two words (low / high pairs),
+# then the 16-bit halves of two interleaved words (emulated in tests/cpu/test_prefill_plan.py)
+PRMT_BYTES = (0x5140, 0x7362)
+PRMT_HALVES = (0x5410, 0x7632)
+
+
+def transpose_block(b, groups: int):
+    """Block ``b`` of a V^T transpose with ``groups = tile_n // 4``: ``(q, d0, tokens)``, the four
+    tokens (within the tile) whose dims ``d0..d0+3`` become V^T K indices ``4q..4q+3``: the K index
+    ``k`` holds token ``32 (k // 32) + p_token(k % 32)``. Pure arithmetic (traced or Python ints)."""
+    q = b % groups
+    d0 = (b // groups) * 4
+    tok0 = (q // 8) * 32 + ((q % 8) // 4) * 16 + (q % 4) * 2
+    return q, d0, (tok0, tok0 + 1, tok0 + 8, tok0 + 9)
+
+
 @dsl_user_op
 def transpose_bytes_4x4(w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, loc=None, ip=None):
     """Byte ``i`` of word ``j`` -> byte ``j`` of word ``i``."""
+    lo, hi = PRMT_BYTES
+    h0, h1 = PRMT_HALVES
     text = ("{\n\t.reg .b32 a, b, c, d;\n\t"
-            "prmt.b32 a, $4, $5, 0x5140;\n\tprmt.b32 b, $4, $5, 0x7362;\n\t"
-            "prmt.b32 c, $6, $7, 0x5140;\n\tprmt.b32 d, $6, $7, 0x7362;\n\t"
-            "prmt.b32 $0, a, c, 0x5410;\n\tprmt.b32 $1, a, c, 0x7632;\n\t"
-            "prmt.b32 $2, b, d, 0x5410;\n\tprmt.b32 $3, b, d, 0x7632;\n\t}")
+            f"prmt.b32 a, $4, $5, {lo:#x};\n\tprmt.b32 b, $4, $5, {hi:#x};\n\t"
+            f"prmt.b32 c, $6, $7, {lo:#x};\n\tprmt.b32 d, $6, $7, {hi:#x};\n\t"
+            f"prmt.b32 $0, a, c, {h0:#x};\n\tprmt.b32 $1, a, c, {h1:#x};\n\t"
+            f"prmt.b32 $2, b, d, {h0:#x};\n\tprmt.b32 $3, b, d, {h1:#x};\n\t}}")
     regs = asm([T.i32()] * 4, [Int32(w0), Int32(w1), Int32(w2), Int32(w3)], text, "=r,=r,=r,=r,r,r,r,r",
                loc=loc, ip=ip)
     return tuple(Int32(r) for r in regs)
@@ -166,7 +184,8 @@ def widen_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_layo
     """e4m3 (token, d) staging tile -> fp16 tile, (token, d) when ``token_major`` (K) else
     (d, token) (V); tokens ``>= valid`` become zeros."""
     chunks = D // 16
-    for it in cutlass.range_constexpr(tile_n * chunks // nthreads):
+    # partly rolled: fully unrolled, ptxas keeps every chunk's swizzled addresses live (spills)
+    for it in cutlass.range(tile_n * chunks // nthreads, unroll=2):
         c = it * nthreads + tid
         row = c // chunks
         col = (c % chunks) * 16
@@ -194,14 +213,11 @@ def transpose_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_
     at K index k; tokens ``>= valid`` become zeros. Thread ``tid`` takes 4 x 4 blocks whose
     stores cover whole 128-byte rows of V^T per warp."""
     groups = tile_n // 4  # 4-token groups; group q is K indices 4q..4q+3
-    for it in cutlass.range_constexpr(groups * (D // 4) // nthreads):
-        b = it * nthreads + tid
-        q = b % groups
-        d0 = (b // groups) * 4
-        tok0 = (q // 8) * 32 + ((q % 8) // 4) * 16 + (q % 4) * 2  # p_token(4 (q % 8)) + 32 (q // 8)
+    for it in cutlass.range(groups * (D // 4) // nthreads, unroll=2):
+        q, d0, toks = transpose_block(it * nthreads + tid, groups)
         w = cute.make_rmem_tensor((4,), Int32)
         for j in cutlass.range_constexpr(4):
-            tok = tok0 + (j % 2) + 8 * (j // 2)
+            tok = toks[j]
             w[j] = ld_shared_b32(src_base + cute.crd2idx((tok, d0, src_stage), src_layout))
             if tok >= valid:
                 w[j] = Int32(0)
@@ -217,7 +233,8 @@ def narrow_q_rows(q_base: Int32, q_layout, D: cutlass.Constexpr, sShift: cute.Te
     row = tid % 64
     half = tid // 64
     amax = Float32(0.0)
-    for c in cutlass.range_constexpr(D // 8):
+    # rolled loops: the per-chunk swizzled addresses are recomputed, not kept live (spills)
+    for c in cutlass.range(D // 8, unroll=1):
         w = ld_shared_v4(q_base + 2 * cute.crd2idx((row, c * 8, half), q_layout))
         for j in cutlass.range_constexpr(4):
             lo = _bf16_lo(w[j])
@@ -228,7 +245,7 @@ def narrow_q_rows(q_base: Int32, q_layout, D: cutlass.Constexpr, sShift: cute.Te
         e = ((_f32_bits(amax) >> 23) & 0xFF) - 127
         shift = cutlass.min(cutlass.max(Int32(14) - e, Int32(Q_SHIFT_MIN)), Int32(Q_SHIFT_MAX))
     s = cute.math.exp2(Float32(shift), fastmath=False)
-    for c in cutlass.range_constexpr(D // 8):
+    for c in cutlass.range(D // 8, unroll=1):
         addr = q_base + 2 * cute.crd2idx((row, c * 8, half), q_layout)
         w = ld_shared_v4(addr)
         o = cute.make_rmem_tensor((4,), Int32)

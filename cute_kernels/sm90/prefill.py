@@ -41,6 +41,7 @@ BAR_Q_READY = 1  # producer warpgroup -> consumers: the narrowed query is in pla
 BAR_SCHED = 2  # 2, 3: the consumer warpgroups' turns (pingpong)
 BAR_PRODUCER = 4  # the producer warpgroup's four warps
 BAR_CONSUMER = 5  # 5, 6: one consumer warpgroup
+SMEM_LIMIT = 227 * 1024  # an SM90 CTA's dynamic shared memory (the plan budgets below it)
 
 
 class Sm90PagedPrefill:
@@ -140,8 +141,12 @@ class Sm90PagedPrefill:
         S, C = max(self.staging, 1), self.stages
         mma_dt, kv_dt = self.mma_dtype, self.kv_dtype
         q_dt = self.q_dtype if self.kind != "widen" else cute_dtype("fp16")
-        staged_k = self.kind == "widen"
-        staged = self.kind != "16"
+        # staging buffers only where FP8 tiles are rewritten (an 8-byte placeholder otherwise, unaligned
+        # so that it costs no 1 KB alignment pad)
+        sKs_t = (cute.struct.Align[cute.struct.MemRange[kv_dt, cute.cosize(L["ks"])], 1024] if self.kind == "widen"
+                 else cute.struct.MemRange[kv_dt, 8])
+        sVs_t = (cute.struct.Align[cute.struct.MemRange[kv_dt, cute.cosize(L["vs"])], 1024] if self.kind != "16"
+                 else cute.struct.MemRange[kv_dt, 8])
 
         @cute.struct
         class Storage:
@@ -155,9 +160,11 @@ class Sm90PagedPrefill:
             sQ: cute.struct.Align[cute.struct.MemRange[q_dt, cute.cosize(L["q"])], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[mma_dt, cute.cosize(L["k"])], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[mma_dt, cute.cosize(L["v"])], 1024]
-            sKs: cute.struct.Align[cute.struct.MemRange[kv_dt, cute.cosize(L["ks"]) if staged_k else 8], 1024]
-            sVs: cute.struct.Align[cute.struct.MemRange[kv_dt, cute.cosize(L["vs"]) if staged else 8], 1024]
+            sKs: sKs_t
+            sVs: sVs_t
 
+        if Storage.size_in_bytes() > SMEM_LIMIT:
+            raise ValueError(f"sm90.prefill: {Storage.size_in_bytes()} bytes of shared memory exceed {SMEM_LIMIT}")
         return Storage
 
     # ------------------------------------------------------------------------------------------

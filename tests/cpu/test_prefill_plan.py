@@ -109,6 +109,8 @@ def test_default_configs_fit_and_sign():
     (dict(tile_n=96, page_size=64), "divide"),
     (dict(stages=2, staging=1), "staging"),
     (dict(stages=8), "shared memory"),
+    (dict(producer_regs=32, consumer_regs=240), "exceed the launch"),
+    (dict(overlap=False, pingpong=True), "pingpong"),  # setmaxnreg.inc would wait forever
 ])
 def test_config_refuses(bad, match):
     with pytest.raises(ValueError, match=match):
