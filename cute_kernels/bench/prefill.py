@@ -33,11 +33,10 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.testing import make_paged_prefill_case, rel_err
 
-try:  # the package's benchmark timing once it ships (cute_kernels/bench/timing.py)
-    from .timing import read_bandwidth, time_eager, time_graph
-except ImportError:  # a source checkout before that: the lab's helpers
-    from profiling.bench_utils import read_bandwidth, time_eager, time_graph
+from .harness import INSTALL_HINT, SM90, NvtxRanges, Peer, available_peers, module_available, write_json
+from .timing import bench_setup, time_eager, time_graph
 
+NEEDS = SM90
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 PAGE = 16
 
@@ -53,6 +52,9 @@ SHAPES = [
     ("d256 B1 S8192", 1, 0, 8192, 32, 8, 256),
 ]
 PEERS = ("ours_fp8q", "fa4", "fa4_paged", "fi", "sdpa")
+_FA4 = Peer("flash_attn", "flash-attn-4")
+# the library each peer needs (SDPA is torch's own; ours_fp8q is ours)
+PEER_LIBS = {"fa4": _FA4, "fa4_paged": _FA4, "fi": Peer("flashinfer", "flashinfer-python")}
 KV_DTYPES = ("bf16", "fp8")
 
 
@@ -223,10 +225,9 @@ def _time(fn) -> tuple[float, str]:
         return time_eager(fn), "eager"
 
 
-def run(peers=PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, out_png=None, quick=False):
-    print(f"read bandwidth: {read_bandwidth() / 1e12:.3f} TB/s", flush=True)
-    g = torch.Generator(device="cuda")
-    g.manual_seed(0)
+def run(peers=PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, out_png=None, quick=False, nvtx=False):
+    ranges = NvtxRanges(nvtx)
+    bw, g = bench_setup()
     rows = []
     for kvn in kv_dtypes:
         for shape in shapes or SHAPES:
@@ -237,6 +238,7 @@ def run(peers=PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, out_png=No
             for name in ("ours", *peers):
                 try:
                     fn, o = ENTRIES[name](pb)
+                    fn = ranges.wrap("cute_kernels.paged_prefill" if name.startswith("ours") else f"bench.{name}", fn)
                     res = fn()
                     torch.cuda.synchronize()
                     res = o if o is not None else (res[0] if isinstance(res, tuple) else res)
@@ -254,12 +256,8 @@ def run(peers=PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, out_png=No
             _print_row(row, ("ours", *peers))
             del pb
             torch.cuda.empty_cache()
-    result = dict(read_bw=read_bandwidth(), rows=rows)
-    if out_json:
-        import json
-
-        with open(out_json, "w") as f:
-            json.dump(result, f, indent=1)
+    result = dict(read_bw=bw, rows=rows)
+    write_json(out_json, result)
     if out_png:
         _plot(rows, ("ours", *peers), out_png)
     return result
@@ -297,6 +295,14 @@ def _plot(rows, names, path):
     fig.savefig(path, dpi=120)
 
 
+def select_shapes(keys: str | None) -> list[tuple]:
+    """The :data:`SHAPES` whose name contains one of the comma-separated ``keys`` (all: None)."""
+    if not keys:
+        return list(SHAPES)
+    parts = [k for k in keys.split(",") if k]
+    return [sh for sh in SHAPES if any(k in sh[0] for k in parts)]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default=",".join(PEERS), help="comma-separated entries besides ours: " + ", ".join(PEERS))
     p.add_argument("--kv", default=",".join(KV_DTYPES), help="cache dtypes: bf16,fp8")
@@ -305,25 +311,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", default=None, metavar="PATH", help="write a bar chart to PATH")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="cute-kernels bench prefill", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
-    a = p.parse_args(argv)
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print("error: cute-kernels bench prefill needs an SM90 GPU (H100/H200)", file=sys.stderr)
-        return 2
-    shapes = None
-    if a.shapes:
-        keys = a.shapes.split(",")
-        shapes = [sh for sh in SHAPES if any(k in sh[0] for k in keys)]
-    unknown = [x for x in a.peers.split(",") if x and x not in ENTRIES]
+def main(args) -> None:
+    requested = [x for x in args.peers.split(",") if x]
+    unknown = [x for x in requested if x not in ENTRIES]
     if unknown:
-        p.error(f"unknown entries {unknown}; expected some of {list(ENTRIES)}")
-    run(peers=tuple(x for x in a.peers.split(",") if x), kv_dtypes=tuple(a.kv.split(",")), shapes=shapes,
-        out_json=a.json, out_png=a.png, quick=a.quick)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        raise SystemExit(f"error: unknown entries {unknown}; expected some of {list(ENTRIES)}")
+    peers, skipped = available_peers(requested, PEER_LIBS)
+    png = args.png
+    if png and not module_available("matplotlib"):
+        skipped.append(f"--png skipped: matplotlib is not installed ({INSTALL_HINT})")
+        png = None
+    for line in skipped:
+        print(line, file=sys.stderr)
+    run(peers=tuple(peers), kv_dtypes=tuple(args.kv.split(",")), shapes=select_shapes(args.shapes),
+        out_json=args.json, out_png=png, quick=args.quick, nvtx=args.nvtx)
