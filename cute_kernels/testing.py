@@ -54,14 +54,18 @@ def make_paged_decode_case(
     fused_qkv: bool = False,
     poison_tail: bool = True,
     spare_pages: int = 7,
+    table_tokens: int | None = None,
     generator: torch.Generator | None = None,
     device: str = "cuda",
 ) -> PagedDecodeCase:
-    """A random paged-decode problem. ``seq_lens``: an int (all equal) or a list of B ints."""
+    """A random paged-decode problem. ``seq_lens``: an int (all equal) or a list of B ints.
+    ``table_tokens``: the block table's width in tokens (e.g. a serving engine's max model length;
+    its unused columns hold random page ids); default: one page past the longest request."""
     g = generator
     lens = [int(seq_lens)] * batch if isinstance(seq_lens, int) else [int(x) for x in seq_lens]
     assert len(lens) == batch
-    table, P = _block_table(lens, page_size, spare_pages, g, device)
+    width = None if table_tokens is None else math.ceil(table_tokens / page_size)
+    table, P = _block_table(lens, page_size, spare_pages, g, device, width)
     kv = _kv_pool(P, num_kv_heads, head_dim, page_size, kv_dtype, kv_layout, g, device)
     if poison_tail:
         _poison_tails(kv, table, lens, page_size, kv_layout)
@@ -75,11 +79,15 @@ def make_paged_decode_case(
     )
 
 
-def _block_table(lens, page_size, spare_pages, g, device):
+def _block_table(lens, page_size, spare_pages, g, device, width=None):
     """``(table, P)``: a randomly permuted block table over a pool of ``P = sum(pages) +
-    spare_pages`` pages, with one column of junk ids past the longest request."""
+    spare_pages`` pages, ``width`` columns (default: one column of junk ids past the longest
+    request; junk ids in every unused column)."""
     pages_per = [math.ceil(L / page_size) for L in lens]
-    width = max(pages_per + [1]) + 1  # one extra column of junk ids
+    if width is None:
+        width = max(pages_per + [1]) + 1  # one extra column of junk ids
+    elif width < max(pages_per + [1]):
+        raise ValueError(f"a block table of {width} pages cannot hold a request of {max(pages_per)} pages")
     P = sum(pages_per) + spare_pages
     perm = torch.randperm(P, generator=g, device="cpu" if g is None or g.device.type == "cpu" else device)
     perm = perm.to(device)
