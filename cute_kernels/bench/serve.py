@@ -78,13 +78,13 @@ class Replay:
     """The device side of one workload: per-layer caches (allocated per layout), the query/key/
     value buffers of the largest step, and each request's pages."""
 
-    def __init__(self, w: Workload, sched: Schedule, g: torch.Generator):
-        self.w, self.sched = w, sched
+    def __init__(self, w: Workload, sched: Schedule, g: torch.Generator, device: str = "cuda"):
+        self.w, self.sched, self.device = w, sched, device
         self.kv_dtype = FP8 if w.kv_dtype == "fp8" else BF16
         self.k_scale, self.v_scale = SCALES[w.kv_dtype]
         self.sm_scale = w.head_dim ** -0.5
         T = max(s.num_tokens for s in sched.steps)
-        dev = "cuda"
+        dev = device
         self.q = torch.randn(T, w.num_q_heads, w.head_dim, device=dev, generator=g).to(BF16)
         self.k = torch.randn(T, w.num_kv_heads, w.head_dim, device=dev, generator=g).to(BF16)
         self.v = torch.randn(T, w.num_kv_heads, w.head_dim, device=dev, generator=g).to(BF16)
@@ -109,7 +109,7 @@ class Replay:
             (P, w.page_size, w.num_kv_heads, w.head_dim)
         self.caches = []
         for _ in range(w.layers):
-            t = torch.zeros(shape, dtype=self.kv_dtype, device="cuda")
+            t = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             self.caches.append(t if layout == "HND" else (t, torch.zeros_like(t)))
         self.layout = layout
 
@@ -145,7 +145,7 @@ class StepInputs:
         for n in self.q_lens:
             starts.append(starts[-1] + n)
         self.starts, self.table_host = starts, table
-        dev = "cuda"
+        dev = rp.device
         self.block_table = table.to(dev)
         self.seq_lens = torch.tensor(self.lens, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
@@ -165,9 +165,11 @@ class Ours:
     def __init__(self, rp: Replay, args):
         w = rp.w
         self.rp = rp
+        # on CPU tensors (tests) the layer plans for SM90 and its ops run the reference
         self.layer_ = AttentionLayer(w.num_q_heads, w.num_kv_heads, w.head_dim, kv_cache_dtype=rp.kv_dtype,
                                      page_size=w.page_size, kv_layout="HND", q_scale=rp.q_scale,
-                                     k_scale=rp.k_scale, v_scale=rp.v_scale)
+                                     k_scale=rp.k_scale, v_scale=rp.v_scale,
+                                     arch="sm90" if rp.device == "cpu" else None)
 
     def prepare(self, st: StepInputs):
         self.md = AttentionMetadata(query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
@@ -360,7 +362,6 @@ def step_kind(step: Step) -> str:
 def check_step(cfg, rp: Replay, st: StepInputs) -> dict:
     """Layer 0's output of this step against the reference on the same cache (after the write)."""
     out = cfg.layer(0, st)
-    torch.cuda.synchronize()
     cache = rp.caches[0]
     common = dict(kv_layout=rp.layout, sm_scale=rp.sm_scale, k_scale=rp.k_scale, v_scale=rp.v_scale)
     errs = {}
