@@ -8,8 +8,9 @@
 #   test-qsa    the QSA GPU tests                             (log pytest_qsa.log)
 #   smoke       a few decode split counts against the reference, in seconds
 #   sanitize    compute-sanitizer memcheck of the decode/merge and QSA drivers
-#   bench       cute-kernels bench decode (FP8 and BF16 with every installed peer), merge, layer, latency
+#   bench       cute-kernels bench decode (uniform shapes, FP8 and BF16 with every installed peer), merge, layer, latency
 #   bench-qsa   cute-kernels bench qsa --check (decode rows and prefill row tiles)
+#   bench-serve  cute-kernels bench decode on the ragged and Hkv 1 shapes, then bench serve --quick
 #   ncu         Nsight Compute sections of the decode (three shapes) and QSA kernels (two shapes)
 #   ncu-source  per-instruction stall samples of the QSA row-tile kernel, summarized
 #   gather      the memory system's ceiling for QSA's scattered row reads
@@ -57,14 +58,18 @@ for tier in "$@"; do
     smoke) step 120 smoke "$PY" -m profiling.smoke_decode ;;
     sanitize) step 200 sanitize_decode "${MEMCHECK[@]}" "$PY" -m profiling.sanitize_decode
               step 200 sanitize_qsa "${MEMCHECK[@]}" "$PY" -m profiling.sanitize_qsa ;;
-    bench) TAIL=40 step 420 decode_fp8 "${CK[@]}" bench decode --kv fp8 --peers xqa,xqa_nopdl,fi,sdpa \
+    bench) TAIL=40 step 420 decode_fp8 "${CK[@]}" bench decode --shapes ctx --kv fp8 --peers xqa,xqa_nopdl,fi,sdpa \
              --json "$OUT/decode_fp8.json" --png "$OUT/decode_fp8.png"
-           TAIL=40 step 500 decode_bf16 "${CK[@]}" bench decode --kv bf16 --peers xqa,fi,fa4,sdpa \
+           TAIL=40 step 500 decode_bf16 "${CK[@]}" bench decode --shapes ctx --kv bf16 --peers xqa,fi,fa4,sdpa \
              --json "$OUT/decode_bf16.json" --png "$OUT/decode_bf16.png"
            step 120 merge "${CK[@]}" bench merge --json "$OUT/merge.json"
            step 200 layer "${CK[@]}" bench layer --json "$OUT/layer.json"
            step 200 latency "${CK[@]}" bench latency --json "$OUT/latency.json" ;;
     bench-qsa) TAIL=40 step 400 qsa "${CK[@]}" bench qsa --check --json "$OUT/qsa.json" ;;
+    bench-serve) TAIL=60 step 500 decode_ragged "${CK[@]}" bench decode --shapes ragged,70b --kv fp8,bf16 \
+                   --peers xqa,fi,fa4 --json "$OUT/decode_ragged.json" --png "$OUT/decode_ragged.png"
+                 TAIL=60 step 580 serve_quick "${CK[@]}" bench serve --quick --json "$OUT/serve_quick.json" \
+                   --png "$OUT/serve_quick.png" ;;
     ncu) for sh in "qwen3-30b B8 ctx32000" "d256 h16/8 B32 ctx8192" "llama3-8b B1 ctx1000"; do
            "$PY" -m profiling.ncu_decode --shape "$sh" > /dev/null 2>&1  # compile outside the profiler
            name="ncu_decode_$(echo "${sh%% *}_${sh##* }" | tr -c 'a-zA-Z0-9_\n-' _)"
