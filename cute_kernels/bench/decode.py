@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 import traceback
 
 import torch
@@ -33,16 +32,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.testing import make_paged_decode_case, rel_err
 
-from .harness import (
-    INSTALL_HINT,
-    SM90,
-    NvtxRanges,
-    Peer,
-    available_peers,
-    module_available,
-    parse_variants,
-    write_json,
-)
+from .harness import SM90, NvtxRanges, Peer, parse_variants, runnable, write_json
 from .timing import bench_setup, host_overhead, time_eager, time_graph, time_graph_fresh
 
 NEEDS = SM90
@@ -406,13 +396,6 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> None:
-    requested = [x for x in args.peers.split(",") if x]
-    peers, skipped = available_peers(requested, PEER_LIBS)
-    png = args.png
-    if png and not module_available("matplotlib"):
-        skipped.append(f"--png skipped: matplotlib is not installed ({INSTALL_HINT})")
-        png = None
-    for line in skipped:
-        print(line, file=sys.stderr)
+    peers, png = runnable([x for x in args.peers.split(",") if x], PEER_LIBS, args.png)
     run(peers=tuple(peers), kv_dtypes=tuple(args.kv.split(",")), shapes=select_shapes(args.shapes),
         out_json=args.json, out_png=png, quick=args.quick, nvtx=args.nvtx)

@@ -88,6 +88,21 @@ def available_peers(requested: list[str], peers: dict[str, Peer], *,
     return run, skipped
 
 
+def runnable(requested: list[str], peers: dict[str, Peer], png: str | None, *,
+             available: Callable[[str], bool] = module_available) -> tuple[list[str], str | None]:
+    """``(entries to run, PNG path or None)``: :func:`available_peers` of ``requested``, and the
+    ``--png`` path unless matplotlib is missing; one line on stderr per thing skipped."""
+    import sys
+
+    run, skipped = available_peers(requested, peers, available=available)
+    if png and not available("matplotlib"):
+        skipped.append(f"--png skipped: matplotlib is not installed ({INSTALL_HINT})")
+        png = None
+    for line in skipped:
+        print(line, file=sys.stderr)
+    return run, png
+
+
 class NvtxRanges:
     """``wrap(name, fn)``: ``fn`` itself when ranges are off, else ``fn`` inside an NVTX push/pop
     range called exactly ``name`` (the op's shapes are in the benchmark's output, not the name,

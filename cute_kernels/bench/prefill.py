@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import traceback
 
 import torch
@@ -33,7 +32,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.testing import make_paged_prefill_case, rel_err
 
-from .harness import INSTALL_HINT, SM90, NvtxRanges, Peer, available_peers, module_available, write_json
+from .harness import SM90, NvtxRanges, Peer, runnable, write_json
 from .timing import bench_setup, time_eager, time_graph
 
 NEEDS = SM90
@@ -316,12 +315,6 @@ def main(args) -> None:
     unknown = [x for x in requested if x not in ENTRIES]
     if unknown:
         raise SystemExit(f"error: unknown entries {unknown}; expected some of {list(ENTRIES)}")
-    peers, skipped = available_peers(requested, PEER_LIBS)
-    png = args.png
-    if png and not module_available("matplotlib"):
-        skipped.append(f"--png skipped: matplotlib is not installed ({INSTALL_HINT})")
-        png = None
-    for line in skipped:
-        print(line, file=sys.stderr)
+    peers, png = runnable(requested, PEER_LIBS, args.png)
     run(peers=tuple(peers), kv_dtypes=tuple(args.kv.split(",")), shapes=select_shapes(args.shapes),
         out_json=args.json, out_png=png, quick=args.quick, nvtx=args.nvtx)

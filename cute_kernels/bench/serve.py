@@ -34,7 +34,6 @@ requests and concurrency, 64 output tokens). Method: docs/design/benchmarks.md#b
 from __future__ import annotations
 
 import statistics
-import sys
 import traceback
 
 import torch
@@ -44,7 +43,7 @@ from cute_kernels import reference
 from cute_kernels.testing import rel_err
 from dispatch import AttentionLayer, AttentionMetadata
 
-from .harness import INSTALL_HINT, SM90, NvtxRanges, Peer, available_peers, module_available, write_json
+from .harness import SM90, NvtxRanges, Peer, runnable, write_json
 from .serve_schedule import (
     DEFAULT_WORKLOADS,
     WORKLOADS,
@@ -564,13 +563,7 @@ def main(args) -> None:
     unknown = [x for x in requested if x not in MAKERS]
     if unknown:
         raise SystemExit(f"error: unknown configurations {unknown}; expected some of {list(MAKERS)}")
-    configs, skipped = available_peers(requested, PEER_LIBS)
-    png = args.png
-    if png and not module_available("matplotlib"):
-        skipped.append(f"--png skipped: matplotlib is not installed ({INSTALL_HINT})")
-        png = None
-    for line in skipped:
-        print(line, file=sys.stderr)
+    configs, png = runnable(requested, PEER_LIBS, args.png)
     result = run(workloads, configs, args)
     if png:
         plot(result["workloads"], png)

@@ -273,36 +273,20 @@ def latency_summary(sched: Schedule, step_times, output_len: int) -> dict:
     return dict(total=sum(step_times), ttft=summary(lat["ttft"]), tpot=summary(tpot) if tpot else None)
 
 
-def fill_untimed(times: list, timed: list[bool], sched: Schedule) -> list:
-    """Step times where only some decode-only steps were timed (``--decode-stride``): an untimed
-    step gets the linear interpolation between the nearest timed decode-only steps around it in
-    its run of consecutive decode-only steps (the same requests, each context one token longer
-    per step), or the nearest one when it has a single neighbour."""
-    out = list(times)
-    steps = sched.steps
-    i = 0
+def decode_runs(sched: Schedule) -> list[range]:
+    """The runs of consecutive decode-only steps with the same requests (each context one token
+    longer per step): the stretches over which a step's time changes smoothly."""
+    steps, runs, i = sched.steps, [], 0
     while i < len(steps):
         if not steps[i].decode_only:
             i += 1
             continue
-        j = i
+        j = i + 1
         while j < len(steps) and steps[j].decode_only and steps[j].decodes == _advance(steps[i].decodes, j - i):
             j += 1
-        known = [k for k in range(i, j) if timed[k]]
-        if not known and any(not timed[k] for k in range(i, j)):
-            raise ValueError(f"decode-only steps {i}..{j - 1} have no timed step")
-        for k in range(i, j):
-            if timed[k]:
-                continue
-            before = [x for x in known if x < k]
-            after = [x for x in known if x > k]
-            if before and after:
-                a, b = before[-1], after[0]
-                out[k] = out[a] + (out[b] - out[a]) * (k - a) / (b - a)
-            else:
-                out[k] = out[(before or after)[-1 if before else 0]]
+        runs.append(range(i, j))
         i = j
-    return out
+    return runs
 
 
 def _advance(decodes: tuple[Chunk, ...], k: int) -> tuple[Chunk, ...]:
@@ -311,21 +295,33 @@ def _advance(decodes: tuple[Chunk, ...], k: int) -> tuple[Chunk, ...]:
 
 def timed_steps(sched: Schedule, stride: int) -> list[bool]:
     """Which steps ``bench serve`` times with ``--decode-stride stride``: every step with prefill
-    rows, and in each run of decode-only steps with the same requests its first, last and every
-    ``stride``-th step."""
+    rows, and in each of the :func:`decode_runs` its first, last and every ``stride``-th step."""
     if stride < 1:
         raise ValueError(f"decode stride must be >= 1, got {stride}")
-    steps = sched.steps
-    timed = [True] * len(steps)
-    i = 0
-    while i < len(steps):
-        if not steps[i].decode_only:
-            i += 1
-            continue
-        j = i
-        while j < len(steps) and steps[j].decode_only and steps[j].decodes == _advance(steps[i].decodes, j - i):
-            j += 1
-        for k in range(i, j):
-            timed[k] = (k - i) % stride == 0 or k == j - 1
-        i = j
+    timed = [True] * len(sched.steps)
+    for run in decode_runs(sched):
+        for k in run:
+            timed[k] = (k - run.start) % stride == 0 or k == run.stop - 1
     return timed
+
+
+def fill_untimed(times: list, timed: list[bool], sched: Schedule) -> list:
+    """Step times where only some decode-only steps were timed (:func:`timed_steps`): an untimed
+    step gets the linear interpolation between the nearest timed steps of its
+    :func:`decode_runs` run (the nearest one when it has a single neighbour)."""
+    out = list(times)
+    for run in decode_runs(sched):
+        known = [k for k in run if timed[k]]
+        if not known and not all(timed[k] for k in run):
+            raise ValueError(f"decode-only steps {run.start}..{run.stop - 1} have no timed step")
+        for k in run:
+            if timed[k]:
+                continue
+            before = [x for x in known if x < k]
+            after = [x for x in known if x > k]
+            if before and after:
+                a, b = before[-1], after[0]
+                out[k] = out[a] + (out[b] - out[a]) * (k - a) / (b - a)
+            else:
+                out[k] = out[before[-1] if before else after[0]]
+    return out

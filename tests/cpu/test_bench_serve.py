@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -217,20 +216,23 @@ def test_decode_stride_times_ends_of_runs_and_interpolates_linearly():
     sched = ss.schedule(w)
     timed = ss.timed_steps(sched, 4)
     assert all(timed[s] for s, x in enumerate(sched.steps) if not x.decode_only)
-    runs = []
-    for s, x in enumerate(sched.steps):
-        if x.decode_only:
-            if runs and runs[-1][-1] == s - 1 and x.decodes == ss._advance(sched.steps[runs[-1][0]].decodes,
-                                                                           s - runs[-1][0]):
-                runs[-1].append(s)
-            else:
-                runs.append([s])
-    for run in runs:
-        assert timed[run[0]] and timed[run[-1]]
-        assert sum(timed[s] for s in run) < len(run) or len(run) <= 2
+    runs = [list(r) for r in ss.decode_runs(sched)]
+    assert sum(len(r) for r in runs) == sum(1 for x in sched.steps if x.decode_only)
+    for r in runs:
+        for a, b in zip(r, r[1:]):
+            assert [c.req for c in sched.steps[a].decodes] == [c.req for c in sched.steps[b].decodes]
+    # step 0 runs both prompts; steps 1-11 decode both requests: one run, timed at 1, 5, 9 and 11
+    assert runs == [list(range(1, 12))] and len(sched.steps) == 12
+    assert [s for s in runs[0] if timed[s]] == [1, 5, 9, 11]
     truth = [3.0 + 0.5 * s for s in range(len(sched.steps))]  # linear in the step index
     partial = [t if timed[s] else -1.0 for s, t in enumerate(truth)]
     assert ss.fill_untimed(partial, timed, sched) == pytest.approx(truth)
+    partial[9] = 100.0  # a run's step times need not be linear: each gap uses its own two ends
+    filled = ss.fill_untimed(partial, timed, sched)
+    assert filled[6] == pytest.approx(partial[5] + (100.0 - partial[5]) / 4)
+    assert filled[10] == pytest.approx((100.0 + partial[11]) / 2)
+    with pytest.raises(ValueError, match="no timed step"):
+        ss.fill_untimed(partial, [not x.decode_only for x in sched.steps], sched)
     assert ss.timed_steps(sched, 1) == [True] * len(sched.steps)
     with pytest.raises(ValueError):
         ss.timed_steps(sched, 0)
@@ -239,6 +241,17 @@ def test_decode_stride_times_ends_of_runs_and_interpolates_linearly():
 # ----------------------------------------------------------------------------------------------
 # command line (the no-GPU refusal is tests/cpu/test_bench.py's, for every benchmark)
 # ----------------------------------------------------------------------------------------------
+
+
+def test_runnable_reports_what_it_skips(capsys):
+    from cute_kernels.bench.harness import runnable
+    from cute_kernels.bench.serve import PEER_LIBS
+
+    run, png = runnable(["ours", "fi_xqa", "fa4"], PEER_LIBS, "x.png", available=lambda m: m == "flash_attn")
+    assert run == ["ours", "fa4"] and png is None
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("peer fi_xqa skipped") and err[1].startswith("--png skipped")
+    assert runnable(["ours"], PEER_LIBS, "x.png", available=lambda m: True) == (["ours"], "x.png")
 
 
 def test_serve_flags():
