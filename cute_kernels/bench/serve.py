@@ -169,12 +169,13 @@ class Ours:
                                      page_size=w.page_size, kv_layout="HND", q_scale=rp.q_scale,
                                      k_scale=rp.k_scale, v_scale=rp.v_scale,
                                      arch="sm90" if rp.device == "cpu" else None)
+        self.plans = set()  # (phase, kernel) of every step's plans
 
     def prepare(self, st: StepInputs):
         self.md = AttentionMetadata(query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
                                     block_table=st.block_table, slot_mapping=st.slot_mapping,
                                     num_decode_tokens=st.nd, max_query_len=st.max_prefill or None)
-        self.plans = {k: (p.kernel if p else None) for k, p in self.layer_.plans_for(self.md).items()}
+        self.plans |= {(k, p.kernel) for k, p in self.layer_.plans_for(self.md).items() if p}
 
     def layer(self, i: int, st: StepInputs):
         return self.layer_.forward(st.q, st.k, st.v, self.rp.caches[i], self.md)
@@ -409,7 +410,7 @@ def replay_config(name: str, rp: Replay, args, ranges: NvtxRanges) -> dict:
     summ = latency_summary(sched, times, w.output_len)
     res = dict(step_s=times, timed=timed, how=how, summary=summ, **checks)
     if name == "ours":
-        res["plans"] = cfg.plans
+        res["plans"] = sorted(f"{phase}: {kernel}" for phase, kernel in cfg.plans)
     if name == "fa4":
         res["fa4_decode_num_splits"] = "heuristic (0)" if cfg.num_splits == 0 else str(cfg.num_splits)
     return res
