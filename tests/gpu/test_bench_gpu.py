@@ -37,6 +37,22 @@ def test_bench_decode_one_shape_with_sdpa(tmp_path):
 
 
 @sm90_only()
+def test_bench_decode_ragged_row_with_its_twin(tmp_path):
+    from cute_kernels.bench.decode import ragged_lens, twin_ctx
+
+    path = tmp_path / "ragged.json"
+    assert bench_main("decode", ["--shapes", "ragged B8 max4000", "--kv", "fp8", "--peers", "sdpa",
+                                 "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())["rows"]
+    lens = ragged_lens(8, 4000)
+    assert row["ragged"] and row["tokens"] == sum(lens) and row["table_tokens"] == 32768
+    assert row["bytes"] == sum(lens) * 2 * 4 * 128 + 2 * 8 * 32 * 128 * 2  # K/V present + Q + O
+    assert row["ours_us"] > 0 and row["ours_err"] < 5e-3, row
+    assert row["twin_ctx"] == twin_ctx(lens) and row["twin_us"] > 0 and "ours_minus_twin_us" in row
+    assert "equal contexts" in row["sdpa_error"]
+
+
+@sm90_only()
 def test_bench_serve_quick_writes_json(tmp_path):
     """``bench serve --quick``, cut further (one workload per cache dtype, 2 layers, 8 output tokens):
     every step timed, the latencies summarized, and each configuration's layer 0 checked against the
