@@ -88,9 +88,14 @@ PRMT_HALVES = (0x5410, 0x7632)
 def transpose_block(b, groups: int):
     """Block ``b`` of a V^T transpose with ``groups = tile_n // 4``: ``(q, d0, tokens)``, the four
     tokens (within the tile) whose dims ``d0..d0+3`` become V^T K indices ``4q..4q+3``: the K index
-    ``k`` holds token ``32 (k // 32) + p_token(k % 32)``. Pure arithmetic (traced or Python ints)."""
-    q = b % groups
-    d0 = (b // groups) * 4
+    ``k`` holds token ``32 (k // 32) + p_token(k % 32)``. Pure arithmetic (traced or Python ints).
+
+    The 32 lanes of a warp take 4 consecutive dim quads x 8 consecutive token groups: with the
+    128/64-byte swizzles that is 2 shared-memory wavefronts per 4-byte load and per store (taking
+    32 token groups of one dim quad instead, the loads of a 128-token tile cost 8)."""
+    per_q = groups // 8
+    q = ((b // 32) % per_q) * 8 + (b // 4) % 8
+    d0 = ((b // 32 // per_q) * 4 + b % 4) * 4
     tok0 = (q // 8) * 32 + ((q % 8) // 4) * 16 + (q % 4) * 2
     return q, d0, (tok0, tok0 + 1, tok0 + 8, tok0 + 9)
 
@@ -210,8 +215,8 @@ def widen_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_layo
 def transpose_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_layout, dst_stage,
                    tile_n: cutlass.Constexpr, D: cutlass.Constexpr, valid, tid, nthreads: cutlass.Constexpr):
     """e4m3 V staging tile (token, d) -> V^T (d, k) with token ``32 (k // 32) + p_token(k % 32)``
-    at K index k; tokens ``>= valid`` become zeros. Thread ``tid`` takes 4 x 4 blocks whose
-    stores cover whole 128-byte rows of V^T per warp."""
+    at K index k; tokens ``>= valid`` become zeros. Thread ``tid`` takes 4 x 4 byte blocks
+    (:func:`transpose_block`)."""
     groups = tile_n // 4  # 4-token groups; group q is K indices 4q..4q+3
     for it in cutlass.range(groups * (D // 4) // nthreads, unroll=2):
         q, d0, toks = transpose_block(it * nthreads + tid, groups)
