@@ -202,13 +202,21 @@ def widen_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_layo
             out[2 * j + 1] = hi
         if row >= valid:
             out.fill(0)
-        for half in cutlass.range_constexpr(2):
+        # lanes in an odd 64-column atom store their upper 8 columns first: the 8 lanes of a store
+        # phase then hit 8 distinct 16-byte chunks of the 128-byte swizzle (else 2 per chunk)
+        odd = (col // 64) % 2 == 1
+        for h in cutlass.range_constexpr(2):
+            c0 = col + 8 * h
+            c1 = col + 8 * (1 - h)
+            c = c1 if odd else c0
             if const_expr(token_major):
-                crd = (row, col + 8 * half, dst_stage)
+                crd = (row, c, dst_stage)
             else:
-                crd = (col + 8 * half, row, dst_stage)
-            st_shared_v4(dst_base + 2 * cute.crd2idx(crd, dst_layout), out[4 * half], out[4 * half + 1],
-                         out[4 * half + 2], out[4 * half + 3])
+                crd = (c, row, dst_stage)
+            w = cute.make_rmem_tensor((4,), Int32)
+            for j in cutlass.range_constexpr(4):
+                w[j] = out[4 * (1 - h) + j] if odd else out[4 * h + j]
+            st_shared_v4(dst_base + 2 * cute.crd2idx(crd, dst_layout), w[0], w[1], w[2], w[3])
 
 
 @cute.jit
