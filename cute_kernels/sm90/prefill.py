@@ -219,7 +219,7 @@ class Sm90PagedPrefill:
                                              storage, L, req, tidx, warp)
             else:
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
-                self.consume(storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tidx - WG, warp // 4 - 1)
+                self.consume(storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tidx % WG, warp // 4 - 1)
 
     # ---- producer ------------------------------------------------------------------------------
 
@@ -361,7 +361,8 @@ class Sm90PagedPrefill:
 
     @cute.jit
     def consume(self, storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tid, wg):
-        """One consumer warpgroup: rows ``64 wg ..`` of the query block."""
+        """One consumer warpgroup: rows ``64 wg ..`` of the query block; ``tid`` is the thread's
+        index inside its warpgroup (the MMA slices and the shared work loops count from it)."""
         cfg = self.cfg
         batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head = req
         D, n = self.D, self.tile_n
