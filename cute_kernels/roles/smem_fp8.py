@@ -42,6 +42,20 @@ def p_token(k: int) -> int:
     return 16 * h + 8 * (j // 2) + 2 * t + j % 2
 
 
+# ---- addresses ---------------------------------------------------------------------------------
+
+
+def smem_offset(crd, layout, elem_bytes: int):
+    """(Traced.) Byte offset of ``crd`` in a swizzled shared-memory layout (a ComposedLayout from
+    ``make_smem_layout_a/b``). Its swizzle acts on *byte* addresses, as the DSL's swizzled tensors
+    and the TMA / WGMMA swizzle modes apply it: ``crd2idx`` of the composed layout would apply it
+    to element indices, which is wrong for 16-bit elements."""
+    off = cute.crd2idx(crd, layout.outer) * elem_bytes
+    sw = layout.inner
+    mask = ((1 << sw.num_bits) - 1) << sw.num_base
+    return off ^ ((off >> sw.num_shift) & mask)
+
+
 # ---- inline PTX -------------------------------------------------------------------------------
 
 
@@ -194,7 +208,7 @@ def widen_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_layo
         c = it * nthreads + tid
         row = c // chunks
         col = (c % chunks) * 16
-        w = ld_shared_v4(src_base + cute.crd2idx((row, col, src_stage), src_layout))
+        w = ld_shared_v4(src_base + smem_offset((row, col, src_stage), src_layout, 1))
         out = cute.make_rmem_tensor((8,), Int32)
         for j in cutlass.range_constexpr(4):
             lo, hi = e4m3x4_to_f16x4(w[j])
@@ -216,7 +230,7 @@ def widen_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_layo
             w = cute.make_rmem_tensor((4,), Int32)
             for j in cutlass.range_constexpr(4):
                 w[j] = out[4 * (1 - h) + j] if odd else out[4 * h + j]
-            st_shared_v4(dst_base + 2 * cute.crd2idx(crd, dst_layout), w[0], w[1], w[2], w[3])
+            st_shared_v4(dst_base + smem_offset(crd, dst_layout, 2), w[0], w[1], w[2], w[3])
 
 
 @cute.jit
@@ -231,12 +245,12 @@ def transpose_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_
         w = cute.make_rmem_tensor((4,), Int32)
         for j in cutlass.range_constexpr(4):
             tok = toks[j]
-            w[j] = ld_shared_b32(src_base + cute.crd2idx((tok, d0, src_stage), src_layout))
+            w[j] = ld_shared_b32(src_base + smem_offset((tok, d0, src_stage), src_layout, 1))
             if tok >= valid:
                 w[j] = Int32(0)
         o = transpose_bytes_4x4(w[0], w[1], w[2], w[3])
         for i in cutlass.range_constexpr(4):
-            st_shared_b32(dst_base + cute.crd2idx((d0 + i, 4 * q, dst_stage), dst_layout), o[i])
+            st_shared_b32(dst_base + smem_offset((d0 + i, 4 * q, dst_stage), dst_layout, 1), o[i])
 
 
 @cute.jit
@@ -248,7 +262,7 @@ def narrow_q_rows(q_base: Int32, q_layout, D: cutlass.Constexpr, sShift: cute.Te
     amax = Float32(0.0)
     # rolled loops: the per-chunk swizzled addresses are recomputed, not kept live (spills)
     for c in cutlass.range(D // 8, unroll=1):
-        w = ld_shared_v4(q_base + 2 * cute.crd2idx((row, c * 8, half), q_layout))
+        w = ld_shared_v4(q_base + smem_offset((row, c * 8, half), q_layout, 2))
         for j in cutlass.range_constexpr(4):
             lo = _bf16_lo(w[j])
             hi = _bf16_hi(w[j])
@@ -259,7 +273,7 @@ def narrow_q_rows(q_base: Int32, q_layout, D: cutlass.Constexpr, sShift: cute.Te
         shift = cutlass.min(cutlass.max(Int32(14) - e, Int32(Q_SHIFT_MIN)), Int32(Q_SHIFT_MAX))
     s = cute.math.exp2(Float32(shift), fastmath=False)
     for c in cutlass.range(D // 8, unroll=1):
-        addr = q_base + 2 * cute.crd2idx((row, c * 8, half), q_layout)
+        addr = q_base + smem_offset((row, c * 8, half), q_layout, 2)
         w = ld_shared_v4(addr)
         o = cute.make_rmem_tensor((4,), Int32)
         for j in cutlass.range_constexpr(4):
