@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 from ..roles.prefill_blocks import box_source, kv_cap, m_block_of, n_block_range, request_rows, row_limit
 
 __all__ = [
-    "HEAD_DIMS", "PAGE_SIZES", "MAX_GROUP", "Q_DTYPES", "KV_DTYPES", "OUT_DTYPES", "Q_SCALE_KINDS", "TILE_M",
+    "HEAD_DIMS", "PAGE_SIZES", "MAX_GROUP", "Q_DTYPES", "KV_DTYPES", "OUT_DTYPES", "KV_LAYOUTS", "KV_FORMS",
+    "Q_SCALE_KINDS", "TILE_M",
     "SMEM_BUDGET", "MAX_BATCH", "Sm90PrefillConfig", "make_prefill_config", "grid", "smem_bytes",
     "box_source", "kv_cap", "m_block_of", "n_block_range", "request_rows", "row_limit",
 ]
@@ -26,6 +27,8 @@ MAX_GROUP = 128
 Q_DTYPES = ("bf16", "fp16", "fp8_e4m3")
 KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
 OUT_DTYPES = ("bf16", "fp16")
+KV_LAYOUTS = ("HND", "NHD")
+KV_FORMS = ("single", "pair")  # one [P, 2, ...] tensor, or (k_cache, v_cache)
 # q_scale of an FP8 query: a Float32 argument, a 1-element fp32 tensor, or fp32 [Hkv]
 Q_SCALE_KINDS = ("none", "scalar", "tensor", "per_head")
 TILE_M = 128  # query rows per CTA: two consumer warpgroups of one 64-row WGMMA M each
@@ -121,7 +124,7 @@ class Sm90PrefillConfig:
             bad(f"page_size must be one of {PAGE_SIZES}, got {self.page_size}")
         if not 1 <= self.group <= MAX_GROUP:
             bad(f"group (Hq / Hkv) must be in [1, {MAX_GROUP}], got {self.group}")
-        if self.kv_form not in ("single", "pair") or self.kv_layout not in ("HND", "NHD"):
+        if self.kv_form not in KV_FORMS or self.kv_layout not in KV_LAYOUTS:
             bad(f"kv_form/kv_layout {self.kv_form}/{self.kv_layout} not supported")
         k_step = 32 if self.kind == "fp8" else 16
         if self.tile_n % k_step or not 16 <= self.tile_n <= 256:

@@ -42,6 +42,20 @@ def p_token(k: int) -> int:
     return 16 * h + 8 * (j // 2) + 2 * t + j % 2
 
 
+# ---- addresses ---------------------------------------------------------------------------------
+
+
+def smem_offset(crd, layout, elem_bytes: int):
+    """(Traced.) Byte offset of ``crd`` in a swizzled shared-memory layout (a ComposedLayout from
+    ``make_smem_layout_a/b``). Its swizzle acts on *byte* addresses, as the DSL's swizzled tensors
+    and the TMA / WGMMA swizzle modes apply it: ``crd2idx`` of the composed layout would apply it
+    to element indices, which is wrong for 16-bit elements."""
+    off = cute.crd2idx(crd, layout.outer) * elem_bytes
+    sw = layout.inner
+    mask = ((1 << sw.num_bits) - 1) << sw.num_base
+    return off ^ ((off >> sw.num_shift) & mask)
+
+
 # ---- inline PTX -------------------------------------------------------------------------------
 
 
@@ -88,9 +102,14 @@ PRMT_HALVES = (0x5410, 0x7632)
 def transpose_block(b, groups: int):
     """Block ``b`` of a V^T transpose with ``groups = tile_n // 4``: ``(q, d0, tokens)``, the four
     tokens (within the tile) whose dims ``d0..d0+3`` become V^T K indices ``4q..4q+3``: the K index
-    ``k`` holds token ``32 (k // 32) + p_token(k % 32)``. Pure arithmetic (traced or Python ints)."""
-    q = b % groups
-    d0 = (b // groups) * 4
+    ``k`` holds token ``32 (k // 32) + p_token(k % 32)``. Pure arithmetic (traced or Python ints).
+
+    The 32 lanes of a warp take 4 consecutive dim quads x 8 consecutive token groups: with the
+    128/64-byte swizzles that is 2 shared-memory wavefronts per 4-byte load and per store (taking
+    32 token groups of one dim quad instead, the loads of a 128-token tile cost 8)."""
+    per_q = groups // 8
+    q = ((b // 32) % per_q) * 8 + (b // 4) % 8
+    d0 = ((b // 32 // per_q) * 4 + b % 4) * 4
     tok0 = (q // 8) * 32 + ((q % 8) // 4) * 16 + (q % 4) * 2
     return q, d0, (tok0, tok0 + 1, tok0 + 8, tok0 + 9)
 
@@ -189,7 +208,7 @@ def widen_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_layo
         c = it * nthreads + tid
         row = c // chunks
         col = (c % chunks) * 16
-        w = ld_shared_v4(src_base + cute.crd2idx((row, col, src_stage), src_layout))
+        w = ld_shared_v4(src_base + smem_offset((row, col, src_stage), src_layout, 1))
         out = cute.make_rmem_tensor((8,), Int32)
         for j in cutlass.range_constexpr(4):
             lo, hi = e4m3x4_to_f16x4(w[j])
@@ -197,33 +216,41 @@ def widen_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_layo
             out[2 * j + 1] = hi
         if row >= valid:
             out.fill(0)
-        for half in cutlass.range_constexpr(2):
+        # lanes in an odd 64-column atom store their upper 8 columns first: the 8 lanes of a store
+        # phase then hit 8 distinct 16-byte chunks of the 128-byte swizzle (else 2 per chunk)
+        odd = (col // 64) % 2 == 1
+        for h in cutlass.range_constexpr(2):
+            c0 = col + 8 * h
+            c1 = col + 8 * (1 - h)
+            c = c1 if odd else c0
             if const_expr(token_major):
-                crd = (row, col + 8 * half, dst_stage)
+                crd = (row, c, dst_stage)
             else:
-                crd = (col + 8 * half, row, dst_stage)
-            st_shared_v4(dst_base + 2 * cute.crd2idx(crd, dst_layout), out[4 * half], out[4 * half + 1],
-                         out[4 * half + 2], out[4 * half + 3])
+                crd = (c, row, dst_stage)
+            w = cute.make_rmem_tensor((4,), Int32)
+            for j in cutlass.range_constexpr(4):
+                w[j] = out[4 * (1 - h) + j] if odd else out[4 * h + j]
+            st_shared_v4(dst_base + smem_offset(crd, dst_layout, 2), w[0], w[1], w[2], w[3])
 
 
 @cute.jit
 def transpose_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_layout, dst_stage,
                    tile_n: cutlass.Constexpr, D: cutlass.Constexpr, valid, tid, nthreads: cutlass.Constexpr):
     """e4m3 V staging tile (token, d) -> V^T (d, k) with token ``32 (k // 32) + p_token(k % 32)``
-    at K index k; tokens ``>= valid`` become zeros. Thread ``tid`` takes 4 x 4 blocks whose
-    stores cover whole 128-byte rows of V^T per warp."""
+    at K index k; tokens ``>= valid`` become zeros. Thread ``tid`` takes 4 x 4 byte blocks
+    (:func:`transpose_block`)."""
     groups = tile_n // 4  # 4-token groups; group q is K indices 4q..4q+3
     for it in cutlass.range(groups * (D // 4) // nthreads, unroll=2):
         q, d0, toks = transpose_block(it * nthreads + tid, groups)
         w = cute.make_rmem_tensor((4,), Int32)
         for j in cutlass.range_constexpr(4):
             tok = toks[j]
-            w[j] = ld_shared_b32(src_base + cute.crd2idx((tok, d0, src_stage), src_layout))
+            w[j] = ld_shared_b32(src_base + smem_offset((tok, d0, src_stage), src_layout, 1))
             if tok >= valid:
                 w[j] = Int32(0)
         o = transpose_bytes_4x4(w[0], w[1], w[2], w[3])
         for i in cutlass.range_constexpr(4):
-            st_shared_b32(dst_base + cute.crd2idx((d0 + i, 4 * q, dst_stage), dst_layout), o[i])
+            st_shared_b32(dst_base + smem_offset((d0 + i, 4 * q, dst_stage), dst_layout, 1), o[i])
 
 
 @cute.jit
@@ -235,7 +262,7 @@ def narrow_q_rows(q_base: Int32, q_layout, D: cutlass.Constexpr, sShift: cute.Te
     amax = Float32(0.0)
     # rolled loops: the per-chunk swizzled addresses are recomputed, not kept live (spills)
     for c in cutlass.range(D // 8, unroll=1):
-        w = ld_shared_v4(q_base + 2 * cute.crd2idx((row, c * 8, half), q_layout))
+        w = ld_shared_v4(q_base + smem_offset((row, c * 8, half), q_layout, 2))
         for j in cutlass.range_constexpr(4):
             lo = _bf16_lo(w[j])
             hi = _bf16_hi(w[j])
@@ -246,7 +273,7 @@ def narrow_q_rows(q_base: Int32, q_layout, D: cutlass.Constexpr, sShift: cute.Te
         shift = cutlass.min(cutlass.max(Int32(14) - e, Int32(Q_SHIFT_MIN)), Int32(Q_SHIFT_MAX))
     s = cute.math.exp2(Float32(shift), fastmath=False)
     for c in cutlass.range(D // 8, unroll=1):
-        addr = q_base + 2 * cute.crd2idx((row, c * 8, half), q_layout)
+        addr = q_base + smem_offset((row, c * 8, half), q_layout, 2)
         w = ld_shared_v4(addr)
         o = cute.make_rmem_tensor((4,), Int32)
         for j in cutlass.range_constexpr(4):

@@ -28,8 +28,8 @@ from ..jit.dtypes import cute_dtype
 from ..roles import online_softmax as softmax
 from ..roles.paged_kv_tma import PagedTiles, box_atom, cache_views, transposed
 from ..roles.prefill_blocks import kv_cap, m_block_of, n_block_range, request_rows
-from ..roles.smem_fp8 import (P_SHIFT, narrow_q_rows, p_fragment_map, pack_p, st_shared_v4, transpose_tile,
-                              widen_tile)
+from ..roles.smem_fp8 import (P_SHIFT, narrow_q_rows, p_fragment_map, pack_p, smem_offset, st_shared_v4,
+                              transpose_tile, widen_tile)
 
 TILE_M = 128
 MMA_M = 64
@@ -219,7 +219,7 @@ class Sm90PagedPrefill:
                                              storage, L, req, tidx, warp)
             else:
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
-                self.consume(storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tidx - WG, warp // 4 - 1)
+                self.consume(storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tidx % WG, warp // 4 - 1)
 
     # ---- producer ------------------------------------------------------------------------------
 
@@ -361,7 +361,8 @@ class Sm90PagedPrefill:
 
     @cute.jit
     def consume(self, storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tid, wg):
-        """One consumer warpgroup: rows ``64 wg ..`` of the query block."""
+        """One consumer warpgroup: rows ``64 wg ..`` of the query block; ``tid`` is the thread's
+        index inside its warpgroup (the MMA slices and the shared work loops count from it)."""
         cfg = self.cfg
         batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head = req
         D, n = self.D, self.tile_n
@@ -543,7 +544,7 @@ class Sm90PagedPrefill:
             for c in cutlass.range(st["tid"], (self.tile_n - valid) * chunks, WG, unroll=1):
                 tok = valid + c // chunks
                 d0 = (c % chunks) * 8
-                st_shared_v4(st["v_base"] + 2 * cute.crd2idx((d0, tok, stage), st["v_layout"]), z, z, z, z)
+                st_shared_v4(st["v_base"] + smem_offset((d0, tok, stage), st["v_layout"], 2), z, z, z, z)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=BAR_CONSUMER + st["wg"], number_of_threads=WG)
 
