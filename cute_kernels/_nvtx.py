@@ -2,7 +2,7 @@
 
 Each op runs inside a range named ``cute_kernels.<op>`` whose message lists its shapes and
 dtypes. Nsight tools inject themselves through ``NVTX_INJECTION64_PATH``; without it NVTX calls
-are no-ops anyway, so we skip even building the message (measured in profiling/NOTES.md).
+are no-ops anyway, so the hot paths skip even building the message (docs/design/sm90-decode.md#host-path).
 ``CUTE_KERNELS_NVTX=1`` forces ranges on, ``=0`` forces them off.
 """
 

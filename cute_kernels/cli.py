@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dispatch import SUPPORTED_ARCHS, UnsupportedConfig, capability_table, plan
-from dispatch.kernels import PHASES
+
+from .registry import PHASES
 
 MATRIX_KV_DTYPES = ("bf16", "fp16", "fp8")
 
@@ -159,9 +160,10 @@ def _compile_args(p: argparse.ArgumentParser) -> None:
 @command("compile", "compile every registered kernel variant for an arch and show the instruction evidence",
          _compile_args)
 def run_compile(args: argparse.Namespace) -> int:
-    from .jit.compiler import normalize_target
+    from .jit.evidence import compile_with_evidence
     from .jit.ptx_digest import compare_digests, ptx_digest, read_digests, write_digests
-    from .registry import compile_with_evidence, variants_for
+    from .jit.spec import normalize_target
+    from .registry import variants_for
 
     arch = normalize_target(args.arch)
     results, failed = [], 0
@@ -183,7 +185,7 @@ def run_compile(args: argparse.Namespace) -> int:
             r = results[-1]
             status = "ok  " if ok else "FAIL"
             secs = f"{r['seconds']:6.2f}s" if r.get("seconds") is not None else "   -   "
-            detail = r.get("error") or " ".join(f"{k}x{v}" for k, v in {**r["ptx"], **r["sass"]}.items())
+            detail = r.get("error") or ev.summary()
             print(f"{status} {secs} {r['kernel']}\n           {detail}", flush=True)
     if args.json:
         print(json.dumps(dict(arch=arch, results=results), indent=1))

@@ -2,69 +2,69 @@
 
 Cold variants compile in a few seconds each; a serving engine should not pay that on its first
 request (nor inside CUDA-graph capture, where compiling is impossible). This enumerates the
-decode variants for a model's shapes and compiles the missing ones in parallel processes into
-the on-disk cache, with a progress bar, then loads them into memory.
+decode variants for a model's shapes (:func:`cute_kernels.plans.sm90_decode.decode_variants`) and
+the prefill variants ``AttentionLayer`` can launch for them
+(:func:`cute_kernels.plans.sm90_prefill.prefill_variants`), compiles the missing ones in parallel
+processes into the on-disk cache, with a progress bar, then loads them into memory. On a GPU of
+the target arch it also runs the prefill kernel's one-time runtime self-check of each variant
+family (it synchronizes, so it must not first happen inside CUDA-graph capture).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from itertools import product
-
-from .jit.compiler import KernelConfig, normalize_target
 from .jit.parallel import precompile
-from .sm90.decode import CLUSTER_MIN_SIZING, DEFAULT_CLUSTER, cluster_fits, make_decode_config
+from .jit.spec import KernelConfig, normalize_target
+from .plans.sm90_decode import decode_variants
+from .plans.sm90_prefill import prefill_variants
+from .registry import KERNELS, arch_of_target
+
+__all__ = ["decode_variants", "prefill_variants", "warmup"]
+
+# keyword arguments of prefill_variants that decode_variants does not take, and those both take
+_PREFILL_ONLY = ("fp8_query", "q_scale_kinds", "causal", "return_lse")
+_SHARED = ("head_dim", "num_q_heads", "num_kv_heads", "page_size", "kv_dtypes", "q_dtype", "scale_tensors",
+           "kv_layouts", "kv_forms")
 
 
-def decode_variants(
-    *,
-    head_dim: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    page_size: int,
-    kv_dtypes=("fp8_e4m3",),
-    q_dtype: str = "bf16",
-    q_lens=(1,),
-    scale_tensors=(False, True),
-    kv_layouts=("HND",),
-    kv_forms=("single",),
-    **override,
-) -> list[KernelConfig]:
-    """Every SM90 decode config (split and not) that a model shape can reach.
+def warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, prefill: bool = True,
+           **shape) -> list[KernelConfig]:
+    """Compile (in parallel, into the disk cache) and load every decode variant for ``shape`` and,
+    with ``prefill``, every prefill variant the layer can launch for it; on a GPU of ``arch``, run
+    the prefill variants' self-checks.
 
-    ``kv_forms``: ``"single"`` for one ``[P, 2, ...]`` cache tensor, ``"pair"`` for a (K, V) tuple.
-    The op sizes a kernel for the CTAs per SM a call produces (1 up to the variant's maximum,
-    depending on batch and context), so each of those occupancies is a variant too; a split
-    config sized for at least CLUSTER_MIN_SIZING CTAs per SM comes with its cluster-merge form as
-    well (splits of at most MAX_CLUSTER CTAs).
+    ``shape`` takes the keyword arguments of :func:`~cute_kernels.plans.sm90_decode.decode_variants`
+    and the prefill-only ones of :func:`~cute_kernels.plans.sm90_prefill.prefill_variants`
+    (``fp8_query=True`` when the prefill plan computes QK in FP8: ``backend="sm90.prefill_fp8q"``;
+    ``q_scale_kinds``, ``causal``, ``return_lse``). Returns the configs.
     """
-    group = num_q_heads // num_kv_heads
-    want_cluster = override.pop("cluster", DEFAULT_CLUSTER)
-    out: list[KernelConfig] = []
-    for kv, q_len, split, st, layout, form in product(kv_dtypes, q_lens, (False, True), scale_tensors,
-                                                      kv_layouts, kv_forms):
-        kv = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}.get(kv, kv)
-        fields = dict(q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, q_len=q_len,
-                      page_size=page_size, split=split, k_scale_tensor=st, v_scale_tensor=st, kv_form=form,
-                      kv_layout=layout)
-        base = make_decode_config(**fields, **override)
-        configs = [base]
-        if "occupancy" not in override:
-            configs += [make_decode_config(**fields, **override, occupancy=occ) for occ in range(1, base.occupancy)]
-        for cfg in configs:
-            out.append(cfg)
-            # the op sizes a cluster-merged launch for at least CLUSTER_MIN_SIZING CTAs per SM
-            if (want_cluster and cfg.split and not cfg.dynamic and cfg.occupancy >= CLUSTER_MIN_SIZING
-                    and cluster_fits(cfg)):
-                out.append(dataclasses.replace(cfg, cluster=True))
-    return out
-
-
-def warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, **shape) -> list[KernelConfig]:
-    """Compile (in parallel, into the disk cache) and load every decode variant for ``shape``.
-
-    ``shape`` takes the keyword arguments of :func:`decode_variants`. Returns the configs.
-    """
+    target = normalize_target(arch)
+    info = KERNELS["sm90.decode"]  # the registry says where the kernels run
+    if arch_of_target(target) not in info.archs:
+        raise ValueError(f"{info.id} runs on {'/'.join(info.archs)}: nothing to warm up for {target}")
+    prefill_only = {k: shape.pop(k) for k in _PREFILL_ONLY if k in shape}
     configs = decode_variants(**shape)
-    precompile(configs, normalize_target(arch), workers=workers, progress=progress)
-    return configs
+    prefill_configs = []
+    if prefill and arch_of_target(target) in KERNELS["sm90.prefill"].archs:
+        prefill_configs = prefill_variants(**{k: v for k, v in shape.items() if k in _SHARED}, **prefill_only)
+    precompile(configs + prefill_configs, target, workers=workers, progress=progress)
+    _self_check(prefill_configs, target)
+    return configs + prefill_configs
+
+
+def _self_check(configs: list[KernelConfig], target: str) -> None:
+    """The prefill kernel's runtime self-check of each family, on the current GPU when it is one of
+    ``target`` (a CPU-only machine only compiles)."""
+    if not configs:
+        return
+    import torch
+
+    from .ops._torch import compile_target
+    from .ops.paged_prefill import self_check_passes
+
+    if not torch.cuda.is_available():
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    if compile_target(device) != target:
+        return
+    for config in configs:  # one check per family: later ones find its record
+        self_check_passes(config, device)

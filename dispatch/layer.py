@@ -30,10 +30,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from cute_kernels.ops._launch import check_scale
+from cute_kernels.registry import KERNELS, KV_LAYOUTS
+
 from .arch import parse_arch
 from .dtypes import kv_dtype_name, model_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
-from .kernels import KV_LAYOUTS
 from .planner import Plan, plan
 
 _MAX_PLANS = 1024  # per layer; plans are cheap to redo, the cache only saves host time
@@ -164,19 +166,17 @@ class AttentionLayer:
         self._plans: dict[tuple, Plan] = {}
 
     def _check_host_scale(self, name: str, value, per_head: bool = False):
-        """Host-side checks of a scale (device placement is checked by the ops at call time)."""
-        if hasattr(value, "numel") and hasattr(value, "dtype"):  # a tensor; values are never read
-            n = value.numel()
-            if str(value.dtype) != "torch.float32":
-                raise UnsupportedConfig(f"{name} must be a float or a float32 tensor, got {value.dtype}")
-            if n != 1 and not (per_head and value.dim() == 1 and n == self.num_kv_heads):
-                shapes = "a 1-element or [num_kv_heads] tensor" if per_head else "a 1-element tensor"
-                raise UnsupportedConfig(f"{name} must be a float or {shapes}, got shape {tuple(value.shape)}")
-            # one shape for every kernel signature; a view, so later in-place updates still apply
-            return value.view(1) if n == 1 and value.dim() != 1 else value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise UnsupportedConfig(f"{name} must be a positive finite float or a float32 tensor, got {value!r}")
-        return float(value)
+        """Host-side checks of a scale, with the ops' validator (device placement is checked by the
+        ops at call time); a 1-element tensor is kept as a ``[1]`` view (one shape for every kernel
+        signature; a view, so later in-place updates still apply)."""
+        try:
+            is_tensor = check_scale(name, value, num_q_heads=self.num_q_heads if per_head else None,
+                                    num_kv_heads=self.num_kv_heads if per_head else None)
+        except (TypeError, ValueError) as e:
+            raise UnsupportedConfig(str(e)) from None
+        if not is_tensor:
+            return float(value)
+        return value.view(1) if value.numel() == 1 and value.dim() != 1 else value
 
     def __repr__(self) -> str:
         return (f"AttentionLayer(Hq={self.num_q_heads}, Hkv={self.num_kv_heads}, D={self.head_dim}, "
@@ -284,8 +284,9 @@ class AttentionLayer:
         import cute_kernels
         from cute_kernels import reference
 
-        if p.kernel not in ("sm90.decode", "reference.paged_decode"):
-            raise UnsupportedConfig(f"the decode plan chose {p.kernel}, which has no op in this build ({p.reason})")
+        op = KERNELS[p.kernel].op  # the registry names the op that runs a kernel
+        if op not in ("paged_decode", "reference.paged_decode"):
+            raise UnsupportedConfig(f"the decode plan chose {p.kernel}, which has no decode op in this build")
         B = metadata.num_decode_reqs
         bt, sl = metadata.block_table, metadata.seq_lens
         if B != metadata.num_reqs:
@@ -293,9 +294,9 @@ class AttentionLayer:
         q_in, q_scale = self._query_for(p, q)
         common = dict(kv_layout=self.kv_layout, q_len_per_req=metadata.q_len_per_req, sm_scale=self.sm_scale,
                       k_scale=self.k_scale, v_scale=self.v_scale)
-        if p.kernel == "sm90.decode":
+        if op == "paged_decode":
             if q_scale is not None:  # pragma: no cover - the registry says sm90.decode takes no q_scale
-                raise UnsupportedConfig("sm90.decode does not apply q_scale")
+                raise UnsupportedConfig(f"{p.kernel} does not apply q_scale")
             res = cute_kernels.paged_decode(q_in, kv_cache, bt, sl, out=out, **common)
             if res is not out:  # CPU tensors run the reference, which returns a new tensor
                 out.copy_(res)
@@ -308,8 +309,9 @@ class AttentionLayer:
         import cute_kernels
         from cute_kernels import reference
 
-        if p.kernel not in ("sm90.prefill", "sm90.prefill_fp8q", "reference.paged_prefill"):
-            raise UnsupportedConfig(f"the prefill plan chose {p.kernel}, which has no op in this build ({p.reason})")
+        op = KERNELS[p.kernel].op  # the registry names the op that runs a kernel
+        if op not in ("paged_prefill", "reference.paged_prefill"):
+            raise UnsupportedConfig(f"the prefill plan chose {p.kernel}, which has no prefill op in this build")
         nd, first = metadata.num_decode_tokens, metadata.num_decode_reqs
         whole = nd == 0  # no views on the all-prefill path
         bt, sl, qsl = metadata.block_table, metadata.seq_lens, metadata.query_start_loc
@@ -319,7 +321,7 @@ class AttentionLayer:
         q_in, q_scale = self._query_for(p, q)  # the prefill rows only: decode rows keep their own query
         common = dict(max_query_len=metadata.max_query_len, kv_layout=self.kv_layout, sm_scale=self.sm_scale,
                       q_scale=q_scale, k_scale=self.k_scale, v_scale=self.v_scale)
-        if p.kernel == "reference.paged_prefill":
+        if op == "reference.paged_prefill":
             out.copy_(reference.paged_prefill(q_in, kv_cache, bt, sl, qsl, out_dtype=out.dtype, **common))
         else:
             res = cute_kernels.paged_prefill(q_in, kv_cache, bt, sl, qsl, out=out, **common)

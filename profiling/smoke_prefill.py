@@ -12,7 +12,15 @@ import time
 
 import torch
 
-from tests.gpu.test_prefill_kernel_gpu import CASES, PREFIXES, Q_LENS, case_config, check, make_case, run_kernel
+from tests.gpu.test_prefill_kernel_gpu import (
+    CASES,
+    PREFIXES,
+    Q_LENS,
+    case_config,
+    check,
+    make_case,
+    run_kernel,
+)
 
 
 def smoke(only: str | None) -> int:

@@ -32,7 +32,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.testing import make_paged_decode_case, rel_err
 
-from .harness import SM90, NvtxRanges, Peer, parse_variants, runnable, write_json
+from .harness import SM90, NvtxRanges, Peer, bar_chart, parse_variants, runnable, write_json
 from .timing import bench_setup, host_overhead, time_eager, time_graph, time_graph_fresh
 
 NEEDS = SM90
@@ -362,26 +362,8 @@ def _print_row(r, peers):
 
 
 def _plot(rows, peers, path, device):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['shape']}\n{r['kv']}" for r in rows]
-    names = ["ours"] + list(peers)
-    fig, ax = plt.subplots(figsize=(max(10, len(rows) * 1.2), 5))
-    width = 0.8 / len(names)
-    for i, p in enumerate(names):
-        vals = [r.get(p + "_roof", 0.0) for r in rows]
-        ax.bar([x + i * width for x in range(len(rows))], vals, width, label=p)
-    ax.axhline(85, color="k", ls="--", lw=0.8)
-    ax.set_ylabel("% of measured read-bandwidth roofline")
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
-    ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
-    ax.legend()
-    ax.set_title(f"SM90 paged decode ({device}, page {PAGE})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bar_chart(path, rows, ["ours", *peers], "_roof", "% of measured read-bandwidth roofline",
+              f"SM90 paged decode ({device}, page {PAGE})", hline=85)
 
 
 def add_arguments(p) -> None:

@@ -32,7 +32,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.testing import make_paged_prefill_case, rel_err
 
-from .harness import SM90, NvtxRanges, Peer, runnable, write_json
+from .harness import SM90, NvtxRanges, Peer, bar_chart, runnable, self_check_state, write_json
 from .timing import bench_setup, time_eager, time_graph
 
 NEEDS = SM90
@@ -216,6 +216,16 @@ ENTRIES = {"ours": ours, "ours_fp8q": ours_fp8q, "fa4": peer_fa4, "fa4_paged": p
 # ----------------------------------------------------------------------------------------------
 
 
+def _self_check(pb: Problem, name: str) -> str:
+    """The self-check state of the kernel behind ``ours`` / ``ours_fp8q``; raises (the entry is
+    reported as skipped) when its family failed it: the reference served the call."""
+    kernel, q = ("sm90.prefill_fp8q", "fp8_e4m3") if name == "ours_fp8q" else ("sm90.prefill", "bf16")
+    ok, text = self_check_state(kernel, q, "fp8_e4m3" if pb.kvn == "fp8" else "bf16", pb.case.meta["head_dim"])
+    if not ok:
+        raise RuntimeError(text)
+    return text
+
+
 def _time(fn) -> tuple[float, str]:
     try:
         return time_graph(fn), "graph"
@@ -240,6 +250,8 @@ def run(peers=PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, out_png=No
                     fn = ranges.wrap("cute_kernels.paged_prefill" if name.startswith("ours") else f"bench.{name}", fn)
                     res = fn()
                     torch.cuda.synchronize()
+                    if name.startswith("ours"):  # compile-verified: its first call ran the self-check
+                        row[name + "_self_check"] = _self_check(pb, name)
                     res = o if o is not None else (res[0] if isinstance(res, tuple) else res)
                     t, how = _time(fn)
                     row[name + "_us"] = t * 1e6
@@ -275,23 +287,8 @@ def _print_row(r, names):
 
 
 def _plot(rows, names, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['shape']}\n{r['kv']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(10, len(rows) * 1.4), 5))
-    width = 0.8 / len(names)
-    for i, p in enumerate(names):
-        ax.bar([x + i * width for x in range(len(rows))], [r.get(p + "_tflops", 0.0) for r in rows], width, label=p)
-    ax.set_ylabel("TFLOP/s (causal work only)")
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
-    ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
-    ax.legend()
-    ax.set_title(f"SM90 paged prefill ({torch.cuda.get_device_name()}, page {PAGE})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bar_chart(path, rows, names, "_tflops", "TFLOP/s (causal work only)",
+              f"SM90 paged prefill ({torch.cuda.get_device_name()}, page {PAGE})", row_width=1.4)
 
 
 def select_shapes(keys: str | None) -> list[tuple]:

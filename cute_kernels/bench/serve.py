@@ -43,7 +43,7 @@ from cute_kernels import reference
 from cute_kernels.testing import rel_err
 from dispatch import AttentionLayer, AttentionMetadata
 
-from .harness import SM90, NvtxRanges, Peer, runnable, write_json
+from .harness import SM90, NvtxRanges, Peer, runnable, self_check_state, write_json
 from .serve_schedule import (
     DEFAULT_WORKLOADS,
     WORKLOADS,
@@ -169,13 +169,13 @@ class Ours:
                                      page_size=w.page_size, kv_layout="HND", q_scale=rp.q_scale,
                                      k_scale=rp.k_scale, v_scale=rp.v_scale,
                                      arch="sm90" if rp.device == "cpu" else None)
-        self.plans = set()  # (phase, kernel) of every step's plans
+        self.plans = {}  # (phase, kernel) -> the plan, of every step's plans
 
     def prepare(self, st: StepInputs):
         self.md = AttentionMetadata(query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
                                     block_table=st.block_table, slot_mapping=st.slot_mapping,
                                     num_decode_tokens=st.nd, max_query_len=st.max_prefill or None)
-        self.plans |= {(k, p.kernel) for k, p in self.layer_.plans_for(self.md).items() if p}
+        self.plans.update({(k, p.kernel): p for k, p in self.layer_.plans_for(self.md).items() if p})
 
     def layer(self, i: int, st: StepInputs):
         return self.layer_.forward(st.q, st.k, st.v, self.rp.caches[i], self.md)
@@ -411,6 +411,12 @@ def replay_config(name: str, rp: Replay, args, ranges: NvtxRanges) -> dict:
     res = dict(step_s=times, timed=timed, how=how, summary=summ, **checks)
     if name == "ours":
         res["plans"] = sorted(f"{phase}: {kernel}" for phase, kernel in cfg.plans)
+        # a compile-verified kernel whose family failed its self-check ran as the reference
+        states = [self_check_state(p.kernel, p.q_dtype, p.kv_cache_dtype, p.head_dim) for p in cfg.plans.values()]
+        res["self_check"] = sorted(text for _, text in states if text)
+        failed = [text for ok, text in states if not ok]
+        if failed:
+            res["self_check_failed"] = "; ".join(failed)
     if name == "fa4":
         res["fa4_decode_num_splits"] = "heuristic (0)" if cfg.num_splits == 0 else str(cfg.num_splits)
     return res
@@ -472,6 +478,8 @@ def _print_config(name: str, r: dict):
     s = r["summary"]
     chk = " ".join(f"{k}={v:.1e}" for k, v in r.items() if k.endswith("_err"))
     print(f"  {name:<10} total {s['total'] * 1e3:10.1f} ms  {chk}", flush=True)
+    if "self_check_failed" in r:
+        print(f"  {name:<10} NOT the kernel's times: {r['self_check_failed']}", flush=True)
 
 
 def _trio(x) -> str:

@@ -1,39 +1,59 @@
-"""Host plan of the SM90 paged prefill (``sm90.prefill``): limits, the compile key and call
-signature (:class:`Sm90PrefillConfig`), tuning and the launch grid.
+"""Plan of the SM90 paged prefill (``sm90.prefill``, ``sm90.prefill_fp8q``): limits, the compile
+key and call signature (:class:`Sm90PrefillConfig`), tuning, the launch grid, the compile variants,
+the variants a model shape reaches and the FP8-cache choice between the two query paths.
 
-Imports neither the CuTe DSL nor torch (the op, the dispatcher and the compile matrix read it);
-the kernel itself is ``cute_kernels/sm90/prefill.py``. Design and measurements:
-docs/design/sm90-prefill.md.
+Host-only (no DSL, no torch): the op, the dispatcher, the warm-up and the compile matrix read it;
+the kernel (:mod:`cute_kernels.sm90.prefill`) reads what it needs from the config instance it is
+built with. Design: docs/design/sm90-prefill.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from itertools import product
+from typing import ClassVar
 
-from ..roles.prefill_blocks import box_source, kv_cap, m_block_of, n_block_range, request_rows, row_limit
+from ..jit.spec import KernelConfig, ScalarArg, TensorArg
+from . import hw
+from .sm90_attention import HEAD_DIMS, KV_FORMS, KV_LAYOUTS, PAGE_SIZES, kv_cache_args, scale_arg
 
 __all__ = [
-    "HEAD_DIMS", "PAGE_SIZES", "MAX_GROUP", "Q_DTYPES", "KV_DTYPES", "OUT_DTYPES", "KV_LAYOUTS", "KV_FORMS",
-    "Q_SCALE_KINDS", "TILE_M",
-    "SMEM_BUDGET", "MAX_BATCH", "Sm90PrefillConfig", "make_prefill_config", "grid", "smem_bytes",
-    "box_source", "kv_cap", "m_block_of", "n_block_range", "request_rows", "row_limit",
+    "HEAD_DIMS", "PAGE_SIZES", "MAX_GROUP", "MODEL_DTYPES", "Q_DTYPES", "KV_DTYPES", "OUT_DTYPES", "KV_LAYOUTS",
+    "KV_FORMS", "Q_SCALE_KINDS", "TILE_M", "SMEM_BUDGET", "MAX_BATCH", "FP8_CACHE_KERNEL", "FP8_CACHE_REASON",
+    "Sm90PrefillConfig", "make_prefill_config", "grid", "smem_bytes", "family", "compile_variants",
+    "fp8_query_compile_variants", "prefill_variants",
 ]
 
-# ---- limits (each written once; dispatch and the op read them from here) ----
-HEAD_DIMS = (64, 128, 256)
-PAGE_SIZES = (16, 32, 64, 128)
+# ---------------------------------------------------------------------------------------------
+# limits (each written once; the registry, the dispatcher and the op read them from here)
+# ---------------------------------------------------------------------------------------------
+
 # one query head per CTA (no GQA packing): any ratio works; this bounds the compile key
 MAX_GROUP = 128
-Q_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+MODEL_DTYPES = ("bf16", "fp16")  # the query's dtype before any quantization, and the output's
+Q_DTYPES = (*MODEL_DTYPES, "fp8_e4m3")
 KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
-OUT_DTYPES = ("bf16", "fp16")
-KV_LAYOUTS = ("HND", "NHD")
-KV_FORMS = ("single", "pair")  # one [P, 2, ...] tensor, or (k_cache, v_cache)
+OUT_DTYPES = MODEL_DTYPES
 # q_scale of an FP8 query: a Float32 argument, a 1-element fp32 tensor, or fp32 [Hkv]
 Q_SCALE_KINDS = ("none", "scalar", "tensor", "per_head")
-TILE_M = 128  # query rows per CTA: two consumer warpgroups of one 64-row WGMMA M each
-MAX_BATCH = 65535  # requests: the grid's z extent
-SMEM_BUDGET = 227 * 1024  # dynamic shared memory one CTA may use on H100/H200
+MAX_BATCH = hw.MAX_GRID_Y  # requests: the grid's z extent
+
+# SM90 prefill with an FP8 cache: the exact BF16-query kernel (FP8 K/V widened on chip: the error of
+# the cache's quantization only) or the FP8-query kernel (e4m3 QK and PV; the layer quantizes the
+# prefill rows with q_scale). This one constant decides; the registry lists the other as opt-in,
+# selectable with backend=. The BF16-query kernel stays the default until the GPU has measured both
+# (speed, and error against the dequantized reference): docs/design/sm90-prefill.md#status.
+FP8_CACHE_KERNEL = "sm90.prefill"
+FP8_CACHE_REASON = "an FP8 cache keeps the exact BF16 query until the FP8-query path is measured"
+
+# ---------------------------------------------------------------------------------------------
+# kernel structure the tuning depends on
+# ---------------------------------------------------------------------------------------------
+
+WARPGROUP = hw.WARPGROUP_WARPS * 32  # threads of one warpgroup
+NUM_THREADS = 3 * WARPGROUP  # one producer and two consumer warpgroups
+TILE_M = 2 * hw.WGMMA_M  # query rows per CTA: two consumer warpgroups of one 64-row WGMMA M each
+SMEM_BUDGET = hw.MAX_SMEM_PER_CTA  # dynamic shared memory one CTA may use
 SMEM_RESERVE = 2048  # barriers, the per-row query scales, alignment padding
 
 # ---- tuning defaults: (kv kind, head dim) -> (tile_n, stages) ----
@@ -47,7 +67,7 @@ _TILE_N = {("16", 64): 128, ("16", 128): 128, ("16", 256): 64,
 _REGS = {"16": (32, 232), "widen": (56, 224), "fp8": (56, 224)}
 # registers per thread a 384-thread launch gets (64K / 384 rounded down to 8): setmaxnreg only moves
 # registers within the CTA's allocation, and an increase beyond it waits forever
-REGS_PER_THREAD = 65536 // 384 // 8 * 8
+REGS_PER_THREAD = hw.REGISTERS_PER_SM // NUM_THREADS // 8 * 8
 
 
 def kv_kind(q_dtype: str, kv_dtype: str) -> str:
@@ -57,8 +77,8 @@ def kv_kind(q_dtype: str, kv_dtype: str) -> str:
 
 
 @dataclass(frozen=True)
-class Sm90PrefillConfig:
-    """Compile key of the SM90 paged prefill; the instance is the key.
+class Sm90PrefillConfig(KernelConfig):
+    """Compile key of :class:`cute_kernels.sm90.prefill.Sm90PagedPrefill`; the instance is the key.
 
     Problem: ``q_dtype`` (bf16/fp16, or fp8_e4m3 for an FP8 query), ``kv_dtype`` (the query's
     16-bit dtype, or fp8_e4m3), ``out_dtype`` (16-bit; the query's dtype for a 16-bit query),
@@ -99,6 +119,10 @@ class Sm90PrefillConfig:
 
     kernel_id = "sm90.prefill"
     targets = ("sm_90a",)
+    # what the kernel reads from its config (kernels never import plans)
+    hw: ClassVar = hw
+    tile_m: ClassVar[int] = TILE_M
+    num_threads: ClassVar[int] = NUM_THREADS
 
     def __post_init__(self):
         def bad(msg):
@@ -134,9 +158,9 @@ class Sm90PrefillConfig:
         if self.stages < 1 or (self.kind != "16") != (self.staging > 0):
             bad(f"stages {self.stages} / staging {self.staging}: staging is for FP8 caches only")
         if any(r % 8 or not 24 <= r <= 256 for r in (self.producer_regs, self.consumer_regs)) or (
-                128 * self.producer_regs + 256 * self.consumer_regs > 384 * REGS_PER_THREAD):
+                WARPGROUP * self.producer_regs + 2 * WARPGROUP * self.consumer_regs > NUM_THREADS * REGS_PER_THREAD):
             bad(f"registers {self.producer_regs}/{self.consumer_regs} (producer/consumer) exceed the launch's "
-                f"{REGS_PER_THREAD} x 384")
+                f"{REGS_PER_THREAD} x {NUM_THREADS}")
         if self.pingpong and not self.overlap:
             bad("pingpong takes turns between overlapped consumers (overlap=True)")
         if smem_bytes(self) > SMEM_BUDGET:
@@ -160,42 +184,25 @@ class Sm90PrefillConfig:
 
     @property
     def evidence(self) -> dict:
-        """WGMMA with the operand types this variant claims (the PV one with P from registers),
-        TMA loads and mbarrier waits."""
+        """WGMMA with the operand types this variant claims, the PV one with P from registers (an
+        RS WGMMA: a register list for A), TMA loads and mbarrier waits."""
         if self.kind == "fp8":
-            ops = r"k32\.f32\.e4m3\.e4m3"
+            name, ops = "e4m3", r"k32\.f32\.e4m3\.e4m3"
         else:
+            name = {"bf16": "bf16", "fp16": "f16"}[self.mma_dtype]
             ops = r"k16\.f32\." + {"bf16": r"bf16\.bf16", "fp16": r"f16\.f16"}[self.mma_dtype]
-        rs = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+" + ops + r" +\{[^}]*\}, *\{"
-        return {"sm_90a": (r"wgmma\.mma_async\.sync\.aligned\.m64n\d+" + ops, rs,
-                           r"cp\.async\.bulk\.tensor", r"mbarrier\.try_wait")}
-
-    def label(self) -> str:
-        return self.kernel_id + "[" + ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)) + "]"
+        wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+" + ops
+        return {"sm_90a": ((f"wgmma.mma_async {name}", wgmma), (f"wgmma {name} with P from registers",
+                                                                 wgmma + r" +\{[^}]*\}, *\{"),
+                           ("TMA load", r"cp\.async\.bulk\.tensor"), ("mbarrier.try_wait", r"mbarrier\.try_wait"))}
 
     def signature(self):
         """Call arguments, in order (the op binds them by name)."""
-        # jit.spec still imports the DSL at its top; imported here so that the limits above load
-        # without it (dispatch reads them)
-        from ..jit.spec import ScalarArg, TensorArg
-
         D = self.head_dim
-        page = self.page_size
-        inner = ("Hkv", page) if self.kv_layout == "HND" else (page, "Hkv")
-        if self.kv_form == "single":
-            caches = (TensorArg("kv_cache", self.kv_dtype, ("P", 2, *inner, D)),)
-        else:
-            caches = (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
-                      TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
-
-        def scale(name, tensor):
-            return TensorArg(name, "fp32", (1,), align=4) if tensor else ScalarArg(name, "fp32")
-
+        caches = kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, D)
         q_scale = ()
-        if self.q_scale == "scalar":
-            q_scale = (ScalarArg("q_scale", "fp32"),)
-        elif self.q_scale == "tensor":
-            q_scale = (TensorArg("q_scale", "fp32", (1,), align=4),)
+        if self.q_scale in ("scalar", "tensor"):
+            q_scale = (scale_arg("q_scale", self.q_scale == "tensor"),)
         elif self.q_scale == "per_head":
             q_scale = (TensorArg("q_scale", "fp32", ("Hkv",), align=4),)
         lse = (TensorArg("lse", "fp32", ("T", "Hq"), align=4),) if self.write_lse else ()
@@ -207,8 +214,8 @@ class Sm90PrefillConfig:
             TensorArg("query_start_loc", "int32", ("B1",), align=4),  # B + 1 entries
             TensorArg("out", self.out_dtype, ("T", "Hq", D)),
             *lse,
-            scale("k_scale", self.k_scale_tensor),
-            scale("v_scale", self.v_scale_tensor),
+            scale_arg("k_scale", self.k_scale_tensor),
+            scale_arg("v_scale", self.v_scale_tensor),
             *q_scale,
             ScalarArg("sm_scale", "fp32"),
             ScalarArg("max_query_len", "int32"),
@@ -289,3 +296,71 @@ def grid(num_q_heads: int, batch: int, max_query_len: int) -> tuple[int, int, in
     x = query head (fastest, so the heads of one KV group run together and share K/V in L2),
     y = query block (reversed inside the kernel: longest first), z = request."""
     return num_q_heads, num_m_blocks(max_query_len), batch
+
+
+# ---------------------------------------------------------------------------------------------
+# runtime self-check families, compile variants, the variants a model shape reaches
+# ---------------------------------------------------------------------------------------------
+
+
+def family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
+    """The runtime self-check family of a (query, cache) dtype pair and head dim: its kernel id,
+    its kind (the MMA path: 16-bit K/V, FP8 widened, FP8 query) and its head dim (which sets the
+    tile and the consumer schedule), e.g. ``"sm90.prefill/widen/d128"``."""
+    kind = kv_kind(q_dtype, kv_dtype)
+    kernel = "sm90.prefill_fp8q" if kind == "fp8" else "sm90.prefill"
+    return f"{kernel}/{kind}/d{head_dim}"
+
+
+def _variant(q, kv, d, g, page, **kw) -> Sm90PrefillConfig:
+    return make_prefill_config(q_dtype=q, kv_dtype=kv, head_dim=d, group=g, page_size=page, **kw)
+
+
+def compile_variants() -> list[Sm90PrefillConfig]:
+    """``sm90.prefill``'s compile matrix: each head dim of the 16-bit and the FP8-widened kinds
+    (a bf16 query narrowed to fp16, and an fp16 one), with both layouts and containers, scale
+    tensors, causal and not, with and without LSE; the serial consumer schedule once."""
+    return [
+        _variant("bf16", "bf16", 128, 8, 16),
+        _variant("fp16", "fp16", 64, 4, 32, kv_form="pair", kv_layout="NHD", causal=False),
+        _variant("bf16", "bf16", 256, 1, 128, write_lse=False),
+        _variant("bf16", "bf16", 128, 8, 16, overlap=False, pingpong=False),
+        _variant("bf16", "fp8_e4m3", 128, 8, 16),
+        _variant("fp16", "fp8_e4m3", 64, 16, 64, kv_layout="NHD", k_scale_tensor=True, v_scale_tensor=True),
+        _variant("bf16", "fp8_e4m3", 256, 4, 32, kv_form="pair", causal=False),
+    ]
+
+
+def fp8_query_compile_variants() -> list[Sm90PrefillConfig]:
+    """``sm90.prefill_fp8q``'s compile matrix: each head dim, each ``q_scale`` form, fp16 output once."""
+    return [
+        _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar"),
+        _variant("fp8_e4m3", "fp8_e4m3", 64, 8, 128, q_scale="tensor", kv_form="pair", kv_layout="NHD"),
+        _variant("fp8_e4m3", "fp8_e4m3", 256, 4, 16, q_scale="per_head", out_dtype="fp16", write_lse=False),
+    ]
+
+
+_KV_NAMES = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}
+
+
+def prefill_variants(*, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
+                     kv_dtypes=("fp8_e4m3",), q_dtype: str = "bf16", fp8_query: bool = False,
+                     q_scale_kinds=("scalar",), scale_tensors=(False, True), kv_layouts=("HND",),
+                     kv_forms=("single",), causal=(True,), return_lse=(False,)) -> list[Sm90PrefillConfig]:
+    """Every prefill config a model shape can reach: per cache dtype, layout, container, scale form,
+    mask and LSE output. ``fp8_query``: for an FP8 cache, the FP8-query kernel's variants (one
+    per ``q_scale_kinds``, bf16 output: what :class:`dispatch.AttentionLayer` launches when the
+    prefill plan computes QK in FP8) instead of the BF16-query ones."""
+    out: list[Sm90PrefillConfig] = []
+    group = num_q_heads // num_kv_heads
+    for kv, st, layout, form, mask, lse in product(kv_dtypes, scale_tensors, kv_layouts, kv_forms, causal,
+                                                    return_lse):
+        kv = _KV_NAMES.get(kv, kv)
+        fields_ = dict(kv_dtype=kv, head_dim=head_dim, group=group, page_size=page_size, kv_form=form,
+                       kv_layout=layout, causal=mask, write_lse=lse, k_scale_tensor=st, v_scale_tensor=st)
+        if fp8_query and kv == "fp8_e4m3":
+            out += [make_prefill_config(q_dtype="fp8_e4m3", out_dtype=q_dtype, q_scale=qs, **fields_)
+                    for qs in q_scale_kinds]
+        else:
+            out.append(make_prefill_config(q_dtype=q_dtype, **fields_))
+    return out

@@ -25,6 +25,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..jit.asm import asm
+from .fragments import store_shared_b32x4
 
 # the query rows' fp16 exponent shift is clamped to this range (an all-zero row gets 0)
 Q_SHIFT_MIN, Q_SHIFT_MAX = -100, 100
@@ -65,12 +66,6 @@ def ld_shared_v4(addr: Int32, *, loc=None, ip=None):
     regs = asm([T.i32()] * 4, [Int32(addr)], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
                side_effects=True, loc=loc, ip=ip)
     return tuple(Int32(r) for r in regs)
-
-
-@dsl_user_op
-def st_shared_v4(addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None):
-    asm([], [Int32(addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
-        "r,r,r,r,r", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -230,7 +225,7 @@ def widen_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_layo
             w = cute.make_rmem_tensor((4,), Int32)
             for j in cutlass.range_constexpr(4):
                 w[j] = out[4 * (1 - h) + j] if odd else out[4 * h + j]
-            st_shared_v4(dst_base + smem_offset(crd, dst_layout, 2), w[0], w[1], w[2], w[3])
+            store_shared_b32x4(dst_base + smem_offset(crd, dst_layout, 2), w[0], w[1], w[2], w[3])
 
 
 @cute.jit
@@ -278,7 +273,7 @@ def narrow_q_rows(q_base: Int32, q_layout, D: cutlass.Constexpr, sShift: cute.Te
         o = cute.make_rmem_tensor((4,), Int32)
         for j in cutlass.range_constexpr(4):
             o[j] = pack_16x2(_bf16_lo(w[j]) * s, _bf16_hi(w[j]) * s, "fp16")
-        st_shared_v4(addr, o[0], o[1], o[2], o[3])
+        store_shared_b32x4(addr, o[0], o[1], o[2], o[3])
     sShift[tid] = Float32(shift)
 
 

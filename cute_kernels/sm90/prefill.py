@@ -25,23 +25,27 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..jit.dtypes import cute_dtype
+from ..jit.spec import bind_arguments
 from ..roles import online_softmax as softmax
+from ..roles.fragments import store_shared_b32x4
 from ..roles.paged_kv_tma import PagedTiles, box_atom, cache_views, transposed
 from ..roles.prefill_blocks import kv_cap, m_block_of, n_block_range, request_rows
-from ..roles.smem_fp8 import (P_SHIFT, narrow_q_rows, p_fragment_map, pack_p, smem_offset, st_shared_v4,
-                              transpose_tile, widen_tile)
+from ..roles.smem_fp8 import (
+    P_SHIFT,
+    narrow_q_rows,
+    p_fragment_map,
+    pack_p,
+    smem_offset,
+    transpose_tile,
+    widen_tile,
+)
 
-TILE_M = 128
-MMA_M = 64
-WG = 128  # threads per warpgroup
-NUM_THREADS = 3 * WG
 LOG2E = math.log2(math.e)
 # named barriers (0 is __syncthreads)
 BAR_Q_READY = 1  # producer warpgroup -> consumers: the narrowed query is in place
 BAR_SCHED = 2  # 2, 3: the consumer warpgroups' turns (pingpong)
 BAR_PRODUCER = 4  # the producer warpgroup's four warps
 BAR_CONSUMER = 5  # 5, 6: one consumer warpgroup
-SMEM_LIMIT = 227 * 1024  # an SM90 CTA's dynamic shared memory (the plan budgets below it)
 
 
 class Sm90PagedPrefill:
@@ -49,6 +53,12 @@ class Sm90PagedPrefill:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.arg_names = cfg.arg_names()
+        # three warpgroups (a producer, two consumers of one 64-row WGMMA M each)
+        self.tile_m = cfg.tile_m
+        self.num_threads = cfg.num_threads
+        self.mma_m = cfg.hw.WGMMA_M
+        self.wg_threads = cfg.hw.WARPGROUP_WARPS * 32
         self.kind = cfg.kind
         self.D = cfg.head_dim
         self.tile_n = cfg.tile_n
@@ -68,10 +78,9 @@ class Sm90PagedPrefill:
 
     @cute.jit
     def __call__(self, *args):
-        # positional arguments in Sm90PrefillConfig.signature() order, then the stream
-        names = [a.name for a in self.cfg.signature()]
-        arg = dict(zip(names, args))
-        stream = args[len(names)]
+        """The config's arguments (``Sm90PrefillConfig.signature()``) and the stream."""
+        arg = bind_arguments(self.arg_names, args)
+        stream = arg["stream"]
         cfg = self.cfg
         D, n = self.D, self.tile_n
         mQ = arg["q"]
@@ -84,14 +93,14 @@ class Sm90PagedPrefill:
         qk_mma, pv_mma = self.mmas()
         L = self.layouts()
         box = cfg.box
-        q_box = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (MMA_M, n, D), self.q_dtype, 1),
+        q_box = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.mma_m, n, D), self.q_dtype, 1),
                             (None, None, 0))
-        tma_q, tma_tQ = box_atom(mQv, q_box, (MMA_M, D))
-        k_box = cute.slice_(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (MMA_M, box, D), self.kv_dtype, 1),
+        tma_q, tma_tQ = box_atom(mQv, q_box, (self.mma_m, D))
+        k_box = cute.slice_(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.mma_m, box, D), self.kv_dtype, 1),
                             (None, None, 0))
         tma_k, tma_tK = box_atom(mK, k_box, (box, D))
         if const_expr(self.kind == "16"):
-            v_box = cute.slice_(sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (MMA_M, D, box), self.kv_dtype, 1),
+            v_box = cute.slice_(sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (self.mma_m, D, box), self.kv_dtype, 1),
                                 (None, None, 0))
             tma_v, tma_tV = box_atom(transposed(mV), v_box, (D, box))
         else:
@@ -101,22 +110,22 @@ class Sm90PagedPrefill:
         num_q_heads = mQ.shape[1]
         batch = arg["block_table"].shape[0]
         # at least one query block: a launch with max_query_len 0 exits at once instead of failing
-        m_blocks = cutlass.max((arg["max_query_len"] + TILE_M - 1) // TILE_M, 1)
+        m_blocks = cutlass.max((arg["max_query_len"] + self.tile_m - 1) // self.tile_m, 1)
         self.kernel(
             tma_q, tma_tQ, tma_k, tma_tK, tma_v, tma_tV, num_pages, arg["block_table"], arg["seq_lens"],
             arg["query_start_loc"], mQ.shape[0], arg["out"], arg.get("lse"), arg["k_scale"], arg["v_scale"],
             arg.get("q_scale"), arg["sm_scale"], qk_mma, pv_mma, L["q"], L["k"], L["v"], L.get("ks"), L.get("vs"),
-        ).launch(grid=[num_q_heads, m_blocks, batch], block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=[num_q_heads, m_blocks, batch], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def mmas(self):
         """QK: SS, both K-major. PV: P from registers; V an MN-major B (16-bit) or, for e4m3
         (which reads only K-major operands), V^T."""
         dt = self.mma_dtype
         qk = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
-                                               tiler_mn=(MMA_M, self.tile_n))
+                                               tiler_mn=(self.mma_m, self.tile_n))
         v_major = OperandMajorMode.K if self.kind == "fp8" else OperandMajorMode.MN
         pv = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, v_major, Float32, (1, 1, 1),
-                                               tiler_mn=(MMA_M, self.D), a_source=warpgroup.OperandSource.RMEM)
+                                               tiler_mn=(self.mma_m, self.D), a_source=warpgroup.OperandSource.RMEM)
         return qk, pv
 
     def layouts(self) -> dict:
@@ -125,14 +134,14 @@ class Sm90PagedPrefill:
         ``ks`` / ``vs`` the FP8 staging tiles (tile_n, D, staging) as TMA writes them."""
         D, n, dt = self.D, self.tile_n, self.mma_dtype
         q_store = self.q_dtype if self.kind != "widen" else cute_dtype("fp16")  # narrowed in place
-        L = dict(q=sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (MMA_M, n, D), q_store, 2),
-                 k=sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (MMA_M, n, D), dt, self.stages))
+        L = dict(q=sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.mma_m, n, D), q_store, 2),
+                 k=sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.mma_m, n, D), dt, self.stages))
         if const_expr(self.kind == "fp8"):
-            L["v"] = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (MMA_M, D, n), dt, self.stages)
+            L["v"] = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.mma_m, D, n), dt, self.stages)
         else:
-            L["v"] = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (MMA_M, D, n), dt, self.stages)
+            L["v"] = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (self.mma_m, D, n), dt, self.stages)
         if const_expr(self.kind != "16"):
-            L["vs"] = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (MMA_M, n, D), self.kv_dtype, self.staging)
+            L["vs"] = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.mma_m, n, D), self.kv_dtype, self.staging)
         if const_expr(self.kind == "widen"):
             L["ks"] = L["vs"]
         return L
@@ -156,15 +165,15 @@ class Sm90PagedPrefill:
             v_full: cute.struct.MemRange[cutlass.Int64, C]
             v_empty: cute.struct.MemRange[cutlass.Int64, C]
             s_full: cute.struct.MemRange[cutlass.Int64, S]  # staging (FP8 caches)
-            q_shift: cute.struct.MemRange[Float32, TILE_M]
+            q_shift: cute.struct.MemRange[Float32, self.tile_m]
             sQ: cute.struct.Align[cute.struct.MemRange[q_dt, cute.cosize(L["q"])], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[mma_dt, cute.cosize(L["k"])], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[mma_dt, cute.cosize(L["v"])], 1024]
             sKs: sKs_t
             sVs: sVs_t
 
-        if Storage.size_in_bytes() > SMEM_LIMIT:
-            raise ValueError(f"sm90.prefill: {Storage.size_in_bytes()} bytes of shared memory exceed {SMEM_LIMIT}")
+        if Storage.size_in_bytes() > self.cfg.hw.MAX_SMEM_PER_CTA:
+            raise ValueError(f"sm90.prefill: {Storage.size_in_bytes()} bytes of shared memory exceed {self.cfg.hw.MAX_SMEM_PER_CTA}")
         return Storage
 
     # ------------------------------------------------------------------------------------------
@@ -185,7 +194,7 @@ class Sm90PagedPrefill:
         q_start, q_len = request_rows(mQsl[batch], mQsl[batch + 1], total_rows, cutlass.min, cutlass.max)
         seq_len = mSeqLens[batch]
         cap = kv_cap(seq_len, mBlockTable.shape[1], cfg.page_size, cutlass.min, cutlass.max)
-        n_max, n_unmasked = n_block_range(m_block, TILE_M, self.tile_n, q_len, seq_len, cap, cfg.causal,
+        n_max, n_unmasked = n_block_range(m_block, self.tile_m, self.tile_n, q_len, seq_len, cap, cfg.causal,
                                           cutlass.min, cutlass.max)
         kv_head = head // cfg.group
         req = (batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head)
@@ -194,8 +203,8 @@ class Sm90PagedPrefill:
         if tidx == 0:
             cute.arch.mbarrier_init(storage.q_full.data_ptr(), 1)
             # full: one TMA arrival (with its bytes), or one per rewriting thread; empty: one per consumer warp
-            k_count = WG if const_expr(self.kind == "widen") else 1
-            v_count = 1 if const_expr(self.kind == "16") else WG
+            k_count = self.wg_threads if const_expr(self.kind == "widen") else 1
+            v_count = 1 if const_expr(self.kind == "16") else self.wg_threads
             for s in cutlass.range_constexpr(self.stages):
                 cute.arch.mbarrier_init(storage.k_full.data_ptr() + s, k_count)
                 cute.arch.mbarrier_init(storage.v_full.data_ptr() + s, v_count)
@@ -206,7 +215,7 @@ class Sm90PagedPrefill:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        if m_block * TILE_M < q_len:  # a block past the request's rows has nothing to do
+        if m_block * self.tile_m < q_len:  # a block past the request's rows has nothing to do
             if warp < 4:
                 cute.arch.setmaxregister_decrease(cfg.producer_regs)
                 if n_max > 0:
@@ -219,7 +228,7 @@ class Sm90PagedPrefill:
                                              storage, L, req, tidx, warp)
             else:
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
-                self.consume(storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tidx % WG, warp // 4 - 1)
+                self.consume(storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tidx % self.wg_threads, warp // 4 - 1)
 
     # ---- producer ------------------------------------------------------------------------------
 
@@ -229,8 +238,8 @@ class Sm90PagedPrefill:
         next request are loaded and never stored)."""
         batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head = req
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, TILE_M * self.D * self.q_dtype.width // 8)
-        gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQt[None, None, head]), (MMA_M, self.D), (None, 0))
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tile_m * self.D * self.q_dtype.width // 8)
+        gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQt[None, None, head]), (self.mma_m, self.D), (None, 0))
         tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                                       cute.group_modes(gQ, 0, 2))
         for h in cutlass.range_constexpr(2):
@@ -304,9 +313,9 @@ class Sm90PagedPrefill:
         if const_expr(self.narrow_q):
             cute.arch.mbarrier_wait(storage.q_full.data_ptr(), 0)
             narrow_q_rows(storage.sQ.data_ptr().toint(), L["q"], D,
-                          storage.q_shift.get_tensor(cute.make_layout(TILE_M)), tidx)
+                          storage.q_shift.get_tensor(cute.make_layout(self.tile_m)), tidx)
             cute.arch.fence_proxy("async.shared", space="cta")  # read by WGMMA
-            cute.arch.barrier_arrive(barrier_id=BAR_Q_READY, number_of_threads=NUM_THREADS)
+            cute.arch.barrier_arrive(barrier_id=BAR_Q_READY, number_of_threads=self.num_threads)
         src_v = storage.sVs.data_ptr().toint()
         dst_v = storage.sV.data_ptr().toint()
         for i in cutlass.range(n_max, unroll=1):
@@ -318,18 +327,18 @@ class Sm90PagedPrefill:
             if const_expr(widen):
                 cute.arch.mbarrier_wait(k_empty + stage, phase ^ 1)
                 widen_tile(storage.sKs.data_ptr().toint(), L["ks"], slot, storage.sK.data_ptr().toint(), L["k"],
-                           stage, True, n, D, valid, tidx, WG)
+                           stage, True, n, D, valid, tidx, self.wg_threads)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.mbarrier_arrive(k_full + stage)
             cute.arch.mbarrier_wait(v_empty + stage, phase ^ 1)
             if const_expr(widen):
-                widen_tile(src_v, L["vs"], slot, dst_v, L["v"], stage, False, n, D, valid, tidx, WG)
+                widen_tile(src_v, L["vs"], slot, dst_v, L["v"], stage, False, n, D, valid, tidx, self.wg_threads)
             else:
-                transpose_tile(src_v, L["vs"], slot, dst_v, L["v"], stage, n, D, valid, tidx, WG)
+                transpose_tile(src_v, L["vs"], slot, dst_v, L["v"], stage, n, D, valid, tidx, self.wg_threads)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(v_full + stage)
             # every warp is done reading the staging slot: refill it
-            cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=WG)
+            cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.wg_threads)
             if warp == 0:
                 if i + self.staging < n_max:
                     self.issue_staged(tma_k, tKg, tKs, tma_v, tVg, tVs, mBlockTable, batch,
@@ -375,19 +384,19 @@ class Sm90PagedPrefill:
         tSrQ = qk_mma.make_fragment_A(thr_qk.partition_A(sQ))
         tSrK = qk_mma.make_fragment_B(thr_qk.partition_B(sK))
         tOrV = pv_mma.make_fragment_B(thr_pv.partition_B(sV))
-        tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((MMA_M, n)), self.mma_dtype)
+        tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((self.mma_m, n)), self.mma_dtype)
         pmap = p_fragment_map(qk_mma, pv_mma, n, fp8)
         p_kind = "e4m3" if fp8 else ("fp16" if self.kind == "widen" else cfg.q_dtype)
-        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((MMA_M, n)))
-        cS = thr_qk.partition_C(cute.make_identity_tensor((MMA_M, n)))
-        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((MMA_M, D)))
+        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.mma_m, n)))
+        cS = thr_qk.partition_C(cute.make_identity_tensor((self.mma_m, n)))
+        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.mma_m, D)))
         m_off = cS[0][0] - cS0[0][0]  # this thread's first row (16 warp + lane / 4)
         n_off = cS[0][1] - cS0[0][1]  # and first column (2 (lane % 4))
         acc_s = cute.make_rmem_tensor(cS.shape, Float32)
         acc_o = cute.make_rmem_tensor(cO0.shape, Float32)
         acc_o.fill(0.0)
         row_max, row_sum = softmax.new_state()
-        j_first = m_block * TILE_M + MMA_M * wg  # request row of this warpgroup's row 0
+        j_first = m_block * self.tile_m + self.mma_m * wg  # request row of this warpgroup's row 0
         limit = softmax.row_limits(m_off, j_first, q_len, seq_len, cap, cfg.causal)
 
         k_scale, v_scale, q_scale, sm_scale = scales
@@ -411,10 +420,10 @@ class Sm90PagedPrefill:
         st["scale"] = scale
         if n_max > 0:
             if const_expr(self.narrow_q):
-                cute.arch.barrier(barrier_id=BAR_Q_READY, number_of_threads=NUM_THREADS)
-                sShift = storage.q_shift.get_tensor(cute.make_layout(TILE_M))
+                cute.arch.barrier(barrier_id=BAR_Q_READY, number_of_threads=self.num_threads)
+                sShift = storage.q_shift.get_tensor(cute.make_layout(self.tile_m))
                 for h in cutlass.range_constexpr(softmax.ROWS):
-                    scale[h] = c * cute.math.exp2(-sShift[MMA_M * wg + m_off + 8 * h], fastmath=False)
+                    scale[h] = c * cute.math.exp2(-sShift[self.mma_m * wg + m_off + 8 * h], fastmath=False)
             else:
                 cute.arch.mbarrier_wait(storage.q_full.data_ptr(), 0)
                 scale.fill(c)
@@ -441,7 +450,7 @@ class Sm90PagedPrefill:
                 self.wait(k_full, i)
                 if const_expr(self.cfg.pingpong):
                     if wg == 1 or i > 1:  # balanced: wg 0 goes first, wg 1 skips its last turn's handoff
-                        cute.arch.barrier(barrier_id=BAR_SCHED + wg, number_of_threads=2 * WG)
+                        cute.arch.barrier(barrier_id=BAR_SCHED + wg, number_of_threads=2 * self.wg_threads)
                 self.issue_qk(st, i)
                 self.wait(v_full, i - 1)
                 if const_expr(zero_tail):
@@ -450,7 +459,7 @@ class Sm90PagedPrefill:
                 self.issue_pv(st, i - 1)
                 if const_expr(self.cfg.pingpong):
                     if wg == 0 or i < n_max - 1:
-                        cute.arch.barrier_arrive(barrier_id=BAR_SCHED + 1 - wg, number_of_threads=2 * WG)
+                        cute.arch.barrier_arrive(barrier_id=BAR_SCHED + 1 - wg, number_of_threads=2 * self.wg_threads)
                 warpgroup.wait_group(1)  # QK(i) done (groups retire in order); PV(i-1) may run on
                 self.release(k_empty, i)
                 alpha = self.softmax(st, n_max - 1 - i, n_unmasked)
@@ -541,12 +550,12 @@ class Sm90PagedPrefill:
         if valid < self.tile_n:
             chunks = self.D // 8
             z = Int32(0)
-            for c in cutlass.range(st["tid"], (self.tile_n - valid) * chunks, WG, unroll=1):
+            for c in cutlass.range(st["tid"], (self.tile_n - valid) * chunks, self.wg_threads, unroll=1):
                 tok = valid + c // chunks
                 d0 = (c % chunks) * 8
-                st_shared_v4(st["v_base"] + smem_offset((d0, tok, stage), st["v_layout"], 2), z, z, z, z)
+                store_shared_b32x4(st["v_base"] + smem_offset((d0, tok, stage), st["v_layout"], 2), z, z, z, z)
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=BAR_CONSUMER + st["wg"], number_of_threads=WG)
+            cute.arch.barrier(barrier_id=BAR_CONSUMER + st["wg"], number_of_threads=self.wg_threads)
 
     @cute.jit
     def epilogue(self, acc_o, row_max, row_sum, cO0, m_off, n_off, out_scale, mO, mLse, q_start, q_len, j_first,

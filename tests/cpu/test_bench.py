@@ -266,3 +266,22 @@ def test_write_json(tmp_path):
     write_json(str(path), {"rows": [1.5]})
     assert json.loads(path.read_text()) == {"rows": [1.5]}
     write_json(None, {"rows": []})  # no path: nothing written, no error
+
+
+def test_self_check_state_of_compile_verified_kernels():
+    """What ``bench prefill`` / ``bench serve`` report next to a compile-verified kernel's times: its
+    family's self-check, and a failure (the reference served the calls: never the kernel's times)."""
+    import time
+
+    from cute_kernels.bench.harness import self_check_state
+    from cute_kernels.plans import selfcheck_records as records
+
+    assert self_check_state("sm90.decode", "bf16", "fp8_e4m3", 128) == (True, "")  # available: nothing to say
+    assert self_check_state("sm90.prefill", "bf16", "fp8_e4m3", 128) == (
+        True, "sm90.prefill/widen/d128: self-check not run")
+    records.store(records.CheckRecord("sm90.prefill/widen/d128", "gpu0", True, "", 0.1, time.time()))
+    assert self_check_state("sm90.prefill", "bf16", "fp8_e4m3", 128) == (
+        True, "sm90.prefill/widen/d128: self-check passed on gpu0")
+    records.store(records.CheckRecord("sm90.prefill_fp8q/fp8/d64", "gpu0", False, "case 0: NaN", 0.1, time.time()))
+    ok, text = self_check_state("sm90.prefill_fp8q", "fp8_e4m3", "fp8_e4m3", 64)
+    assert not ok and "FAILED its self-check (case 0: NaN): the reference served its calls" in text

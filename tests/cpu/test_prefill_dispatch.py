@@ -1,8 +1,9 @@
 """SM90 prefill in dispatch and in ``AttentionLayer``, on the CPU.
 
 - plan rows: SM90 prefill is served by ``sm90.prefill`` for every cache dtype, with the limits of
-  ``plans/sm90_prefill.py`` (not typed twice); the FP8-cache choice between the BF16-query and
-  the FP8-query kernel is one constant with its reason, the other kernel selectable with backend=;
+  ``plans/sm90_prefill.py`` (not typed twice), compile-verified (the reason says so and what the
+  self-check found); the FP8-cache choice between the BF16-query and the FP8-query kernel is one
+  constant with its reason, the other kernel selectable with backend=;
 - the layer: all prefill rows of a step in one launch, a mixed step is one decode launch plus one
   prefill launch, no host synchronization, and only the prefill rows quantized when the prefill
   plan computes QK in FP8 (the ops stubbed, so the CUDA path's plumbing runs on the CPU);
@@ -35,10 +36,16 @@ def _plan(kv="fp8", model="bf16", **kw):
     return plan(**args)
 
 
+def _choose_fp8_query(monkeypatch):
+    """The registry as ``FP8_CACHE_KERNEL = "sm90.prefill_fp8q"`` builds it: the FP8-query kernel
+    no longer opt-in (registered first, it takes exactly the FP8 caches)."""
+    monkeypatch.setitem(KERNELS, "sm90.prefill_fp8q", dataclasses.replace(KERNELS["sm90.prefill_fp8q"], opt_in=False))
+
+
 @pytest.fixture
 def fp8_query_chosen(monkeypatch):
     """The measured choice flipped to the FP8-query kernel."""
-    monkeypatch.setattr(capabilities, "SM90_FP8_PREFILL", "sm90.prefill_fp8q")
+    _choose_fp8_query(monkeypatch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -49,15 +56,17 @@ def fp8_query_chosen(monkeypatch):
 def test_registry_limits_are_the_plan_modules():
     for kid in ("sm90.prefill", "sm90.prefill_fp8q"):
         k = KERNELS[kid]
-        assert k.status == "available" and k.archs == ("sm90",) and k.phases == ("prefill",)
+        assert k.status == "compile-verified" and k.archs == ("sm90",) and k.phases == ("prefill",)
         assert k.head_dims == prefill_plan.HEAD_DIMS and k.page_sizes == prefill_plan.PAGE_SIZES
-        assert k.max_gqa_ratio == prefill_plan.MAX_GROUP and k.model_dtypes == prefill_plan.OUT_DTYPES
+        assert k.max_gqa_ratio == prefill_plan.MAX_GROUP and k.model_dtypes == prefill_plan.MODEL_DTYPES
+        assert k.op == "paged_prefill" and k.family is prefill_plan.family
         assert k.max_q_len is None and set(k.kv_layouts) == {"HND", "NHD"}
     assert KERNELS["sm90.prefill"].kv_dtypes == prefill_plan.KV_DTYPES
     assert KERNELS["sm90.prefill"].qk_dtype == "model"
     fp8q = KERNELS["sm90.prefill_fp8q"]
     assert fp8q.kv_dtypes == ("fp8_e4m3",) and fp8q.qk_dtype == "fp8_e4m3" and fp8q.supports_quant_query_input
     assert "fp8_e4m3" in prefill_plan.Q_DTYPES
+    assert KERNELS["sm90.prefill_fp8q"].opt_in == (prefill_plan.FP8_CACHE_KERNEL == "sm90.prefill")
 
 
 def test_matrix_shows_sm90_prefill_served_by_the_kernel(capsys):
@@ -69,9 +78,11 @@ def test_matrix_shows_sm90_prefill_served_by_the_kernel(capsys):
         r = cells[kv]
         assert r["kernel"] == "sm90.prefill" and not r["is_fallback"], r
         assert r["q_dtype"] == "bf16" and not r["quantize_query"] and not r["applies_q_scale"]
-    assert cells["fp16"]["is_fallback"] and "equal to model_dtype bf16" in cells["fp16"]["reason"]
-    assert capabilities.SM90_FP8_PREFILL_REASON in cells["fp8_e4m3"]["reason"]
-    assert capabilities.SM90_FP8_PREFILL_REASON not in cells["bf16"]["reason"]
+    assert cells["fp16"]["is_fallback"] and "one of the model dtype bf16 (got fp16)" in cells["fp16"]["reason"]
+    assert prefill_plan.FP8_CACHE_REASON in cells["fp8_e4m3"]["reason"]
+    assert prefill_plan.FP8_CACHE_REASON not in cells["bf16"]["reason"]
+    for kv in ("bf16", "fp8_e4m3"):
+        assert "compile-verified only" in cells[kv]["reason"] and "self-check" in cells[kv]["reason"]
     table = {(r["arch"], r["phase"]): r for r in capabilities.capability_table()}
     assert [k["id"] for k in table["sm90", "prefill"]["kernels"]] == ["sm90.prefill", "reference.paged_prefill"]
     assert [k["id"] for k in table["sm90", "prefill"]["opt_in"]] == ["sm90.prefill_fp8q"]
@@ -86,9 +97,9 @@ def test_default_plan_keeps_the_model_dtype_query(kv, model):
 
 def test_limits_fall_back_with_the_reason():
     assert _plan(num_q_heads=prefill_plan.MAX_GROUP, num_kv_heads=1).kernel == "sm90.prefill"
-    for change, needle in ((dict(head_dim=96), "head_dim 64/128/256, got 96"),
-                           (dict(page_size=8), "page_size 16/32/64/128, got 8"),
-                           (dict(kv="fp16", model="bf16"), "equal to model_dtype bf16, got fp16")):
+    for change, needle in ((dict(head_dim=96), "head_dim 64/128/256 (got 96)"),
+                           (dict(page_size=8), "page_size 16/32/64/128 (got 8)"),
+                           (dict(kv="fp16", model="bf16"), "one of the model dtype bf16 (got fp16)")):
         p = _plan(**{"kv": "fp8", **change})
         assert p.kernel == "reference.paged_prefill" and needle in p.reason, p.reason
 
@@ -111,7 +122,7 @@ def test_the_choice_is_one_constant(fp8_query_chosen):
 def test_fp8_query_backend_by_name():
     p = _plan("fp8", backend="sm90.prefill_fp8q")
     assert (p.kernel, p.q_dtype, p.quantize_query, p.applies_q_scale) == ("sm90.prefill_fp8q", "fp8_e4m3", True, True)
-    with pytest.raises(UnsupportedConfig, match="supports kv_cache_dtype fp8_e4m3, got bf16"):
+    with pytest.raises(UnsupportedConfig, match=r"needs kv_cache_dtype fp8_e4m3 \(got bf16\)"):
         _plan("bf16", backend="sm90.prefill_fp8q")
     with pytest.raises(UnsupportedConfig, match="is a prefill kernel, not decode"):
         _plan("fp8", phase="decode", backend="sm90.prefill")
@@ -162,7 +173,7 @@ def _forbid_sync(monkeypatch):
 @pytest.mark.parametrize("batch", ["mixed", "prefill"])
 def test_one_prefill_launch_without_host_sync(batch, fp8_query, monkeypatch):
     if fp8_query:
-        monkeypatch.setattr(capabilities, "SM90_FP8_PREFILL", "sm90.prefill_fp8q")
+        _choose_fp8_query(monkeypatch)
     step = make_step(**BATCHES[batch])
     q_scale = torch.tensor([0.25, 0.5])  # per KV head
     layer = AttentionLayer(8, 2, 64, kv_cache_dtype=FP8, page_size=16, arch="sm90", q_scale=q_scale, sm_scale=0.2,

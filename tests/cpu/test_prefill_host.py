@@ -125,6 +125,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(op, "compile_target", lambda device: "sm_90a")
     monkeypatch.setattr(op, "get_kernel", get_kernel)
+    monkeypatch.setattr(op, "self_check_passes", lambda config, device: True)  # tests/cpu/test_prefill_selfcheck.py
     op._cache.entries.clear()
     yield calls, compiled
     op._cache.entries.clear()
@@ -312,10 +313,9 @@ def test_fp8_query_scale_rules():
     qs = p.pop("q_scale")
     with pytest.raises(ValueError, match="an FP8 query needs q_scale"):
         op.paged_prefill(*_args(p), **_kw(p))
-    with pytest.raises(ValueError, match="per-KV-head q_scale must have Hkv=2"):
-        op.paged_prefill(*_args(p), **_kw(p, q_scale=torch.ones(4)))
-    with pytest.raises(ValueError, match="q_scale must be a float, a 1-element tensor or a per-KV-head"):
-        op.paged_prefill(*_args(p), **_kw(p, q_scale=torch.ones(3)))
+    for bad in (torch.ones(4), torch.ones(3)):  # Hkv = 2: neither one element nor one per KV head
+        with pytest.raises(ValueError, match=r"q_scale must be a float or a 1-element tensor or a per-KV-head"):
+            op.paged_prefill(*_args(p), **_kw(p, q_scale=bad))
     with pytest.raises(TypeError, match="out must have dtype bfloat16 or float16"):
         op.paged_prefill(*_args(p), **_kw(p, q_scale=qs), out=torch.empty(p["q"].shape, dtype=FP8))
     for s in (qs, torch.tensor(qs), torch.tensor([qs, qs])):
@@ -360,3 +360,36 @@ def test_checked_mode_names_the_first_bad_entry(fake_gpu, monkeypatch, mutate, m
     with pytest.raises(ValueError, match=match):
         op.paged_prefill(*_args(p), **_kw(p), **extra)
     assert len(calls) == 1  # nothing launched
+
+
+# ----------------------------------------------------------------------------------------------
+# the warm-up covers the prefill variants the layer launches
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qd,scales_as_tensors,layout,container", [
+    (BF16, False, "HND", "single"),
+    (BF16, True, "NHD", "tuple"),
+    (FP8, False, "HND", "single"),
+])
+def test_warmup_covers_the_layers_prefill_variants(fake_gpu, monkeypatch, qd, scales_as_tensors, layout, container):
+    """What ``AttentionLayer`` passes (``out=`` in the model dtype, causal, no LSE, its scales) selects
+    a variant that ``cute_kernels.warmup`` lists for the same shape, and the warm-up compiles it."""
+    import cute_kernels.warmup as warm
+
+    calls, compiled = fake_gpu
+    p = _problem(("warm", str(qd), layout), kv_dtype=FP8, q_dtype=qd, layout=layout, container=container)
+    kw = _kw(p)
+    if scales_as_tensors:
+        kw.update(k_scale=torch.tensor([kw["k_scale"]]), v_scale=torch.tensor([kw["v_scale"]]))
+    out = torch.empty(p["q"].shape, dtype=BF16)
+    op.paged_prefill(*_args(p), **kw, out=out, max_query_len=5)
+    (config, _), = compiled
+    seen = []
+    monkeypatch.setattr(warm, "precompile", lambda configs, target, **k: seen.extend(configs))
+    shape = dict(head_dim=64, num_q_heads=4, num_kv_heads=2, page_size=16, kv_layouts=(layout,),
+                 kv_forms=(container.replace("tuple", "pair"),))
+    listed = warm.warmup(arch="sm_90a", fp8_query=qd == FP8, progress=False, **shape)
+    assert config in listed and config in seen
+    assert any(c.kernel_id == "sm90.decode" for c in listed)
+    assert config not in warm.warmup(arch="sm_90a", prefill=False, progress=False, **shape)

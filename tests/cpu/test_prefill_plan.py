@@ -8,6 +8,7 @@ import random
 import pytest
 
 from cute_kernels.plans import sm90_prefill as plan
+from cute_kernels.roles import prefill_blocks as blocks
 
 
 def brute_visible(j, q_len, seq_len, cap, causal):
@@ -26,14 +27,14 @@ def test_block_ranges_match_brute_force(seed):
         q_len = rng.choice([0, 1, 2, rng.randrange(1, 400)])
         seq_len = rng.choice([q_len, q_len + rng.randrange(0, 300), rng.randrange(-3, q_len + 1)])
         width, page = rng.randrange(0, 30), rng.choice([16, 32, 64, 128])
-        cap = plan.kv_cap(seq_len, width, page)
+        cap = blocks.kv_cap(seq_len, width, page)
         assert cap == max(0, min(seq_len, width * page))
         for m in range(-(-max(q_len, 1) // tile_m) + 1):
-            n_max, n_unmasked = plan.n_block_range(m, tile_m, tile_n, q_len, seq_len, cap, causal)
+            n_max, n_unmasked = blocks.n_block_range(m, tile_m, tile_n, q_len, seq_len, cap, causal)
             rows = range(m * tile_m, min((m + 1) * tile_m, q_len))
             vis = {j: brute_visible(j, q_len, seq_len, cap, causal) for j in rows}
             for j in rows:
-                assert plan.row_limit(j, q_len, seq_len, cap, causal) == len(vis[j])
+                assert blocks.row_limit(j, q_len, seq_len, cap, causal) == len(vis[j])
                 assert vis[j] == set(range(len(vis[j])))  # a prefix
             needed = max((max(v) // tile_n + 1 for v in vis.values() if v), default=0)
             assert n_max == needed, (m, q_len, seq_len, cap)
@@ -49,15 +50,15 @@ def test_block_ranges_match_brute_force(seed):
 
 
 def test_request_rows_clamp_a_corrupted_table():
-    assert plan.request_rows(3, 10, 100) == (3, 7)
-    assert plan.request_rows(10, 3, 100) == (10, 0)  # decreasing: empty
-    assert plan.request_rows(-5, 4, 100) == (0, 4)
-    assert plan.request_rows(90, 500, 100) == (90, 10)
-    assert plan.request_rows(500, 600, 100) == (100, 0)
+    assert blocks.request_rows(3, 10, 100) == (3, 7)
+    assert blocks.request_rows(10, 3, 100) == (10, 0)  # decreasing: empty
+    assert blocks.request_rows(-5, 4, 100) == (0, 4)
+    assert blocks.request_rows(90, 500, 100) == (90, 10)
+    assert blocks.request_rows(500, 600, 100) == (100, 0)
 
 
 def test_m_blocks_longest_first():
-    assert [plan.m_block_of(y, 4) for y in range(4)] == [3, 2, 1, 0]
+    assert [blocks.m_block_of(y, 4) for y in range(4)] == [3, 2, 1, 0]
     assert plan.grid(32, 3, 300) == (32, 3, 3)
     assert plan.grid(32, 3, 0) == (32, 0, 3)
 
@@ -68,7 +69,7 @@ def test_boxes_tile_every_kv_position_once(page, tile_n):
     seen = {}
     for tile in range(6):
         for b in range(tile_n // box):
-            token, lp, sub = plan.box_source(tile, b, tile_n, box, page)
+            token, lp, sub = blocks.box_source(tile, b, tile_n, box, page)
             assert token == lp * page + sub * box
             assert 0 <= sub < page // box
             for t in range(token, token + box):

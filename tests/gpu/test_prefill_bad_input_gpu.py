@@ -18,7 +18,7 @@ from cute_kernels.testing import make_paged_prefill_case, rel_err
 from ..cpu.test_prefill_host import BAD
 from .conftest import sm90_only
 
-pytestmark = sm90_only()
+pytestmark = [sm90_only(), pytest.mark.usefixtures("prefill_kernel_only")]
 
 
 def _problem(seed=0):

@@ -31,7 +31,7 @@ from cute_kernels.testing import make_paged_prefill_case, rel_err
 
 from .conftest import sm90_only
 
-pytestmark = sm90_only()
+pytestmark = [sm90_only(), pytest.mark.usefixtures("prefill_kernel_only")]
 FP8, BF16, FP16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
 NAMES = {FP8: "fp8_e4m3", BF16: "bf16", FP16: "fp16"}
 RANDOM_PER_VARIANT = int(os.environ.get("CUTE_KERNELS_PREFILL_RANDOM", "50"))
@@ -254,3 +254,27 @@ def _random_problem(name, i):
 def test_prefill_random(name, i):
     c, case, g, seed, mql = _random_problem(name, i)
     _run_and_check(c, case, g, seed, max_query_len=mql)
+
+
+# ----------------------------------------------------------------------------------------------
+# the runtime self-check that guards the compile-verified kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _registered_variants():
+    from cute_kernels.registry import KERNELS
+
+    return [c for kid in ("sm90.prefill", "sm90.prefill_fp8q") for c in KERNELS[kid].variants()]
+
+
+@pytest.mark.parametrize("config", _registered_variants(), ids=lambda c: c.label())
+def test_self_check_passes_for_every_registered_variant(config):
+    """The op's own self-check problems, run now (not the process's cached outcome) on each
+    registered variant: what guards the kernel on a machine must pass on the H200."""
+    from cute_kernels.ops import _selfcheck
+    from cute_kernels.ops import paged_prefill as op
+    from cute_kernels.plans.sm90_prefill import family
+
+    fam = family(config.q_dtype, config.kv_dtype, config.head_dim)
+    rec = _selfcheck.run_check(fam, torch.device(DEVICE), op.self_check_cases(config, torch.device(DEVICE)))
+    assert rec.ok, rec.reason

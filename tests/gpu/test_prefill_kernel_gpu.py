@@ -129,7 +129,7 @@ def reference(case: PrefillCase, layout: str, causal: bool):
         valid = (ids >= 0) & (ids < P)
         ids = ids.clamp(0, P - 1)
 
-        def gather(x):
+        def gather(x, ids=ids, valid=valid, n_pages=n_pages, cap=cap):
             g = x[ids].double()  # [n, Hkv, page, D]
             g = torch.where(valid.view(-1, 1, 1, 1), g, torch.zeros((), dtype=torch.float64, device=dev))
             return g.permute(1, 0, 2, 3).reshape(Hkv, n_pages * page, D)[:, :cap].repeat_interleave(G, dim=0)
