@@ -20,7 +20,7 @@ from .sm90_attention import HEAD_DIMS, KV_FORMS, KV_LAYOUTS, PAGE_SIZES, kv_cach
 __all__ = [
     "HEAD_DIMS", "PAGE_SIZES", "MAX_GROUP", "MODEL_DTYPES", "Q_DTYPES", "KV_DTYPES", "OUT_DTYPES", "KV_LAYOUTS",
     "KV_FORMS", "Q_SCALE_KINDS", "TILE_M", "SMEM_BUDGET", "MAX_BATCH", "FP8_CACHE_KERNEL", "FP8_CACHE_REASON",
-    "Sm90PrefillConfig", "make_prefill_config", "grid", "smem_bytes", "family", "compile_variants",
+    "Sm90PrefillConfig", "make_prefill_config", "grid", "smem_bytes", "registry_id", "family", "compile_variants",
     "fp8_query_compile_variants", "prefill_variants",
 ]
 
@@ -303,13 +303,16 @@ def grid(num_q_heads: int, batch: int, max_query_len: int) -> tuple[int, int, in
 # ---------------------------------------------------------------------------------------------
 
 
+def registry_id(q_dtype: str, kv_dtype: str) -> str:
+    """The registry entry a (query, cache) dtype pair runs: the FP8-query kernel, or the other."""
+    return "sm90.prefill_fp8q" if kv_kind(q_dtype, kv_dtype) == "fp8" else "sm90.prefill"
+
+
 def family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
-    """The runtime self-check family of a (query, cache) dtype pair and head dim: its kernel id,
+    """The runtime self-check family of a (query, cache) dtype pair and head dim: its registry id,
     its kind (the MMA path: 16-bit K/V, FP8 widened, FP8 query) and its head dim (which sets the
     tile and the consumer schedule), e.g. ``"sm90.prefill/widen/d128"``."""
-    kind = kv_kind(q_dtype, kv_dtype)
-    kernel = "sm90.prefill_fp8q" if kind == "fp8" else "sm90.prefill"
-    return f"{kernel}/{kind}/d{head_dim}"
+    return f"{registry_id(q_dtype, kv_dtype)}/{kv_kind(q_dtype, kv_dtype)}/d{head_dim}"
 
 
 def _variant(q, kv, d, g, page, **kw) -> Sm90PrefillConfig:

@@ -11,6 +11,7 @@ device and the compiled function stubbed:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -145,3 +146,14 @@ def test_plan_reports_the_check_before_and_after(fake_gpu):
     op.paged_prefill(*_args(p), **_kw(p))
     after = dispatch_plan(**shape)
     assert after.kernel == "sm90.prefill" and "sm90.prefill/widen/d64 passed its self-check on cpu" in after.reason
+
+
+def test_an_available_kernel_runs_no_check(fake_gpu, monkeypatch):
+    """Once the GPU has verified it, the registry's status is ``available`` and the op launches
+    without the self-check: flipping the status is the whole change."""
+    for kid in ("sm90.prefill", "sm90.prefill_fp8q"):
+        monkeypatch.setitem(KERNELS, kid, dataclasses.replace(KERNELS[kid], status="available"))
+    fake_gpu["damage"] = lambda out: out.mul_(2)  # a check would fail: none runs
+    p = _problem("available", kv_dtype=FP8)
+    op.paged_prefill(*_args(p), **_kw(p))
+    assert len(fake_gpu["compiled"]) == 1 and records.lookup("sm90.prefill/widen/d64") is None
