@@ -4,8 +4,12 @@
 #
 #   bash profiling/run.sh TIER...            e.g. bash profiling/run.sh test bench
 #
-#   test        the GPU test suite except QSA                 (log pytest.log)
+#   test        the GPU test suite except QSA and the prefill  (log pytest.log)
 #   test-qsa    the QSA GPU tests                             (log pytest_qsa.log)
+#   test-prefill  the SM90 prefill: the kernel alone (smoke), its GPU tests, the self-check of every
+#               registered variant (logs smoke_prefill.log, pytest_prefill.log)
+#   sanitize-prefill  compute-sanitizer memcheck and racecheck of the prefill smoke cases
+#   bench-prefill  cute-kernels bench prefill (ours, both FP8 query paths, and every installed peer)
 #   smoke       a few decode split counts against the reference, in seconds
 #   sanitize    compute-sanitizer memcheck of the decode/merge and QSA drivers
 #   bench       cute-kernels bench decode (uniform shapes, FP8 and BF16 with every installed peer), merge, layer, latency
@@ -52,9 +56,21 @@ for tier in "$@"; do
   echo "=== $tier $(date +%T)"
   case $tier in
     test) step 420 pytest "$PY" -m pytest tests/gpu -q -p no:cacheprovider \
-            --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py ;;
+            --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py \
+            --ignore=tests/gpu/test_prefill_gpu.py --ignore=tests/gpu/test_prefill_kernel_gpu.py \
+            --ignore=tests/gpu/test_prefill_bad_input_gpu.py ;;
     test-qsa) step 420 pytest_qsa "$PY" -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider ;;
+    test-prefill) step 300 smoke_prefill "$PY" -m profiling.smoke_prefill
+                  step 580 pytest_prefill "$PY" -m pytest tests/gpu/test_prefill_kernel_gpu.py \
+                    tests/gpu/test_prefill_gpu.py tests/gpu/test_prefill_bad_input_gpu.py -q -p no:cacheprovider ;;
+    sanitize-prefill) for only in q_dtype=bf16,kv_dtype=bf16 q_dtype=bf16,kv_dtype=fp8 q_dtype=fp8; do
+                        step 400 "memcheck_prefill_${only//[=,]/_}" "${MEMCHECK[@]}" "$PY" -m profiling.smoke_prefill \
+                          --only "$only"
+                        step 400 "racecheck_prefill_${only//[=,]/_}" compute-sanitizer --tool racecheck \
+                          --racecheck-report hazard --error-exitcode 9 "$PY" -m profiling.smoke_prefill --only "$only"
+                      done ;;
+    bench-prefill) TAIL=60 step 580 prefill "${CK[@]}" bench prefill --json "$OUT/prefill.json" --png "$OUT/prefill.png" ;;
     smoke) step 120 smoke "$PY" -m profiling.smoke_decode ;;
     sanitize) step 200 sanitize_decode "${MEMCHECK[@]}" "$PY" -m profiling.sanitize_decode
               step 200 sanitize_qsa "${MEMCHECK[@]}" "$PY" -m profiling.sanitize_qsa ;;
