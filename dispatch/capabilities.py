@@ -25,10 +25,10 @@ ARCH_SUMMARY = {
     "sm86": "Ampere (consumer): as SM80.",
     "sm89": "Ada: FP8 tensor cores but no attention kernel here; reference fallback with a model-dtype query.",
     "sm90": "Hopper: sm90.decode and sm90.prefill widen FP8 K/V on chip, so the query stays in the model "
-            "dtype (sm90.decode_fp8q and sm90.prefill_fp8q are opt-in; the prefill kernels are compile-verified, "
-            "guarded by a one-time runtime self-check).",
-    "sm100": "Blackwell: the planned tcgen05 kernels compute QK in FP8 for an FP8 cache, with a query the "
-             "layer quantizes.",
+            "dtype (sm90.decode_fp8q and sm90.prefill_fp8q are opt-in; the prefill kernels are compile-verified: "
+            "a runtime self-check before first use).",
+    "sm100": "Blackwell: the tcgen05 kernels (compile-verified: a runtime self-check before first use) compute QK "
+             "in FP8 for an FP8 cache, with a query the layer quantizes.",
     "sm103": "Blackwell Ultra: as SM100.",
     "sm120": "Blackwell (consumer): no tcgen05 kernel; reference fallback with a model-dtype query.",
     "sm121": "Blackwell (GB10): as SM120.",

@@ -160,27 +160,29 @@ def refusal(k: KernelInfo, unmet: list[str]) -> str | None:
     return f"{k.id} {needs}" if needs else None
 
 
-def _unmet(k: KernelInfo, req: _Request) -> list[str]:
-    return unmet_limits(k, kv=req.kv_cache_dtype, model=req.model_dtype, head_dim=req.head_dim, hq=req.num_q_heads,
-                        hkv=req.num_kv_heads, page_size=req.page_size, q_len=req.q_len, kv_layout=req.kv_layout)
-
-
 def _family(k: KernelInfo, req: _Request) -> str:
-    """The self-check family ``k`` would run for ``req`` (its query dtype follows from the cache)."""
+    """The self-check family ``k`` runs for ``req`` (the query dtype follows from the cache; the
+    registry entry names the family: ``KernelInfo.family``)."""
     q = "fp8_e4m3" if k.computes_qk_in_fp8(req.kv_cache_dtype) else req.model_dtype
     return k.family(q, req.kv_cache_dtype, req.head_dim)
 
 
-def _refusal(k: KernelInfo, req: _Request) -> str | None:
-    """:func:`refusal`, and for a compile-verified kernel a failed runtime self-check recorded on
-    this machine (its op then serves the reference: the plan says so instead)."""
-    why = refusal(k, _unmet(k, req))
-    if k.status == "compile-verified":
-        rec = selfcheck_records.lookup(_family(k, req))
-        if rec is not None and not rec.ok:
-            failed = f"{rec.family} failed its runtime self-check on this machine ({rec.reason})"
-            why = f"{why}; {failed}" if why else f"{k.id}: {failed}"
-    return why
+def _runtime_refusal(k: KernelInfo, req: _Request) -> str | None:
+    """Why a compile-verified kernel whose limits accept ``req`` still cannot run it here: its op
+    is not in this build yet, or its MMA family failed its runtime self-check on this machine."""
+    if k.status != "compile-verified":
+        return None
+    if k.op is None:
+        return f"{k.id} has no op in this build"
+    rec = selfcheck_records.lookup(_family(k, req))
+    if rec is not None and not rec.ok:
+        return f"{rec.family} failed its runtime self-check on this machine ({rec.reason})"
+    return None
+
+
+def _unmet(k: KernelInfo, req: _Request) -> list[str]:
+    return unmet_limits(k, kv=req.kv_cache_dtype, model=req.model_dtype, head_dim=req.head_dim, hq=req.num_q_heads,
+                        hkv=req.num_kv_heads, page_size=req.page_size, q_len=req.q_len, kv_layout=req.kv_layout)
 
 
 def _make_plan(k: KernelInfo, req: _Request, why: str, backend: str | None) -> Plan:
@@ -189,18 +191,17 @@ def _make_plan(k: KernelInfo, req: _Request, why: str, backend: str | None) -> P
     plan's ``q_dtype`` and ``applies_q_scale`` say the rest)."""
     fp8_query = k.computes_qk_in_fp8(req.kv_cache_dtype)
     query = ", where QK runs in FP8: the layer quantizes the query with q_scale" if fp8_query else ""
-    verified = ""
-    if k.status == "compile-verified":  # a failed check refused it already (_refusal)
-        fam = _family(k, req)
-        rec = selfcheck_records.lookup(fam)
-        done = f"{fam} passed its self-check on {rec.device}" if rec is not None else "self-checked on first use"
-        verified = f"; compile-verified only: {done}"
+    if k.status == "compile-verified":  # never run on this arch's hardware: say what the check found
+        rec = selfcheck_records.lookup(_family(k, req))
+        state = "its runtime self-check runs on first use" if rec is None else (
+            f"it passed its runtime self-check on {rec.device}")
+        query += f"; compile-verified only, {state}"
     return Plan(
         kernel=k.id,
         q_dtype="fp8_e4m3" if fp8_query else req.model_dtype,
         quantize_query=fp8_query and k.supports_quant_query_input,
         applies_q_scale=fp8_query,
-        reason=f"{why}{query}{verified}.",
+        reason=f"{why}{query}.",
         backend=backend,
         **asdict(req),
     )
@@ -213,7 +214,7 @@ def _auto(req: _Request) -> Plan:
         if k.is_fallback:
             why = "; ".join(rejected) if rejected else f"no CuTe kernel targets {req.arch} {req.phase}"
             return _make_plan(k, req, f"reference fallback: {why}", None)
-        why = _refusal(k, req)
+        why = refusal(k, _unmet(k, req)) or _runtime_refusal(k, req)
         if why is None:
             note = choice_note(req.arch, req.phase, req.kv_cache_dtype)
             return _make_plan(k, req, f"{k.id} accepts this request" + (f" ({note})" if note else ""), None)
@@ -227,7 +228,7 @@ def _explicit(req: _Request, backend: str) -> Plan:
     if k is None or k.call_site != "attention":
         ids = ", ".join(i for i, v in KERNELS.items() if v.call_site == "attention")
         raise UnsupportedConfig(f"backend={backend!r} is not an attention kernel id; expected 'reference' or one of {ids}")
-    why = target_mismatch(k, req.arch, req.phase) or _refusal(k, req)
+    why = target_mismatch(k, req.arch, req.phase) or refusal(k, _unmet(k, req)) or _runtime_refusal(k, req)
     if why:
         raise UnsupportedConfig(f"backend={backend!r} cannot serve this request: {why}")
     label = "the reference fallback" if k.is_fallback else k.id

@@ -301,6 +301,7 @@ def test_explicit_backend_lists_every_violation(all_planned):
 
 def test_explicit_layout_refused(sm90_decode_available, monkeypatch):
     _make_available(monkeypatch, "sm100.decode")
+    monkeypatch.setitem(KERNELS, "sm100.decode", dataclasses.replace(KERNELS["sm100.decode"], kv_layouts=("HND",)))
     _raises(r"sm100.decode needs kv_layout HND \(got NHD\)", arch="sm100", kv_layout="NHD",
             backend="sm100.decode")
     assert _plan(kv_layout="nhd", backend="sm90.decode").kv_layout == "NHD"
