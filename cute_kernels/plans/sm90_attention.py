@@ -1,11 +1,8 @@
 """What the SM90 attention kernels (paged decode and prefill, QSA) accept in common: the query and
 cache dtypes and head dims of their shared Q staging, FP8 widening and WGMMA shapes; and what the
-paged TMA kernels (decode, prefill) share: page sizes, cache layouts and containers, and the cache
-arguments of their signatures. Host-only."""
+paged TMA kernels (decode, prefill) share: page sizes, cache layouts and containers. Host-only."""
 
 from __future__ import annotations
-
-from ..jit.spec import ScalarArg, TensorArg
 
 Q_DTYPES = ("bf16", "fp16")
 KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")  # a 16-bit cache must have the query's dtype
@@ -27,18 +24,3 @@ def check_qkv(q_dtype: str, kv_dtype: str, head_dim: int) -> None:
         raise ValueError("a 16-bit KV cache must have the query's dtype")
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
-
-
-def kv_cache_args(kv_form: str, kv_layout: str, kv_dtype: str, page_size: int, head_dim: int) -> tuple[TensorArg, ...]:
-    """The paged cache arguments of a signature: one ``kv_cache`` ``[P, 2, ...]`` tensor, or
-    ``k_cache`` and ``v_cache``; HND ``[P, Hkv, page, D]`` or NHD ``[P, page, Hkv, D]`` pages."""
-    inner = ("Hkv", page_size) if kv_layout == "HND" else (page_size, "Hkv")
-    if kv_form == "single":
-        return (TensorArg("kv_cache", kv_dtype, ("P", 2, *inner, head_dim)),)
-    return (TensorArg("k_cache", kv_dtype, ("P", *inner, head_dim)),
-            TensorArg("v_cache", kv_dtype, ("P", *inner, head_dim)))
-
-
-def scale_arg(name: str, tensor: bool) -> TensorArg | ScalarArg:
-    """A dequantization scale: a 1-element fp32 tensor (read on the device) or a float."""
-    return TensorArg(name, "fp32", (1,), align=4) if tensor else ScalarArg(name, "fp32")

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from ..jit.spec import KernelConfig, ScalarArg, TensorArg
 from . import hw
+from .paged_cache import kv_cache_args, scale_arg
 from .sm90_attention import (  # noqa: F401 - the limits
     HEAD_DIMS,
     KV_DTYPES,
@@ -23,8 +24,6 @@ from .sm90_attention import (  # noqa: F401 - the limits
     PAGE_SIZES,
     Q_DTYPES,
     check_qkv,
-    kv_cache_args,
-    scale_arg,
 )
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from typing import ClassVar
 
 from ..jit.spec import KernelConfig, ScalarArg, TensorArg
 from . import hw
-from .sm90_attention import HEAD_DIMS, KV_FORMS, KV_LAYOUTS, PAGE_SIZES, kv_cache_args, scale_arg
+from .paged_cache import kv_cache_args, scale_arg
+from .sm90_attention import HEAD_DIMS, KV_FORMS, KV_LAYOUTS, PAGE_SIZES
 
 __all__ = [
     "HEAD_DIMS", "PAGE_SIZES", "MAX_GROUP", "MODEL_DTYPES", "Q_DTYPES", "KV_DTYPES", "OUT_DTYPES", "KV_LAYOUTS",
