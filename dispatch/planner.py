@@ -17,11 +17,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cute_kernels.plans import selfcheck_records
-from cute_kernels.plans.sm100 import family as self_check_family
 from cute_kernels.registry import FALLBACKS, KERNELS, KV_LAYOUTS, PHASES, KernelInfo
 
 from .arch import parse_arch
-from .capabilities import kernels_for
+from .capabilities import choice_note, kernels_for
 from .dtypes import kv_dtype_name, model_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
 
@@ -163,9 +162,10 @@ def refusal(k: KernelInfo, unmet: list[str]) -> str | None:
 
 
 def _family(k: KernelInfo, req: _Request) -> str:
-    """The self-check family ``k`` runs for ``req`` (the query dtype follows from the cache)."""
+    """The self-check family ``k`` runs for ``req`` (the query dtype follows from the cache; the
+    registry entry names the family: ``KernelInfo.family``)."""
     q = "fp8_e4m3" if k.computes_qk_in_fp8(req.kv_cache_dtype) else req.model_dtype
-    return self_check_family(k.id, q, req.kv_cache_dtype)
+    return k.family(q, req.kv_cache_dtype, req.head_dim)
 
 
 def _runtime_refusal(k: KernelInfo, req: _Request) -> str | None:
@@ -237,7 +237,10 @@ def _auto(req: _Request) -> Plan:
             return _make_plan(k, req, f"reference fallback: {why}", None)
         why = refusal(k, _unmet(k, req)) or _runtime_refusal(k, req)
         if why is None:
-            return _make_plan(k, req, "; ".join(_joined(rejected) + [f"{k.id} accepts this request"]), None)
+            # why this kernel over an alternative that could serve it too (the first one tried only)
+            note = "" if rejected else choice_note(req.arch, req.phase, req.kv_cache_dtype)
+            accepts = f"{k.id} accepts this request" + (f" ({note})" if note else "")
+            return _make_plan(k, req, "; ".join(_joined(rejected) + [accepts]), None)
         rejected.append((k.id, why))
     raise AssertionError(f"capability list of {req.arch} {req.phase} has no fallback")  # pragma: no cover
 

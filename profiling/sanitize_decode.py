@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 import cute_kernels
-from cute_kernels.ops._sm80_prefill import run_prefill
-from cute_kernels.testing import make_paged_decode_case, make_prefill_case
+from cute_kernels.ops.paged_prefill import tuning_override as prefill_override
+from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case
 
 
 def main():
@@ -44,12 +44,14 @@ def main():
         with tuning_override(backend="sm80", **extra):
             cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=splits, **c.kwargs())
     for kv in (torch.float8_e4m3fn, torch.bfloat16):
-        c, qsl = make_prefill_case(g, q_lens=[37, 0, 130, 5], prefixes=[0, 50, 33, 1000], kv=kv, q=torch.bfloat16,
-                                   D=128, Hq=32, Hkv=8, page=16, layout="HND", container="single")
+        c = make_paged_prefill_case(reqs=[(0, 37), (50, 0), (33, 130), (1000, 5)], num_q_heads=32, num_kv_heads=8,
+                                    head_dim=128, page_size=16, kv_dtype=kv, k_scale=0.5, v_scale=0.25, generator=g)
+        qsl = c.query_start_loc
         c.block_table[2, 3] = 10**6
         c.block_table[3, 5] = -5
-        run_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=130, k_scale=c.k_scale,
-                    v_scale=c.v_scale, return_lse=True)
+        with prefill_override(backend="sm80"):
+            cute_kernels.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=130,
+                                       k_scale=c.k_scale, v_scale=c.v_scale, return_lse=True)
     po = torch.randn(3, 5, 4, 128, device="cuda")
     pl = torch.randn(3, 5, 4, device="cuda")
     cute_kernels.merge_states(po, pl, out_dtype=torch.bfloat16)

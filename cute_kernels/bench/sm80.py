@@ -20,9 +20,9 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference
-from cute_kernels.ops._sm80_prefill import run_prefill
 from cute_kernels.ops.paged_decode import tuning_override
-from cute_kernels.testing import make_paged_decode_case, make_prefill_case, prefill_reference, rel_err
+from cute_kernels.ops.paged_prefill import tuning_override as prefill_override
+from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case, rel_err
 
 from .decode import SHAPES as DECODE_SHAPES
 from .harness import SM80_PLUS, write_json
@@ -157,17 +157,21 @@ def bench_prefill(shapes=None, out_json=None, check=True):
     rows = []
     for name, Hq, Hkv, D, B, q_len, prefix in shapes or PREFILL_SHAPES:
         q_lens, prefixes = [q_len] * B, [prefix] * B
-        c, qsl = make_prefill_case(g, q_lens=q_lens, prefixes=prefixes, kv=BF16, q=BF16, D=D, Hq=Hq, Hkv=Hkv,
-                                   page=PAGE, layout="HND", container="single")
-        c.k_scale = c.v_scale = 1.0
+        c = make_paged_prefill_case(reqs=list(zip(prefixes, q_lens)), num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                                    page_size=PAGE, generator=g, poison_tail=False)
+        qsl = c.query_start_loc
         flops = _causal_flops(q_lens, prefixes, Hq, D)
         row = dict(shape=name)
         out = torch.empty_like(c.q)
         def ours(**fields):
-            return (lambda: run_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=q_len, out=out,
-                                        **fields), out)
+            def fn():
+                with prefill_override(backend="sm80", **fields):
+                    cute_kernels.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=q_len,
+                                               out=out)
+            return fn, out
 
-        ref = prefill_reference(c, qsl, True)[0] if check and B * q_len <= 4096 else None
+        ref = reference.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl) if (
+            check and B * q_len <= 4096) else None
         entries = [("sm80", ours)] + [(f"sm80_{k}", lambda f=f: ours(**f)) for k, f in PREFILL_VARIANTS.items()]
         entries.append(("fi_fa2", lambda: _fi_prefill(c, qsl, q_lens, Hq, Hkv, D)))
         for pname, made in entries:

@@ -15,6 +15,7 @@ from itertools import product
 from ..jit.spec import ALL_TARGETS, KernelConfig, ScalarArg, TensorArg
 from . import hw
 from .merge_states import MergeStatesConfig
+from .paged_cache import kv_cache_args, scale_arg
 
 # mma.sync / ldmatrix / cp.async exist on every target from SM80 on
 TARGETS = ALL_TARGETS
@@ -137,17 +138,10 @@ class _Sm80Common(KernelConfig):
         return smem_bytes(self.head_dim, 1 if self.fp8 else 2, self.tile, self.stages, self.rows, self.warps_n)
 
     def _caches(self):
-        page, D = self.page_size, self.head_dim
-        inner = ("Hkv", page) if self.kv_layout == "HND" else (page, "Hkv")
-        if self.kv_form == "single":
-            return (TensorArg("kv_cache", self.kv_dtype, ("P", 2, *inner, D)),)
-        return (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
-                TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
+        return kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, self.head_dim)
 
     def _scales(self):
-        ks = TensorArg("k_scale", "fp32", (1,), align=4) if self.k_scale_tensor else ScalarArg("k_scale", "fp32")
-        vs = TensorArg("v_scale", "fp32", (1,), align=4) if self.v_scale_tensor else ScalarArg("v_scale", "fp32")
-        return ks, vs
+        return scale_arg("k_scale", self.k_scale_tensor), scale_arg("v_scale", self.v_scale_tensor)
 
 
 def smem_bytes(D: int, kv_bytes: int, tile: int, stages: int, rows: int, warps_n: int) -> int:
@@ -369,6 +363,19 @@ class Sm80PrefillConfig(_Sm80Common):
         from ..sm80.prefill import Sm80PagedPrefill  # the kernel module imports the DSL: only here
 
         return Sm80PagedPrefill(self)
+
+
+def prefill_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
+                     kv_dtypes=("fp8_e4m3",), q_dtype: str = "bf16", scale_tensors=(False, True),
+                     kv_layouts=("HND",), kv_forms=("single",), causal=(True,), return_lse=(False,)) -> list:
+    """The ``sm80.prefill`` configs that a model shape reaches on ``target`` (the warm-up's list):
+    per cache dtype, scale form, layout, container, mask and LSE output."""
+    return [make_prefill_config(target=target, q_dtype=q_dtype, kv_dtype={"fp8": "fp8_e4m3"}.get(kv, kv),
+                                head_dim=head_dim, group=num_q_heads // num_kv_heads, page_size=page_size,
+                                causal=mask, write_lse=lse, kv_form=form, kv_layout=layout, k_scale_tensor=st,
+                                v_scale_tensor=st)
+            for kv, st, layout, form, mask, lse in product(kv_dtypes, scale_tensors, kv_layouts, kv_forms, causal,
+                                                            return_lse)]
 
 
 PREFILL_CTAS_PER_SM = 2

@@ -308,15 +308,18 @@ def test_warmups_read_the_registry(monkeypatch):
 
     monkeypatch.setattr(warmup_module, "precompile", lambda configs, target, **kw: None)
     shape = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16)
-    assert {c.kernel_id for c in warmup_module.warmup(arch="sm_90a", **shape)} == {"sm90.decode"}
+    assert {c.kernel_id for c in warmup_module.warmup(arch="sm_90a", **shape)} == {"sm90.decode", "sm90.prefill"}
+    assert {c.kernel_id for c in warmup_module.warmup(arch="sm_90a", prefill=False, **shape)} == {"sm90.decode"}
     for arch in ("sm_120a", "sm_86"):
         configs = warmup_module.warmup(arch=arch, **shape)
-        assert {c.kernel_id for c in configs} == {"sm80.decode", "common.merge_states"}
-        assert all(c.target == arch for c in configs if c.kernel_id == "sm80.decode")
+        assert {c.kernel_id for c in configs} == {"sm80.decode", "common.merge_states", "sm80.prefill"}
+        assert all(c.target == arch for c in configs if c.kernel_id.startswith("sm80."))
+        assert all(c.causal and not c.write_lse for c in configs if c.kernel_id == "sm80.prefill")  # the layer's
     mixed = warmup_module.warmup(arch="sm_90a", kv_dtypes=("fp16", "fp8"), **shape)  # bf16 query
-    assert {c.kernel_id for c in mixed} == {"sm80.decode", "common.merge_states", "sm90.decode"}
+    assert {(c.kernel_id, c.kv_dtype) for c in mixed if "merge" not in c.kernel_id} == {
+        ("sm80.decode", "fp16"), ("sm90.decode", "fp8_e4m3"), ("sm80.prefill", "fp16"), ("sm90.prefill", "fp8_e4m3")}
     fp16 = warmup_module.warmup(arch="sm_100a", kv_dtypes=("fp16",), **shape)  # sm100.decode refuses it
-    assert {c.target for c in fp16 if c.kernel_id == "sm80.decode"} == {"sm_100a"}
+    assert {c.target for c in fp16 if c.kernel_id.startswith("sm80.")} == {"sm_100a"}
     with pytest.raises(ValueError, match="sm100.decode has no warm-up list: nothing to warm up for sm_100a"):
         warmup_module.warmup(arch="sm_100a", **shape)
     monkeypatch.setitem(KERNELS, "sm80.decode", dataclasses.replace(KERNELS["sm80.decode"], status="planned"))

@@ -57,7 +57,8 @@ def _make_available(monkeypatch, *kernel_ids):
     _set_status(monkeypatch, "available", *kernel_ids)
 
 
-REAL_KERNELS = ("sm90.decode", "sm90.decode_fp8q", "sm100.decode", "sm100.prefill", "sm80.decode", "sm80.prefill")
+REAL_KERNELS = ("sm90.decode", "sm90.decode_fp8q", "sm90.prefill", "sm90.prefill_fp8q", "sm100.decode",
+                "sm100.prefill", "sm80.decode", "sm80.prefill")
 
 
 @pytest.fixture
@@ -117,8 +118,12 @@ def test_arch_matrix(registry, monkeypatch):
             assert p.q_dtype == model and not p.applies_q_scale  # FP8 KV is converted on chip
             served = sm90_built and kv in ("fp8", model)  # a 16-bit cache must match the model
             assert p.kernel == ("sm90.decode" if served else "sm80.decode" if portable else fallback)
-        if arch in NO_FP8_QUERY_ARCHS or (arch == "sm90" and phase == "prefill"):
+        if arch in NO_FP8_QUERY_ARCHS:
             assert p.kernel == (f"sm80.{phase}" if portable else fallback), p
+        if arch == "sm90" and phase == "prefill":  # the SM90 kernels where they take it, else sm80.prefill
+            own = KERNELS["sm90.prefill"].status in ("available", "compile-verified") and kv in ("fp8", model)
+            assert p.kernel in (("sm90.prefill", "sm90.prefill_fp8q") if own else
+                                (f"sm80.{phase}",) if portable else (fallback,)), p
         if registry == "as_registered" and arch in ("sm100", "sm103"):  # their own (compile-verified) where
             own = KERNELS[f"sm100.{phase}"].op is not None and kv in ("fp8", model)  # it has an op, else sm80
             assert p.kernel == (f"sm100.{phase}" if own else f"sm80.{phase}" if portable else fallback), p
@@ -169,9 +174,9 @@ def test_matrix_names_a_kernel_in_every_cell(arch):
 
 
 def test_registry_ids_and_statuses():
-    assert set(kernels_on("attention")) == {"sm90.decode", "sm90.decode_fp8q", "sm100.decode", "sm100.prefill",
-                                            "sm80.decode", "sm80.prefill", "reference.paged_decode",
-                                            "reference.paged_prefill"}
+    assert set(kernels_on("attention")) == {"sm90.decode", "sm90.decode_fp8q", "sm90.prefill", "sm90.prefill_fp8q",
+                                            "sm100.decode", "sm100.prefill", "sm80.decode", "sm80.prefill",
+                                            "reference.paged_decode", "reference.paged_prefill"}
     for kid in ("sm80.decode", "sm80.prefill"):
         k = KERNELS[kid]
         assert k.status == "available" and k.archs == SUPPORTED_ARCHS and k.qk_dtype == "model"
@@ -232,7 +237,7 @@ def test_skip_layer_bf16_group_never_gets_fp8_query(arch, monkeypatch):
         bf16_group = _plan(arch, phase, "auto")  # the skip layer, planned right after
         assert bf16_group.kv_cache_dtype == "bf16"
         assert bf16_group.q_dtype == "bf16" and not bf16_group.applies_q_scale
-        if arch == "sm90":  # sm90.decode converts FP8 K/V on chip; prefill is the reference
+        if arch == "sm90":  # sm90.decode and sm90.prefill convert FP8 K/V on chip (the default choice)
             assert fp8_group.q_dtype == "bf16" and not fp8_group.applies_q_scale
         else:  # the tcgen05 kernels compute QK in FP8, but for an FP8 cache only
             assert fp8_group.kernel == bf16_group.kernel == f"sm100.{phase}"
@@ -300,10 +305,14 @@ def test_sm90_decode_serves_every_group_times_q_len_up_to_64(sm90_decode_availab
     assert _plan("sm90", "decode", "fp8", **shape).kernel == "sm90.decode"
 
 
-def test_sm90_prefill_runs_the_portable_kernel(sm90_decode_available):
-    p = _plan("sm90", "prefill", "fp8")
+def test_sm90_prefill_refusals_go_to_the_portable_kernel():
+    """What the SM90 prefill kernels refuse and sm80.prefill accepts (an fp16 cache with a bf16
+    query, a GQA group beyond theirs) runs there; on SM90 hardware the reason has no caveat."""
+    p = _plan("sm90", "prefill", "fp16", "bf16")
     assert p.kernel == "sm80.prefill" and p.q_dtype == "bf16" and not p.applies_q_scale
-    assert p.reason == "sm80.prefill accepts this request."  # run on SM90 hardware: no caveat
+    assert p.reason.endswith("; sm80.prefill accepts this request.") and "sm90.prefill" in p.reason
+    p = _plan("sm90", "prefill", "bf16", num_q_heads=256, num_kv_heads=1)
+    assert p.kernel == "sm80.prefill" and "GQA ratio (num_q_heads / num_kv_heads) up to 128 (got 256)" in p.reason
 
 
 def test_sm90_decode_refusals_go_to_the_portable_kernel(sm90_decode_available):

@@ -198,6 +198,24 @@ def test_paged_decode_runs_the_registry_choice(target, q, kv, kernel):
         decode_kernel(target, q, kv, "sm70")
 
 
+@pytest.mark.parametrize("target,q,kv,group,kernel", [
+    ("sm_90a", "bf16", "fp8_e4m3", 4, "sm90.prefill"),
+    ("sm_90a", "bf16", "fp16", 4, "sm80.prefill"),  # what the SM90 kernel refuses: the dtype pair
+    ("sm_90a", "bf16", "bf16", 256, "sm80.prefill"),  # and a GQA group beyond its 128
+    ("sm_86", "fp16", "fp8_e4m3", 8, "sm80.prefill"),
+    ("sm_100a", "bf16", "bf16", 8, "sm80.prefill"),  # sm100.prefill has no op yet
+    ("sm_121a", "bf16", "fp8_e4m3", 64, "sm80.prefill"),
+])
+def test_paged_prefill_runs_the_registry_choice(target, q, kv, group, kernel):
+    from cute_kernels.ops.paged_prefill import prefill_kernel
+
+    assert prefill_kernel(target, q, kv, group).id == kernel
+    assert prefill_kernel(target, q, kv, group, "sm80").id == "sm80.prefill"
+    assert prefill_kernel(target, "fp8_e4m3", "fp8_e4m3", group).id == "sm90.prefill_fp8q"  # the only one
+    with pytest.raises(ValueError, match="takes no FP8 query"):
+        prefill_kernel(target, "fp8_e4m3", "fp8_e4m3", group, "sm80")
+
+
 # ----------------------------------------------------------------------------------------------
 # compile tier: the builds hold only the SM80 instruction set
 # ----------------------------------------------------------------------------------------------
