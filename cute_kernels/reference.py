@@ -15,7 +15,9 @@ Conventions shared by all ops
   never dereference it).
 - **Lengths.** ``seq_lens`` int32 ``[B]`` = each request's total KV length *including* its
   ``q_len`` new tokens. Query token j (0-based within its request) sees KV positions
-  ``< seq_len - q_len + j + 1`` (causal within the speculative draft).
+  ``< seq_len - q_len + j + 1`` (causal within the speculative draft), and none at or past the
+  block table's capacity ``max_pages * page``: a ``seq_len`` beyond it attends the positions the
+  table can address (a row left with none gives 0 and LSE ``-inf``).
 - **Scales.** ``logits = (q · (k · k_scale)) · sm_scale`` (times ``q_scale`` for an FP8 query),
   ``sm_scale`` defaults to ``D ** -0.5``; ``out = softmax(logits) · (v · v_scale)``. A scale is a
   Python float or a 1-element fp32 tensor. FP8 values are stored as ``x / scale``, so ``scale``
@@ -151,19 +153,21 @@ def paged_decode(
     out = torch.zeros((T, Hq, D), dtype=acc, device=q.device)
     lse = torch.full((T, Hq), float("-inf"), dtype=acc, device=q.device)
     lens = seq_lens.tolist()
+    capacity = block_table.shape[1] * page  # positions past the block table are not attended
     for b in range(B):
         L = int(lens[b])
-        if L <= 0:
+        n = min(L, capacity)  # the positions the table addresses
+        if n <= 0:
             continue
-        k = _gather_request(k_cache, block_table[b], L, acc) * ks  # [Hkv, L, D]
-        v = _gather_request(v_cache, block_table[b], L, acc) * vs
-        k = k.repeat_interleave(group, dim=0)  # [Hq, L, D]
+        k = _gather_request(k_cache, block_table[b], n, acc) * ks  # [Hkv, n, D]
+        v = _gather_request(v_cache, block_table[b], n, acc) * vs
+        k = k.repeat_interleave(group, dim=0)  # [Hq, n, D]
         v = v.repeat_interleave(group, dim=0)
         rows = q[b * q_len_per_req:(b + 1) * q_len_per_req].to(acc) * qs  # [q_len, Hq, D]
-        logits = torch.einsum("jhd,hld->jhl", rows, k) * scale  # [q_len, Hq, L]
-        pos = torch.arange(L, device=q.device)
+        logits = torch.einsum("jhd,hld->jhl", rows, k) * scale  # [q_len, Hq, n]
+        pos = torch.arange(n, device=q.device)
         limit = L - q_len_per_req + torch.arange(q_len_per_req, device=q.device) + 1  # [q_len]
-        visible = pos.view(1, 1, L) < limit.view(-1, 1, 1)
+        visible = pos.view(1, 1, n) < limit.view(-1, 1, 1)
         logits = logits.masked_fill(~visible, float("-inf"))
         row_lse = torch.logsumexp(logits, dim=-1)  # [q_len, Hq]
         has_any = visible.any(dim=-1).expand_as(row_lse)
