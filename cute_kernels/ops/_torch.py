@@ -93,6 +93,28 @@ def check_tensor(
     return t
 
 
+def check_kv_cache(k, v, pair: bool, kv_layout: str, head_dim: int) -> tuple[int, int, int]:
+    """Validate a paged cache (one ``[P, 2, ...]`` tensor ``k`` is ``v``, or a ``(k, v)`` pair
+    of 4-D halves) in ``kv_layout`` against the query's head dim; ``(P, Hkv, page)``."""
+    if kv_layout not in ("HND", "NHD"):
+        raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
+    if pair:
+        check_tensor("k_cache", k, ndim=4)
+        check_tensor("v_cache", v, ndim=4)
+        if k.shape != v.shape or k.dtype != v.dtype:
+            raise ValueError(f"k_cache and v_cache must match, got {tuple(k.shape)} {k.dtype} / {tuple(v.shape)} {v.dtype}")
+        k4 = k
+    else:
+        check_tensor("kv_cache", k, ndim=5)
+        if k.shape[1] != 2:
+            raise ValueError(f"kv_cache must be [P, 2, ...] (K and V), got shape {tuple(k.shape)}")
+        k4 = k[:, 0]
+    P, Hkv, page, D = k4.shape if kv_layout == "HND" else (k4.shape[0], k4.shape[2], k4.shape[1], k4.shape[3])
+    if D != head_dim:
+        raise ValueError(f"head dim mismatch: q has {head_dim}, kv_cache has {D}")
+    return P, Hkv, page
+
+
 def ffi_tensor(t):
     """``t`` as a ``tvm_ffi.Tensor`` over the same memory (None stays None), for an argument that
     a launch binds once (a workspace view): TVM-FFI converts a torch tensor at every call, ~0.1-0.2
@@ -120,24 +142,72 @@ def widest_vector(tensors_and_bytes, max_bytes: int = 16) -> int:
     return width
 
 
+try:  # the current stream of a device as an int, without building a torch.cuda.Stream (~0.1 us)
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - a torch build without CUDA
+    _raw_stream = None
+
+
+def stream_id(t) -> int:
+    """The current CUDA stream of ``t``'s device as an int (0 for a CPU tensor): what the compiled
+    functions launch on, and what keys a launch's workspaces."""
+    return _raw_stream(t.get_device()) if t.is_cuda else 0
+
+
+def device_stream_id(device) -> int:
+    """:func:`stream_id` of a device (0 for the CPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_BUFFERS: list = []  # every DeviceBuffer, for reserve / release
+
+
 class DeviceBuffer:
-    """A per-device scratch tensor shared by the calls of one op: it grows to the largest request
-    seen and never shrinks, so steady-state calls allocate nothing and capture in CUDA graphs.
-    Growing during graph capture is refused (the new allocation would not be replayed)."""
+    """A scratch tensor per (device, stream) shared by the calls of one op on that stream: it grows
+    to the largest request seen there and never shrinks, so steady-state calls allocate nothing
+    and capture in CUDA graphs.
+
+    Per stream: two launches on two streams at once (dual-batch overlap, two graphs replayed on
+    two streams) never share partials or arrival counters. A captured graph uses the buffers of
+    the stream it was captured on, so graphs that may replay at the same time are captured on
+    different streams. Lifetime: a buffer replaced by a larger one is kept (``retired``), because
+    a captured graph may still address it; :func:`release_workspaces` drops the retired ones when
+    the caller knows no such graph is alive. Growing during a capture is allowed (the new buffer
+    comes from the graph's memory pool and is kept like any other). Design:
+    docs/design/inputs.md#workspaces."""
 
     def __init__(self, owner: str, dtype: torch.dtype, *, zero: bool = False, min_numel: int = 1 << 20):
         self.owner, self.dtype, self.zero, self.min_numel = owner, dtype, zero, min_numel
-        self.buffers: dict[torch.device, torch.Tensor] = {}
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.retired: list[torch.Tensor] = []
+        _BUFFERS.append(self)
 
-    def get(self, device: torch.device, numel: int) -> torch.Tensor:
-        buf = self.buffers.get(device)
+    def get(self, device: torch.device, numel: int, stream: int = 0) -> torch.Tensor:
+        key = (device, stream)
+        buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"{self.owner} needs a larger workspace while a CUDA graph is being captured; run one "
-                    "eager call with the largest shape first (or warm up)"
-                )
             alloc = torch.zeros if self.zero else torch.empty
+            if buf is not None:
+                self.retired.append(buf)
             buf = alloc(max(numel, self.min_numel), dtype=self.dtype, device=device)
-            self.buffers[device] = buf
+            self.buffers[key] = buf
         return buf
+
+    def release(self) -> int:
+        """Drop the retired buffers; returns the bytes released."""
+        freed = sum(b.numel() * b.element_size() for b in self.retired)
+        self.retired.clear()
+        return freed
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (*self.buffers.values(), *self.retired))
+
+
+def release_workspaces() -> int:
+    """Release the workspaces that larger ones replaced (they are kept because a captured CUDA
+    graph may still write to them). Call it only when no graph captured before the last growth is
+    alive; returns the bytes released."""
+    return sum(b.release() for b in _BUFFERS)
