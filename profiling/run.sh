@@ -7,7 +7,7 @@
 #   test        the GPU test suite except QSA                 (log pytest.log)
 #   test-qsa    the QSA GPU tests                             (log pytest_qsa.log)
 #   smoke       a few decode split counts against the reference, in seconds
-#   sanitize    compute-sanitizer memcheck of the decode/merge and QSA drivers
+#   sanitize    compute-sanitizer memcheck, racecheck, synccheck, initcheck of the decode/merge, QSA, glue drivers
 #   bench       cute-kernels bench decode (FP8 and BF16 with every installed peer), merge, layer, latency
 #   bench-qsa   cute-kernels bench qsa --check (decode rows and prefill row tiles)
 #   ncu         Nsight Compute sections of the decode (three shapes) and QSA kernels (two shapes)
@@ -35,7 +35,7 @@ OUT=${OUT:-profiling/out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 CK=("$PY" -m cute_kernels)
-MEMCHECK=(compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9)
+SANITIZE=(compute-sanitizer --report-api-errors no --error-exitcode 9 --print-limit 100)
 NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 
@@ -55,8 +55,16 @@ for tier in "$@"; do
     test-qsa) step 420 pytest_qsa "$PY" -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider ;;
     smoke) step 120 smoke "$PY" -m profiling.smoke_decode ;;
-    sanitize) step 200 sanitize_decode "${MEMCHECK[@]}" "$PY" -m profiling.sanitize_decode
-              step 200 sanitize_qsa "${MEMCHECK[@]}" "$PY" -m profiling.sanitize_qsa ;;
+    sanitize) for d in sanitize_decode sanitize_qsa sanitize_glue; do  # compile outside the sanitizer first
+                step 600 "${d}_plain" "$PY" -m "profiling.$d"
+              done
+              for tool in memcheck racecheck synccheck initcheck; do
+                extra=()
+                [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
+                for d in sanitize_decode sanitize_qsa sanitize_glue; do
+                  step 900 "${d}_$tool" "${SANITIZE[@]}" --tool "$tool" "${extra[@]}" "$PY" -m "profiling.$d"
+                done
+              done ;;
     bench) TAIL=40 step 420 decode_fp8 "${CK[@]}" bench decode --kv fp8 --peers xqa,xqa_nopdl,fi,sdpa \
              --json "$OUT/decode_fp8.json" --png "$OUT/decode_fp8.png"
            TAIL=40 step 500 decode_bf16 "${CK[@]}" bench decode --kv bf16 --peers xqa,fi,fa4,sdpa \
