@@ -163,6 +163,27 @@ def device_stream_id(device) -> int:
 
 
 _BUFFERS: list = []  # every DeviceBuffer, for reserve / release
+_ARENAS: dict = {}  # (device, dtype) -> [zeroed chunk, elements handed out]
+_ARENA_NUMEL = 1 << 16  # elements of one zeroed chunk (16 streams' arrival counters at the minimum size)
+
+
+def _zeroed(device: torch.device, numel: int, dtype: torch.dtype, owner: str) -> torch.Tensor:
+    """``numel`` zeros that no other caller gets, carved from a chunk zeroed when it was allocated.
+    A new chunk is allocated (and zeroed) only outside a CUDA-graph capture: a buffer allocated
+    inside one would be zeroed only when the graph first replays, and another graph or an eager
+    call on that stream could use it before (docs/design/inputs.md#workspaces)."""
+    arena = _ARENAS.get((device, dtype))
+    if arena is None or arena[0].numel() - arena[1] < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{owner} needs {numel} zeroed workspace elements for a new stream or a larger shape while a "
+                "CUDA graph is being captured, more than were reserved: run one eager call with this shape first "
+                "(or AttentionLayer.warmup on the capturing stream)")
+        arena = [torch.zeros(max(numel, _ARENA_NUMEL), dtype=dtype, device=device), 0]
+        _ARENAS[(device, dtype)] = arena  # a replaced chunk stays alive through the views handed out
+    view = arena[0][arena[1]:arena[1] + numel]
+    arena[1] += numel
+    return view
 
 
 class DeviceBuffer:
@@ -176,7 +197,9 @@ class DeviceBuffer:
     different streams. Lifetime: a buffer replaced by a larger one is kept (``retired``), because
     a captured graph may still address it; :func:`release_workspaces` drops the retired ones when
     the caller knows no such graph is alive. Growing during a capture is allowed (the new buffer
-    comes from the graph's memory pool and is kept like any other). Design:
+    comes from the graph's memory pool and is kept like any other); a ``zero`` buffer (arrival
+    counters, which must be zero before a launch) is carved from memory zeroed eagerly, so inside
+    a capture it needs what an earlier eager allocation left over (:func:`_zeroed`). Design:
     docs/design/inputs.md#workspaces."""
 
     def __init__(self, owner: str, dtype: torch.dtype, *, zero: bool = False, min_numel: int = 1 << 20):
@@ -189,11 +212,14 @@ class DeviceBuffer:
         key = (device, stream)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
-            alloc = torch.zeros if self.zero else torch.empty
+            size = max(numel, self.min_numel)
+            if self.zero:
+                new = _zeroed(device, size, self.dtype, self.owner)
+            else:
+                new = torch.empty(size, dtype=self.dtype, device=device)
             if buf is not None:
                 self.retired.append(buf)
-            buf = alloc(max(numel, self.min_numel), dtype=self.dtype, device=device)
-            self.buffers[key] = buf
+            buf = self.buffers[key] = new
         return buf
 
     def release(self) -> int:

@@ -295,6 +295,21 @@ def test_workspaces_are_per_stream_and_replaced_buffers_stay_alive():
     assert buf.get(dev, 100, stream=1) is grown
 
 
+def test_zeroed_workspaces_are_disjoint_zeroed_slices():
+    """Arrival counters (zero before every launch) are carved from memory zeroed when allocated:
+    each stream's slice is disjoint from every other's, so a graph capturing on a new stream takes
+    zeros without allocating (inside a capture, an allocation would be zeroed only at replay)."""
+    buf = DeviceBuffer("test", torch.int32, zero=True, min_numel=16)
+    dev = torch.device("cpu")
+    a, b = buf.get(dev, 10, stream=1), buf.get(dev, 40, stream=2)
+    assert a.numel() == 16 and b.numel() == 40 and not a.any() and not b.any()
+    a.fill_(7)
+    assert not b.any() and not buf.get(dev, 16, stream=3).any()
+    lo = lambda t: t.data_ptr()  # noqa: E731
+    hi = lambda t: t.data_ptr() + t.numel() * t.element_size()  # noqa: E731
+    assert hi(a) <= lo(b) or hi(b) <= lo(a)
+
+
 def test_dropping_launches_keeps_their_workspaces():
     """The launch cache starts over when full; the buffers its launches bound belong to the
     DeviceBuffer, so a graph captured with a dropped launch still writes to live memory."""

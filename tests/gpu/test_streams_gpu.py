@@ -152,3 +152,27 @@ def test_each_stream_gets_its_own_workspace(gen):
     torch.cuda.synchronize()
     ptrs = {_workspace.buffers[(c.q.device, st.cuda_stream)].data_ptr() for st in streams}
     assert len(ptrs) == 2
+
+
+def test_graphs_captured_on_a_fresh_stream_replay_in_any_order(gen):
+    """Two split graphs captured on torch's capture stream (no eager call ever ran there, so their
+    workspaces are created during the captures), the second replayed first: its arrival counters
+    must already be zero (carved from memory zeroed eagerly, never zeroed by the first graph)."""
+    cases = _decode_cases(gen)[:2]
+    outs, graphs, expected = [], [], []
+    with decode_override(cluster=False):
+        for c, s in cases:
+            expected.append(_decode(c, s, torch.empty_like(c.q)).clone())  # compiles, on the default stream
+        torch.cuda.synchronize()
+        for c, s in cases:
+            out = torch.empty_like(c.q)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                _decode(c, s, out)
+            outs.append(out)
+            graphs.append(g)
+    for k in (1, 0, 1, 0):
+        outs[k].fill_(float("nan"))
+        graphs[k].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[k], expected[k]), f"graph {k}"
