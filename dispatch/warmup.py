@@ -20,7 +20,6 @@ from cute_kernels.plans import hw, sm90_decode
 from cute_kernels.plans import quantize_query as qq_plan
 from cute_kernels.plans import write_kv_cache as kv_plan
 from cute_kernels.plans.merge_states import MergeStatesConfig
-from cute_kernels.registry import KERNELS
 
 from .errors import UnsupportedConfig
 
@@ -51,6 +50,28 @@ def decode_launches(layer, *, arch: str, max_num_seqs: int, max_model_len: int, 
             yield batch, width, splits, config
 
 
+def sm100_decode_launches(layer, p, *, max_num_seqs: int, max_model_len: int, q_len: int = 1,
+                          kv_form: str = "single", num_sms: int = hw.H200_SMS) -> list[KernelConfig]:
+    """The SM100 decode configs (split or not) of every batch up to ``max_num_seqs`` and width up
+    to ``max_model_len``, for the plan ``p`` (its query dtype: FP8 when the plan quantizes)."""
+    from cute_kernels.plans import sm100
+
+    page = layer.page_size
+    fields = dict(q_dtype=p.q_dtype, kv_dtype=layer.kv_cache_dtype, head_dim=layer.head_dim,
+                  group=layer.num_q_heads // layer.num_kv_heads, q_len=q_len, page_size=page, sinks=False,
+                  kv_form=kv_form, kv_layout=layer.kv_layout, k_scale_tensor=_is_tensor(layer.k_scale),
+                  v_scale_tensor=_is_tensor(layer.v_scale),
+                  q_scale_tensor=p.applies_q_scale and _is_tensor(layer.q_scale))
+    max_pages = -(-max_model_len // page)
+    widths = sm90_decode.launch_widths(max_pages, page, sm100.KV_TILE)
+    out = [sm100.decode_launch_config(**fields, batch=b, num_kv_heads=layer.num_kv_heads, max_context=w * page,
+                                      num_sms=num_sms)[1] for b in range(1, max_num_seqs + 1) for w in widths]
+    # the runtime self-check of the kernel's MMA family runs it unsplit and split, whatever the batches
+    out += [sm100.decode_launch_config(**fields, batch=1, num_kv_heads=1, max_context=1, num_sms=1,
+                                       num_splits=s)[1] for s in (1, 2)]
+    return list(dict.fromkeys(out))
+
+
 def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,), kv_form: str = "single",
                    slot_dtypes=("int64", "int32"), arch=None, num_sms: int = hw.H200_SMS,
                    merge_states: bool = True) -> list[KernelConfig]:
@@ -68,10 +89,17 @@ def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,),
     for q_len in q_lens:
         p = layer.plan("decode", q_len=q_len, arch=a)
         quantize |= p.quantize_query
-        if KERNELS[p.kernel].op == "paged_decode":
+        if p.kernel == "sm90.decode":
             out += [cfg for *_, cfg in decode_launches(layer, arch=a, max_num_seqs=max_num_seqs,
                                                        max_model_len=max_model_len, q_len=q_len, kv_form=kv_form,
                                                        num_sms=num_sms)]
+        elif p.kernel == "sm100.decode":
+            configs = sm100_decode_launches(layer, p, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                            q_len=q_len, kv_form=kv_form, num_sms=num_sms)
+            out += configs
+            if any(c.split for c in configs):  # split partials merge with merge_states into the output
+                out.append(MergeStatesConfig(out_dtype="bf16" if p.q_dtype == "fp8_e4m3" else layer.model_dtype,
+                                             head_dim=layer.head_dim, vec=4))
     quantize |= layer.plan("prefill", q_len=max_model_len, arch=a).quantize_query
     D = layer.head_dim
     if quantize:
@@ -102,7 +130,7 @@ def decode_workspace(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,
     numel = counters = 0
     Hq, Hkv, D = layer.num_q_heads, layer.num_kv_heads, layer.head_dim
     for q_len in q_lens:
-        if KERNELS[layer.plan("decode", q_len=q_len, arch=a).kernel].op != "paged_decode":
+        if layer.plan("decode", q_len=q_len, arch=a).kernel != "sm90.decode":
             continue
         for batch, _, splits, cfg in decode_launches(layer, arch=a, max_num_seqs=max_num_seqs,
                                                      max_model_len=max_model_len, q_len=q_len, kv_form=kv_form,

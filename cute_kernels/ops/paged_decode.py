@@ -1,8 +1,9 @@
-"""``cute_kernels.paged_decode``: paged decode attention on SM90 (CuTe-DSL kernel).
+"""``cute_kernels.paged_decode``: paged decode attention on SM90 and SM100 / SM103 (CuTe-DSL kernels).
 
 The host side only looks at shapes, dtypes, strides and pointers: it never reads tensor data
 and never synchronizes, so a call captures in a CUDA graph (after a warm-up call has compiled
-the variant). Split-KV workspaces are allocated once per device and reused.
+the variant). Split-KV workspaces are allocated once per (device, stream) and reused
+(docs/design/inputs.md#workspaces).
 
 The op runs on the shared launcher (:mod:`cute_kernels.ops._launch`): the first call with a new
 combination of shapes/strides/dtypes validates everything and prepares a :class:`_Launch` (kernel,
@@ -25,11 +26,14 @@ from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, launch_config
+from ..plans.sm100 import TARGETS as SM100_TARGETS
 from . import _check
+from . import _paged_decode_sm100 as sm100
 from ._launch import Launcher, bind, check_scale
 from ._torch import (
     DeviceBuffer,
     check_kv_cache,
+    check_paged_tensors,
     check_tensor,
     compile_target,
     device_sm_count,
@@ -56,6 +60,7 @@ class _Launch:
     scratch_lse: object  # LSE target (a TVM-FFI tensor) when the caller did not ask for it
     out_shape: tuple
     reference: bool = False
+    sm100: object = None  # SM100 / SM103: the tcgen05 launch (an FP8 query, sinks and a window too)
     empty: bool = False  # nothing to attend (no rows, or no block-table columns): 0 and LSE -inf
 
 
@@ -69,7 +74,7 @@ def tuning_override(**fields):
 
 
 def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse, num_splits,
-         deterministic):
+         deterministic, q_scale=None, window_left=-1, sinks=None):
     """What selects the kernel, its schedule and its workspace: the query and cache geometry,
     the block-table width, the options, the stream (workspaces are per stream). Left out is what
     the compiled function checks on every call (TVM-FFI): the dtypes of the other tensors, shapes
@@ -81,71 +86,81 @@ def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scal
     # another rank, 0-d included, goes to the kernel as a [1] view)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), out is None, return_lse, num_splits,
-            deterministic, stream_id(q), _launcher.override_key)
+            deterministic, _launcher.override_key, type(q_scale), window_left == -1, sinks is None, stream_id(q))
 
 
 def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, num_splits,
-              deterministic):
+              deterministic, q_scale, window_left, sinks):
     """Every check of the arguments, the same for CPU and CUDA tensors (code that passes on the CPU
-    passes on the GPU); returns ``(scale, P, Hkv, page, k_scale is a tensor, v_scale is a tensor)``."""
-    check_tensor("q", q, dtype=(torch.bfloat16, torch.float16), ndim=3)
+    passes on the GPU: the SM90 kernel's limits hold for the calls it serves, whatever the
+    device); returns ``(scale, P, Hkv, page, k_scale is a tensor, v_scale is a tensor)``."""
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
     T, Hq, D = q.shape
-    device = q.device
     P, Hkv, page = check_kv_cache(k, v, pair, kv_layout, D)
     if not isinstance(q_len, int) or isinstance(q_len, bool) or q_len < 1:
         raise ValueError(f"q_len_per_req must be a positive int, got {q_len!r}")
-    ks_t = check_scale("k_scale", k_scale, device=device)
-    vs_t = check_scale("v_scale", v_scale, device=device)
+    ks_t = check_scale("k_scale", k_scale, device=q.device)
+    vs_t = check_scale("v_scale", v_scale, device=q.device)
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))):
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
-    if page not in PAGE_SIZES:
-        raise ValueError(f"page size must be one of {PAGE_SIZES}, got {page}")
-    if Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"num q heads ({Hq}) must be a multiple of num kv heads ({Hkv})")
-    if (Hq // Hkv) * q_len > MAX_ROWS:
-        raise ValueError(f"Hq/Hkv x q_len_per_req must be <= {MAX_ROWS}, got {Hq // Hkv} x {q_len}")
-    if q.stride(-2) != D and Hq > 1:
-        raise ValueError(f"q must have contiguous heads (stride(-2) == head_dim {D}), got strides {q.stride()}")
-    check_tensor("q", q, device=device, align_bytes=16)
-    if k.dtype not in (FP8, q.dtype):
-        raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
-    for name, t in ((("k_cache", k), ("v_cache", v)) if pair else (("kv_cache", k),)):
-        check_tensor(name, t, device=device, align_bytes=16)  # TMA: 16-byte aligned base and strides
-    if P == 0:  # a TMA descriptor needs a non-empty tensor: refused before any launch
-        raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has no pages (P = 0): an empty KV pool cannot be "
-                         "attended; allocate at least one page (docs/design/inputs.md#kv-pool)")
-    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
-    B = block_table.shape[0]
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(B,), device=device)
-    if T != B * q_len:
-        raise ValueError(f"q has {T} rows; expected batch {B} x q_len_per_req {q_len}")
-    if out is not None:
-        check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=device)
+    sm100.check_features(q, k, q_scale, sinks, window_left)
+    if q_scale is not None:
+        check_scale("q_scale", q_scale, device=q.device)
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
+    if P == 0:  # a TMA descriptor needs a non-empty tensor: refused before any launch
+        raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has no pages (P = 0): an empty KV pool cannot be "
+                         "attended; allocate at least one page (docs/design/inputs.md#kv-pool)")
+    if _sm90_serves(q, window_left, sinks):
+        if D not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
+        if page not in PAGE_SIZES:
+            raise ValueError(f"page size must be one of {PAGE_SIZES}, got {page}")
+        if Hkv < 1 or Hq % Hkv:
+            raise ValueError(f"num q heads ({Hq}) must be a multiple of num kv heads ({Hkv})")
+        if (Hq // Hkv) * q_len > MAX_ROWS:
+            raise ValueError(f"Hq/Hkv x q_len_per_req must be <= {MAX_ROWS}, got {Hq // Hkv} x {q_len}")
+        if q.stride(-2) != D and Hq > 1:
+            raise ValueError(f"q must have contiguous heads (stride(-2) == head_dim {D}), got strides {q.stride()}")
+        check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len)
+        if out is not None:
+            check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=q.device)
     return scale, P, Hkv, page, ks_t, vs_t
 
 
+def _sm90_serves(q, window_left, sinks) -> bool:
+    """The calls the SM90 kernel takes: a 16-bit query, no sinks, no window (the others run the
+    reference on SM90)."""
+    return q.dtype != FP8 and sinks is None and window_left == -1
+
+
 def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-             num_splits, deterministic) -> _Launch:
+             num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> _Launch:
     """Full validation (clear errors naming the argument) and kernel selection for one key."""
     scale, P, Hkv, page, ks_t, vs_t = _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale,
-                                                k_scale, v_scale, out, num_splits, deterministic)
+                                                k_scale, v_scale, out, num_splits, deterministic, q_scale,
+                                                window_left, sinks)
     T, Hq, D = q.shape
     if not q.is_cuda:
         return _REFERENCE
-    if T == 0 or block_table.shape[1] == 0:
-        # no rows, or a block table of no pages (capacity 0: no position is attended): 0 and LSE
-        # -inf without a launch or a compiled variant (docs/design/inputs.md#lengths)
-        return _Launch(None, None, (T, Hq, D), empty=True)
     device = q.device
+    if T == 0:  # nothing to compute: no launch, no compiled variant
+        return _Launch(None, None, (T, Hq, D), empty=True)
+    if compile_target(device) in SM100_TARGETS:
+        launch = sm100.prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale,
+                               v_scale, out, num_splits, sinks)
+        return _REFERENCE if launch is None else _Launch(None, None, (T, Hq, D), sm100=launch)
+    if not _sm90_serves(q, window_left, sinks):
+        return _REFERENCE  # the SM90 kernel has neither an FP8 query nor sinks / windows
+    if block_table.shape[1] == 0:
+        # a block table of no pages (capacity 0: no position is attended): 0 and LSE -inf without
+        # a launch or a compiled variant (docs/design/inputs.md#lengths)
+        return _Launch(None, None, (T, Hq, D), empty=True)
     B = block_table.shape[0]
     # cluster (override): None = the rule (use_cluster_merge), True = whenever the split count allows, False = never
     num_splits, config = launch_config(
@@ -205,19 +220,19 @@ def reserve(device, numel: int, counters: int = 0) -> None:
 
 
 def _check_data(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-                num_splits, deterministic) -> None:
+                num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> None:
     """Checked mode (``CUTE_KERNELS_CHECK=1``): the data rules (docs/design/inputs.md#checked-mode)."""
     P, _, page = check_kv_cache(k, v, pair, kv_layout, q.shape[2])
     _check.lengths("seq_lens", seq_lens, block_table.shape[1] * page, q_len=q_len)
     _check.pages("block_table", block_table, seq_lens, page, P)
-    _check.scales(k_scale=k_scale, v_scale=v_scale)
+    _check.scales(k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
 
 
 def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-               num_splits, deterministic):
+               num_splits, deterministic, q_scale=None, window_left=-1, sinks=None):
     res = reference.paged_decode(q, (k, v) if pair else k, block_table, seq_lens, kv_layout=kv_layout,
-                                 q_len_per_req=q_len, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-                                 return_lse=return_lse)
+                                 q_len_per_req=q_len, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale,
+                                 v_scale=v_scale, return_lse=return_lse, window_left=window_left, sinks=sinks)
     if out is None:
         return res
     out.copy_(res[0] if return_lse else res)
@@ -245,6 +260,9 @@ def paged_decode(
     return_lse: bool = False,
     num_splits: int | None = None,
     deterministic: bool = True,
+    q_scale=None,
+    window_left: int = -1,
+    sinks: torch.Tensor | None = None,
 ):
     """Paged decode attention with a BF16/FP16 query and an FP8/BF16/FP16 KV cache.
 
@@ -263,7 +281,17 @@ def paged_decode(
     at the price of results that differ in the last bits from run to run (the tiles'
     accumulation order changes); the default keeps fixed ranges, so repeated calls and
     CUDA-graph replays are bitwise identical. Returns ``out`` (the query's dtype) and, with
-    ``return_lse``, the base-2 LSE ``[B * q_len, Hq]`` fp32. CPU tensors run the reference.
+    ``return_lse``, the base-2 LSE ``[B * q_len, Hq]`` fp32. CPU tensors run the reference, after
+    the same validation (the SM90 kernel's limits included). Positions at or past the block table's
+    capacity are not attended; a cache of no pages is refused (docs/design/inputs.md).
+
+    On SM100 / SM103 the tcgen05 kernel ``sm100.decode`` serves the call. It is compile-verified
+    only: each MMA family passes a one-time runtime self-check per process before its first launch
+    (:mod:`cute_kernels.ops._selfcheck`), else the reference serves it (logged). It also takes an
+    FP8 query (``q_scale`` then required, float or 1-element fp32 tensor; the output is bf16),
+    ``window_left`` (a query at position p sees keys p - window_left ... p; -1: no window) and
+    ``sinks`` (fp32 ``[Hq]`` sink logits): see :func:`cute_kernels.reference.paged_decode`. On
+    other archs those three run the reference.
     """
     pair = isinstance(kv_cache, (tuple, list))
     if pair and len(kv_cache) != 2:
@@ -272,16 +300,19 @@ def paged_decode(
     v = kv_cache[1] if pair else kv_cache
     try:
         key = _key(q, k, v, pair, block_table, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                   return_lse, num_splits, deterministic)
+                   return_lse, num_splits, deterministic, q_scale, window_left, sinks)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
     launch = _launcher.entries.get(key)
     if launch is None or launch.reference:  # the argument tuple is built off the hot path only
         args = (q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                return_lse, num_splits, deterministic)
+                return_lse, num_splits, deterministic, q_scale, window_left, sinks)
         launch = launch or _launcher.lookup(key, args)
         if launch.reference:
             return _launcher.run_reference(args)
+    if launch.sm100 is not None:
+        return sm100.run(launch.sm100, q, k, v, block_table, seq_lens, out, return_lse, k_scale, v_scale, q_scale,
+                         sinks, window_left)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
@@ -298,6 +329,6 @@ def paged_decode(
                 launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
         except Exception:  # raises the error that names the argument
             _launcher.refused((q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
-                               v_scale, out, return_lse, num_splits, deterministic))
+                               v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks))
             raise
     return (out, lse) if return_lse else out
