@@ -6,6 +6,7 @@
 #
 #   test        the GPU test suite except QSA                 (log pytest.log)
 #   test-qsa    the QSA GPU tests                             (log pytest_qsa.log)
+#   test-hardening  the property tier, bad inputs, concurrent streams, the layer warm-up (pytest_hardening.log)
 #   smoke       a few decode split counts against the reference, in seconds
 #   sanitize    compute-sanitizer memcheck, racecheck, synccheck, initcheck of the decode/merge, QSA, glue drivers
 #   bench       cute-kernels bench decode (FP8 and BF16 with every installed peer), merge, layer, latency
@@ -51,7 +52,12 @@ for tier in "$@"; do
   echo "=== $tier $(date +%T)"
   case $tier in
     test) step 420 pytest "$PY" -m pytest tests/gpu -q -p no:cacheprovider \
-            --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py ;;
+            --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py \
+            --ignore=tests/gpu/test_properties_gpu.py --ignore=tests/gpu/test_inputs_gpu.py \
+            --ignore=tests/gpu/test_streams_gpu.py --ignore=tests/gpu/test_warmup_gpu.py ;;
+    test-hardening) step 1500 pytest_hardening "$PY" -m pytest tests/gpu/test_properties_gpu.py \
+                      tests/gpu/test_inputs_gpu.py tests/gpu/test_streams_gpu.py tests/gpu/test_warmup_gpu.py -q \
+                      -p no:cacheprovider ;;
     test-qsa) step 420 pytest_qsa "$PY" -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider ;;
     smoke) step 120 smoke "$PY" -m profiling.smoke_decode ;;
