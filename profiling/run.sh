@@ -55,11 +55,11 @@ for tier in "$@"; do
             --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py \
             --ignore=tests/gpu/test_properties_gpu.py --ignore=tests/gpu/test_inputs_gpu.py \
             --ignore=tests/gpu/test_streams_gpu.py --ignore=tests/gpu/test_warmup_gpu.py ;;
+    test-qsa) step 420 pytest_qsa "$PY" -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
+                -p no:cacheprovider ;;
     test-hardening) step 1500 pytest_hardening "$PY" -m pytest tests/gpu/test_properties_gpu.py \
                       tests/gpu/test_inputs_gpu.py tests/gpu/test_streams_gpu.py tests/gpu/test_warmup_gpu.py -q \
                       -p no:cacheprovider ;;
-    test-qsa) step 420 pytest_qsa "$PY" -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
-                -p no:cacheprovider ;;
     smoke) step 120 smoke "$PY" -m profiling.smoke_decode ;;
     sanitize) for d in sanitize_decode sanitize_qsa sanitize_glue; do  # compile outside the sanitizer first
                 step 600 "${d}_plain" "$PY" -m "profiling.$d"
