@@ -10,7 +10,10 @@ every block-table width up to ``max_model_len`` (the widths that decide differen
 :func:`cute_kernels.plans.sm90_decode.launch_widths`). ``merge_states`` is included for the
 layer's head dim (an engine merging this layer's outputs, e.g. a cascade's prefix and suffix).
 
-Host-only until :func:`warm_up`: the enumeration imports neither torch nor the DSL.
+The SM90 prefill is one variant for the layer (its grid comes from shapes, its schedule does not
+vary); on SM100 / SM103 the tcgen05 decode. The compile-verified kernels' runtime self-checks run
+in :func:`warm_up` too. Host-only until :func:`warm_up`: the enumeration imports neither torch nor
+the DSL.
 """
 
 from __future__ import annotations
@@ -72,6 +75,22 @@ def sm100_decode_launches(layer, p, *, max_num_seqs: int, max_model_len: int, q_
     return list(dict.fromkeys(out))
 
 
+def prefill_config(layer, p, kv_form: str = "single") -> KernelConfig:
+    """The SM90 prefill config the layer's prefill launch selects (``out=`` in the model dtype,
+    causal, no LSE, the layer's scales), as :func:`cute_kernels.ops.paged_prefill` derives it."""
+    from cute_kernels.plans.sm90_prefill import make_prefill_config
+
+    q_scale = "none"
+    if p.q_dtype == "fp8_e4m3":
+        qs = layer.q_scale
+        q_scale = "scalar" if not _is_tensor(qs) else "tensor" if qs.numel() == 1 else "per_head"
+    return make_prefill_config(q_dtype=p.q_dtype, kv_dtype=layer.kv_cache_dtype, out_dtype=layer.model_dtype,
+                               head_dim=layer.head_dim, group=layer.num_q_heads // layer.num_kv_heads,
+                               page_size=layer.page_size, kv_form=kv_form, kv_layout=layer.kv_layout, causal=True,
+                               write_lse=False, k_scale_tensor=_is_tensor(layer.k_scale),
+                               v_scale_tensor=_is_tensor(layer.v_scale), q_scale=q_scale)
+
+
 def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,), kv_form: str = "single",
                    slot_dtypes=("int64", "int32"), arch=None, num_sms: int = hw.H200_SMS,
                    merge_states: bool = True) -> list[KernelConfig]:
@@ -100,7 +119,13 @@ def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,),
             if any(c.split for c in configs):  # split partials merge with merge_states into the output
                 out.append(MergeStatesConfig(out_dtype="bf16" if p.q_dtype == "fp8_e4m3" else layer.model_dtype,
                                              head_dim=layer.head_dim, vec=4))
-    quantize |= layer.plan("prefill", q_len=max_model_len, arch=a).quantize_query
+    prefill_kernels = set()
+    for q_len in (1, max_model_len):  # the prefill plan's q_len: the step's prefill token count
+        p = layer.plan("prefill", q_len=q_len, arch=a)
+        quantize |= p.quantize_query
+        if p.kernel in ("sm90.prefill", "sm90.prefill_fp8q") and p.kernel not in prefill_kernels:
+            prefill_kernels.add(p.kernel)
+            out.append(prefill_config(layer, p, kv_form))
     D = layer.head_dim
     if quantize:
         cfg = qq_plan.make_quantize_config(q_dtype=layer.model_dtype, head_dim=D, vec=qq_plan.aligned_vec(D),
@@ -163,8 +188,22 @@ def warm_up(layer, max_num_seqs: int, max_model_len: int, *, device=None, arch=N
                              slot_dtypes=slot_dtypes, arch=a, num_sms=num_sms)
     precompile(configs, normalize_target(a), workers=workers, progress=progress)
     if device is not None and device.type == "cuda":
+        _self_checks(configs, device)
         from cute_kernels.ops.paged_decode import reserve
 
         reserve(device, *decode_workspace(layer, max_num_seqs, max_model_len, q_lens=q_lens, kv_form=kv_form,
                                           arch=a, num_sms=num_sms))
     return configs
+
+
+def _self_checks(configs: list[KernelConfig], device) -> None:
+    """The one-time runtime self-checks of the compile-verified kernels among ``configs`` (they
+    synchronize: a first step, or a graph capture, must not be where they run)."""
+    for config in configs:
+        if config.kernel_id in ("sm90.prefill", "sm90.prefill_fp8q"):
+            from cute_kernels.ops.paged_prefill import self_check_passes
+        elif config.kernel_id == "sm100.decode":
+            from cute_kernels.ops._paged_decode_sm100 import self_check_passes
+        else:
+            continue
+        self_check_passes(config, device)

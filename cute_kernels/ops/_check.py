@@ -42,9 +42,8 @@ def lengths(name: str, seq_lens: torch.Tensor, capacity: int, *, q_len: int | No
     at = _first(bad)
     if at is not None:
         b = at[0]
-        lo = int(low[b])
-        raise ValueError(f"{_at(name, at)} = {int(lens[b])} must lie in [{lo}, {capacity}] (the query length, the "
-                         f"block table's capacity width x page){' or be 0' if q_lens is None else ''}")
+        raise ValueError(f"{_at(name, at)} = {int(lens[b])} must lie in [query length {int(low[b])}, block-table "
+                         f"capacity {capacity}]{' or be 0 (an empty request)' if q_lens is None else ''}")
 
 
 def pages(name: str, block_table: torch.Tensor, seq_lens: torch.Tensor, page: int, num_pages: int) -> None:
@@ -72,15 +71,15 @@ def query_start_loc(name: str, qsl: torch.Tensor, num_tokens: int, max_query_len
     at = _first(q_lens < 0)
     if at is not None:
         i = at[0] + 1
-        raise ValueError(f"{name}[{i}] = {int(starts[i])} is below {name}[{i - 1}] = {int(starts[i - 1])}: "
-                         "it must never decrease")
+        raise ValueError(f"{name} must be non-decreasing: {name}[{i}] = {int(starts[i])} is below "
+                         f"{name}[{i - 1}] = {int(starts[i - 1])}")
     if int(starts[-1]) != num_tokens:
         raise ValueError(f"{name}[{starts.numel() - 1}] = {int(starts[-1])} must equal the number of rows {num_tokens}")
     if max_query_len is not None:
         at = _first(q_lens > max_query_len)
         if at is not None:
-            raise ValueError(f"request {at[0]} has {int(q_lens[at[0]])} query rows, more than max_query_len "
-                             f"{max_query_len}")
+            raise ValueError(f"max_query_len ({max_query_len}) is below request {at[0]}'s query length "
+                             f"{int(q_lens[at[0]])}")
     return q_lens
 
 

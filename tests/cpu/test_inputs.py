@@ -57,6 +57,9 @@ def test_empty_pool_is_refused_by_decode_and_qsa():
         cute_kernels.paged_decode(q, kv[:0], bt, sl)
     with pytest.raises(ValueError, match=r"k_cache has no pages \(P = 0\)"):
         cute_kernels.paged_decode(q, (kv[:0, 0], kv[:0, 1]), bt, sl)
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"kv_cache has no pages \(P = 0\)"):
+        cute_kernels.paged_prefill(q, kv[:0], bt, sl, qsl)
     c = make_qsa_case(rows=4, num_q_heads=8, num_kv_heads=2, head_dim=64, page=16, ctx=40)
     args = {k: v for k, v in c.items() if k != "meta"}
     with pytest.raises(ValueError, match=r"k_cache has no blocks \(num_blocks = 0\)"):
@@ -192,7 +195,8 @@ def test_checked_decode_names_the_first_bad_index(checked):
     cap = bt.shape[1] * 16
     good = cute_kernels.paged_decode(q, kv, bt, sl)
     torch.testing.assert_close(good, reference.paged_decode(q, kv, bt, sl), rtol=0, atol=0)
-    with pytest.raises(ValueError, match=rf"seq_lens\[1\] = {cap + 1} must lie in \[1, {cap}\]"):
+    with pytest.raises(ValueError, match=rf"seq_lens\[1\] = {cap + 1} must lie in \[query length 1, block-table "
+                                         rf"capacity {cap}\] or be 0"):
         cute_kernels.paged_decode(q, kv, bt, torch.tensor([5, cap + 1, cap + 9], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"seq_lens\[2\] = -4"):
         cute_kernels.paged_decode(q, kv, bt, torch.tensor([5, 0, -4], dtype=torch.int32))
@@ -252,6 +256,19 @@ def test_checked_qsa_names_the_first_bad_index(checked):
     bt[int(args["token_to_req"][0]), 0] = args["k_cache"].shape[0]
     with pytest.raises(ValueError, match=r"packed_indices\[0, 0\] = 0 lies on page block_table\[\d, 0\]"):
         bad(packed_indices=x, block_table=bt)
+
+
+def test_checked_prefill_uses_the_shared_rules(checked):
+    q, kv, bt, sl = _decode_case()
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    cute_kernels.paged_prefill(q, kv, bt, sl, qsl)  # good data passes
+    with pytest.raises(ValueError, match=r"query_start_loc must be non-decreasing: query_start_loc\[2\] = 0"):
+        cute_kernels.paged_prefill(q, kv, bt, sl, torch.tensor([0, 2, 0, 3], dtype=torch.int32))
+    cap = bt.shape[1] * 16
+    with pytest.raises(ValueError, match=rf"seq_lens\[0\] = {cap + 2} must lie in \[query length 1"):
+        cute_kernels.paged_prefill(q, kv, bt, torch.tensor([cap + 2, 1, 5], dtype=torch.int32), qsl)
+    with pytest.raises(ValueError, match=r"v_scale = -1.0 must be positive and finite"):
+        cute_kernels.paged_prefill(q, kv, bt, sl, qsl, v_scale=torch.tensor(-1.0))
 
 
 def test_checked_cache_write_merge_and_quantize(checked):

@@ -119,3 +119,58 @@ def test_warmup_refuses_bad_limits():
         layer.warmup_variants(0, 64)
     with pytest.raises(UnsupportedConfig, match="max_model_len"):
         layer.warmup_variants(4, 1.5)
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    """CPU tensors take the ops' SM90 path: ``is_cuda`` is True, the target sm_90a, 132 SMs, and
+    every op's ``get_kernel`` records the config it asks for and returns a no-op kernel."""
+    from cute_kernels.ops import merge_states, paged_decode, paged_prefill, quantize_query, write_kv_cache
+
+    requested = []
+
+    def get_kernel(config, target):
+        requested.append(config)
+        return lambda *args: None
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    for mod in (paged_decode, paged_prefill, quantize_query, write_kv_cache, merge_states):
+        monkeypatch.setattr(mod, "compile_target", lambda device: "sm_90a")
+        monkeypatch.setattr(mod, "get_kernel", get_kernel)
+        mod._launcher.launches.clear()
+    monkeypatch.setattr(paged_decode, "device_sm_count", lambda index: 132)
+    monkeypatch.setattr(paged_decode, "stream_id", lambda t: 0)
+    monkeypatch.setattr(paged_decode, "ffi_tensor", lambda t: t)
+    monkeypatch.setattr(paged_prefill, "self_check_passes", lambda config, device: True)
+    yield requested
+    for mod in (paged_decode, paged_prefill, quantize_query, write_kv_cache, merge_states):
+        mod._launcher.launches.clear()
+
+
+@pytest.mark.parametrize("cache, tensors, q_len", [("fp8", False, 1), ("bf16", True, 2)])
+def test_layer_steps_ask_only_for_listed_variants(fake_sm90, cache, tensors, q_len):
+    """Random mixed steps of AttentionLayer (decode rows of every batch size and context up to the
+    limits, prefill rows after them) through the ops' own code paths: every config the ops ask
+    the compiler for is in the warm-up's list."""
+    import random
+
+    from tests.cpu.test_layer_dispatch import make_step
+
+    Hq, Hkv, D, page = 16, 4, 64, 16
+    scale = (lambda v: torch.tensor(v)) if tensors else float  # noqa: E731
+    layer = AttentionLayer(Hq, Hkv, D, kv_cache_dtype=cache, page_size=page, arch="sm90", k_scale=scale(0.5),
+                           v_scale=scale(0.25))
+    listed = set(layer.warmup_variants(MAX_SEQS, MAX_LEN, q_lens=(q_len,)))
+    rng = random.Random(7)
+    kv = torch.float8_e4m3fn if cache == "fp8" else torch.bfloat16
+    for i in range(25):
+        B = rng.randint(1, MAX_SEQS)
+        ctx = tuple(rng.randint(q_len, MAX_LEN - page) for _ in range(B))
+        prefill = tuple((rng.randint(0, 300), rng.randint(1, 40)) for _ in range(rng.randint(0, 2)))
+        step = make_step(decode_ctx=ctx, q_len_per_req=q_len, prefill=prefill, Hq=Hq, Hkv=Hkv, D=D, page=page,
+                         kv_dtype=kv, slot_dtype=rng.choice((torch.int32, torch.int64)),
+                         generator=torch.Generator().manual_seed(i))
+        layer.forward(step.q, step.k, step.v, step.kv_cache, step.metadata)
+    asked = set(fake_sm90)
+    assert {c.kernel_id for c in asked} >= {"sm90.decode", "common.write_kv_cache", "sm90.prefill"}
+    assert asked <= listed, sorted(c.label() for c in asked - listed)

@@ -82,6 +82,9 @@ def test_empty_pool_is_refused_and_the_context_lives(gen):
                                seq_lens=[30, 0], generator=gen)
     with pytest.raises(ValueError, match=r"no pages \(P = 0\)"):
         cute_kernels.paged_decode(c.q, c.kv_cache[:0], c.block_table, c.seq_lens, **c.kwargs())
+    qsl = torch.tensor([0, 1, 1], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"no pages \(P = 0\)"):
+        cute_kernels.paged_prefill(c.q[:1], c.kv_cache[:0], c.block_table, c.seq_lens, qsl, **c.kwargs())
     q = make_qsa_case(rows=4, num_q_heads=24, num_kv_heads=2, head_dim=256, page=64, ctx=100, device="cuda")
     args = {k: v for k, v in q.items() if k != "meta"}
     with pytest.raises(ValueError, match=r"no blocks \(num_blocks = 0\)"):

@@ -12,8 +12,10 @@ few dozen variants (disk-cached afterwards); everything else is free: batch size
 with 0, 1, page boundaries, the table's capacity, beyond it and 2^31 - 1; block tables with -1 and
 out-of-range pages; strided views (fused QKV projections); split counts; scales as floats, 0-d,
 [1] and [1, 1] tensors of random values; LSEs of any finite value with empty splits; QSA entries
-of every invalid kind. Expected runtime on an H200: ~1-2 s per 100 cases of an op once compiled;
-the first run compiles ~40 variants (~4 minutes on 16 cores, in parallel: see ``_precompile``).
+of every invalid kind; prefill batches with cached prefixes, empty requests and lengths past the
+table. Expected runtime on an H200: ~1-2 s per 100 cases of an op once compiled (the float64
+references dominate); the first run compiles ~45 variants (~4 minutes on 16 cores, in parallel:
+see ``_precompile``).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def _scale(rng, tensor: bool, lo=0.05, hi=2.0):
 
 
 def _check_attention(out, lse, ref, ref_lse, tol):
+    if out.numel() == 0:
+        return
     assert torch.isfinite(out).all(), "NaN/inf in the output (an unwritten or poisoned value leaked)"
     scale = ref.double().abs().max().item()
     if scale > 0:
@@ -332,6 +336,85 @@ def test_qsa_sparse_attention_properties(name):
     _run_cases(name, one)
 
 
+# ----------------------------------------------------------------------------------------------
+# paged_prefill
+# ----------------------------------------------------------------------------------------------
+
+# (kv, query: "16" or "fp8" (quantized by quantize_query), D, Hq, Hkv, page, layout, container,
+# tensor scales, q_scale form, causal, LSE)
+PREFILL_FAMILIES = [
+    (BF16, "16", 128, 16, 4, 16, "HND", "single", False, None, True, False),
+    (FP8, "16", 64, 8, 2, 32, "NHD", "tuple", True, None, True, True),
+    (FP8, "fp8", 128, 32, 8, 64, "HND", "single", False, "per_head", True, False),
+    (FP16, "16", 256, 8, 8, 16, "HND", "single", True, None, False, True),
+]
+
+
+def _prefill_config(family):
+    from cute_kernels.plans.sm90_prefill import make_prefill_config
+
+    kv, qk, D, Hq, Hkv, page, layout, container, tensors, qs, causal, lse = family
+    names = {FP8: "fp8_e4m3", BF16: "bf16", FP16: "fp16"}
+    qd = "fp8_e4m3" if qk == "fp8" else ("fp16" if kv == FP16 else "bf16")
+    return make_prefill_config(q_dtype=qd, kv_dtype=names[kv], head_dim=D, group=Hq // Hkv, page_size=page,
+                               out_dtype="bf16" if qk == "fp8" else None, kv_form=container.replace("tuple", "pair"),
+                               kv_layout=layout, causal=causal, write_lse=lse, k_scale_tensor=tensors,
+                               v_scale_tensor=tensors, q_scale="per_head" if qs == "per_head" else None)
+
+
+@pytest.mark.parametrize("name", ["paged_prefill"])
+def test_paged_prefill_properties(name):
+    from cute_kernels.ops.paged_prefill import self_check_passes
+    from cute_kernels.testing import make_paged_prefill_case
+
+    for family in PREFILL_FAMILIES:  # the kernel, not the reference, must serve the cases
+        assert self_check_passes(_prefill_config(family), torch.device("cuda")), f"{family} failed its self-check"
+
+    def one(rng, g):
+        kv, qk, D, Hq, Hkv, page, layout, container, tensors, qs, causal, lse = \
+            PREFILL_FAMILIES[int(rng.integers(len(PREFILL_FAMILIES)))]
+        B = int(rng.integers(1, 7))
+        reqs = []
+        for _ in range(B):
+            prefix = int(rng.choice([0, int(rng.integers(1, 64)), int(rng.integers(64, 2500))]))
+            n = int(rng.choice([0, 1, int(rng.integers(2, 200)), page, page + 1]))
+            reqs.append((prefix, n))
+        past = rng.random() < 0.2  # a length past the block table (its positions there are not attended)
+        c = make_paged_prefill_case(reqs=reqs, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=page,
+                                    kv_dtype=kv, q_dtype=FP16 if kv == FP16 else BF16, kv_layout=layout,
+                                    container=container, fused_qkv=bool(rng.random() < 0.5),
+                                    invalid_pages=int(rng.integers(0, 3)), generator=g, device="cuda",
+                                    k_scale=0.02 if kv == FP8 else 0.9, v_scale=0.03 if kv == FP8 else 1.1,
+                                    poison_tail=not past)  # the longer length makes the stale tail visible
+        if past:
+            b = int(rng.integers(B))
+            c.seq_lens[b] = c.block_table.shape[1] * page + int(rng.integers(1, 3 * page))
+        kw = dict(c.kwargs(), causal=causal)
+        if tensors:
+            kw.update(k_scale=_scale_of(rng, c.k_scale), v_scale=_scale_of(rng, c.v_scale))
+        q = c.q
+        if qk == "fp8":
+            q_scale = torch.tensor(rng.uniform(0.02, 0.1, Hkv), dtype=torch.float32, device="cuda")
+            q = cute_kernels.quantize_query(c.q, q_scale)
+            kw["q_scale"] = q_scale
+        max_q = c.max_query_len if rng.random() < 0.5 else None
+        out = torch.full(q.shape, float("nan"), dtype=BF16 if qk == "fp8" else q.dtype, device="cuda")
+        res = cute_kernels.paged_prefill(q, c.kv_cache, c.block_table, c.seq_lens, c.query_start_loc, out=out,
+                                         return_lse=lse, max_query_len=max_q, **kw)
+        got, got_lse = res if lse else (res, None)
+        ref = reference.paged_prefill(q, c.kv_cache, c.block_table, c.seq_lens, c.query_start_loc, return_lse=lse,
+                                      out_dtype=out.dtype, float64=True, **kw)
+        ref, ref_lse = ref if lse else (ref, None)
+        _check_attention(got, got_lse, ref.to(got.dtype), ref_lse, 2e-2 if qk == "fp8" else 5e-3)
+
+    _run_cases(name, one)
+
+
+def _scale_of(rng, value: float):
+    """``value`` as a 0-d, [1] or [1, 1] fp32 CUDA tensor."""
+    return torch.full([(), (1,), (1, 1)][int(rng.integers(3))], float(value), device="cuda")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _precompile():
     """The decode variants the families reach with forced split counts (unsplit, split, cluster
@@ -360,4 +443,5 @@ def _precompile():
                                 q_dtype=names[qd], topk=256, gates=(gate,), scale_tensors=(tensors,))
     configs += [MergeStatesConfig(out_dtype=dt, head_dim=D, vec=4) for dt in ("fp32", "bf16", "fp16")
                 for D in (64, 128, 256)]
+    configs += [_prefill_config(family) for family in PREFILL_FAMILIES]
     precompile(configs, "sm_90a", progress=False)
