@@ -1,5 +1,5 @@
 """``AttentionLayer.warmup`` on the GPU: after it, layer steps of any batch up to its limits
-compile nothing (compiles are forbidden during the steps: any miss of the in-memory kernel cache
+(decode rows, and prefill rows after them) compile nothing (compiles are forbidden during the steps: any miss of the in-memory kernel cache
 raises), allocate no decode workspace on the stream it warmed, and capture in a CUDA graph on that
 stream without allocating one either. The host-only half (the warm-up lists every variant a step
 can reach): tests/cpu/test_warmup.py."""
@@ -43,7 +43,9 @@ def test_steps_after_warmup_compile_and_allocate_nothing(request, kv, tensors):
             q_len = rng.choice((1, 2))
             B = rng.randint(1, MAX_SEQS)
             ctx = tuple(rng.randint(q_len, MAX_LEN - PAGE) for _ in range(B))  # the step adds a junk column
-            step = make_step(decode_ctx=ctx, q_len_per_req=q_len, Hq=32, Hkv=8, D=128, page=PAGE, kv_dtype=kv,
+            prefill = tuple((rng.randint(0, 1000), rng.randint(1, 64)) for _ in range(rng.randint(0, 2)))
+            step = make_step(decode_ctx=ctx, q_len_per_req=q_len, prefill=prefill, Hq=32, Hkv=8, D=128, page=PAGE,
+                             kv_dtype=kv,
                              slot_dtype=rng.choice((torch.int32, torch.int64)), device="cuda",
                              generator=torch.Generator().manual_seed(i))
             expected = reference_step(step, clone_cache(step.kv_cache), k_scale=layer.k_scale, v_scale=layer.v_scale)
