@@ -313,22 +313,30 @@ def paged_decode(
     if launch.sm100 is not None:
         return sm100.run(launch.sm100, q, k, v, block_table, seq_lens, out, return_lse, k_scale, v_scale, q_scale,
                          sinks, window_left)
+    if launch.empty:
+        return _empty_result(q, out, launch.out_shape, return_lse)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
-    if launch.empty:
-        out.zero_()
-        if return_lse:
-            lse.fill_(-math.inf)
-    else:
-        try:
-            if _NVTX:
-                with op_range("paged_decode", q=q, kv_cache=k, block_table=block_table):
-                    launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
-            else:
+    try:
+        if _NVTX:
+            with op_range("paged_decode", q=q, kv_cache=k, block_table=block_table):
                 launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
-        except Exception:  # raises the error that names the argument
-            _launcher.refused((q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
-                               v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks))
-            raise
+        else:
+            launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
+    except Exception:  # raises the error that names the argument
+        _launcher.refused((q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
+                           v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks))
+        raise
+    return (out, lse) if return_lse else out
+
+
+def _empty_result(q, out, shape, return_lse):
+    """The defined result of a call with nothing to attend (no rows, or a block table of no pages):
+    0 and LSE -inf, without a launch (an FP8 query's output is bf16, as the kernels write it)."""
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16 if q.dtype == FP8 else q.dtype, device=q.device)
+    if out.numel():
+        out.zero_()
+    lse = torch.full(shape[:2], -math.inf, dtype=torch.float32, device=q.device) if return_lse else None
     return (out, lse) if return_lse else out
