@@ -80,6 +80,8 @@ class Sm80PagedDecode:
         ks = k_scale[0] if const_expr(isinstance(k_scale, cute.Tensor)) else Float32(k_scale)
         vs = v_scale[0] if const_expr(isinstance(v_scale, cute.Tensor)) else Float32(v_scale)
         seq_len = mSeqLens[batch_idx]
+        # positions at or past the block table's capacity are not attended (docs/design/inputs.md#lengths)
+        kv_end = cutlass.min(seq_len, mBlockTable.shape[1] * cfg.page_size)
         q_len = self.q_len
 
         def row_token_head(r):
@@ -96,12 +98,12 @@ class Sm80PagedDecode:
         eng.load_q_all(state[2], sq_base, wm, lane)
 
         def row_limit(r):  # draft token r // G sees positions < seq_len - q_len + r // G + 1
-            return seq_len - q_len + r // G + 1
+            return cutlass.min(seq_len - q_len + r // G + 1, kv_end)
 
         row_scale, limits = eng.row_setup(sScale, wm, lane, row_limit)
-        min_limit = seq_len - q_len + 1
+        min_limit = cutlass.min(seq_len - q_len + 1, kv_end)
 
-        num_tiles = (seq_len + eng.tile - 1) // eng.tile
+        num_tiles = (kv_end + eng.tile - 1) // eng.tile
         n_mine = (num_tiles - split + num_splits - 1) // num_splits  # tiles split, split + S, ...
         n_mine = cutlass.max(n_mine, Int32(0))
 
@@ -109,7 +111,7 @@ class Sm80PagedDecode:
             return split + i * num_splits
 
         def issue(tile_idx, stage_addr):
-            self.gather.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, seq_len, stage_addr, tidx)
+            self.gather.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, kv_end, stage_addr, tidx)
 
         g = self.gather
         eng.mainloop(issue, tile_of, n_mine, self.stages, kv_base, g.stage_bytes, g.tile_bytes, state, sq_base,

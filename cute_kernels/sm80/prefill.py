@@ -92,6 +92,8 @@ class Sm80PagedPrefill:
         ks = k_scale[0] if const_expr(isinstance(k_scale, cute.Tensor)) else Float32(k_scale)
         vs = v_scale[0] if const_expr(isinstance(v_scale, cute.Tensor)) else Float32(v_scale)
         seq_len = mSeqLens[batch_idx]
+        # positions at or past the block table's capacity are not attended (docs/design/inputs.md#lengths)
+        kv_cap = cutlass.min(seq_len, mBlockTable.shape[1] * cfg.page_size)
         prefix = seq_len - q_len
 
         def row_token_head(r):
@@ -101,9 +103,9 @@ class Sm80PagedPrefill:
             return row0 + r < q_len * G
 
         def row_limit(r):
-            lim = seq_len
+            lim = kv_cap
             if const_expr(cfg.causal):
-                lim = cutlass.min(prefix + (row0 + r) // G + 1, seq_len)
+                lim = cutlass.min(prefix + (row0 + r) // G + 1, kv_cap)
             return lim
 
         logit_scale = sm_scale * ks * Float32(LOG2E * 2.0 ** eng.widen_log2)

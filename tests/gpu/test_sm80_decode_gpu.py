@@ -144,3 +144,16 @@ def test_sm90_sends_what_its_kernel_refuses_to_the_portable_one(gen):
     out, lse = cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, return_lse=True,
                                          **c.kwargs())
     _check(c, out, lse, seed)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_lengths_past_the_block_table_are_not_attended(splits, gen):
+    """A stale or corrupted length beyond the table's capacity W x page (2^31 - 1 too): each row's
+    causal limit is clamped to the capacity, as in the reference (docs/design/inputs.md#lengths)."""
+    seed = gen.initial_seed()
+    c = make_paged_decode_case(batch=3, num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
+                               seq_lens=[200, 40, 90], q_len=2, generator=gen)
+    W = c.block_table.shape[1]
+    c.seq_lens.copy_(torch.tensor([W * 16 + 3, 2**31 - 1, 90], dtype=torch.int32, device="cuda"))
+    out, lse = _run(c, splits)
+    _check(c, out, lse, seed)

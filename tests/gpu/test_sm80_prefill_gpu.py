@@ -115,3 +115,16 @@ def test_sm90_sends_what_its_kernel_refuses_to_the_portable_one(gen):
     out, lse = cute_kernels.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, k_scale=c.k_scale,
                                           v_scale=c.v_scale, out=out, return_lse=True)
     _check(c, qsl, True, out, lse, seed)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sm80_prefill_lengths_past_the_block_table(causal, gen):
+    """Lengths beyond the table's capacity (2^31 - 1 too): positions at or past it are not attended,
+    as in the reference (docs/design/inputs.md#lengths)."""
+    seed = gen.initial_seed()
+    c, qsl = _case(gen, q_lens=[37, 5, 20], prefixes=[0, 50, 100], kv=BF16, q=BF16, D=128, Hq=16, Hkv=4, page=16,
+                   layout="HND", container="single")
+    W = c.block_table.shape[1]
+    c.seq_lens.copy_(torch.tensor([W * 16 + 7, 2**31 - 1, 120], dtype=torch.int32, device="cuda"))
+    out, lse = _run(c, qsl, causal)
+    _check(c, qsl, causal, out, lse, seed)
