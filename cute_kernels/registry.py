@@ -168,6 +168,15 @@ _ENTRIES = (
         description="SM90 paged decode: WGMMA and TMA, FP8 K/V widened exactly on chip, never an FP8 query",
         variants=sm90_decode.compile_variants, **_SM90_DECODE,
     ),
+    # the window / sink variants of sm90.decode: never run on a GPU yet, so compile-verified (the op
+    # runs a one-time self-check per family before their first launch); not on a dispatcher list:
+    # paged_decode picks them for window_left >= 0 or sinks
+    KernelInfo(
+        id="sm90.decode_window_sinks", status="compile-verified", kv_dtypes=sm90_decode.KV_DTYPES, op="paged_decode",
+        description="SM90 paged decode's sliding-window (runtime window_left, pages outside skipped) and "
+                    "attention-sink variants",
+        variants=sm90_decode.feature_variants, **{**_SM90_DECODE, "call_site": None},
+    ),
     KernelInfo(
         id="sm90.decode_fp8q", status="planned", kv_dtypes=("fp8_e4m3",), qk_dtype="fp8_e4m3",
         supports_quant_query_input=True, opt_in=True,

@@ -67,7 +67,10 @@ class Sm90DecodeConfig(KernelConfig):
     TMA loads carry the L2 evict-first policy. ``prefetch_desc``: the producer warp prefetches the
     two TMA descriptors at the kernel's start, before the programmatic-dependent wait.
     ``smem_merge``: the fused merge stages the partials in shared memory first when they fit
-    (:meth:`merge_slots`).
+    (:meth:`merge_slots`). ``window``: the variant takes a runtime ``window_left`` (-1: none) and
+    walks only the tiles and pages of the keys its rows can see; ``sinks``: it takes fp32 ``[Hq]``
+    sink logits folded into each row's softmax (split 0 only): docs/design/sm90-decode.md#sliding-window-and-sinks.
+    These two variants are compile-verified (:func:`feature_family`).
     """
 
     q_dtype: str = "bf16"
@@ -92,6 +95,8 @@ class Sm90DecodeConfig(KernelConfig):
     evict_first: bool = True
     prefetch_desc: bool = True
     smem_merge: bool = True
+    window: bool = False
+    sinks: bool = False
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -115,6 +120,8 @@ class Sm90DecodeConfig(KernelConfig):
             raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
         if self.dynamic and not self.split:
             raise ValueError("dynamic tile scheduling needs split partials (split=True)")
+        if self.dynamic and self.window:
+            raise ValueError("a window variant takes the static split schedule (dynamic=False)")
         if self.strided and (self.dynamic or not self.split):
             raise ValueError("strided tiles are a static split schedule (split=True, dynamic=False)")
         if self.widen not in ("bits", "cvt") or self.tile not in (64, 128):
@@ -190,6 +197,8 @@ class Sm90DecodeConfig(KernelConfig):
             kscale,
             vscale,
             ScalarArg("sm_scale", "fp32"),
+            *((TensorArg("sinks", "fp32", ("Hq",), align=4),) if self.sinks else ()),
+            *((ScalarArg("window_left", "int32"),) if self.window else ()),
         )
 
     def build(self):
@@ -255,11 +264,13 @@ FP8_D64_TILE = 128
 
 def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int, page_size: int,
                        split: bool, k_scale_tensor: bool = False, v_scale_tensor: bool = False,
-                       kv_form: str = "single", kv_layout: str = "HND", **override) -> Sm90DecodeConfig:
+                       kv_form: str = "single", kv_layout: str = "HND", window: bool = False, sinks: bool = False,
+                       **override) -> Sm90DecodeConfig:
     """The config the op uses for a problem: tuning (stages, occupancy, tile, widening) filled in
     here, once, for the op, the warm-up and the compile matrix alike. ``override`` replaces any
-    tuning field (benchmarks compare variants with it)."""
-    dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split
+    tuning field (benchmarks compare variants with it). A ``window`` variant keeps the static
+    split schedule (its first tile depends on the request's length)."""
+    dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split and not window
     strided = override.pop("strided", DEFAULT_STRIDED) and split and not dynamic
     tile = override.get("tile", FP8_D64_TILE if (kv_dtype, head_dim) == ("fp8_e4m3", 64) else TILE)
     n_pad = max(8, (group * q_len + 7) // 8 * 8)
@@ -270,7 +281,7 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
         stages=stages, split=split, k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
         kv_form=kv_form, kv_layout=kv_layout, occupancy=occupancy, tile=tile,
         widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=DEFAULT_PDL, dynamic=dynamic,
-        strided=strided,
+        strided=strided, window=window, sinks=sinks,
     )
     fields.update(override)
     return Sm90DecodeConfig(**fields)
@@ -436,4 +447,42 @@ def compile_variants() -> list[Sm90DecodeConfig]:
     for kv, occ in (("fp8_e4m3", 3), ("bf16", None)):
         out.append(make_decode_config(q_dtype="bf16", kv_dtype=kv, head_dim=128, group=8, q_len=1, page_size=16,
                                       split=True, cluster=True, **({"occupancy": occ} if occ else {})))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the sliding-window and sink variants (compile-verified: docs/design/sm90-decode.md#sliding-window-and-sinks)
+# ---------------------------------------------------------------------------------------------
+
+
+def feature_family(config: Sm90DecodeConfig) -> str | None:
+    """The runtime self-check family of a window / sink variant (None for the others): variants
+    with the same features and the same MMA path (16-bit SS, or FP8 widened by ``cvt`` or
+    ``bits``) share their numerics, so one check per process covers them."""
+    features = "+".join(name for name, on in (("window", config.window), ("sinks", config.sinks)) if on)
+    if not features:
+        return None
+    path = f"fp8-{config.widen}" if config.kv_dtype == "fp8_e4m3" else "16bit"
+    return f"sm90.decode/{features}/{path}"
+
+
+def feature_variants() -> list[Sm90DecodeConfig]:
+    """The window / sink variants of the compile matrix: every MMA path (FP8 ``cvt`` and ``bits``,
+    BF16, FP16), window and sinks alone and together, unsplit and split (both merges), the
+    speculative draft (q_len 4), D 64 / 128 / 256, both cache forms and layouts."""
+    base = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1, page_size=16)
+    both = dict(window=True, sinks=True)
+    out = [
+        make_decode_config(**base, split=False, **both),
+        make_decode_config(**base, split=True, **both),
+        make_decode_config(**base, split=True, occupancy=3, cluster=True, **both),
+        make_decode_config(**base, split=False, widen="bits", **both),
+        make_decode_config(**{**base, "q_len": 4}, split=True, **both),
+        make_decode_config(**{**base, "kv_dtype": "bf16"}, split=False, **both),
+        make_decode_config(**{**base, "kv_dtype": "bf16"}, split=True, **both),
+        make_decode_config(**{**base, "kv_dtype": "bf16", "head_dim": 64, "page_size": 64}, split=True,
+                           kv_form="pair", kv_layout="NHD", window=True),
+        make_decode_config(**{**base, "q_dtype": "fp16", "kv_dtype": "fp16"}, split=False, window=True),
+        make_decode_config(**{**base, "head_dim": 256, "group": 4}, split=True, sinks=True),
+    ]
     return out
