@@ -21,6 +21,7 @@ import torch
 from .. import reference
 from ..jit.compiler import get_kernel
 from ..plans.sm100 import DECODE_LIMITS, Sm100DecodeConfig, decode_splits, family
+from . import _caller_workspace as caller_ws
 from ._launch import bind, check_scale
 from ._selfcheck import Case, ensure
 from ._torch import (
@@ -73,16 +74,17 @@ def check_features(q, k, q_scale, sinks, window_left) -> None:
 
 
 def prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale, v_scale, out,
-            num_splits, sinks) -> Sm100Decode | None:
+            num_splits, sinks, workspace=None) -> Sm100Decode | None:
     """Validation of the rest and kernel selection for one key; None when the variant's MMA family
-    failed its runtime self-check (the caller then serves the reference)."""
+    failed its runtime self-check (the caller then serves the reference). ``workspace``: the
+    caller's buffer for the split partials (else this module's own)."""
     launch = _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale, v_scale,
-                      out, num_splits, sinks)
+                      out, num_splits, sinks, workspace)
     return launch if self_check_passes(launch.config, q.device) else None
 
 
 def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale, v_scale, out,
-             num_splits, sinks) -> Sm100Decode:
+             num_splits, sinks, workspace=None) -> Sm100Decode:
     T, Hq, D = q.shape
     device = q.device
     k4 = k if pair else k[:, 0]
@@ -111,7 +113,10 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q
     if num_splits > 1:
         config = Sm100DecodeConfig(**{**config.__dict__, "split": True})
         n = num_splits * T * Hq
-        ws = _workspace.get(device, n * (D + 1))
+        if workspace is None:
+            ws = _workspace.get(device, n * (D + 1))
+        else:
+            ws, _ = caller_ws.carve(workspace, device, n * (D + 1))
         part_out = ws[:n * D].view(num_splits, T, Hq, D)
         part_lse = ws[n * D:n * (D + 1)].view(num_splits, T, Hq)
     fn = get_kernel(config, compile_target(device))

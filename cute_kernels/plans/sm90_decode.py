@@ -372,6 +372,15 @@ def plan_launch(items: int, max_context: int, num_sms: int, max_occupancy: int, 
     return num_splits, tuning, cluster
 
 
+def window_context(table_tokens: int, window_left: int, q_len: int) -> int:
+    """The most keys one request reads, which a launch's split count is planned for: the block
+    table's capacity, or with a window (``window_left >= 0``) the ``window_left + q_len`` keys its
+    rows see plus one tile of misalignment (the schedule starts at the tile holding the first)."""
+    if window_left < 0:
+        return table_tokens
+    return min(table_tokens, window_left + q_len + max(TILE, FP8_D64_TILE))
+
+
 def plan_config(config_for, items: int, max_context: int, num_sms: int, num_splits: int | None,
                 deterministic: bool, force_cluster: bool | None, force_dynamic: bool = False):
     """``(num_splits, config)`` of a launch: :func:`plan_launch` on the variant ``config_for(split,
