@@ -17,7 +17,8 @@ Conventions shared by all ops
   ``q_len`` new tokens. Query token j (0-based within its request) sits at position
   ``p = seq_len - q_len + j`` and sees KV positions ``<= p`` (causal within the speculative draft).
 - **Sliding window.** ``window_left = w >= 0``: the query at position ``p`` sees only positions
-  ``p - w ... p`` (``w + 1`` keys at most); ``-1``: no window (FlashInfer's convention).
+  ``p - w ... p`` (``w + 1`` keys at most); ``-1``: no window (FlashInfer's convention). A key no
+  query of its request sees is never read: its page may have been freed and hold anything.
 - **Sinks.** ``sinks`` fp32 ``[Hq]``: one logit per query head, in the units of the scaled logits
   (natural log). It joins the softmax denominator as ``exp(sinks[h])`` and contributes no value:
   ``out = sum_j exp(l_j) v_j / (sum_j exp(l_j) + exp(sinks[h]))``; the LSE includes it
@@ -203,6 +204,8 @@ def _softmax_rows(logits: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, 
     sink logits ``[1, Hq]`` (or None) in the denominator: ``(out [j, Hq, D], base-2 lse [j, Hq])``;
     rows with no visible key give output 0 and lse -inf (or the sink's)."""
     logits = logits.masked_fill(~visible, float("-inf"))
+    # select, not multiply: a key outside every row's window may hold NaN, and 0 * NaN is NaN
+    v = torch.where(visible.any(dim=0).view(1, -1, 1), v, torch.zeros((), dtype=v.dtype, device=v.device))
     has_any = visible.any(dim=-1).expand(logits.shape[:2])
     if sink is not None:
         has_any = torch.ones_like(has_any)

@@ -24,7 +24,14 @@ from .. import reference
 from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
-from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, make_decode_config, plan_config, window_context
+from ..plans.sm90_decode import (
+    HEAD_DIMS,
+    MAX_ROWS,
+    PAGE_SIZES,
+    make_decode_config,
+    plan_config,
+    window_context,
+)
 from ..plans.sm100 import TARGETS as SM100_TARGETS
 from . import _caller_workspace as caller_ws
 from . import _decode_features as features

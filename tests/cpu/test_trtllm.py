@@ -69,7 +69,7 @@ def test_lse_is_base_two_of_the_natural_log_logits():
     the scaled logits and the sink, computed here directly for one row."""
     g = _gen("trtllm-lse")
     q, kv, bt, seq_lens = _problem(g, page=16)
-    Hq, D = q.shape[1], q.shape[2]
+    Hq = q.shape[1]
     sinks = torch.randn(Hq, generator=g)
     bmm1 = 0.1
     _, lse = trtllm.batch_decode_with_kv_cache(q, kv, _workspace(), bt, seq_lens, 200, bmm1_scale=bmm1,
@@ -213,3 +213,25 @@ def test_workspace_key_follows_the_buffer():
     assert caller_ws.workspace_key(a) == (a.data_ptr(), 1024)
     assert caller_ws.workspace_key(a) != caller_ws.workspace_key(b)
     assert caller_ws.workspace_key(a[:512]) == (a.data_ptr(), 512)
+
+
+def test_pages_outside_every_window_are_never_read():
+    """A page no query of its request sees (wholly before the oldest draft row's window start) may
+    have been freed by the engine: NaN contents or an invalid id change nothing (the kernels skip
+    such pages; tests/gpu/test_trtllm_gpu.py checks them the same way)."""
+    g = _gen("trtllm-freed")
+    page, q_len, w = 16, 2, 21
+    q, kv, bt, seq_lens = _problem(g, q_len=q_len, page=page)
+    clean = trtllm.batch_decode_with_kv_cache(q, kv, _workspace(), bt, seq_lens, 200, window_left=w,
+                                              q_len_per_req=q_len, return_lse=True)
+    dirty, table = kv.clone(), bt.clone()
+    freed = 0
+    for b, L in enumerate(seq_lens.tolist()):
+        for p in range(max(0, L - q_len - w) // page):
+            dirty[int(bt[b, p])] = float("nan")
+            table[b, p] = -1 if p % 2 else 10_000
+            freed += 1
+    assert freed >= 6
+    got = trtllm.batch_decode_with_kv_cache(q, dirty, _workspace(), table, seq_lens, 200, window_left=w,
+                                            q_len_per_req=q_len, return_lse=True)
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[1], clean[1])
