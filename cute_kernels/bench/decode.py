@@ -332,9 +332,17 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="skip the accuracy check against the reference")
     p.add_argument("--shapes", default=None,
                    help="comma-separated substrings selecting shapes by name (default: every shape)")
+    p.add_argument("--api", default="ops", choices=("ops", "trtllm"),
+                   help="ops: paged_decode against its peers; trtllm: the cute_kernels.trtllm call next to "
+                        "FlashInfer's trtllm_batch_decode_with_kv_cache, windows and sinks (default: %(default)s)")
 
 
 def main(args) -> None:
+    if args.api == "trtllm":
+        from . import trtllm
+
+        trtllm.main_decode(args)
+        return
     requested = [x for x in args.peers.split(",") if x]
     peers, skipped = available_peers(requested, PEER_LIBS)
     png = args.png
