@@ -21,7 +21,7 @@ from cute_kernels import reference, trtllm
 from cute_kernels.testing import make_paged_decode_case, rel_err
 
 from .harness import NvtxRanges, module_available, write_json
-from .timing import bench_setup, time_graph
+from .timing import bench_setup, host_overhead, time_graph
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 PAGE = 16
@@ -121,9 +121,26 @@ def run_decode(kv_dtypes=("fp8", "bf16"), sides=SIDES, shapes=None, out_json=Non
     checks = window_checks(rows)
     for line in checks:
         print(line)
-    result = dict(read_bw=bw, rows=rows, checks=checks)
+    host = host_costs(g, sides)
+    print("host time per eager call (B1, ctx 64): " + ", ".join(f"{s} {us:.1f} us" for s, us in host.items()))
+    result = dict(read_bw=bw, rows=rows, checks=checks, host_us=host)
     write_json(out_json, result)
     return result
+
+
+def host_costs(g, sides) -> dict:
+    """Host microseconds per eager call of each side on a tiny problem (the API's own checks are
+    the difference between ``api`` and ``op``)."""
+    case = make_paged_decode_case(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=PAGE,
+                                  seq_lens=64, generator=g, poison_tail=False)
+    out = {}
+    for side, (fn, _) in _callers(case, 127, torch.zeros(32, device="cuda"), NvtxRanges(False)).items():
+        if side in sides:
+            try:
+                out[side] = host_overhead(fn) * 1e6
+            except Exception as e:  # reported, not fatal
+                print(f"host cost of {side}: {type(e).__name__}: {e}")
+    return out
 
 
 def window_checks(rows) -> list[str]:
