@@ -60,6 +60,18 @@ def test_feature_signature_adds_sinks_and_window_left_only_where_asked():
     assert sig["window_left"] == ScalarArg("window_left", "int32")
 
 
+def test_bound_caller_passes_sinks_and_window_left_in_signature_order():
+    from cute_kernels.ops._launch import bind
+    from cute_kernels.ops.paged_decode import _CALL_PARAMS
+
+    cfg = make_decode_config(**BASE, split=True, window=True, sinks=True)
+    seen = []
+    caller = bind(_CALL_PARAMS, (lambda *a: seen.append(a), cfg.signature(), {"kv_cache": "k"},
+                                 dict(part_out="PO", part_lse="PL", counters="C", sm_scale=0.5)))
+    caller("Q", "K", "V", "BT", "SL", "O", "L", 1.5, 2.5, "SI", 77)
+    assert seen == [("Q", "K", "BT", "SL", "O", "L", "PO", "PL", "C", 1.5, 2.5, 0.5, "SI", 77)]
+
+
 def test_window_variants_keep_the_static_split_schedule():
     with pytest.raises(ValueError, match="static split schedule"):
         Sm90DecodeConfig(**BASE, split=True, dynamic=True, window=True)
