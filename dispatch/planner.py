@@ -17,11 +17,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cute_kernels.plans import selfcheck_records
-from cute_kernels.plans.sm100 import family as self_check_family
 from cute_kernels.registry import FALLBACKS, KERNELS, KV_LAYOUTS, PHASES, KernelInfo
 
 from .arch import parse_arch
-from .capabilities import kernels_for
+from .capabilities import choice_note, kernels_for
 from .dtypes import kv_dtype_name, model_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
 
@@ -162,9 +161,10 @@ def refusal(k: KernelInfo, unmet: list[str]) -> str | None:
 
 
 def _family(k: KernelInfo, req: _Request) -> str:
-    """The self-check family ``k`` runs for ``req`` (the query dtype follows from the cache)."""
+    """The self-check family ``k`` runs for ``req`` (the query dtype follows from the cache; the
+    registry entry names the family: ``KernelInfo.family``)."""
     q = "fp8_e4m3" if k.computes_qk_in_fp8(req.kv_cache_dtype) else req.model_dtype
-    return self_check_family(k.id, q, req.kv_cache_dtype)
+    return k.family(q, req.kv_cache_dtype, req.head_dim)
 
 
 def _runtime_refusal(k: KernelInfo, req: _Request) -> str | None:
@@ -216,7 +216,8 @@ def _auto(req: _Request) -> Plan:
             return _make_plan(k, req, f"reference fallback: {why}", None)
         why = refusal(k, _unmet(k, req)) or _runtime_refusal(k, req)
         if why is None:
-            return _make_plan(k, req, f"{k.id} accepts this request", None)
+            note = choice_note(req.arch, req.phase, req.kv_cache_dtype)
+            return _make_plan(k, req, f"{k.id} accepts this request" + (f" ({note})" if note else ""), None)
         rejected.append(why)
     raise AssertionError(f"capability list of {req.arch} {req.phase} has no fallback")  # pragma: no cover
 

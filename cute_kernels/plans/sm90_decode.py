@@ -15,16 +15,22 @@ from typing import ClassVar
 
 from ..jit.spec import KernelConfig, ScalarArg, TensorArg
 from . import hw
-from .sm90_attention import HEAD_DIMS, KV_DTYPES, Q_DTYPES, check_qkv  # noqa: F401 - the limits
+from .paged_cache import kv_cache_args, scale_arg
+from .sm90_attention import (  # noqa: F401 - the limits
+    HEAD_DIMS,
+    KV_DTYPES,
+    KV_FORMS,
+    KV_LAYOUTS,
+    PAGE_SIZES,
+    Q_DTYPES,
+    check_qkv,
+)
 
 # ---------------------------------------------------------------------------------------------
 # limits: what the kernel accepts (the registry and the op read these)
 # ---------------------------------------------------------------------------------------------
 
-PAGE_SIZES = (16, 32, 64, 128)
 MAX_ROWS = 64  # query rows of one CTA, group x q_len: the WGMMA N
-KV_LAYOUTS = ("HND", "NHD")
-KV_FORMS = ("single", "pair")  # one [P, 2, ...] cache tensor, or a (K, V) pair
 MAX_SPLITS = 64
 
 # ---------------------------------------------------------------------------------------------
@@ -167,15 +173,7 @@ class Sm90DecodeConfig(KernelConfig):
 
     def signature(self):
         D = self.head_dim
-        kscale = TensorArg("k_scale", "fp32", (1,), align=4) if self.k_scale_tensor else ScalarArg("k_scale", "fp32")
-        vscale = TensorArg("v_scale", "fp32", (1,), align=4) if self.v_scale_tensor else ScalarArg("v_scale", "fp32")
-        page = self.page_size
-        inner = ("Hkv", page) if self.kv_layout == "HND" else (page, "Hkv")
-        if self.kv_form == "single":
-            caches = (TensorArg("kv_cache", self.kv_dtype, ("P", 2, *inner, D)),)
-        else:
-            caches = (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
-                      TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
+        caches = kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, D)
         if self.cluster:  # partials stay in the cluster's shared memory: only the grid's split count
             split = (ScalarArg("num_splits", "int32"),)
         elif self.split:
@@ -194,8 +192,8 @@ class Sm90DecodeConfig(KernelConfig):
             TensorArg("out", self.q_dtype, ("T", "Hq", D), align=2),
             TensorArg("lse", "fp32", ("T", "Hq"), align=4),
             *split,
-            kscale,
-            vscale,
+            scale_arg("k_scale", self.k_scale_tensor),
+            scale_arg("v_scale", self.v_scale_tensor),
             ScalarArg("sm_scale", "fp32"),
             *((TensorArg("sinks", "fp32", ("Hq",), align=4),) if self.sinks else ()),
             *((ScalarArg("window_left", "int32"),) if self.window else ()),
@@ -473,6 +471,13 @@ def feature_family(config: Sm90DecodeConfig) -> str | None:
         return None
     path = f"fp8-{config.widen}" if config.kv_dtype == "fp8_e4m3" else "16bit"
     return f"sm90.decode/{features}/{path}"
+
+
+def request_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
+    """The registry's family of a request with a window and sinks (the op's default MMA path): what
+    ``registry.KernelInfo.family`` asks of a compile-verified kernel."""
+    widen = DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits"
+    return f"sm90.decode/window+sinks/{f'fp8-{widen}' if kv_dtype == 'fp8_e4m3' else '16bit'}"
 
 
 def feature_variants() -> list[Sm90DecodeConfig]:

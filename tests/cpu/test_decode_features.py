@@ -104,6 +104,10 @@ def test_registry_marks_the_feature_variants_compile_verified():
     assert {v.head_dim for v in variants} == {64, 128, 256}
     assert {(v.kv_form, v.kv_layout) for v in variants} >= {("single", "HND"), ("pair", "NHD")}
     assert all(v in registry.variants_for("sm_90a") for v in variants)
+    # the registry's family of a (query, cache, head dim) request: the window + sinks family of the op's path
+    cfg = make_decode_config(**BASE, split=False, window=True, sinks=True)
+    assert info.family("bf16", "fp8_e4m3", 128) == feature_family(cfg)
+    assert info.family("bf16", "bf16", 64) == "sm90.decode/window+sinks/16bit"
 
 
 # ---------------------------------------------------------------------------------------------
