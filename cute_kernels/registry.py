@@ -217,6 +217,14 @@ _ENTRIES = (
                     "(V transposed on chip, P rounded to e4m3)",
         variants=sm90_prefill.fp8_query_compile_variants, **_SM90_PREFILL,
     ),
+    # the window / sink variants of the prefill: compile-verified, picked by paged_prefill for
+    # window_left >= 0 or sinks (not on a dispatcher list)
+    KernelInfo(
+        id=sm90_prefill.FEATURES_ID, kv_dtypes=sm90_prefill.KV_DTYPES,
+        description="SM90 varlen paged prefill's sliding-window (runtime window_left, tiles and pages outside "
+                    "skipped) and attention-sink variants",
+        variants=sm90_prefill.feature_variants, **{**_SM90_PREFILL, "call_site": None,
+                                                    "family": sm90_prefill.feature_family}),
     KernelInfo(
         id="sm90.prefill", kv_dtypes=sm90_prefill.KV_DTYPES,
         description="SM90 varlen paged prefill with WGMMA and TMA (warp-specialized, causal blocks skipped); FP8 "

@@ -109,7 +109,7 @@ def test_keys_outside_every_window_are_never_read():
     p = make_problem(g, reqs=((40, 6), (25, 9)), Hq=4, Hkv=2, D=8, page=page, kv_dtype=FP16, q_dtype=FP16)
     clean = ref.paged_prefill(**p, window_left=w, return_lse=True, q_chunk=4, kv_chunk=6)
     kv, table = p["kv_cache"].clone(), p["block_table"].clone()
-    for b, ((prefix, n), L) in enumerate(zip(((40, 6), (25, 9)), p["seq_lens"].tolist())):
+    for b, ((_prefix, n), L) in enumerate(zip(((40, 6), (25, 9)), p["seq_lens"].tolist())):
         for pg in range(max(0, L - n - w) // page):
             kv[int(table[b, pg])] = float("nan")
             table[b, pg] = -1 if pg % 2 else 10_000
