@@ -28,17 +28,22 @@ Units (docs/design/trtllm.md#units):
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
 import torch
 
+from . import reference
 from .ops._torch import compile_target
 from .ops.paged_decode import paged_decode
 from .plans.sm100 import TARGETS as FP8_QK_TARGETS
+from .registry import KERNELS, arch_of_target
 
 FP8 = torch.float8_e4m3fn
 _INF = math.inf
+log = logging.getLogger("cute_kernels")
+_SERVED: dict = {}  # (op, phase, device) -> whether a kernel of this build serves it there
 
 # the ops' argument names as this API spells them, for the errors raised below it
 _RENAMES = ((r"\bq\b", "query"), (r"\bblock_table\b", "block_tables"), (r"\bk_scale\b", "bmm1_scale"),
@@ -121,6 +126,24 @@ def _out_dtype(query, out, out_dtype) -> torch.dtype:
     return dt
 
 
+def served(op: str, phase: str, device) -> bool:
+    """Whether a kernel of this build serves ``op`` for ``phase`` on ``device`` (the registry's
+    entries of that op, arch and phase that are available or compile-verified); CPU tensors run
+    the reference. Otherwise the reference serves the call, with one warning per device."""
+    key = (op, phase, device)
+    ok = _SERVED.get(key)
+    if ok is None:
+        target = compile_target(device)
+        arch = arch_of_target(target)
+        ok = any(k.op == op and phase in k.phases and arch in k.archs and k.status in ("available", "compile-verified")
+                 for k in KERNELS.values())
+        if not ok:
+            log.warning("cute_kernels.trtllm: no %s kernel of this build runs on %s (%s); the reference serves it",
+                        phase, target, device)
+        _SERVED[key] = ok
+    return ok
+
+
 def _check_fp8_query(query) -> None:
     """An FP8 query needs a kernel that runs QK in FP8 (SM100 / SM103); SM90's decode widens an FP8
     cache to the 16-bit query's type, so it takes none: a clear error instead of a silent cast."""
@@ -183,10 +206,24 @@ def batch_decode_with_kv_cache(
     _out_dtype(query, out, out_dtype)
     _check_fp8_query(query)
     lens = _lengths("seq_lens", seq_lens, device)
+    decode = paged_decode if not query.is_cuda or served("paged_decode", "decode", device) else _reference_decode
     try:
-        return paged_decode(query, _kv_cache(kv_cache), block_tables, lens, kv_layout=kv_layout,
+        return decode(query, _kv_cache(kv_cache), block_tables, lens, kv_layout=kv_layout,
                             q_len_per_req=q_len_per_req, sm_scale=1.0, k_scale=bmm1_scale, v_scale=bmm2_scale,
                             q_scale=1.0 if query.dtype == FP8 else None, out=out, return_lse=return_lse,
                             window_left=window_left, sinks=sinks, workspace=workspace_buffer)
     except (TypeError, ValueError) as exc:
         raise _renamed(exc) from None
+
+
+def _reference_decode(query, kv_cache, block_tables, seq_lens, *, kv_layout, q_len_per_req, sm_scale, k_scale,
+                      v_scale, q_scale, out, return_lse, window_left, sinks, workspace):
+    """An arch no decode kernel serves: the reference, written into ``out`` when given."""
+    res = reference.paged_decode(query, kv_cache, block_tables, seq_lens, kv_layout=kv_layout,
+                                 q_len_per_req=q_len_per_req, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+                                 q_scale=q_scale, return_lse=return_lse, window_left=window_left, sinks=sinks)
+    o, lse = res if return_lse else (res, None)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return (o, lse) if return_lse else o

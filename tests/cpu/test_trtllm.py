@@ -235,3 +235,19 @@ def test_pages_outside_every_window_are_never_read():
     got = trtllm.batch_decode_with_kv_cache(q, dirty, _workspace(), table, seq_lens, 200, window_left=w,
                                             q_len_per_req=q_len, return_lse=True)
     assert torch.equal(got[0], clean[0]) and torch.equal(got[1], clean[1])
+
+
+def test_archs_without_a_kernel_are_served_by_the_reference(monkeypatch, caplog):
+    """SM90 (sm90.decode) and SM100/SM103 (sm100.decode) have decode kernels; an arch the registry
+    lists none for gets the reference, with one warning per device."""
+    import logging
+
+    targets = {0: "sm_90a", 1: "sm_100a", 2: "sm_103a", 3: "sm_120a"}
+    monkeypatch.setattr(trtllm, "compile_target", lambda device: targets[device.index])
+    monkeypatch.setattr(trtllm, "_SERVED", {})
+    with caplog.at_level(logging.WARNING, logger="cute_kernels"):
+        assert [trtllm.served("paged_decode", "decode", torch.device("cuda", i)) for i in range(4)] == \
+            [True, True, True, False]
+        assert not trtllm.served("paged_decode", "decode", torch.device("cuda", 3))  # cached: no second warning
+    warnings = [r.getMessage() for r in caplog.records if "trtllm" in r.getMessage()]
+    assert len(warnings) == 1 and "sm_120a" in warnings[0] and "the reference serves it" in warnings[0]
