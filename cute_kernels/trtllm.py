@@ -1,9 +1,11 @@
 """FlashInfer's TRT-LLM attention calls, argument for argument, on this package's kernels.
 
-``cute_kernels.trtllm.batch_decode_with_kv_cache`` takes the arguments of FlashInfer's
-``trtllm_batch_decode_with_kv_cache`` (the subset listed below) with its semantics, so an engine
-switches by changing an import: SM90 runs ``sm90.decode`` (XQA in FlashInfer), SM100 / SM103 the
-tcgen05 ``sm100.decode`` (trtllm-gen in FlashInfer), CPU tensors the reference.
+``cute_kernels.trtllm.batch_decode_with_kv_cache`` and ``batch_context_with_kv_cache`` take the
+arguments of FlashInfer's ``trtllm_batch_decode_with_kv_cache`` and
+``trtllm_batch_context_with_kv_cache`` (the subsets listed below) with their semantics, so an
+engine switches by changing an import: SM90 runs ``sm90.decode`` (XQA in FlashInfer) and
+``sm90.prefill``, SM100 / SM103 the tcgen05 ``sm100.decode`` (trtllm-gen in FlashInfer), CPU
+tensors and archs without a kernel the reference.
 
 Units (docs/design/trtllm.md#units):
 
@@ -35,8 +37,10 @@ import re
 import torch
 
 from . import reference
+from .ops._caller_workspace import check_workspace
 from .ops._torch import compile_target
 from .ops.paged_decode import paged_decode
+from .ops.paged_prefill import paged_prefill
 from .plans.sm100 import TARGETS as FP8_QK_TARGETS
 from .registry import KERNELS, arch_of_target
 
@@ -227,3 +231,119 @@ def _reference_decode(query, kv_cache, block_tables, seq_lens, *, kv_layout, q_l
         out.copy_(o)
         o = out
     return (o, lse) if return_lse else o
+
+
+def _batch(name: str, t, batch_size: int, device):
+    """A ``[batch_size + 1]`` int32 (or uint32) cumulative-length tensor on the query's device."""
+    t = _lengths(name, t, device)
+    if t.dim() != 1 or t.shape[0] != batch_size + 1:
+        raise ValueError(f"{name} must be [batch_size + 1] = [{batch_size + 1}], got shape {tuple(t.shape)}")
+    return t
+
+
+def batch_context_with_kv_cache(
+    query: torch.Tensor,
+    kv_cache,
+    workspace_buffer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
+    bmm1_scale,
+    bmm2_scale,
+    batch_size: int,
+    cum_seq_lens_q: torch.Tensor,
+    cum_seq_lens_kv: torch.Tensor,
+    window_left: int = -1,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    sinks: torch.Tensor | None = None,
+    kv_layout: str = "HND",
+    causal: bool = True,
+    return_lse: bool = False,
+):
+    """Paged prefill with FlashInfer's ``trtllm_batch_context_with_kv_cache`` arguments and semantics.
+
+    Args:
+        query: ``[T, Hq, D]``, the new tokens of ``batch_size`` requests packed by
+            ``cum_seq_lens_q``; bf16/fp16, or float8_e4m3fn quantized by the caller (its scale in
+            ``bmm1_scale``; QK then runs in FP8: ``sm90.prefill_fp8q``).
+        kv_cache, workspace_buffer, bmm1_scale, bmm2_scale, sinks, kv_layout, return_lse: as
+            :func:`batch_decode_with_kv_cache` (the prefill kernels need no scratch: the buffer is
+            validated, not used).
+        block_tables: int32 ``[batch_size, max_pages]``; seq_lens: int32 or uint32
+            ``[batch_size]``, each request's KV length including its new tokens.
+        max_q_len: an int >= 0, the longest request's query length (it sizes the grid; a value
+            below a request's length leaves that request's rows beyond it unspecified, as FlashInfer).
+        max_kv_len: an int >= 0, FlashInfer's grid bound; not needed here (not compared with
+            ``seq_lens``, which would synchronize).
+        batch_size: the number of requests: ``block_tables``, ``seq_lens``, ``cum_seq_lens_q`` and
+            ``cum_seq_lens_kv`` must agree with it.
+        cum_seq_lens_q: int32 ``[batch_size + 1]`` query offsets (0 ... T).
+        cum_seq_lens_kv: ``[batch_size + 1]`` int32: FlashInfer's per-request KV offsets, which its
+            paged kernels do not read (vLLM passes cumulative page counts): checked for its shape
+            and dtype only.
+        window_left: sliding window (-1: none), causal only (as FlashInfer); row j of request b at
+            ``p = seq_lens[b] - q_len_b + j`` sees keys ``p - window_left ... p``.
+        out, out_dtype: FlashInfer's rule, then the kernels' dtype: the query's for a 16-bit query;
+            bf16 or fp16 for an FP8 query (FP8 output: ``ValueError``).
+        causal: causal within each request's new tokens, or every key of the request.
+
+    Returns:
+        ``out``, and ``(out, lse)`` (base 2, ``[T, Hq]`` fp32) with ``return_lse``.
+    """
+    if not isinstance(query, torch.Tensor):
+        raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
+    device = query.device
+    for name, value in (("max_q_len", max_q_len), ("max_kv_len", max_kv_len), ("batch_size", batch_size)):
+        _int_arg(name, value, 0)
+    _check_scale("bmm1_scale", bmm1_scale, device)
+    _check_scale("bmm2_scale", bmm2_scale, device)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if not causal and window_left != -1:
+        raise NotImplementedError("a sliding window needs causal=True (FlashInfer's trtllm context call takes no "
+                                  "non-causal window either); pass window_left=-1")
+    dt = _context_out_dtype(query, out, out_dtype)
+    lens = _lengths("seq_lens", seq_lens, device)
+    if lens.dim() != 1 or lens.shape[0] != batch_size:
+        raise ValueError(f"seq_lens must be [batch_size] = [{batch_size}], got shape {tuple(lens.shape)}")
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 or block_tables.shape[0] != batch_size:
+        raise ValueError(f"block_tables must be [batch_size = {batch_size}, max_pages], got "
+                         f"{tuple(block_tables.shape) if isinstance(block_tables, torch.Tensor) else block_tables!r}")
+    starts = _batch("cum_seq_lens_q", cum_seq_lens_q, batch_size, device)
+    _batch("cum_seq_lens_kv", cum_seq_lens_kv, batch_size, device)
+    check_workspace(workspace_buffer, device)
+    fp8 = query.dtype == FP8
+    kw = dict(max_query_len=max_q_len, kv_layout=kv_layout, causal=causal, sm_scale=1.0, q_scale=1.0 if fp8 else None,
+              k_scale=bmm1_scale, v_scale=bmm2_scale, return_lse=return_lse, window_left=window_left, sinks=sinks)
+    try:
+        if query.is_cuda and not served("paged_prefill", "prefill", device):
+            res = reference.paged_prefill(query, _kv_cache(kv_cache), block_tables, lens, starts, out_dtype=dt, **kw)
+            if out is None:
+                return res
+            out.copy_(res[0] if return_lse else res)
+            return (out, res[1]) if return_lse else out
+        if out is None and fp8 and dt != torch.bfloat16:  # the op writes bf16 for an FP8 query unless given out
+            out = torch.empty(query.shape, dtype=dt, device=device)
+        return paged_prefill(query, _kv_cache(kv_cache), block_tables, lens, starts, out=out, **kw)
+    except (TypeError, ValueError) as exc:
+        raise _renamed(exc) from None
+
+
+def _context_out_dtype(query, out, out_dtype) -> torch.dtype:
+    """FlashInfer's rule, then what the prefill kernels write: the query's dtype for a 16-bit
+    query, bf16 or fp16 for an FP8 one."""
+    if query.dtype != FP8:
+        return _out_dtype(query, out, out_dtype)
+    dt = out_dtype if out_dtype is not None else (out.dtype if isinstance(out, torch.Tensor) else query.dtype)
+    if not isinstance(dt, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype, got {dt!r}")
+    if dt == FP8:
+        raise ValueError("out_dtype float8_e4m3fn is not supported: no kernel of this package writes an FP8 output "
+                         "(pass out_dtype=torch.bfloat16 or torch.float16)")
+    if dt not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype must be bfloat16 or float16 for an FP8 query, got {dt}")
+    if isinstance(out, torch.Tensor) and out.dtype != dt:
+        raise ValueError(f"out has dtype {out.dtype} but out_dtype is {dt}")
+    return dt

@@ -1,5 +1,7 @@
-"""``cute-kernels bench decode --api trtllm``: the ``cute_kernels.trtllm`` API next to FlashInfer's
-own ``trtllm_batch_decode_with_kv_cache`` (XQA on SM90, trtllm-gen on SM100) on the same inputs.
+"""``cute-kernels bench decode --api trtllm`` and ``bench prefill --api trtllm``: the
+``cute_kernels.trtllm`` API next to FlashInfer's own ``trtllm_batch_decode_with_kv_cache`` (XQA on
+SM90, trtllm-gen on SM100) and ``trtllm_batch_context_with_kv_cache`` (trtllm-gen: SM100 only,
+skipped on SM90 with its reason) on the same inputs.
 
 Rows: Llama-shaped decode (B 64, Hq 32 / Hkv 8, D 128, ctx 32768) with the full context, with
 sinks, with a 4096-token window (``window_left = 4095``) and both; a gpt-oss-shaped decode (Hq 64
@@ -18,7 +20,7 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference, trtllm
-from cute_kernels.testing import make_paged_decode_case, rel_err
+from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case, rel_err
 
 from .harness import NvtxRanges, module_available, write_json
 from .timing import bench_setup, host_overhead, time_graph
@@ -163,8 +165,9 @@ def window_checks(rows) -> list[str]:
 def _print_row(r, sides):
     def f(s):
         if s + "_us" in r:
-            e = r.get(s + "_err")
-            return f"{r[s + '_us']:9.1f}us {r[s + '_roof']:5.1f}%" + (f" e={e:.1e}" if e is not None else "")
+            e, roof = r.get(s + "_err"), r.get(s + "_roof")
+            return (f"{r[s + '_us']:9.1f}us" + (f" {roof:5.1f}%" if roof is not None else "")
+                    + (f" e={e:.1e}" if e is not None else ""))
         return f"{'-':>9} ({r.get(s + '_error', 'n/a')[:60]})"
 
     print(f"{r['shape']:<44} {r['kv']:<4}", flush=True)
@@ -182,3 +185,104 @@ def main_decode(args) -> None:
         shapes = [s for s in DECODE_SHAPES if any(k in s[0] for k in keys)]
     run_decode(kv_dtypes=tuple(args.kv.split(",")), sides=tuple(sides), shapes=shapes, out_json=args.json,
                quick=args.quick, nvtx=args.nvtx)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill (the context call)
+# ---------------------------------------------------------------------------------------------
+
+# name, B, cached prefix, new tokens per request, Hq, Hkv, D, window_left, sinks
+PREFILL_SHAPES = [
+    ("causal B1 S16384", 1, 0, 16384, 32, 8, 128, -1, False),
+    ("causal B1 S16384 win4096 sinks", 1, 0, 16384, 32, 8, 128, 4095, True),
+    ("chunked B4 q2048 ctx32768 win4096 sinks", 4, 32768 - 2048, 2048, 32, 8, 128, 4095, True),
+    ("gpt-oss h64/8 d64 B4 S8192 win128 sinks", 4, 0, 8192, 64, 8, 64, 127, True),
+]
+
+
+def _context_callers(case, window_left, sinks, ranges: NvtxRanges):
+    """side -> (fn, out) for one prefill problem (FlashInfer's context call: SM100 only)."""
+    bmm1 = case.meta["head_dim"] ** -0.5 * case.k_scale
+    bmm2 = case.v_scale
+    B = case.block_table.shape[0]
+    kv_starts = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    kv_starts[1:] = case.seq_lens.cumsum(0)
+    max_q, max_kv = case.max_query_len, int(case.seq_lens.max())
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    outs = {s: torch.empty_like(case.q) for s in SIDES}
+
+    def api():
+        return trtllm.batch_context_with_kv_cache(case.q, case.kv_cache, ws, case.block_table, case.seq_lens, max_q,
+                                                  max_kv, bmm1, bmm2, B, case.query_start_loc, kv_starts,
+                                                  window_left=window_left, out=outs["api"], sinks=sinks,
+                                                  kv_layout=case.kv_layout)
+
+    def op():
+        return cute_kernels.paged_prefill(case.q, case.kv_cache, case.block_table, case.seq_lens,
+                                          case.query_start_loc, max_query_len=max_q, kv_layout=case.kv_layout,
+                                          sm_scale=1.0, k_scale=bmm1, v_scale=bmm2, out=outs["op"],
+                                          window_left=window_left, sinks=sinks)
+
+    def flashinfer():
+        if torch.cuda.get_device_capability()[0] != 10:
+            raise NotImplementedError("FlashInfer's trtllm context call runs trtllm-gen cubins: SM100/SM103 only")
+        from flashinfer.prefill import trtllm_batch_context_with_kv_cache
+
+        return trtllm_batch_context_with_kv_cache(case.q, case.kv_cache, ws, case.block_table, case.seq_lens, max_q,
+                                                  max_kv, bmm1, bmm2, B, case.query_start_loc, kv_starts,
+                                                  window_left=window_left, out=outs["flashinfer"], sinks=sinks,
+                                                  kv_layout=case.kv_layout)
+
+    fns = {"api": ranges.wrap("cute_kernels.trtllm", api), "op": ranges.wrap("cute_kernels.paged_prefill", op),
+           "flashinfer": ranges.wrap("bench.flashinfer", flashinfer)}
+    return {s: (fns[s], outs[s]) for s in SIDES}
+
+
+def run_prefill(kv_dtypes=("bf16", "fp8"), sides=SIDES, shapes=None, out_json=None, quick=False, nvtx=False):
+    ranges = NvtxRanges(nvtx)
+    _, g = bench_setup()
+    rows = []
+    for kvn in kv_dtypes:
+        kv_dtype = FP8 if kvn == "fp8" else BF16
+        for name, B, prefix, n, Hq, Hkv, D, window, with_sinks in shapes or PREFILL_SHAPES:
+            case = make_paged_prefill_case(reqs=[(prefix, n)] * B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                                           page_size=PAGE, kv_dtype=kv_dtype, generator=g, poison_tail=False,
+                                           k_scale=0.0625 if kvn == "fp8" else 1.0,
+                                           v_scale=0.03125 if kvn == "fp8" else 1.0)
+            sinks = torch.randn(Hq, device="cuda", generator=g) if with_sinks else None
+            row = dict(shape=name, kv=kvn, B=B, prefix=prefix, q_len=n, Hq=Hq, Hkv=Hkv, D=D, window_left=window,
+                       sinks=with_sinks)
+            ref = None
+            if not quick:
+                ref = reference.paged_prefill(case.q, case.kv_cache, case.block_table, case.seq_lens,
+                                              case.query_start_loc, kv_layout=case.kv_layout,
+                                              sm_scale=D ** -0.5 * case.k_scale, v_scale=case.v_scale,
+                                              window_left=window, sinks=sinks)
+            for side, (fn, out) in _context_callers(case, window, sinks, ranges).items():
+                if side not in sides:
+                    continue
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    row[side + "_us"] = time_graph(fn) * 1e6  # (compute-bound: times and errors, no roofline)
+                    if ref is not None:
+                        row[side + "_err"] = rel_err(out.float(), ref.float())
+                except Exception as e:  # a side that cannot run this problem is reported, not fatal
+                    row[side + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            rows.append(row)
+            _print_row(row, sides)
+            del case
+            torch.cuda.empty_cache()
+    result = dict(rows=rows)
+    write_json(out_json, result)
+    return result
+
+
+def main_prefill(args) -> None:
+    sides = [s for s in SIDES if s != "flashinfer" or module_available("flashinfer")]
+    shapes = PREFILL_SHAPES
+    if args.shapes:
+        keys = [k for k in args.shapes.split(",") if k]
+        shapes = [s for s in PREFILL_SHAPES if any(k in s[0] for k in keys)]
+    run_prefill(kv_dtypes=tuple(args.kv.split(",")), sides=tuple(sides), shapes=shapes, out_json=args.json,
+                quick=args.quick, nvtx=args.nvtx)

@@ -34,3 +34,18 @@ def test_window_checks_judge_the_ratio():
     lines = bench_trtllm.window_checks(rows)
     assert lines == ["window 4096 vs ctx 32768 (fp8, sinks True): x7.00 (need >= 6) PASS",
                      "window 4096 vs ctx 32768 (bf16, sinks False): x4.00 (need >= 6) FAIL"]
+
+
+def test_prefill_api_flag_parses_and_its_shapes_have_windows_and_sinks():
+    parser, _ = build_parser("prefill")
+    assert parser.parse_args([]).api == "ops"
+    assert parser.parse_args(["--api", "trtllm"]).api == "trtllm"
+    shapes = bench_trtllm.PREFILL_SHAPES
+    assert any(s[7] == -1 for s in shapes) and any(s[7] >= 0 and s[8] for s in shapes)
+    assert any(s[2] > 0 for s in shapes)  # a chunked prefill after a cached prefix
+
+
+def test_rows_print_without_a_roofline(capsys):
+    bench_trtllm._print_row(dict(shape="x", kv="bf16", api_us=10.0, api_err=1e-3, op_error="E: no"), ("api", "op"))
+    out = capsys.readouterr().out
+    assert "10.0us e=1.0e-03" in out and "(E: no)" in out
