@@ -77,9 +77,36 @@ def _callers(case, window_left, sinks, ranges: NvtxRanges):
                                                  out=outs["flashinfer"], sinks=sinks, kv_layout=case.kv_layout,
                                                  q_len_per_req=case.q_len)
 
-    fns = {"api": ranges.wrap("cute_kernels.trtllm", api), "op": ranges.wrap("cute_kernels.paged_decode", op),
-           "flashinfer": ranges.wrap("bench.flashinfer", flashinfer)}
-    return {s: (fns[s], outs[s]) for s in SIDES}
+    return _sides(ranges, "paged_decode", (api, op, flashinfer), outs)
+
+
+def _sides(ranges: NvtxRanges, op_name: str, fns, outs) -> dict:
+    """side -> (the timed call in its NVTX range, its output)."""
+    names = ("cute_kernels.trtllm", f"cute_kernels.{op_name}", "bench.flashinfer")
+    return {side: (ranges.wrap(name, fn), outs[side]) for side, name, fn in zip(SIDES, names, fns)}
+
+
+def _measure(row: dict, callers: dict, sides, ref, nbytes=None, bw=None) -> None:
+    """Time every side (CUDA-graph replays), its error against ``ref`` and (``nbytes``) its % of the
+    read roofline; a side that cannot run the problem is reported in the row, not fatal."""
+    for side, (fn, out) in callers.items():
+        if side not in sides:
+            continue
+        try:
+            fn()
+            torch.cuda.synchronize()
+            t = time_graph(fn)
+            row[side + "_us"] = t * 1e6
+            if nbytes is not None:
+                row[side + "_roof"] = 100 * nbytes / bw / t
+            if ref is not None:
+                row[side + "_err"] = rel_err(out.float(), ref.float())
+        except Exception as e:
+            row[side + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def _kv_scales(kvn: str) -> dict:
+    return dict(k_scale=0.0625, v_scale=0.03125) if kvn == "fp8" else dict(k_scale=1.0, v_scale=1.0)
 
 
 def run_decode(kv_dtypes=("fp8", "bf16"), sides=SIDES, shapes=None, out_json=None, quick=False, nvtx=False):
@@ -91,8 +118,7 @@ def run_decode(kv_dtypes=("fp8", "bf16"), sides=SIDES, shapes=None, out_json=Non
         for name, Hq, Hkv, D, B, ctx, q_len, window, with_sinks in shapes or DECODE_SHAPES:
             case = make_paged_decode_case(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=PAGE,
                                           seq_lens=ctx, kv_dtype=kv_dtype, q_len=q_len, generator=g,
-                                          poison_tail=False, k_scale=0.0625 if kvn == "fp8" else 1.0,
-                                          v_scale=0.03125 if kvn == "fp8" else 1.0)
+                                          poison_tail=False, **_kv_scales(kvn))
             sinks = torch.randn(Hq, device="cuda", generator=g) if with_sinks else None
             nbytes = _visible_bytes(case, window)
             row = dict(shape=name, kv=kvn, B=B, ctx=ctx, Hq=Hq, Hkv=Hkv, D=D, q_len=q_len, window_left=window,
@@ -103,19 +129,7 @@ def run_decode(kv_dtypes=("fp8", "bf16"), sides=SIDES, shapes=None, out_json=Non
                                              kv_layout=case.kv_layout, q_len_per_req=q_len,
                                              sm_scale=D ** -0.5 * case.k_scale, v_scale=case.v_scale,
                                              window_left=window, sinks=sinks)
-            for side, (fn, out) in _callers(case, window, sinks, ranges).items():
-                if side not in sides:
-                    continue
-                try:
-                    fn()
-                    torch.cuda.synchronize()
-                    t = time_graph(fn)
-                    row[side + "_us"] = t * 1e6
-                    row[side + "_roof"] = 100 * nbytes / bw / t
-                    if ref is not None:
-                        row[side + "_err"] = rel_err(out.float(), ref.float())
-                except Exception as e:  # a side that cannot run this problem is reported, not fatal
-                    row[side + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            _measure(row, _callers(case, window, sinks, ranges), sides, ref, nbytes, bw)
             rows.append(row)
             _print_row(row, sides)
             del case
@@ -233,9 +247,7 @@ def _context_callers(case, window_left, sinks, ranges: NvtxRanges):
                                                   window_left=window_left, out=outs["flashinfer"], sinks=sinks,
                                                   kv_layout=case.kv_layout)
 
-    fns = {"api": ranges.wrap("cute_kernels.trtllm", api), "op": ranges.wrap("cute_kernels.paged_prefill", op),
-           "flashinfer": ranges.wrap("bench.flashinfer", flashinfer)}
-    return {s: (fns[s], outs[s]) for s in SIDES}
+    return _sides(ranges, "paged_prefill", (api, op, flashinfer), outs)
 
 
 def run_prefill(kv_dtypes=("bf16", "fp8"), sides=SIDES, shapes=None, out_json=None, quick=False, nvtx=False):
@@ -247,8 +259,7 @@ def run_prefill(kv_dtypes=("bf16", "fp8"), sides=SIDES, shapes=None, out_json=No
         for name, B, prefix, n, Hq, Hkv, D, window, with_sinks in shapes or PREFILL_SHAPES:
             case = make_paged_prefill_case(reqs=[(prefix, n)] * B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
                                            page_size=PAGE, kv_dtype=kv_dtype, generator=g, poison_tail=False,
-                                           k_scale=0.0625 if kvn == "fp8" else 1.0,
-                                           v_scale=0.03125 if kvn == "fp8" else 1.0)
+                                           **_kv_scales(kvn))
             sinks = torch.randn(Hq, device="cuda", generator=g) if with_sinks else None
             row = dict(shape=name, kv=kvn, B=B, prefix=prefix, q_len=n, Hq=Hq, Hkv=Hkv, D=D, window_left=window,
                        sinks=with_sinks)
@@ -258,17 +269,7 @@ def run_prefill(kv_dtypes=("bf16", "fp8"), sides=SIDES, shapes=None, out_json=No
                                               case.query_start_loc, kv_layout=case.kv_layout,
                                               sm_scale=D ** -0.5 * case.k_scale, v_scale=case.v_scale,
                                               window_left=window, sinks=sinks)
-            for side, (fn, out) in _context_callers(case, window, sinks, ranges).items():
-                if side not in sides:
-                    continue
-                try:
-                    fn()
-                    torch.cuda.synchronize()
-                    row[side + "_us"] = time_graph(fn) * 1e6  # (compute-bound: times and errors, no roofline)
-                    if ref is not None:
-                        row[side + "_err"] = rel_err(out.float(), ref.float())
-                except Exception as e:  # a side that cannot run this problem is reported, not fatal
-                    row[side + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            _measure(row, _context_callers(case, window, sinks, ranges), sides, ref)  # compute-bound: no roofline
             rows.append(row)
             _print_row(row, sides)
             del case

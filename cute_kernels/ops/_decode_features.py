@@ -12,16 +12,14 @@ reference from then on (:mod:`._selfcheck`). Design: docs/design/sm90-decode.md#
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 
 import torch
 
 from .. import reference
 from ..plans.sm90_decode import Sm90DecodeConfig, feature_family
-from ._selfcheck import Case, ensure
+from ._selfcheck import Case, decode_problem, ensure
 
-FP8 = torch.float8_e4m3fn
 # (rtol, atol) against the fp32 reference: one 16-bit rounding of P and of the output
 SELF_CHECK_TOL = (2e-2, 1e-2)
 
@@ -63,20 +61,9 @@ def self_check_cases(config: Sm90DecodeConfig, device, runner) -> list[Case]:
     windows of 90 and 5 keys when the family has a window, random sinks when it has sinks."""
     rtol, atol = SELF_CHECK_TOL
     g = torch.Generator(device="cpu").manual_seed(2029)
-    D, page, G, q_len = config.head_dim, config.page_size, config.group, config.q_len
-    Hkv = 2
-    lens = [3 * page + 5, q_len, 700]
-    B = len(lens)
-    max_pages = max(math.ceil(x / page) for x in lens)
-    P = B * max_pages + 2
-    bt = torch.randperm(P, generator=g)[: B * max_pages].view(B, max_pages).to(torch.int32)
-    kv_dt = FP8 if config.kv_dtype == "fp8_e4m3" else _torch_dtype(config.kv_dtype)
-    shape = (P, 2, Hkv, page, D) if config.kv_layout == "HND" else (P, 2, page, Hkv, D)
-    kv = torch.randn(shape, generator=g).to(kv_dt)
-    cache = (kv[:, 0], kv[:, 1]) if config.kv_form == "pair" else kv
-    q = torch.randn(B * q_len, G * Hkv, D, generator=g).to(_torch_dtype(config.q_dtype))
-    sl = torch.tensor(lens, dtype=torch.int32)
-    sinks = torch.randn(G * Hkv, generator=g) if config.sinks else None
+    q_len = config.q_len
+    q, cache, bt, sl = decode_problem(config, g)
+    sinks = torch.randn(q.shape[1], generator=g) if config.sinks else None
 
     def scale(value: float, tensor: bool):
         return torch.tensor(value, dtype=torch.float32, device=device) if tensor else value
@@ -101,7 +88,3 @@ def self_check_cases(config: Sm90DecodeConfig, device, runner) -> list[Case]:
         name = f"splits={splits},{'cluster' if cluster else 'global' if cluster is False else 'single'},window={window}"
         cases.append(Case(name, run_case, expect, rtol, atol))
     return cases
-
-
-def _torch_dtype(name: str):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]

@@ -16,7 +16,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .prefill_blocks import row_limit
-from .sinks import fold_sink
 
 ROWS = 2  # rows per thread in an m64 accumulator
 
@@ -96,23 +95,25 @@ def finalize(row_max: cute.Tensor, row_sum: cute.Tensor, out_scale):
 
 
 @cute.jit
-def finalize_with_sink(row_max: cute.Tensor, row_sum: cute.Tensor, out_scale, sink_log2):
-    """:func:`finalize` with a sink logit (log2 units) in each row's denominator
-    (:func:`cute_kernels.roles.sinks.fold_sink`): a row that saw nothing gets 0 and LSE
-    ``sink_log2``."""
-    inv = cute.make_rmem_tensor((ROWS,), Float32)
-    lse = cute.make_rmem_tensor((ROWS,), Float32)
+def add_sink(row_max: cute.Tensor, row_sum: cute.Tensor, sink_log2, first_of_quad):
+    """One more logit per row, a sink (log2 units) that adds no value, as an online-softmax step:
+    the running max becomes ``max(m, sink)``, every thread's share of the sum is rescaled and the
+    sink's ``2^(sink - max)`` joins the share of the quad's first thread (``first_of_quad``).
+    Returns the factor the output rows must be rescaled by (then :func:`finalize` as usual; a row
+    that saw nothing gets 0 and LSE ``sink_log2``)."""
+    alpha = cute.make_rmem_tensor((ROWS,), Float32)
     for h in cutlass.range_constexpr(ROWS):
-        total = row_sum[h]
-        for off in (1, 2):
-            total = total + cute.arch.shuffle_sync_bfly(total, off)
-        m, total, keep = fold_sink(row_max[h], total, sink_log2)
-        inv[h] = Float32(0.0)
-        lse[h] = -Float32.inf
-        if total > Float32(0.0):
-            inv[h] = out_scale * keep / total
-            lse[h] = m + cute.math.log2(total, fastmath=True)
-    return inv, lse
+        big = cute.arch.fmax(row_max[h], sink_log2)
+        keep = Float32(0.0)
+        if row_max[h] != -Float32.inf:
+            keep = cute.math.exp2(row_max[h] - big, fastmath=False)
+        extra = Float32(0.0)
+        if first_of_quad and sink_log2 != -Float32.inf:  # (a -inf sink is no sink)
+            extra = cute.math.exp2(sink_log2 - big, fastmath=False)
+        row_sum[h] = row_sum[h] * keep + extra
+        row_max[h] = big
+        alpha[h] = keep
+    return alpha
 
 
 def row_lower(row0, j_first, q_len, seq_len, window_left):
@@ -134,5 +135,4 @@ def row_limits(row0, j_first, q_len, seq_len, cap, causal: bool):
     return limit
 
 
-__all__ = ["ROWS", "new_state", "softmax_step", "rescale_rows", "finalize", "finalize_with_sink", "row_lower",
-           "row_limits"]
+__all__ = ["ROWS", "new_state", "softmax_step", "rescale_rows", "finalize", "add_sink", "row_lower", "row_limits"]

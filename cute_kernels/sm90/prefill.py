@@ -603,9 +603,8 @@ class Sm90PagedPrefill:
         this request (4-byte pairs; rows past ``q_len`` belong to the next request and are
         skipped) and, when asked, their base-2 LSE."""
         if const_expr(sink_log2 is not None):
-            inv, lse = softmax.finalize_with_sink(row_max, row_sum, out_scale, sink_log2)
-        else:
-            inv, lse = softmax.finalize(row_max, row_sum, out_scale)
+            softmax.rescale_rows(acc_o, cO0, softmax.add_sink(row_max, row_sum, sink_log2, tid % 4 == 0))
+        inv, lse = softmax.finalize(row_max, row_sum, out_scale)
         for e in cutlass.range_constexpr(0, cute.size(acc_o), 2):
             h = cO0[e][0] // 8
             j = j_first + m_off + cO0[e][0]

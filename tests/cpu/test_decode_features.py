@@ -32,14 +32,6 @@ from cute_kernels.plans.sm90_decode import (
 BASE = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1, page_size=16)
 
 
-@pytest.fixture(autouse=True)
-def _isolated_records(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
-    records.forget()
-    yield
-    records.forget()
-
-
 def test_families_name_the_features_and_the_mma_path():
     assert feature_family(make_decode_config(**BASE, split=False)) is None
     assert feature_family(make_decode_config(**BASE, split=True, window=True, sinks=True)) == \

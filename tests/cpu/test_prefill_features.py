@@ -1,5 +1,6 @@
 """The prefill's window / sink variants on the host, on the CPU with the device and the compiled
-function stubbed (as ``test_prefill_selfcheck``): their configs and signatures, their self-check
+function stubbed (``test_prefill_selfcheck``'s ``fake_gpu``: the reference with the variant's
+inputs, or without one of them): their configs and signatures, their self-check
 families (problems that fit every registered variant, a 75-key window and sinks that a stub
 computing the reference passes), the op picking them for ``window_left`` / ``sinks`` with a check
 of their own family, a stub that drops the sink or the window failing it (the reference serves,
@@ -19,57 +20,12 @@ from cute_kernels.plans import selfcheck_records as records
 from cute_kernels.plans import sm90_prefill as plan
 from cute_kernels.registry import KERNELS
 
-from .test_prefill_host import _args, _kw, _problem, ffi_checks
+from . import test_prefill_selfcheck as _stubs
+from .test_prefill_host import _args, _kw, _problem
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 FEATURES = KERNELS[plan.FEATURES_ID].variants()
-
-
-@pytest.fixture(autouse=True)
-def _isolated_records(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
-    records.forget()
-    yield
-    records.forget()
-
-
-def reference_kernel(config, *, drop=None):
-    """A stand-in for a compiled window / sink variant: TVM-FFI's checks, then the reference with
-    the variant's inputs (``drop``: "sinks" or "window" ignores one, as a broken kernel would)."""
-    signature = config.signature()
-    names = [a.name for a in signature]
-
-    def fn(*args):
-        ffi_checks(signature, args)
-        a = dict(zip(names, args))
-        cache = a["kv_cache"] if "kv_cache" in a else (a["k_cache"], a["v_cache"])
-        out, lse = reference.paged_prefill(
-            a["q"], cache, a["block_table"], a["seq_lens"], a["query_start_loc"], max_query_len=a["max_query_len"],
-            kv_layout=config.kv_layout, causal=config.causal, sm_scale=a["sm_scale"], q_scale=a.get("q_scale"),
-            k_scale=a["k_scale"], v_scale=a["v_scale"], return_lse=True, out_dtype=a["out"].dtype,
-            sinks=None if drop == "sinks" else a.get("sinks"),
-            window_left=-1 if drop == "window" else a.get("window_left", -1))
-        a["out"].copy_(out)
-        if "lse" in a:
-            a["lse"].copy_(lse)
-
-    return fn
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    state = dict(drop=None, compiled=[])
-
-    def get_kernel(config, target):
-        state["compiled"].append(config)
-        return reference_kernel(config, drop=state["drop"])
-
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(op, "compile_target", lambda device: "sm_90a")
-    monkeypatch.setattr(op, "get_kernel", get_kernel)
-    op._launcher.entries.clear()
-    yield state
-    op._launcher.entries.clear()
+fake_gpu = _stubs.fake_gpu  # the fixture: CPU tensors on the CUDA path, the reference as the compiled kernel
 
 
 def test_configs_signatures_and_families():
