@@ -1,14 +1,12 @@
 """CPU tests of the sliding window (``window_left``) and the sinks of
-``cute_kernels.reference.paged_prefill`` against an independent float64 formula (the problems of
-``test_prefill_reference``; each row's visible keys listed from the contract, the sink added to the
-denominator by hand): row j of request b at ``p = seq_len - q_len + j`` sees keys ``p - w ... p``
+``cute_kernels.reference.paged_prefill`` against the independent float64 formula of
+``test_prefill_reference`` (``dense_prefill``: each row's visible keys listed from the contract,
+the sink added to the denominator by hand): row j of request b at ``p = seq_len - q_len + j`` sees keys ``p - w ... p``
 (causal) or ``p - w ... seq_len - 1`` (not causal); ``sinks[h]`` (natural log) joins the
 denominator with no value; a row that sees no key gives 0 and LSE ``sinks[h] / ln 2``. The
 reference's blocks (``q_chunk``, ``kv_chunk``) are drawn so that windows start inside blocks."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -17,56 +15,13 @@ from hypothesis import strategies as st
 
 from cute_kernels import reference as ref
 
-from .test_prefill_reference import BF16, FP8, FP16, LN2, ULP, _gen, _token, make_problem
-
-
-def dense_window_sink(q, kv_cache, block_table, seq_lens, query_start_loc, *, kv_layout, causal, window_left, sinks,
-                      q_scale=None, k_scale=1.0, v_scale=1.0):
-    T, Hq, D = q.shape
-    first = kv_layout == "HND"
-    k0 = kv_cache[0] if isinstance(kv_cache, tuple) else kv_cache[:, 0]
-    P, Hkv, page = k0.shape[0], k0.shape[1 if first else 2], k0.shape[2 if first else 1]
-    G = Hq // Hkv
-    qf = q.double()
-    if q_scale is not None:
-        qf = qf * (q_scale.double().repeat_interleave(G).view(1, Hq, 1) if isinstance(q_scale, torch.Tensor)
-                   and q_scale.numel() > 1 else float(q_scale))
-    out = torch.zeros(T, Hq, D, dtype=torch.float64)
-    lse = torch.full((T, Hq), float("-inf"), dtype=torch.float64)
-    starts = query_start_loc.tolist()
-    width = block_table.shape[1]
-    for b in range(block_table.shape[0]):
-        L, n = int(seq_lens[b]), starts[b + 1] - starts[b]
-        keys = []
-        for t in range(max(0, min(L, width * page))):
-            pid = int(block_table[b, t // page])
-            ok = 0 <= pid < P
-            keys.append(tuple(_token(kv_cache, kv_layout, pid, t % page, kv) * s if ok
-                              else torch.zeros(Hkv, D, dtype=torch.float64) for kv, s in ((0, k_scale), (1, v_scale))))
-        for j in range(n):
-            row, p = starts[b] + j, L - n + j
-            hi = min(len(keys), p + 1) if causal else len(keys)
-            lo = max(0, p - window_left) if window_left >= 0 else 0
-            visible = range(lo, hi)
-            for h in range(Hq):
-                logits = [float(qf[row, h] @ keys[t][0][h // G]) * D ** -0.5 for t in visible]
-                terms = logits + ([float(sinks[h])] if sinks is not None else [])
-                if not terms:
-                    continue
-                mx = max(terms)
-                total = sum(math.exp(x - mx) for x in terms)
-                acc = torch.zeros(D, dtype=torch.float64)
-                for t, x in zip(visible, logits):
-                    acc += math.exp(x - mx) * keys[t][1][h // G]
-                out[row, h] = acc / total
-                lse[row, h] = (mx + math.log(total)) / LN2
-    return out, lse
+from .test_prefill_reference import BF16, FP8, FP16, LN2, ULP, _gen, dense_prefill, make_problem
 
 
 def _check(problem, *, causal, window_left, sinks, **chunks):
     out, lse = ref.paged_prefill(**problem, causal=causal, window_left=window_left, sinks=sinks, return_lse=True,
                                  float64=True, **chunks)
-    want, want_lse = dense_window_sink(**problem, causal=causal, window_left=window_left, sinks=sinks)
+    want, want_lse = dense_prefill(**problem, causal=causal, window_left=window_left, sinks=sinks)
     q = problem["q"]
     out_dtype = BF16 if q.dtype == FP8 else q.dtype
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))

@@ -12,8 +12,7 @@ import torch
 
 from cute_kernels import trtllm
 
-from .test_prefill_reference import BF16, FP8, FP16, ULP, _gen, make_problem
-from .test_prefill_window_sinks import dense_window_sink
+from .test_prefill_reference import BF16, FP8, FP16, ULP, _gen, dense_prefill, make_problem
 
 REQS = ((0, 20), (37, 5), (0, 0), (90, 17), (3, 1))
 
@@ -45,7 +44,7 @@ def test_context_matches_flashinfer_semantics(window_left, with_sinks, kv):
     out = torch.full_like(p["q"], float("nan"))
     res, lse = _call(p, bmm1=bmm1, bmm2=bmm2, window_left=window_left, sinks=sinks, out=out, return_lse=True)
     assert res is out and not torch.isnan(out).any() and not torch.isnan(lse).any()
-    want, want_lse = dense_window_sink(p["q"], p["kv_cache"], p["block_table"], p["seq_lens"], p["query_start_loc"],
+    want, want_lse = dense_prefill(p["q"], p["kv_cache"], p["block_table"], p["seq_lens"], p["query_start_loc"],
                                        kv_layout="HND", causal=True, window_left=window_left, sinks=sinks,
                                        k_scale=bmm1 * 64 ** 0.5, v_scale=bmm2)
     torch.testing.assert_close(out.double(), want.to(BF16).double(), rtol=2 * ULP[BF16], atol=1e-5)
@@ -68,7 +67,7 @@ def test_forms_agree_and_cum_seq_lens_kv_is_not_read():
         got = _call(p, return_lse=True, **kw)
         assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
     dense = _call(p, bmm1=0.2, bmm2=0.5, causal=False)
-    want, _ = dense_window_sink(p["q"], p["kv_cache"], p["block_table"], p["seq_lens"], p["query_start_loc"],
+    want, _ = dense_prefill(p["q"], p["kv_cache"], p["block_table"], p["seq_lens"], p["query_start_loc"],
                                 kv_layout="NHD", causal=False, window_left=-1, sinks=None, k_scale=0.2 * 8, v_scale=0.5)
     torch.testing.assert_close(dense.double(), want.to(FP16).double(), rtol=2 * ULP[FP16], atol=1e-5)
 
@@ -82,7 +81,7 @@ def test_fp8_query_writes_bf16_or_fp16():
     for dt in (BF16, FP16):
         out = _call(p, bmm1=bmm1, bmm2=p["v_scale"], out_dtype=dt)
         assert out.dtype == dt
-        want, _ = dense_window_sink(p["q"].float(), p["kv_cache"], p["block_table"], p["seq_lens"],
+        want, _ = dense_prefill(p["q"].float(), p["kv_cache"], p["block_table"], p["seq_lens"],
                                     p["query_start_loc"], kv_layout="HND", causal=True, window_left=-1, sinks=None,
                                     k_scale=bmm1 * 8, v_scale=p["v_scale"])
         torch.testing.assert_close(out.double(), want.to(dt).double(), rtol=2 * ULP[dt], atol=1e-5)
