@@ -16,14 +16,8 @@ from .. import reference
 from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
-from ..plans.quantize_query import (
-    DEFAULT_ITEMS,
-    DEFAULT_ITEMS_ROPE,
-    DEFAULT_PDL,
-    ROPE_MAX_VEC,
-    VECTOR_WIDTHS,
-    QuantizeQueryConfig,
-)
+from ..plans.quantize_query import ROPE_MAX_VEC, VECTOR_WIDTHS, QuantizeQueryConfig, make_quantize_config
+from . import _check
 from ._launch import Launcher, bind, check_scale
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
@@ -64,14 +58,9 @@ def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None, target
     # an allocated out is always aligned enough; with RoPE a thread owns two chunks (a rotation
     # pair), and 2 x 16 elements would spill registers
     vec = vector_width(D, tensors, multiple_of=rot // 2, widest=ROPE_MAX_VEC if rope is not None else 16)
-    fields = dict(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor)
-    if rope is not None:
-        fields.update(rot_dim=rot, cos_sin_dtype=dtype_name(rope[0].dtype), pos_dtype=dtype_name(rope[1].dtype))
-    fields = {**fields, "items": DEFAULT_ITEMS_ROPE.get(target, 1) if rope is not None else DEFAULT_ITEMS,
-              "pdl": DEFAULT_PDL, **_launcher.override}
-    if rope is not None and q.shape[1] % fields["items"]:
-        fields["items"] = 1  # a thread's RoPE rows must be heads of one token
-    return QuantizeQueryConfig(**fields)
+    rope_fields = None if rope is None else (rot, dtype_name(rope[0].dtype), dtype_name(rope[1].dtype))
+    return make_quantize_config(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor,
+                                num_q_heads=q.shape[1], target=target, rope=rope_fields, override=_launcher.override)
 
 
 def _key(q, q_scale, out, rope):
@@ -108,7 +97,10 @@ def _prepare(q, q_scale, out, rope) -> _Launch:
     if rope is not None:
         rope = _check_rope(rope, q)
     if not q.is_cuda:
+        make_config(q, scale_tensor, out, rope)  # the kernel's own limits, checked for CPU tensors too
         return _REFERENCE
+    if q.numel() == 0:  # nothing to quantize: no launch, no compiled variant
+        return _EMPTY
     target = compile_target(q.device)
     config = make_config(q, scale_tensor, out, rope, target)
     if target not in config.targets:  # SM80/86 have no FP8 conversion instructions: torch path
@@ -126,9 +118,18 @@ def _reference(q, q_scale, out, rope):
     return out
 
 
+def _check_data(q, q_scale, out, rope) -> None:
+    """Checked mode (``CUTE_KERNELS_CHECK=1``): scales positive and finite, RoPE positions inside
+    the cos/sin cache."""
+    _check.scales(q_scale=q_scale)
+    if rope is not None:
+        _check.positions("positions", rope[1], rope[0].shape[0])
+
+
 _CALL_PARAMS = ("q", "out", "q_scale", "cos_sin_cache", "positions")
 _REFERENCE = _Launch(None, True)
-_launcher = Launcher(_prepare, _reference)
+_EMPTY = _Launch(None, False)
+_launcher = Launcher(_prepare, _reference, check_data=_check_data)
 
 
 def quantize_query(
@@ -170,7 +171,7 @@ def quantize_query(
             return _launcher.run_reference(args)
     if out is None:
         out = torch.empty(q.shape, dtype=FP8, device=q.device)
-    if q.shape[0] and q.shape[1]:
+    if launch.call is not None:
         cos_sin, positions = rope if rope is not None else (None, None)
         try:
             if _NVTX:

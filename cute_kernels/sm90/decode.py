@@ -96,7 +96,8 @@ class Sm90PagedDecode:
         # the roles this kernel composes
         self.kv = PagedKVProducer(D=self.D, page=self.page, tile=self.tile, stages=self.stages, fp8=self.fp8,
                                   strided=cfg.strided, dynamic=cfg.dynamic, evict_first=cfg.evict_first,
-                                  chunk_tiles_max=cfg.chunk_tiles_max, window=cfg.window)
+                                  chunk_tiles_max=cfg.chunk_tiles_max, tail=cfg.cluster,
+                                  window=cfg.window)
         self.frags = Fp8Fragments(self.D, self.tile, self.fp8, self.cvt, cfg.q_dtype, self.mma_m)
         self.query = QueryStager(self.D, self.N, self.G, self.q_len, bounded=False,
                                  dynamic_q_scale=self.dynamic_q_scale, q_pre=self.q_pre, q_permuted=self.q_permuted,
@@ -284,7 +285,11 @@ class Sm90PagedDecode:
             first_raw = self.kv.load_page_raw(mBlockTable, batch_idx, self.kv.box_of(split, num_splits, Int32(0), lane),
                                            predicated=True)
         seq_len = mSeqLens[batch_idx]
-        num_tiles = (seq_len + self.tile - 1) // self.tile
+        # positions at or past the block table's capacity are not attended, so the tiles end there
+        # (a seq_len past it, even a corrupted huge one, costs no more than a full table):
+        # docs/design/inputs.md#lengths
+        kv_cap = mBlockTable.shape[1] * self.page
+        num_tiles = (cutlass.min(seq_len, kv_cap) + self.tile - 1) // self.tile
         tile_step = Int32(1)
         key_lo = None
         if const_expr(self.cfg.window):
@@ -327,7 +332,7 @@ class Sm90PagedDecode:
             merge = (mPartO, mPartLse, mCounter, sFlag, num_splits)
             self.consume(mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                          qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                         seq_len, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId, mSinks,
+                         seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId, mSinks,
                          window_left)
         if const_expr(self.cfg.cluster):
             # every thread of the CTA, the producer warp too: the cluster barriers count them all
@@ -336,7 +341,7 @@ class Sm90PagedDecode:
     @cute.jit
     def consume(self, mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                 qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                seq_len, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId, mSinks=None,
+                seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId, mSinks=None,
                 window_left=None):
         cfg = self.cfg
         mPartO, mPartLse, mCounter, sFlag, num_splits = merge
@@ -364,15 +369,16 @@ class Sm90PagedDecode:
         limit = cute.make_rmem_tensor((nslots,), Int32)
         for s in cutlass.range_constexpr(nslots):
             n = slot_column(s, n_base)
-            # query row n is draft token n // G: it sees positions < seq_len - q_len + j + 1
-            limit[s] = seq_len - self.q_len + n // G + 1
+            # query row n is draft token n // G: it sees positions < seq_len - q_len + j + 1, and
+            # none at or past the block table's capacity
+            limit[s] = cutlass.min(seq_len - self.q_len + n // G + 1, kv_cap)
         if const_expr(cfg.window):
             # ... and (window_left = w >= 0) positions >= its own position - w
             lower = cute.make_rmem_tensor((nslots,), Int32)
             for s in cutlass.range_constexpr(nslots):
                 lower[s] = Int32(0)
                 if window_left >= 0:
-                    lower[s] = limit[s] - 1 - window_left
+                    lower[s] = seq_len - self.q_len + slot_column(s, n_base) // G - window_left
 
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         tSrQ = qk_mma.make_fragment_B(thr_qk.partition_B(sQ))
@@ -400,7 +406,7 @@ class Sm90PagedDecode:
             state_k.advance()
 
             # ---------------- online softmax over the tile's tokens ----------------
-            masked = (tile + 1) * self.tile > seq_len - self.q_len + 1
+            masked = (tile + 1) * self.tile > cutlass.min(seq_len - self.q_len + 1, kv_cap)
             if const_expr(cfg.window):
                 if window_left >= 0:
                     if tile * self.tile < seq_len - 1 - window_left:  # the newest row's window start
