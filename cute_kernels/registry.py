@@ -231,6 +231,16 @@ _ENTRIES = (
         description="SM90 paged decode: WGMMA and TMA, FP8 K/V widened exactly on chip, never an FP8 query",
         variants=sm90_decode.compile_variants, **_SM90_DECODE,
     ),
+    # the window / sink variants of sm90.decode: never run on a GPU yet, so compile-verified (the op
+    # runs a one-time self-check per family before their first launch); not on a dispatcher list:
+    # paged_decode picks them for window_left >= 0 or sinks
+    KernelInfo(
+        id="sm90.decode_window_sinks", status="compile-verified", kv_dtypes=sm90_decode.KV_DTYPES, op="paged_decode",
+        description="SM90 paged decode's sliding-window (runtime window_left, pages outside skipped) and "
+                    "attention-sink variants",
+        variants=sm90_decode.feature_variants, family=sm90_decode.request_family,
+        **{**_SM90_DECODE, "call_site": None},
+    ),
     KernelInfo(
         id="sm90.decode_fp8q", status="planned", kv_dtypes=("fp8_e4m3",), qk_dtype="fp8_e4m3",
         supports_quant_query_input=True, opt_in=True,
@@ -246,6 +256,14 @@ _ENTRIES = (
                     "(V transposed on chip, P rounded to e4m3)",
         variants=sm90_prefill.fp8_query_compile_variants, **_SM90_PREFILL,
     ),
+    # the window / sink variants of the prefill: compile-verified, picked by paged_prefill for
+    # window_left >= 0 or sinks (not on a dispatcher list)
+    KernelInfo(
+        id=sm90_prefill.FEATURES_ID, kv_dtypes=sm90_prefill.KV_DTYPES,
+        description="SM90 varlen paged prefill's sliding-window (runtime window_left, tiles and pages outside "
+                    "skipped) and attention-sink variants",
+        variants=sm90_prefill.feature_variants, **{**_SM90_PREFILL, "call_site": None,
+                                                    "family": sm90_prefill.feature_family}),
     KernelInfo(
         id="sm90.prefill", kv_dtypes=sm90_prefill.KV_DTYPES,
         description="SM90 varlen paged prefill with WGMMA and TMA (warp-specialized, causal blocks skipped); FP8 "
@@ -338,7 +356,8 @@ QSA_FALLBACK = "reference.qsa_sparse_attention"
 
 def op_kernel(op: str, phase: str, target: str, model: str, kv: str, group: int | None = None) -> KernelInfo:
     """The kernel public op ``op`` runs for a ``phase`` call on ``target`` with these dtypes: the
-    first automatic kernel (registration order) of that op, available or compile-verified, whose
+    first automatic kernel of the dispatcher's list (registration order) run by that op, available
+    or compile-verified (not the window / sink variants an op picks itself), whose
     archs include the target's and that takes the dtypes. So ``paged_decode`` runs ``sm90.decode``
     on SM90, ``sm100.decode`` on SM100/103 and ``sm80.decode`` for what those refuse (an fp16 cache
     with a bf16 query) and on every other arch; with ``group`` (num_q_heads / num_kv_heads), its GQA
@@ -346,7 +365,8 @@ def op_kernel(op: str, phase: str, target: str, model: str, kv: str, group: int 
     applies the kernel's other limits."""
     arch = arch_of_target(target)
     for info in KERNELS.values():
-        if (info.op == op and info.status in USABLE and not info.opt_in and arch in info.archs
+        if (info.op == op and info.call_site == "attention" and info.status in USABLE and not info.opt_in
+                and arch in info.archs
                 and phase in info.phases and info.takes_dtypes(model, kv)
                 and (group is None or info.max_gqa_ratio is None or group <= info.max_gqa_ratio)):
             return info

@@ -17,9 +17,10 @@ one, the call is validated in full for a clear error.
 
 Which kernel runs comes from the registry (:func:`decode_kernel`): the first decode kernel of the
 device's arch, available or compile-verified, that takes the dtypes; the portable one also serves
-an SM100 / SM103 family that failed its runtime self-check, and ``tuning_override(backend="sm80")``
-forces it (its plan: :mod:`cute_kernels.plans.sm80`; a split launch there is followed by
-``common.merge_states``).
+an SM100 / SM103 family that failed its runtime self-check (not windows or sinks, which it does not
+take: those run on the SM90 and SM100 kernels, else the reference), and
+``tuning_override(backend="sm80")`` forces it (its plan: :mod:`cute_kernels.plans.sm80`; a split
+launch there is followed by ``common.merge_states``).
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..plans import sm80
-from ..plans.sm90_decode import launch_config
+from ..plans.sm90_decode import launch_config, window_context
 from ..registry import KERNELS, KernelInfo, arch_of_target, op_kernel
+from . import _caller_workspace as caller_ws
 from . import _check
+from . import _decode_features as features
 from . import _paged_decode_sm100 as sm100
 from ._launch import Launcher, bind, check_scale
 from ._torch import (
@@ -99,7 +102,7 @@ def decode_kernel(target: str, q_dtype: str, kv_dtype: str, backend: str | None 
 
 
 def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse, num_splits,
-         deterministic, q_scale=None, window_left=-1, sinks=None):
+         deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None):
     """What selects the kernel, its schedule and its workspace: the query and cache geometry,
     the block-table width, the options, the stream (workspaces are per stream). Left out is what
     the compiled function checks on every call (TVM-FFI): the dtypes of the other tensors, shapes
@@ -111,15 +114,17 @@ def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scal
     # another rank, 0-d included, goes to the kernel as a [1] view)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), out is None, return_lse, num_splits,
-            deterministic, _launcher.override_key, type(q_scale), window_left == -1, sinks is None, stream_id(q))
+            deterministic, _launcher.override_key, type(q_scale), window_left, sinks is None, stream_id(q),
+            caller_ws.workspace_key(workspace))
 
 
 def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, num_splits,
-              deterministic, q_scale, window_left, sinks):
+              deterministic, q_scale, window_left, sinks, workspace=None):
     """Every check of the arguments, the same for CPU and CUDA tensors (code that passes on the CPU
-    passes on the GPU: the SM90 kernel's limits hold for the calls it serves, whatever the
-    device; CPU tensors as on an SM90 GPU); returns ``(scale, P, Hkv, page, k_scale is a tensor,
-    v_scale is a tensor, the kernel)`` (the kernel: None for an FP8 query, sinks or a window)."""
+    passes on the GPU: the limits of the kernel that serves the call hold, whatever the device; CPU
+    tensors as on an SM90 GPU); returns ``(scale, P, Hkv, page, k_scale is a tensor, v_scale is a
+    tensor, the kernel)`` (the kernel: None for an FP8 query, and for windows or sinks where only
+    the portable kernel would take the dtypes: sm100.decode's where it runs, else the reference)."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
     T, Hq, D = q.shape
     P, Hkv, page = check_kv_cache(k, v, pair, kv_layout, D)
@@ -139,17 +144,23 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
+    if workspace is not None:
+        caller_ws.check_workspace(workspace, q.device)
     if P == 0:  # a TMA descriptor needs a non-empty tensor: refused before any launch
         raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has no pages (P = 0): an empty KV pool cannot be "
                          "attended; allocate at least one page (docs/design/inputs.md#kv-pool)")
     backend = _launcher.override.get("backend")
-    info = None  # an FP8 query, sinks or a window: sm100.decode's (validated there) or the reference
+    info = None
     if _sm90_serves(q, window_left, sinks):
         if k.dtype not in (FP8, q.dtype, torch.float16):
             raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype} (or float16 for "
                             f"a bfloat16 query), got {k.dtype}")
         target = compile_target(q.device) if q.is_cuda else _CPU_TARGET
         info = decode_kernel(target, dtype_name(q.dtype), dtype_name(k.dtype), backend)
+        if info.id == BACKENDS["sm80"] and (window_left != -1 or sinks is not None):
+            if backend is not None:
+                raise ValueError(f"backend={backend!r} takes no window or sinks")
+            return scale, P, Hkv, page, ks_t, vs_t, None  # the portable kernel has neither
         if D not in info.head_dims:
             raise ValueError(f"head_dim must be one of {info.head_dims}, got {D}")
         if page not in info.page_sizes:
@@ -164,22 +175,22 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
         if out is not None:
             check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=q.device)
     elif backend is not None:
-        raise ValueError(f"backend={backend!r} takes no FP8 query, sinks or window")
+        raise ValueError(f"backend={backend!r} takes no FP8 query")
     return scale, P, Hkv, page, ks_t, vs_t, info
 
 
 def _sm90_serves(q, window_left, sinks) -> bool:
-    """The calls the SM90 kernel takes: a 16-bit query, no sinks, no window (the others run the
-    reference on SM90)."""
-    return q.dtype != FP8 and sinks is None and window_left == -1
+    """The calls the SM90 kernel takes: a 16-bit query (windows and sinks through its window / sink
+    variants; an FP8 query runs the reference on SM90)."""
+    return q.dtype != FP8
 
 
 def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-             num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> _Launch:
+             num_splits, deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None) -> _Launch:
     """Full validation (clear errors naming the argument) and kernel selection for one key."""
     scale, P, Hkv, page, ks_t, vs_t, info = _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len,
                                                       sm_scale, k_scale, v_scale, out, num_splits, deterministic,
-                                                      q_scale, window_left, sinks)
+                                                      q_scale, window_left, sinks, workspace)
     T, Hq, D = q.shape
     if not q.is_cuda:
         return _REFERENCE
@@ -189,14 +200,14 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     override = dict(_launcher.override)
     override.pop("backend", None)  # (its kernel: info)
     target = compile_target(device)
-    if info is None or info.id == "sm100.decode":  # an FP8 query, sinks, a window: sm100.decode only
+    if info is None or info.id == "sm100.decode":  # an FP8 query: sm100.decode only
         launch = None
         if arch_of_target(target) in KERNELS["sm100.decode"].archs:
             launch = sm100.prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale,
-                                   k_scale, v_scale, out, num_splits, sinks)
+                                   k_scale, v_scale, out, num_splits, sinks, workspace)
         if launch is not None:
             return _Launch(None, None, (T, Hq, D), sm100=launch)
-        if info is None:  # no other kernel takes them (nor a family whose self-check failed)
+        if info is None or window_left != -1 or sinks is not None:  # no other kernel here takes the call
             return _REFERENCE
         info = KERNELS[BACKENDS["sm80"]]  # its MMA family failed the runtime self-check: the portable kernel
     if block_table.shape[1] == 0:
@@ -208,16 +219,20 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     for name, is_tensor in (("k_scale", ks_t), ("v_scale", vs_t)):
         if is_tensor:  # the key holds the type only: a 1-element tensor of any rank is viewed as [1]
             sources[name] = f"{name}.view(1)?"
-    if info.id == "sm80.decode":
+    if info.id == BACKENDS["sm80"]:
         return _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, Hq // Hkv, page, scale, ks_t, vs_t,
-                             return_lse, num_splits, target, override, sources)
+                             return_lse, num_splits, target, override, sources, workspace)
     # cluster (override): None = the rule (use_cluster_merge), True = whenever the split count allows, False = never
     num_splits, config = launch_config(
         q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv, q_len=q_len,
         page_size=page, k_scale_tensor=ks_t, v_scale_tensor=vs_t, kv_form="pair" if pair else "single",
-        kv_layout=kv_layout, items=B * Hkv, max_context=block_table.shape[1] * page,
+        kv_layout=kv_layout, items=B * Hkv,
+        # a window bounds the keys a request reads: the split count is planned for those
+        max_context=window_context(block_table.shape[1] * page, window_left, q_len),
         num_sms=device_sm_count(device.index or 0), num_splits=num_splits, deterministic=deterministic,
-        override=override)
+        override=override, window=window_left != -1, sinks=sinks is not None)
+    if features.family_of(config) is not None and not features.self_check_passes(config, device, _check_call):
+        return _REFERENCE  # this window / sink family failed its one-time runtime check here (logged)
     split = num_splits > 1
     fn = get_kernel(config, target)
     stream = stream_id(q)
@@ -227,12 +242,15 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     part_numel = num_splits * T * Hq * D if global_merge else 0
     plse_numel = num_splits * lse_numel if global_merge else 0
     numel, counters_numel = workspace_numel(config, num_splits, B, Hkv, T, Hq, D, return_lse)
-    ws = _workspace.get(device, numel, stream)
+    if workspace is not None:  # the caller's memory (the trtllm API's workspace_buffer): nothing of ours
+        ws, counters = caller_ws.carve(workspace, device, numel, counters_numel)
+    else:
+        ws = _workspace.get(device, numel, stream)
+        if global_merge:  # arrival counters, then (dynamic split) the tile-chunk counters
+            counters = _counters.get(device, counters_numel, stream)
     if global_merge:
         part_o = ws[:part_numel].view(num_splits, T, Hq, D)
         part_lse = ws[part_numel:part_numel + plse_numel].view(num_splits, T, Hq)
-        # arrival counters, then (dynamic split) the tile-chunk counters
-        counters = _counters.get(device, counters_numel, stream)
     if not return_lse:
         base = part_numel + plse_numel
         scratch = ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
@@ -242,10 +260,11 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
 
 
 def _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, group, page, scale, ks_t, vs_t, return_lse,
-                  num_splits, target, override, sources) -> _Launch:
+                  num_splits, target, override, sources, workspace) -> _Launch:
     """The portable kernel's launch: the split count from shapes only
     (:func:`cute_kernels.plans.sm80.plan_decode`), and for a split launch the fp32 partials in this
-    stream's workspace and the merge (``common.merge_states``) as a second step of the caller."""
+    stream's workspace (or the caller's) and the merge (``common.merge_states``) as a second step of
+    the caller."""
     T, Hq, D = q.shape
     B = block_table.shape[0]
 
@@ -258,7 +277,10 @@ def _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, group, page, scale,
     splits, config = sm80.plan_decode(config_for, B * (Hq // group), block_table.shape[1] * page,
                                       device_sm_count(q.device.index or 0), num_splits)
     numel, _ = workspace_numel(config, splits, B, Hq // group, T, Hq, D, return_lse)
-    ws = _workspace.get(q.device, numel, stream_id(q))
+    if workspace is not None:  # the caller's memory: nothing of ours
+        ws, _ = caller_ws.carve(workspace, q.device, numel)
+    else:
+        ws = _workspace.get(q.device, numel, stream_id(q))
     lse_numel = T * Hq
     part_numel = splits * T * Hq * D if config.split else 0
     base = part_numel + (splits * lse_numel if config.split else 0)
@@ -299,7 +321,7 @@ def reserve(device, numel: int, counters: int = 0) -> None:
 
 
 def _check_data(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-                num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> None:
+                num_splits, deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None) -> None:
     """Checked mode (``CUTE_KERNELS_CHECK=1``): the data rules (docs/design/inputs.md#checked-mode)."""
     P, _, page = check_kv_cache(k, v, pair, kv_layout, q.shape[2])
     _check.lengths("seq_lens", seq_lens, block_table.shape[1] * page, q_len=q_len)
@@ -308,7 +330,7 @@ def _check_data(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale
 
 
 def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-               num_splits, deterministic, q_scale=None, window_left=-1, sinks=None):
+               num_splits, deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None):
     res = reference.paged_decode(q, (k, v) if pair else k, block_table, seq_lens, kv_layout=kv_layout,
                                  q_len_per_req=q_len, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale,
                                  v_scale=v_scale, return_lse=return_lse, window_left=window_left, sinks=sinks)
@@ -318,7 +340,14 @@ def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale,
     return (out, res[1]) if return_lse else out
 
 
-_CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "out", "lse", "k_scale", "v_scale")
+def _check_call(override: dict, **kwargs):
+    """A self-check's kernel call (:mod:`._decode_features`): this op past its guard and its launch
+    cache, with ``override`` as the tuning override."""
+    with features.unguarded(_launcher), _launcher.tuning_override(**override):
+        return paged_decode(**kwargs)
+
+
+_CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "out", "lse", "k_scale", "v_scale", "sinks", "window_left")
 _REFERENCE = _Launch(None, None, None, reference=True)
 _launcher = Launcher(_prepare, _reference, check_data=_check_data)
 _cache = _launcher  # the launch cache under the name the lab's host-cost probe reads (profiling/host_costs.py)
@@ -342,6 +371,7 @@ def paged_decode(
     q_scale=None,
     window_left: int = -1,
     sinks: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ):
     """Paged decode attention with a BF16/FP16 query and an FP8/BF16/FP16 KV cache.
 
@@ -352,12 +382,12 @@ def paged_decode(
     KV length including the new tokens); k/v scales as floats or 1-element fp32 device tensors of
     any rank, 0-d included (read on the device, so they may change between CUDA-graph replays).
 
-    Supported here (the limits of :mod:`cute_kernels.plans.sm90_decode`, :mod:`cute_kernels.plans.sm100` and
-    :mod:`cute_kernels.plans.sm80`): every arch from SM80 on (``sm90.decode`` on SM90,
+    Supported here (the limits of :mod:`cute_kernels.plans.sm90_decode`, :mod:`cute_kernels.plans.sm100`
+    and :mod:`cute_kernels.plans.sm80`): every arch from SM80 on (``sm90.decode`` on SM90,
     ``sm100.decode`` on SM100/103, the portable ``sm80.decode`` elsewhere and for what those refuse,
-    e.g. an fp16 cache with a bf16 query), head_dim 64/128/256, page
-    size 16/32/64/128, Hq / Hkv x q_len <= 64, a 16-bit cache of the query's dtype, an fp16 cache
-    with a bf16 query, or an FP8 e4m3 cache. ``num_splits`` (split-KV count)
+    e.g. an fp16 cache with a bf16 query), head_dim 64/128/256, page size 16/32/64/128, Hq / Hkv x
+    q_len <= 64, a 16-bit cache of the query's dtype, an fp16 cache with a bf16 query, or an FP8 e4m3
+    cache. ``num_splits`` (split-KV count)
     defaults to a shape-based heuristic. ``deterministic=False`` lets the split CTAs of a request
     take tile chunks dynamically from a counter (better balanced: docs/design/sm90-decode.md#dynamic-split-scheduling-opt-in),
     at the price of results that differ in the last bits from run to run (the tiles'
@@ -369,11 +399,18 @@ def paged_decode(
 
     On SM100 / SM103 the tcgen05 kernel ``sm100.decode`` serves the call. It is compile-verified
     only: each MMA family passes a one-time runtime self-check per process before its first launch
-    (:mod:`cute_kernels.ops._selfcheck`), else ``sm80.decode`` serves it (logged). It also takes an
+    (:mod:`cute_kernels.ops._selfcheck`), else ``sm80.decode`` serves it (logged; the reference for
+    an FP8 query, a window or sinks). It also takes an
     FP8 query (``q_scale`` then required, float or 1-element fp32 tensor; the output is bf16),
     ``window_left`` (a query at position p sees keys p - window_left ... p; -1: no window) and
-    ``sinks`` (fp32 ``[Hq]`` sink logits): see :func:`cute_kernels.reference.paged_decode`. On
-    other archs (and for a family that failed its self-check) those three run the reference.
+    ``sinks`` (fp32 ``[Hq]`` sink logits): see :func:`cute_kernels.reference.paged_decode`; on
+    other archs but SM90 those three run the reference. On SM90, ``window_left`` and ``sinks`` select the kernel's window / sink variants (compile-verified:
+    a one-time runtime self-check per variant family guards their first launch, the reference
+    serves a family that fails it); an FP8 query runs the reference there.
+
+    ``workspace``: optional caller-owned CUDA buffer (any dtype, contiguous, 16-byte aligned) that
+    holds the split partials, the unused LSE target and the merge counters instead of the op's
+    own per-stream buffers (the trtllm API's ``workspace_buffer``; docs/design/trtllm.md#workspace).
     """
     pair = isinstance(kv_cache, (tuple, list))
     if pair and len(kv_cache) != 2:
@@ -382,13 +419,13 @@ def paged_decode(
     v = kv_cache[1] if pair else kv_cache
     try:
         key = _key(q, k, v, pair, block_table, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                   return_lse, num_splits, deterministic, q_scale, window_left, sinks)
+                   return_lse, num_splits, deterministic, q_scale, window_left, sinks, workspace)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
     launch = _launcher.entries.get(key)
     if launch is None or launch.reference:  # the argument tuple is built off the hot path only
         args = (q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                return_lse, num_splits, deterministic, q_scale, window_left, sinks)
+                return_lse, num_splits, deterministic, q_scale, window_left, sinks, workspace)
         launch = launch or _launcher.lookup(key, args)
         if launch.reference:
             return _launcher.run_reference(args)
@@ -403,12 +440,13 @@ def paged_decode(
     try:
         if _NVTX:
             with op_range("paged_decode", q=q, kv_cache=k, block_table=block_table):
-                launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
+                launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale, sinks, window_left)
         else:
-            launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
+            launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale, sinks, window_left)
     except Exception:  # raises the error that names the argument
         _launcher.refused((q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
-                           v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks))
+                           v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks,
+                           workspace))
         raise
     return (out, lse) if return_lse else out
 

@@ -16,7 +16,9 @@ ranks, shared extents, devices and alignment itself; when it refuses one, the ca
 full for an error that names the argument. CPU tensors run :func:`cute_kernels.reference.paged_prefill`.
 
 Which kernel runs comes from the registry (:func:`prefill_kernel`): the first prefill kernel of
-the device's arch that takes the dtypes and the GQA group (an FP8 query: the SM90 kernel only);
+the device's arch that takes the dtypes and the GQA group (an FP8 query: the SM90 kernel only, the
+reference elsewhere; a window or sinks: the SM90 kernel's variants, the reference where only the
+portable kernel would take the call);
 ``tuning_override(backend="sm80")`` forces the portable one (its plan: :mod:`cute_kernels.plans.sm80`).
 CPU tensors are validated as on an SM90 GPU.
 
@@ -54,7 +56,7 @@ FP8 = torch.float8_e4m3fn
 
 # the caller's per-call parameters (ops._launch.bind), and where each signature name comes from
 _CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "query_start_loc", "out", "lse", "k_scale", "v_scale",
-                "q_scale", "max_query_len")
+                "q_scale", "max_query_len", "sinks", "window_left")
 _SOURCES = {"kv_cache": "k", "k_cache": "k", "v_cache": "v"}
 
 
@@ -98,7 +100,7 @@ def prefill_kernel(target: str, q_dtype: str, kv_dtype: str, group: int, backend
 
 
 def _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, q_scale, k_scale, v_scale, out,
-         return_lse):
+         return_lse, window_left=-1, sinks=None):
     """What selects the kernel: the query and cache geometry, the batch, the options (with their
     types: ``causal=1`` must reach the validation), the types of the k/v scales (a 1-element
     tensor of any rank goes to the kernel as a ``[1]`` view) and the shape of a tensor ``q_scale``
@@ -110,7 +112,8 @@ def _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, 
     qs = q_scale.shape if type(q_scale) is torch.Tensor else type(q_scale)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             query_start_loc.shape, kv_layout, causal, type(causal), sm_scale, qs, type(k_scale), type(v_scale),
-            None if out is None else out.dtype, return_lse, type(return_lse), _launcher.override_key)
+            None if out is None else out.dtype, return_lse, type(return_lse), _launcher.override_key,
+            window_left == -1, type(window_left), sinks is None)
 
 
 def _q_scale_kind(q, Hkv, q_scale) -> str:
@@ -127,7 +130,7 @@ def _q_scale_kind(q, Hkv, q_scale) -> str:
 
 
 def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-             q_scale, k_scale, v_scale, out, return_lse) -> _Launch:
+             q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None) -> _Launch:
     """Full validation (clear errors naming the argument, the same for CPU and CUDA tensors) and
     kernel selection for one key."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
@@ -177,13 +180,18 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     if out is not None:
         check_tensor("out", out, dtype=out_dtypes, shape=(T, Hq, D), device=device)
     out_dtype = out_dtypes[0] if out is None else out.dtype
+    _check_window_sinks(window_left, sinks, Hq, device)
+    features = window_left != -1 or sinks is not None  # the portable kernel has neither
+    if features and info.id == _PORTABLE and backend is not None:
+        raise ValueError(f"backend={backend!r} takes no window or sinks")
     fields = dict(q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv,
                   page_size=page, kv_form="pair" if pair else "single", kv_layout=kv_layout, causal=causal,
                   write_lse=return_lse, k_scale_tensor=ks_t, v_scale_tensor=vs_t)
     if info.id == _PORTABLE:
         config = sm80.make_prefill_config(target=target, **fields, **override)
     else:
-        config = plan.make_prefill_config(out_dtype=dtype_name(out_dtype), q_scale=q_scale_kind, **fields, **override)
+        config = plan.make_prefill_config(out_dtype=dtype_name(out_dtype), q_scale=q_scale_kind, window=window_left != -1,
+                                          sinks=sinks is not None, **fields, **override)
     # pointer and stride alignment, from the signature the kernel is compiled with (TMA wants 16 bytes)
     tensors = dict(q=q, kv_cache=k, k_cache=k, v_cache=v, block_table=block_table, seq_lens=seq_lens,
                    query_start_loc=query_start_loc, out=out)
@@ -196,11 +204,15 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
         return _Launch(None, shape, out_dtype, reference=True)
     if T == 0 or B == 0:
         return _Launch(None, shape, out_dtype, empty=True)
+    if info.id == _PORTABLE and features:  # no kernel here takes a window or sinks with these dtypes / group
+        return _Launch(None, shape, out_dtype, reference=True)
+    if q.dtype == FP8 and target not in config.targets:  # an FP8 query off SM90: no kernel takes it
+        return _Launch(None, shape, out_dtype, reference=True)
     if target not in config.targets:
         raise ValueError(f"{config.kernel_id} runs on {'/'.join(config.targets)}, this GPU is {target}: "
                          "use cute_kernels.reference.paged_prefill (dispatch.plan picks it)")
     if info.id != _PORTABLE and not self_check_passes(config, device):  # a family that failed it
-        if q.dtype == FP8:  # no other kernel takes an FP8 query: the reference serves it
+        if q.dtype == FP8 or features:  # no other kernel takes them: the reference serves it
             return _Launch(None, shape, out_dtype, reference=True)
         config = sm80.make_prefill_config(target=target, **fields)  # the portable kernel serves it
     fn = get_kernel(config, target)
@@ -214,6 +226,14 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
                    out_dtype)
 
 
+def _check_window_sinks(window_left, sinks, Hq: int, device) -> None:
+    """``window_left``: an int >= -1 (-1: no window); ``sinks``: None or fp32 ``[Hq]`` on q's device."""
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"window_left must be an int >= -1 (-1: no window), got {window_left!r}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtype=torch.float32, shape=(Hq,), device=device)
+
+
 def _check_max_query_len(max_query_len, T: int, B: int) -> None:
     """``max_query_len``: None or an int; T rows in B requests need one of at least ceil(T / B)."""
     if max_query_len is None:
@@ -225,7 +245,7 @@ def _check_max_query_len(max_query_len, T: int, B: int) -> None:
 
 
 def _check_data(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-                q_scale, k_scale, v_scale, out, return_lse) -> None:
+                q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None) -> None:
     """Checked mode (``CUTE_KERNELS_CHECK=1``): the data rules the kernel cannot refuse without
     synchronizing (docs/design/inputs.md#checked-mode)."""
     P, _, page = check_kv_cache(k, v, pair, kv_layout, q.shape[2])
@@ -236,12 +256,12 @@ def _check_data(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query
 
 
 def _reference(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-               q_scale, k_scale, v_scale, out, return_lse):
+               q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None):
     out_dtype = (out.dtype if out is not None else torch.bfloat16) if q.dtype == FP8 else q.dtype
     res = reference.paged_prefill(q, (k, v) if pair else k, block_table, seq_lens, query_start_loc,
                                   max_query_len=max_query_len, kv_layout=kv_layout, causal=causal, sm_scale=sm_scale,
                                   q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
-                                  out_dtype=out_dtype)
+                                  out_dtype=out_dtype, window_left=window_left, sinks=sinks)
     res, lse = res if return_lse else (res, None)
     if out is not None:
         out.copy_(res)
@@ -269,6 +289,8 @@ def paged_prefill(
     v_scale=1.0,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
+    window_left: int = -1,
+    sinks: torch.Tensor | None = None,
 ):
     """Varlen paged prefill attention with a BF16/FP16 or FP8 query and a BF16/FP16/FP8 KV cache.
 
@@ -291,6 +313,12 @@ def paged_prefill(
     guards the first launch, the reference serves a family that fails it), head_dim 64/128/256,
     page size 16/32/64/128, Hq / Hkv up to ``plans.sm90_prefill.MAX_GROUP``. Returns ``out`` and,
     with ``return_lse``, the base-2 LSE ``[T, Hq]`` fp32.
+
+    ``window_left`` (row j of a request at ``p = seq_len - q_len + j`` sees keys ``>= p -
+    window_left``; -1: none; KV tiles and pages outside every row's window are never read) and
+    ``sinks`` (fp32 ``[Hq]`` natural-log sink logits in each row's denominator) select the
+    kernel's window / sink variants, compile-verified behind their own self-check families:
+    docs/design/sm90-prefill.md#sliding-window-and-sinks.
     """
     pair = isinstance(kv_cache, (tuple, list))
     if pair and len(kv_cache) != 2:
@@ -299,18 +327,21 @@ def paged_prefill(
     v = kv_cache[1] if pair else kv_cache
     try:
         key = _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, q_scale, k_scale, v_scale,
-                   out, return_lse)
+                   out, return_lse, window_left, sinks)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
     launch = _launcher.entries.get(key)
     if launch is None or launch.reference:  # the argument tuple is built off the hot path only
         args = (q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-                q_scale, k_scale, v_scale, out, return_lse)
+                q_scale, k_scale, v_scale, out, return_lse, window_left, sinks)
         launch = launch or _launcher.lookup(key, args)
         if launch.reference:
             return _launcher.run_reference(args)
-    elif max_query_len is not None:  # a value the key leaves out
-        _check_max_query_len(max_query_len, q.shape[0], block_table.shape[0])
+    else:  # values the key leaves out
+        if max_query_len is not None:
+            _check_max_query_len(max_query_len, q.shape[0], block_table.shape[0])
+        if type(window_left) is not int or window_left < -1:
+            _check_window_sinks(window_left, sinks, q.shape[1], q.device)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=launch.out_dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
@@ -320,12 +351,14 @@ def paged_prefill(
     try:
         if _NVTX:
             with op_range("paged_prefill", q=q, kv_cache=k, block_table=block_table):
-                launch.fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q)
+                launch.fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q,
+                          sinks, window_left)
         else:
-            launch.fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q)
+            launch.fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q,
+                      sinks, window_left)
     except Exception:  # raises the error that names the argument
         _launcher.refused((q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
-                           sm_scale, q_scale, k_scale, v_scale, out, return_lse))
+                           sm_scale, q_scale, k_scale, v_scale, out, return_lse, window_left, sinks))
         raise
     return (out, lse) if return_lse else out
 
@@ -345,9 +378,9 @@ def self_check_passes(config: plan.Sm90PrefillConfig, device) -> bool:
     ``device``: the variant itself (same compile key, so no extra compile) on small varlen,
     chunked problems against the reference. True at once when the registry no longer lists its
     kernel as compile-verified (verified on the GPU: ``available``)."""
-    if KERNELS[plan.registry_id(config.q_dtype, config.kv_dtype)].status != "compile-verified":
+    if KERNELS[plan.check_registry_id(config)].status != "compile-verified":
         return True
-    fam = plan.family(config.q_dtype, config.kv_dtype, config.head_dim)
+    fam = plan.config_family(config)
     return ensure(fam, device, lambda: self_check_cases(config, device))
 
 
@@ -374,7 +407,8 @@ def self_check_cases(config: plan.Sm90PrefillConfig, device) -> list[Case]:
             res = reference.paged_prefill(
                 host["q"], cache, host["block_table"], host["seq_lens"], host["query_start_loc"], max_query_len=max_q,
                 kv_layout=config.kv_layout, causal=config.causal, q_scale=host["q_scale"], k_scale=host["k_scale"],
-                v_scale=host["v_scale"], return_lse=config.write_lse, out_dtype=_TORCH[config.out_dtype])
+                v_scale=host["v_scale"], return_lse=config.write_lse, out_dtype=_TORCH[config.out_dtype],
+                window_left=host["window_left"], sinks=host["sinks"])
             return res
 
         cases.append(Case(f"problem {i} (seed {SELF_CHECK_SEED})", run, expect, rtol, atol))
@@ -418,10 +452,14 @@ def _self_check_inputs(config, reqs, g) -> dict:
 
     q_scale = {"none": None, "scalar": 0.5, "tensor": torch.tensor([0.5]),
                "per_head": torch.tensor([0.5, 0.75])}[config.q_scale]
+    # the window / sink variants: a window shorter than the prompts (tiles skipped, pages zero-filled
+    # at its start), sinks of either sign
+    sinks = torch.randn(Hq, generator=g) * 2 if config.sinks else None
     return dict(q=q, k=kv[:, 0] if config.kv_form == "pair" else kv, v=kv[:, 1] if config.kv_form == "pair" else kv,
                 block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32),
                 query_start_loc=torch.tensor(starts, dtype=torch.int32), q_scale=q_scale,
-                k_scale=scale(0.9, config.k_scale_tensor), v_scale=scale(1.1, config.v_scale_tensor))
+                k_scale=scale(0.9, config.k_scale_tensor), v_scale=scale(1.1, config.v_scale_tensor),
+                sinks=sinks, window_left=75 if config.window else -1)
 
 
 def _launch_now(config, t: dict, max_query_len):
