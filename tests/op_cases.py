@@ -8,6 +8,7 @@ QSA's K and V halves stay one allocation).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,6 +71,16 @@ def move(value, device, memo=None):
     if base is value:
         return moved
     return moved.as_strided(value.shape, value.stride(), value.storage_offset())
+
+
+def step_on(step, device):
+    """A layer step of tests/cpu/test_layer_dispatch.py (built on the CPU) on ``device``: its
+    tensors and its metadata's, views of the fused QKV buffer still views of one buffer."""
+    memo: dict = {}
+    md = dataclasses.replace(step.metadata, **{f.name: move(getattr(step.metadata, f.name), device, memo)
+                                               for f in dataclasses.fields(step.metadata)})
+    return dataclasses.replace(step, q=move(step.q, device, memo), k=move(step.k, device, memo),
+                               v=move(step.v, device, memo), kv_cache=move(step.kv_cache, device, memo), metadata=md)
 
 
 def moved(case: OpCase, device) -> OpCase:
