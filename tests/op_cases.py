@@ -1,4 +1,4 @@
-"""One small call of every public op, built on the CPU from a seed and moved to any device, for
+"""One small call of every public op (and of the trtllm API), built on the CPU from a seed and moved to any device, for
 the device tests (tests/cpu/test_devices.py on the CPU and the meta device,
 tests/gpu/test_multi_gpu.py on two GPUs). Each case lists its tensor arguments by the name the
 op's errors use, so a test can put one of them on another device and expect that name in the
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 import cute_kernels
+from cute_kernels import trtllm
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case
 from tests.cpu.test_qsa_reference import make_qsa_case
 
@@ -195,6 +196,35 @@ def _qsa(seed: int, *, prefill: bool) -> OpCase:
                   kw, args, _first)
 
 
+def _trtllm_decode(seed: int) -> OpCase:
+    """FlashInfer's decode call (the caller's workspace buffer, a window and sinks) on paged_decode."""
+    g = torch.Generator().manual_seed(seed)
+    c = make_paged_decode_case(batch=3, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+                               seq_lens=[700, 33, 170], kv_dtype=FP8, generator=g, device="cpu")
+    kw = dict(query=c.q, kv_cache=c.kv_cache, workspace_buffer=torch.zeros(1 << 20, dtype=torch.uint8),
+              block_tables=c.block_table, seq_lens=c.seq_lens, max_seq_len=700, bmm1_scale=torch.tensor([0.01]),
+              bmm2_scale=torch.tensor(0.03), window_left=200, out=_nan_like(c.q), sinks=torch.randn(8, generator=g),
+              kv_layout=c.kv_layout, return_lse=True)
+    args = {name: (name, None) for name in ("kv_cache", "workspace_buffer", "block_tables", "seq_lens", "bmm1_scale",
+                                            "bmm2_scale", "out", "sinks")}
+    return OpCase("trtllm.batch_decode_with_kv_cache", trtllm.batch_decode_with_kv_cache, kw, args, _first)
+
+
+def _trtllm_context(seed: int) -> OpCase:
+    """FlashInfer's context call on paged_prefill."""
+    g = torch.Generator().manual_seed(seed)
+    c = make_paged_prefill_case(reqs=[(0, 70), (40, 9), (300, 1)], num_q_heads=8, num_kv_heads=2, head_dim=128,
+                                page_size=16, kv_dtype=BF16, generator=g, device="cpu")
+    kw = dict(query=c.q, kv_cache=c.kv_cache, workspace_buffer=torch.zeros(1 << 16, dtype=torch.uint8),
+              block_tables=c.block_table, seq_lens=c.seq_lens, max_q_len=70, max_kv_len=301,
+              bmm1_scale=0.08, bmm2_scale=torch.tensor([1.0]), batch_size=3, cum_seq_lens_q=c.query_start_loc,
+              cum_seq_lens_kv=torch.cat([torch.zeros(1, dtype=torch.int32), c.seq_lens.cumsum(0).int()]),
+              out=_nan_like(c.q), kv_layout=c.kv_layout, return_lse=True)
+    args = {name: (name, None) for name in ("kv_cache", "workspace_buffer", "block_tables", "seq_lens", "bmm2_scale",
+                                            "cum_seq_lens_q", "cum_seq_lens_kv", "out")}
+    return OpCase("trtllm.batch_context_with_kv_cache", trtllm.batch_context_with_kv_cache, kw, args, _first)
+
+
 def op_cases(seed: int = 0) -> list[OpCase]:
     """Every public op once, in its common forms (CPU tensors)."""
     return [
@@ -209,4 +239,6 @@ def op_cases(seed: int = 0) -> list[OpCase]:
         _write(seed + 7, pair=True),
         _qsa(seed + 8, prefill=False),
         _qsa(seed + 9, prefill=True),
+        _trtllm_decode(seed + 11),
+        _trtllm_context(seed + 12),
     ]

@@ -25,9 +25,11 @@ from .. import reference
 from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
 from ..jit.compiler import get_kernel
-from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, launch_config
+from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, launch_config, window_context
 from ..plans.sm100 import TARGETS as SM100_TARGETS
+from . import _caller_workspace as caller_ws
 from . import _check
+from . import _decode_features as features
 from . import _paged_decode_sm100 as sm100
 from ._device import check_devices, current_device, on_device
 from ._launch import Launcher, bind, check_scale
@@ -75,7 +77,7 @@ def tuning_override(**fields):
 
 
 def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse, num_splits,
-         deterministic, q_scale=None, window_left=-1, sinks=None):
+         deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None):
     """What selects the kernel, its schedule and its workspace: the query and cache geometry,
     the block-table width, the options, the stream (workspaces are per stream). Left out is what
     the compiled function checks on every call (TVM-FFI): the dtypes of the other tensors, shapes
@@ -88,12 +90,12 @@ def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scal
     # another rank, 0-d included, goes to the kernel as a [1] view)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), out is None, return_lse, num_splits,
-            deterministic, _launcher.override_key, type(q_scale), window_left == -1, sinks is None, stream_id(q),
-            current_device() if q.is_cuda else -1)
+            deterministic, _launcher.override_key, type(q_scale), window_left, sinks is None, stream_id(q),
+            caller_ws.workspace_key(workspace), current_device() if q.is_cuda else -1)
 
 
 def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, num_splits,
-              deterministic, q_scale, window_left, sinks):
+              deterministic, q_scale, window_left, sinks, workspace=None):
     """Every check of the arguments, the same for CPU and CUDA tensors (code that passes on the CPU
     passes on the GPU: the SM90 kernel's limits hold for the calls it serves, whatever the
     device); returns ``(scale, P, Hkv, page, k_scale is a tensor, v_scale is a tensor)``."""
@@ -119,6 +121,8 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
+    if workspace is not None:
+        caller_ws.check_workspace(workspace, q.device)
     if P == 0:  # a TMA descriptor needs a non-empty tensor: refused before any launch
         raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has no pages (P = 0): an empty KV pool cannot be "
                          "attended; allocate at least one page (docs/design/inputs.md#kv-pool)")
@@ -140,17 +144,17 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
 
 
 def _sm90_serves(q, window_left, sinks) -> bool:
-    """The calls the SM90 kernel takes: a 16-bit query, no sinks, no window (the others run the
-    reference on SM90)."""
-    return q.dtype != FP8 and sinks is None and window_left == -1
+    """The calls the SM90 kernel takes: a 16-bit query (windows and sinks through its window / sink
+    variants; an FP8 query runs the reference on SM90)."""
+    return q.dtype != FP8
 
 
 def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-             num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> _Launch:
+             num_splits, deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None) -> _Launch:
     """Full validation (clear errors naming the argument) and kernel selection for one key."""
     scale, P, Hkv, page, ks_t, vs_t = _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale,
                                                 k_scale, v_scale, out, num_splits, deterministic, q_scale,
-                                                window_left, sinks)
+                                                window_left, sinks, workspace)
     T, Hq, D = q.shape
     if not q.is_cuda:
         return _REFERENCE
@@ -159,10 +163,10 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         return _Launch(None, None, (T, Hq, D), empty=True)
     if compile_target(device) in SM100_TARGETS:
         launch = sm100.prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale,
-                               v_scale, out, num_splits, sinks)
+                               v_scale, out, num_splits, sinks, workspace)
         return _REFERENCE if launch is None else _Launch(None, None, (T, Hq, D), sm100=launch)
     if not _sm90_serves(q, window_left, sinks):
-        return _REFERENCE  # the SM90 kernel has neither an FP8 query nor sinks / windows
+        return _REFERENCE  # the SM90 kernel has no FP8 query
     if block_table.shape[1] == 0:
         # a block table of no pages (capacity 0: no position is attended): 0 and LSE -inf without
         # a launch or a compiled variant (docs/design/inputs.md#lengths)
@@ -172,9 +176,13 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     num_splits, config = launch_config(
         q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv, q_len=q_len,
         page_size=page, k_scale_tensor=ks_t, v_scale_tensor=vs_t, kv_form="pair" if pair else "single",
-        kv_layout=kv_layout, items=B * Hkv, max_context=block_table.shape[1] * page,
+        kv_layout=kv_layout, items=B * Hkv,
+        # a window bounds the keys a request reads: the split count is planned for those
+        max_context=window_context(block_table.shape[1] * page, window_left, q_len),
         num_sms=device_sm_count(device.index or 0), num_splits=num_splits, deterministic=deterministic,
-        override=_launcher.override)
+        override=_launcher.override, window=window_left != -1, sinks=sinks is not None)
+    if features.family_of(config) is not None and not features.self_check_passes(config, device, _check_call):
+        return _REFERENCE  # this window / sink family failed its one-time runtime check here (logged)
     split = num_splits > 1
     target = compile_target(device)
     fn = get_kernel(config, target)
@@ -185,12 +193,15 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     part_numel = num_splits * T * Hq * D if global_merge else 0
     plse_numel = num_splits * lse_numel if global_merge else 0
     numel, counters_numel = workspace_numel(config, num_splits, B, Hkv, T, Hq, D, return_lse)
-    ws = _workspace.get(device, numel, stream)
+    if workspace is not None:  # the caller's memory (the trtllm API's workspace_buffer): nothing of ours
+        ws, counters = caller_ws.carve(workspace, device, numel, counters_numel)
+    else:
+        ws = _workspace.get(device, numel, stream)
+        if global_merge:  # arrival counters, then (dynamic split) the tile-chunk counters
+            counters = _counters.get(device, counters_numel, stream)
     if global_merge:
         part_o = ws[:part_numel].view(num_splits, T, Hq, D)
         part_lse = ws[part_numel:part_numel + plse_numel].view(num_splits, T, Hq)
-        # arrival counters, then (dynamic split) the tile-chunk counters
-        counters = _counters.get(device, counters_numel, stream)
     if not return_lse:
         base = part_numel + plse_numel
         scratch = ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
@@ -227,7 +238,7 @@ def reserve(device, numel: int, counters: int = 0) -> None:
 
 
 def _check_data(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-                num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> None:
+                num_splits, deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None) -> None:
     """Checked mode (``CUTE_KERNELS_CHECK=1``): the data rules (docs/design/inputs.md#checked-mode)."""
     P, _, page = check_kv_cache(k, v, pair, kv_layout, q.shape[2])
     _check.lengths("seq_lens", seq_lens, block_table.shape[1] * page, q_len=q_len)
@@ -236,7 +247,7 @@ def _check_data(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale
 
 
 def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-               num_splits, deterministic, q_scale=None, window_left=-1, sinks=None):
+               num_splits, deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None):
     res = reference.paged_decode(q, (k, v) if pair else k, block_table, seq_lens, kv_layout=kv_layout,
                                  q_len_per_req=q_len, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale,
                                  v_scale=v_scale, return_lse=return_lse, window_left=window_left, sinks=sinks)
@@ -246,7 +257,14 @@ def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale,
     return (out, res[1]) if return_lse else out
 
 
-_CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "out", "lse", "k_scale", "v_scale")
+def _check_call(override: dict, **kwargs):
+    """A self-check's kernel call (:mod:`._decode_features`): this op past its guard and its launch
+    cache, with ``override`` as the tuning override."""
+    with features.unguarded(_launcher), _launcher.tuning_override(**override):
+        return paged_decode(**kwargs)
+
+
+_CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "out", "lse", "k_scale", "v_scale", "sinks", "window_left")
 _REFERENCE = _Launch(None, None, None, reference=True)
 _launcher = Launcher(_prepare, _reference, check_data=_check_data)
 _cache = _launcher  # the launch cache under the name the lab's host-cost probe reads (profiling/host_costs.py)
@@ -270,6 +288,7 @@ def paged_decode(
     q_scale=None,
     window_left: int = -1,
     sinks: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ):
     """Paged decode attention with a BF16/FP16 query and an FP8/BF16/FP16 KV cache.
 
@@ -298,7 +317,13 @@ def paged_decode(
     FP8 query (``q_scale`` then required, float or 1-element fp32 tensor; the output is bf16),
     ``window_left`` (a query at position p sees keys p - window_left ... p; -1: no window) and
     ``sinks`` (fp32 ``[Hq]`` sink logits): see :func:`cute_kernels.reference.paged_decode`. On
-    other archs those three run the reference.
+    SM90, ``window_left`` and ``sinks`` select the kernel's window / sink variants (compile-verified:
+    a one-time runtime self-check per variant family guards their first launch, the reference
+    serves a family that fails it); an FP8 query runs the reference there.
+
+    ``workspace``: optional caller-owned CUDA buffer (any dtype, contiguous, 16-byte aligned) that
+    holds the split partials, the unused LSE target and the merge counters instead of the op's
+    own per-stream buffers (the trtllm API's ``workspace_buffer``; docs/design/trtllm.md#workspace).
     """
     pair = isinstance(kv_cache, (tuple, list))
     if pair and len(kv_cache) != 2:
@@ -307,13 +332,13 @@ def paged_decode(
     v = kv_cache[1] if pair else kv_cache
     try:
         key = _key(q, k, v, pair, block_table, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                   return_lse, num_splits, deterministic, q_scale, window_left, sinks)
+                   return_lse, num_splits, deterministic, q_scale, window_left, sinks, workspace)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
     launch = _launcher.entries.get(key)
     if launch is None or launch.reference:  # the argument tuple is built off the hot path only
         args = (q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                return_lse, num_splits, deterministic, q_scale, window_left, sinks)
+                return_lse, num_splits, deterministic, q_scale, window_left, sinks, workspace)
         launch = launch or _launcher.lookup(key, args)
         if launch.reference:
             return _launcher.run_reference(args)
@@ -328,12 +353,13 @@ def paged_decode(
     try:
         if _NVTX:
             with op_range("paged_decode", q=q, kv_cache=k, block_table=block_table):
-                launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
+                launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale, sinks, window_left)
         else:
-            launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
+            launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale, sinks, window_left)
     except Exception:  # raises the error that names the argument
         _launcher.refused((q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
-                           v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks))
+                           v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks,
+                           workspace))
         raise
     return (out, lse) if return_lse else out
 

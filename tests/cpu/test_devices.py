@@ -35,7 +35,7 @@ ARGS = [(case, name) for case in CASES for name in case.args]
 @pytest.mark.parametrize("case, name", ARGS, ids=[f"{c.name}:{n}" for c, n in ARGS])
 def test_an_argument_on_another_device_is_named(case, name):
     kwargs = case.with_arg(name, move(case.tensor(name), "meta"))
-    with pytest.raises((ValueError, TypeError), match=rf"\b{name} must be on cpu, got meta"):
+    with pytest.raises((ValueError, TypeError), match=rf"\b{name} must be on cpu( \(the query's device\))?, got meta"):
         case.fn(**kwargs)
 
 
@@ -144,7 +144,9 @@ def _key_args(case):
                     kw["output_gate"])
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "fp8-query" not in c.name], ids=lambda c: c.name)
+# the ops' own calls (the trtllm calls and the FP8-query decode reach the same keys)
+@pytest.mark.parametrize("case", [c for c in CASES if "fp8-query" not in c.name and "trtllm" not in c.name],
+                         ids=lambda c: c.name)
 def test_every_launch_key_holds_the_current_device(case, monkeypatch):
     module, args = _key_args(case)
     current = {"index": 0}
