@@ -2,7 +2,8 @@
 
 Two GPUs (skipped with fewer, saying so):
 
-- every public op (tests/op_cases.py) with all tensors on ``cuda:1`` while ``cuda:0`` is current:
+- every public op and the trtllm API's calls (tests/op_cases.py) with all tensors on ``cuda:1``
+  while ``cuda:0`` is current:
   the same bits as the call on ``cuda:0`` (within the last bits for the reference-served case),
   the launch prepared in the device guard, nothing allocated on ``cuda:0``, the workspaces on
   ``cuda:1``, the current device unchanged; then the cached call, and the call from ``cuda:1``;
