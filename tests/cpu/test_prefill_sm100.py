@@ -23,16 +23,9 @@ from cute_kernels.plans.sm100 import Sm100DecodeConfig, Sm100PrefillConfig, pref
 
 from .test_prefill_host import _args, _kw, _problem, ffi_checks
 from .test_prefill_selfcheck import reference_kernel
+from .test_selfcheck import _isolated_records  # noqa: F401 (autouse: records in a temporary folder)
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
-
-
-@pytest.fixture(autouse=True)
-def _isolated_records(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
-    records.forget()
-    yield
-    records.forget()
 
 
 @pytest.fixture(params=["sm_100a", "sm_103a"])
