@@ -275,7 +275,9 @@ _ENTRIES = (
                            "sinks, sliding window); QK in FP8 for an FP8 cache",
                variants=sm100.decode_variants, family=_sm100_family("sm100.decode"), **sm100.DECODE_LIMITS,
                **_SM100),
-    KernelInfo(id="sm100.prefill", status="compile-verified", phases=("prefill",),
+    # a 16-bit query on an FP8 cache reaches it quantized by the layer (the plan's q_scale); the op
+    # itself runs the portable kernel for one (ops/_paged_prefill_sm100.py)
+    KernelInfo(id="sm100.prefill", status="compile-verified", phases=("prefill",), op="paged_prefill",
                description="Blackwell tcgen05 paged prefill (ping-pong softmax warpgroups, a correction warpgroup, "
                            "S and P aliased in TMEM, varlen, causal, sinks, sliding window); QK in FP8 for an "
                            "FP8 cache",

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import reference
+from ..jit.spec import call_arguments
 from ..plans import selfcheck_records as records
 from ._device import capturing
 
@@ -61,6 +63,82 @@ def decode_problem(config, generator: torch.Generator, Hkv: int = 2):
     cache = (kv[:, 0], kv[:, 1]) if config.kv_form == "pair" else kv
     q = torch.randn(B * q_len, G * Hkv, D, generator=g).to(_TORCH[config.q_dtype])
     return q, cache, bt, torch.tensor(lens, dtype=torch.int32)
+
+
+def prefill_problem(config, reqs, g: torch.Generator, *, q_scale: str = "none", window: int = -1,
+                    past_table: bool = False) -> dict:
+    """CPU tensors of one prefill problem in a variant's shape (``config``: ``head_dim``,
+    ``page_size``, ``group``, dtypes, ``kv_form``, ``kv_layout``, ``sinks``, scale forms), two KV
+    heads: requests ``reqs`` of ``(cached prefix, new tokens)`` on a permuted block table one
+    column wider than they need, stale NaN bytes past each request's end; ``q_scale`` the form of
+    an FP8 query's scale (``"none"``, ``"scalar"``, ``"tensor"``, ``"per_head"``). ``past_table``:
+    the lengths then grow past the table's capacity (the first by 50, the last to 2^31 - 1), whose
+    positions are never attended (docs/design/inputs.md#lengths); give whole-page requests then, so
+    that every position the table addresses holds finite data."""
+    Hkv, D, page = 2, config.head_dim, config.page_size
+    Hq = Hkv * config.group
+    lens = [p + n for p, n in reqs]
+    pages = [math.ceil(L / page) for L in lens]
+    P = sum(pages) + 3
+    perm = torch.randperm(P, generator=g)
+    table = torch.randint(0, P, (len(reqs), max(pages) + 1), generator=g, dtype=torch.int32)
+    ofs = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[ofs:ofs + n].int()
+        ofs += n
+    shape = (P, 2, Hkv, page, D) if config.kv_layout == "HND" else (P, 2, page, Hkv, D)
+    kv = torch.randn(shape, generator=g).to(_TORCH[config.kv_dtype])
+    nan_byte = 0x7F if config.kv_dtype == "fp8_e4m3" else 0xFF  # a NaN in every byte (pair) of the dtype
+    for b, L in enumerate(lens):  # stale bytes past each request's end: they must never reach the output
+        if L % page:
+            tail = (slice(None), slice(L % page, None)) if config.kv_layout == "HND" else (slice(L % page, None),)
+            kv[(int(table[b, L // page]), slice(None)) + tail].view(torch.uint8).fill_(nan_byte)
+    if past_table:
+        capacity = table.shape[1] * page
+        lens[0] = capacity + 50
+        lens[-1] = 2 ** 31 - 1
+    starts = [0]
+    for _, n in reqs:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], Hq, D, generator=g).to(_TORCH[config.q_dtype])
+
+    def scale(value, tensor):
+        return torch.tensor([value], dtype=torch.float32) if tensor else value
+
+    q_scales = {"none": None, "scalar": 0.5, "tensor": torch.tensor([0.5]), "per_head": torch.tensor([0.5, 0.75])}
+    sinks = torch.randn(Hq, generator=g) * 2 if config.sinks else None  # sinks of either sign
+    return dict(q=q, k=kv[:, 0] if config.kv_form == "pair" else kv, v=kv[:, 1] if config.kv_form == "pair" else kv,
+                block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                query_start_loc=torch.tensor(starts, dtype=torch.int32), q_scale=q_scales[q_scale],
+                k_scale=scale(0.9, config.k_scale_tensor), v_scale=scale(1.1, config.v_scale_tensor),
+                sinks=sinks, window_left=window)
+
+
+def prefill_expected(config, host: dict, max_query_len):
+    """The reference result of a :func:`prefill_problem` (its CPU tensors) for ``config``."""
+    cache = (host["k"], host["v"]) if config.kv_form == "pair" else host["k"]
+    return reference.paged_prefill(
+        host["q"], cache, host["block_table"], host["seq_lens"], host["query_start_loc"], max_query_len=max_query_len,
+        kv_layout=config.kv_layout, causal=config.causal, q_scale=host["q_scale"], k_scale=host["k_scale"],
+        v_scale=host["v_scale"], return_lse=config.write_lse, out_dtype=_TORCH[config.out_dtype],
+        window_left=host["window_left"], sinks=host["sinks"])
+
+
+def launch_prefill_now(fn, config, t: dict, max_query_len):
+    """Call ``fn``, the compiled prefill ``config``, on the device tensors ``t`` (a
+    :func:`prefill_problem` moved to the device) now, past any launch cache and self-check: a
+    self-check's own kernel call. The outputs are NaN-poisoned first."""
+    T, Hq, D = t["q"].shape
+    out = torch.full((T, Hq, D), float("nan"), dtype=_TORCH[config.out_dtype], device=t["q"].device)
+    lse = torch.full((T, Hq), float("nan"), dtype=torch.float32, device=t["q"].device)
+    values = dict(t, kv_cache=t["k"], k_cache=t["k"], v_cache=t["v"], out=out, lse=lse, sm_scale=D ** -0.5,
+                  max_query_len=T if max_query_len is None else min(max_query_len, T))
+    fn(*call_arguments(config.signature(), values))
+    return (out, lse) if config.write_lse else out
+
+
+def to_device(tensors: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
 
 
 def device_name(device) -> str:
