@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 from typing import ClassVar
 
-from ..jit.spec import KernelConfig, ScalarArg, TensorArg
+from ..jit.spec import LABEL_IF_SET, KernelConfig, ScalarArg, TensorArg
 from . import hw
+from . import sm90_decode_balance as balance
 from .paged_cache import kv_cache_args, scale_arg
 from .sm90_attention import (  # noqa: F401 - the limits
     HEAD_DIMS,
@@ -76,7 +77,11 @@ class Sm90DecodeConfig(KernelConfig):
     (:meth:`merge_slots`). ``window``: the variant takes a runtime ``window_left`` (-1: none) and
     walks only the tiles and pages of the keys its rows can see; ``sinks``: it takes fp32 ``[Hq]``
     sink logits folded into each row's softmax (split 0 only): docs/design/sm90-decode.md#sliding-window-and-sinks.
-    These two variants are compile-verified (:func:`feature_family`).
+    These two variants are compile-verified (:func:`feature_family`). ``balanced`` (a split variant
+    without strided, dynamic or cluster schedules, window or sinks, merging from L2): a grid of
+    equal chunks of the batch's tiles per KV head, found from ``seq_lens`` on the device; its
+    partials are per chunk slot (``[2 x chunks, q_len, Hq, D]``) and it is compile-verified too
+    (:func:`balanced_family`; docs/design/sm90-decode.md#balanced-schedule-opt-in).
     """
 
     q_dtype: str = "bf16"
@@ -103,6 +108,8 @@ class Sm90DecodeConfig(KernelConfig):
     smem_merge: bool = True
     window: bool = False
     sinks: bool = False
+    # (in the label only when set: the variants from before the flag keep their labels and digests)
+    balanced: bool = field(default=False, metadata=LABEL_IF_SET)
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -115,6 +122,8 @@ class Sm90DecodeConfig(KernelConfig):
     chunk_tiles_max: ClassVar[int] = DYNAMIC_CHUNK_TILES
     merge_group: ClassVar[int] = MERGE_GROUP
     cluster_group: ClassVar[int] = CLUSTER_GROUP
+    balance_min_chunk: ClassVar[int] = balance.MIN_CHUNK_TILES
+    balance_max_parts: ClassVar[int] = balance.MAX_PARTS
 
     def __post_init__(self):
         check_qkv(self.q_dtype, self.kv_dtype, self.head_dim)
@@ -132,6 +141,11 @@ class Sm90DecodeConfig(KernelConfig):
             raise ValueError("strided tiles are a static split schedule (split=True, dynamic=False)")
         if self.widen not in ("bits", "cvt") or self.tile not in (64, 128):
             raise ValueError(f"bad widen/tile {self.widen}/{self.tile}")
+        if self.balanced and (not self.split or self.dynamic or self.strided or self.cluster or self.window
+                              or self.sinks or self.smem_merge):
+            raise ValueError("the balanced schedule is a split variant of its own: split=True, no dynamic, strided "
+                             "or cluster schedule, no window or sinks, smem_merge=False (its merges run while the "
+                             "stages hold the next request's tiles)")
         if self.cluster:
             if not self.split or self.dynamic:
                 raise ValueError("the cluster merge needs a static split (split=True, dynamic=False)")
@@ -171,15 +185,21 @@ class Sm90DecodeConfig(KernelConfig):
         nothing)."""
         return self.merge_slot_bytes() <= self.kv_stages_bytes()
 
+    def partial_tokens(self, tokens: int) -> int:
+        """Query tokens of one split partial of a launch of ``tokens`` query tokens: all of them
+        (the partial of split s covers the batch), or a balanced slot's ``q_len`` (one request's)."""
+        return self.q_len if self.balanced else tokens
+
     def signature(self):
         D = self.head_dim
         caches = kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, D)
+        tokens = self.q_len if self.balanced else "T"  # partial_tokens
         if self.cluster:  # partials stay in the cluster's shared memory: only the grid's split count
             split = (ScalarArg("num_splits", "int32"),)
         elif self.split:
             split = (
-                TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=16),  # merged with 16-byte loads
-                TensorArg("part_lse", "fp32", ("S", "T", "Hq"), align=4),
+                TensorArg("part_out", "fp32", ("S", tokens, "Hq", D), align=16),  # merged with 16-byte loads
+                TensorArg("part_lse", "fp32", ("S", tokens, "Hq"), align=4),
                 TensorArg("counters", "int32", ("C",), align=4),  # the fused merge's arrival counters
             )
         else:
@@ -267,9 +287,12 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
     """The config the op uses for a problem: tuning (stages, occupancy, tile, widening) filled in
     here, once, for the op, the warm-up and the compile matrix alike. ``override`` replaces any
     tuning field (benchmarks compare variants with it). A ``window`` variant keeps the static
-    split schedule (its first tile depends on the request's length)."""
-    dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split and not window
-    strided = override.pop("strided", DEFAULT_STRIDED) and split and not dynamic
+    split schedule (its first tile depends on the request's length); ``balanced=True`` asks for
+    the balanced schedule (a split variant without window or sinks; it replaces the strided,
+    dynamic and staged-merge choices)."""
+    balanced = override.pop("balanced", False) and split and not window and not sinks
+    dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split and not window and not balanced
+    strided = override.pop("strided", DEFAULT_STRIDED) and split and not dynamic and not balanced
     tile = override.get("tile", FP8_D64_TILE if (kv_dtype, head_dim) == ("fp8_e4m3", 64) else TILE)
     n_pad = max(8, (group * q_len + 7) // 8 * 8)
     stages, occupancy = decode_tuning(1 if kv_dtype == "fp8_e4m3" else 2, head_dim, n_pad, tile,
@@ -281,6 +304,8 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
         widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=DEFAULT_PDL, dynamic=dynamic,
         strided=strided, window=window, sinks=sinks,
     )
+    if balanced:
+        fields.update(balanced=True, smem_merge=False)
     fields.update(override)
     return Sm90DecodeConfig(**fields)
 

@@ -40,6 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..jit.dtypes import cute_dtype
 from ..jit.spec import bind_arguments
 from ..roles.attn_window import window_start
+from ..roles.balanced_chunks import BalancedChunks
 from ..roles.fragments import WIDEN_SHIFT_LOG2, store_shared_f32
 from ..roles.paged_kv import PagedKVProducer
 from ..roles.query import QueryStager
@@ -108,6 +109,7 @@ class Sm90PagedDecode:
             dynamic=cfg.dynamic, merge_slots=cfg.merge_slots(), merge_slot_bytes=cfg.merge_slot_bytes(),
             merge_group=cfg.merge_group, cluster_group=cfg.cluster_group, warps=self.warps,
             num_threads=self.num_threads)
+        self.chunks = BalancedChunks(tile=self.tile, min_chunk=cfg.balance_min_chunk, max_parts=cfg.balance_max_parts)
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -128,6 +130,8 @@ class Sm90PagedDecode:
         if const_expr(self.cfg.merge == "global"):
             mPartO, mPartLse, mCounter = a["part_out"], a["part_lse"], a["counters"]
             num_splits = mPartO.shape[0]
+            if const_expr(self.cfg.balanced):
+                num_splits = mPartO.shape[0] // 2  # chunks per KV head: each has two partial slots
         elif const_expr(self.cfg.merge == "cluster"):
             num_splits = a["num_splits"]
         # the window / sink variants' runtime inputs (absent from the other variants' launches)
@@ -192,6 +196,8 @@ class Sm90PagedDecode:
         self.storage = Storage
         num_kv_heads = mK4.shape[head]
         batch = mBlockTable.shape[0]
+        if const_expr(cfg.balanced):
+            batch = 1  # a chunk finds its requests from the lengths
         kernel = self.kernel(
             mQ, tma_k, tma_tK, tma_v, tma_tV, mK4.shape[0], mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse,
             mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
@@ -275,77 +281,138 @@ class Sm90PagedDecode:
             # outputs (and overwrite what it may read), which is safe after this wait
             cute.arch.griddepcontrol_wait()
 
-        # this CTA's tiles: split s takes a contiguous chunk of the request's tiles, or (strided)
-        # tiles s, s + S, s + 2 S, ..., whose page-table entries are known before seq_len: the
-        # producer's first lookup is issued ahead of the seq_len load (nothing that waits for
-        # seq_len may come before it, or the two loads are serialized again)
-        first_raw = Int32(-1)
-        if const_expr(self.cfg.strided and not self.cfg.window):
-            # every warp loads (a branch on the role would let ptxas put seq_len's uses first)
-            first_raw = self.kv.load_page_raw(mBlockTable, batch_idx, self.kv.box_of(split, num_splits, Int32(0), lane),
-                                           predicated=True)
-        seq_len = mSeqLens[batch_idx]
-        # positions at or past the block table's capacity are not attended, so the tiles end there
-        # (a seq_len past it, even a corrupted huge one, costs no more than a full table):
-        # docs/design/inputs.md#lengths
-        kv_cap = mBlockTable.shape[1] * self.page
-        num_tiles = (cutlass.min(seq_len, kv_cap) + self.tile - 1) // self.tile
-        tile_step = Int32(1)
-        key_lo = None
-        if const_expr(self.cfg.window):
-            # the oldest draft row's window start: tiles (and pages) wholly before it are never
-            # loaded; the schedule spreads the remaining tiles over the splits
-            key_lo = window_start(seq_len - self.q_len, window_left)
-            first_tile = key_lo // self.tile
-            if const_expr(self.cfg.strided):
-                tile_begin = first_tile + split
+        if const_expr(self.cfg.balanced):
+            # the chunk of the batch's tiles this CTA takes, from the lengths (balanced schedule)
+            self.run_chunk(mQ, tma_k, mK, tma_v, mV, num_pages, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse,
+                           mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout,
+                           (sK, sV, sQ, sP, sRed), storage, pipe_k, pipe_v, kv_head, tidx, warp, lane)
+        else:
+            # this CTA's tiles: split s takes a contiguous chunk of the request's tiles, or (strided)
+            # tiles s, s + S, s + 2 S, ..., whose page-table entries are known before seq_len: the
+            # producer's first lookup is issued ahead of the seq_len load (nothing that waits for
+            # seq_len may come before it, or the two loads are serialized again)
+            first_raw = Int32(-1)
+            if const_expr(self.cfg.strided and not self.cfg.window):
+                # every warp loads (a branch on the role would let ptxas put seq_len's uses first)
+                first_raw = self.kv.load_page_raw(mBlockTable, batch_idx,
+                                                  self.kv.box_of(split, num_splits, Int32(0), lane), predicated=True)
+            seq_len = mSeqLens[batch_idx]
+            # positions at or past the block table's capacity are not attended, so the tiles end there
+            # (a seq_len past it, even a corrupted huge one, costs no more than a full table):
+            # docs/design/inputs.md#lengths
+            kv_cap = mBlockTable.shape[1] * self.page
+            num_tiles = (cutlass.min(seq_len, kv_cap) + self.tile - 1) // self.tile
+            tile_step = Int32(1)
+            key_lo = None
+            if const_expr(self.cfg.window):
+                # the oldest draft row's window start: tiles (and pages) wholly before it are never
+                # loaded; the schedule spreads the remaining tiles over the splits
+                key_lo = window_start(seq_len - self.q_len, window_left)
+                first_tile = key_lo // self.tile
+                if const_expr(self.cfg.strided):
+                    tile_begin = first_tile + split
+                    tile_step = num_splits
+                    tile_end = num_tiles
+                else:
+                    per_split = (num_tiles - first_tile + num_splits - 1) // num_splits
+                    tile_begin = first_tile + split * per_split
+                    tile_end = cutlass.min(tile_begin + per_split, num_tiles)
+            elif const_expr(self.cfg.strided):
+                tile_begin = split
                 tile_step = num_splits
                 tile_end = num_tiles
             else:
-                per_split = (num_tiles - first_tile + num_splits - 1) // num_splits
-                tile_begin = first_tile + split * per_split
+                per_split = (num_tiles + num_splits - 1) // num_splits
+                tile_begin = split * per_split
                 tile_end = cutlass.min(tile_begin + per_split, num_tiles)
-        elif const_expr(self.cfg.strided):
-            tile_begin = split
-            tile_step = num_splits
-            tile_end = num_tiles
-        else:
-            per_split = (num_tiles + num_splits - 1) // num_splits
-            tile_begin = split * per_split
-            tile_end = cutlass.min(tile_begin + per_split, num_tiles)
 
-        sTileId = storage.tile_id.get_tensor(cute.make_layout(self.stages))
-        if warp == self.producer_warp:
-            if const_expr(self.cfg.dynamic):
-                # this item's chunk counter sits behind the B x Hkv arrival counters
-                grab = mCounter.iterator + (cute.arch.grid_dim()[2] * cute.arch.grid_dim()[1]
-                                            + batch_idx * cute.arch.grid_dim()[1] + kv_head)
-                self.kv.produce_dynamic(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
-                                     batch_idx, kv_head, seq_len, num_tiles, grab, sTileId, lane)
+            sTileId = storage.tile_id.get_tensor(cute.make_layout(self.stages))
+            if warp == self.producer_warp:
+                if const_expr(self.cfg.dynamic):
+                    # this item's chunk counter sits behind the B x Hkv arrival counters
+                    grab = mCounter.iterator + (cute.arch.grid_dim()[2] * cute.arch.grid_dim()[1]
+                                                + batch_idx * cute.arch.grid_dim()[1] + kv_head)
+                    self.kv.produce_dynamic(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
+                                         batch_idx, kv_head, seq_len, num_tiles, grab, sTileId, lane)
+                else:
+                    self.kv.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
+                                 batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw, key_lo)
             else:
-                self.kv.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
-                             batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw, key_lo)
+                k_base = storage.sK.data_ptr().toint()
+                v_base = storage.sV.data_ptr().toint()
+                sFlag = storage.flag.get_tensor(cute.make_layout(4))
+                merge = (mPartO, mPartLse, mCounter, sFlag, num_splits)
+                self.consume(mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
+                             qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
+                             seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId, mSinks,
+                             window_left)
+            if const_expr(self.cfg.cluster):
+                # every thread of the CTA, the producer warp too: the cluster barriers count them all
+                self.split_merge.cluster_merge(mO, mLse, storage.sK.data_ptr().toint())
+
+    @cute.jit
+    def run_chunk(self, mQ, tma_k, mK, tma_v, mV, num_pages, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse,
+                  mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, smem, storage, pipe_k,
+                  pipe_v, kv_head, tidx, warp, lane):
+        """Balanced schedule: this CTA's chunk of the batch's tiles (for its KV head), request segment
+        after request segment, the producer and the consumers walking the same segments with their
+        pipeline states carried across them (docs/design/sm90-decode.md#balanced-schedule-opt-in)."""
+        sK, sV, sQ, sP, sRed = smem
+        chunk = cute.arch.block_idx()[0]
+        chunks = cute.arch.grid_dim()[0]
+        kv_cap = mBlockTable.shape[1] * self.page
+        start, end, request, first, q, r = self.chunks.locate(mSeqLens, kv_cap, chunk, chunks, lane)
+        sTileId = storage.tile_id.get_tensor(cute.make_layout(self.stages))
+        pos = start
+        if warp == self.producer_warp:
+            state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            while pos < end:
+                seq_len = mSeqLens[request]
+                units, _, lo, hi, *_ = self.chunks.segment(seq_len, kv_cap, chunk, chunks, start, end, first, q, r)
+                state_k, state_v = self.kv.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable,
+                                                   num_pages, request, kv_head, seq_len, lo, hi, Int32(1), lane,
+                                                   Int32(-1), states=(state_k, state_v))
+                pos = first + units
+                first = first + units
+                request = request + 1
         else:
+            state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            sFlag = storage.flag.get_tensor(cute.make_layout(4))
+            merge = (mPartO, mPartLse, mCounter, sFlag, chunks)
             k_base = storage.sK.data_ptr().toint()
             v_base = storage.sV.data_ptr().toint()
-            sFlag = storage.flag.get_tensor(cute.make_layout(4))
-            merge = (mPartO, mPartLse, mCounter, sFlag, num_splits)
-            self.consume(mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
-                         qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                         seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId, mSinks,
-                         window_left)
-        if const_expr(self.cfg.cluster):
-            # every thread of the CTA, the producer warp too: the cluster barriers count them all
-            self.split_merge.cluster_merge(mO, mLse, storage.sK.data_ptr().toint())
+            while pos < end:
+                seq_len = mSeqLens[request]
+                units, _, lo, hi, whole, slot, parts, slot0, c0 = self.chunks.segment(
+                    seq_len, kv_cap, chunk, chunks, start, end, first, q, r)
+                state_k, state_v = self.consume(
+                    mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale, qk_mma, pv_mma,
+                    k_layout, v_layout, k_base, v_base, request, kv_head, Int32(0), seq_len, kv_cap, lo, hi,
+                    Int32(1), tidx, warp, lane, merge, sTileId, segment=(state_k, state_v, whole, slot, parts, slot0, c0))
+                pos = first + units
+                first = first + units
+                request = request + 1
+            if const_expr(self.cfg.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def consume(self, mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                 qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
                 seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId, mSinks=None,
-                window_left=None):
+                window_left=None, segment=None):
+        """One request's tiles ``tile_begin, tile_begin + tile_step, ... < tile_end``: stage Q,
+        the pipelined QK / softmax / PV loop, the epilogue (output, split partial, merges).
+        ``segment`` (balanced schedule): ``(state_k, state_v, whole, slot, parts, slot0, c0)``, the
+        pipelines' states carried from the chunk's previous segment (returned advanced) and where
+        the result goes (:func:`cute_kernels.roles.balanced_chunks.segment_of`)."""
         cfg = self.cfg
         mPartO, mPartLse, mCounter, sFlag, num_splits = merge
         D, N, G = self.D, self.N, self.G
+        if const_expr(segment is not None):
+            # the previous segment's epilogue may still read sRed (and its merge sFlag) in other warps
+            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
         q_log2 = self.query.stage_q(mQ, sQ, sRed, batch_idx, kv_head, tidx, warp, lane)
         cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
         cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
@@ -390,8 +457,11 @@ class Sm90PagedDecode:
             tSrK = qk_mma.make_fragment_A(thr_qk.partition_A(sK))
             tOrV = pv_mma.make_fragment_A(thr_pv.partition_A(sV))
 
-        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if const_expr(segment is None):
+            state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        else:
+            state_k, state_v, whole, slot, parts, slot0, c0 = segment
         mma = (qk_mma, pv_mma, acc_s, acc_o, tSrK, tSrQ, tOrV, tOrP)
         # Software pipeline: QK(t+1) is issued right behind PV(t), so the widening of K(t+1)
         # runs while PV(t) is in the tensor cores and the two MMAs overlap. The tile sequence is
@@ -455,7 +525,7 @@ class Sm90PagedDecode:
             state_v.advance()
             tile = nxt
 
-        if const_expr(cfg.pdl):
+        if const_expr(cfg.pdl and not cfg.balanced):  # (balanced: once the chunk's last segment is done)
             # only the epilogue is left: the next kernel in the stream may start launching (its
             # CTAs take the SM slots ours free and wait in griddepcontrol.wait for our writes)
             cute.arch.griddepcontrol_launch_dependents()
@@ -487,6 +557,11 @@ class Sm90PagedDecode:
                         head = kv_head * G + n % G
                         if const_expr(cfg.cluster):
                             store_shared_f32(k_base + self.split_merge.part_lse_offset(n), lse)
+                        elif const_expr(cfg.balanced):
+                            if whole == 1:
+                                mLse[token, head] = lse
+                            else:  # a partial slot holds one request's rows: (slot, draft token, head)
+                                mPartLse[slot, n // G, head] = lse
                         elif const_expr(cfg.split):
                             mPartLse[split, token, head] = lse
                         else:
@@ -502,13 +577,23 @@ class Sm90PagedDecode:
                 if const_expr(cfg.cluster):
                     # the K stages are free now (every tile consumed, no TMA in flight)
                     store_shared_f32(k_base + (n * D + d) * 4, val)
+                elif const_expr(cfg.balanced):
+                    if whole == 1:
+                        mO[token, head, d] = val.to(mO.element_type)
+                    else:
+                        mPartO[slot, n // G, head, d] = val
                 elif const_expr(cfg.split):
                     mPartO[split, token, head, d] = val
                 else:
                     mO[token, head, d] = val.to(mO.element_type)
-        if const_expr(cfg.split and not cfg.cluster):
+        if const_expr(cfg.balanced):
+            if whole == 0:  # the last of the request's chunks to arrive merges its partials in chunk order
+                self.split_merge.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, parts, batch_idx, kv_head,
+                                              tidx, (k_base, v_base), slots=(slot0, c0))
+        elif const_expr(cfg.split and not cfg.cluster):
             self.split_merge.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx,
                               (k_base, v_base))
+        return state_k, state_v
 
     @cute.jit
     def issue_qk(self, mma, pipe_k, state_k, k_base, k_layout, warp, lane):
