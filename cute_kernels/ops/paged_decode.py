@@ -71,7 +71,10 @@ def tuning_override(**fields):
     benchmarks comparing variants). The override is part of the launch-cache key. ``cluster``
     is a launch choice: ``False`` never merges in clusters, ``True`` does whenever the split
     count allows (at most MAX_CLUSTER), absent leaves it to the plan's rule
-    (:func:`cute_kernels.plans.sm90_decode.use_cluster_merge`)."""
+    (:func:`cute_kernels.plans.sm90_decode.use_cluster_merge`). ``balanced=True`` selects the
+    balanced split schedule for ragged batches (opt-in, compile-verified: a one-time self-check
+    per family, the default schedule when it fails; ``num_splits`` then counts chunks per KV head;
+    calls with a window or sinks keep the default schedule): docs/design/sm90-decode.md#balanced-schedule-opt-in."""
     return _launcher.tuning_override(**fields)
 
 
@@ -168,16 +171,18 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         return _Launch(None, None, (T, Hq, D), empty=True)
     B = block_table.shape[0]
     # cluster (override): None = the rule (use_cluster_merge), True = whenever the split count allows, False = never
-    num_splits, config = launch_config(
+    plan = dict(
         q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv, q_len=q_len,
         page_size=page, k_scale_tensor=ks_t, v_scale_tensor=vs_t, kv_form="pair" if pair else "single",
-        kv_layout=kv_layout, items=B * Hkv,
+        kv_layout=kv_layout, items=B * Hkv, num_kv_heads=Hkv,
         # a window bounds the keys a request reads: the split count is planned for those
         max_context=window_context(block_table.shape[1] * page, window_left, q_len),
         num_sms=device_sm_count(device.index or 0), num_splits=num_splits, deterministic=deterministic,
-        override=_launcher.override, window=window_left != -1, sinks=sinks is not None)
-    if features.family_of(config) is not None and not features.self_check_passes(config, device, _check_call):
+        window=window_left != -1, sinks=sinks is not None)
+    planned = guarded_plan(plan, device)
+    if planned is None:
         return _REFERENCE  # this window / sink family failed its one-time runtime check here (logged)
+    num_splits, config = planned
     split = num_splits > 1
     target = compile_target(device)
     fn = get_kernel(config, target)
@@ -185,8 +190,9 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     part_o = part_lse = scratch = counters = None
     lse_numel = T * Hq
     global_merge = split and not config.cluster  # a cluster merges in shared memory: no workspace
-    part_numel = num_splits * T * Hq * D if global_merge else 0
-    plse_numel = num_splits * lse_numel if global_merge else 0
+    part_tokens = config.partial_tokens(T)  # a balanced launch's partial slot holds one request's tokens
+    part_numel = num_splits * part_tokens * Hq * D if global_merge else 0
+    plse_numel = num_splits * part_tokens * Hq if global_merge else 0
     numel, counters_numel = workspace_numel(config, num_splits, B, Hkv, T, Hq, D, return_lse)
     if workspace is not None:  # the caller's memory (the trtllm API's workspace_buffer): nothing of ours
         ws, counters = caller_ws.carve(workspace, device, numel, counters_numel)
@@ -195,8 +201,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         if global_merge:  # arrival counters, then (dynamic split) the tile-chunk counters
             counters = _counters.get(device, counters_numel, stream)
     if global_merge:
-        part_o = ws[:part_numel].view(num_splits, T, Hq, D)
-        part_lse = ws[part_numel:part_numel + plse_numel].view(num_splits, T, Hq)
+        part_o = ws[:part_numel].view(num_splits, part_tokens, Hq, D)
+        part_lse = ws[part_numel:part_numel + plse_numel].view(num_splits, part_tokens, Hq)
     if not return_lse:
         base = part_numel + plse_numel
         scratch = ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
@@ -209,12 +215,28 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     return _Launch(bind(_CALL_PARAMS, (fn, config.signature(), sources, constants)), scratch, (T, Hq, D))
 
 
+def guarded_plan(plan: dict, device):
+    """``(num_splits, config)`` of a call's ``plan`` (:func:`launch_config`'s arguments) under the
+    tuning override, past the one-time self-check of a compile-verified variant's family: None when
+    a window / sink family failed it (the reference serves the call); a balanced family that failed
+    it leaves the call to the default schedule (both logged)."""
+    num_splits, config = launch_config(**plan, override=_launcher.override)
+    if features.family_of(config) is not None and not features.self_check_passes(config, device, _check_call):
+        if not config.balanced:
+            return None
+        num_splits, config = launch_config(**plan, override=features.without_balanced(_launcher.override))
+    return num_splits, config
+
+
 def workspace_numel(config, num_splits: int, B: int, Hkv: int, T: int, Hq: int, D: int,
                     return_lse: bool) -> tuple[int, int]:
     """(fp32 elements, int32 counters) of a launch's workspaces: a global merge's partials and
-    LSEs, the LSE target when the caller asks for none; arrival (and dynamic chunk) counters."""
+    LSEs (a balanced launch: ``num_splits`` slots of one request's rows), the LSE target when the
+    caller asks for none; arrival (and dynamic chunk) counters. Shapes only: a balanced launch's
+    size does not depend on the lengths."""
     global_merge = num_splits > 1 and not config.cluster
-    numel = (num_splits * T * Hq * (D + 1) if global_merge else 0) + (0 if return_lse else T * Hq)
+    numel = num_splits * config.partial_tokens(T) * Hq * (D + 1) if global_merge else 0
+    numel += 0 if return_lse else T * Hq
     counters = (2 * B * Hkv if config.dynamic else B * Hkv) if global_merge else 0
     return numel, counters
 

@@ -109,7 +109,11 @@ class SplitMerge:
                         self.merge_row_chunk(mO, mLse, num_splits, token, head, d0,
                                              (mPartO, mPartLse, *slots, n // G), self.merge_group, "slots")
             if tidx == 0:
-                counter.store(Int32(0))
+                if const_expr(slots is None):
+                    counter.store(Int32(0))
+                else:  # its address again rather than kept live through the merge (register pressure)
+                    reset = mCounter.iterator + (batch_idx * special_register("nctaid.y") + special_register("ctaid.y"))
+                    reset.store(Int32(0))
                 if const_expr(self.dynamic):
                     # every CTA of the item has arrived, so none takes chunks any more: reset for
                     # the next launch (its counter sits B x Hkv entries behind the arrival counter)
@@ -230,7 +234,9 @@ class SplitMerge:
                     o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_shared_f32x4(slot + (n * self.D + d0) * 4)
                 elif const_expr(source == "slots"):
                     mPartO, mPartLse, slot0, c0, tok = src
-                    slot = merge_slot(s, slot0, c0, cutlass.max)
+                    slot = c0 + s  # a request merging here has 2+ partials: only the first one's slot differs
+                    if const_expr(j == 0):
+                        slot = merge_slot(s, slot0, c0, cutlass.max)
                     lse_g[j] = self.load_cg(mPartLse, (slot, tok, head))
                     addr = (mPartO.iterator + cute.crd2idx((slot, tok, head, d0), mPartO.layout)).toint()
                     o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_cg_f32x4(addr)

@@ -41,7 +41,7 @@ from ..jit.dtypes import cute_dtype
 from ..jit.spec import bind_arguments
 from ..roles.attn_window import window_start
 from ..roles.balanced_chunks import BalancedChunks
-from ..roles.fragments import WIDEN_SHIFT_LOG2, store_shared_f32
+from ..roles.fragments import WIDEN_SHIFT_LOG2, load_shared_i32, special_register, store_shared_f32
 from ..roles.paged_kv import PagedKVProducer
 from ..roles.query import QueryStager
 from ..roles.sinks import fold_sink
@@ -187,7 +187,8 @@ class Sm90PagedDecode:
             v_bar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
             red: cute.struct.MemRange[Float32, self.warps * cfg.n_pad]
             flag: cute.struct.MemRange[Int32, 4]
-            tile_id: cute.struct.MemRange[Int32, cfg.stages]  # dynamic: the tile each K stage holds
+            # dynamic: the tile each K stage holds; balanced: the chunk walk's state (6)
+            tile_id: cute.struct.MemRange[Int32, max(cfg.stages, 6) if cfg.balanced else cfg.stages]
             sK: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(k_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(v_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(q_layout)], 1024]
@@ -362,40 +363,61 @@ class Sm90PagedDecode:
         chunks = cute.arch.grid_dim()[0]
         kv_cap = mBlockTable.shape[1] * self.page
         start, end, request, first, q, r = self.chunks.locate(mSeqLens, kv_cap, chunk, chunks, lane)
-        sTileId = storage.tile_id.get_tensor(cute.make_layout(self.stages))
-        pos = start
+        # the walk: request `request` starts at unit `first`; this chunk is at unit max(first, start)
         if warp == self.producer_warp:
             state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            while pos < end:
+            while cutlass.max(first, start) < end:
                 seq_len = mSeqLens[request]
                 units, _, lo, hi, *_ = self.chunks.segment(seq_len, kv_cap, chunk, chunks, start, end, first, q, r)
                 state_k, state_v = self.kv.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable,
                                                    num_pages, request, kv_head, seq_len, lo, hi, Int32(1), lane,
                                                    Int32(-1), states=(state_k, state_v))
-                pos = first + units
                 first = first + units
                 request = request + 1
         else:
-            state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            # The walk's state waits in shared memory (the dynamic schedule's tile ids, unused here):
+            # the chunk's bounds, the partition's quotients, the current request and its first unit,
+            # the tiles consumed so far (the pipelines' position), read with volatile loads where
+            # used; the CTA's indices are read again per segment. Kept in registers through the
+            # consumer's loop and its merges, they made the larger variants spill.
+            sWalk = storage.tile_id.get_tensor(cute.make_layout(7))
+            walk = storage.tile_id.data_ptr().toint()
+            if tidx == 0:
+                sWalk[0], sWalk[1], sWalk[2], sWalk[3], sWalk[4], sWalk[5] = start, end, q, r, first, request
+                sWalk[6] = Int32(0)
+            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
             sFlag = storage.flag.get_tensor(cute.make_layout(4))
-            merge = (mPartO, mPartLse, mCounter, sFlag, chunks)
-            k_base = storage.sK.data_ptr().toint()
-            v_base = storage.sV.data_ptr().toint()
-            while pos < end:
-                seq_len = mSeqLens[request]
-                units, _, lo, hi, whole, slot, parts, slot0, c0 = self.chunks.segment(
-                    seq_len, kv_cap, chunk, chunks, start, end, first, q, r)
-                state_k, state_v = self.consume(
+            sTileId = storage.tile_id.get_tensor(cute.make_layout(self.stages))
+            while cutlass.max(load_shared_i32(walk + 16), load_shared_i32(walk)) < load_shared_i32(walk + 4):
+                seq_len = mSeqLens[load_shared_i32(walk + 20)]
+                _, _, lo, hi, *_ = self.walk_segment(seq_len, mBlockTable, walk)
+                self.consume(
                     mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale, qk_mma, pv_mma,
-                    k_layout, v_layout, k_base, v_base, request, kv_head, Int32(0), seq_len, kv_cap, lo, hi,
-                    Int32(1), tidx, warp, lane, merge, sTileId, segment=(state_k, state_v, whole, slot, parts, slot0, c0))
-                pos = first + units
-                first = first + units
-                request = request + 1
+                    k_layout, v_layout, storage.sK.data_ptr().toint(), storage.sV.data_ptr().toint(),
+                    load_shared_i32(walk + 20), special_register("ctaid.y"), Int32(0), seq_len,
+                    mBlockTable.shape[1] * self.page, lo, hi, Int32(1), tidx, warp, lane,
+                    (mPartO, mPartLse, mCounter, sFlag, None), sTileId,
+                    segment=(load_shared_i32(walk + 24), lambda: self.walk_segment(seq_len, mBlockTable, walk)[4:]))
+                # every warp is done with this segment (its reads of the walk, sRed, sFlag): move the walk on
+                cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
+                if tidx == 0:
+                    units, _, lo, hi, *_ = self.walk_segment(mSeqLens[sWalk[5]], mBlockTable, walk)
+                    sWalk[4] = sWalk[4] + units
+                    sWalk[5] = sWalk[5] + 1
+                    sWalk[6] = sWalk[6] + hi - lo
+                cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
             if const_expr(self.cfg.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def walk_segment(self, seq_len, mBlockTable, walk):
+        """The consumers' current segment (:meth:`BalancedChunks.segment`) from the walk's state in
+        shared memory at ``walk`` (``run_chunk``: start, end, q, r, first unit, request, tiles
+        consumed) and the CTA's indices, read again."""
+        start, end, q, r, first = (load_shared_i32(walk + 4 * i) for i in range(5))
+        return self.chunks.segment(seq_len, mBlockTable.shape[1] * self.page, special_register("ctaid.x"),
+                                   special_register("nctaid.x"), start, end, first, q, r)
 
     @cute.jit
     def consume(self, mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
@@ -404,15 +426,14 @@ class Sm90PagedDecode:
                 window_left=None, segment=None):
         """One request's tiles ``tile_begin, tile_begin + tile_step, ... < tile_end``: stage Q,
         the pipelined QK / softmax / PV loop, the epilogue (output, split partial, merges).
-        ``segment`` (balanced schedule): ``(state_k, state_v, whole, slot, parts, slot0, c0)``, the
-        pipelines' states carried from the chunk's previous segment (returned advanced) and where
-        the result goes (:func:`cute_kernels.roles.balanced_chunks.segment_of`)."""
+        ``segment`` (balanced schedule): ``(consumed, where)``, the tiles the chunk's earlier
+        segments consumed (the pipelines' position: K and V advance together) and a function giving
+        where the result goes, ``(whole, slot, parts, slot0, c0)``
+        (:func:`cute_kernels.roles.balanced_chunks.segment_of`), called after the main loop so
+        that none of it is live through the loop."""
         cfg = self.cfg
         mPartO, mPartLse, mCounter, sFlag, num_splits = merge
         D, N, G = self.D, self.N, self.G
-        if const_expr(segment is not None):
-            # the previous segment's epilogue may still read sRed (and its merge sFlag) in other warps
-            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
         q_log2 = self.query.stage_q(mQ, sQ, sRed, batch_idx, kv_head, tidx, warp, lane)
         cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
         cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
@@ -461,7 +482,10 @@ class Sm90PagedDecode:
             state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         else:
-            state_k, state_v, whole, slot, parts, slot0, c0 = segment
+            consumed, where = segment
+            index, phase = consumed % self.stages, (consumed // self.stages) % 2
+            state_k = pipeline.PipelineState(self.stages, consumed, index, phase)
+            state_v = pipeline.PipelineState(self.stages, consumed, index, phase)
         mma = (qk_mma, pv_mma, acc_s, acc_o, tSrK, tSrQ, tOrV, tOrP)
         # Software pipeline: QK(t+1) is issued right behind PV(t), so the widening of K(t+1)
         # runs while PV(t) is in the tensor cores and the two MMAs overlap. The tile sequence is
@@ -530,6 +554,15 @@ class Sm90PagedDecode:
             # CTAs take the SM slots ours free and wait in griddepcontrol.wait for our writes)
             cute.arch.griddepcontrol_launch_dependents()
         # ---------------- epilogue ----------------
+        if const_expr(segment is not None):
+            whole, slot, parts, slot0, c0 = where()
+            # the thread's indices read again: the epilogue's index math, the same in every segment,
+            # is then not hoisted out of the chunk's loop into registers live through the main loop
+            tidx = special_register("tid.x")
+            warp = cute.arch.make_warp_uniform(tidx // 32)
+            lane = tidx % 32
+            thr_pv = pv_mma.get_slice(tidx)
+            n_base = 2 * (lane % 4)
         self.softmax.publish_slot_reduction(row_sum, sRed, n_base, warp, lane, lambda a, b: a + b)
         inv = cute.make_rmem_tensor((nslots,), Float32)
         for s in cutlass.range_constexpr(nslots):
