@@ -21,6 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from .balanced_chunks import merge_slot
 from .fragments import (
     cp_async_16,
     load_cg_f32x4,
@@ -31,7 +32,6 @@ from .fragments import (
     special_register,
     store_shared_f32,
 )
-from .balanced_chunks import merge_slot
 from .merge import add_split
 from .softmax import BAR_MMA
 

@@ -398,7 +398,8 @@ class Sm90PagedDecode:
                     load_shared_i32(walk + 20), special_register("ctaid.y"), Int32(0), seq_len,
                     mBlockTable.shape[1] * self.page, lo, hi, Int32(1), tidx, warp, lane,
                     (mPartO, mPartLse, mCounter, sFlag, None), sTileId,
-                    segment=(load_shared_i32(walk + 24), lambda: self.walk_segment(seq_len, mBlockTable, walk)[4:]))
+                    segment=(load_shared_i32(walk + 24),
+                             lambda seq_len=seq_len: self.walk_segment(seq_len, mBlockTable, walk)[4:]))
                 # every warp is done with this segment (its reads of the walk, sRed, sFlag): move the walk on
                 cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
                 if tidx == 0:
