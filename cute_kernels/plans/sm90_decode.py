@@ -395,6 +395,12 @@ def plan_launch(items: int, max_context: int, num_sms: int, max_occupancy: int, 
     return num_splits, tuning, cluster
 
 
+# the most CTAs per SM a balanced kernel is sized for: its walk keeps a few more values live through
+# the consumer's loop and merges, and sized for 4 (96 registers) the 16-bit D 64 kernel spills
+# (docs/design/sm90-decode.md#balanced-schedule-opt-in)
+BALANCED_MAX_CTAS_PER_SM = 3
+
+
 def balanced_launch(config_for, num_kv_heads: int, num_sms: int, chunks: int | None = None):
     """``(partial slots, config)`` of a balanced launch, from shapes only: a grid of ``chunks``
     (default: one wave at the FP8 per-head-dim CTA target, or the kernel's occupancy for 16-bit
@@ -403,8 +409,9 @@ def balanced_launch(config_for, num_kv_heads: int, num_sms: int, chunks: int | N
     (docs/design/sm90-decode.md#balanced-schedule-opt-in)."""
     probe = config_for(False)
     fp8 = probe.kv_dtype == "fp8_e4m3"
-    target = min(FP8_CTAS_PER_SM.get(probe.head_dim, probe.occupancy) if fp8 else probe.occupancy, probe.occupancy)
-    sizing = max(target, FP8_MIN_SIZING.get(probe.head_dim, 1)) if fp8 else target
+    most = min(probe.occupancy, BALANCED_MAX_CTAS_PER_SM)
+    target = min(FP8_CTAS_PER_SM.get(probe.head_dim, most) if fp8 else most, most)
+    sizing = min(max(target, FP8_MIN_SIZING.get(probe.head_dim, 1)) if fp8 else target, most)
     chunks = chunks or balance.chunks_per_head(num_sms, target, num_kv_heads)
     tuning = {} if sizing >= probe.occupancy else dict(occupancy=sizing)
     return 2 * chunks, config_for(True, balanced=True, **tuning)

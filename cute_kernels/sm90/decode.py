@@ -557,13 +557,21 @@ class Sm90PagedDecode:
         # ---------------- epilogue ----------------
         if const_expr(segment is not None):
             whole, slot, parts, slot0, c0 = where()
-            # the thread's indices read again: the epilogue's index math, the same in every segment,
-            # is then not hoisted out of the chunk's loop into registers live through the main loop
-            tidx = special_register("tid.x")
-            warp = cute.arch.make_warp_uniform(tidx // 32)
-            lane = tidx % 32
-            thr_pv = pv_mma.get_slice(tidx)
-            n_base = 2 * (lane % 4)
+            if const_expr(self.fp8):
+                # the thread's indices read again: the epilogue's index math, the same in every
+                # segment, is then not hoisted out of the chunk's loop into registers live through
+                # the main loop (the FP8 kernel spilled). Its WGMMAs are serialized anyway
+                # (docs/design/sm90-decode.md#occupancy-against-wgmma-serialization); in the 16-bit
+                # kernels this re-read made ptxas serialize them (C7520)
+                tidx = special_register("tid.x")
+                warp = cute.arch.make_warp_uniform(tidx // 32)
+                lane = tidx % 32
+                thr_pv = pv_mma.get_slice(tidx)
+                n_base = 2 * (lane % 4)
+            else:
+                # nothing is in flight: said where every thread is, so that ptxas does not wait for
+                # the WGMMAs on a divergent path of the chunk's loop and serialize them (C7518)
+                warpgroup.wait_group(0)
         self.softmax.publish_slot_reduction(row_sum, sRed, n_base, warp, lane, lambda a, b: a + b)
         inv = cute.make_rmem_tensor((nslots,), Float32)
         for s in cutlass.range_constexpr(nslots):
