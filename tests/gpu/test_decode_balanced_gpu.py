@@ -1,8 +1,10 @@
 """The balanced split schedule of the SM90 paged decode (``tuning_override(balanced=True)``) on the
 H200: ragged batches against the reference, poisoned outputs, LSEs, bitwise reproducibility
 across runs and graph replays (new lengths in a replayed graph too), forced chunk counts, and
-every balanced family's runtime self-check. Tolerance as tests/gpu/test_decode_gpu.py: the fp32
-reference on the same (dequantized) cache, ‖out − ref‖/‖ref‖ ≤ 5e-3.
+every balanced family's runtime self-check. The float64 reference on the same (dequantized) cache,
+‖out − ref‖/‖ref‖ ≤ 5e-3 (the bound of tests/gpu/test_decode_gpu.py). Every balanced call asserts
+that its family passed the self-check: a failed family would be served by the default schedule,
+and the test would then verify the wrong kernel.
 Design: docs/design/sm90-decode.md#balanced-schedule-opt-in.
 """
 
@@ -19,7 +21,7 @@ from cute_kernels.ops import _decode_features as features
 from cute_kernels.ops import paged_decode as op
 from cute_kernels.plans import selfcheck_records as records
 from cute_kernels.plans import sm90_decode as plan
-from cute_kernels.testing import make_paged_decode_case, rel_err
+from cute_kernels.testing import check_attention, make_paged_decode_case
 
 from .conftest import sm90_only
 
@@ -55,26 +57,36 @@ def _lens(gen_seed: int, batch: int, top: int, q_len: int) -> list[int]:
 
 def _case(gen, batch, top, Hq, Hkv, kv, q_len, lens=None):
     lens = lens or _lens(int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device="cuda")), batch, top, q_len)
-    return make_paged_decode_case(batch=batch, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=128, page_size=16,
+    case = make_paged_decode_case(batch=batch, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=128, page_size=16,
                                   seq_lens=lens, kv_dtype=kv, q_len=q_len, table_tokens=TABLE, generator=gen)
+    case.meta["seed"] = gen.initial_seed()  # (named in every failure message)
+    return case
 
 
 def _run(case, chunks=None):
+    """The balanced call of ``case``: its output poisoned with NaN, and its LSE (the op's own
+    allocation) most likely too: a NaN block of that size freed just before the call is the one the
+    caching allocator hands back."""
     out = torch.full_like(case.q, float("nan"))
+    poison = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32, device=case.q.device)
+    del poison
     with op.tuning_override(balanced=True):
-        return cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out=out,
-                                         return_lse=True, num_splits=chunks, **case.kwargs())
+        got = cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out=out,
+                                        return_lse=True, num_splits=chunks, **case.kwargs())
+    _assert_balanced_ran(case)
+    return got
+
+
+def _assert_balanced_ran(case):
+    fam = features.family_of(_balanced_config(case))
+    rec = records.lookup(fam)
+    assert rec is not None and rec.ok, f"{fam} failed its self-check (the default schedule ran): {rec and rec.reason}"
 
 
 def _check(case, out, lse):
     ref, ref_lse = reference.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, return_lse=True,
-                                          **case.kwargs())
-    assert torch.isfinite(out).all(), "NaN/inf in the output (an unwritten or poisoned value leaked)"
-    err = rel_err(out, ref)
-    assert err <= TOL, f"relative error {err:.2e} > {TOL}"
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
-    fin = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-3, rtol=1e-4)
+                                          float64=True, **case.kwargs())
+    check_attention(out, lse, ref, ref_lse, case.meta["seed"], TOL)
 
 
 def _balanced_config(case):
@@ -98,11 +110,8 @@ def _precompile():
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
 def test_ragged_batches_match_the_reference(case, gen):
     c = _case(gen, *case)
-    cfg = _balanced_config(c)
-    assert cfg.balanced
+    assert _balanced_config(c).balanced
     out, lse = _run(c)
-    rec = records.lookup(features.family_of(cfg))
-    assert rec is not None and rec.ok, f"the balanced family failed its self-check: {rec and rec.reason}"
     _check(c, out, lse)
     q_len = case[-1]
     assert (out[:q_len] == 0).all() and torch.isneginf(lse[:q_len]).all()  # request 0 is empty
@@ -118,7 +127,7 @@ def test_forced_chunk_counts(chunks, gen):
 
 def test_lengths_past_the_table_and_empty_requests(gen):
     lens = [0, 2**31 - 1, 5, TABLE + 1000, 1, 0, 17000, TABLE]
-    c = _case(gen, len(lens), 0, 32, 4, FP8, 1, lens=lens)
+    c = _case(gen, len(lens), 0, 32, 4, FP8, 1, lens=[min(n, TABLE) for n in lens])  # the table's pages
     c.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32, device="cuda"))
     _check(c, *_run(c, 7))
 
@@ -167,3 +176,14 @@ def test_every_balanced_family_passes_its_self_check(cfg, tmp_path, monkeypatch)
     monkeypatch.setattr(records, "records_path", lambda: tmp_path / "selfcheck.json")
     records.forget(plan.balanced_family(cfg))
     assert features.self_check_passes(cfg, "cuda", op._check_call), records.lookup(plan.balanced_family(cfg)).reason
+
+
+def test_the_portable_kernel_ignores_the_balanced_override(gen):
+    """``balanced`` is the SM90 kernel's schedule: a call forced onto the portable kernel under it
+    runs the portable kernel's own schedule (the override does not reach its config)."""
+    c = _case(gen, 8, 4000, 32, 4, FP8, 1)
+    out = torch.full_like(c.q, float("nan"))
+    with op.tuning_override(balanced=True, backend="sm80"):
+        got, lse = cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, return_lse=True,
+                                             **c.kwargs())
+    _check(c, got, lse)
