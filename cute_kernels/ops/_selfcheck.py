@@ -46,16 +46,17 @@ class Case:
 _TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 
 
-def decode_problem(config, generator: torch.Generator, Hkv: int = 2):
+def decode_problem(config, generator: torch.Generator, Hkv: int = 2, lens=None, width: int | None = None):
     """A decode family's problem on the CPU, in a variant's shape (``config``: ``head_dim``,
     ``page_size``, ``group``, ``q_len``, ``q_dtype``, ``kv_dtype``, ``kv_layout``, ``kv_form``):
-    three requests (a partial last page, the shortest, 700 tokens, several tiles) on a permuted
-    block table. Returns ``(q, cache, block_table, seq_lens)``."""
+    three requests (a partial last page, the shortest, 700 tokens, several tiles; or ``lens``) on a
+    permuted block table of ``width`` pages (default: the longest request's). Returns ``(q, cache,
+    block_table, seq_lens)``."""
     g = generator
     D, page, G, q_len = config.head_dim, config.page_size, config.group, config.q_len
-    lens = [3 * page + 5, q_len, 700]
+    lens = [3 * page + 5, q_len, 700] if lens is None else list(lens)
     B = len(lens)
-    max_pages = max(math.ceil(x / page) for x in lens)
+    max_pages = max([math.ceil(x / page) for x in lens] + [width or 1])
     P = B * max_pages + 2
     bt = torch.randperm(P, generator=g)[: B * max_pages].view(B, max_pages).to(torch.int32)
     shape = (P, 2, Hkv, page, D) if config.kv_layout == "HND" else (P, 2, page, Hkv, D)
@@ -179,8 +180,9 @@ def compare(got, want, rtol: float, atol: float) -> str:
     return ""
 
 
-def run_check(family: str, device, cases: Sequence[Case]) -> records.CheckRecord:
-    """Run ``cases`` now (no cache) and record the outcome."""
+def run_check(family: str, device, cases: Sequence[Case], fallback: str = "the reference") -> records.CheckRecord:
+    """Run ``cases`` now (no cache) and record the outcome (``fallback``: what serves the calls of a
+    family that fails, for the warning)."""
     dev = device_name(device)
     t0 = time.perf_counter()
     reason = ""
@@ -205,12 +207,12 @@ def run_check(family: str, device, cases: Sequence[Case]) -> records.CheckRecord
     if rec.ok:
         log.info("cute_kernels: %s passed its self-check on %s in %.3f s", family, dev, rec.seconds)
     else:
-        log.warning("cute_kernels: %s failed its self-check on %s (%s); the reference runs instead",
-                    family, dev, reason)
+        log.warning("cute_kernels: %s failed its self-check on %s (%s); %s runs instead",
+                    family, dev, reason, fallback)
     return rec
 
 
-def ensure(family: str, device, make_cases: Callable[[], Sequence[Case]]) -> bool:
+def ensure(family: str, device, make_cases: Callable[[], Sequence[Case]], fallback: str = "the reference") -> bool:
     """Whether ``family`` may run on ``device``: its check runs on the first call of the process
     (``make_cases`` builds the problems only then); later calls return the recorded outcome.
     Inside CUDA-graph capture the check cannot run (it synchronizes): a clear error asks for a
@@ -221,7 +223,7 @@ def ensure(family: str, device, make_cases: Callable[[], Sequence[Case]]) -> boo
     if capturing(device):
         raise RuntimeError(f"{family} must pass its one-time self-check before CUDA-graph capture: call the op "
                            "once (or cute_kernels.warmup) outside capture first")
-    return run_check(family, device, make_cases()).ok
+    return run_check(family, device, make_cases(), fallback).ok
 
 
 def guarded(family: str, device, make_cases: Callable[[], Sequence[Case]], kernel: Callable[[], object],
