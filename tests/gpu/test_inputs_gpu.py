@@ -66,12 +66,15 @@ def test_decode_huge_length_costs_one_table(gen):
     def timed(lens):
         for _ in range(3):
             cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, lens, **c.kwargs())
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, lens, **c.kwargs())
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        best = float("inf")
+        for _ in range(5):  # the fastest of five rounds: another process sharing the GPU only slows a round
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, lens, **c.kwargs())
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     full = timed(torch.full_like(c.seq_lens, W * 16))
     huge = timed(torch.full_like(c.seq_lens, 2**31 - 1))
