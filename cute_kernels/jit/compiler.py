@@ -27,6 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .naming import kernel_symbol, named_kernels
 from .spec import Arg, fake_arguments
 
 # Targets this package compiles for. Arch-specific kernels name their own subset; arch-neutral
@@ -141,11 +142,10 @@ def compile_config(config: KernelConfig, arch: str, *, artifacts: bool = False) 
         try:
             args = fake_arguments(config.signature())
             stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+            kernel = config.build()
             t0 = time.perf_counter()
-            fn = cute.compile(
-                config.build(), *args, stream,
-                options=_options(arch, dump),
-            )
+            with named_kernels(kernel, kernel_symbol(config)):  # readable names in profiles
+                fn = cute.compile(kernel, *args, stream, options=_options(arch, dump))
             seconds = time.perf_counter() - t0
             if "TVMFFI" not in type(fn).__name__:
                 raise RuntimeError(f"expected a TVM-FFI function, got {type(fn).__name__}")
