@@ -1,0 +1,107 @@
+"""NVTX ranges: the name is exactly ``cute_kernels.<op>`` (what ``ncu --nvtx-include`` matches),
+the shapes ride in a range nested inside it, and nothing is pushed when ranges are off."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import cute_kernels
+import cute_kernels._nvtx as nv
+
+
+class FakeNvtx:
+    """Records push/pop calls and keeps the per-thread stack the way Nsight tools see it."""
+
+    def __init__(self):
+        self.events: list[tuple[str, str | None]] = []
+        self.stack: list[str] = []
+        self.stacks_seen: list[tuple[str, ...]] = []
+
+    def push_range(self, message=None, color=None, domain=None, category=None, payload=None):
+        assert domain is None, "ranges live in the default domain: --nvtx-include needs no 'domain@'"
+        self.events.append(("push", message))
+        self.stack.append(message)
+        self.stacks_seen.append(tuple(self.stack))
+
+    def pop_range(self, domain=None):
+        self.events.append(("pop", None))
+        self.stack.pop()
+
+
+def matches_push_pop_include(pattern: str, stack: tuple[str, ...]) -> bool:
+    """Nsight Compute's ``--nvtx-include "A/"`` rule for one push/pop range of the default domain:
+    a kernel matches when a range of the thread's stack is named exactly ``A``."""
+    assert pattern.endswith("/") and "@" not in pattern and "/" not in pattern[:-1]
+    return pattern[:-1] in stack
+
+
+@pytest.fixture
+def fake_nvtx(monkeypatch):
+    fake = FakeNvtx()
+    monkeypatch.setattr(nv, "_nvtx", fake)
+    monkeypatch.setattr(nv, "ENABLED", True)
+    return fake
+
+
+def test_range_name_is_exactly_the_op(fake_nvtx):
+    q = torch.empty(8, 32, 128, dtype=torch.bfloat16)
+    with nv.op_range("paged_decode", q=q, out=None, num_splits=4):
+        assert fake_nvtx.stack == ["cute_kernels.paged_decode", "q=bfloat16[8,32,128] num_splits=4"]
+    assert fake_nvtx.stack == []
+    assert fake_nvtx.events[-2:] == [("pop", None), ("pop", None)]
+    assert nv.range_name("paged_decode") == "cute_kernels.paged_decode"
+
+
+def test_include_pattern_selects_the_op_and_no_other(fake_nvtx):
+    with nv.op_range("paged_decode", q=torch.empty(2, 4, 64)):
+        pass
+    with nv.op_range("merge_states", partial_out=torch.empty(3, 2, 4, 64)):
+        pass
+    innermost = [s for s in fake_nvtx.stacks_seen if len(s) == 2]
+    assert len(innermost) == 2
+    decode, merge = innermost
+    assert matches_push_pop_include("cute_kernels.paged_decode/", decode)
+    assert not matches_push_pop_include("cute_kernels.paged_decode/", merge)
+    assert matches_push_pop_include("cute_kernels.merge_states/", merge)
+    # the previous form put shapes into the name: only a regex could select it
+    assert not re.search(r"\s", decode[0])
+
+
+def test_ranges_stay_balanced_when_the_call_raises(fake_nvtx):
+    with pytest.raises(RuntimeError), nv.op_range("write_kv_cache", key=torch.empty(1, 2, 64)):
+        raise RuntimeError("refused")
+    assert fake_nvtx.stack == []
+
+
+def test_public_op_opens_its_range(fake_nvtx):
+    """merge_states on CPU tensors runs the reference inside its range."""
+    g = torch.Generator().manual_seed(7)
+    part_out = torch.randn(3, 2, 4, 64, generator=g)
+    part_lse = torch.randn(3, 2, 4, generator=g)
+    cute_kernels.merge_states(part_out, part_lse)
+    assert fake_nvtx.stacks_seen[0] == ("cute_kernels.merge_states",)
+    assert fake_nvtx.stacks_seen[1][0] == "cute_kernels.merge_states"
+    assert "partial_out=float32[3,2,4,64]" in fake_nvtx.stacks_seen[1][1]
+    assert fake_nvtx.stack == []
+
+
+def test_nothing_is_pushed_when_off(monkeypatch):
+    fake = FakeNvtx()
+    monkeypatch.setattr(nv, "_nvtx", fake)
+    monkeypatch.setattr(nv, "ENABLED", False)
+    assert nv.op_range("paged_decode", q=torch.empty(1)) is nv.NULL_RANGE
+    with nv.op_range("paged_decode", q=torch.empty(1)):
+        pass
+    assert fake.events == []
+
+
+def test_real_nvtx_module_accepts_the_calls(monkeypatch):
+    """The installed nvtx package takes the keyword form used here (a no-op without a profiler)."""
+    nvtx = pytest.importorskip("nvtx")
+    monkeypatch.setattr(nv, "_nvtx", nvtx)
+    monkeypatch.setattr(nv, "ENABLED", True)
+    with nv.op_range("quantize_query", q=torch.empty(4, 8, 128, dtype=torch.float16)):
+        pass
