@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dispatch import SUPPORTED_ARCHS, UnsupportedConfig, capability_table, plan
+from dispatch import SUPPORTED_ARCHS, UnsupportedConfig, capability_table, parse_arch, plan
 from dispatch.kernels import PHASES
 
 MATRIX_KV_DTYPES = ("bf16", "fp16", "fp8")
@@ -47,12 +48,26 @@ def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentPars
 # ----------------------------------------------------------------------------------------------
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default; unset options (None) and off flags say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) \
+                and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+_ARCH_SPELLINGS = "sm_90a, sm90, 90, 9.0"
+
+
 def _shape_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-dtype", default="bf16", help="bf16 or fp16 (default bf16)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--num-q-heads", type=int, default=32)
-    p.add_argument("--num-kv-heads", type=int, default=8)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--model-dtype", default="bf16", help="the model's activation dtype: bf16 or fp16")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension D")
+    p.add_argument("--num-q-heads", type=int, default=32, help="query heads")
+    p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -113,13 +128,14 @@ def run_matrix(args: argparse.Namespace) -> int:
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", required=True, help=f"one of {' '.join(SUPPORTED_ARCHS)} (or sm_90a, 9.0...)")
+    p.add_argument("--arch", required=True,
+                   help=f"one of {' '.join(SUPPORTED_ARCHS)}, in any spelling ({_ARCH_SPELLINGS})")
     p.add_argument("--phase", required=True, help="prefill or decode")
     p.add_argument("--kv-cache-dtype", required=True, help="auto, bf16, fp16 or fp8")
     _shape_args(p)
-    p.add_argument("--q-len", type=int, default=1, help="query tokens per request (default 1)")
-    p.add_argument("--kv-layout", default="HND", help="HND or NHD (default HND)")
-    p.add_argument("--backend", default=None, help="a kernel id or 'reference' (default: automatic)")
+    p.add_argument("--q-len", type=int, default=1, help="query tokens per request")
+    p.add_argument("--kv-layout", default="HND", help="HND or NHD")
+    p.add_argument("--backend", default=None, help="a kernel id or 'reference' (default: planned automatically)")
 
 
 @command("plan", "plan one attention call and explain the choice", _plan_args)
@@ -147,8 +163,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _compile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", default="sm_90a", help="compile target: sm_90a or sm_100a (no GPU needed)")
-    p.add_argument("--kernel", default=None, help="only variants whose label contains this text")
+    p.add_argument("--arch", default="sm_90a",
+                   help=f"compile target, no GPU needed, in any spelling `plan` takes: {_ARCH_SPELLINGS}")
+    p.add_argument("--kernel", default=None, help="only variants whose label contains this text (default: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--digests", default=None, metavar="FILE",
                    help="write the normalized-PTX digest of every compiled variant to FILE (JSON; entries of other archs kept)")
@@ -163,7 +180,8 @@ def run_compile(args: argparse.Namespace) -> int:
     from .jit.ptx_digest import compare_digests, ptx_digest, read_digests, write_digests
     from .registry import compile_with_evidence, variants_for
 
-    arch = normalize_target(args.arch)
+    cc = parse_arch(args.arch, argument="--arch")  # the one arch parser, as in `plan`
+    arch = normalize_target((cc.major, cc.minor))
     results, failed = [], 0
     digests: dict[str, str] = {}
     for config in variants_for(arch):
@@ -206,7 +224,7 @@ def run_compile(args: argparse.Namespace) -> int:
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", choices=["decode", "merge", "qsa", "layer", "latency"], help="which benchmark")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark (see its --help)")
 
 
 @command("bench", "run a GPU benchmark from profiling/ (needs a source checkout and a GPU)", _bench_args)
@@ -231,10 +249,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cute-kernels", description="cute-kernels: attention kernels for LLM serving.")
+    parser = argparse.ArgumentParser(prog="cute-kernels", description="cute-kernels: attention kernels for LLM serving.",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, cmd in COMMANDS.items():
-        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help, formatter_class=HelpFormatter))
     return parser
 
 
@@ -246,3 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedConfig as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader left early (`cute-kernels matrix --json | head`): stop quietly; point stdout
+        # at devnull so that the interpreter's final flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
