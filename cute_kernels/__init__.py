@@ -7,8 +7,19 @@ Public ops (each in its own module under ``cute_kernels.ops``) are imported lazi
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what type checkers see; at run time the ops load on first use (__getattr__)
+    from . import reference as reference
+    from .ops.merge_states import merge_states as merge_states
+    from .ops.paged_decode import paged_decode as paged_decode
+    from .ops.qsa_sparse_attention import qsa_sparse_attention as qsa_sparse_attention
+    from .ops.quantize_query import quantize_query as quantize_query
+    from .ops.write_kv_cache import write_kv_cache as write_kv_cache
+    from .qsa_warmup import qsa_warmup as qsa_warmup
+    from .warmup import warmup as warmup
 
 _OPS = {
     "merge_states": "cute_kernels.ops.merge_states",

@@ -12,6 +12,9 @@ missing ones in parallel processes into the disk cache with a progress bar, and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from .jit.compiler import KernelConfig, normalize_target
 from .jit.parallel import precompile
 from .sm90.qsa import H200_SMS, PRODUCTION_TOPK, make_qsa_config, split_table
@@ -32,10 +35,10 @@ def qsa_variants(
     kv_cache_dtype: str = "bf16",
     q_dtype: str = "bf16",
     topk: int = PRODUCTION_TOPK,
-    gates=(True, False),
+    gates: Sequence[bool] = (True, False),
     num_sms: int = H200_SMS,
     block_table_width: int | None = None,
-    **override,
+    **override: Any,
 ) -> list[KernelConfig]:
     """Every SM90 QSA kernel and merge config the table reaches for one layer shape.
 
@@ -77,7 +80,8 @@ def qsa_variants(
     return list(dict.fromkeys(out))
 
 
-def qsa_warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, **shape) -> list[KernelConfig]:
+def qsa_warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None = None, progress: bool = True,
+               **shape: Any) -> list[KernelConfig]:
     """Compile (in parallel, into the disk cache) and load every QSA variant for ``shape``.
 
     ``shape`` takes the keyword arguments of :func:`qsa_variants`, e.g.

@@ -28,8 +28,11 @@ Conventions shared by all ops
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
+
+from ._types import KVCache, Rope, Scale
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -41,7 +44,7 @@ _LN2 = math.log(2.0)
 # ----------------------------------------------------------------------------------------------
 
 
-def scale_value(scale, name: str = "scale") -> float | torch.Tensor:
+def scale_value(scale: Scale, name: str = "scale") -> float | torch.Tensor:
     """A float, or a 1-element tensor returned as a 0-d fp32 tensor (no host sync)."""
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
@@ -50,7 +53,7 @@ def scale_value(scale, name: str = "scale") -> float | torch.Tensor:
     return float(scale)
 
 
-def split_kv_cache(kv_cache, kv_layout: str = "HND") -> tuple[torch.Tensor, torch.Tensor]:
+def split_kv_cache(kv_cache: KVCache, kv_layout: str = "HND") -> tuple[torch.Tensor, torch.Tensor]:
     """``(k, v)`` as ``[P, Hkv, page, D]`` views (HND order) whatever the input layout."""
     if kv_layout not in ("HND", "NHD"):
         raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
@@ -90,21 +93,36 @@ def _gather_request(cache: torch.Tensor, pages: torch.Tensor, length: int, dtype
 # ----------------------------------------------------------------------------------------------
 
 
+@overload
+def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                 kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ...,
+                 q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
+                 return_lse: Literal[False] = ..., float64: bool = ...) -> torch.Tensor: ...
+@overload
+def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                 kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ...,
+                 q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
+                 return_lse: Literal[True], float64: bool = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                 kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ...,
+                 q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
+                 return_lse: bool, float64: bool = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def paged_decode(
     q: torch.Tensor,
-    kv_cache,
+    kv_cache: KVCache,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
     kv_layout: str = "HND",
     q_len_per_req: int = 1,
     sm_scale: float | None = None,
-    q_scale=None,
-    k_scale=1.0,
-    v_scale=1.0,
+    q_scale: Scale | None = None,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
     return_lse: bool = False,
     float64: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged decode attention (see the module docstring for the conventions).
 
     Args:
@@ -184,7 +202,8 @@ def paged_decode(
 # ----------------------------------------------------------------------------------------------
 
 
-def merge_states(partial_out: torch.Tensor, partial_lse: torch.Tensor, *, float64: bool = False):
+def merge_states(partial_out: torch.Tensor, partial_lse: torch.Tensor, *,
+                 float64: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge split partial states.
 
     Args:
@@ -221,7 +240,7 @@ def merge_states(partial_out: torch.Tensor, partial_lse: torch.Tensor, *, float6
 # ----------------------------------------------------------------------------------------------
 
 
-def _div_fp32(x: torch.Tensor, scale) -> torch.Tensor:
+def _div_fp32(x: torch.Tensor, scale: Scale) -> torch.Tensor:
     """``x / scale`` as a true fp32 division on any device.
 
     The scale is made an fp32 tensor on x's device first: CUDA computes ``tensor / host scalar``
@@ -231,7 +250,7 @@ def _div_fp32(x: torch.Tensor, scale) -> torch.Tensor:
     return x.float() / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
 
 
-def quantize_fp8(x: torch.Tensor, scale) -> torch.Tensor:
+def quantize_fp8(x: torch.Tensor, scale: Scale) -> torch.Tensor:
     """float8_e4m3fn = saturate(round-to-nearest-even(x / scale)), computed in fp32."""
     y = _div_fp32(x, scale)
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -270,7 +289,7 @@ def rope_neox(q: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Ten
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], dim=-1)
 
 
-def quantize_query(q: torch.Tensor, q_scale, *, rope=None) -> torch.Tensor:
+def quantize_query(q: torch.Tensor, q_scale: Scale, *, rope: Rope | None = None) -> torch.Tensor:
     """Quantize a bf16/fp16 query ``[T, Hq, D]`` (any strides) to float8_e4m3fn.
 
     ``q_scale``: a float or 1-element fp32 tensor (per tensor), or an fp32 ``[Hkv]`` tensor (per
@@ -286,7 +305,7 @@ def quantize_query(q: torch.Tensor, q_scale, *, rope=None) -> torch.Tensor:
         Hq = q.shape[1]
         if q_scale.dim() != 1 or Hq % q_scale.numel():
             raise ValueError(f"per-head q_scale must be [Hkv] with Hq % Hkv == 0, got {tuple(q_scale.shape)}")
-        s = q_scale.float().repeat_interleave(Hq // q_scale.numel()).view(1, Hq, 1)
+        s: Scale = q_scale.float().repeat_interleave(Hq // q_scale.numel()).view(1, Hq, 1)
     else:
         s = scale_value(q_scale, "q_scale")
     return quantize_fp8(q, s)
@@ -295,12 +314,12 @@ def quantize_query(q: torch.Tensor, q_scale, *, rope=None) -> torch.Tensor:
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache,
+    kv_cache: KVCache,
     slot_mapping: torch.Tensor,
     *,
     kv_layout: str = "HND",
-    k_scale=1.0,
-    v_scale=1.0,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
 ) -> None:
     """Write new keys/values ``[T, Hkv, D]`` into the paged cache, in place.
 
@@ -328,7 +347,7 @@ def write_kv_cache(
 
 
 def qsa_valid_entries(packed_indices: torch.Tensor, block_table: torch.Tensor, token_to_req: torch.Tensor,
-                      page_size: int, num_blocks: int):
+                      page_size: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per entry of a packed QSA index buffer: ``(valid, phys, offset)``, each ``[rows, TOPK]``.
 
     Column ``j`` of row ``r`` is *visited* iff ``j < clamp(valid_count, 0, TOPK)`` (``valid_count``
@@ -360,6 +379,24 @@ def qsa_valid_entries(packed_indices: torch.Tensor, block_table: torch.Tensor, t
     return valid, phys, offset
 
 
+@overload
+def qsa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, packed_indices: torch.Tensor,
+                         block_table: torch.Tensor, token_to_req: torch.Tensor, *, prefill: bool = ...,
+                         k_scale: Scale = ..., v_scale: Scale = ..., out: torch.Tensor | None = ...,
+                         output_gate: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
+                         float64: bool = ...) -> torch.Tensor: ...
+@overload
+def qsa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, packed_indices: torch.Tensor,
+                         block_table: torch.Tensor, token_to_req: torch.Tensor, *, prefill: bool = ...,
+                         k_scale: Scale = ..., v_scale: Scale = ..., out: torch.Tensor | None = ...,
+                         output_gate: torch.Tensor | None = ..., return_lse: Literal[True],
+                         float64: bool = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def qsa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, packed_indices: torch.Tensor,
+                         block_table: torch.Tensor, token_to_req: torch.Tensor, *, prefill: bool = ...,
+                         k_scale: Scale = ..., v_scale: Scale = ..., out: torch.Tensor | None = ...,
+                         output_gate: torch.Tensor | None = ..., return_lse: bool,
+                         float64: bool = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def qsa_sparse_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -369,13 +406,13 @@ def qsa_sparse_attention(
     token_to_req: torch.Tensor,
     *,
     prefill: bool = False,
-    k_scale=1.0,
-    v_scale=1.0,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
     out: torch.Tensor | None = None,
     output_gate: torch.Tensor | None = None,
     return_lse: bool = False,
     float64: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """QSA sparse GQA attention: each query row attends to the KV tokens its indexer selected.
 
     Args:
@@ -468,7 +505,8 @@ def qsa_sparse_attention(
 
 
 def qsa_union_reference(packed_indices: torch.Tensor, token_to_req: torch.Tensor, block_table_width: int,
-                        page_size: int, rows_per_tile: int, union_cap: int, max_tokens: int):
+                        page_size: int, rows_per_tile: int, union_cap: int,
+                        max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The row-tile union pre-pass of QSA sparse prefill (``sm90/qsa_union.py``).
 
     Rows are grouped in tiles of ``R = rows_per_tile`` consecutive rows (tile ``t`` covers rows

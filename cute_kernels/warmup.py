@@ -9,7 +9,9 @@ the on-disk cache, with a progress bar, then loads them into memory.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from itertools import product
+from typing import Any
 
 from .jit.compiler import KernelConfig, normalize_target
 from .jit.parallel import precompile
@@ -22,13 +24,13 @@ def decode_variants(
     num_q_heads: int,
     num_kv_heads: int,
     page_size: int,
-    kv_dtypes=("fp8_e4m3",),
+    kv_dtypes: Sequence[str] = ("fp8_e4m3",),
     q_dtype: str = "bf16",
-    q_lens=(1,),
-    scale_tensors=(False, True),
-    kv_layouts=("HND",),
-    kv_forms=("single",),
-    **override,
+    q_lens: Sequence[int] = (1,),
+    scale_tensors: Sequence[bool] = (False, True),
+    kv_layouts: Sequence[str] = ("HND",),
+    kv_forms: Sequence[str] = ("single",),
+    **override: Any,
 ) -> list[KernelConfig]:
     """Every SM90 decode config (split and not) that a model shape can reach.
 
@@ -44,9 +46,9 @@ def decode_variants(
     for kv, q_len, split, st, layout, form in product(kv_dtypes, q_lens, (False, True), scale_tensors,
                                                       kv_layouts, kv_forms):
         kv = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}.get(kv, kv)
-        fields = dict(q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, q_len=q_len,
-                      page_size=page_size, split=split, k_scale_tensor=st, v_scale_tensor=st, kv_form=form,
-                      kv_layout=layout)
+        fields: dict[str, Any] = dict(q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, q_len=q_len,
+                                      page_size=page_size, split=split, k_scale_tensor=st, v_scale_tensor=st,
+                                      kv_form=form, kv_layout=layout)
         base = make_decode_config(**fields, **override)
         configs = [base]
         if "occupancy" not in override:
@@ -60,7 +62,8 @@ def decode_variants(
     return out
 
 
-def warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, **shape) -> list[KernelConfig]:
+def warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None = None, progress: bool = True,
+           **shape: Any) -> list[KernelConfig]:
     """Compile (in parallel, into the disk cache) and load every decode variant for ``shape``.
 
     ``shape`` takes the keyword arguments of :func:`decode_variants`. Returns the configs.

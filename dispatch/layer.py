@@ -27,13 +27,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .arch import parse_arch
-from .dtypes import kv_dtype_name, model_dtype_name, torch_dtype
+from .arch import ArchLike, parse_arch
+from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
 from .kernels import KV_LAYOUTS
 from .planner import Plan, plan
+
+if TYPE_CHECKING:  # annotations only: importing this module needs neither torch nor the DSL
+    import torch
+
+    from cute_kernels._types import KVCache, Scale
 
 _MAX_PLANS = 1024  # per layer; plans are cheap to redo, the cache only saves host time
 
@@ -131,9 +136,10 @@ class AttentionLayer:
         sm_scale: softmax scale, default ``head_dim ** -0.5``.
     """
 
-    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, kv_cache_dtype, page_size: int,
-                 kv_layout: str = "HND", q_scale=None, k_scale=1.0, v_scale=1.0, arch=None, model_dtype="bf16",
-                 sm_scale: float | None = None):
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, kv_cache_dtype: DTypeLike,
+                 page_size: int, kv_layout: str = "HND", q_scale: Scale | None = None, k_scale: Scale = 1.0,
+                 v_scale: Scale = 1.0, arch: ArchLike | None = None, model_dtype: DTypeLike = "bf16",
+                 sm_scale: float | None = None) -> None:
         self.num_q_heads = _positive_int("num_q_heads", num_q_heads)
         self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
         if num_q_heads % num_kv_heads:
@@ -179,7 +185,7 @@ class AttentionLayer:
     # planning (pure Python, cached per layer)
     # ------------------------------------------------------------------------------------------
 
-    def resolve_arch(self, device=None, arch=None) -> str:
+    def resolve_arch(self, device: torch.device | None = None, arch: ArchLike | None = None) -> str:
         """``arch`` if given, else the layer's ``arch=``, else the capability of ``device``."""
         if arch is not None:
             return parse_arch(arch).name
@@ -190,7 +196,8 @@ class AttentionLayer:
         raise UnsupportedConfig(f"arch=None and the tensors are on {device}: pass arch= to the layer (or "
                                 "to plan()) to say which GPU to plan for")
 
-    def plan(self, phase: str, *, q_len: int = 1, arch=None, device=None) -> Plan:
+    def plan(self, phase: str, *, q_len: int = 1, arch: ArchLike | None = None,
+             device: torch.device | None = None) -> Plan:
         """The plan of one phase of this layer (``q_len``: new tokens per request; for prefill an
         upper bound on them). Plans are cached per layer: the registry is code, and a test that
         swaps registry entries builds its layers afterwards."""
@@ -206,7 +213,8 @@ class AttentionLayer:
             self._plans[key] = p
         return p
 
-    def plans_for(self, metadata: AttentionMetadata, *, arch=None, device=None) -> dict[str, Plan | None]:
+    def plans_for(self, metadata: AttentionMetadata, *, arch: ArchLike | None = None,
+                  device: torch.device | None = None) -> dict[str, Plan | None]:
         """``{"decode": Plan | None, "prefill": Plan | None}`` for a step (None: no such rows).
 
         The prefill plan uses the number of prefill tokens as ``q_len``: an upper bound on every
@@ -223,7 +231,8 @@ class AttentionLayer:
     # forward
     # ------------------------------------------------------------------------------------------
 
-    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
         """One attention step: write ``k``/``v`` at ``metadata.slot_mapping``, then attend.
 
         Args:

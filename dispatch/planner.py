@@ -13,12 +13,16 @@ silently replaced (a selector that accepts what the kernel later rejects is vllm
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from .arch import parse_arch
+from .arch import ArchLike, parse_arch
 from .capabilities import kernels_for
-from .dtypes import kv_dtype_name, model_dtype_name, torch_dtype
+from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
 from .kernels import FALLBACKS, KERNELS, KV_LAYOUTS, PHASES, KernelInfo
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class Plan(Decision, _Request):
     reason: str
     backend: str | None = None
 
-    def torch_q_dtype(self):
+    def torch_q_dtype(self) -> torch.dtype:
         """``q_dtype`` as a torch dtype (imports torch; planning itself never does)."""
         return torch_dtype(self.q_dtype)
 
@@ -199,10 +203,10 @@ def _explicit(req: _Request, backend: str) -> Plan:
 
 def plan(
     *,
-    arch,
+    arch: ArchLike,
     phase: str,
-    kv_cache_dtype,
-    model_dtype,
+    kv_cache_dtype: DTypeLike,
+    model_dtype: DTypeLike,
     head_dim: int,
     num_q_heads: int,
     num_kv_heads: int,

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .arch import SUPPORTED_ARCHS, parse_arch
-from .dtypes import kv_dtype_name, model_dtype_name
+from .arch import SUPPORTED_ARCHS, ArchLike, parse_arch
+from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name
 from .errors import UnsupportedConfig
 from .kernels import QSA_FALLBACK, QSA_KERNELS, KernelInfo
 from .planner import Decision
@@ -85,13 +85,13 @@ def _violations(k: KernelInfo, arch: str, kv: str, model: str, head_dim: int, hq
 
 
 def plan_qsa(
-    arch,
-    kv_cache_dtype,
+    arch: ArchLike,
+    kv_cache_dtype: DTypeLike,
     head_dim: int,
     num_q_heads: int,
     num_kv_heads: int,
     *,
-    model_dtype="bf16",
+    model_dtype: DTypeLike = "bf16",
     backend: str | None = None,
 ) -> QsaPlan:
     """Plan one QSA layer: ``"sm90.qsa"`` on SM90 when its limits accept the shape, otherwise

@@ -23,14 +23,14 @@ class LaunchCache:
             self.entries.clear()
         self.entries[key] = launch
 
-    def tuning_override(self, **fields) -> _Override:
-        return _Override(self, fields)
+    def tuning_override(self, **fields: object) -> TuningOverride:
+        return TuningOverride(self, fields)
 
 
-class _Override:
+class TuningOverride:
     """Context manager: ``fields`` override the op's tuning while active (nests)."""
 
-    def __init__(self, cache: LaunchCache, fields: dict):
+    def __init__(self, cache: LaunchCache, fields: dict) -> None:
         self.cache, self.fields = cache, fields
 
     def __enter__(self):

@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal, overload
 
 import torch
 
 from .. import reference
 from .._nvtx import ENABLED as _NVTX
 from .._nvtx import op_range
+from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
 from ..sm90.decode import CLUSTER_MIN_SIZING, DEFAULT_CLUSTER, MAX_CLUSTER, cluster_fits, make_decode_config
-from ._launch import LaunchCache
+from ._launch import LaunchCache, TuningOverride
 from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
 
 FP8 = torch.float8_e4m3fn
@@ -107,8 +110,9 @@ def plan_launch(items: int, max_context: int, num_sms: int, max_occupancy: int, 
     return num_splits, tuning, cluster
 
 
-def plan_config(config_for, items: int, max_context: int, num_sms: int, num_splits: int | None,
-                deterministic: bool, force_cluster: bool | None, force_dynamic: bool = False):
+def plan_config(config_for: Callable[..., Any], items: int, max_context: int, num_sms: int,
+                num_splits: int | None, deterministic: bool, force_cluster: bool | None,
+                force_dynamic: bool = False) -> tuple[int, Any]:
     """``(num_splits, config)`` of a launch: :func:`plan_launch` on the variant ``config_for(split,
     **tuning)`` builds, then the config it asks for. When the plan wants a cluster merge but the
     partials do not fit that config's K stages (:func:`cluster_fits`), the launch is planned
@@ -174,7 +178,7 @@ class _Launch:
 _cache = LaunchCache()
 
 
-def tuning_override(**fields):
+def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(widen="bits", tile=128): ...`` forces kernel tuning fields (for
     benchmarks comparing variants). The override is part of the launch-cache key. ``cluster``
     is a launch choice: ``False`` never merges in clusters, ``True`` does whenever the split
@@ -305,22 +309,38 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     return _Launch(caller, scratch, (T, Hq, D))
 
 
+@overload
+def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                 kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ..., k_scale: Scale = ...,
+                 v_scale: Scale = ..., out: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
+                 num_splits: int | None = ..., deterministic: bool = ...) -> torch.Tensor: ...
+@overload
+def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                 kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ..., k_scale: Scale = ...,
+                 v_scale: Scale = ..., out: torch.Tensor | None = ..., return_lse: Literal[True],
+                 num_splits: int | None = ..., deterministic: bool = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                 kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ..., k_scale: Scale = ...,
+                 v_scale: Scale = ..., out: torch.Tensor | None = ..., return_lse: bool,
+                 num_splits: int | None = ..., deterministic: bool = ...
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def paged_decode(
     q: torch.Tensor,
-    kv_cache,
+    kv_cache: KVCache,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
     kv_layout: str = "HND",
     q_len_per_req: int = 1,
     sm_scale: float | None = None,
-    k_scale=1.0,
-    v_scale=1.0,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     num_splits: int | None = None,
     deterministic: bool = True,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged decode attention with a BF16/FP16 query and an FP8/BF16/FP16 KV cache.
 
     Semantics are those of :func:`cute_kernels.reference.paged_decode` (read its docstring):

@@ -39,7 +39,7 @@ from ..sm90.qsa_merge import QsaMergeConfig, merge_shape
 from ..sm90.qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_tile_plan
 from ..sm90.qsa_union import QsaUnionConfig
 from ..sm90.qsa_widen import QsaWidenConfig, use_widened_cache
-from ._launch import LaunchCache
+from ._launch import LaunchCache, TuningOverride
 from ._torch import (
     NAME_TO_TORCH,
     DeviceBuffer,
@@ -87,7 +87,7 @@ class _Launch:
 _cache = LaunchCache()
 
 
-def tuning_override(**fields):
+def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(splits=8, stages=2): ...`` forces the split count and/or kernel
     tuning fields (benchmarks and tests comparing variants); part of the launch-cache key.
     ``tile_rows=R`` forces the prefill row-tile kernel's rows per CTA (1 = the per-row kernel),

@@ -10,21 +10,23 @@ later calls look that up by a tuple of cheap tensor attributes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
 from .. import reference
 from .._nvtx import op_range
+from .._types import Rope, Scale
 from ..common.quantize import ROPE_MAX_VEC, VECTOR_WIDTHS, QuantizeQueryConfig
 from ..jit.compiler import get_kernel
-from ._launch import LaunchCache
+from ._launch import LaunchCache, TuningOverride
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
 FP8 = torch.float8_e4m3fn
 _IN_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def check_scale(name: str, value, device: torch.device, *, num_q_heads: int | None = None) -> bool:
+def check_scale(name: str, value: Scale, device: torch.device, *, num_q_heads: int | None = None) -> bool:
     """Validate a dequantization scale; True if it is a device tensor.
 
     A scale is a positive finite float or a 1-element fp32 tensor on ``device``; with
@@ -54,7 +56,7 @@ def check_scale(name: str, value, device: torch.device, *, num_q_heads: int | No
     return False
 
 
-def vector_width(head_dim: int, tensors, *, multiple_of: int = 0, widest: int = 16) -> int:
+def vector_width(head_dim: int, tensors: Iterable[torch.Tensor], *, multiple_of: int = 0, widest: int = 16) -> int:
     """Widest elements-per-thread the kernel can use: it divides ``head_dim`` (and ``multiple_of``)
     and every tensor's pointer and strides allow ``min(16, vec * element size)``-byte accesses."""
     for vec in VECTOR_WIDTHS:
@@ -87,7 +89,8 @@ DEFAULT_ITEMS_ROPE = {"sm_90a": 2}
 DEFAULT_PDL = True  # programmatic dependent launch: the launch overlaps the previous kernel's tail
 
 
-def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None, target: str = "sm_90a") -> QuantizeQueryConfig:
+def make_config(q: torch.Tensor, scale_tensor: bool, out: torch.Tensor | None = None, rope: Rope | None = None,
+                target: str = "sm_90a") -> QuantizeQueryConfig:
     """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers)."""
     D = q.shape[2]
     tensors = [q] + ([out] if out is not None else []) + ([rope[0]] if rope is not None else [])
@@ -126,7 +129,7 @@ class _Launch:
 _cache = LaunchCache()
 
 
-def tuning_override(**fields):
+def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(items=2): ...`` forces kernel config fields (benchmarks comparing
     variants); the override is part of the launch-cache key."""
     return _cache.tuning_override(**fields)
@@ -153,10 +156,10 @@ def _prepare(q, q_scale, out, rope) -> _Launch:
 
 def quantize_query(
     q: torch.Tensor,
-    q_scale,
+    q_scale: Scale,
     *,
     out: torch.Tensor | None = None,
-    rope=None,
+    rope: Rope | None = None,
 ) -> torch.Tensor:
     """Quantize a query to float8_e4m3fn: ``saturate(RNE(rope(q) / q_scale))``.
 

@@ -12,9 +12,10 @@ import torch
 
 from .. import reference
 from .._nvtx import op_range
+from .._types import KVCache, Scale
 from ..common.kv_write import WriteKVCacheConfig
 from ..jit.compiler import get_kernel
-from ._launch import LaunchCache
+from ._launch import LaunchCache, TuningOverride
 from ._torch import check_tensor, compile_target, dtype_name
 from .quantize_query import check_scale, vector_width
 
@@ -64,8 +65,8 @@ DEFAULT_ITEMS = 1
 DEFAULT_PDL = True  # programmatic dependent launch: the launch overlaps the previous kernel's tail
 
 
-def make_config(key, value, kv_cache, slot_mapping, kv_layout: str, k_scale_tensor: bool,
-                v_scale_tensor: bool) -> WriteKVCacheConfig:
+def make_config(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor,
+                kv_layout: str, k_scale_tensor: bool, v_scale_tensor: bool) -> WriteKVCacheConfig:
     """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers)."""
     pair, (_, _, page, D), caches = _cache_geometry(kv_cache, kv_layout, key.device)
     return WriteKVCacheConfig(
@@ -99,7 +100,7 @@ class _Launch:
 _cache = LaunchCache()
 
 
-def tuning_override(**fields):
+def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(items=2): ...`` forces kernel config fields (benchmarks comparing
     variants); the override is part of the launch-cache key."""
     return _cache.tuning_override(**fields)
@@ -138,12 +139,12 @@ def _scale_arg(scale, is_tensor: bool):
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache,
+    kv_cache: KVCache,
     slot_mapping: torch.Tensor,
     *,
     kv_layout: str = "HND",
-    k_scale=1.0,
-    v_scale=1.0,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
 ) -> None:
     """Write new keys/values into the paged KV cache, in place.
 
