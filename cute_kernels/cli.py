@@ -223,24 +223,19 @@ def run_compile(args: argparse.Namespace) -> int:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", choices=["decode", "merge", "qsa", "layer", "latency"], help="which benchmark")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark (see its --help)")
+    from .bench import BENCHMARKS
+
+    p.add_argument("what", choices=list(BENCHMARKS), help="which benchmark: " + "; ".join(
+        f"{name}: {text}" for name, text in BENCHMARKS.items()))
+    p.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="the benchmark's own arguments (cute-kernels bench WHAT --help lists them)")
 
 
-@command("bench", "run a GPU benchmark from profiling/ (needs a source checkout and a GPU)", _bench_args)
+@command("bench", "run a benchmark (needs a GPU; the peers come with the bench extra)", _bench_args)
 def run_bench(args: argparse.Namespace) -> int:
-    import importlib
-    import os
+    from .bench import main as bench_main
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isdir(os.path.join(root, "profiling")):
-        print("error: benchmarks live in profiling/ of a source checkout", file=sys.stderr)
-        return 2
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    module = importlib.import_module(f"profiling.bench_{args.what}")
-    module.main(args.rest)
-    return 0
+    return bench_main(args.what, args.rest)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Nsight Compute readings of the decode kernel on the shapes that miss a target.
 
-Run under ncu (``gpu_session.sh ncu``): each shape is called WARMUP + 1 times; ncu's
+Run under ncu (``profiling/run.sh ncu``): each shape is called WARMUP + 1 times; ncu's
 ``--kernel-name regex:decode --launch-skip 3 --launch-count 1`` profiles the last call. The report
 gives DRAM throughput, achieved occupancy and the warp stall breakdown.
 """

@@ -1,4 +1,4 @@
-"""Nsight Compute readings of the QSA kernels (``gpu_session.sh ncuqsa``).
+"""Nsight Compute readings of the QSA kernels (``profiling/run.sh ncu``).
 
 Each shape is called WARMUP + 1 times; ncu's ``--kernel-name regex:qsa --launch-skip`` /
 ``--launch-count`` pick the last call's launches. Shapes: the decode rows that miss their
@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from .bench_qsa import DECODE_CTX, Problem
+from cute_kernels.bench.qsa import DECODE_CTX, Problem
 
 WARMUP = 3
 # name: (kind, rows, kv dtype, selection)

@@ -1,4 +1,4 @@
-"""Summarize an ``ncu --page source --csv --print-source sass`` export (``gpu_session.sh ncusrc``):
+"""Summarize an ``ncu --page source --csv --print-source sass`` export (``profiling/run.sh ncu-source``):
 the instructions with the most warp-stall samples, their dominant stall reasons, and the samples
 per stall reason over the whole kernel.
 

@@ -1,10 +1,10 @@
 """SM clock and power while one QSA problem is timed again and again (diagnostic).
 
-Why: the fifteenth session's 1x16384 correlated prefill read 2.58 ms on the first graph timing of a
-process, 2.65-2.71 ms on the second (the one ``bench qsa`` keeps) and 2.61-2.63 ms eager, while
-the thirteenth session read 2.57 for both. This times the same problem ``--rounds`` times (graph,
-then eager, alternating) while ``nvidia-smi`` samples the SM clock, the power draw and the active
-clock-event reasons every 100 ms, and reports each timing next to the clock seen during it.
+Why: the 1x16384 correlated QSA prefill reads slower on a process's second graph timing (the
+one ``bench qsa`` keeps) than on its first, by up to 5 %. This times the same problem
+``--rounds`` times (graph, then eager, alternating) while ``nvidia-smi`` samples the SM clock,
+the power draw and the active clock-event reasons every 100 ms, and reports each timing next to
+the clock seen during it (docs/design/qsa.md#prefill-under-the-power-cap).
 
 ``python -m profiling.probe_clocks --kv bf16 --rounds 4 --json out.json``
 """
@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from .bench_qsa import BF16, FP8, Problem
-from .bench_utils import time_eager, time_graph, write_json
+from cute_kernels.bench.harness import write_json
+from cute_kernels.bench.qsa import BF16, FP8, Problem
+from cute_kernels.bench.timing import time_eager, time_graph
 
 QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 

@@ -1,6 +1,6 @@
 """A few QSA calls for ``compute-sanitizer --tool memcheck`` (and ``--tool racecheck``):
 
-    compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m profiling.sanitize_qsa
+    compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize_qsa
 
 Shapes: BF16 and FP8 caches, direct output and split-K + merge, with every kind of invalid
 entry: negative tokens (also inside the counted prefix), pages beyond the block-table width,

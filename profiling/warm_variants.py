@@ -1,5 +1,5 @@
-"""Precompile benchmark tuning variants in parallel before timing them (GPU sessions are short;
-the benchmarks compile missing variants one by one). Usage:
+"""Precompile benchmark tuning variants in parallel before timing them (the benchmarks compile
+missing variants one by one, which can dominate a short run on a fresh machine). Usage:
 
 ``python -m profiling.warm_variants qsa "producers=1;tile=128" [fp8_e4m3,bf16]``
 ``python -m profiling.warm_variants decode "occupancy=3+tile=128"``
@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import sys
 
+from cute_kernels.bench.harness import parse_variants
 from cute_kernels.jit.parallel import precompile
 from cute_kernels.qsa_warmup import qsa_variants
 from cute_kernels.warmup import decode_variants
-
-from .bench_utils import parse_variants
 
 
 def qsa_configs(specs: list[dict], kv_dtypes=("bf16", "fp8_e4m3")):
@@ -27,7 +26,7 @@ def qsa_configs(specs: list[dict], kv_dtypes=("bf16", "fp8_e4m3")):
 
 
 def decode_configs(specs: list[dict]):
-    from .bench_decode import SHAPES
+    from cute_kernels.bench.decode import SHAPES
 
     return [c for spec in specs for _, Hq, Hkv, D, _, _, q_len in SHAPES
             for c in decode_variants(head_dim=D, num_q_heads=Hq, num_kv_heads=Hkv, page_size=16, q_lens=(q_len,),

@@ -82,7 +82,7 @@ def test_plan_text(capsys, sm90_decode_planned):
     out = capsys.readouterr().out
     assert "kernel           reference.paged_decode (reference fallback)" in out
     assert "query dtype      bf16" in out and "q_scale applied  no" in out
-    assert "sm90.decode is planned (issue 3)" in out
+    assert f"sm90.decode is planned ({KERNELS['sm90.decode'].planned_in})" in out
 
 
 def test_plan_json_reference_backend(capsys):

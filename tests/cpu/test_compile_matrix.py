@@ -35,7 +35,7 @@ def _assert_wgmma_not_serialized(compiled):
     """A WGMMA pipeline that ptxas serializes (a ``WARPGROUP.DEPBAR`` after every ``HGMMA``) loses
     its overlap without any error: ptxas reports C7512/C7515 only at info level. A software
     pipeline once did that because the compiler placed the zeroing of O's accumulators behind an
-    in-flight QK WGMMA (profiling/NOTES.md, "Seventh session")."""
+    in-flight QK WGMMA (docs/design/qsa.md#tried-and-rejected)."""
     import re
 
     hgmma = len(re.findall(r"\bHGMMA", compiled.sass))
@@ -47,7 +47,7 @@ def _assert_wgmma_not_serialized(compiled):
 def _wgmma_serialization_expected(config) -> bool:
     """ptxas serializes the FP8 paged-decode kernel's WGMMAs (C7512, "insufficient register
     resources" at its 3-4 CTAs/SM); unserialized builds at fewer CTAs/SM were measured no faster
-    (profiling/NOTES.md "decode v7"), so that one is accepted."""
+    (docs/design/sm90-decode.md#occupancy-against-wgmma-serialization), so that one is accepted."""
     return config.kernel_id == "sm90.decode" and getattr(config, "kv_dtype", "") == "fp8_e4m3"
 
 

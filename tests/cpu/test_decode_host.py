@@ -33,7 +33,7 @@ def test_schedule_fills_one_wave_with_the_measured_ctas_per_sm():
 def test_launch_schedule_sizes_fp8_d64_and_d256_for_three_ctas():
     sms = 132
     # D=256 and D=64, B=32 x 8 heads: unsplit, ~2 CTAs per SM land, the kernel is sized for 3
-    # (measured faster than sizing for the 2 that land: NOTES "decode v5", "decode v7")
+    # (measured faster than sizing for the 2 that land: docs/design/sm90-decode.md#split-count-and-sizing)
     assert op.launch_schedule(256, 8208, sms, 3, 64, 256, True) == (1, 3)
     assert op.launch_schedule(256, 8208, sms, 4, 128, 64, True) == (1, 3)
     # BF16 D=256 keeps the sizing of the CTAs that land

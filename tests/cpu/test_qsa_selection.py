@@ -1,5 +1,5 @@
-"""CPU tests of the synthetic QSA selections of ``profiling/qsa_selection.py`` (used by
-``profiling/bench_qsa.py`` and the GPU tests).
+"""CPU tests of the synthetic QSA selections of :mod:`cute_kernels.bench.qsa_selection` (used by
+``cute-kernels bench qsa`` and the GPU tests).
 
 - Both selection models keep the packed row layout of the contract (§1): valid_count
   ``min(p + 1, 2048 + (p + 1) % 4)`` at TOPK 2051 / budget 512, distinct tokens in ``[0, p]``,
@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from profiling import qsa_selection as qs
-from profiling.qsa_selection import BUDGET, TOPK, R, qsa_indices, selection_stats
+from cute_kernels.bench import qsa_selection as qs
+from cute_kernels.bench.qsa_selection import BUDGET, TOPK, R, qsa_indices, selection_stats
 
 MODES = ("independent", "correlated")
 

@@ -4,7 +4,7 @@ The case list covers every value of each axis at least once (KV dtype x layout x
 page size x head dim x GQA ratio x q_len x split) without the full cartesian product: each case
 is a compiled variant, and the variants are compiled in parallel before the tests run.
 Tolerance: ‖out − ref‖/‖ref‖ ≤ 5e-3 against the fp32 reference on the same (dequantized) cache
-values — the contract of the issue, BF16 output rounding included.
+values — the op's accuracy contract, BF16 output rounding included.
 """
 
 from __future__ import annotations

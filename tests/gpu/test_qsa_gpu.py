@@ -7,7 +7,7 @@ pages and slots past each request's end, fresh random inputs per test (seeded by
 and NaN-filled ``out`` buffers so that any element the kernel fails to write fails the test.
 
 Tolerance: ``assert_close(rtol=2e-2, atol=2e-2)`` on the bf16 outputs against the fp32 reference
-on the same (dequantized) cache values, the issue's bound (the kernel's own error is ~1e-3: fp32
+on the same (dequantized) cache values, the contract's bound (the kernel's own error is ~1e-3: fp32
 accumulation, bf16/fp16 P and one bf16 output rounding).
 
 Grid (the contract's test table, §5): head layouts 24/2, 12/1, 6/1 at D 256, rows 1 to 2048,
@@ -351,7 +351,7 @@ def test_argument_errors_after_a_cached_call(gen, path):
 def _prefill_case(gen, rows, hq, hkv, page, kv, first, selection, **kw):
     """1 x ``rows`` prefill rows at positions ``first ..`` of one request, with the benchmark's
     selection model (``correlated``: neighbours share ~90 % of their blocks)."""
-    from profiling.qsa_selection import qsa_indices
+    from cute_kernels.bench.qsa_selection import qsa_indices
 
     ctx = first + rows
     c = _case(gen, rows, hq, hkv, page, 1, kv, ctx=ctx, positions="all", **kw)

@@ -1,0 +1,47 @@
+"""``cute-kernels bench <what>``: the benchmarks shipped with the package (they need a GPU).
+
+Each benchmark is a module of this package with ``NEEDS`` (the GPUs it runs on),
+``add_arguments(parser)`` and ``main(args)``; :func:`main` parses its flags (plus the common
+``--json PATH`` and ``--nvtx``), refuses in one line a machine that cannot run it, and runs it.
+The method (CUDA-graph medians, read bandwidth measured in the same process, peers) is described
+in docs/design/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .harness import add_common_arguments, gpu_problem
+
+# name -> what it measures (the module cute_kernels.bench.<name> runs it)
+BENCHMARKS = {
+    "decode": "SM90 paged decode side by side with FlashInfer XQA, the FlashInfer wrapper, FA4 and SDPA",
+    "merge": "merge_states against the read bandwidth",
+    "qsa": "QSA sparse attention, decode rows and prefill row tiles, against the gathered-bytes roofline",
+    "layer": "quantize_query, write_kv_cache and one AttentionLayer decode step",
+    "latency": "small-batch paged decode: graph and eager time per split count and launch form",
+}
+
+
+def build_parser(what: str):
+    """``(parser, module)`` of benchmark ``what``."""
+    module = importlib.import_module(f"{__name__}.{what}")
+    p = argparse.ArgumentParser(prog=f"cute-kernels bench {what}", description=BENCHMARKS[what])
+    module.add_arguments(p)
+    add_common_arguments(p)
+    return p, module
+
+
+def main(what: str, argv: list[str]) -> int:
+    """Run benchmark ``what`` with its command-line arguments ``argv``; 2 when this machine
+    cannot run it (the reason on one line of stderr)."""
+    parser, module = build_parser(what)
+    args = parser.parse_args(argv)
+    problem = gpu_problem(module.NEEDS)
+    if problem is not None:
+        print(f"error: cute-kernels bench {what} {problem}", file=sys.stderr)
+        return 2
+    module.main(args)
+    return 0

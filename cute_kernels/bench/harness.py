@@ -1,0 +1,129 @@
+"""What every benchmark shares on the host side: the common flags (``--json``, ``--nvtx``), the
+checks made before anything is timed (a GPU of the arch the benchmark needs, the optional peer
+libraries), NVTX ranges around timed op calls, the ``field=int`` variant lists and the JSON writer.
+
+Nothing here imports torch at module level: ``cute-kernels bench ...`` parses its arguments and
+refuses a machine without a GPU in one line before any kernel module is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+INSTALL_HINT = 'pip install "cute-kernels[bench]"'
+
+
+@dataclass(frozen=True)
+class GpuNeed:
+    """The GPUs a benchmark runs on: compute capability ``min_major`` up to ``max_major``."""
+
+    label: str  # how the refusal names them, e.g. "an SM90 GPU (H100/H200)"
+    min_major: int
+    max_major: int
+
+
+SM90 = GpuNeed("an SM90 GPU (H100/H200)", 9, 9)
+SM80_PLUS = GpuNeed("a GPU of SM80 or newer", 8, 99)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """An optional library a benchmark compares against: the module it imports and the
+    distribution that provides it (one of the ``bench`` extra's)."""
+
+    module: str
+    distribution: str
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--nvtx", action="store_true",
+                   help="wrap each timed op call in an NVTX range named cute_kernels.<op> (peers: bench.<peer>), "
+                        "so that a profiler can select one op (default: off)")
+
+
+def gpu_problem(need: GpuNeed, cuda_available: Callable[[], bool] | None = None,
+                capability: Callable[[], tuple[int, int]] | None = None,
+                device_name: Callable[[], str] | None = None) -> str | None:
+    """Why this machine cannot run a benchmark that needs ``need`` (None when it can). The
+    callables default to torch's; tests pass their own."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available, capability, device_name = (torch.cuda.is_available, torch.cuda.get_device_capability,
+                                                   torch.cuda.get_device_name)
+    if not cuda_available():
+        return f"needs {need.label}, and no CUDA GPU is visible here"
+    major, minor = capability()
+    if not need.min_major <= major <= need.max_major:
+        return f"needs {need.label}; this machine has {device_name()} (sm_{major}{minor})"
+    return None
+
+
+def module_available(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (a parent package that is
+    missing or broken counts as missing)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def available_peers(requested: list[str], peers: dict[str, Peer], *,
+                    available: Callable[[str], bool] = module_available) -> tuple[list[str], list[str]]:
+    """``(peers to run, one line per peer skipped)``: a peer whose library is not installed is
+    skipped with a line naming the distribution; names not in ``peers`` (our own variants) pass."""
+    run, skipped = [], []
+    for name in requested:
+        peer = peers.get(name)
+        if peer is not None and not available(peer.module):
+            skipped.append(f"peer {name} skipped: {peer.module} is not installed ({peer.distribution}; "
+                           f"{INSTALL_HINT})")
+        else:
+            run.append(name)
+    return run, skipped
+
+
+class NvtxRanges:
+    """``wrap(name, fn)``: ``fn`` itself when ranges are off, else ``fn`` inside an NVTX push/pop
+    range called exactly ``name`` (the op's shapes are in the benchmark's output, not the name,
+    so ``ncu --nvtx --nvtx-include "cute_kernels.paged_decode/"`` selects it)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._nvtx = None
+        if enabled:
+            import nvtx
+
+            self._nvtx = nvtx
+
+    def wrap(self, name: str, fn: Callable):
+        if not self.enabled:
+            return fn
+        push, pop = self._nvtx.push_range, self._nvtx.pop_range
+
+        def ranged(*args, **kwargs):
+            push(message=name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                pop()
+
+        return ranged
+
+
+def parse_variants(text: str, sep: str = ",") -> list[dict[str, int]]:
+    """``'a=1,b=2;c=3;'`` -> ``[{'a': 1, 'b': 2}, {'c': 3}, {}]``: ``;``-separated variants of
+    ``sep``-separated integer fields (an empty variant is the default config)."""
+    return [{k: int(v) for k, v in (f.split("=") for f in spec.split(sep) if f)} for spec in text.split(";")]
+
+
+def write_json(path: str | None, result) -> None:
+    """Write ``result`` to ``path`` (nothing when ``path`` is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The GPU runner: named tiers run in order, each with its own time limit and log under $OUT, so
+# that one hung step cannot lose the others. From the repository root on a GPU host:
+#
+#   bash profiling/run.sh TIER...            e.g. bash profiling/run.sh test bench
+#
+#   test        the GPU test suite except QSA                 (log pytest.log)
+#   test-qsa    the QSA GPU tests                             (log pytest_qsa.log)
+#   smoke       a few decode split counts against the reference, in seconds
+#   sanitize    compute-sanitizer memcheck of the decode/merge and QSA drivers
+#   bench       cute-kernels bench decode (FP8 and BF16 with every installed peer), merge, layer, latency
+#   bench-qsa   cute-kernels bench qsa --check (decode rows and prefill row tiles)
+#   ncu         Nsight Compute sections of the decode (three shapes) and QSA kernels (two shapes)
+#   ncu-source  per-instruction stall samples of the QSA row-tile kernel, summarized
+#   gather      the memory system's ceiling for QSA's scattered row reads
+#   schedule    static against dynamic split scheduling of the paged decode
+#   clocks      SM clock and power while the 1 x 16384 QSA prefill is timed again and again
+#   host        the host-side pieces of an eager paged_decode call
+#
+# Settings: OUT (profiling/out), CUTE_KERNELS_CACHE_DIR (/tmp/ck_cache), TAIL (lines of each log
+# printed, 25), ARCHIVE=1 (pack $OUT into one results.tgz at the end). Without internet, install
+# first with profiling/offline/ (this script sources install.sh when .wheelhouse/part* exist).
+# What each tier's script measures: profiling/README.md.
+set -o pipefail
+cd "$(dirname "$0")/.."
+if ls -d .wheelhouse/part* > /dev/null 2>&1; then
+  # shellcheck source=offline/install.sh
+  source profiling/offline/install.sh || exit 2
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+export CUTE_KERNELS_CACHE_DIR=${CUTE_KERNELS_CACHE_DIR:-/tmp/ck_cache}
+OUT=${OUT:-profiling/out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+CK=("$PY" -m cute_kernels)
+MEMCHECK=(compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9)
+NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis)
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+
+step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAME.log, print its tail
+  local limit=$1 name=$2
+  shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "[$name rc=$?]"
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+for tier in "$@"; do
+  echo "=== $tier $(date +%T)"
+  case $tier in
+    test) step 420 pytest "$PY" -m pytest tests/gpu -q -p no:cacheprovider \
+            --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py ;;
+    test-qsa) step 420 pytest_qsa "$PY" -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
+                -p no:cacheprovider ;;
+    smoke) step 120 smoke "$PY" -m profiling.smoke_decode ;;
+    sanitize) step 200 sanitize_decode "${MEMCHECK[@]}" "$PY" -m profiling.sanitize_decode
+              step 200 sanitize_qsa "${MEMCHECK[@]}" "$PY" -m profiling.sanitize_qsa ;;
+    bench) TAIL=40 step 420 decode_fp8 "${CK[@]}" bench decode --kv fp8 --peers xqa,xqa_nopdl,fi,sdpa \
+             --json "$OUT/decode_fp8.json" --png "$OUT/decode_fp8.png"
+           TAIL=40 step 500 decode_bf16 "${CK[@]}" bench decode --kv bf16 --peers xqa,fi,fa4,sdpa \
+             --json "$OUT/decode_bf16.json" --png "$OUT/decode_bf16.png"
+           step 120 merge "${CK[@]}" bench merge --json "$OUT/merge.json"
+           step 200 layer "${CK[@]}" bench layer --json "$OUT/layer.json"
+           step 200 latency "${CK[@]}" bench latency --json "$OUT/latency.json" ;;
+    bench-qsa) TAIL=40 step 400 qsa "${CK[@]}" bench qsa --check --json "$OUT/qsa.json" ;;
+    ncu) for sh in "qwen3-30b B8 ctx32000" "d256 h16/8 B32 ctx8192" "llama3-8b B1 ctx1000"; do
+           "$PY" -m profiling.ncu_decode --shape "$sh" > /dev/null 2>&1  # compile outside the profiler
+           name="ncu_decode_$(echo "${sh%% *}_${sh##* }" | tr -c 'a-zA-Z0-9_\n-' _)"
+           TAIL=60 step 150 "$name" ncu --clock-control none --kernel-name regex:decode --launch-skip 3 \
+             --launch-count 1 "${NCU_SECTIONS[@]}" "$PY" -m profiling.ncu_decode --shape "$sh"
+         done
+         for spec in "decode-bf16-256 3 1" "prefill-bf16-4096 6 2"; do
+           set -- $spec  # shape, launches to skip, launches to profile (prefill: union pre-pass + tiles)
+           "$PY" -m profiling.ncu_qsa --shape "$1" > /dev/null 2>&1
+           TAIL=120 step 150 "ncu_qsa_$1" ncu --clock-control none --kernel-name regex:ssm90qsa --launch-skip "$2" \
+             --launch-count "$3" "${NCU_SECTIONS[@]}" --section ComputeWorkloadAnalysis \
+             "$PY" -m profiling.ncu_qsa --shape "$1"
+         done ;;
+    ncu-source) for sh in prefill-bf16-4096 prefill-fp8-4096; do
+                  "$PY" -m profiling.ncu_qsa --shape "$sh" > /dev/null 2>&1
+                  step 150 "ncu_source_$sh" ncu --clock-control none --kernel-name regex:tile_kernel --launch-skip 3 \
+                    --launch-count 1 --section SourceCounters --section WarpStateStats -o "$OUT/ncu_source_$sh" \
+                    "$PY" -m profiling.ncu_qsa --shape "$sh"
+                  ncu -i "$OUT/ncu_source_$sh.ncu-rep" --page source --csv --print-source sass \
+                    | gzip > "$OUT/ncu_source_${sh}_sass.csv.gz"
+                  step 60 "hotspots_$sh" "$PY" -m profiling.ncu_sass_hotspots "$OUT/ncu_source_${sh}_sass.csv.gz"
+                done ;;
+    gather) step 200 gather "$PY" -m profiling.gather_ceiling --json "$OUT/gather.json" ;;
+    schedule) step 300 schedule "$PY" -m profiling.split_schedule --json "$OUT/schedule.json" ;;
+    clocks) step 200 clocks_bf16 "$PY" -m profiling.probe_clocks --kv bf16 --rounds 4 --json "$OUT/clocks_bf16.json"
+            step 200 clocks_fp8 "$PY" -m profiling.probe_clocks --kv fp8 --rounds 3 --json "$OUT/clocks_fp8.json" ;;
+    host) step 120 host "$PY" -m profiling.host_costs --json "$OUT/host.json" ;;
+    *) echo "unknown tier $tier (the list is at the top of profiling/run.sh)"; exit 2 ;;
+  esac
+done
+if [ "${ARCHIVE:-0}" = 1 ]; then
+  tar -C "$OUT" -czf /tmp/results.tgz --exclude=results.tgz . && mv /tmp/results.tgz "$OUT/results.tgz"
+  echo "packed $OUT/results.tgz"
+fi
+echo "=== done $(date +%T)"
