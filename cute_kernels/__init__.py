@@ -1,13 +1,15 @@
 """cute-kernels: attention kernels for LLM serving in the CuTe Python DSL.
 
-Public ops (each in its own module under ``cute_kernels.ops``) are imported lazily, so that
-``import cute_kernels`` and the dispatch layer stay cheap on machines without the DSL or a GPU.
+Public ops (each in its own module under ``cute_kernels.ops``, listed in the registry's
+:data:`~cute_kernels.registry.OPS`) are imported lazily, so that ``import cute_kernels`` and the
+dispatch layer stay cheap on machines without the DSL or a GPU. Map of the package:
+docs/design/architecture.md.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -21,27 +23,29 @@ if TYPE_CHECKING:  # what type checkers see; at run time the ops load on first u
     from .qsa_warmup import qsa_warmup as qsa_warmup
     from .warmup import warmup as warmup
 
-_OPS = {
-    "merge_states": "cute_kernels.ops.merge_states",
-    "paged_decode": "cute_kernels.ops.paged_decode",
-    "qsa_sparse_attention": "cute_kernels.ops.qsa_sparse_attention",
-    "qsa_warmup": "cute_kernels.qsa_warmup",
-    "quantize_query": "cute_kernels.ops.quantize_query",
-    "write_kv_cache": "cute_kernels.ops.write_kv_cache",
-    "warmup": "cute_kernels.warmup",
-}
 
-__all__ = sorted(_OPS) + ["reference", "__version__"]
+def _ops() -> dict:
+    from .registry import OPS  # the registry loads the plans: only when an op is first asked for
+
+    return OPS
 
 
-def __getattr__(name):
-    if name in _OPS:
-        value = getattr(importlib.import_module(_OPS[name]), name)
+def __getattr__(name: str) -> Any:
+    value: Any
+    if name == "__all__":
+        value = sorted(_ops()) + ["reference", "__version__"]
     elif name == "reference":
         value = importlib.import_module("cute_kernels.reference")
+    elif name in _ops():
+        module, attr = _ops()[name]
+        value = getattr(importlib.import_module(module), attr)
     else:
         raise AttributeError(f"module 'cute_kernels' has no attribute {name!r}")
     # bound once: later lookups find it in the module dict and skip this hook (an import-system
-    # round trip of ~0.5 us on every `cute_kernels.paged_decode(...)` call otherwise)
+    # round trip on every `cute_kernels.paged_decode(...)` call otherwise)
     globals()[name] = value
     return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_ops()) | {"reference"})

@@ -6,8 +6,9 @@ Each op runs inside a push/pop range whose message is exactly ``cute_kernels.<op
 carries the shapes and dtypes (``q=bfloat16[8,32,128] kv_cache=float8_e4m3fn[...]``) for the
 Nsight Systems timeline: NVTX payloads hold numbers only, and a name with shapes in it matches no
 fixed include pattern. Nsight tools inject themselves through ``NVTX_INJECTION64_PATH``; without
-it NVTX calls are no-ops anyway, so we skip even building the message (measured in
-profiling/NOTES.md). ``CUTE_KERNELS_NVTX=1`` forces ranges on, ``=0`` forces them off.
+it NVTX calls are no-ops anyway, so the hot paths skip even building the message
+(docs/design/sm90-decode.md#host-path). ``CUTE_KERNELS_NVTX=1`` forces ranges on, ``=0`` forces
+them off.
 """
 
 from __future__ import annotations

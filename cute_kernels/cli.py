@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dispatch import SUPPORTED_ARCHS, UnsupportedConfig, capability_table, parse_arch, plan
-from dispatch.kernels import PHASES
+
+from .registry import PHASES
 
 MATRIX_KV_DTYPES = ("bf16", "fp16", "fp8")
 
@@ -176,9 +177,10 @@ def _compile_args(p: argparse.ArgumentParser) -> None:
 @command("compile", "compile every registered kernel variant for an arch and show the instruction evidence",
          _compile_args)
 def run_compile(args: argparse.Namespace) -> int:
-    from .jit.compiler import normalize_target
+    from .jit.evidence import compile_with_evidence
     from .jit.ptx_digest import compare_digests, ptx_digest, read_digests, write_digests
-    from .registry import compile_with_evidence, variants_for
+    from .jit.spec import normalize_target
+    from .registry import variants_for
 
     cc = parse_arch(args.arch, argument="--arch")  # the one arch parser, as in `plan`
     arch = normalize_target((cc.major, cc.minor))
@@ -201,15 +203,13 @@ def run_compile(args: argparse.Namespace) -> int:
             r = results[-1]
             status = "ok  " if ok else "FAIL"
             secs = f"{r['seconds']:6.2f}s" if r.get("seconds") is not None else "   -   "
-            detail = r.get("error") or " ".join(f"{k}x{v}" for k, v in {**r["ptx"], **r["sass"]}.items())
+            detail = r.get("error") or ev.summary()
             print(f"{status} {secs} {r['kernel']}\n           {detail}", flush=True)
     if args.json:
         print(json.dumps(dict(arch=arch, results=results), indent=1))
     else:
         print(f"{len(results) - failed}/{len(results)} variants compiled with their evidence for {arch}")
     if args.digests:  # update this arch's entries of an existing file, keep the others
-        import os
-
         kept = read_digests(args.digests) if os.path.exists(args.digests) else {}
         kept = {k: v for k, v in kept.items() if not k.startswith(f"{arch}:") or (args.kernel and args.kernel not in k)}
         write_digests(args.digests, {**kept, **digests})

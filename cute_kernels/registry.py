@@ -1,146 +1,248 @@
-"""Every kernel variant this package compiles, for the compile matrix and ``cute-kernels compile``.
+"""The kernel registry: every kernel this package builds or plans, in one table.
 
-A variant is a kernel config instance; the matrix compiles each for every target it names and
-checks its instruction evidence (``KernelConfig.evidence``: regexes that must match the PTX).
-Later kernels add their variants here.
+One entry per kernel id: the archs and phases it serves, exactly what it accepts (read from its
+host-only plan, where every limit is written once), its status, the public op that runs it and
+its compile variants. The dispatcher (``dispatch``), the warm-up, the compile matrix and the CLI's
+``matrix``/``compile`` read it; ``cute_kernels.<op>`` resolves public op names through
+:data:`OPS`. Host-only: importing it loads neither the DSL nor torch.
+
+Kernel ids are a contract (the attention layer maps an id to an op; benchmarks and the CLI print
+them), so they never change meaning. A kernel is:
+
+- ``"available"``: built and tested; chosen automatically when its limits accept a request;
+- ``"planned"``: designed but not built; named in plans so the reason can say why it was not
+  used, refused when asked for explicitly;
+- ``"fallback"``: a slow torch reference (:mod:`cute_kernels.reference`), which serves every
+  arch, dtype and shape so that every request has a plan.
+
+``call_site`` says which dispatcher list a kernel is on: ``"attention"`` (paged prefill/decode,
+:func:`dispatch.plan`), ``"qsa"`` (QSA sparse attention, :func:`dispatch.plan_qsa`), or none of
+them (the kernels an op runs around the attention kernel, and the hardware probes).
+
+``qk_dtype`` records the precision of Q·Kᵀ. ``"fp8_e4m3"`` means the kernel runs QK as an FP8
+GEMM *when the KV cache is FP8* (with a 16-bit cache every kernel computes QK in the model dtype);
+only then does the query become FP8 and ``q_scale`` apply. Such a kernel takes an already
+quantized query (``supports_quant_query_input``): the layer quantizes Q with ``q_scale``, never
+the kernel by a silent cast. Design: docs/design/architecture.md#registry and
+docs/design/dispatch.md.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from .jit.compiler import CompiledKernel, KernelConfig, compile_config, normalize_target
+from .jit.spec import KernelConfig, normalize_target
+from .plans import (
+    merge_states,
+    probes,
+    quantize_query,
+    sm90_decode,
+    sm90_qsa,
+    sm90_qsa_launch,
+    sm90_qsa_tile,
+    write_kv_cache,
+)
 
-# SASS mnemonics worth reporting per family (the PTX evidence is what tests assert)
-SASS_FAMILIES = ("HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "UTCHMMA", "UTCQMMA", "LDSM", "LDG.E.128", "STL", "LDL")
+STATUSES = ("available", "planned", "fallback")
+PHASES = ("prefill", "decode")
+KV_LAYOUTS = ("HND", "NHD")
+CALL_SITES = ("attention", "qsa")
+# dispatch's arch names (compute capabilities this package plans for); see dispatch/arch.py
+ARCHS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm120", "sm121")
+MODEL_DTYPES = ("bf16", "fp16")
+KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+
+# public op name -> (module, attribute): ``cute_kernels.<name>`` resolves through this table
+OPS = {
+    "merge_states": ("cute_kernels.ops.merge_states", "merge_states"),
+    "paged_decode": ("cute_kernels.ops.paged_decode", "paged_decode"),
+    "qsa_sparse_attention": ("cute_kernels.ops.qsa_sparse_attention", "qsa_sparse_attention"),
+    "qsa_warmup": ("cute_kernels.qsa_warmup", "qsa_warmup"),
+    "quantize_query": ("cute_kernels.ops.quantize_query", "quantize_query"),
+    "write_kv_cache": ("cute_kernels.ops.write_kv_cache", "write_kv_cache"),
+    "warmup": ("cute_kernels.warmup", "warmup"),
+}
+
+
+def arch_of_target(target: str) -> str:
+    """``"sm_90a"`` -> ``"sm90"`` (a compile target's dispatch arch name)."""
+    return normalize_target(target).replace("_", "").rstrip("a")
+
+
+def _archs(targets) -> tuple[str, ...]:
+    return tuple(arch_of_target(t) for t in targets)
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """One registered kernel and the requests it accepts (None = no limit).
+
+    ``max_rows``: query rows one CTA serves, ``num_q_heads / num_kv_heads x q_len`` (a kernel that
+    puts a KV group's rows on one MMA dimension); ``opt_in``: never chosen automatically, only
+    when named with ``backend=``; ``op``: the public op (a key of :data:`OPS`, or
+    ``"reference.<name>"`` for :mod:`cute_kernels.reference`) that runs it; ``variants``: a
+    function returning its compile matrix (configs, each naming its targets).
+    """
+
+    id: str
+    status: str
+    call_site: str | None
+    archs: tuple[str, ...]
+    phases: tuple[str, ...]
+    description: str
+    kv_dtypes: tuple[str, ...] = KV_DTYPES
+    model_dtypes: tuple[str, ...] = MODEL_DTYPES
+    qk_dtype: str = "model"
+    supports_quant_query_input: bool = False
+    head_dims: tuple[int, ...] | None = None
+    max_gqa_ratio: int | None = None
+    page_sizes: tuple[int, ...] | None = None
+    max_q_len: int | None = None
+    max_rows: int | None = None
+    kv_layouts: tuple[str, ...] = KV_LAYOUTS
+    opt_in: bool = False
+    op: str | None = None
+    variants: Callable[[], Sequence[KernelConfig]] | None = None
+
+    def __post_init__(self):
+        # Registry entries are code, so an inconsistent one is a bug caught at import time.
+        def subset(field, allowed):
+            values = getattr(self, field)
+            if not values or not set(values) <= set(allowed):
+                raise ValueError(f"kernel {self.id!r}: {field}={values!r} must be a non-empty subset of {allowed}")
+
+        if self.status not in STATUSES:
+            raise ValueError(f"kernel {self.id!r}: status {self.status!r} not in {STATUSES}")
+        if self.call_site is not None and self.call_site not in CALL_SITES:
+            raise ValueError(f"kernel {self.id!r}: call_site {self.call_site!r} not in {CALL_SITES}")
+        subset("archs", ARCHS)
+        subset("phases", PHASES)
+        subset("kv_dtypes", KV_DTYPES)
+        subset("model_dtypes", MODEL_DTYPES)
+        subset("kv_layouts", KV_LAYOUTS)
+        if self.qk_dtype not in ("model", "fp8_e4m3"):
+            raise ValueError(f"kernel {self.id!r}: qk_dtype {self.qk_dtype!r} must be 'model' or 'fp8_e4m3'")
+        if self.qk_dtype == "fp8_e4m3" and not self.supports_quant_query_input:
+            raise ValueError(f"kernel {self.id!r}: an FP8-QK kernel must take a pre-quantized query")
+        if self.is_fallback != self.id.startswith("reference."):
+            raise ValueError(f"kernel {self.id!r}: fallback ids (and only they) start with 'reference.'")
+        if self.op is not None and self.op not in OPS and not self.op.startswith("reference."):
+            raise ValueError(f"kernel {self.id!r}: op {self.op!r} is not a public op")
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.status == "fallback"
+
+    def computes_qk_in_fp8(self, kv_dtype: str) -> bool:
+        """Whether QK runs as an FP8 GEMM for a cache of ``kv_dtype`` (so Q must be FP8)."""
+        return self.qk_dtype == "fp8_e4m3" and kv_dtype == "fp8_e4m3"
+
+
+_ALL_16 = ("bf16", "fp16")
+
+# What the SM90 paged decode kernel accepts: its plan's limits, nothing narrower.
+_SM90_DECODE: dict[str, Any] = dict(
+    call_site="attention", archs=("sm90",), phases=("decode",), model_dtypes=sm90_decode.Q_DTYPES,
+    head_dims=sm90_decode.HEAD_DIMS, page_sizes=sm90_decode.PAGE_SIZES, max_rows=sm90_decode.MAX_ROWS,
+    kv_layouts=sm90_decode.KV_LAYOUTS,
+)
+# Provisional limits of the Blackwell kernels, to be confirmed when they are built.
+_SM100: dict[str, Any] = dict(
+    call_site="attention", archs=("sm100", "sm103"), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
+    head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128), kv_layouts=("HND",),
+)
+_REFERENCE: dict[str, Any] = dict(status="fallback", archs=ARCHS)
+_HELPER: dict[str, Any] = dict(status="available", phases=PHASES)
+
+_ENTRIES = (
+    KernelInfo(
+        id="sm90.decode", status="available", kv_dtypes=sm90_decode.KV_DTYPES, op="paged_decode",
+        description="SM90 paged decode: WGMMA and TMA, FP8 K/V widened exactly on chip, never an FP8 query",
+        variants=sm90_decode.compile_variants, **_SM90_DECODE,
+    ),
+    KernelInfo(
+        id="sm90.decode_fp8q", status="planned", kv_dtypes=("fp8_e4m3",), qk_dtype="fp8_e4m3",
+        supports_quant_query_input=True, opt_in=True,
+        description="SM90 paged decode with FP8 WGMMA on a q_scale-quantized query (opt-in)",
+        **_SM90_DECODE,
+    ),
+    KernelInfo(id="sm100.decode", status="planned", phases=("decode",),
+               description="Blackwell tcgen05 paged decode, QK in FP8 for an FP8 cache", **_SM100),
+    KernelInfo(id="sm100.prefill", status="planned", phases=("prefill",),
+               description="Blackwell tcgen05 paged prefill, QK in FP8 for an FP8 cache", **_SM100),
+    KernelInfo(id="reference.paged_decode", call_site="attention", phases=("decode",), op="reference.paged_decode",
+               description="slow torch reference fallback (cute_kernels.reference.paged_decode)", **_REFERENCE),
+    KernelInfo(id="reference.paged_prefill", call_site="attention", phases=("prefill",),
+               op="reference.paged_decode",
+               description="slow torch reference fallback (cute_kernels.reference.paged_decode per request)", **_REFERENCE),
+    # QSA sparse attention: its own call site, one op for prefill and decode batches (``prefill``
+    # only picks a tuning profile); ``phases`` names the profiles a kernel serves
+    KernelInfo(
+        id="sm90.qsa", status="available", call_site="qsa", archs=("sm90",), phases=PHASES,
+        kv_dtypes=sm90_qsa.KV_DTYPES, model_dtypes=sm90_qsa.Q_DTYPES, head_dims=sm90_qsa.HEAD_DIMS,
+        max_gqa_ratio=sm90_qsa.MAX_GROUP, op="qsa_sparse_attention",
+        description="SM90 QSA sparse attention: split-K gathers for decode-sized batches, shared row-tile "
+                    "gathers for prefill, FP8 K/V converted exactly on chip",
+        variants=sm90_qsa_launch.compile_variants,
+    ),
+    KernelInfo(id="reference.qsa_sparse_attention", call_site="qsa", phases=PHASES,
+               op="reference.qsa_sparse_attention",
+               description="slow torch reference fallback (cute_kernels.reference.qsa_sparse_attention)", **_REFERENCE),
+    # kernels an op runs around its attention kernel (their variants are compiled with the
+    # attention kernel's in the QSA list above, or listed here)
+    KernelInfo(id="sm90.qsa_tile", call_site=None, archs=("sm90",), op="qsa_sparse_attention",
+               head_dims=sm90_qsa.HEAD_DIMS, max_rows=sm90_qsa_tile.MAX_COLUMNS,
+               description="QSA prefill over row tiles: R rows x G heads on the WGMMA's M, one gather of "
+                           "their union", **_HELPER),
+    KernelInfo(id="sm90.qsa_union", call_site=None, archs=("sm90",), op="qsa_sparse_attention",
+               description="QSA row-tile pre-pass: the sorted union of R rows' selections and the rows' "
+                           "membership bits", **_HELPER),
+    KernelInfo(id="sm90.qsa_widen", call_site=None, archs=("sm90",), op="qsa_sparse_attention", kv_dtypes=("fp8_e4m3",),
+               description="QSA prefill pre-pass: the FP8 pages a block table addresses widened into a "
+                           "16-bit copy", **_HELPER),
+    KernelInfo(id="sm90.qsa_merge", call_site=None, archs=("sm90",), op="qsa_sparse_attention",
+               description="QSA split-K merge with the fused output gate", **_HELPER),
+    KernelInfo(id="common.merge_states", call_site=None, archs=_archs(merge_states.MergeStatesConfig.targets),
+               op="merge_states", description="LSE merge of split partial states",
+               variants=merge_states.compile_variants, **_HELPER),
+    KernelInfo(id="common.quantize_query", call_site=None, archs=_archs(quantize_query.FP8_TARGETS),
+               op="quantize_query", description="query quantization to FP8 e4m3, with optional fused NeoX RoPE",
+               variants=quantize_query.compile_variants, **_HELPER),
+    KernelInfo(id="common.write_kv_cache", call_site=None, archs=ARCHS, op="write_kv_cache",
+               description="new K/V written into the paged cache (FP8 caches from SM89 on)",
+               variants=write_kv_cache.compile_variants, **_HELPER),
+    KernelInfo(id="sm90.probe", call_site=None, archs=("sm90",),
+               description="the smallest TMA + WGMMA kernel: proves the Hopper path compiles",
+               variants=lambda: [probes.Sm90ProbeConfig()], **_HELPER),
+    KernelInfo(id="sm100.probe", call_site=None, archs=("sm100",),
+               description="the smallest TMA + tcgen05 + TMEM kernel: proves the Blackwell path compiles",
+               variants=lambda: [probes.Sm100ProbeConfig()], **_HELPER),
+)
+
+# id -> KernelInfo. The dispatcher reads it at call time, so a test may swap an entry (monkeypatch).
+KERNELS: dict[str, KernelInfo] = {k.id: k for k in _ENTRIES}
+
+# The reference fallback of each call site and phase; ``backend="reference"`` is an alias for it.
+FALLBACKS = {"decode": "reference.paged_decode", "prefill": "reference.paged_prefill"}
+QSA_FALLBACK = "reference.qsa_sparse_attention"
+
+def kernels_on(call_site: str) -> dict[str, KernelInfo]:
+    """The entries of one dispatcher list (in registration order, which is the priority order)."""
+    return {k: v for k, v in KERNELS.items() if v.call_site == call_site}
 
 
 def variants() -> list[KernelConfig]:
-    from .common.merge import MergeStatesConfig
-    from .sm90.probe import Sm90ProbeConfig
-    from .sm100.probe import Sm100ProbeConfig
-
-    out: list[KernelConfig] = [
-        MergeStatesConfig(out_dtype=dt, head_dim=d, vec=4)
-        for dt in ("fp32", "bf16", "fp16")
-        for d in (64, 128, 256)
-    ]
-    out += [Sm90ProbeConfig(), Sm100ProbeConfig()]
-    out += decode_matrix()
-    out += qsa_matrix()
-
-    # layer glue: query quantization (per-tensor / per-KV-head scales, full and partial RoPE with
-    # both cache dtypes) and KV-cache writes (FP8 and 16-bit caches, both layouts and containers)
-    from .common.kv_write import WriteKVCacheConfig
-    from .common.quantize import QuantizeQueryConfig
-
-    out += [
-        # the ops' defaults (2 rows per thread for the query, PDL) and the plain variants
-        QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=16, items=2, pdl=True),
-        QuantizeQueryConfig(q_dtype="fp16", head_dim=128, vec=16, scale_tensor=True),
-        QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=8, scale_tensor=True, rot_dim=128, pdl=True),
-        QuantizeQueryConfig(q_dtype="bf16", head_dim=64, vec=8, rot_dim=32, cos_sin_dtype="bf16",
-                            pos_dtype="int32"),
-        WriteKVCacheConfig(in_dtype="bf16", cache_dtype="fp8_e4m3", head_dim=128, vec=16, pdl=True),
-        WriteKVCacheConfig(in_dtype="bf16", cache_dtype="fp8_e4m3", head_dim=128, vec=16, slot_dtype="int32",
-                           kv_form="pair", kv_layout="NHD", k_scale_tensor=True, v_scale_tensor=True),
-        WriteKVCacheConfig(in_dtype="bf16", cache_dtype="bf16", head_dim=128, vec=16),
-        WriteKVCacheConfig(in_dtype="fp16", cache_dtype="fp16", head_dim=256, page_size=32, vec=16,
-                           slot_dtype="int32", kv_layout="NHD"),
-        WriteKVCacheConfig(in_dtype="bf16", cache_dtype="fp8_e4m3", head_dim=64, vec=16, slot_dtype="int32"),
-    ]
-    return out
-
-
-def decode_matrix() -> list[KernelConfig]:
-    """SM90 decode: each head dim x KV dtype x (split / no split), GQA 8, page 16; the alternative
-    FP8 widening; the cluster merge."""
-    from .sm90.decode import make_decode_config
-
-    out = []
-    for kv in ("fp8_e4m3", "bf16", "fp16"):
-        for d in (64, 128, 256):
-            for split in (False, True):
-                out.append(make_decode_config(q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=d,
-                                              group=8, q_len=1, page_size=16, split=split))
-    # the alternative FP8 widening, kept compiling and tested
-    out.append(make_decode_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1,
-                                  page_size=16, split=False, widen="bits"))
-    # the cluster merge (DSMEM) of splits of up to 16 CTAs: FP8 at the Qwen3 B8 sizing, BF16
-    for kv, occ in (("fp8_e4m3", 3), ("bf16", None)):
-        out.append(make_decode_config(q_dtype="bf16", kv_dtype=kv, head_dim=128, group=8, q_len=1, page_size=16,
-                                      split=True, cluster=True, **({"occupancy": occ} if occ else {})))
-    return out
-
-
-def qsa_matrix() -> list[KernelConfig]:
-    """SM90 QSA: the Qwen3.8 layer (D 256, GQA 12 and 6, page 1568/784) in BF16 and FP8, direct
-    (gated) and split-K, plus the fused merges; D 64/128 and GQA 16/1 once each; the prefill's
-    row-tile kernel (both cache dtypes x both groups, gated, at the rows per CTA the op uses) and
-    its union pre-pass (5 rows, 16K-token bitmap; 8 rows, the largest bitmap); the FP8 prefill's
-    widening pre-pass (bf16 and fp16 copies)."""
-    from .sm90.qsa import make_qsa_config
-    from .sm90.qsa_merge import QsaMergeConfig, merge_shape
-    from .sm90.qsa_tile import make_qsa_tile_config
-    from .sm90.qsa_union import QsaUnionConfig
-    from .sm90.qsa_widen import QsaWidenConfig
-
+    """Every compile variant of every registered kernel (the compile matrix)."""
     out: list[KernelConfig] = []
-    for kv in ("bf16", "fp8_e4m3"):
-        for group, page in ((12, 1568), (6, 784)):
-            for split in (False, True):
-                out.append(make_qsa_config(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=group, page_size=page,
-                                           split=split, gate=not split))
-    out.append(make_qsa_config(q_dtype="fp16", kv_dtype="fp16", head_dim=128, group=16, page_size=800, split=True,
-                               gate=False))
-    out.append(make_qsa_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=64, group=1, page_size=16,
-                               split=False, gate=False))
-    # the merge shapes of the decode table's split counts: N 4 (11), N 16 (4), S 2, N 1 (33: lanes)
-    out += [QsaMergeConfig(out_dtype="bf16", head_dim=256, vec=4, gate=g, pdl=True, group=m, lanes=lanes)
-            for g, splits in ((True, 11), (False, 11), (True, 4), (False, 2), (True, 33))
-            for m, lanes in (merge_shape(splits),)]
-    out += [make_qsa_tile_config(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=group, page_size=page, gate=True)
-            for kv in ("bf16", "fp8_e4m3") for group, page in ((12, 1568), (6, 784))]
-    out += [QsaUnionConfig(rows_per_tile=5, page_size=1568, max_tokens=16384, union_cap=4160),
-            QsaUnionConfig(rows_per_tile=8, page_size=784, max_tokens=524288, union_cap=4160)]
-    out += [QsaWidenConfig(out_dtype="bf16", head_dim=256, page_size=1568),
-            QsaWidenConfig(out_dtype="fp16", head_dim=128, page_size=800)]
+    for info in KERNELS.values():
+        if info.variants is not None:
+            out += info.variants()
     return out
 
 
 def variants_for(arch: str) -> list[KernelConfig]:
+    """The compile variants that target ``arch`` (a compile target such as ``"sm_90a"``)."""
     target = normalize_target(arch)
     return [v for v in variants() if target in v.targets]
-
-
-@dataclass
-class Evidence:
-    """What one compile proved: each PTX pattern's match count and a SASS mnemonic summary."""
-
-    ptx_target: str | None
-    ptx: dict[str, int] = field(default_factory=dict)
-    sass: dict[str, int] = field(default_factory=dict)
-    missing: list[str] = field(default_factory=list)
-
-
-def evidence_of(compiled: CompiledKernel) -> Evidence:
-    ptx = compiled.ptx or ""
-    target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
-    ev = Evidence(ptx_target=target.group(1) if target else None)
-    for pattern in compiled.config.evidence.get(compiled.arch, ()):
-        n = len(re.findall(pattern, ptx))
-        ev.ptx[pattern] = n
-        if n == 0:
-            ev.missing.append(pattern)
-    if compiled.sass:
-        for fam in SASS_FAMILIES:
-            n = len(re.findall(r"\b" + re.escape(fam), compiled.sass))
-            if n:
-                ev.sass[fam] = n
-    return ev
-
-
-def compile_with_evidence(config: KernelConfig, arch: str) -> tuple[CompiledKernel, Evidence]:
-    compiled = compile_config(config, arch, artifacts=True)
-    return compiled, evidence_of(compiled)

@@ -1,9 +1,10 @@
 """Per-arch capability table: which kernels each (arch, phase) tries, in order.
 
-The planner walks a row's list and takes the first available kernel whose limits accept the
-request; the reference fallback closes every list, so every (arch, phase, KV dtype) has a plan.
-Opt-in kernels (``sm90.decode_fp8q``) are deliberately absent from these lists: they change
-numerics (FP8 query) and are used only when named with ``backend=``.
+A row's list is read from the kernel registry: the attention kernels registered for that arch and
+phase, in registration order, then the reference fallback, so every (arch, phase, KV dtype) has
+a plan. The planner takes the first available kernel whose limits accept the request. Opt-in
+kernels (``sm90.decode_fp8q``) are deliberately absent from these lists: they change numerics
+(FP8 query) and are used only when named with ``backend=``.
 
 An arch without an FP8-QK kernel in its list never gets an FP8 query; that is why SM80/86/89 and
 SM120/121 are pure fallback rows today (vLLM's L4 crash, anchors §3.2, was an FP8 query planned
@@ -12,35 +13,23 @@ on SM89 from a global setting).
 
 from __future__ import annotations
 
+from cute_kernels.registry import FALLBACKS, KERNELS, PHASES
+
 from .arch import SUPPORTED_ARCHS, parse_arch
 from .errors import UnsupportedConfig
-from .kernels import FALLBACKS, KERNELS, PHASES
 
-# (arch, phase) -> kernel ids tried automatically, real kernels first. The fallback is appended.
-_AUTO = {
-    ("sm90", "decode"): ("sm90.decode",),
-    ("sm100", "decode"): ("sm100.decode",),
-    ("sm100", "prefill"): ("sm100.prefill",),
-    ("sm103", "decode"): ("sm100.decode",),
-    ("sm103", "prefill"): ("sm100.prefill",),
-}
-
+# one sentence per arch, printed under the ``cute-kernels matrix`` table
 ARCH_SUMMARY = {
-    "sm80": "Ampere: no FP8 tensor cores; no CuTe attention kernel, reference fallback; "
-            "model-dtype query always.",
-    "sm86": "Ampere (consumer): as SM80; reference fallback; model-dtype query always.",
-    "sm89": "Ada: FP8 tensor cores but no FP8 attention kernel here (vLLM's L4 crash was an FP8 "
-            "query on SM89); reference fallback; model-dtype query always.",
-    "sm90": "Hopper: sm90.decode (issue 3) reads FP8 KV and converts it on chip, so the query "
-            "stays in the model dtype and q_scale is unused; FP8-query decode "
-            "(sm90.decode_fp8q) is opt-in only; prefill uses the reference fallback.",
-    "sm100": "Blackwell: tcgen05 TRT-LLM-style decode and prefill (planned) compute QK in FP8 "
-             "for an FP8 cache, where the layer quantizes the query with q_scale; reference "
-             "fallback until they land.",
-    "sm103": "Blackwell Ultra: same kernels and rules as SM100.",
-    "sm120": "Blackwell (consumer): no tcgen05 and no FP8 attention kernel; reference fallback; "
-             "model-dtype query always.",
-    "sm121": "Blackwell (GB10): as SM120; no tcgen05; reference fallback; model-dtype query always.",
+    "sm80": "Ampere: no CuTe attention kernel; reference fallback with a model-dtype query.",
+    "sm86": "Ampere (consumer): as SM80.",
+    "sm89": "Ada: FP8 tensor cores but no attention kernel here; reference fallback with a model-dtype query.",
+    "sm90": "Hopper: sm90.decode widens FP8 K/V on chip, so the query stays in the model dtype "
+            "(sm90.decode_fp8q is opt-in).",
+    "sm100": "Blackwell: the planned tcgen05 kernels compute QK in FP8 for an FP8 cache, with a query the "
+             "layer quantizes.",
+    "sm103": "Blackwell Ultra: as SM100.",
+    "sm120": "Blackwell (consumer): no tcgen05 kernel; reference fallback with a model-dtype query.",
+    "sm121": "Blackwell (GB10): as SM120.",
 }
 
 
@@ -49,17 +38,16 @@ def kernels_for(arch, phase: str) -> tuple[str, ...]:
     name = parse_arch(arch).name
     if phase not in PHASES:
         raise UnsupportedConfig(f"phase must be one of {PHASES}, got {phase!r}")
-    return _AUTO.get((name, phase), ()) + (FALLBACKS[phase],)
+    auto = tuple(k.id for k in KERNELS.values() if k.call_site == "attention" and not k.is_fallback
+                 and not k.opt_in and name in k.archs and phase in k.phases)
+    return auto + (FALLBACKS[phase],)
 
 
 def opt_in_kernels(arch, phase: str) -> tuple[str, ...]:
     """Registered non-fallback kernels for ``(arch, phase)`` that are only used via ``backend=``."""
     name = parse_arch(arch).name
-    auto = kernels_for(name, phase)
-    return tuple(
-        k.id for k in KERNELS.values()
-        if name in k.archs and phase in k.phases and not k.is_fallback and k.id not in auto
-    )
+    return tuple(k.id for k in KERNELS.values()
+                 if k.call_site == "attention" and k.opt_in and name in k.archs and phase in k.phases)
 
 
 def capability_table() -> list[dict]:

@@ -29,10 +29,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cute_kernels import _nvtx
+from cute_kernels.ops._launch import check_scale
+from cute_kernels.registry import KERNELS, KV_LAYOUTS
+
 from .arch import ArchLike, parse_arch
 from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
-from .kernels import KV_LAYOUTS
 from .planner import Plan, plan
 
 if TYPE_CHECKING:  # annotations only: importing this module needs neither torch nor the DSL
@@ -162,19 +165,17 @@ class AttentionLayer:
         self._plans: dict[tuple, Plan] = {}
 
     def _check_host_scale(self, name: str, value, per_head: bool = False):
-        """Host-side checks of a scale (device placement is checked by the ops at call time)."""
-        if hasattr(value, "numel") and hasattr(value, "dtype"):  # a tensor; values are never read
-            n = value.numel()
-            if str(value.dtype) != "torch.float32":
-                raise UnsupportedConfig(f"{name} must be a float or a float32 tensor, got {value.dtype}")
-            if n != 1 and not (per_head and value.dim() == 1 and n == self.num_kv_heads):
-                shapes = "a 1-element or [num_kv_heads] tensor" if per_head else "a 1-element tensor"
-                raise UnsupportedConfig(f"{name} must be a float or {shapes}, got shape {tuple(value.shape)}")
-            # one shape for every kernel signature; a view, so later in-place updates still apply
-            return value.view(1) if n == 1 and value.dim() != 1 else value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise UnsupportedConfig(f"{name} must be a positive finite float or a float32 tensor, got {value!r}")
-        return float(value)
+        """Host-side checks of a scale, with the ops' validator (device placement is checked by the
+        ops at call time); a 1-element tensor is kept as a ``[1]`` view (one shape for every kernel
+        signature; a view, so later in-place updates still apply)."""
+        try:
+            is_tensor = check_scale(name, value, num_q_heads=self.num_q_heads if per_head else None,
+                                    num_kv_heads=self.num_kv_heads if per_head else None)
+        except (TypeError, ValueError) as e:
+            raise UnsupportedConfig(str(e)) from None
+        if not is_tensor:
+            return float(value)
+        return value.view(1) if value.numel() == 1 and value.dim() != 1 else value
 
     def __repr__(self) -> str:
         return (f"AttentionLayer(Hq={self.num_q_heads}, Hkv={self.num_kv_heads}, D={self.head_dim}, "
@@ -244,7 +245,21 @@ class AttentionLayer:
 
         Returns:
             ``[T, Hq, D]`` in the model dtype.
+
+        With a profiler attached, the step runs inside the NVTX range ``cute_kernels.layer`` (each
+        op's range nested inside it), except while torch.compile traces it.
         """
+        if _nvtx.ENABLED:
+            import torch
+
+            if not torch.compiler.is_compiling():
+                with _nvtx.op_range("layer", q=q, kv_cache=kv_cache[0] if isinstance(kv_cache, tuple) else kv_cache):
+                    return self._step(q, k, v, kv_cache, metadata)
+        return self._step(q, k, v, kv_cache, metadata)
+
+    __call__ = forward
+
+    def _step(self, q, k, v, kv_cache, metadata: AttentionMetadata):
         import torch
 
         import cute_kernels
@@ -265,8 +280,6 @@ class AttentionLayer:
             self._prefill(p, q, kv_cache, metadata, out)
         return out
 
-    __call__ = forward
-
     def _query_for(self, p: Plan, q):
         """The query a phase's kernel takes, and the q_scale it applies (None if it applies none)."""
         if p.quantize_query or p.applies_q_scale:
@@ -275,18 +288,19 @@ class AttentionLayer:
                     f"{p.kernel} computes QK in FP8 for this {p.kv_cache_dtype} layer on {p.arch}, so the "
                     "query must be quantized, but the layer has no q_scale: pass q_scale= to AttentionLayer"
                 )
-        if p.quantize_query:
-            import cute_kernels
+            if p.quantize_query:
+                import cute_kernels
 
-            q = cute_kernels.quantize_query(q, self.q_scale)
+                q = cute_kernels.quantize_query(q, self.q_scale)
         return q, (self.q_scale if p.applies_q_scale else None)
 
     def _decode(self, p: Plan, q, kv_cache, metadata: AttentionMetadata, out):
         import cute_kernels
         from cute_kernels import reference
 
-        if p.kernel not in ("sm90.decode", "reference.paged_decode"):
-            raise UnsupportedConfig(f"the decode plan chose {p.kernel}, which has no op in this build ({p.reason})")
+        op = KERNELS[p.kernel].op  # the registry names the op that runs a kernel
+        if op not in ("paged_decode", "reference.paged_decode"):
+            raise UnsupportedConfig(f"the decode plan chose {p.kernel}, which has no decode op in this build")
         B = metadata.num_decode_reqs
         bt, sl = metadata.block_table, metadata.seq_lens
         if B != metadata.num_reqs:
@@ -294,9 +308,9 @@ class AttentionLayer:
         q_in, q_scale = self._query_for(p, q)
         common = dict(kv_layout=self.kv_layout, q_len_per_req=metadata.q_len_per_req, sm_scale=self.sm_scale,
                       k_scale=self.k_scale, v_scale=self.v_scale)
-        if p.kernel == "sm90.decode":
+        if op == "paged_decode":
             if q_scale is not None:  # pragma: no cover - the registry says sm90.decode takes no q_scale
-                raise UnsupportedConfig("sm90.decode does not apply q_scale")
+                raise UnsupportedConfig(f"{p.kernel} does not apply q_scale")
             res = cute_kernels.paged_decode(q_in, kv_cache, bt, sl, out=out, **common)
             if res is not out:  # CPU tensors run the reference, which returns a new tensor
                 out.copy_(res)
@@ -306,8 +320,8 @@ class AttentionLayer:
     def _prefill(self, p: Plan, q, kv_cache, metadata: AttentionMetadata, out):
         from cute_kernels import reference
 
-        if p.kernel != "reference.paged_prefill":
-            raise UnsupportedConfig(f"the prefill plan chose {p.kernel}, which has no op in this build ({p.reason})")
+        if KERNELS[p.kernel].op != "reference.paged_decode":
+            raise UnsupportedConfig(f"the prefill plan chose {p.kernel}, which has no prefill op in this build")
         nd, T = metadata.num_decode_tokens, q.shape[0]
         first = metadata.num_decode_reqs
         starts = metadata.query_start_loc.tolist()  # host sync: prefill steps are never graph-captured

@@ -1,25 +1,28 @@
 """``plan()``: choose the kernel and the query dtype for one attention call site.
 
-A plan is a pure function of its arguments. There is no global state here on purpose: vLLM chose
-the query dtype from the *global* KV-cache dtype and with no arch gate, which gave an FP8 query to
-bf16 skip-layer groups and to SM89 (anchors §3.1-3.2). Here the caller plans each KV-cache group
-separately, and the query is FP8 only when the chosen kernel computes Q·Kᵀ in FP8 for that
-group's cache, so a bf16 group or an arch without such a kernel can never get one.
+A plan is a pure function of its arguments and of the kernel registry
+(:mod:`cute_kernels.registry`, read at call time). There is no global state here on purpose:
+vLLM chose the query dtype from the *global* KV-cache dtype and with no arch gate, which gave an
+FP8 query to bf16 skip-layer groups and to SM89 (anchors §3.1-3.2). Here the caller plans each
+KV-cache group separately, and the query is FP8 only when the chosen kernel computes Q·Kᵀ in FP8
+for that group's cache, so a bf16 group or an arch without such a kernel can never get one.
 
 Explicit ``backend=`` requests are honoured or refused with the violated constraint, never
 silently replaced (a selector that accepts what the kernel later rejects is vllm#48848).
+Design: docs/design/dispatch.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from cute_kernels.registry import FALLBACKS, KERNELS, KV_LAYOUTS, PHASES, KernelInfo
 
 from .arch import ArchLike, parse_arch
 from .capabilities import kernels_for
 from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
-from .kernels import FALLBACKS, KERNELS, KV_LAYOUTS, PHASES, KernelInfo
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +50,10 @@ class _Request:
 
 class Decision:
     """What :class:`Plan` and :class:`dispatch.qsa.QsaPlan` share: a kernel id and its dict form."""
+
+    if TYPE_CHECKING:  # provided by the dataclasses that derive it
+        kernel: str
+        __dataclass_fields__: ClassVar[dict[str, Any]]
 
     @property
     def is_fallback(self) -> bool:
@@ -78,7 +85,7 @@ class Plan(Decision, _Request):
         return torch_dtype(self.q_dtype)
 
 
-def _positive_int(name: str, value) -> int:
+def positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UnsupportedConfig(f"{name} must be a positive int (>= 1), got {value!r}")
     return value
@@ -92,15 +99,15 @@ def _request(arch, phase, kv_cache_dtype, model_dtype, head_dim, num_q_heads, nu
         raise UnsupportedConfig(f"phase must be 'prefill' or 'decode', got {phase!r}")
     model = model_dtype_name(model_dtype)
     kv = kv_dtype_name(kv_cache_dtype, model)
-    head_dim = _positive_int("head_dim", head_dim)
-    num_q_heads = _positive_int("num_q_heads", num_q_heads)
-    num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+    head_dim = positive_int("head_dim", head_dim)
+    num_q_heads = positive_int("num_q_heads", num_q_heads)
+    num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
     if num_q_heads % num_kv_heads:
         raise UnsupportedConfig(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    page_size = _positive_int("page_size", page_size)
-    q_len = _positive_int("q_len", q_len)
+    page_size = positive_int("page_size", page_size)
+    q_len = positive_int("q_len", q_len)
     layout = kv_layout.upper() if isinstance(kv_layout, str) else kv_layout
     if layout not in KV_LAYOUTS:
         raise UnsupportedConfig(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
@@ -112,93 +119,101 @@ def _slash(values) -> str:
     return "/".join(str(v) for v in values)
 
 
-def _target_mismatch(k: KernelInfo, req: _Request) -> str | None:
+def target_mismatch(k: KernelInfo, arch: str, phase: str | None) -> str | None:
     """Why ``k`` does not exist for this arch/phase at all, or None."""
-    if req.arch not in k.archs:
-        return f"{k.id} runs on {_slash(k.archs)}, not {req.arch}"
-    if req.phase not in k.phases:
-        return f"{k.id} is a {_slash(k.phases)} kernel, not {req.phase}"
+    if arch not in k.archs:
+        return f"{k.id} runs on {_slash(k.archs)}, not {arch}"
+    if phase is not None and phase not in k.phases:
+        return f"{k.id} is a {_slash(k.phases)} kernel, not {phase}"
     return None
 
 
-def _violations(k: KernelInfo, req: _Request) -> list[str]:
-    """Every reason ``k`` cannot serve ``req`` on its own arch/phase (empty = it can)."""
+def unmet_limits(k: KernelInfo, *, kv: str, model: str, head_dim: int, hq: int, hkv: int, page_size=None,
+                 q_len=None, kv_layout=None) -> list[str]:
+    """The limits of ``k`` a request misses, each as ``"<what it needs> (got <value>)"``
+    (empty = it accepts the request). ``page_size``, ``q_len``, ``kv_layout`` None: not asked."""
     out = []
-    if k.status == "planned":
-        out.append(f"{k.id} is planned ({k.planned_in}), not built yet")
-    if req.kv_cache_dtype not in k.kv_dtypes:
-        out.append(f"{k.id} supports kv_cache_dtype {_slash(k.kv_dtypes)}, got {req.kv_cache_dtype}")
-    if req.model_dtype not in k.model_dtypes:
-        out.append(f"{k.id} supports model_dtype {_slash(k.model_dtypes)}, got {req.model_dtype}")
-    elif not k.is_fallback and req.kv_cache_dtype not in ("fp8_e4m3", req.model_dtype):
+    if kv not in k.kv_dtypes:
+        out.append(f"kv_cache_dtype {_slash(k.kv_dtypes)} (got {kv})")
+    if model not in k.model_dtypes:
+        out.append(f"model_dtype {_slash(k.model_dtypes)} (got {model})")
+    elif not k.is_fallback and kv not in ("fp8_e4m3", model):
         # A tensor-core kernel multiplies Q and K in one 16-bit type; only FP8 K is converted on chip.
-        out.append(f"{k.id} needs a 16-bit kv_cache_dtype equal to model_dtype {req.model_dtype}, "
-                   f"got {req.kv_cache_dtype}")
-    if k.head_dims is not None and req.head_dim not in k.head_dims:
-        out.append(f"{k.id} supports head_dim {_slash(k.head_dims)}, got {req.head_dim}")
-    if k.max_gqa_ratio is not None and req.gqa_ratio > k.max_gqa_ratio:
-        out.append(f"{k.id} supports GQA ratio (num_q_heads / num_kv_heads) up to {k.max_gqa_ratio}, "
-                   f"got {req.gqa_ratio}")
-    if k.page_sizes is not None and req.page_size not in k.page_sizes:
-        out.append(f"{k.id} supports page_size {_slash(k.page_sizes)}, got {req.page_size}")
-    if k.max_q_len is not None and req.q_len > k.max_q_len:
-        out.append(f"{k.id} supports q_len up to {k.max_q_len}, got {req.q_len}")
-    if req.kv_layout not in k.kv_layouts:
-        out.append(f"{k.id} supports kv_layout {_slash(k.kv_layouts)}, got {req.kv_layout}")
+        out.append(f"an FP8 cache or one of the model dtype {model} (got {kv})")
+    if k.head_dims is not None and head_dim not in k.head_dims:
+        out.append(f"head_dim {_slash(k.head_dims)} (got {head_dim})")
+    group = hq // hkv
+    if k.max_gqa_ratio is not None and group > k.max_gqa_ratio:
+        out.append(f"GQA ratio (num_q_heads / num_kv_heads) up to {k.max_gqa_ratio} (got {group})")
+    if page_size is not None and k.page_sizes is not None and page_size not in k.page_sizes:
+        out.append(f"page_size {_slash(k.page_sizes)} (got {page_size})")
+    if q_len is not None:
+        if k.max_q_len is not None and q_len > k.max_q_len:
+            out.append(f"q_len up to {k.max_q_len} (got {q_len})")
+        if k.max_rows is not None and group * q_len > k.max_rows:
+            out.append(f"GQA ratio x q_len up to {k.max_rows} (got {group} x {q_len})")
+    if kv_layout is not None and kv_layout not in k.kv_layouts:
+        out.append(f"kv_layout {_slash(k.kv_layouts)} (got {kv_layout})")
     return out
 
 
+def refusal(k: KernelInfo, unmet: list[str]) -> str | None:
+    """One clause saying why ``k`` cannot serve a request (None = it can): ``"sm100.decode is not
+    built yet"``, ``"sm90.decode needs head_dim 64/128/256 (got 96) and page_size ... (got 8)"``."""
+    needs = f"needs {', '.join(unmet[:-1])} and {unmet[-1]}" if len(unmet) > 1 else (
+        f"needs {unmet[0]}" if unmet else "")
+    if k.status == "planned":
+        return f"{k.id} is not built yet" + (f" and {needs}" if needs else "")
+    return f"{k.id} {needs}" if needs else None
+
+
+def _unmet(k: KernelInfo, req: _Request) -> list[str]:
+    return unmet_limits(k, kv=req.kv_cache_dtype, model=req.model_dtype, head_dim=req.head_dim, hq=req.num_q_heads,
+                        hkv=req.num_kv_heads, page_size=req.page_size, q_len=req.q_len, kv_layout=req.kv_layout)
+
+
 def _make_plan(k: KernelInfo, req: _Request, why: str, backend: str | None) -> Plan:
-    """Fix the query dtype from the chosen kernel and this group's cache dtype, nothing else."""
+    """Fix the query dtype from the chosen kernel and this group's cache dtype, nothing else. The
+    reason is one sentence: why this kernel, and the query's quantization when there is one (the
+    plan's ``q_dtype`` and ``applies_q_scale`` say the rest)."""
     fp8_query = k.computes_qk_in_fp8(req.kv_cache_dtype)
-    if fp8_query:
-        query = "it computes QK in FP8, so the layer quantizes the query to fp8_e4m3 and applies q_scale"
-    else:
-        m = req.model_dtype
-        query = f"QK never sees an FP8 query, so the query stays {m} and q_scale is not applied"
+    query = ", where QK runs in FP8: the layer quantizes the query with q_scale" if fp8_query else ""
     return Plan(
         kernel=k.id,
         q_dtype="fp8_e4m3" if fp8_query else req.model_dtype,
         quantize_query=fp8_query and k.supports_quant_query_input,
         applies_q_scale=fp8_query,
-        reason=f"{why}; {query}.",
+        reason=f"{why}{query}.",
         backend=backend,
         **asdict(req),
     )
 
 
-def _fallback_why(req: _Request, rejected: list[str]) -> str:
-    if not rejected:
-        return f"slow torch reference fallback: no CuTe kernel targets {req.arch} {req.phase}"
-    return f"slow torch reference fallback: {'; '.join(rejected)}"
-
-
 def _auto(req: _Request) -> Plan:
-    rejected = []
+    rejected: list[str] = []
     for kid in kernels_for(req.arch, req.phase):
         k = KERNELS[kid]
         if k.is_fallback:
-            return _make_plan(k, req, _fallback_why(req, rejected), None)
-        problems = _violations(k, req)
-        if not problems:
-            why = f"{k.id} accepts this {req.arch} {req.phase} request: {k.description}"
-            return _make_plan(k, req, why, None)
-        rejected.extend(problems)
+            why = "; ".join(rejected) if rejected else f"no CuTe kernel targets {req.arch} {req.phase}"
+            return _make_plan(k, req, f"reference fallback: {why}", None)
+        refused = refusal(k, _unmet(k, req))
+        if refused is None:
+            return _make_plan(k, req, f"{k.id} accepts this request", None)
+        rejected.append(refused)
     raise AssertionError(f"capability list of {req.arch} {req.phase} has no fallback")  # pragma: no cover
 
 
 def _explicit(req: _Request, backend: str) -> Plan:
     kid = FALLBACKS[req.phase] if backend == "reference" else backend
     k = KERNELS.get(kid)
-    if k is None:
-        raise UnsupportedConfig(
-            f"backend={backend!r} is not a registered kernel id; expected 'reference' or one of "
-            f"{', '.join(KERNELS)}"
-        )
-    problems = [m] if (m := _target_mismatch(k, req)) else _violations(k, req)
-    if problems:
-        raise UnsupportedConfig(f"backend={backend!r} cannot serve this request: {'; '.join(problems)}")
-    return _make_plan(k, req, f"backend={backend!r} requested: {k.id}, {k.description}", backend)
+    if k is None or k.call_site != "attention":
+        ids = ", ".join(i for i, v in KERNELS.items() if v.call_site == "attention")
+        raise UnsupportedConfig(f"backend={backend!r} is not an attention kernel id; expected 'reference' or one of {ids}")
+    why = target_mismatch(k, req.arch, req.phase) or refusal(k, _unmet(k, req))
+    if why:
+        raise UnsupportedConfig(f"backend={backend!r} cannot serve this request: {why}")
+    label = "the reference fallback" if k.is_fallback else k.id
+    return _make_plan(k, req, f"{label} requested with backend={backend!r}", backend)
 
 
 def plan(

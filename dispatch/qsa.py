@@ -1,27 +1,26 @@
-"""``plan_qsa()``: which kernel serves a QSA sparse-attention layer (issue 4), per arch.
+"""``plan_qsa()``: which kernel serves a QSA sparse-attention layer, per arch.
 
 QSA is its own call site, not a phase of paged attention: every query row attends to the tokens
 its indexer selected (``cute_kernels.qsa_sparse_attention``), and one op serves prefill and
 decode batches alike (its ``prefill`` flag only picks a tuning profile). So it has its own
-capability listing (:func:`qsa_capability_table`) and never appears in :func:`dispatch.plan`'s
-per-phase lists. The query is never FP8 here: the SM90 kernel converts FP8 K/V on chip and runs
-QK in the model dtype, so ``q_scale`` never applies.
+capability listing (:func:`qsa_capability_table`, the registry's ``call_site="qsa"`` kernels) and
+never appears in :func:`dispatch.plan`'s per-phase lists. The query is never FP8 here: the SM90
+kernel converts FP8 K/V on chip and runs QK in the model dtype, so ``q_scale`` never applies.
 
-Pure Python like the rest of ``dispatch`` (no torch, no DSL).
+Pure Python like the rest of ``dispatch`` (no torch, no DSL). Design: docs/design/dispatch.md#the-design-as-it-stands.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from cute_kernels.registry import KERNELS, QSA_FALLBACK
 
 from .arch import SUPPORTED_ARCHS, ArchLike, parse_arch
 from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name
 from .errors import UnsupportedConfig
-from .kernels import QSA_FALLBACK, QSA_KERNELS, KernelInfo
-from .planner import Decision
-
-# arch -> QSA kernel ids tried automatically, real kernels first; the fallback closes every list
-_QSA_AUTO = {"sm90": ("sm90.qsa",)}
+from .planner import Decision, positive_int, refusal, target_mismatch, unmet_limits
 
 
 @dataclass(frozen=True)
@@ -47,41 +46,18 @@ class QsaPlan(Decision):
 
 def qsa_kernels_for(arch) -> tuple[str, ...]:
     """QSA kernel ids tried automatically on ``arch``, the reference fallback last."""
-    return _QSA_AUTO.get(parse_arch(arch).name, ()) + (QSA_FALLBACK,)
+    name = parse_arch(arch).name
+    auto = tuple(k.id for k in KERNELS.values()
+                 if k.call_site == "qsa" and not k.is_fallback and not k.opt_in and name in k.archs)
+    return auto + (QSA_FALLBACK,)
 
 
 def qsa_capability_table() -> list[dict]:
     """One row per arch: ``{"arch", "kernels": [{"id", "status"}]}`` (what ``plan_qsa`` tries)."""
     return [
-        {"arch": arch, "kernels": [{"id": k, "status": QSA_KERNELS[k].status} for k in qsa_kernels_for(arch)]}
+        {"arch": arch, "kernels": [{"id": k, "status": KERNELS[k].status} for k in qsa_kernels_for(arch)]}
         for arch in SUPPORTED_ARCHS
     ]
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UnsupportedConfig(f"{name} must be a positive int (>= 1), got {value!r}")
-    return value
-
-
-def _violations(k: KernelInfo, arch: str, kv: str, model: str, head_dim: int, hq: int, hkv: int) -> list[str]:
-    out = []
-    if arch not in k.archs:
-        return [f"{k.id} runs on {'/'.join(k.archs)}, not {arch}"]
-    if k.status == "planned":
-        out.append(f"{k.id} is planned ({k.planned_in}), not built yet")
-    if kv not in k.kv_dtypes:
-        out.append(f"{k.id} supports kv_cache_dtype {'/'.join(k.kv_dtypes)}, got {kv}")
-    if model not in k.model_dtypes:
-        out.append(f"{k.id} supports model_dtype {'/'.join(k.model_dtypes)}, got {model}")
-    elif not k.is_fallback and kv not in ("fp8_e4m3", model):
-        out.append(f"{k.id} needs a 16-bit kv_cache_dtype equal to model_dtype {model}, got {kv}")
-    if k.head_dims is not None and head_dim not in k.head_dims:
-        out.append(f"{k.id} supports head_dim {'/'.join(map(str, k.head_dims))}, got {head_dim}")
-    if k.max_gqa_ratio is not None and hq // hkv > k.max_gqa_ratio:
-        out.append(f"{k.id} supports GQA ratio (num_q_heads / num_kv_heads) up to {k.max_gqa_ratio}, "
-                   f"got {hq // hkv}")
-    return out
 
 
 def plan_qsa(
@@ -110,35 +86,38 @@ def plan_qsa(
     arch_name = parse_arch(arch).name
     model = model_dtype_name(model_dtype)
     kv = kv_dtype_name(kv_cache_dtype, model)
-    head_dim = _positive_int("head_dim", head_dim)
-    hq = _positive_int("num_q_heads", num_q_heads)
-    hkv = _positive_int("num_kv_heads", num_kv_heads)
+    head_dim = positive_int("head_dim", head_dim)
+    hq = positive_int("num_q_heads", num_q_heads)
+    hkv = positive_int("num_kv_heads", num_kv_heads)
     if hq % hkv:
         raise UnsupportedConfig(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
-    fields = dict(q_dtype=model, arch=arch_name, kv_cache_dtype=kv, model_dtype=model, head_dim=head_dim,
+    fields: dict[str, Any] = dict(q_dtype=model, arch=arch_name, kv_cache_dtype=kv, model_dtype=model, head_dim=head_dim,
                   num_q_heads=hq, num_kv_heads=hkv)
+
+    def why_not(k):
+        return refusal(k, unmet_limits(k, kv=kv, model=model, head_dim=head_dim, hq=hq, hkv=hkv))
+
     if backend is not None and backend != "auto":
         if not isinstance(backend, str):
             raise UnsupportedConfig(f"backend must be a kernel id string or None, got {backend!r}")
         kid = QSA_FALLBACK if backend == "reference" else backend
-        k = QSA_KERNELS.get(kid)
-        if k is None:
-            raise UnsupportedConfig(f"backend={backend!r} is not a QSA kernel id; expected 'reference' or one of "
-                                    f"{', '.join(QSA_KERNELS)}")
-        problems = _violations(k, arch_name, kv, model, head_dim, hq, hkv)
-        if problems:
-            raise UnsupportedConfig(f"backend={backend!r} cannot serve this QSA layer: {'; '.join(problems)}")
-        return QsaPlan(kernel=kid, reason=f"backend={backend!r} requested: {k.id}, {k.description}.",
-                       backend=backend, **fields)
+        k = KERNELS.get(kid)
+        if k is None or k.call_site != "qsa":
+            ids = ", ".join(i for i, v in KERNELS.items() if v.call_site == "qsa")
+            raise UnsupportedConfig(f"backend={backend!r} is not a QSA kernel id; expected 'reference' or one of {ids}")
+        why = target_mismatch(k, arch_name, None) or why_not(k)
+        if why:
+            raise UnsupportedConfig(f"backend={backend!r} cannot serve this QSA layer: {why}")
+        label = "the reference fallback" if k.is_fallback else kid
+        return QsaPlan(kernel=kid, reason=f"{label} requested with backend={backend!r}.", backend=backend, **fields)
     rejected: list[str] = []
     for kid in qsa_kernels_for(arch_name):
-        k = QSA_KERNELS[kid]
+        k = KERNELS[kid]
         if k.is_fallback:
             why = "; ".join(rejected) if rejected else f"no CuTe QSA kernel targets {arch_name}"
-            return QsaPlan(kernel=kid, reason=f"slow torch reference fallback: {why}.", **fields)
-        problems = _violations(k, arch_name, kv, model, head_dim, hq, hkv)
-        if not problems:
-            return QsaPlan(kernel=kid, reason=f"{kid} accepts this {arch_name} QSA layer: {k.description}; "
-                                              f"the query stays {model}.", **fields)
-        rejected.extend(problems)
+            return QsaPlan(kernel=kid, reason=f"reference fallback: {why}.", **fields)
+        why = why_not(k)
+        if why is None:
+            return QsaPlan(kernel=kid, reason=f"{kid} accepts this layer.", **fields)
+        rejected.append(why)
     raise AssertionError("QSA capability list has no fallback")  # pragma: no cover

@@ -44,9 +44,9 @@ import torch
 import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.qsa_sparse_attention import tuning_override
-from cute_kernels.sm90.qsa import select_config
-from cute_kernels.sm90.qsa_tile import row_tile_plan
-from cute_kernels.sm90.qsa_widen import use_widened_cache
+from cute_kernels.plans.sm90_qsa import select_config
+from cute_kernels.plans.sm90_qsa_tile import row_tile_plan
+from cute_kernels.plans.sm90_qsa_widen import use_widened_cache
 
 from .harness import SM90, NvtxRanges, parse_variants, write_json
 from .qsa_selection import SELECTIONS, TOPK, qsa_indices, selection_stats

@@ -4,7 +4,7 @@ Token i goes to slot ``s = slot_mapping[i]``: page ``s // page_size``, offset ``
 A slot outside ``[0, P * page_size)`` (``-1`` marks padding) is skipped: the bounds check is the
 only thing between a bad slot and an out-of-bounds write, so it is done on the 64-bit slot
 against the cache's own page count, for every token. The cache stores ``x / scale`` (correctly
-rounded fp32 division, :mod:`cute_kernels.common.fdiv`) converted with round-to-nearest-even: saturated to ±448 for
+rounded fp32 division, :mod:`cute_kernels.roles.fdiv`) converted with round-to-nearest-even: saturated to ±448 for
 float8_e4m3fn (``cvt.rn.satfinite.e4m3x2.f32``), plain for bf16/fp16. The codes are those of
 :func:`cute_kernels.reference.write_kv_cache`.
 
@@ -17,38 +17,28 @@ kernel's host function, so the torch side never slices it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from ..jit.compiler import ALL_TARGETS, KernelConfig
-from ..jit.dtypes import DTYPE_BITS, cute_dtype
-from ..jit.spec import ScalarArg, TensorArg
-from .fdiv import divide_by_scale
-from .pdl import wait_then_release_dependents
-from .quantize import FP8_TARGETS
-
-_THREADS = 256
-VECTOR_WIDTHS = (16, 8, 4, 2, 1)  # elements per thread, widest first
+from ..roles.fdiv import divide_by_scale
+from ..roles.pdl import wait_then_release_dependents
 
 
 class WriteKVCache:
     """Kernel: ``mKey``/``mValue [T, Hkv, D]`` -> paged cache at ``mSlots [T]`` (int32/int64)."""
 
-    def __init__(self, head_dim: int, page_size: int, vec: int, kv_form: str, kv_layout: str, items: int = 1,
-                 fp8: bool = True, pdl: bool = False):
-        self.pdl = pdl
-        self.items = items
-        self.fp8 = fp8
-        self.head_dim = head_dim
-        self.page_size = page_size
-        self.vec = vec
-        self.kv_form = kv_form
-        self.kv_layout = kv_layout
-        self.lanes = head_dim // vec  # threads per (token, head) row
-        self.rows_per_cta = max(1, _THREADS // self.lanes)
+    def __init__(self, cfg):
+        self.pdl = cfg.pdl
+        self.items = cfg.items
+        self.fp8 = cfg.cache_dtype == "fp8_e4m3"
+        self.head_dim = cfg.head_dim
+        self.page_size = cfg.page_size
+        self.vec = cfg.vec
+        self.kv_form = cfg.kv_form
+        self.kv_layout = cfg.kv_layout
+        self.lanes = cfg.head_dim // cfg.vec  # threads per (token, head) row
+        self.rows_per_cta = max(1, cfg.num_threads // self.lanes)
         self.num_threads = self.rows_per_cta * self.lanes
 
     @cute.jit
@@ -132,86 +122,3 @@ class WriteKVCache:
         divide_by_scale(tXrX, s, exact_subnormals=not self.fp8)
         gC = cute.local_tile(mCache[page, h, offset, None], (self.vec,), (lane,))
         gC.store(tXrX.load().to(mCache.element_type))
-
-
-@dataclass(frozen=True)
-class WriteKVCacheConfig(KernelConfig):
-    """Compile key of :class:`WriteKVCache`.
-
-    ``in_dtype``: keys/values (bf16/fp16); ``cache_dtype``: bf16, fp16 or fp8_e4m3. ``vec``:
-    elements per thread (16 needs 16-byte aligned inputs and, for an FP8 cache, 16-byte aligned
-    cache strides; the op picks the widest the tensors allow). ``kv_form``: one 5-D cache
-    (``"single"``) or a (k, v) pair of 4-D halves (``"pair"``); ``kv_layout``: HND or NHD.
-    ``k_scale_tensor`` / ``v_scale_tensor``: that scale is a 1-element fp32 device tensor (read by
-    the kernel, CUDA-graph safe) rather than a float argument. ``items``: (token, head) rows per
-    thread, all loaded before the first store. ``pdl``: launched as a programmatic dependent launch
-    (see :mod:`cute_kernels.common.pdl`).
-    """
-
-    in_dtype: str = "bf16"
-    cache_dtype: str = "fp8_e4m3"
-    head_dim: int = 128
-    page_size: int = 16
-    vec: int = 16
-    slot_dtype: str = "int64"
-    kv_form: str = "single"
-    kv_layout: str = "HND"
-    k_scale_tensor: bool = False
-    v_scale_tensor: bool = False
-    items: int = 1
-    pdl: bool = False
-
-    kernel_id = "common.write_kv_cache"
-
-    def __post_init__(self):
-        if self.in_dtype not in ("bf16", "fp16"):
-            raise ValueError(f"write_kv_cache input dtype must be bf16 or fp16, got {self.in_dtype}")
-        if self.cache_dtype not in ("bf16", "fp16", "fp8_e4m3"):
-            raise ValueError(f"write_kv_cache cache dtype must be bf16, fp16 or fp8_e4m3, got {self.cache_dtype}")
-        if self.vec not in VECTOR_WIDTHS or self.head_dim % self.vec:
-            raise ValueError(f"head_dim {self.head_dim} is not a multiple of vec {self.vec}")
-        if self.head_dim // self.vec > _THREADS:
-            raise ValueError(f"head_dim {self.head_dim} too large for vec {self.vec}")
-        if self.page_size < 1 or self.slot_dtype not in ("int32", "int64"):
-            raise ValueError(f"bad page_size/slot dtype {self.page_size}/{self.slot_dtype}")
-        if self.kv_form not in ("single", "pair") or self.kv_layout not in ("HND", "NHD"):
-            raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
-        if self.items not in (1, 2, 4):
-            raise ValueError(f"items must be 1, 2 or 4, got {self.items}")
-
-    @property
-    def targets(self):  # per instance: FP8 conversion instructions need SM89+
-        return FP8_TARGETS if self.cache_dtype == "fp8_e4m3" else ALL_TARGETS
-
-    @property
-    def evidence(self):  # per instance: the conversion depends on the cache dtype
-        pats = [r"ld\.global(\.\w+)*\.v4\.b32", r"div\.rn\.f32"]
-        if self.cache_dtype == "fp8_e4m3":
-            pats.append(r"cvt\.rn\.satfinite\.e4m3x2\.f32")
-        if self.vec * DTYPE_BITS[self.cache_dtype] >= 128:
-            pats.append(r"st\.global(\.\w+)*\.v4\.b32")
-        return {t: tuple(pats) for t in self.targets}
-
-    def _align(self, dtype: str) -> int:
-        return min(16, self.vec * DTYPE_BITS[dtype] // 8)
-
-    def signature(self):
-        D, page = self.head_dim, self.page_size
-        inner = ("Hkv", page) if self.kv_layout == "HND" else (page, "Hkv")
-        cache = ("P", 2, *inner, D) if self.kv_form == "single" else ("P", *inner, D)
-        ks = TensorArg("k_scale", "fp32", (1,), align=4) if self.k_scale_tensor else ScalarArg("k_scale", "fp32")
-        vs = TensorArg("v_scale", "fp32", (1,), align=4) if self.v_scale_tensor else ScalarArg("v_scale", "fp32")
-        return (
-            TensorArg("key", self.in_dtype, ("T", "Hkv", D), align=self._align(self.in_dtype)),
-            TensorArg("value", self.in_dtype, ("T", "Hkv", D), align=self._align(self.in_dtype)),
-            TensorArg("k_cache", self.cache_dtype, cache, align=self._align(self.cache_dtype)),
-            TensorArg("v_cache", self.cache_dtype, cache, align=self._align(self.cache_dtype)),
-            TensorArg("slot_mapping", self.slot_dtype, ("T",), align=DTYPE_BITS[self.slot_dtype] // 8),
-            ks,
-            vs,
-        )
-
-    def build(self):
-        cute_dtype(self.cache_dtype)
-        return WriteKVCache(self.head_dim, self.page_size, self.vec, self.kv_form, self.kv_layout, self.items,
-                            self.cache_dtype == "fp8_e4m3", self.pdl)

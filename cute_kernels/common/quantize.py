@@ -6,7 +6,7 @@
 - **Division.** Correctly rounded fp32 division, as ``div.rn.f32`` would give, not a multiply by
   the reciprocal (one ulp off for a large share of inputs, which flips some FP8 roundings);
   computed from one reciprocal per thread and two FMA corrections per element
-  (:mod:`cute_kernels.common.fdiv`) because a ``div.rn.f32`` per element made the kernel
+  (:mod:`cute_kernels.roles.fdiv`) because a ``div.rn.f32`` per element made the kernel
   issue-bound.
 - **Conversion.** The vector ``.to(Float8E4M3FN)`` lowers to ``cvt.rn.satfinite.e4m3x2.f32``:
   round to nearest even, ±inf and anything beyond ±448 saturate to ±448, NaN stays NaN; the same
@@ -27,25 +27,15 @@ token once for both (every head of the token re-reads them from cache).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..jit.asm import asm
-from ..jit.compiler import ALL_TARGETS, KernelConfig
-from ..jit.dtypes import DTYPE_BITS
-from ..jit.spec import ScalarArg, TensorArg
-from .fdiv import divide_by_scale
-from .pdl import wait_then_release_dependents
-
-_THREADS = 256
-VECTOR_WIDTHS = (16, 8, 4, 2, 1)  # elements per thread, widest first
-ROPE_MAX_VEC = 8  # with RoPE a thread owns two chunks (a rotation pair): 2 x 8 elements
-# FP8 conversion instructions (cvt ... e4m3x2) exist from SM89 on; SM80/86 have none
-FP8_TARGETS = tuple(t for t in ALL_TARGETS if t not in ("sm_80", "sm_86"))
+from ..jit.spec import bind_arguments
+from ..roles.fdiv import divide_by_scale
+from ..roles.pdl import wait_then_release_dependents
 
 
 @dsl_user_op
@@ -58,29 +48,35 @@ def mul_add_rn(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=N
 
 
 class QuantizeQuery:
-    """Kernel: ``mQ [T, Hq, D]`` (bf16/fp16) -> ``mOut [T, Hq, D]`` float8_e4m3fn.
+    """Kernel: ``mQ [T, Hq, D]`` (bf16/fp16) -> ``mOut [T, Hq, D]`` float8_e4m3fn, with fused NeoX
+    RoPE when the config has a ``rot_dim``: ``mCosSin [max_pos, rot_dim]`` (cos in the first half
+    of each row, sin in the second) and ``mPos [T]`` (int32/int64).
 
     ``q_scale`` is a Float32 or an fp32 tensor ``[S]`` (S = 1 or Hkv; head h reads
     ``q_scale[h * S // Hq]``, i.e. ``h // (Hq // S)``).
     """
 
-    def __init__(self, head_dim: int, vec: int, rot_dim: int = 0, items: int = 1, pdl: bool = False):
-        self.pdl = pdl
-        self.head_dim = head_dim
-        self.vec = vec
-        self.rot_dim = rot_dim
-        self.items = items
+    def __init__(self, cfg):
+        self.arg_names = cfg.arg_names()
+        self.pdl = cfg.pdl
+        self.head_dim = head_dim = cfg.head_dim
+        self.vec = vec = cfg.vec
+        self.rot_dim = rot_dim = cfg.rot_dim
+        self.items = cfg.items
         # chunks of vec elements per head row; with RoPE one thread owns both chunks of a
         # rotation pair (i, i + rot/2), so the partner half is loaded once and cos/sin serve two
         # outputs
         self.pair_lanes = rot_dim // 2 // vec
         self.lanes = head_dim // vec - self.pair_lanes  # threads per head row
-        self.rows_per_cta = max(1, _THREADS // self.lanes)  # per item
+        self.rows_per_cta = max(1, cfg.num_threads // self.lanes)  # per item
         self.num_threads = self.rows_per_cta * self.lanes
 
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mOut: cute.Tensor, q_scale, stream):
-        self.launch(mQ, mOut, q_scale, None, None, stream)
+    def __call__(self, *args):
+        """The config's arguments (``q, out, q_scale`` and, with RoPE, ``cos_sin_cache, positions``)
+        and the stream."""
+        a = bind_arguments(self.arg_names, args)
+        self.launch(a["q"], a["out"], a["q_scale"], a.get("cos_sin_cache"), a.get("positions"), a["stream"])
 
     @cute.jit
     def launch(self, mQ, mOut, q_scale, mCosSin, mPos, stream):
@@ -191,89 +187,3 @@ class QuantizeQuery:
         divide_by_scale(tQrY, scale, exact_subnormals=False)
         cute.local_tile(gOut, (self.vec,), (pair,)).store(tQrX.load().to(gOut.element_type))
         cute.local_tile(gOut, (self.vec,), (other,)).store(tQrY.load().to(gOut.element_type))
-
-
-class QuantizeQueryRope(QuantizeQuery):
-    """:class:`QuantizeQuery` with fused NeoX RoPE: ``mCosSin [max_pos, rot_dim]`` (cos in the
-    first half of each row, sin in the second) and ``mPos [T]`` (int32/int64)."""
-
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mOut: cute.Tensor, q_scale, mCosSin: cute.Tensor, mPos: cute.Tensor,
-                 stream):
-        self.launch(mQ, mOut, q_scale, mCosSin, mPos, stream)
-
-
-@dataclass(frozen=True)
-class QuantizeQueryConfig(KernelConfig):
-    """Compile key of :class:`QuantizeQuery`.
-
-    ``vec``: elements per thread (16 needs 16-byte aligned q/out pointers and strides; the op
-    picks the widest the tensors allow). ``scale_tensor``: q_scale is an fp32 device tensor
-    (``[1]`` or ``[Hkv]``, read by the kernel so CUDA-graph replays see new values) rather than a
-    float argument. ``rot_dim`` > 0 fuses NeoX RoPE over the first ``rot_dim`` dims, with a
-    ``cos_sin_dtype`` cache and ``pos_dtype`` positions. ``items``: consecutive head rows per thread
-    (their loads are all in flight before the first conversion); with RoPE it must divide Hq (the
-    thread's rows then share one token's position and cos/sin). ``pdl``: launched as a programmatic
-    dependent launch (see :mod:`cute_kernels.common.pdl`).
-    """
-
-    q_dtype: str = "bf16"
-    head_dim: int = 128
-    vec: int = 16
-    scale_tensor: bool = False
-    rot_dim: int = 0
-    cos_sin_dtype: str = "fp32"
-    pos_dtype: str = "int64"
-    items: int = 1
-    pdl: bool = False
-
-    kernel_id = "common.quantize_query"
-    targets = FP8_TARGETS
-    # 16-byte loads of q, the saturating RNE conversion and the exact division
-    evidence = {
-        t: (r"ld\.global(\.\w+)*\.v4\.b32", r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"div\.rn\.f32")
-        for t in FP8_TARGETS
-    }
-
-    def __post_init__(self):
-        if self.q_dtype not in ("bf16", "fp16"):
-            raise ValueError(f"quantize_query input dtype must be bf16 or fp16, got {self.q_dtype}")
-        if self.vec not in VECTOR_WIDTHS or self.head_dim % self.vec:
-            raise ValueError(f"head_dim {self.head_dim} is not a multiple of vec {self.vec}")
-        if self.head_dim // self.vec > _THREADS:
-            raise ValueError(f"head_dim {self.head_dim} too large for vec {self.vec}")
-        if self.items not in (1, 2, 4):
-            raise ValueError(f"items must be 1, 2 or 4, got {self.items}")
-        if self.rot_dim:
-            if self.vec > ROPE_MAX_VEC:
-                raise ValueError(f"rot_dim > 0 (RoPE) needs vec <= {ROPE_MAX_VEC} (a thread owns two chunks), got vec {self.vec}")
-            if self.rot_dim % 2 or self.rot_dim > self.head_dim or (self.rot_dim // 2) % self.vec:
-                raise ValueError(f"rot_dim {self.rot_dim} must be even, <= head_dim {self.head_dim}, "
-                                 f"with rot_dim/2 a multiple of vec {self.vec}")
-            if self.cos_sin_dtype not in ("fp32", "bf16", "fp16") or self.pos_dtype not in ("int32", "int64"):
-                raise ValueError(f"bad cos_sin/pos dtypes {self.cos_sin_dtype}/{self.pos_dtype}")
-
-    def _align(self, dtype: str) -> int:
-        return min(16, self.vec * DTYPE_BITS[dtype] // 8)
-
-    def signature(self):
-        D = self.head_dim
-        scale = (TensorArg("q_scale", "fp32", ("S",), align=4) if self.scale_tensor
-                 else ScalarArg("q_scale", "fp32"))
-        args = (
-            TensorArg("q", self.q_dtype, ("T", "Hq", D), align=self._align(self.q_dtype)),
-            TensorArg("out", "fp8_e4m3", ("T", "Hq", D), align=self._align("fp8_e4m3")),
-            scale,
-        )
-        if self.rot_dim:
-            args += (
-                TensorArg("cos_sin_cache", self.cos_sin_dtype, ("M", self.rot_dim),
-                          align=self._align(self.cos_sin_dtype)),
-                TensorArg("positions", self.pos_dtype, ("T",), align=DTYPE_BITS[self.pos_dtype] // 8),
-            )
-        return args
-
-    def build(self):
-        cls = QuantizeQueryRope if self.rot_dim else QuantizeQuery
-        return cls(self.head_dim, self.vec, self.rot_dim, self.items, self.pdl)
-

@@ -25,46 +25,14 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
+from .fake import fake_arguments
 from .naming import kernel_symbol, named_kernels
-from .spec import Arg, fake_arguments
-
-# Targets this package compiles for. Arch-specific kernels name their own subset; arch-neutral
-# ones (merge) compile for every target the DSL knows from SM80 on.
-ALL_TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_103a", "sm_120a", "sm_121a")
-COMPILE_TARGETS = ("sm_90a", "sm_100a")
+from .spec import KernelConfig, normalize_target
 
 _lock = threading.RLock()
 _memory: dict[tuple, Any] = {}
-
-
-class KernelConfig:
-    """Base of every kernel's frozen config dataclass.
-
-    A subclass is a ``@dataclass(frozen=True)`` whose fields are exactly what changes code
-    generation; the instance itself is the compile key. It provides:
-
-    - ``kernel_id``: the registered id (``"common.merge_states"``, ``"sm90.decode"``...);
-    - ``targets``: the compile targets it supports;
-    - ``evidence``: per target, PTX substrings that prove it uses the hardware it claims;
-    - ``signature()``: the runtime arguments, in order (see :mod:`cute_kernels.jit.spec`);
-    - ``build()``: the kernel object (a class with a ``@cute.jit __call__``) to compile.
-    """
-
-    kernel_id: ClassVar[str]
-    targets: ClassVar[tuple[str, ...]] = COMPILE_TARGETS
-    evidence: ClassVar[dict[str, tuple[str, ...]]] = {}
-
-    def signature(self) -> tuple[Arg, ...]:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def build(self):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def label(self) -> str:
-        fields = getattr(self, "__dataclass_fields__", {})
-        return self.kernel_id + "[" + ",".join(f"{k}={getattr(self, k)}" for k in fields) + "]"
 
 
 @dataclass
@@ -77,18 +45,6 @@ class CompiledKernel:
     seconds: float
     ptx: str | None = None
     sass: str | None = None
-
-
-def normalize_target(arch) -> str:
-    """``"sm_90"``, ``"sm90a"``, ``90``, ``(9, 0)`` -> ``"sm_90a"`` (the arch-specific variant
-    for the archs that have one, since WGMMA and tcgen05 need it)."""
-    if isinstance(arch, tuple):
-        arch = f"{arch[0]}{arch[1]}"
-    a = str(arch).lower().replace("sm_", "").replace("sm", "").rstrip("af")
-    for target in ALL_TARGETS:
-        if target[3:].rstrip("a") == a:
-            return target
-    raise ValueError(f"compile target {arch!r} is not supported; expected one of {ALL_TARGETS}")
 
 
 def _options(arch: str, dump_dir: str | None) -> str:

@@ -1,7 +1,8 @@
 """Dtype names shared by configs, the compiler and the torch ops.
 
 Configs carry dtypes as short strings so that they stay hashable, picklable and torch-free;
-this module maps those names to CuTe numeric types (compile side). The torch side of the map
+this module maps those names to CuTe numeric types (compile side; the bits per element, which
+host-side plans need, are in :mod:`cute_kernels.jit.spec`). The torch side of the map
 lives in :mod:`cute_kernels.ops._torch` so that kernel code never imports torch.
 """
 
@@ -20,8 +21,6 @@ CUTE_DTYPES = {
     "uint8": cutlass.Uint8,
 }
 
-# bits per element, without touching cutlass types (used by host-side heuristics)
-DTYPE_BITS = {"bf16": 16, "fp16": 16, "fp32": 32, "fp8_e4m3": 8, "int32": 32, "int64": 64, "uint8": 8}
 
 
 def cute_dtype(name: str):

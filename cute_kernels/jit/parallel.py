@@ -13,7 +13,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
-from .compiler import KernelConfig, cache_dir, get_kernel, is_cached
+from .compiler import cache_dir, get_kernel, is_cached
+from .spec import KernelConfig
 
 
 def _compile_one(args):

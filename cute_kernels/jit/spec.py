@@ -1,24 +1,46 @@
-"""One description of a kernel's arguments, used both to compile it and to call it.
+"""One description of a kernel's arguments and compile key, free of the DSL and of torch.
 
-A kernel config (a frozen dataclass) returns its signature as a tuple of :class:`TensorArg` and
-:class:`ScalarArg`. The compiler turns that signature into fake CuTe tensors (no GPU, no torch);
-the torch op turns it into the positional argument list of the compiled function by name. Both
-lists come from the same tuple, so they cannot drift apart.
+A kernel config (a frozen dataclass deriving :class:`KernelConfig`, defined in a host-only plan
+module under :mod:`cute_kernels.plans`) returns its signature as a tuple of :class:`TensorArg`
+and :class:`ScalarArg`. The compiler turns that signature into fake CuTe tensors
+(:mod:`cute_kernels.jit.fake`); the op launcher turns it into the positional argument list of the
+compiled function (:mod:`cute_kernels.ops._launch`). Both come from the same tuple, so they
+cannot drift apart.
 
 Extents named by the same string are one symbolic integer: TVM-FFI then checks at call time that
 the tensors agree on them (e.g. the head dim of Q and of the output).
+
+Nothing here imports ``cutlass`` or ``torch``: plans, the registry, the dispatcher and the CLI's
+``matrix``/``plan`` commands use it on machines without either.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Union
-
-import cutlass.cute as cute
-
-from .dtypes import DTYPE_BITS, cute_dtype
+from typing import ClassVar, Union
 
 Extent = Union[int, str]
+
+# bits per element of the dtype names configs carry (the DSL types are in jit/dtypes.py)
+DTYPE_BITS = {"bf16": 16, "fp16": 16, "fp32": 32, "fp8_e4m3": 8, "int32": 32, "int64": 64, "uint8": 8}
+
+# Targets this package compiles for. Arch-specific kernels name their own subset; arch-neutral
+# ones (merge) compile for every target the DSL knows from SM80 on.
+ALL_TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_103a", "sm_120a", "sm_121a")
+COMPILE_TARGETS = ("sm_90a", "sm_100a")
+
+
+def normalize_target(arch) -> str:
+    """``"sm_90"``, ``"sm90a"``, ``90``, ``(9, 0)`` -> ``"sm_90a"`` (the arch-specific variant
+    for the archs that have one, since WGMMA and tcgen05 need it)."""
+    if isinstance(arch, tuple):
+        arch = f"{arch[0]}{arch[1]}"
+    a = str(arch).lower().replace("sm_", "").replace("sm", "").rstrip("af")
+    for target in ALL_TARGETS:
+        if target[3:].rstrip("a") == a:
+            return target
+    raise ValueError(f"compile target {arch!r} is not supported; expected one of {ALL_TARGETS}")
 
 
 @dataclass(frozen=True)
@@ -56,46 +78,53 @@ class ScalarArg:
 Arg = Union[TensorArg, ScalarArg]
 
 
-def fake_arguments(signature: tuple[Arg, ...]) -> list:
-    """Fake CuTe values for compiling ``signature`` without data or a GPU."""
-    symbols: dict[str, object] = {}
+class KernelConfig:
+    """Base of every kernel's frozen config dataclass (see :mod:`cute_kernels.plans`).
 
-    def extent(e: Extent):
-        if isinstance(e, int):
-            return e
-        if e not in symbols:
-            symbols[e] = cute.sym_int()
-        return symbols[e]
+    A subclass is a ``@dataclass(frozen=True)`` whose fields are exactly what changes code
+    generation; the instance itself is the compile key. It provides:
 
-    out = []
-    for arg in signature:
-        if isinstance(arg, ScalarArg):
-            out.append(cute_dtype(arg.dtype)(0))
-            continue
-        rank = len(arg.shape)
-        strides = []
-        for i in range(rank):
-            pinned = arg.static_strides[i] if arg.static_strides else None
-            if i == rank - 1:
-                strides.append(1)
-            elif pinned is not None:
-                strides.append(pinned)
-            else:
-                strides.append(cute.sym_int64(divisibility=arg.stride_divisibility))
-        out.append(
-            cute.runtime.make_fake_tensor(
-                cute_dtype(arg.dtype),
-                tuple(extent(e) for e in arg.shape),
-                stride=tuple(strides),
-                assumed_align=arg.align,
-            )
-        )
-    return out
+    - ``kernel_id``: the registered id (``"common.merge_states"``, ``"sm90.decode"``...);
+    - ``targets``: the compile targets it supports;
+    - ``evidence``: per target, ``(display name, PTX regex)`` pairs that prove it uses the
+      hardware it claims (``cute-kernels compile`` prints the names with their counts);
+    - ``signature()``: the runtime arguments, in order;
+    - ``build()``: the kernel object (a class with a ``@cute.jit __call__``) to compile; the
+      plan imports the kernel module inside ``build()`` only, so that plans stay host-only.
+    """
+
+    kernel_id: ClassVar[str]
+    targets: ClassVar[tuple[str, ...]] = COMPILE_TARGETS
+    evidence: ClassVar[dict[str, tuple[tuple[str, str], ...]]] = {}
+
+    def signature(self) -> tuple[Arg, ...]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def build(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def arg_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.signature())
+
+    def label(self) -> str:
+        """``kernel_id[field=value,...]`` over the dataclass fields (the compile key)."""
+        names: list[str] = [f.name for f in dataclasses.fields(self)] if dataclasses.is_dataclass(self) else []
+        return self.kernel_id + "[" + ",".join(f"{k}={getattr(self, k)}" for k in names) + "]"
 
 
 def call_arguments(signature: tuple[Arg, ...], values: dict) -> list:
-    """Positional arguments of the compiled function, picked from ``values`` by name."""
+    """Positional arguments of the compiled function, picked from ``values`` by name (tests and
+    one-off launches; the ops bind once per launch key, see :mod:`cute_kernels.ops._launch`)."""
     missing = [a.name for a in signature if a.name not in values]
     if missing:
         raise KeyError(f"missing kernel arguments: {missing}")
     return [values[a.name] for a in signature]
+
+
+def bind_arguments(names: tuple[str, ...], args: tuple) -> dict:
+    """``{name: value}`` of a kernel's ``@cute.jit __call__(self, *args)``: the config's argument
+    names in signature order, then ``"stream"``. One kernel class then serves every argument list
+    its config derives (a variant takes only the arguments it uses: each costs host time per call)."""
+    if len(args) != len(names) + 1:
+        raise TypeError(f"expected the arguments {names} and a stream, got {len(args)} values")
+    return dict(zip((*names, "stream"), args))

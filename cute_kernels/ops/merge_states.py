@@ -1,17 +1,93 @@
-"""``cute_kernels.merge_states``: LSE merge of split partials (CuTe-DSL kernel on CUDA)."""
+"""``cute_kernels.merge_states``: LSE merge of split partials (CuTe-DSL kernel on CUDA).
+
+On the shared launcher (:mod:`cute_kernels.ops._launch`): the first call with a new combination of
+shapes, strides, dtypes and alignments validates everything and picks the vector width; later
+calls look the prepared caller up by a tuple of cheap tensor attributes. Registered as
+``torch.ops.cute_kernels.merge_states`` and ``merge_states_out`` (:mod:`cute_kernels.ops._library`).
+"""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .. import reference
-from .._nvtx import op_range
-from ..common.merge import MergeStatesConfig
 from ..jit.compiler import get_kernel
-from ..jit.spec import call_arguments
+from ..plans.merge_states import MergeStatesConfig
+from ._launch import Launcher, TuningOverride
+from ._library import compiling, custom_op
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Launch:
+    __slots__ = ("call", "reference", "out_dtype", "empty")
+
+    def __init__(self, call, reference, out_dtype=None, empty=False):
+        self.call, self.reference, self.out_dtype, self.empty = call, reference, out_dtype, empty
+
+
+def _key(partial_out, partial_lse, out_dtype, out, out_lse):
+    def t(x):
+        return None if x is None else (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
+
+    return (t(partial_out), t(partial_lse), out_dtype, t(out), t(out_lse), _launcher.override_key)
+
+
+def _prepare(partial_out, partial_lse, out_dtype, out, out_lse) -> _Launch:
+    """Full validation (errors name the argument) and the kernel variant for one key."""
+    check_tensor("partial_out", partial_out, dtype=torch.float32, ndim=4)
+    S, N, H, D = partial_out.shape
+    check_tensor("partial_lse", partial_lse, dtype=torch.float32, shape=(S, N, H), device=partial_out.device)
+    if out is not None:
+        check_tensor("out", out, dtype=_OUT_DTYPES, shape=(N, H, D), device=partial_out.device)
+        dt = out.dtype
+    else:
+        dt = out_dtype or torch.float32
+        if dt not in _OUT_DTYPES:
+            raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {dt}")
+    if out_lse is not None:
+        check_tensor("out_lse", out_lse, dtype=torch.float32, shape=(N, H), device=partial_out.device)
+    if not partial_out.is_cuda:
+        return _Launch(None, True, dt)
+    if S == 0 or N * H == 0:
+        return _Launch(None, False, dt, empty=True)
+    # 16-byte lanes when the partials allow it; the output needs vec * its element size (an
+    # output the op allocates is contiguous and aligned: only its rows' length limits it)
+    esize = dt.itemsize
+    if out is not None:
+        out_width = widest_vector([out])
+    else:
+        out_width = 16
+        while out_width > esize and (D * esize) % out_width:
+            out_width //= 2
+    vec = widest_vector([partial_out]) // 4
+    while vec > 1 and out_width < vec * esize:
+        vec //= 2
+    config = MergeStatesConfig(out_dtype=dtype_name(dt), head_dim=D, vec=vec, **_launcher.override)
+    fn = get_kernel(config, compile_target(partial_out.device))
+    return _Launch(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), None, None)), False, dt)
+
+
+def _reference(partial_out, partial_lse, out_dtype, out, out_lse):
+    ref_out, ref_lse = reference.merge_states(partial_out, partial_lse)
+    S, N, H, D = partial_out.shape
+    out = out if out is not None else torch.empty((N, H, D), dtype=out_dtype or torch.float32)
+    out_lse = out_lse if out_lse is not None else torch.empty((N, H), dtype=torch.float32)
+    out.copy_(ref_out)
+    out_lse.copy_(ref_lse)
+    return out, out_lse
+
+
+_CALL_PARAMS = ("partial_out", "partial_lse", "out", "lse")
+_launcher = Launcher(_prepare, _reference, op="merge_states")
+
+
+def tuning_override(**fields: object) -> TuningOverride:
+    """``with tuning_override(vec=2): ...`` forces kernel config fields (benchmarks comparing
+    variants); the override is part of the launch-cache key."""
+    return _launcher.tuning_override(**fields)
 
 
 def merge_states(
@@ -38,38 +114,74 @@ def merge_states(
         ``lse = log2(sum_s 2^lse_s)``; a row with every split empty gets 0 and ``-inf``.
         CPU tensors run the torch reference.
     """
-    check_tensor("partial_out", partial_out, dtype=torch.float32, ndim=4)
+    if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
+        return _traced(partial_out, partial_lse, out_dtype, out, out_lse)
+    try:
+        key = _key(partial_out, partial_lse, out_dtype, out, out_lse)
+    except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
+        key = None
+    launch = _launcher.entries.get(key)
+    if launch is None or launch.reference:  # the argument tuple is built off the hot path only
+        args = (partial_out, partial_lse, out_dtype, out, out_lse)
+        launch = launch or _launcher.lookup(key, args)
+        if launch.reference:
+            return _launcher.run_reference(args)
     S, N, H, D = partial_out.shape
-    check_tensor("partial_lse", partial_lse, dtype=torch.float32, shape=(S, N, H), device=partial_out.device)
-    if out is not None:
-        check_tensor("out", out, dtype=_OUT_DTYPES, shape=(N, H, D), device=partial_out.device)
-    else:
-        dt = out_dtype or torch.float32
-        if dt not in _OUT_DTYPES:
-            raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {dt}")
-        out = torch.empty((N, H, D), dtype=dt, device=partial_out.device)
-    if out_lse is not None:
-        check_tensor("out_lse", out_lse, dtype=torch.float32, shape=(N, H), device=partial_out.device)
-    else:
+    if out is None:
+        out = torch.empty((N, H, D), dtype=launch.out_dtype, device=partial_out.device)
+    if out_lse is None:
         out_lse = torch.empty((N, H), dtype=torch.float32, device=partial_out.device)
+    if launch.empty:
+        out.zero_()
+        out_lse.fill_(float("-inf"))
+        return out, out_lse
+    try:
+        launch.call(partial_out, partial_lse, out, out_lse)
+    except Exception:
+        _launcher.refused((partial_out, partial_lse, out_dtype, out, out_lse))  # raises the error that names the argument
+        raise
+    return out, out_lse
 
-    with op_range("merge_states", partial_out=partial_out, out=out):
-        if not partial_out.is_cuda:
-            ref_out, ref_lse = reference.merge_states(partial_out, partial_lse)
-            out.copy_(ref_out)
-            out_lse.copy_(ref_lse)
-            return out, out_lse
-        if S == 0 or N * H == 0:
-            out.zero_()
-            out_lse.fill_(float("-inf"))
-            return out, out_lse
-        # 16-byte lanes when the partials allow it; the output needs vec * its element size.
-        vec = widest_vector([partial_out]) // 4
-        while vec > 1 and widest_vector([out]) < vec * out.element_size():
-            vec //= 2
-        config = MergeStatesConfig(out_dtype=dtype_name(out.dtype), head_dim=D, vec=vec)
-        fn = get_kernel(config, compile_target(partial_out.device))
-        fn(*call_arguments(config.signature(), {
-            "partial_out": partial_out, "partial_lse": partial_lse, "out": out, "lse": out_lse,
-        }))
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: torch.ops.cute_kernels.merge_states / merge_states_out
+# ---------------------------------------------------------------------------------------------
+
+
+def _new_outputs(partial_out: Tensor, out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    _, N, H, D = partial_out.shape
+    return (torch.empty((N, H, D), dtype=out_dtype or torch.float32, device=partial_out.device),
+            torch.empty((N, H), dtype=torch.float32, device=partial_out.device))
+
+
+@custom_op("merge_states")
+def _merge_states_op(partial_out: Tensor, partial_lse: Tensor, out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    out, out_lse = _new_outputs(partial_out, out_dtype)
+    return merge_states(partial_out, partial_lse, out=out, out_lse=out_lse)
+
+
+@_merge_states_op.register_fake
+def _(partial_out: Tensor, partial_lse: Tensor, out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    return _new_outputs(partial_out, out_dtype)
+
+
+@custom_op("merge_states_out", mutates=("out", "out_lse"))
+def _merge_states_out_op(partial_out: Tensor, partial_lse: Tensor, out: Tensor, out_lse: Tensor) -> None:
+    merge_states(partial_out, partial_lse, out=out, out_lse=out_lse)
+
+
+@_merge_states_out_op.register_fake
+def _(partial_out: Tensor, partial_lse: Tensor, out: Tensor, out_lse: Tensor) -> None:
+    return None
+
+
+def _traced(partial_out, partial_lse, out_dtype, out, out_lse):
+    """:func:`merge_states` as torch.compile sees it: the functional op, or the out variant when
+    the caller passed an output (the other one allocated here)."""
+    if out is None and out_lse is None:
+        return _merge_states_op(partial_out, partial_lse, out_dtype)
+    new_out, new_lse = _new_outputs(partial_out, out_dtype if out is None else out.dtype)
+    out = new_out if out is None else out
+    out_lse = new_lse if out_lse is None else out_lse
+    _merge_states_out_op(partial_out, partial_lse, out, out_lse)
     return out, out_lse

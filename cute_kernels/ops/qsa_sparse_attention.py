@@ -14,32 +14,35 @@ copy is small next to the batch (``use_widened_cache``), so that the row tiles r
 kernel (two consumer warpgroups); otherwise they widen each gathered row. Otherwise the split-K kernel
 (``sm90/qsa.py``) with the split count of the config table (``select_config``: rows x Hkv and
 ``prefill``), then, when it split, the fused merge + gate (``sm90/qsa_merge.py``) as a
-programmatic dependent launch. Host overhead: the first call with a
-new combination of shapes/strides/dtypes/alignment validates everything and builds a
-:class:`_Launch` (its workspace views bound as TVM-FFI tensors); later calls look it up by a tuple
-of the attributes that select the kernels (:func:`_key`) and go straight to the TVM-FFI calls,
-which check dtypes, ranks, shared extents, devices and alignment themselves; a call they refuse is
-validated in full for a clear error.
+programmatic dependent launch. Host side: the shared launcher
+(:mod:`cute_kernels.ops._launch`): the first call with a new combination of
+shapes/strides/dtypes/alignment validates everything and prepares a :class:`_Launch` (its
+workspace views bound as TVM-FFI tensors, one generated caller running its kernels in order); later
+calls look it up by a tuple of the attributes that select the kernels (:func:`_key`) and go
+straight to the TVM-FFI calls, which check dtypes, ranks, shared extents, devices and alignment
+themselves; a call they refuse is validated in full for a clear error. Which kernels serve a shape
+is the plans' decision (:mod:`cute_kernels.plans.sm90_qsa_launch`). Registered as
+``torch.ops.cute_kernels.qsa_sparse_attention`` and ``qsa_sparse_attention_out``
+(:mod:`cute_kernels.ops._library`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from .. import reference
-from .._nvtx import ENABLED as _NVTX
-from .._nvtx import op_range
 from ..jit.compiler import get_kernel
-from ..sm90.qsa import MAX_GROUP, Sm90QsaConfig, make_qsa_config, select_config
-from ..sm90.qsa_merge import QsaMergeConfig, merge_shape
-from ..sm90.qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_tile_plan
-from ..sm90.qsa_union import QsaUnionConfig
-from ..sm90.qsa_widen import QsaWidenConfig, use_widened_cache
-from ._launch import LaunchCache, TuningOverride
+from ..plans.sm90_qsa import HEAD_DIMS, MAX_GROUP, Sm90QsaConfig, make_qsa_config, select_config
+from ..plans.sm90_qsa_merge import QsaMergeConfig, merge_shape
+from ..plans.sm90_qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_tile_plan
+from ..plans.sm90_qsa_union import QsaUnionConfig
+from ..plans.sm90_qsa_widen import QsaWidenConfig, use_widened_cache
+from ._launch import Launcher, TuningOverride, check_scale
+from ._library import compiling, custom_op
 from ._torch import (
     NAME_TO_TORCH,
     DeviceBuffer,
@@ -52,7 +55,6 @@ from ._torch import (
 )
 
 FP8 = torch.float8_e4m3fn
-HEAD_DIMS = (64, 128, 256)
 
 
 _workspace = DeviceBuffer("qsa_sparse_attention", torch.float32)  # split-K partials, unused LSE
@@ -62,9 +64,9 @@ _wide_workspace = DeviceBuffer("qsa_sparse_attention widened cache", torch.int16
 
 @dataclass
 class _Launch:
-    """Everything a call needs that depends only on its key. ``call(q, k, v, idx, bt, t2r, out,
-    gate, k_scale, v_scale)`` runs the launches with the workspace views bound as TVM-FFI tensors
-    (converted once, not at every call); the torch views stay here for inspection."""
+    """Everything a call needs that depends only on its key. ``call(*_CALL_PARAMS)`` runs the
+    launches with the workspace views bound as TVM-FFI tensors (converted once, not at every call);
+    the torch views stay here for inspection."""
 
     call: object
     fn: object
@@ -84,16 +86,13 @@ class _Launch:
     table: torch.Tensor | None = None
 
 
-_cache = LaunchCache()
-
-
 def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(splits=8, stages=2): ...`` forces the split count and/or kernel
     tuning fields (benchmarks and tests comparing variants); part of the launch-cache key.
     ``tile_rows=R`` forces the prefill row-tile kernel's rows per CTA (1 = the per-row kernel),
     ``consumers=1|2`` its consumer warpgroups, ``widen=0|1`` whether an FP8 cache's row tiles run
     on a widened 16-bit copy (1: whenever possible, whatever the copy's size)."""
-    return _cache.tuning_override(**fields)
+    return _launcher.tuning_override(**fields)
 
 
 def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
@@ -108,7 +107,7 @@ def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
     return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.stride(), idx.shape, bt.shape,
             prefill if type(prefill) is bool else None,
             None if out is None else (out.stride(), out.data_ptr() % 16),
-            None if gate is None else (gate.shape, gate.stride(), gate.data_ptr() % 16), _cache.override_key)
+            None if gate is None else (gate.shape, gate.stride(), gate.data_ptr() % 16), _launcher.override_key)
 
 
 _LAUNCH_FIELDS = ("splits", "tile_rows", "widen", "merge_group", "merge_lanes")  # read where the launch is chosen, not kernel fields
@@ -119,17 +118,11 @@ _TILE_ONLY_FIELDS = ({f.name for f in dataclasses.fields(Sm90QsaTileConfig)}
 
 def _kernel_tuning(row_tiles: bool = False) -> dict:
     """The active override's fields for the kernel config being built (per-row or row-tile)."""
-    return {f: v for f, v in _cache.override.items()
+    return {f: v for f, v in _launcher.override.items()
             if f not in _LAUNCH_FIELDS and (row_tiles or f not in _TILE_ONLY_FIELDS)}
 
 
-def _check_scale(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
-    return float(value)
-
-
-def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
+def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _Launch:
     """Full validation (errors name the argument) and kernel selection for one key."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16), ndim=3)
     rows, Hq, D = q.shape
@@ -153,6 +146,8 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
         check_tensor("out", out, dtype=q.dtype, shape=(rows, Hq, D), device=q.device)
     if gate is not None:
         check_tensor("output_gate", gate, dtype=q.dtype, shape=(rows, Hq, D), device=q.device)
+    check_scale("k_scale", k_scale, tensors=False)
+    check_scale("v_scale", v_scale, tensors=False)
     if not q.is_cuda:
         return _Launch(None, None, None, None, None, None, 1, gate is not None, reference=True)
     if k.dtype not in (FP8, q.dtype):
@@ -173,15 +168,15 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
     target = compile_target(device)
     same_strides = k.stride() == v.stride()  # V row addresses derived from K's (the gather)
     plan = row_tile_plan(rows, prefill, kv_name, group, page, bt.shape[1], topk,
-                         _cache.override.get("tile_rows"))
+                         _launcher.override.get("tile_rows"))
     if plan is not None:
         wide = None
-        if use_widened_cache(kv_name, rows, bt.shape[0], bt.shape[1], page, Hkv, D, _cache.override.get("widen")):
+        if use_widened_cache(kv_name, rows, bt.shape[0], bt.shape[1], page, Hkv, D, _launcher.override.get("widen")):
             wide = (bt.shape[0], bt.shape[1], Hkv)
         return _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, same_strides, device,
                                   target, wide)
     tile, splits = select_config(rows, Hkv, prefill, kv_name, D, group, topk, device_sm_count(device.index or 0))
-    splits = _cache.override.get("splits", splits)
+    splits = _launcher.override.get("splits", splits)
     tuning = _kernel_tuning()
     split = splits > 1
     tuning.setdefault("kv_same_strides", same_strides)
@@ -197,27 +192,27 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, out, gate) -> _Launch:
                 while vec > 1 and widest_vector([t]) < vec * t.element_size():
                     vec //= 2
         group, lanes = merge_shape(splits)
-        group = _cache.override.get("merge_group", group)
-        lanes = _cache.override.get("merge_lanes", lanes)
-        merge_fn = get_kernel(QsaMergeConfig(out_dtype=q_name, head_dim=D, vec=vec, gate=gate is not None,
-                                             pdl=True, group=group, lanes=lanes), target)
+        group = _launcher.override.get("merge_group", group)
+        lanes = _launcher.override.get("merge_lanes", lanes)
+        merge_cfg = QsaMergeConfig(out_dtype=q_name, head_dim=D, vec=vec, gate=gate is not None, pdl=True,
+                                   group=group, lanes=lanes)
+        merge_fn = get_kernel(merge_cfg, target)
         n_o, n_l = splits * rows * Hq * D, splits * rows * Hq
         ws = _workspace.get(device, n_o + n_l)
         part_o = ws[:n_o].view(splits, rows, Hq, D)
         part_lse = ws[n_o:n_o + n_l].view(splits, rows, Hq)
     else:
         lse = _workspace.get(device, rows * Hq)[:rows * Hq].view(rows, Hq)
+    # an absent gate: the kernels take a placeholder they never read
+    gate_src = {"gate": "gate" if gate is not None else "q"}
     if split:
-        f_part_o, f_part_lse = ffi_tensor(part_o), ffi_tensor(part_lse)
-
-        def call(q, k, v, idx, bt, t2r, out, gate, ks, vs):
-            fn(q, k, v, idx, bt, t2r, f_part_o, f_part_lse, q, ks, vs)  # q: a gate placeholder never read
-            merge_fn(f_part_o, f_part_lse, out, gate if gate is not None else out)
+        parts = dict(out=ffi_tensor(part_o), lse=ffi_tensor(part_lse))
+        merge_gate = {"gate": "gate" if gate is not None else "out"}
+        call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), gate_src, parts),
+                    (merge_fn, merge_cfg.signature(), merge_gate,
+                     dict(partial_out=parts["out"], partial_lse=parts["lse"])))
     else:
-        f_lse = ffi_tensor(lse)
-
-        def call(q, k, v, idx, bt, t2r, out, gate, ks, vs):
-            fn(q, k, v, idx, bt, t2r, out, f_lse, gate if gate is not None else q, ks, vs)
+        call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), gate_src, dict(lse=ffi_tensor(lse))))
     return _Launch(call, fn, merge_fn, part_o, part_lse, lse, splits, gate is not None)
 
 
@@ -235,10 +230,10 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
         tuning.setdefault("gate_vec", 1)  # a 2-byte aligned gate: loaded one element at a time
     tuning.setdefault("kv_same_strides", same_strides)
     R = plan.rows_per_cta
-    fn = get_kernel(make_qsa_tile_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
-                                         gate=gate is not None, rows_per_cta=R, **tuning), target)
-    union_fn = get_kernel(QsaUnionConfig(rows_per_tile=R, page_size=page, max_tokens=plan.max_tokens,
-                                         union_cap=plan.union_cap), target)
+    tile_cfg = make_qsa_tile_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
+                                    gate=gate is not None, rows_per_cta=R, **tuning)
+    union_cfg = QsaUnionConfig(rows_per_tile=R, page_size=page, max_tokens=plan.max_tokens, union_cap=plan.union_cap)
+    fn, union_fn = get_kernel(tile_cfg, target), get_kernel(union_cfg, target)
     nt, cap = plan.num_tiles, plan.union_cap
     n_u, n_m = nt * cap, nt * R * (cap // 32)
     n_t = 0 if wide is None else wide[0] * wide[1]
@@ -247,11 +242,11 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
     member = ws[n_u:n_u + n_m].view(nt, R, cap // 32)
     length = ws[n_u + n_m:n_u + n_m + nt]
     lse = _workspace.get(device, rows * Hq)[:rows * Hq].view(rows, Hq)
-    f_union, f_member, f_length, f_lse = (ffi_tensor(t) for t in (union, member, length, lse))
+    bound = dict(union=ffi_tensor(union), member=ffi_tensor(member), length=ffi_tensor(length), lse=ffi_tensor(lse))
+    gate_src = {"gate": "gate" if gate is not None else "q"}
     if wide is None:
-        def call(q, k, v, idx, bt, t2r, out, gate, ks, vs):
-            union_fn(idx, bt, t2r, f_union, f_member, f_length)
-            fn(q, k, v, idx, bt, t2r, f_union, f_member, f_length, out, f_lse, gate if gate is not None else q, ks, vs)
+        call = _launcher.bind(_CALL_PARAMS, (union_fn, union_cfg.signature(), None, bound),
+                    (fn, tile_cfg.signature(), gate_src, bound))
         return _Launch(call, fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn, union=union,
                        member=member, length=length)
 
@@ -263,15 +258,26 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
     buf = _wide_workspace.get(device, NP * page * Hkv * 2 * D)[:NP * page * Hkv * 2 * D]
     kv = buf.view(NAME_TO_TORCH[q_name]).view(NP, Hkv, page, 2 * D).transpose(1, 2)
     wide_k, wide_v = kv[..., :D], kv[..., D:]
-    widen_fn = get_kernel(QsaWidenConfig(out_dtype=q_name, head_dim=D, page_size=page), target)
-    f_wk, f_wv, f_table = (ffi_tensor(t) for t in (wide_k, wide_v, table))
-
-    def call(q, k, v, idx, bt, t2r, out, gate, ks, vs):
-        widen_fn(k, v, bt, f_wk, f_wv, f_table)
-        union_fn(idx, f_table, t2r, f_union, f_member, f_length)
-        fn(q, f_wk, f_wv, idx, f_table, t2r, f_union, f_member, f_length, out, f_lse, gate if gate is not None else q, ks, vs)
+    widen_cfg = QsaWidenConfig(out_dtype=q_name, head_dim=D, page_size=page)
+    widen_fn = get_kernel(widen_cfg, target)
+    # the copy and its table replace the cache and the caller's table for the union and the tiles
+    copy = dict(k_wide=ffi_tensor(wide_k), v_wide=ffi_tensor(wide_v), table=ffi_tensor(table))
+    on_copy = {**bound, "k_cache": copy["k_wide"], "v_cache": copy["v_wide"], "block_table": copy["table"]}
+    call = _launcher.bind(_CALL_PARAMS, (widen_fn, widen_cfg.signature(), None, copy),
+                (union_fn, union_cfg.signature(), None, on_copy), (fn, tile_cfg.signature(), gate_src, on_copy))
     return _Launch(call, fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn, union=union,
                    member=member, length=length, widen_fn=widen_fn, wide_k=wide_k, table=table)
+
+
+def _reference(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate):
+    return reference.qsa_sparse_attention(q, k, v, idx, bt, t2r, prefill=prefill, k_scale=float(k_scale),
+                                          v_scale=float(v_scale), out=out, output_gate=gate)
+
+
+# the caller's parameters: the kernels' argument names (a kernel's other arguments are bound)
+_CALL_PARAMS = ("q", "k_cache", "v_cache", "packed_indices", "block_table", "token_to_req", "out", "gate", "k_scale",
+                "v_scale")
+_launcher = Launcher(_prepare, _reference, op="qsa_sparse_attention")
 
 
 def qsa_sparse_attention(
@@ -304,38 +310,64 @@ def qsa_sparse_attention(
     ``out = round(attn) * sigmoid(gate)``. ``out``: optional output (q's shape and dtype).
     CPU tensors run the reference.
     """
+    if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
+        if out is None:
+            return _qsa_op(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale,
+                           output_gate)
+        _qsa_out_op(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale,
+                    output_gate, out)
+        return out
     try:
         key = _key(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out, output_gate)
-        launch = _cache.entries.get(key)
-    except (AttributeError, TypeError):  # not tensors: let the validation say what is wrong
-        key, launch = None, None
-    if launch is None:
-        launch = _prepare(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out,
-                          output_gate)
-        if key is not None:
-            _cache.put(key, launch)
-    # type(), not isinstance(): torch.Tensor's metaclass makes isinstance slow; _check_scale
-    # accepts positive ints and raises for the rest
-    ks = k_scale if type(k_scale) is float and 0.0 < k_scale < math.inf else _check_scale("k_scale", k_scale)
-    vs = v_scale if type(v_scale) is float and 0.0 < v_scale < math.inf else _check_scale("v_scale", v_scale)
-    if launch.reference:  # no compiled function checks the arguments here: validate every call
-        _prepare(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out, output_gate)
-        return reference.qsa_sparse_attention(q, k_cache, v_cache, packed_indices, block_table, token_to_req,
-                                              prefill=prefill, k_scale=ks, v_scale=vs, out=out,
-                                              output_gate=output_gate)
+    except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
+        key = None
+    launch = _launcher.entries.get(key)
+    if launch is None or launch.reference:  # the argument tuple is built off the hot path only
+        args = (q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale, out,
+                output_gate)
+        launch = launch or _launcher.lookup(key, args)
+        if launch.reference:
+            return _launcher.run_reference(args)
     if out is None:
         out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
     try:
-        if _NVTX:
-            with op_range("qsa_sparse_attention", q=q, k_cache=k_cache, packed_indices=packed_indices):
-                launch.call(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, output_gate, ks, vs)
-        else:
-            launch.call(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, output_gate, ks, vs)
-    except Exception:
-        # a compiled function refused an argument the launch key leaves to it (see _key):
-        # validate in full so that the error names the argument and what was expected
-        _prepare(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out, output_gate)
+        launch.call(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, output_gate, k_scale, v_scale)
+    except Exception:  # raises the error that names the argument
+        _launcher.refused((q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale,
+                           out, output_gate))
         raise
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: torch.ops.cute_kernels.qsa_sparse_attention / qsa_sparse_attention_out
+# ---------------------------------------------------------------------------------------------
+
+
+@custom_op("qsa_sparse_attention_out", mutates=("out",))
+def _qsa_out_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, packed_indices: Tensor, block_table: Tensor,
+                token_to_req: Tensor, prefill: bool, k_scale: float, v_scale: float, output_gate: Tensor | None,
+                out: Tensor) -> None:
+    qsa_sparse_attention(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill=prefill,
+                         k_scale=k_scale, v_scale=v_scale, out=out, output_gate=output_gate)
+
+
+@_qsa_out_op.register_fake
+def _(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale, output_gate, out):
+    return None
+
+
+@custom_op("qsa_sparse_attention")
+def _qsa_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, packed_indices: Tensor, block_table: Tensor,
+            token_to_req: Tensor, prefill: bool, k_scale: float, v_scale: float,
+            output_gate: Tensor | None) -> Tensor:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return qsa_sparse_attention(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill=prefill,
+                                k_scale=k_scale, v_scale=v_scale, out=out, output_gate=output_gate)
+
+
+@_qsa_op.register_fake
+def _(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale, output_gate):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)

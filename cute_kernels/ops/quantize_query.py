@@ -2,61 +2,41 @@
 optional fused NeoX RoPE.
 
 The host side looks at shapes, dtypes, strides and pointers only (no data read, no sync), so a
-call captures in a CUDA graph once its variant is compiled. The first call with a new
-combination of those attributes validates everything and caches the kernel and argument order;
-later calls look that up by a tuple of cheap tensor attributes.
+call captures in a CUDA graph once its variant is compiled. It runs on the shared launcher
+(:mod:`cute_kernels.ops._launch`): the first call with a new combination of those attributes
+validates everything and prepares the kernel's caller; later calls look it up by a tuple of cheap
+tensor attributes. Registered as ``torch.ops.cute_kernels.quantize_query`` and
+``quantize_query_out`` (:mod:`cute_kernels.ops._library`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from .. import reference
-from .._nvtx import op_range
 from .._types import Rope, Scale
-from ..common.quantize import ROPE_MAX_VEC, VECTOR_WIDTHS, QuantizeQueryConfig
 from ..jit.compiler import get_kernel
-from ._launch import LaunchCache, TuningOverride
+from ..plans.quantize_query import (
+    DEFAULT_ITEMS,
+    DEFAULT_ITEMS_ROPE,
+    DEFAULT_PDL,
+    ROPE_MAX_VEC,
+    VECTOR_WIDTHS,
+    QuantizeQueryConfig,
+)
+from ._launch import Launcher, TuningOverride, check_scale
+from ._library import compiling, custom_op, scale_of, scale_parts
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
 FP8 = torch.float8_e4m3fn
 _IN_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def check_scale(name: str, value: Scale, device: torch.device, *, num_q_heads: int | None = None) -> bool:
-    """Validate a dequantization scale; True if it is a device tensor.
-
-    A scale is a positive finite float or a 1-element fp32 tensor on ``device``; with
-    ``num_q_heads``, also an fp32 ``[Hkv]`` tensor with ``num_q_heads % Hkv == 0`` (per KV head).
-    Tensor values are never read here (that would synchronize).
-    """
-    if isinstance(value, torch.Tensor):
-        per_head = num_q_heads is not None and value.numel() > 1
-        if value.dtype != torch.float32:
-            raise TypeError(f"{name} must be a float or a float32 tensor, got dtype {str(value.dtype).replace('torch.', '')}")
-        if per_head:
-            if value.dim() != 1 or num_q_heads % value.numel():
-                raise ValueError(
-                    f"{name} must be a float, a 1-element tensor or a per-KV-head [Hkv] tensor with "
-                    f"num_q_heads ({num_q_heads}) % Hkv == 0, got shape {tuple(value.shape)}"
-                )
-            if value.stride(0) != 1:
-                raise ValueError(f"{name} must be contiguous, got stride {value.stride()}")
-        elif value.numel() != 1:
-            kinds = "a 1-element tensor or an [Hkv] tensor" if num_q_heads is not None else "a 1-element tensor"
-            raise ValueError(f"{name} must be a float or {kinds}, got shape {tuple(value.shape)}")
-        if value.device != device:
-            raise ValueError(f"{name} must be on {device}, got {value.device}")
-        return True
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite float or a float32 tensor, got {value!r}")
-    return False
-
-
-def vector_width(head_dim: int, tensors: Iterable[torch.Tensor], *, multiple_of: int = 0, widest: int = 16) -> int:
+def vector_width(head_dim: int, tensors: Iterable[Tensor], *, multiple_of: int = 0, widest: int = 16) -> int:
     """Widest elements-per-thread the kernel can use: it divides ``head_dim`` (and ``multiple_of``)
     and every tensor's pointer and strides allow ``min(16, vec * element size)``-byte accesses."""
     for vec in VECTOR_WIDTHS:
@@ -81,15 +61,7 @@ def _check_rope(rope, q: torch.Tensor):
     return cos_sin, positions
 
 
-# head rows per thread: profiling/NOTES.md "layer glue v2"
-DEFAULT_ITEMS = 2
-# RoPE: 2 rows per thread when 2 divides Hq (a thread's rows share one token's cos/sin), measured
-# on SM90 only; other targets keep 1 (on sm_100a the 2-row RoPE kernel spills a register)
-DEFAULT_ITEMS_ROPE = {"sm_90a": 2}
-DEFAULT_PDL = True  # programmatic dependent launch: the launch overlaps the previous kernel's tail
-
-
-def make_config(q: torch.Tensor, scale_tensor: bool, out: torch.Tensor | None = None, rope: Rope | None = None,
+def make_config(q: Tensor, scale_tensor: bool, out: Tensor | None = None, rope: Rope | None = None,
                 target: str = "sm_90a") -> QuantizeQueryConfig:
     """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers)."""
     D = q.shape[2]
@@ -98,11 +70,11 @@ def make_config(q: torch.Tensor, scale_tensor: bool, out: torch.Tensor | None = 
     # an allocated out is always aligned enough; with RoPE a thread owns two chunks (a rotation
     # pair), and 2 x 16 elements would spill registers
     vec = vector_width(D, tensors, multiple_of=rot // 2, widest=ROPE_MAX_VEC if rope is not None else 16)
-    fields = dict(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor)
+    fields: dict[str, Any] = dict(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor)
     if rope is not None:
         fields.update(rot_dim=rot, cos_sin_dtype=dtype_name(rope[0].dtype), pos_dtype=dtype_name(rope[1].dtype))
     fields = {**fields, "items": DEFAULT_ITEMS_ROPE.get(target, 1) if rope is not None else DEFAULT_ITEMS,
-              "pdl": DEFAULT_PDL, **_cache.override}
+              "pdl": DEFAULT_PDL, **_launcher.override}
     if rope is not None and q.shape[1] % fields["items"]:
         fields["items"] = 1  # a thread's RoPE rows must be heads of one token
     return QuantizeQueryConfig(**fields)
@@ -116,51 +88,63 @@ def _key(q, q_scale, out, rope):
         cs, pos = rope
         r = (cs.shape, cs.stride(), cs.dtype, cs.device, cs.data_ptr() % 16, pos.shape, pos.stride(), pos.dtype,
              pos.device)
-    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16, s, o, r, _cache.override_key)
+    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16, s, o, r, _launcher.override_key)
 
 
 class _Launch:
-    __slots__ = ("fn", "order", "reference", "scale_tensor")
+    __slots__ = ("call", "reference")
 
-    def __init__(self, fn, order, reference, scale_tensor):
-        self.fn, self.order, self.reference, self.scale_tensor = fn, order, reference, scale_tensor
-
-
-_cache = LaunchCache()
+    def __init__(self, call, reference):
+        self.call, self.reference = call, reference
 
 
 def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(items=2): ...`` forces kernel config fields (benchmarks comparing
     variants); the override is part of the launch-cache key."""
-    return _cache.tuning_override(**fields)
+    return _launcher.tuning_override(**fields)
 
 
 def _prepare(q, q_scale, out, rope) -> _Launch:
     """Full validation (errors name the argument) and kernel selection for one key."""
     check_tensor("q", q, dtype=_IN_DTYPES, ndim=3)
     T, Hq, D = q.shape
-    scale_tensor = check_scale("q_scale", q_scale, q.device, num_q_heads=Hq)
+    scale_tensor = check_scale("q_scale", q_scale, device=q.device, num_q_heads=Hq)
     if out is not None:
         check_tensor("out", out, dtype=FP8, shape=(T, Hq, D), device=q.device)
     if rope is not None:
         rope = _check_rope(rope, q)
     if not q.is_cuda:
-        return _Launch(None, (), True, scale_tensor)
+        return _REFERENCE
     target = compile_target(q.device)
     config = make_config(q, scale_tensor, out, rope, target)
     if target not in config.targets:  # SM80/86 have no FP8 conversion instructions: torch path
-        return _Launch(None, (), True, scale_tensor)
-    fn = get_kernel(config, target)
-    return _Launch(fn, tuple(a.name for a in config.signature()), False, scale_tensor)
+        return _REFERENCE
+    # a tensor scale other than 1-D (a 1-element tensor of any rank) goes as a [1] view
+    sources = {"q_scale": "q_scale.view(1)"} if scale_tensor and q_scale.dim() != 1 else None
+    return _Launch(_launcher.bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)),
+                   False)
+
+
+def _reference(q, q_scale, out, rope):
+    res = reference.quantize_query(q, q_scale, rope=rope)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+_CALL_PARAMS = ("q", "out", "q_scale", "cos_sin_cache", "positions")
+_REFERENCE = _Launch(None, True)
+_launcher = Launcher(_prepare, _reference, op="quantize_query")
 
 
 def quantize_query(
-    q: torch.Tensor,
+    q: Tensor,
     q_scale: Scale,
     *,
-    out: torch.Tensor | None = None,
+    out: Tensor | None = None,
     rope: Rope | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """Quantize a query to float8_e4m3fn: ``saturate(RNE(rope(q) / q_scale))``.
 
     Semantics are those of :func:`cute_kernels.reference.quantize_query` (bit-exact codes).
@@ -181,29 +165,71 @@ def quantize_query(
         ``out``. CPU tensors run the reference, and so do SM80/86 GPUs (no FP8 conversion
         instructions; the dispatch layer never quantizes a query there).
     """
+    if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
+        return _traced(q, q_scale, out, rope)
     try:
         key = _key(q, q_scale, out, rope)
-        launch = _cache.get(key)
-    except (AttributeError, TypeError, ValueError):  # not tensors: let the validation say what is wrong
-        key, launch = None, None
-    if launch is None:
-        launch = _prepare(q, q_scale, out, rope)
-        if key is not None:
-            _cache.put(key, launch)
-    elif not launch.scale_tensor:  # a float scale is an argument, not part of the key: check it
-        check_scale("q_scale", q_scale, q.device)
+    except (AttributeError, TypeError, ValueError):  # not tensors: the validation says what is wrong
+        key = None
+    launch = _launcher.entries.get(key)
+    if launch is None or launch.reference:  # the argument tuple is built off the hot path only
+        args = (q, q_scale, out, rope)
+        launch = launch or _launcher.lookup(key, args)
+        if launch.reference:
+            return _launcher.run_reference(args)
     if out is None:
         out = torch.empty(q.shape, dtype=FP8, device=q.device)
-    with op_range("quantize_query", q=q, out=out):
-        if launch.reference:
-            out.copy_(reference.quantize_query(q, q_scale, rope=rope))
-        elif q.shape[0] and q.shape[1]:
-            if launch.scale_tensor:
-                scale = q_scale if q_scale.dim() == 1 else q_scale.view(1)
-            else:
-                scale = float(q_scale)
-            values = {"q": q, "out": out, "q_scale": scale}
-            if rope is not None:
-                values["cos_sin_cache"], values["positions"] = rope
-            launch.fn(*[values[name] for name in launch.order])
+    if q.shape[0] and q.shape[1]:
+        cos_sin, positions = rope if rope is not None else (None, None)
+        try:
+            launch.call(q, out, q_scale, cos_sin, positions)
+        except Exception:
+            _launcher.refused((q, q_scale, out, rope))  # raises the error that names the argument
+            raise
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: torch.ops.cute_kernels.quantize_query / quantize_query_out
+# ---------------------------------------------------------------------------------------------
+
+
+def _rope_of(cos_sin_cache: Tensor | None, positions: Tensor | None) -> Rope | None:
+    if cos_sin_cache is None or positions is None:
+        return None
+    return cos_sin_cache, positions
+
+
+@custom_op("quantize_query_out", mutates=("out",))
+def _quantize_query_out_op(q: Tensor, q_scale: float, q_scale_tensor: Tensor | None,
+                           cos_sin_cache: Tensor | None, positions: Tensor | None, out: Tensor) -> None:
+    quantize_query(q, scale_of(q_scale, q_scale_tensor), out=out, rope=_rope_of(cos_sin_cache, positions))
+
+
+@_quantize_query_out_op.register_fake
+def _(q, q_scale, q_scale_tensor, cos_sin_cache, positions, out):
+    return None
+
+
+@custom_op("quantize_query")
+def _quantize_query_op(q: Tensor, q_scale: float, q_scale_tensor: Tensor | None, cos_sin_cache: Tensor | None,
+                       positions: Tensor | None) -> Tensor:
+    out = torch.empty(q.shape, dtype=FP8, device=q.device)
+    quantize_query(q, scale_of(q_scale, q_scale_tensor), out=out, rope=_rope_of(cos_sin_cache, positions))
+    return out
+
+
+@_quantize_query_op.register_fake
+def _(q, q_scale, q_scale_tensor, cos_sin_cache, positions):
+    return torch.empty(q.shape, dtype=FP8, device=q.device)
+
+
+def _traced(q, q_scale, out, rope):
+    """:func:`quantize_query` as torch.compile sees it (``rope`` as two optional tensors)."""
+    if rope is not None and (not isinstance(rope, (tuple, list)) or len(rope) != 2):
+        raise TypeError("rope must be a (cos_sin_cache, positions) tuple")
+    cos_sin, positions = rope if rope is not None else (None, None)
+    if out is None:
+        return _quantize_query_op(q, *scale_parts(q_scale), cos_sin, positions)
+    _quantize_query_out_op(q, *scale_parts(q_scale), cos_sin, positions, out)
     return out

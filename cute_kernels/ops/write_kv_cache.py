@@ -1,23 +1,27 @@
 """``cute_kernels.write_kv_cache``: write new K/V into the paged cache (CuTe-DSL kernel on CUDA).
 
-Runs once per attention layer per step, so the host path is short: the first call with a new
-combination of shapes/strides/dtypes/alignments validates everything and caches the kernel and
-its argument order; later calls look that up by a tuple of cheap tensor attributes. Nothing here
-reads tensor data or synchronizes, so a call captures in a CUDA graph once compiled.
+Runs once per attention layer per step, so the host path is short: on the shared launcher
+(:mod:`cute_kernels.ops._launch`) the first call with a new combination of
+shapes/strides/dtypes/alignments validates everything and prepares the kernel's caller; later calls
+look it up by a tuple of cheap tensor attributes. Nothing here reads tensor data or synchronizes,
+so a call captures in a CUDA graph once compiled. Registered as
+``torch.ops.cute_kernels.write_kv_cache``, which declares the caches it writes
+(:mod:`cute_kernels.ops._library`).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .. import reference
-from .._nvtx import op_range
 from .._types import KVCache, Scale
-from ..common.kv_write import WriteKVCacheConfig
 from ..jit.compiler import get_kernel
-from ._launch import LaunchCache, TuningOverride
+from ..plans.write_kv_cache import DEFAULT_ITEMS, DEFAULT_PDL, WriteKVCacheConfig
+from ._launch import Launcher, TuningOverride, check_scale
+from ._library import cache_of, cache_parts, compiling, custom_op, scale_of, scale_parts
 from ._torch import check_tensor, compile_target, dtype_name
-from .quantize_query import check_scale, vector_width
+from .quantize_query import vector_width
 
 FP8 = torch.float8_e4m3fn
 _IN_DTYPES = (torch.bfloat16, torch.float16)
@@ -60,20 +64,15 @@ def _cache_geometry(kv_cache, kv_layout: str, device) -> tuple[bool, tuple, list
     return pair, (P, Hkv, page, D), tensors
 
 
-# (token, head) rows per thread: profiling/NOTES.md "layer glue v2"
-DEFAULT_ITEMS = 1
-DEFAULT_PDL = True  # programmatic dependent launch: the launch overlaps the previous kernel's tail
-
-
-def make_config(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor,
-                kv_layout: str, k_scale_tensor: bool, v_scale_tensor: bool) -> WriteKVCacheConfig:
+def make_config(key: Tensor, value: Tensor, kv_cache: KVCache, slot_mapping: Tensor, kv_layout: str,
+                k_scale_tensor: bool, v_scale_tensor: bool) -> WriteKVCacheConfig:
     """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers)."""
     pair, (_, _, page, D), caches = _cache_geometry(kv_cache, kv_layout, key.device)
     return WriteKVCacheConfig(
         in_dtype=dtype_name(key.dtype), cache_dtype=dtype_name(caches[0].dtype), head_dim=D, page_size=page,
         vec=vector_width(D, [key, value, *caches]), slot_dtype=dtype_name(slot_mapping.dtype),
         kv_form="pair" if pair else "single", kv_layout=kv_layout, k_scale_tensor=k_scale_tensor,
-        v_scale_tensor=v_scale_tensor, **{"items": DEFAULT_ITEMS, "pdl": DEFAULT_PDL, **_cache.override},
+        v_scale_tensor=v_scale_tensor, **{"items": DEFAULT_ITEMS, "pdl": DEFAULT_PDL, **_launcher.override},
     )
 
 
@@ -86,24 +85,20 @@ def _key(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale):
 
     cache = tuple(t(c) for c in kv_cache) + ("pair",) if isinstance(kv_cache, (tuple, list)) else t(kv_cache)
     return (t(key), t(value), cache, slot_mapping.shape, slot_mapping.stride(), slot_mapping.dtype,
-            slot_mapping.device, kv_layout, s(k_scale), s(v_scale), _cache.override_key)
+            slot_mapping.device, kv_layout, s(k_scale), s(v_scale), _launcher.override_key)
 
 
 class _Launch:
-    __slots__ = ("fn", "order", "reference", "pair", "k_tensor", "v_tensor")
+    __slots__ = ("call", "reference", "pair")
 
-    def __init__(self, fn, order, reference, pair, k_tensor, v_tensor):
-        self.fn, self.order, self.reference = fn, order, reference
-        self.pair, self.k_tensor, self.v_tensor = pair, k_tensor, v_tensor
-
-
-_cache = LaunchCache()
+    def __init__(self, call, reference, pair):
+        self.call, self.reference, self.pair = call, reference, pair
 
 
 def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(items=2): ...`` forces kernel config fields (benchmarks comparing
     variants); the override is part of the launch-cache key."""
-    return _cache.tuning_override(**fields)
+    return _launcher.tuning_override(**fields)
 
 
 def _prepare(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale) -> _Launch:
@@ -118,29 +113,34 @@ def _prepare(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale) ->
     if cHkv != Hkv:
         raise ValueError(f"num kv heads mismatch: key has {Hkv}, kv_cache ({kv_layout}) has {cHkv}")
     check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(T,), device=device)
-    k_tensor = check_scale("k_scale", k_scale, device)
-    v_tensor = check_scale("v_scale", v_scale, device)
+    k_tensor = check_scale("k_scale", k_scale, device=device)
+    v_tensor = check_scale("v_scale", v_scale, device=device)
     if not key.is_cuda:
-        return _Launch(None, (), True, pair, k_tensor, v_tensor)
+        return _Launch(None, True, pair)
     config = make_config(key, value, kv_cache, slot_mapping, kv_layout, k_tensor, v_tensor)
     target = compile_target(device)
     if target not in config.targets:  # SM80/86 have no FP8 conversion instructions: torch path
-        return _Launch(None, (), True, pair, k_tensor, v_tensor)
-    fn = get_kernel(config, target)
-    return _Launch(fn, tuple(a.name for a in config.signature()), False, pair, k_tensor, v_tensor)
+        return _Launch(None, True, pair)
+    # a tensor scale other than 1-D (a 1-element tensor of any rank) goes as a [1] view
+    sources = {name: f"{name}.view(1)" for name, t, is_t in (("k_scale", k_scale, k_tensor), ("v_scale", v_scale, v_tensor))
+               if is_t and t.dim() != 1}
+    return _Launch(_launcher.bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)),
+                   False, pair)
 
 
-def _scale_arg(scale, is_tensor: bool):
-    if is_tensor:
-        return scale if scale.dim() == 1 else scale.view(1)
-    return float(scale)
+def _reference(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale):
+    reference.write_kv_cache(key, value, kv_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale)
+
+
+_CALL_PARAMS = ("key", "value", "k_cache", "v_cache", "slot_mapping", "k_scale", "v_scale")
+_launcher = Launcher(_prepare, _reference, op="write_kv_cache")
 
 
 def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key: Tensor,
+    value: Tensor,
     kv_cache: KVCache,
-    slot_mapping: torch.Tensor,
+    slot_mapping: Tensor,
     *,
     kv_layout: str = "HND",
     k_scale: Scale = 1.0,
@@ -167,31 +167,44 @@ def write_kv_cache(
     CPU tensors run the reference, and so does an FP8 cache on SM80/86 (no FP8 conversion
     instructions there; that torch path reads the slots on the host, so it is not graph-capturable).
     """
+    if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
+        _write_kv_cache_op(key, value, *cache_parts(kv_cache), slot_mapping, kv_layout, *scale_parts(k_scale),
+                           *scale_parts(v_scale))
+        return
     try:
         launch_key = _key(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
-        launch = _cache.get(launch_key)
-    except (AttributeError, TypeError, ValueError):  # not tensors: let the validation say what is wrong
-        launch_key, launch = None, None
-    if launch is None:
-        launch = _prepare(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
-        if launch_key is not None:
-            _cache.put(launch_key, launch)
-    else:  # float scales are arguments, not part of the key: check their values
-        if not launch.k_tensor:
-            check_scale("k_scale", k_scale, key.device)
-        if not launch.v_tensor:
-            check_scale("v_scale", v_scale, key.device)
-    with op_range("write_kv_cache", key=key, kv_cache=kv_cache[0] if launch.pair else kv_cache):
+    except (AttributeError, TypeError, ValueError):  # not tensors: the validation says what is wrong
+        launch_key = None
+    launch = _launcher.entries.get(launch_key)
+    if launch is None or launch.reference:  # the argument tuple is built off the hot path only
+        args = (key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
+        launch = launch or _launcher.lookup(launch_key, args)
         if launch.reference:
-            reference.write_kv_cache(key, value, kv_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale,
-                                     v_scale=v_scale)
+            _launcher.run_reference(args)
             return
-        if key.shape[0] == 0 or key.shape[1] == 0:
-            return
-        k_cache, v_cache = (kv_cache[0], kv_cache[1]) if launch.pair else (kv_cache, kv_cache)
-        values = {
-            "key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping,
-            "k_scale": _scale_arg(k_scale, launch.k_tensor),
-            "v_scale": _scale_arg(v_scale, launch.v_tensor),
-        }
-        launch.fn(*[values[name] for name in launch.order])
+    if key.shape[0] == 0 or key.shape[1] == 0:
+        return
+    k_cache, v_cache = (kv_cache[0], kv_cache[1]) if launch.pair else (kv_cache, kv_cache)
+    try:
+        launch.call(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    except Exception:
+        _launcher.refused((key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale))  # raises the error that names the argument
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: torch.ops.cute_kernels.write_kv_cache (it writes the caches)
+# ---------------------------------------------------------------------------------------------
+
+
+@custom_op("write_kv_cache", mutates=("k_cache", "v_cache"))
+def _write_kv_cache_op(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor | None, slot_mapping: Tensor,
+                       kv_layout: str, k_scale: float, k_scale_tensor: Tensor | None, v_scale: float,
+                       v_scale_tensor: Tensor | None) -> None:
+    write_kv_cache(key, value, cache_of(k_cache, v_cache), slot_mapping, kv_layout=kv_layout,
+                   k_scale=scale_of(k_scale, k_scale_tensor), v_scale=scale_of(v_scale, v_scale_tensor))
+
+
+@_write_kv_cache_op.register_fake
+def _(key, value, k_cache, v_cache, slot_mapping, kv_layout, k_scale, k_scale_tensor, v_scale, v_scale_tensor):
+    return None

@@ -14,8 +14,6 @@ thread, and store it to global memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -23,23 +21,19 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 
-from ..jit.compiler import KernelConfig
-from ..jit.spec import TensorArg
-
-_TILE_M = 128  # a 1-CTA tcgen05 MMA with M = 128 spans all 128 TMEM lanes
-_TILE_K = 64  # 64 bf16 = 128 bytes per row: one 128B-swizzle atom, the widest TMA/UMMA layout
-_EPI_COLS = 32  # accumulator columns read per tcgen05.ld (32 fp32 registers per thread)
 _THREADS = 128  # four warps: TMEM lane quadrant q is only readable by warp q % 4
 
 
 class Sm100Probe:
     """Kernel: ``mC [128, N] = mA [128, K] @ mB [N, K]^T`` (bf16 in, fp32 accumulate and out)."""
 
-    def __init__(self, n: int, k: int):
+    def __init__(self, cfg):
         self.ab_dtype = cutlass.BFloat16
         self.acc_dtype = cutlass.Float32
-        self.mma_tiler_mnk = (_TILE_M, n, _TILE_K)
-        self.num_k_tiles = k // _TILE_K
+        # tile M and K and the epilogue's columns per tcgen05.ld: see plans/probes.py
+        self.epi_cols = cfg.epi_cols
+        self.mma_tiler_mnk = (cfg.tile_m, cfg.n, cfg.tile_k)
+        self.num_k_tiles = cfg.k // cfg.tile_k
         # Two stages let the TMA of k-tile i+1 overlap the MMAs of k-tile i.
         self.ab_stages = min(2, self.num_k_tiles)
 
@@ -174,9 +168,9 @@ class Sm100Probe:
                 ab_full.release()  # tcgen05.commit: the stage is free once these MMAs retire
             acc_empty.commit()  # tcgen05.commit on the accumulator barrier
 
-        # ---- epilogue (all warps): TMEM -> registers -> global, _EPI_COLS columns at a time ----
+        # ---- epilogue (all warps): TMEM -> registers -> global, epi_cols columns at a time ----
         # Ld32x32b: each thread reads one TMEM lane (= one row of C), 32 consecutive columns.
-        epi_tiler = ((cute.size(tCtAcc, mode=[0, 0]), _EPI_COLS),)
+        epi_tiler = ((cute.size(tCtAcc, mode=[0, 0]), self.epi_cols),)
         tCtAcc_epi = cute.zipped_divide(tCtAcc, epi_tiler)  # (EpiTile, NumEpi)
         tCgC_epi = cute.zipped_divide(tCgC, epi_tiler)
         tmem_load = tcgen05.make_tmem_copy(
@@ -198,34 +192,3 @@ class Sm100Probe:
         acc_full.release()
         pipeline.sync(barrier_id=1)
         tmem.free(tCtAcc.iterator)
-
-
-@dataclass(frozen=True)
-class Sm100ProbeConfig(KernelConfig):
-    """Compile key of :class:`Sm100Probe`: N (multiple of 32, 32..256) and K (multiple of 64)."""
-
-    n: int = 64
-    k: int = 64
-
-    kernel_id = "sm100.probe"
-    targets = ("sm_100a",)
-    # the tensor-core MMA, the TMEM allocation and the TMA loads are what the probe is for
-    evidence = {"sm_100a": (r"tcgen05\.mma", r"tcgen05\.alloc", r"cp\.async\.bulk\.tensor")}
-
-    def __post_init__(self):
-        # N is the UMMA instruction's N (M = 128 allows 16..256 in steps of 16); the epilogue
-        # reads 32 columns per tcgen05.ld, hence the multiple of 32.
-        if self.n % _EPI_COLS or not _EPI_COLS <= self.n <= 256:
-            raise ValueError(f"sm100 probe n must be a multiple of {_EPI_COLS} in [32, 256], got {self.n}")
-        if self.k % _TILE_K or self.k <= 0:
-            raise ValueError(f"sm100 probe k must be a positive multiple of {_TILE_K}, got {self.k}")
-
-    def signature(self):
-        return (
-            TensorArg("a", "bf16", (_TILE_M, self.k), align=16),
-            TensorArg("b", "bf16", (self.n, self.k), align=16),
-            TensorArg("c", "fp32", (_TILE_M, self.n), align=16),
-        )
-
-    def build(self):
-        return Sm100Probe(self.n, self.k)

@@ -1,6 +1,8 @@
 """SM90 paged decode: BF16/FP16 queries against an FP8 (or BF16/FP16) paged KV cache.
 
-Design (numbers and the alternatives measured are in profiling/NOTES.md):
+Design, with the measurements behind each choice: docs/design/sm90-decode.md. Plan (config,
+limits, tuning, launch schedule): :mod:`cute_kernels.plans.sm90_decode`; the parts are roles
+(:mod:`cute_kernels.roles`):
 
 - **One CTA per (split, KV head, request)**, 4 consumer warps (one warpgroup) plus one producer
   warp. The producer walks the CTA's 64-token KV tiles, looks the pages up in the block table
@@ -12,11 +14,11 @@ Design (numbers and the alternatives measured are in profiling/NOTES.md):
   ``S^T[64, n] = K[64, D] . Q^T`` and ``O^T[D, n] += V^T[D, 64] . P^T``. Q (once) and P (per
   tile) live in shared memory as the B operand.
 - **FP8 cache: register-sourced A.** K and V^T fragments are read from the TMA'd FP8 tile with
-  ``ldmatrix`` (V with ``.trans``) and widened exactly to the query's 16-bit type with bit
-  operations (see ``fragments.py``), then fed to RS WGMMA: QK keeps 16-bit precision and no
-  16-bit copy of the tile is ever written to shared memory. The widening scales K and V by a
-  power of two; Q and P are pre-scaled by powers of two so every product stays in fp32's normal
-  range, and all of it folds into the logit scale and the output scale.
+  ``ldmatrix`` (V with ``.trans``) and widened exactly to a 16-bit type (``roles/widen.py``),
+  then fed to RS WGMMA: QK keeps 16-bit precision and no 16-bit copy of the tile is ever written
+  to shared memory. The bit widening scales K and V by a power of two; Q and P are pre-scaled by
+  powers of two so every product stays in fp32's normal range, and all of it folds into the logit
+  scale and the output scale.
 - **16-bit cache: SS WGMMA** straight from the TMA'd tiles (V^T as an MN-major A operand).
 - Online softmax over tokens (the M dim): per-column maxima cross the 4 warps through shared
   memory once per tile; row sums stay per thread until the end.
@@ -29,74 +31,40 @@ Design (numbers and the alternatives measured are in profiling/NOTES.md):
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..common.merge import add_split
-from ..jit.compiler import KernelConfig
 from ..jit.dtypes import cute_dtype
-from ..jit.spec import ScalarArg, TensorArg
-from .fragments import (
-    WIDEN_SHIFT_LOG2,
-    cp_async_16,
-    cvt_e4m3x4_f16,
-    ldmatrix_x4,
-    load_b32_if,
-    load_cg_f32x4,
-    load_dsmem_f32,
-    load_dsmem_f32x4,
-    load_shared_f32,
-    load_shared_f32x4,
-    q_permutation,
-    special_register,
-    store_shared_f32,
-    widen_e4m3x4,
-)
+from ..jit.spec import bind_arguments
+from ..roles.fragments import WIDEN_SHIFT_LOG2, store_shared_f32
+from ..roles.paged_kv import PagedKVProducer
+from ..roles.query import QueryStager
+from ..roles.softmax import BAR_MMA, LOG2E, SwapAbSoftmax, slot_column, slot_of, swap_ab_mmas
+from ..roles.split_merge import SplitMerge
+from ..roles.widen import Fp8Fragments
 
-TILE = 64  # default KV tokens per tile (one WGMMA M); 128 = two M blocks per iteration
-MMA_M = 64
-MMA_WARPS = 4
-PRODUCER_WARP = MMA_WARPS
-NUM_THREADS = (MMA_WARPS + 1) * 32
-BAR_MMA = 1  # named barrier of the consumer warpgroup (0 is __syncthreads)
-DYNAMIC_CHUNK_TILES = 2  # small grabs: a CTA's tail is at most ~2 tiles (~3 us at 3 CTAs/SM)
-MERGE_GROUP = 16  # splits whose partials one thread of the fused merge has in flight at once
-MAX_CLUSTER = 16  # most split CTAs of one cluster merge (a non-portable cluster size above 8)
-CLUSTER_GROUP = 8  # splits whose DSMEM partials one thread of the cluster merge has in flight at once
-LOG2E = math.log2(math.e)
-
-
-def slot_of(n_static: int) -> int:
-    """Register slot of accumulator column ``n_static`` (thread 0's columns 8 j + {0, 1})."""
-    return (n_static // 8) * 2 + n_static % 8
-
-
-def slot_column(s: int, n_base):
-    """The accumulator column of register slot ``s`` for a thread whose columns start at
-    ``n_base`` (2 (lane % 4)): the inverse of :func:`slot_of`, plus the thread's offset."""
-    return (s // 2) * 8 + s % 2 + n_base
 # Powers of two applied to Q and P before they enter an MMA whose K/V operand was widened from
 # FP8 (K/V scaled by 2^-WIDEN): keeps every product and partial sum in fp32's normal range.
 Q_PRESCALE_LOG2 = {"bf16": 64, "fp16": 0}
 P_PRESCALE_LOG2 = {"bf16": 64, "fp16": 0}
 
 
-EVICT_FIRST_POLICY = 0x12F0000000000000  # L2 cache-policy operand: evict first (CUTLASS CacheHintSm90)
-
-
 class Sm90PagedDecode:
-    """Kernel object; all fields are compile-time (see :class:`Sm90DecodeConfig`)."""
+    """Kernel object of :class:`cute_kernels.plans.sm90_decode.Sm90DecodeConfig`; every field is
+    compile-time. It composes the paged K/V producer, the FP8 fragment widening, the Q staging,
+    the swap-AB online softmax and the split output/merges (``cute_kernels.roles``)."""
 
-    def __init__(self, cfg: Sm90DecodeConfig):
+    def __init__(self, cfg):
         self.cfg = cfg
+        self.arg_names = cfg.arg_names()
+        # one consumer warpgroup (warps 0-3) and one producer warp; the WGMMA's M is the tile's rows
+        self.warps = cfg.consumer_warps
+        self.producer_warp = self.warps
+        self.num_threads = cfg.num_threads
+        self.mma_m = cfg.hw.WGMMA_M
         self.q_dtype = cute_dtype(cfg.q_dtype)
         self.kv_dtype = cute_dtype(cfg.kv_dtype)
         self.fp8 = cfg.kv_dtype == "fp8_e4m3"
@@ -108,10 +76,6 @@ class Sm90PagedDecode:
         self.N = cfg.n_pad
         self.page = cfg.page_size
         self.tile = cfg.tile
-        self.box = min(cfg.page_size, self.tile)  # tokens per TMA box
-        self.boxes_per_tile = self.tile // self.box
-        # dynamic split: tiles per grab (their page ids must fit one per lane of the producer warp)
-        self.chunk_tiles = max(1, min(DYNAMIC_CHUNK_TILES, 32 // self.boxes_per_tile))
         self.stages = cfg.stages
         # FP8 "bits": exact widening to the query's type by bit operations (values x 2^-shift);
         # FP8 "cvt": exact hardware e4m3 -> f16 conversion, so the MMAs run in fp16 and a BF16
@@ -127,10 +91,44 @@ class Sm90PagedDecode:
             self.out_log2 = widen - self.p_pre  # O = O_acc * 2^this * v_scale / l
         else:
             self.q_pre = self.p_pre = self.logit_log2 = self.out_log2 = 0
+        # the roles this kernel composes
+        self.kv = PagedKVProducer(D=self.D, page=self.page, tile=self.tile, stages=self.stages, fp8=self.fp8,
+                                  strided=cfg.strided, dynamic=cfg.dynamic, evict_first=cfg.evict_first,
+                                  chunk_tiles_max=cfg.chunk_tiles_max)
+        self.frags = Fp8Fragments(self.D, self.tile, self.fp8, self.cvt, cfg.q_dtype, self.mma_m)
+        self.query = QueryStager(self.D, self.N, self.G, self.q_len, bounded=False,
+                                 dynamic_q_scale=self.dynamic_q_scale, q_pre=self.q_pre, q_permuted=self.q_permuted,
+                                 widen=cfg.widen, warps=self.warps)
+        self.softmax = SwapAbSoftmax(self.N, self.D, self.tile, self.p_pre, self.warps)
+        self.split_merge = SplitMerge(
+            D=self.D, N=self.N, G=self.G, q_len=self.q_len, merge=cfg.merge, smem_merge=cfg.smem_merge,
+            dynamic=cfg.dynamic, merge_slots=cfg.merge_slots(), merge_slot_bytes=cfg.merge_slot_bytes(),
+            merge_group=cfg.merge_group, cluster_group=cfg.cluster_group, warps=self.warps,
+            num_threads=self.num_threads)
 
     # ------------------------------------------------------------------------------------------
     # host side
     # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def __call__(self, *args):
+        """The config's arguments (``Sm90DecodeConfig.signature()``: a variant takes only the ones
+        it uses, each costs host time per call) and the stream. Arguments a variant does not
+        take are passed to :meth:`launch` as unused placeholders."""
+        a = bind_arguments(self.arg_names, args)
+        mQ, mBlockTable, mSeqLens, mO, mLse = a["q"], a["block_table"], a["seq_lens"], a["out"], a["lse"]
+        if const_expr(self.cfg.kv_form == "single"):
+            mKc = mVc = a["kv_cache"]
+        else:
+            mKc, mVc = a["k_cache"], a["v_cache"]
+        mPartO, mPartLse, mCounter, num_splits = mO, mLse, mSeqLens, 1
+        if const_expr(self.cfg.merge == "global"):
+            mPartO, mPartLse, mCounter = a["part_out"], a["part_lse"], a["counters"]
+            num_splits = mPartO.shape[0]
+        elif const_expr(self.cfg.merge == "cluster"):
+            num_splits = a["num_splits"]
+        self.launch(mQ, mKc, mVc, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, a["k_scale"],
+                    a["v_scale"], a["sm_scale"], num_splits, a["stream"])
 
     @cute.jit
     def launch(
@@ -166,29 +164,16 @@ class Sm90PagedDecode:
         mV = cute.make_tensor(mV4.iterator, cute.select(mV4.layout, mode=[tok, 3, head, 0]))
 
         mma_dtype = self.mma_dtype
-        qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout = self.mmas_and_layouts()
-
+        qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout = swap_ab_mmas(
+            D, N, self.tile, self.stages, self.kv_dtype, mma_dtype, self.fp8, self.mma_m)
         # one TMA box = `box` tokens of one page x the full head dim
-        box = self.box
-        k_box_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (box, N, D), self.kv_dtype, 1)
-        tma_k, tma_tK = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(k_box_layout, (None, None, 0)), (box, D)
-        )
-        if const_expr(self.fp8):
-            tma_v, tma_tV = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mV, cute.slice_(k_box_layout, (None, None, 0)), (box, D)
-            )
-        else:
-            v_box_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, N, box), self.kv_dtype, 1)
-            tma_v, tma_tV = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mVt, cute.slice_(v_box_layout, (None, None, 0)), (D, box)
-            )
+        tma_k, tma_tK, tma_v, tma_tV = self.kv.make_tma_atoms(mK, mV, mVt, N, self.kv_dtype)
 
         @cute.struct
         class Storage:
             k_bar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
             v_bar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
-            red: cute.struct.MemRange[Float32, MMA_WARPS * cfg.n_pad]
+            red: cute.struct.MemRange[Float32, self.warps * cfg.n_pad]
             flag: cute.struct.MemRange[Int32, 4]
             tile_id: cute.struct.MemRange[Int32, cfg.stages]  # dynamic: the tile each K stage holds
             sK: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(k_layout)], 1024]
@@ -204,33 +189,9 @@ class Sm90PagedDecode:
             mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
         )
         # cluster merge: the splits of one (KV head, request) form one cluster and merge through DSMEM
-        kernel.launch(grid=[num_splits, num_kv_heads, batch], block=[NUM_THREADS, 1, 1], stream=stream,
+        kernel.launch(grid=[num_splits, num_kv_heads, batch], block=[self.num_threads, 1, 1], stream=stream,
                       cluster=[num_splits, 1, 1] if const_expr(cfg.cluster) else None,
                       min_blocks_per_mp=cfg.occupancy, preferred_smem_carveout=100, use_pdl=cfg.pdl)
-
-    def mmas_and_layouts(self):
-        """The two tiled WGMMAs (swap-AB: KV tokens on M, the group's query rows on N; A from
-        registers for FP8, from shared memory for 16-bit caches) and the shared-memory layouts:
-        K tiles (tokens, D) K-major on both paths; V stored the same way for FP8 (ldmatrix.trans
-        reads it) and as MN-major V^T for 16-bit SS; Q and P as the B operands. Shared with QSA."""
-        D, N, mma_dtype = self.D, self.N, self.mma_dtype
-        a_src = warpgroup.OperandSource.RMEM if self.fp8 else warpgroup.OperandSource.SMEM
-        qk_mma = sm90_utils.make_trivial_tiled_mma(
-            mma_dtype, mma_dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
-            tiler_mn=(MMA_M, N), a_source=a_src,
-        )
-        pv_mma = sm90_utils.make_trivial_tiled_mma(
-            mma_dtype, mma_dtype, OperandMajorMode.K if self.fp8 else OperandMajorMode.MN,
-            OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(MMA_M, N), a_source=a_src,
-        )
-        k_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile, N, D), self.kv_dtype, self.stages)
-        if self.fp8:
-            v_layout = k_layout
-        else:
-            v_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, N, self.tile), self.kv_dtype, self.stages)
-        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile, N, D), mma_dtype, 1)
-        p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, N, self.tile), mma_dtype, 1)
-        return qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -270,7 +231,7 @@ class Sm90PagedDecode:
         lane = tidx % 32
 
         if const_expr(self.cfg.prefetch_desc):
-            if warp == PRODUCER_WARP:
+            if warp == self.producer_warp:
                 # the TMA descriptors are kernel parameters, not outputs of the previous kernel:
                 # fetching them now keeps that round trip off the first page load after the wait
                 cpasync.prefetch_descriptor(tma_k)
@@ -280,19 +241,19 @@ class Sm90PagedDecode:
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
-        sRed = storage.red.get_tensor(cute.make_layout((MMA_WARPS, N), stride=(N, 1)))
+        sRed = storage.red.get_tensor(cute.make_layout((self.warps, N), stride=(N, 1)))
 
         kv_bytes = self.tile * D * self.kv_dtype.width // 8
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.k_bar.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.warps),
             tx_count=kv_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True,
         )
         pipe_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.v_bar.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.warps),
             tx_count=kv_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True,
         )
         cute.arch.mbarrier_init_fence()
@@ -310,7 +271,7 @@ class Sm90PagedDecode:
         first_raw = Int32(-1)
         if const_expr(self.cfg.strided):
             # every warp loads (a branch on the role would let ptxas put seq_len's uses first)
-            first_raw = self.load_page_raw(mBlockTable, batch_idx, self.box_of(split, num_splits, Int32(0), lane),
+            first_raw = self.kv.load_page_raw(mBlockTable, batch_idx, self.kv.box_of(split, num_splits, Int32(0), lane),
                                            predicated=True)
         seq_len = mSeqLens[batch_idx]
         num_tiles = (seq_len + self.tile - 1) // self.tile
@@ -325,15 +286,15 @@ class Sm90PagedDecode:
             tile_end = cutlass.min(tile_begin + per_split, num_tiles)
 
         sTileId = storage.tile_id.get_tensor(cute.make_layout(self.stages))
-        if warp == PRODUCER_WARP:
+        if warp == self.producer_warp:
             if const_expr(self.cfg.dynamic):
                 # this item's chunk counter sits behind the B x Hkv arrival counters
                 grab = mCounter.iterator + (cute.arch.grid_dim()[2] * cute.arch.grid_dim()[1]
                                             + batch_idx * cute.arch.grid_dim()[1] + kv_head)
-                self.produce_dynamic(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
+                self.kv.produce_dynamic(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
                                      batch_idx, kv_head, seq_len, num_tiles, grab, sTileId, lane)
             else:
-                self.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
+                self.kv.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
                              batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw)
         else:
             k_base = storage.sK.data_ptr().toint()
@@ -345,235 +306,7 @@ class Sm90PagedDecode:
                          seq_len, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId)
         if const_expr(self.cfg.cluster):
             # every thread of the CTA, the producer warp too: the cluster barriers count them all
-            self.cluster_merge(mO, mLse, storage.sK.data_ptr().toint())
-
-    # ------------------------------------------------------------------------------------------
-
-    @cute.jit
-    def produce(self, tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
-                batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw):
-        """Static split: this CTA's tiles ``tile_begin, tile_begin + tile_step, ... < tile_end``."""
-        nb = self.boxes_per_tile
-        tKsK, tKgK, tVsV, tVgV = self.partition_tma(tma_k, mK, tma_v, mV, sK, sV, kv_head)
-        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        # Page ids are fetched 32 boxes at a time, one per lane, well ahead of their TMA. The
-        # first batch: with strided splits it was loaded together with seq_len (``first_raw``:
-        # one L2 round trip less before the first TMA of every split CTA).
-        box0 = self.box_of(tile_begin, tile_step, Int32(0), lane)
-        if const_expr(not self.cfg.strided):
-            first_raw = self.load_page_raw(mBlockTable, batch_idx, box0)
-        page_id = self.mask_page(first_raw, num_pages, seq_len, box0)
-        k = Int32(0)
-        for tile in cutlass.range(tile_begin, tile_end, tile_step, unroll=1):
-            rel = k * nb  # box index relative to this CTA's first box
-            if rel % 32 == 0 and k > 0:
-                page_id = self.lookup_page(mBlockTable, num_pages, batch_idx, seq_len,
-                                           self.box_of(tile_begin, tile_step, k, lane))
-            k += 1
-            pipe_k.producer_acquire(state_k)
-            self.load_tile(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, pipe_k, pipe_v, state_k, state_v, page_id, rel, tile)
-            state_k.advance()
-            state_v.advance()
-
-    @cute.jit
-    def partition_tma(self, tma_k, mK, tma_v, mV, sK, sV, kv_head):
-        """TMA partitions of this KV head: (box, D, box-in-page, page) global views, stage tiles
-        split into boxes."""
-        D, box = self.D, self.box
-        gK = cute.local_tile(mK[None, None, kv_head, None], (box, D), (None, 0, None))
-        sK_boxes = cute.flat_divide(sK, (box, D))  # (box, D, nb, 1, stages)
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, cute.make_layout(1), cute.group_modes(sK_boxes, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        if const_expr(self.fp8):
-            gV = cute.local_tile(mV[None, None, kv_head, None], (box, D), (None, 0, None))
-            sV_boxes = cute.flat_divide(sV, (box, D))
-        else:
-            gV = cute.local_tile(mV[None, None, kv_head, None], (D, box), (0, None, None))
-            sV_boxes = cute.flat_divide(sV, (D, box))  # (D, box, 1, nb, stages)
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_v, 0, cute.make_layout(1), cute.group_modes(sV_boxes, 0, 2), cute.group_modes(gV, 0, 2)
-        )
-        return tKsK, tKgK, tVsV, tVgV
-
-    def box_of(self, tile_begin, tile_step, k0, lane):
-        """(Traced.) The box this lane looks up for the batch of 32 boxes starting at the CTA's
-        ``k0``-th tile: box ``lane % nb`` of its ``(k0 + lane // nb)``-th tile."""
-        nb = self.boxes_per_tile
-        return (tile_begin + (k0 + lane // nb) * tile_step) * nb + lane % nb
-
-    @cute.jit
-    def lookup_page(self, mBlockTable, num_pages, batch_idx, seq_len, box_idx):
-        """Physical page of box ``box_idx`` (one per lane); ``num_pages`` (out of range: TMA
-        zero-fill) past the sequence, past the table or for an invalid id."""
-        return self.mask_page(self.load_page_raw(mBlockTable, batch_idx, box_idx), num_pages, seq_len, box_idx)
-
-    @cute.jit
-    def load_page_raw(self, mBlockTable, batch_idx, box_idx, predicated: cutlass.Constexpr = False):
-        """The block-table entry of box ``box_idx``, -1 past the table; read whatever the
-        request's length (an address inside the table), so that it need not wait for it.
-        ``predicated``: one predicated load instead of a branch around a load."""
-        logical_page = box_idx * self.box // self.page
-        raw = Int32(-1)
-        if const_expr(predicated):
-            inside = logical_page < mBlockTable.shape[1]
-            lp = cutlass.min(logical_page, mBlockTable.shape[1] - 1)  # an address near the row when outside
-            addr = mBlockTable.iterator + cute.crd2idx((batch_idx, lp), mBlockTable.layout)
-            raw = load_b32_if(addr.toint(), Int32(inside), raw)
-        else:
-            if logical_page < mBlockTable.shape[1]:
-                raw = mBlockTable[batch_idx, logical_page]
-        return raw
-
-    @cute.jit
-    def mask_page(self, raw, num_pages, seq_len, box_idx):
-        """``raw`` as a TMA page coordinate: ``num_pages`` (out of range: zero-fill) past the
-        sequence or for an invalid id (negative ones too; clamped only to keep it int32)."""
-        page_id = raw
-        if box_idx * self.box >= seq_len or raw < 0 or raw >= num_pages:
-            page_id = Int32(num_pages)
-        return page_id
-
-    @cute.jit
-    def load_tile(self, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, pipe_k, pipe_v, state_k, state_v, page_id, rel, tile):
-        """TMA of one tile's K (its stage already acquired) and V boxes; box j's page id is in
-        lane (rel + j) % 32."""
-        nb = self.boxes_per_tile
-        boxes_per_page = self.page // self.box
-        for j in cutlass.range_constexpr(nb):
-            pid = cute.arch.shuffle_sync(page_id, (rel + j) % 32)
-            sub = ((tile * nb + j) % boxes_per_page) if const_expr(boxes_per_page > 1) else 0
-            cute.copy(tma_k, tKgK[None, sub, pid], tKsK[None, j, 0, state_k.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(state_k), **self.cache_hint())
-        pipe_k.producer_commit(state_k)
-        pipe_v.producer_acquire(state_v)
-        for j in cutlass.range_constexpr(nb):
-            pid = cute.arch.shuffle_sync(page_id, (rel + j) % 32)
-            sub = ((tile * nb + j) % boxes_per_page) if const_expr(boxes_per_page > 1) else 0
-            if const_expr(self.fp8):
-                cute.copy(tma_v, tVgV[None, sub, pid], tVsV[None, j, 0, state_v.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state_v), **self.cache_hint())
-            else:
-                cute.copy(tma_v, tVgV[None, sub, pid], tVsV[None, 0, j, state_v.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state_v), **self.cache_hint())
-        pipe_v.producer_commit(state_v)
-
-    def cache_hint(self) -> dict:
-        """(Traced.) The K/V TMA loads' L2 policy: evict-first (CUTLASS's CacheHintSm90::EVICT_FIRST)
-        when ``evict_first``. Every KV byte is read once per call, so it should not push out what
-        is read again soon: the block table, the query, and the split partials the fused merge
-        reads back at the end of the kernel."""
-        if self.cfg.evict_first:
-            return dict(cache_policy=cutlass.Int64(EVICT_FIRST_POLICY))
-        return {}
-
-    @cute.jit
-    def produce_dynamic(self, tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
-                        batch_idx, kv_head, seq_len, num_tiles, grab, sTileId, lane):
-        """Dynamic split: the CTAs of one (request, KV head) take chunks of ``chunk_tiles`` tiles
-        from a shared counter until none is left, so they all finish within about one chunk of
-        each other (a CTA that started late or streams slowly simply takes fewer chunks; with
-        more CTAs than slots the late ones find little or nothing left). Each K stage carries its
-        tile index in ``sTileId``, written before the stage's full-barrier arrive (which releases
-        it to the consumers); a stage with index -1 and no TMA ends the consumers' loop."""
-        nb, ch = self.boxes_per_tile, self.chunk_tiles
-        tKsK, tKgK, tVsV, tVgV = self.partition_tma(tma_k, mK, tma_v, mV, sK, sV, kv_head)
-        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        chunk = self.grab_chunk(grab, lane)
-        while chunk * ch < num_tiles:
-            first = chunk * ch
-            last = cutlass.min(first + ch, num_tiles)
-            page_id = self.lookup_page(mBlockTable, num_pages, batch_idx, seq_len, first * nb + lane)
-            for tile in cutlass.range(first, last, unroll=1):
-                pipe_k.sync_object_empty.wait(state_k.index, state_k.phase)
-                sTileId[state_k.index] = tile
-                pipe_k.sync_object_full.arrive(state_k.index, pipe_k.producer_mask)  # + expect_tx
-                self.load_tile(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, pipe_k, pipe_v, state_k, state_v, page_id,
-                               (tile - first) * nb, tile)
-                state_k.advance()
-                state_v.advance()
-            chunk = self.grab_chunk(grab, lane)
-        # end marker: a K stage with no data; a plain arrive completes its phase (no bytes expected)
-        pipe_k.sync_object_empty.wait(state_k.index, state_k.phase)
-        sTileId[state_k.index] = Int32(-1)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive(pipe_k.producer_get_barrier(state_k))
-
-    @cute.jit
-    def grab_chunk(self, grab, lane):
-        chunk = Int32(0)
-        if lane == 0:
-            chunk = cute.arch.atomic_add(grab, Int32(1), sem="relaxed", scope="gpu")
-        return cute.arch.shuffle_sync(chunk, 0)
-
-    # ------------------------------------------------------------------------------------------
-
-    @cute.jit
-    def load_q_chunk(self, mQ, idx, batch_idx, kv_head, work):
-        """16 consecutive Q elements (row n, 16-column chunk c) of work item ``idx`` as fp32;
-        zeros for padding rows and for ``idx >= work``."""
-        chunks = self.D // 16
-        n = idx // chunks
-        vals = cute.make_rmem_tensor((16,), Float32)
-        vals.fill(0.0)
-        if n < self.rows and idx < work:
-            token = batch_idx * self.q_len + n // self.G
-            head = kv_head * self.G + n % self.G
-            vals.store(cute.local_tile(mQ[token, head, None], (16,), (idx % chunks,)).load().to(Float32))
-        return vals
-
-    @cute.jit
-    def stage_q(self, mQ, sQ, sRed, batch_idx, kv_head, tidx, warp, lane):
-        """Q rows of this KV group -> sQ (B operand), zero padding rows. FP8 caches: columns
-        permuted within 16-column blocks to match the widened K fragments, values pre-scaled by a
-        power of two. Returns log2 of that scale (the logits divide it out)."""
-        D, N = self.D, self.N
-        chunks = D // 16
-        work = N * chunks
-        iters = (work + MMA_WARPS * 32 - 1) // (MMA_WARPS * 32)
-        q_log2 = Float32(self.q_pre)
-        # Q stays in registers between the max and the store when it is small (the usual case:
-        # one 16-element chunk per thread); larger groups are simply loaded twice.
-        keep = iters <= 2
-        held = []
-        if const_expr(self.dynamic_q_scale):
-            # BF16 -> FP16: scale by 2^(14 - e), e = exponent of max|q|, so that the largest
-            # element lands near [2^14, 2^15) and nothing overflows fp16; the scale is exact.
-            amax = Float32(0.0)
-            for it in cutlass.range_constexpr(iters):
-                idx = it * MMA_WARPS * 32 + tidx
-                vals = self.load_q_chunk(mQ, idx, batch_idx, kv_head, work)
-                if const_expr(keep):
-                    held.append(vals)
-                for k in cutlass.range_constexpr(16):
-                    amax = cute.arch.fmax(amax, cute.arch.fmax(vals[k], -vals[k]))
-            for off in (1, 2, 4, 8, 16):
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, off))
-            if lane == 0:
-                sRed[warp, 0] = amax
-            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
-            amax = cute.arch.fmax(cute.arch.fmax(sRed[0, 0], sRed[1, 0]), cute.arch.fmax(sRed[2, 0], sRed[3, 0]))
-            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)  # sRed reused later
-            # e within 1 of floor(log2 amax) (truncation, approximate log2): fp16's range
-            # (max 2^16) leaves room for that
-            e = Int32(0)
-            if amax > Float32(0.0):
-                e = Int32(cute.math.log2(amax, fastmath=True))
-            q_log2 = Float32(cutlass.min(cutlass.max(Int32(14) - e, Int32(-100)), Int32(100)))
-        scale = cute.math.exp2(q_log2, fastmath=False)
-        for it in cutlass.range_constexpr(iters):
-            idx = it * MMA_WARPS * 32 + tidx
-            vals = held[it] if const_expr(keep and self.dynamic_q_scale) else self.load_q_chunk(
-                mQ, idx, batch_idx, kv_head, work)
-            if idx < work:
-                n = idx // chunks
-                c = idx % chunks
-                for k in cutlass.range_constexpr(16):
-                    src = q_permutation(k, self.cfg.widen) if const_expr(self.q_permuted) else k
-                    sQ[n, c * 16 + k, 0] = (vals[src] * scale).to(sQ.element_type)
-        return q_log2
+            self.split_merge.cluster_merge(mO, mLse, storage.sK.data_ptr().toint())
 
     @cute.jit
     def consume(self, mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
@@ -582,9 +315,9 @@ class Sm90PagedDecode:
         cfg = self.cfg
         mPartO, mPartLse, mCounter, sFlag, num_splits = merge
         D, N, G = self.D, self.N, self.G
-        q_log2 = self.stage_q(mQ, sQ, sRed, batch_idx, kv_head, tidx, warp, lane)
+        q_log2 = self.query.stage_q(mQ, sQ, sRed, batch_idx, kv_head, tidx, warp, lane)
         cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
-        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
 
         if const_expr(isinstance(k_scale, cute.Tensor)):
             ks = k_scale[0]
@@ -597,7 +330,7 @@ class Sm90PagedDecode:
         # logits in log2 units = S_acc * c
         c = sm_scale * ks * Float32(LOG2E * 2.0 ** self.logit_log2) * cute.math.exp2(-q_log2 + Float32(self.q_pre), fastmath=False)
 
-        thr_qk, thr_pv, cS0, cS, cO0, acc_s, acc_o, row_max, row_sum = self.consumer_state(qk_mma, pv_mma, tidx)
+        thr_qk, thr_pv, cS0, cS, cO0, acc_s, acc_o, row_max, row_sum = self.softmax.consumer_state(qk_mma, pv_mma, tidx)
         nS = cute.size(acc_s)
         n_base = cS[0][1] - cS0[0][1]  # this thread's column offset (2 * (lane % 4))
         m_base = cS[0][0] - cS0[0][0]  # this thread's row offset (lane / 4 + 16 * warp)
@@ -625,7 +358,7 @@ class Sm90PagedDecode:
         # runs while PV(t) is in the tensor cores and the two MMAs overlap. The tile sequence is
         # this CTA's static range, or (dynamic split) whatever the producer took, read from the
         # K stage (-1 ends it).
-        tile = self.next_tile(pipe_k, state_k, sTileId, tile_begin - tile_step, tile_end, tile_step)
+        tile = self.kv.next_tile(pipe_k, state_k, sTileId, tile_begin - tile_step, tile_end, tile_step)
         if tile >= 0:
             self.issue_qk(mma, pipe_k, state_k, k_base, k_layout, warp, lane)
         while tile >= 0:
@@ -646,16 +379,16 @@ class Sm90PagedDecode:
                         s_val = -Float32.inf
                 acc_s[i] = s_val
                 tile_max[sl] = cute.arch.fmax(tile_max[sl], s_val)
-            self.softmax_tile(acc_s, acc_o, tile_max, row_max, row_sum, sRed, sP, cS0, cO0, n_base, m_base, warp,
+            self.softmax.softmax_tile(acc_s, acc_o, tile_max, row_max, row_sum, sRed, sP, cS0, cO0, n_base, m_base, warp,
                               lane)
 
             # ---------------- O^T += V^T P^T, then S^T(tile + 1) = K Q^T ----------------
             pipe_v.consumer_wait(state_v)
             if const_expr(self.fp8):
-                self.load_v_fragments(tOrV, v_base, v_layout, state_v.index, warp, lane)
+                self.frags.load_v_fragments(tOrV, v_base, v_layout, state_v.index, warp, lane)
                 if const_expr(self.cvt):
                     if masked:
-                        self.zero_v_fragment_tail(tOrV, seq_len - tile * self.tile, lane)
+                        self.frags.zero_v_fragment_tail(tOrV, seq_len - tile * self.tile, lane)
             else:
                 if masked:
                     self.zero_v_tail(sV, state_v.index, seq_len - tile * self.tile, tidx)
@@ -666,7 +399,7 @@ class Sm90PagedDecode:
                 else:
                     cute.gemm(pv_mma, acc_o, tOrV[None, None, kb, state_v.index], tOrP[None, None, kb, 0], acc_o)
             warpgroup.commit_group()
-            nxt = self.next_tile(pipe_k, state_k, sTileId, tile, tile_end, tile_step)
+            nxt = self.kv.next_tile(pipe_k, state_k, sTileId, tile, tile_end, tile_step)
             if nxt >= 0:
                 self.issue_qk(mma, pipe_k, state_k, k_base, k_layout, warp, lane)
                 warpgroup.wait_group(1)  # O(tile) done; S(tile + 1) may still run
@@ -681,7 +414,7 @@ class Sm90PagedDecode:
             # CTAs take the SM slots ours free and wait in griddepcontrol.wait for our writes)
             cute.arch.griddepcontrol_launch_dependents()
         # ---------------- epilogue ----------------
-        self.publish_slot_reduction(row_sum, sRed, n_base, warp, lane, lambda a, b: a + b)
+        self.softmax.publish_slot_reduction(row_sum, sRed, n_base, warp, lane, lambda a, b: a + b)
         inv = cute.make_rmem_tensor((nslots,), Float32)
         for s in cutlass.range_constexpr(nslots):
             n = slot_column(s, n_base)
@@ -697,7 +430,7 @@ class Sm90PagedDecode:
                         token = batch_idx * self.q_len + n // G
                         head = kv_head * G + n % G
                         if const_expr(cfg.cluster):
-                            store_shared_f32(k_base + self.part_lse_offset(n), lse)
+                            store_shared_f32(k_base + self.split_merge.part_lse_offset(n), lse)
                         elif const_expr(cfg.split):
                             mPartLse[split, token, head] = lse
                         else:
@@ -706,7 +439,7 @@ class Sm90PagedDecode:
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             n = cO[i][1]
             if n < self.rows:
-                d = self.physical_d(cO0[i][0], cO[i][0] - cO0[i][0])
+                d = self.frags.physical_d(cO0[i][0], cO[i][0] - cO0[i][0])
                 token = batch_idx * self.q_len + n // G
                 head = kv_head * G + n % G
                 val = acc_o[i] * inv[slot_of(cO0[i][1])]
@@ -718,293 +451,8 @@ class Sm90PagedDecode:
                 else:
                     mO[token, head, d] = val.to(mO.element_type)
         if const_expr(cfg.split and not cfg.cluster):
-            self.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx,
+            self.split_merge.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx,
                               (k_base, v_base))
-
-    def consumer_state(self, qk_mma, pv_mma, tidx):
-        """(Traced.) The swap-AB consumer's per-thread state, shared with the QSA kernel: MMA
-        slices, the static per-element coordinates of thread 0 (``cS0``, ``cO0``) and of this
-        thread (``cS``), so that register indices stay compile-time while rows and columns are
-        exact; the S^T and O^T accumulators (O zeroed); running max (-inf) and sum (0) per
-        column slot (a thread owns columns 8 j + 2 (lane % 4) + {0, 1}: N / 4 slots)."""
-        thr_qk = qk_mma.get_slice(tidx)
-        thr_pv = pv_mma.get_slice(tidx)
-        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile, self.N)))
-        cS = thr_qk.partition_C(cute.make_identity_tensor((self.tile, self.N)))
-        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.D, self.N)))
-        acc_s = cute.make_rmem_tensor(cS.shape, Float32)
-        acc_o = cute.make_rmem_tensor(cO0.shape, Float32)
-        acc_o.fill(0.0)
-        row_max = cute.make_rmem_tensor((self.N // 4,), Float32)
-        row_sum = cute.make_rmem_tensor((self.N // 4,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
-        return thr_qk, thr_pv, cS0, cS, cO0, acc_s, acc_o, row_max, row_sum
-
-    @cute.jit
-    def publish_slot_reduction(self, vals, sRed, n_base, warp, lane, combine):
-        """Reduce this thread's per-slot values ``vals`` (in place) over the 8 quads of its warp
-        with ``combine`` (butterfly shuffles), publish each warp's result to ``sRed[warp, column]``
-        and wait for the warpgroup: the caller then combines ``sRed[0..3, column]``. Shared by the
-        softmax's row maxima and the epilogues' row sums (decode and QSA)."""
-        nslots = self.N // 4
-        for s in cutlass.range_constexpr(nslots):
-            v = vals[s]
-            for off in (4, 8, 16):
-                v = combine(v, cute.arch.shuffle_sync_bfly(v, off))
-            vals[s] = v
-        if lane < 4:
-            for s in cutlass.range_constexpr(nslots):
-                sRed[warp, slot_column(s, n_base)] = vals[s]
-        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
-
-    @cute.jit
-    def softmax_tile(self, acc_s, acc_o, tile_max, row_max, row_sum, sRed, sP, cS0, cO0, n_base, m_base, warp, lane):
-        """One online-softmax step (shared with the QSA kernel). In: ``acc_s`` the tile's scaled,
-        masked logits (log2 units) and ``tile_max`` this thread's per-slot maxima. Reduces the
-        maxima over the warpgroup (shuffles, then ``sRed`` across warps), rescales ``row_sum`` and
-        ``acc_o`` by ``exp2(old max - new max)``, and writes ``P = exp2(s - max)`` (times
-        ``2^p_pre``) to ``sP`` for the PV WGMMA; ends with the fence and barrier that publish sP.
-        A slot whose maximum is still -inf shifts by 0, so exp2(-inf) = 0 and no inf - inf."""
-        nslots = self.N // 4
-        self.publish_slot_reduction(tile_max, sRed, n_base, warp, lane, cute.arch.fmax)
-        alpha = cute.make_rmem_tensor((nslots,), Float32)
-        for s in cutlass.range_constexpr(nslots):
-            n = slot_column(s, n_base)
-            t_max = cute.arch.fmax(cute.arch.fmax(sRed[0, n], sRed[1, n]), cute.arch.fmax(sRed[2, n], sRed[3, n]))
-            new_max = cute.arch.fmax(row_max[s], t_max)
-            safe = new_max if new_max != -Float32.inf else Float32(0.0)
-            alpha[s] = cute.math.exp2(row_max[s] - safe, fastmath=True)
-            row_max[s] = new_max
-            row_sum[s] = row_sum[s] * alpha[s]
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            sl = slot_of(cS0[i][1])
-            safe = row_max[sl] if row_max[sl] != -Float32.inf else Float32(0.0)
-            p = cute.math.exp2(acc_s[i] - safe, fastmath=True)
-            row_sum[sl] = row_sum[sl] + p
-            if const_expr(self.p_pre):
-                p = p * Float32(2.0 ** self.p_pre)
-            sP[cS0[i][1] + n_base, cS0[i][0] + m_base, 0] = p.to(sP.element_type)
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[i] = acc_o[i] * alpha[slot_of(cO0[i][1])]
-        cute.arch.fence_proxy("async.shared", space="cta")  # sP is read by WGMMA
-        # also: every warp read sRed for this tile before the next tile overwrites it
-        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
-
-    @cute.jit
-    def merge_splits(self, mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx,
-                     kv_bases):
-        """The last of the request's split CTAs (per KV head) to finish merges all partials.
-
-        Saves a second kernel launch (about 2 us on the critical path of small batches). Each CTA
-        publishes its partial (fence + one atomic per CTA on a per-(request, head) counter); the
-        CTA that sees count S-1 reads every split's partial from L2 (``ld.global.cg``: another
-        SM wrote them), writes the final output and LSE, and resets the counter to 0 so that the
-        next launch (or CUDA-graph replay) starts clean.
-
-        ``smem_merge``: when every split's partial fits the (now idle) K and V stages, the merging
-        CTA first copies them all there with ``cp.async`` (every copy in flight at once, no
-        registers held) and merges from shared memory: one L2 round trip instead of one per
-        ``threads`` chunks x MERGE_GROUP splits (two at Qwen3 B8: 8 rows x 128 dims, 12 splits).
-        """
-        G = self.G
-        threads = MMA_WARPS * 32
-        cute.arch.fence_acq_rel_gpu()  # my partial writes before the arrival below
-        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=threads)
-        counter = mCounter.iterator + (batch_idx * cute.arch.grid_dim()[1] + kv_head)
-        if tidx == 0:
-            sFlag[0] = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=threads)
-        if sFlag[0] == num_splits - 1:
-            cute.arch.fence_acq_rel_gpu()
-            chunks = self.D // 4
-            work = self.rows * chunks
-            fits = False
-            if const_expr(self.cfg.smem_merge):
-                fits = num_splits <= merge_slots(self.cfg)
-            if fits:
-                self.stage_partials(mPartO, mPartLse, num_splits, batch_idx, kv_head, tidx, kv_bases)
-            for it in cutlass.range((work + threads - 1) // threads, unroll=1):
-                idx = it * threads + tidx
-                if idx < work:
-                    n = idx // chunks
-                    d0 = (idx % chunks) * 4
-                    token = batch_idx * self.q_len + n // G
-                    head = kv_head * G + n % G
-                    if fits:
-                        self.merge_row_chunk(mO, mLse, num_splits, token, head, d0, (kv_bases, n), MERGE_GROUP,
-                                             "smem")
-                    else:
-                        self.merge_row_chunk(mO, mLse, num_splits, token, head, d0, (mPartO, mPartLse),
-                                             MERGE_GROUP, "global")
-            if tidx == 0:
-                counter.store(Int32(0))
-                if const_expr(self.cfg.dynamic):
-                    # every CTA of the item has arrived, so none takes chunks any more: reset for
-                    # the next launch (its counter sits B x Hkv entries behind the arrival counter)
-                    grab = counter + cute.arch.grid_dim()[2] * cute.arch.grid_dim()[1]
-                    grab.store(Int32(0))
-
-    def part_lse_offset(self, n):
-        """(Traced.) Byte offset of row ``n``'s LSE in a shared-memory partial (the cluster merge's,
-        or a slot of the staged fused merge, :func:`merge_slot_bytes`): fp32 ``O[rows, D]`` first,
-        then the LSEs."""
-        return (self.rows * self.D + n) * 4
-
-    @cute.jit
-    def merge_slot(self, s, kv_bases):
-        """(Traced.) Shared-window address of split ``s``'s partial: the K stages' slots first,
-        then the V stages'."""
-        k_base, v_base = kv_bases
-        per = merge_slots(self.cfg) // 2
-        slot = merge_slot_bytes(self.cfg)
-        return k_base + s * slot if s < per else v_base + (s - per) * slot
-
-    @cute.jit
-    def stage_partials(self, mPartO, mPartLse, num_splits, batch_idx, kv_head, tidx, kv_bases):
-        """Copy every split's partial O rows (16-byte ``cp.async.cg``) and LSEs (``ld.global.cg``
-        then a shared store) of this (request, KV head) into shared memory, all in flight
-        together, then wait for them and publish them to the merging threads. The K/V stages
-        are idle: every tile was consumed and no TMA load is outstanding."""
-        G, D, rows = self.G, self.D, self.rows
-        threads = MMA_WARPS * 32
-        chunks = D // 4
-        per_split = rows * chunks
-        for i in cutlass.range(tidx, num_splits * per_split, threads, unroll=4):
-            s = i // per_split
-            rem = i - s * per_split
-            n = rem // chunks
-            c = rem - n * chunks
-            src = mPartO.iterator + cute.crd2idx((s, batch_idx * self.q_len + n // G, kv_head * G + n % G, c * 4),
-                                                  mPartO.layout)
-            cp_async_16(self.merge_slot(s, kv_bases) + (n * D + c * 4) * 4, src.toint())
-        # The LSEs through registers with ld.global.cg: a 4-byte cp.async can only be .ca, and an
-        # L1 line of another (request, KV head)'s LSEs, read by an earlier merge on this SM while
-        # one of its splits was still running, would hand this merge a stale value.
-        for i in cutlass.range(tidx, num_splits * rows, threads, unroll=1):
-            s = i // rows
-            n = i - s * rows
-            lse = self.load_cg(mPartLse, (s, batch_idx * self.q_len + n // G, kv_head * G + n % G))
-            store_shared_f32(self.merge_slot(s, kv_bases) + self.part_lse_offset(n), lse)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=threads)
-
-    @cute.jit
-    def cluster_merge(self, mO, mLse, part_base):
-        """Merge the split partials of one (KV head, request) inside its cluster (``num_splits``
-        CTAs, at most MAX_CLUSTER).
-
-        Each split CTA has left its normalized partial O and its LSE in its own shared memory
-        (``part_base``). After a cluster barrier (release / acquire) CTA ``rank`` merges its share
-        of the ``rows x D / 4`` four-element chunks, reading every split's chunk and LSE through
-        DSMEM (CLUSTER_GROUP splits' loads in flight together, ranks past the last clamped to it
-        and weighted 0), and writes the output; a second barrier keeps every CTA's shared memory
-        alive until all of them have read it. Against the global fused merge this saves the
-        fence, the arrival atomic and the last CTA's L2 round trip, and the merge is spread over
-        all split CTAs (measured: profiling/NOTES.md "tenth session")."""
-        G = self.G
-        # indices read again here rather than kept live through the main loop (register pressure)
-        tidx = special_register("tid.x")
-        rank = special_register("ctaid.x")
-        kv_head = special_register("ctaid.y")
-        batch_idx = special_register("ctaid.z")
-        num_splits = special_register("nctaid.x")
-        chunks = self.D // 4
-        work = self.rows * chunks
-        per = (work + num_splits - 1) // num_splits
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        for j in cutlass.range(tidx, per, NUM_THREADS, unroll=1):
-            idx = rank * per + j
-            if idx < work:
-                n = idx // chunks
-                d0 = (idx - n * chunks) * 4
-                self.merge_row_chunk(mO, mLse, num_splits, batch_idx * self.q_len + n // G, kv_head * G + n % G,
-                                     d0, (part_base, n), CLUSTER_GROUP, "dsmem")
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-
-    @cute.jit
-    def merge_row_chunk(self, mO, mLse, num_splits, token, head, d0, src, group: cutlass.Constexpr,
-                        source: cutlass.Constexpr):
-        """Merge 4 output dims of one query row over all splits, ``group`` splits at a time. The
-        partials come from global memory (``source`` "global": ``src = (mPartO, mPartLse)``, the
-        fused merge), from this CTA's shared memory ("smem": ``src = ((k_base, v_base), n)``, the
-        fused merge after :meth:`stage_partials`) or from the cluster's shared memory ("dsmem":
-        ``src = (part_base, n)``, the cluster merge).
-
-        Every load of a group (its LSEs and 16-byte partials) is issued before any is used, so a
-        group costs one L2 round trip instead of one per split (this merge is on the critical
-        path of every split request); indices past the last split are clamped to it and weighted
-        0. Groups are combined with a running max, as in online softmax."""
-        m = -Float32.inf
-        total = Float32(0.0)
-        acc = cute.make_rmem_tensor((4,), Float32)
-        acc.fill(0.0)
-        lse_g = cute.make_rmem_tensor((group,), Float32)
-        o_g = cute.make_rmem_tensor((group, 4), Float32)
-        for g in cutlass.range((num_splits + group - 1) // group, unroll=1):
-            for j in cutlass.range_constexpr(group):
-                s = cutlass.min(g * group + j, num_splits - 1)
-                if const_expr(source == "dsmem"):
-                    part_base, n = src
-                    lse_g[j] = load_dsmem_f32(part_base + self.part_lse_offset(n), s)
-                    o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_dsmem_f32x4(part_base + (n * self.D + d0) * 4, s)
-                elif const_expr(source == "smem"):
-                    kv_bases, n = src
-                    slot = self.merge_slot(s, kv_bases)
-                    lse_g[j] = load_shared_f32(slot + self.part_lse_offset(n))
-                    o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_shared_f32x4(slot + (n * self.D + d0) * 4)
-                else:
-                    mPartO, mPartLse = src
-                    lse_g[j] = self.load_cg(mPartLse, (s, token, head))
-                    addr = (mPartO.iterator + cute.crd2idx((s, token, head, d0), mPartO.layout)).toint()
-                    o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_cg_f32x4(addr)
-            new_m = m
-            for j in cutlass.range_constexpr(group):
-                if g * group + j >= num_splits:
-                    lse_g[j] = -Float32.inf
-                new_m = cute.arch.fmax(new_m, lse_g[j])
-            # all splits so far empty: shift by 0 so every weight is exp2(-inf) = 0 (no inf - inf)
-            shift = new_m if new_m != -Float32.inf else Float32(0.0)
-            alpha = cute.math.exp2(m - shift, fastmath=True)
-            total = total * alpha
-            for e in cutlass.range_constexpr(4):
-                acc[e] = acc[e] * alpha
-            for j in cutlass.range_constexpr(group):
-                total += add_split(acc, o_g[j, None], lse_g[j], shift, 4)
-            m = new_m
-        inv = Float32(0.0)
-        lse = -Float32.inf
-        if total > Float32(0.0):
-            inv = 1.0 / total
-            lse = m + cute.math.log2(total, fastmath=True)
-        for e in cutlass.range_constexpr(4):
-            mO[token, head, d0 + e] = (acc[e] * inv).to(mO.element_type)
-        if d0 == 0:
-            mLse[token, head] = lse
-
-    @cute.jit
-    def load_cg(self, tensor, coord):
-        """A load that bypasses L1 (the data was written by other SMs in this kernel)."""
-        return cute.arch.load(tensor.iterator + cute.crd2idx(coord, tensor.layout), Float32, cop="cg")
-
-    # ------------------------------------------------------------------------------------------
-
-    @cute.jit
-    def next_tile(self, pipe_k, state_k, sTileId, tile, tile_end, tile_step):
-        """The tile after ``tile``, or -1. Static: ``tile + tile_step`` below ``tile_end``. Dynamic:
-        the index the producer stored with the next K stage (waited for here; ``issue_qk`` waits
-        again, at once)."""
-        nxt = Int32(-1)
-        if const_expr(self.cfg.dynamic):
-            pipe_k.consumer_wait(state_k)
-            nxt = sTileId[state_k.index]
-        else:
-            if tile + tile_step < tile_end:
-                nxt = tile + tile_step
-        return nxt
 
     @cute.jit
     def issue_qk(self, mma, pipe_k, state_k, k_base, k_layout, warp, lane):
@@ -1012,7 +460,7 @@ class Sm90PagedDecode:
         qk_mma, pv_mma, acc_s, acc_o, tSrK, tSrQ, tOrV, tOrP = mma
         pipe_k.consumer_wait(state_k)
         if const_expr(self.fp8):
-            self.load_k_fragments(tSrK, k_base, k_layout, state_k.index, warp, lane)
+            self.frags.load_k_fragments(tSrK, k_base, k_layout, state_k.index, warp, lane)
         # local atoms: mutating the shared tiled MMA's accumulate flag inside a branch would leak
         # a value out of that branch
         first = cute.make_mma_atom(qk_mma.op)
@@ -1029,372 +477,15 @@ class Sm90PagedDecode:
         warpgroup.commit_group()
 
     @cute.jit
-    def physical_d(self, m_static, m_thread):
-        """Head-dim index of logical O^T row ``m`` (identity for 16-bit caches). For FP8, the
-        V^T fragments put the even d of a byte pair on logical row r and the odd on r + 8."""
-        if const_expr(self.fp8):
-            m = m_static + m_thread
-            r16 = m % 16
-            return (m - r16) + (r16 % 8) * 2 + r16 // 8
-        else:
-            return m_static + m_thread
-
-    @cute.jit
-    def widen(self, x, transposed: bool):
-        if const_expr(self.cvt):
-            return cvt_e4m3x4_f16(x, transposed)
-        return widen_e4m3x4(x, self.cfg.q_dtype)
-
-    @cute.jit
-    def load_k_fragments(self, tSrK, k_base, k_layout, stage, warp, lane):
-        """K tile (FP8, tokens x D) -> widened A fragments of S^T = K Q^T, two k16 blocks per
-        ldmatrix.x4: matrices (rows 0-7 | 8-15) x (chunk c | c+1) of this warp's 16 tokens of
-        each 64-token M block."""
-        q = lane // 8
-        mblocks = self.tile // MMA_M
-        regs = cute.recast_tensor(tSrK, Int32)  # index (kb * mblocks + mb) * 4 + R
-        for mb in cutlass.range_constexpr(mblocks):
-            row = mb * MMA_M + warp * 16 + (q % 2) * 8 + lane % 8
-            for cc in cutlass.range_constexpr(self.D // 32):
-                col = (2 * cc + q // 2) * 16
-                addr = k_base + cute.crd2idx((row, col, stage), k_layout)
-                r = ldmatrix_x4(addr, False)
-                for j in cutlass.range_constexpr(4):
-                    lo, hi = self.widen(r[j], False)
-                    base = ((2 * cc + j // 2) * mblocks + mb) * 4
-                    # register j: rows (r | r+8) = j % 2; lo -> (2t, 2t+1) = R0/R1, hi -> (2t+8, 2t+9) = R2/R3
-                    regs[base + (j % 2)] = lo
-                    regs[base + 2 + (j % 2)] = hi
-
-    @cute.jit
-    def load_v_fragments(self, tOrV, v_base, v_layout, stage, warp, lane):
-        """V tile (FP8, tokens x D) -> widened A fragments of O^T = V^T P^T. ldmatrix.trans of
-        8 tokens x 8 byte-pairs gives lane (pair p, tokens 2t, 2t+1): widening puts d = 2p on
-        logical row r (lo) and d = 2p + 1 on row r + 8 (hi); see :meth:`physical_d`."""
-        q = lane // 8
-        regs = cute.recast_tensor(tOrV, Int32)  # index: (m_tile * 4 + kb) * 4 + R
-        m_tiles = self.D // 64
-        for mt in cutlass.range_constexpr(m_tiles):
-            col = (mt * 4 + warp) * 16  # this warp's 16 head dims of the m-tile
-            for kk in cutlass.range_constexpr(self.tile // 32):
-                row = kk * 32 + q * 8 + lane % 8
-                addr = v_base + cute.crd2idx((row, col, stage), v_layout)
-                r = ldmatrix_x4(addr, True)
-                for j in cutlass.range_constexpr(4):
-                    lo, hi = self.widen(r[j], True)
-                    kb = 2 * kk + j // 2
-                    base = (kb * m_tiles + mt) * 4
-                    regs[base + 2 * (j % 2)] = lo
-                    regs[base + 2 * (j % 2) + 1] = hi
-
-    @cute.jit
-    def zero_v_fragment_tail(self, tOrV, valid, lane):
-        """FP8 via cvt: stale bytes past the sequence end may be e4m3 NaN codes, which the exact
-        conversion keeps as NaN (P = 0 would not cancel them). Zero the widened V^T values of
-        tokens >= valid; a register holds tokens (2t, 2t + 1) of one head dim."""
-        regs = cute.recast_tensor(tOrV, Int32)
-        m_tiles = self.D // 64
-        t2 = (lane % 4) * 2
-        for kb in cutlass.range_constexpr(self.tile // 16):
-            for half in cutlass.range_constexpr(2):
-                tok = kb * 16 + half * 8 + t2
-                keep_lo = Int32(0xFFFF) if tok < valid else Int32(0)
-                keep_hi = Int32(-65536) if tok + 1 < valid else Int32(0)  # 0xFFFF0000
-                keep = keep_lo | keep_hi
-                for mt in cutlass.range_constexpr(m_tiles):
-                    base = (kb * m_tiles + mt) * 4 + 2 * half
-                    regs[base] = regs[base] & keep
-                    regs[base + 1] = regs[base + 1] & keep
-
-    @cute.jit
     def zero_v_tail(self, sV, stage, valid, tidx):
         """16-bit caches: zero V^T columns (tokens) >= valid in this stage, so that stale
         (possibly NaN) cache rows past the sequence end cannot turn 0 * NaN into NaN."""
         D = self.D
-        for it in cutlass.range_constexpr((D * self.tile + MMA_WARPS * 32 - 1) // (MMA_WARPS * 32)):
-            idx = it * MMA_WARPS * 32 + tidx
+        for it in cutlass.range_constexpr((D * self.tile + self.warps * 32 - 1) // (self.warps * 32)):
+            idx = it * self.warps * 32 + tidx
             d = idx % D
             t = idx // D
             if t < self.tile and t >= valid:
                 sV[d, t, stage] = sV.element_type(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
-
-
-@dataclass(frozen=True)
-class Sm90DecodeConfig(KernelConfig):
-    """Compile key of :class:`Sm90PagedDecode`.
-
-    ``stages`` and ``occupancy`` normally come from :func:`decode_tuning`.
-    ``n_pad`` = ``group * q_len`` rounded up to a multiple of 8 (the WGMMA N). ``split`` selects
-    fp32 partial outputs (for ``merge_states``) over a direct write. ``k_scale_tensor`` /
-    ``v_scale_tensor``: the scale arrives as a 1-element fp32 device tensor (read by the kernel,
-    so CUDA-graph replays see new values) instead of a float argument. ``kv_form``: one 5-D
-    ``[P, 2, ...]`` cache tensor (``"single"``) or separate K and V tensors (``"pair"``);
-    ``kv_layout``: HND or NHD. ``occupancy``: CTAs per SM the register allocation must allow
-    (``__launch_bounds__`` min blocks; 0 = no constraint). ``widen`` (FP8 caches): ``"bits"``
-    widens exactly to the query's type with integer ops and runs the MMAs in that type;
-    ``"cvt"`` uses the one-instruction exact e4m3 -> f16 conversion and runs the MMAs in fp16
-    (a BF16 query is rescaled by a power of two per CTA to fit fp16's range). ``tile``: KV
-    tokens per iteration (64 or 128, i.e. one or two WGMMA M blocks). ``pdl``: launched as a
-    programmatic dependent launch (the launch and prologue overlap the previous kernel's tail; the
-    kernel waits in ``griddepcontrol.wait`` before touching global memory and lets its own
-    dependents launch once its main loop is done). ``dynamic`` (split only): the CTAs of one
-    (request, KV head) take chunks of tiles from a shared counter instead of fixed ranges (their
-    counters follow the arrival counters in ``counters``). ``strided`` (static split only, the
-    default): split s takes tiles s, s + S, ... instead of a contiguous range, so its first
-    page-table lookup does not wait for the request's length. ``evict_first``: K/V TMA loads
-    carry the L2 evict-first policy. ``prefetch_desc``: the producer warp prefetches the two TMA
-    descriptors at the kernel's start, before the programmatic-dependent wait. ``smem_merge``: the
-    fused merge stages the partials in shared memory first when they fit
-    (:meth:`Sm90PagedDecode.merge_splits`).
-    """
-
-    q_dtype: str = "bf16"
-    kv_dtype: str = "fp8_e4m3"
-    head_dim: int = 128
-    group: int = 8
-    q_len: int = 1
-    page_size: int = 16
-    stages: int = 4
-    split: bool = False
-    k_scale_tensor: bool = False
-    v_scale_tensor: bool = False
-    kv_form: str = "single"
-    kv_layout: str = "HND"
-    occupancy: int = 0
-    widen: str = "bits"
-    tile: int = 64
-    pdl: bool = False
-    dynamic: bool = False
-    strided: bool = False
-    cluster: bool = False
-    evict_first: bool = True
-    prefetch_desc: bool = True
-    smem_merge: bool = True
-
-    kernel_id = "sm90.decode"
-    targets = ("sm_90a",)
-    evidence = {"sm_90a": (r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor", r"mbarrier\.try_wait")}
-
-    def __post_init__(self):
-        if self.q_dtype not in ("bf16", "fp16"):
-            raise ValueError(f"q dtype must be bf16 or fp16, got {self.q_dtype}")
-        if self.kv_dtype not in ("bf16", "fp16", "fp8_e4m3"):
-            raise ValueError(f"kv dtype must be bf16, fp16 or fp8_e4m3, got {self.kv_dtype}")
-        if self.kv_dtype != "fp8_e4m3" and self.kv_dtype != self.q_dtype:
-            raise ValueError("a 16-bit KV cache must have the query's dtype")
-        if self.head_dim not in (64, 128, 256):
-            raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
-        if self.page_size not in (16, 32, 64, 128):
-            raise ValueError(f"page_size must be 16, 32, 64 or 128, got {self.page_size}")
-        if not 1 <= self.group * self.q_len <= 64:
-            raise ValueError("group * q_len must be in [1, 64]")
-        if self.kv_form not in ("single", "pair") or self.kv_layout not in ("HND", "NHD"):
-            raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
-        if self.dynamic and not self.split:
-            raise ValueError("dynamic tile scheduling needs split partials (split=True)")
-        if self.strided and (self.dynamic or not self.split):
-            raise ValueError("strided tiles are a static split schedule (split=True, dynamic=False)")
-        if self.widen not in ("bits", "cvt") or self.tile not in (64, 128):
-            raise ValueError(f"bad widen/tile {self.widen}/{self.tile}")
-        if self.cluster:
-            if not self.split or self.dynamic:
-                raise ValueError("the cluster merge needs a static split (split=True, dynamic=False)")
-            if not cluster_fits(self):
-                raise ValueError("cluster merge: the partials do not fit the K stages' shared memory")
-
-    @property
-    def n_pad(self) -> int:
-        return max(8, (self.group * self.q_len + 7) // 8 * 8)
-
-    def signature(self):
-        D = self.head_dim
-        kscale = TensorArg("k_scale", "fp32", (1,), align=4) if self.k_scale_tensor else ScalarArg("k_scale", "fp32")
-        vscale = TensorArg("v_scale", "fp32", (1,), align=4) if self.v_scale_tensor else ScalarArg("v_scale", "fp32")
-        page = self.page_size
-        inner = ("Hkv", page) if self.kv_layout == "HND" else (page, "Hkv")
-        if self.kv_form == "single":
-            caches = (TensorArg("kv_cache", self.kv_dtype, ("P", 2, *inner, D)),)
-        else:
-            caches = (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
-                      TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
-        if self.cluster:  # partials stay in the cluster's shared memory: only the grid's split count
-            split = (ScalarArg("num_splits", "int32"),)
-        elif self.split:
-            split = (
-                TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=16),  # merged with 16-byte loads
-                TensorArg("part_lse", "fp32", ("S", "T", "Hq"), align=4),
-                TensorArg("counters", "int32", ("C",), align=4),  # the fused merge's arrival counters
-            )
-        else:
-            split = ()
-        return (
-            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
-            *caches,
-            TensorArg("block_table", "int32", ("B", "W"), align=4),
-            TensorArg("seq_lens", "int32", ("B",), align=4),
-            TensorArg("out", self.q_dtype, ("T", "Hq", D), align=2),
-            TensorArg("lse", "fp32", ("T", "Hq"), align=4),
-            *split,
-            kscale,
-            vscale,
-            ScalarArg("sm_scale", "fp32"),
-        )
-
-    def build(self):
-        merge = "cluster" if self.cluster else "global" if self.split else None
-        entry = {(None, "single"): _Single, (None, "pair"): _Pair, ("global", "single"): _SplitSingle,
-                 ("global", "pair"): _SplitPair, ("cluster", "single"): _ClusterSingle,
-                 ("cluster", "pair"): _ClusterPair}[(merge, self.kv_form)]
-        return entry(self)
-
-
-# Entry points: the compiled function takes only the arguments its variant uses (every tensor
-# argument costs host time at each TVM-FFI call), in the order of Sm90DecodeConfig.signature().
-
-
-class _Single(Sm90PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32, stream):
-        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
-                    sm_scale, 1, stream)
-
-
-class _Pair(Sm90PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32, stream):
-        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
-                    sm_scale, 1, stream)
-
-
-class _SplitSingle(Sm90PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
-                 sm_scale: Float32, stream):
-        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
-                    sm_scale, mPartO.shape[0], stream)
-
-
-class _SplitPair(Sm90PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
-                 sm_scale: Float32, stream):
-        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, k_scale, v_scale,
-                    sm_scale, mPartO.shape[0], stream)
-
-
-class _ClusterSingle(Sm90PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mKV, mBlockTable, mSeqLens, mO, mLse, num_splits: Int32, k_scale, v_scale,
-                 sm_scale: Float32, stream):
-        self.launch(mQ, mKV, mKV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
-                    sm_scale, num_splits, stream)
-
-
-class _ClusterPair(Sm90PagedDecode):
-    @cute.jit
-    def __call__(self, mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, num_splits: Int32, k_scale, v_scale,
-                 sm_scale: Float32, stream):
-        self.launch(mQ, mK, mV, mBlockTable, mSeqLens, mO, mLse, mO, mLse, mSeqLens, k_scale, v_scale,
-                    sm_scale, num_splits, stream)
-
-
-# ----------------------------------------------------------------------------------------------
-# host-side tuning (no GPU, no tensors)
-# ----------------------------------------------------------------------------------------------
-
-SMEM_PER_SM = 227 * 1024  # usable per SM on H100/H200 (228 KB minus the 1 KB reserved per CTA)
-
-
-def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE,
-                  occupancy: int | None = None) -> tuple[int, int]:
-    """(stages, CTAs per SM) for a decode variant (``occupancy`` forces the CTA count).
-
-    More resident CTAs hide the per-tile chain (ldmatrix -> widen -> WGMMA -> softmax) better
-    than deeper pipelines, as long as the SM keeps enough KV bytes in flight. Registers: a
-    thread holds the O^T accumulator (``D * n / 128``), the S^T accumulator (``tile * n / 128``)
-    and, for FP8, the widened K fragments (``tile * D / 256``); ``occupancy`` CTAs of 160 threads
-    must fit 64K registers.
-    """
-    stage = 2 * tile * head_dim * kv_bytes
-    fixed = n_pad * head_dim * 2 + n_pad * tile * 2 + MMA_WARPS * n_pad * 4 + 4 * 1024
-    if occupancy is not None:
-        return max(2, min(8, (SMEM_PER_SM // occupancy - fixed) // stage)), occupancy
-    # calibrated on ptxas: FP8 D=128, tile 64: n=8 -> 82-89 registers, n=16 -> 96 (no spills at 4 CTAs/SM)
-    regs = 40 + head_dim * n_pad // 128 + tile * n_pad // 128 + (tile * head_dim // 256 if kv_bytes == 1 else 0)
-    regs = (regs + 7) // 8 * 8
-    max_occ = max(1, min(4, 65536 // (NUM_THREADS * regs)))
-    for occ in range(max_occ, 0, -1):
-        stages = min(8, (SMEM_PER_SM // occ - fixed) // stage)
-        # >= ~96 KB of KV in flight per SM keeps HBM busy (measured: BF16 D=256 reaches the
-        # roofline with a single CTA holding 2 x 64 KB)
-        if stages >= 2 and occ * stages * stage >= 96 * 1024:
-            return stages, occ
-    return 2, 1
-
-
-DEFAULT_WIDEN = "cvt"  # chosen by measurement: profiling/NOTES.md "decode v3"
-DEFAULT_PDL = True  # as FlashInfer's kernels on SM90+ (profiling/NOTES.md "decode v5")
-DEFAULT_DYNAMIC = False  # dynamic split scheduling is opt-in (not bitwise reproducible): decode v6
-# split s takes tiles s, s + S, ...: its first page-table load goes out with the seq_len load.
-# Measured (NOTES "ninth session", two runs): Qwen3 B8 ctx32000 FP8 71.0 / 71.1 -> 70.5 / 70.4 us,
-# Llama B1 FP8 5.5 -> 5.4, BF16 B8 127.7 -> 127.2; unsplit shapes unchanged
-DEFAULT_STRIDED = True
-# a static split into at most MAX_CLUSTER CTAs merges inside a thread-block cluster through DSMEM
-# instead of through global memory (profiling/NOTES.md "tenth session")
-DEFAULT_CLUSTER = True
-# CTAs per SM a cluster-merged launch is sized for at least: a cluster of up to 16 split CTAs must
-# fit in one GPC, which a kernel sized for one CTA per SM (135 KB of shared memory) made wait for a
-# second wave (Llama B1 FP8: 7.9 us sized for 1, 4.5 sized for 2, 5.4 with the global merge)
-CLUSTER_MIN_SIZING = 2
-# an FP8 D=64 tile of 64 tokens is only 4 KB of K: two M blocks per iteration halve the per-byte
-# cost of the tile chain (measured, profiling/NOTES.md "decode v5": 75.4 -> 69.4 us)
-FP8_D64_TILE = 128
-
-
-def kv_stages_bytes(cfg: Sm90DecodeConfig) -> int:
-    """Bytes of all K stages (the V stages are as large): where a split's partial goes once the
-    main loop is done."""
-    return cfg.stages * cfg.tile * cfg.head_dim * (1 if cfg.kv_dtype == "fp8_e4m3" else 2)
-
-
-def merge_slot_bytes(cfg: Sm90DecodeConfig) -> int:
-    """Bytes of one split's partial in shared memory (the cluster merge's own, or one staged by
-    the fused merge): fp32 ``O[rows, D]``, then the rows' LSEs, rounded up to 16 bytes."""
-    return (cfg.group * cfg.q_len * (cfg.head_dim + 1) * 4 + 15) // 16 * 16
-
-
-def merge_slots(cfg: Sm90DecodeConfig) -> int:
-    """Split partials the fused merge stages in shared memory (``smem_merge``): as many as the K
-    stages hold, then as many as the V stages hold. A launch with more splits merges from L2."""
-    return 2 * (kv_stages_bytes(cfg) // merge_slot_bytes(cfg))
-
-
-def cluster_fits(cfg: Sm90DecodeConfig) -> bool:
-    """Whether a CTA's partial fits the K stages, where the cluster merge leaves it once the main
-    loop is done (the stages' size is a multiple of 16, so the slot's rounding changes nothing)."""
-    return merge_slot_bytes(cfg) <= kv_stages_bytes(cfg)
-
-
-def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int, page_size: int,
-                       split: bool, k_scale_tensor: bool = False, v_scale_tensor: bool = False,
-                       kv_form: str = "single", kv_layout: str = "HND", **override) -> Sm90DecodeConfig:
-    """The config the op uses for a problem: tuning (stages, occupancy, tile, widening) filled in
-    here, once, for the op, the warm-up and the compile matrix alike. ``override`` replaces any
-    tuning field (benchmarks compare variants with it)."""
-    dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split
-    strided = override.pop("strided", DEFAULT_STRIDED) and split and not dynamic
-    tile = override.get("tile", FP8_D64_TILE if (kv_dtype, head_dim) == ("fp8_e4m3", 64) else TILE)
-    n_pad = max(8, (group * q_len + 7) // 8 * 8)
-    stages, occupancy = decode_tuning(1 if kv_dtype == "fp8_e4m3" else 2, head_dim, n_pad, tile,
-                                      override.get("occupancy"))
-    fields = dict(
-        q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len, page_size=page_size,
-        stages=stages, split=split, k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
-        kv_form=kv_form, kv_layout=kv_layout, occupancy=occupancy, tile=tile,
-        widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=DEFAULT_PDL, dynamic=dynamic,
-        strided=strided,
-    )
-    fields.update(override)
-    return Sm90DecodeConfig(**fields)
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)

@@ -9,8 +9,6 @@ compile matrix uses it to check that sm_90a builds emit ``wgmma.mma_async`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -19,29 +17,26 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..jit.compiler import KernelConfig
-from ..jit.spec import TensorArg
-
-_M = 64  # one warpgroup's WGMMA M
-
 
 class Sm90Probe:
-    def __init__(self, n: int, k: int):
-        self.n, self.k = n, k
-        self.tile_mnk = (_M, n, k)
+    """Kernel object of :class:`cute_kernels.plans.probes.Sm90ProbeConfig` (M = one WGMMA's)."""
+
+    def __init__(self, cfg):
+        self.n, self.k, self.m = cfg.n, cfg.k, cfg.m
+        self.tile_mnk = (self.m, self.n, self.k)
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, stream):
         dtype = self.dtype = mA.element_type
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(_M, self.n)
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(self.m, self.n)
         )
         # K-major operands: the layout enum of a row-major [rows, K] tensor
         a_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile_mnk, dtype, 1)
         b_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, dtype, 1)
         a_one = cute.slice_(a_layout, (None, None, 0))
         b_one = cute.slice_(b_layout, (None, None, 0))
-        tma_a, tma_tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, a_one, (_M, self.k))
+        tma_a, tma_tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, a_one, (self.m, self.k))
         tma_b, tma_tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, b_one, (self.n, self.k))
 
         @cute.struct
@@ -73,7 +68,7 @@ class Sm90Probe:
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
-        gA = cute.local_tile(mA, (_M, self.k), (0, 0))
+        gA = cute.local_tile(mA, (self.m, self.k), (0, 0))
         gB = cute.local_tile(mB, (self.n, self.k), (0, 0))
         tAsA, tAgA = cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
@@ -93,7 +88,7 @@ class Sm90Probe:
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        gC = cute.local_tile(mC, (_M, self.n), (0, 0))
+        gC = cute.local_tile(mC, (self.m, self.n), (0, 0))
         tCgC = thr_mma.partition_C(gC)
         acc = cute.make_rmem_tensor(tCgC.shape, Float32)
 
@@ -107,25 +102,3 @@ class Sm90Probe:
         warpgroup.wait_group(0)
         pipe.consumer_release(consume)
         tCgC.store(acc.load())
-
-
-@dataclass(frozen=True)
-class Sm90ProbeConfig(KernelConfig):
-    """Static shapes on purpose: this kernel exists to prove the hardware path, not to serve."""
-
-    n: int = 64
-    k: int = 64
-
-    kernel_id = "sm90.probe"
-    targets = ("sm_90a",)
-    evidence = {"sm_90a": (r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor", r"mbarrier\.try_wait")}
-
-    def signature(self):
-        return (
-            TensorArg("a", "bf16", (_M, self.k)),
-            TensorArg("b", "bf16", (self.n, self.k)),
-            TensorArg("c", "fp32", (_M, self.n)),
-        )
-
-    def build(self):
-        return Sm90Probe(self.n, self.k)

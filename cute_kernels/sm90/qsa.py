@@ -7,22 +7,10 @@ Design:
 - **One CTA per (query row, KV head, split)**: 4 consumer warps (one warpgroup) and one producer
   warp. Split ``s`` of ``S`` visits the row's tiles ``s, s + S, ...`` below
   ``ceil(min(valid_count, TOPK) / tile)``, so the few tiles of a short row spread over the splits.
-- **Gather with 16-byte cp.async.** Selected tokens are scattered (random 4-token blocks), so
-  TMA tiles do not apply. The producer warp looks up a tile's tokens (one or more per lane: index,
-  ``t // PAGE`` with a compile-time page size, block table, bounds checks), then copies each
-  token's K and V row (``D`` elements, contiguous) with ``cp.async`` into the swizzled
-  shared-memory tiles that WGMMA (or ldmatrix) reads, one warp-wide instruction per row (or per
-  several rows when a row is shorter than 512 bytes). Invalid entries are copied with source size 0, i.e. zero-filled without any
-  global read, so no index can make the kernel read outside the cache and stale shared memory
-  can never inject NaN into P.V. A per-tile validity bitmask (``vote.ballot``) goes to shared
-  memory with the tile. Lookups run two tiles ahead of the copies (index loads for tile i + 2,
-  block-table loads for tile i + 1), so their dependent global loads never stall the gather.
-- **Pipeline.** ``stages`` shared-memory slots, each guarded by a "full" mbarrier (32 no-inc
-  ``cp.async.mbarrier.arrive`` of the producer lanes + one ordinary arrive of lane 0 after it
-  wrote the bitmask, which releases that store) and an "empty" mbarrier (128 consumer arrives).
-  With ``kv_barriers`` a slot's K rows are copied first and released by "full" alone, its V rows
-  after them by a second barrier, so QK and the softmax run while V is still arriving.
-- **Swap-AB WGMMA** (as in ``decode.py``, whose helpers this kernel inherits): the KV group's
+- **Gather with 16-byte cp.async** into a ``stages``-deep mbarrier pipeline, invalid entries
+  zero-filled without a global read, lookups two tiles ahead
+  (:class:`~cute_kernels.roles.qsa_gather.QsaGather`).
+- **Swap-AB WGMMA** (as in ``decode.py``: the same roles): the KV group's
   ``G`` query heads are the MMA's N (padded to 8/16), the tile's tokens its M. 16-bit caches run
   SS WGMMA straight from the gathered tiles (after a ``fence.proxy.async``, since cp.async
   writes through the generic proxy); FP8 caches are read with ``ldmatrix`` and widened exactly to
@@ -37,124 +25,50 @@ Design:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from functools import cache
-
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..jit.asm import asm
-from ..jit.compiler import KernelConfig
-from ..jit.dtypes import DTYPE_BITS, cute_dtype
-from ..jit.spec import ScalarArg, TensorArg
-from .decode import BAR_MMA, EVICT_FIRST_POLICY, MMA_M, MMA_WARPS, Sm90PagedDecode, slot_column, slot_of
-from .fragments import cvt_e4m3x4_f16
-from .qsa_merge import sigmoid
-
-PRODUCER_WARP = MMA_WARPS  # the first producer warp
-LOG2E = math.log2(math.e)
-MAX_GROUP = 16  # the WGMMA N of one CTA (query heads of one KV head)
+from ..jit.dtypes import cute_dtype
+from ..roles.fragments import sigmoid
+from ..roles.qsa_gather import QsaGather
+from ..roles.query import QueryStager
+from ..roles.softmax import BAR_MMA, LOG2E, SwapAbSoftmax, slot_column, slot_of, swap_ab_mmas
+from ..roles.widen import Fp8Fragments
 
 
-@dsl_user_op
-def cp_async_zfill_16_at(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, smem_off: int, gmem_off: int,
-                         policy: Int64 | None = None, *, loc=None, ip=None) -> None:
-    """``cp.async.cg.shared.global [smem + smem_off], [gmem + gmem_off], 16, src_bytes``: copies
-    ``src_bytes`` (16 or 0) and zero-fills the rest; with 0 nothing is read from global memory.
-    ``.cg``: L2 only, the gathered rows are used once per CTA. The byte offsets are compile-time
-    immediates (no address arithmetic per copy); with ``policy``, an L2 cache-policy operand
-    (``.L2::cache_hint``)."""
-    if policy is None:
-        asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
-            f"cp.async.cg.shared.global [$0+{int(smem_off)}], [$1+{int(gmem_off)}], 16, $2;", "r,l,r",
-            side_effects=True, loc=loc, ip=ip)
-    else:
-        asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes), Int64(policy)],
-            f"cp.async.cg.shared.global.L2::cache_hint [$0+{int(smem_off)}], [$1+{int(gmem_off)}], 16, $2, $3;",
-            "r,l,r,l", side_effects=True, loc=loc, ip=ip)
+class Sm90QsaAttention:
+    """Kernel object of :class:`cute_kernels.plans.sm90_qsa.Sm90QsaConfig`; every field is
+    compile-time. It composes the QSA gather, the swap-AB consumer of the paged decode (Q staging,
+    FP8 fragment widening, online softmax) and its own masking and gated epilogue."""
 
-
-@dsl_user_op
-def load_nc_b32x4(gmem_addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
-    """``ld.global.nc.L1::no_allocate.v4.b32``: 16 bytes of the (read-only) cache, kept out of L1
-    (each gathered row is used once per CTA)."""
-    regs = asm([T.i32()] * 4, [Int64(gmem_addr)],
-               "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc=loc, ip=ip)
-    return tuple(Int32(r) for r in regs)
-
-
-@dsl_user_op
-def store_shared_b32x4(smem_addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
-    """``st.shared.v4.b32``: one 16-byte store."""
-    asm([], [Int32(smem_addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
-        "r,r,r,r,r", side_effects=True, loc=loc, ip=ip)
-
-
-def smem_byte_offset(layout, crd, elem_bytes: int):
-    """Byte offset of ``crd`` in a swizzled shared-memory layout (``swizzle o outer``, base aligned
-    to the swizzle period). The swizzle acts on *byte* addresses (what WGMMA descriptors and the
-    DSL's own smem accesses use), so it is applied after scaling the element offset; for 16-bit
-    types ``cute.crd2idx`` on the composed layout would swizzle element offsets instead."""
-    sw = layout.inner
-    x = cute.crd2idx(crd, layout.outer) * elem_bytes
-    mask = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
-    return x ^ ((x & mask) >> sw.num_shift)
-
-
-class Sm90QsaAttention(Sm90PagedDecode):
-    """Kernel object; all fields are compile-time (see :class:`Sm90QsaConfig`).
-
-    Inherits the query staging (``stage_q``), the FP8 fragment loaders (``load_k_fragments``,
-    ``load_v_fragments``, ``widen``, ``physical_d``) of the paged decode kernel, whose fragment
-    layouts and precision scheme it shares; the pipeline, gather, softmax masking and epilogue
-    are its own.
-    """
-
-    def __init__(self, cfg: Sm90QsaConfig):
-        # not decode's __init__ (it takes a decode config): set the attributes its helpers read
+    def __init__(self, cfg):
         self.cfg = cfg
         self.q_dtype = cute_dtype(cfg.q_dtype)
         self.kv_dtype = cute_dtype(cfg.kv_dtype)
         self.fp8 = cfg.kv_dtype == "fp8_e4m3"
-        self.q_permuted = self.fp8
-        # FP8 rows converted to fp16 by the gather warps (row-tile kernel) instead of in the
-        # consumer's registers: the shared-memory tiles then hold mma_dtype
-        self.widen_in_producer = False
         self.D = cfg.head_dim
         self.G = cfg.group
-        # query rows per CTA (the row-tile kernel packs R rows x G heads into the WGMMA's N)
-        self.R = getattr(cfg, "rows_per_cta", 1)
-        self.q_len = self.R
-        self.rows = cfg.group * self.R
         self.N = cfg.n_pad
-        self.page = cfg.page_size
         self.tile = cfg.tile
         self.stages = cfg.stages
-        self.cvt = self.fp8
+        # one consumer warpgroup (warps 0-3), then the gather warps
+        self.warps = cfg.consumer_warps
+        self.producer_warp = self.warps
+        self.mma_m = cfg.hw.WGMMA_M
+        self.num_threads = (self.warps + cfg.producers) * 32
+        # FP8: the exact cvt widening to fp16 in the consumer's registers (no power-of-two scales:
+        # the query is rescaled into fp16 range instead)
         self.mma_dtype = cute_dtype("fp16") if self.fp8 else self.q_dtype
-        self.dynamic_q_scale = self.fp8 and cfg.q_dtype == "bf16"
-        # cvt widening is exact and unscaled: no power-of-two pre/post scales (see decode.py)
-        self.q_pre = self.p_pre = self.logit_log2 = self.out_log2 = 0
-        self.kv_bytes = DTYPE_BITS[cfg.kv_dtype] // 8
-        self.chunk_elems = 16 // self.kv_bytes  # elements per 16-byte cp.async
-        self.chunks_per_row = self.D // self.chunk_elems
-        self.rows_per_copy = max(1, 32 // self.chunks_per_row)  # token rows per warp-wide copy
-        self.words = self.tile // 32  # validity bitmask words per tile (per row)
-        # lanes that publish bitmask words per tile: lane 0 for one row, lane j < R * words
-        # (row j // words, word j % words) for a row tile
-        # producer warps: one owns all words; P = k * words: one word and a k-th of its rows each
-        self.P = cfg.producers
-        self.local_words = self.words if self.P == 1 else 1
-        self.parts = 1 if self.P == 1 else self.P // self.words
-        self.num_threads = (MMA_WARPS + self.P) * 32
-        if self.R > 1:
-            self.mask_writers = self.R * self.words
-        else:
-            self.mask_writers = 1 if self.P == 1 else self.words
+        self.gather = QsaGather(cfg, R=1, producers=cfg.producers, N=self.N, warps=self.warps,
+                                num_threads=self.num_threads, mma_dtype=self.mma_dtype, kv_dtype=self.kv_dtype,
+                                widen_in_producer=False)
+        self.frags = Fp8Fragments(self.D, self.tile, self.fp8, self.fp8, cfg.q_dtype, self.mma_m)
+        self.query = QueryStager(self.D, self.N, self.G, 1, bounded=True,
+                                 dynamic_q_scale=self.fp8 and cfg.q_dtype == "bf16", q_pre=0, q_permuted=self.fp8,
+                                 widen=cfg.widen, warps=self.warps)
+        self.softmax = SwapAbSoftmax(self.N, self.D, self.tile, 0, self.warps)
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -177,41 +91,9 @@ class Sm90QsaAttention(Sm90PagedDecode):
         stream,
     ):
         num_splits = mO.shape[0] if const_expr(self.cfg.split) else 1
-        self.launch(self.kernel, (mQ, mK, mV, mIdx, mBlockTable, mTokenToReq, mO, mLse, mGate, k_scale, v_scale),
-                    [mQ.shape[0], mK.shape[2], num_splits], stream)
-
-    def launch(self, kernel, args, grid, stream):
-        """(Traced inside ``__call__``.) The shared-memory plan and the launch of ``kernel(*args,
-        MMAs, layouts)``; shared by the row-tile kernel."""
-        cfg = self.cfg
-        mma_dtype = self.mma_dtype
-        self.smem_kv_dtype = mma_dtype if self.widen_in_producer else self.kv_dtype
-        # each gathered token row is 16-byte chunks that the K/V swizzle keeps whole
-        qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout = self.mmas_and_layouts()
-
-        # built from evaluated annotations: this module's ``from __future__ import annotations``
-        # would leave a class body's annotations as strings outside a traced function
-        fields = {
-            # kv_barriers: the V halves' barriers follow the K halves' (full + stages + s)
-            "full": cute.struct.MemRange[cutlass.Int64, cfg.stages * (2 if cfg.kv_barriers else 1)],
-            "empty": cute.struct.MemRange[cutlass.Int64, cfg.stages],
-            "mask": cute.struct.MemRange[Int32, cfg.stages * self.R * (cfg.tile // 32)],
-            "red": cute.struct.MemRange[Float32, MMA_WARPS * cfg.n_pad],
-            "sK": cute.struct.Align[cute.struct.MemRange[self.smem_kv_dtype, cute.cosize(k_layout)], 1024],
-            "sV": cute.struct.Align[cute.struct.MemRange[self.smem_kv_dtype, cute.cosize(v_layout)], 1024],
-            "sQ": cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(q_layout)], 1024],
-        }
-        if const_expr(p_layout is not None):  # P through shared memory (swap-AB PV)
-            fields["sP"] = cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(p_layout)], 1024]
-        Storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
-        self.storage = Storage
-        # a launch asking for more than the 227 KB a CTA may hold fails at run time: refuse to compile
-        smem = Storage.size_in_bytes()
-        if const_expr(cfg.occupancy * (smem + 1024) > SMEM_PER_SM or smem > 227 * 1024):
-            raise ValueError(f"{cfg.label()}: {smem} bytes of shared memory x {cfg.occupancy} CTAs per SM do not fit")
-        kernel(*args, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=cfg.occupancy,
-            preferred_smem_carveout=100, use_pdl=cfg.pdl)
+        mmas = swap_ab_mmas(self.D, self.N, self.tile, self.stages, self.kv_dtype, self.mma_dtype, self.fp8, self.mma_m)
+        self.gather.launch(self.kernel, (mQ, mK, mV, mIdx, mBlockTable, mTokenToReq, mO, mLse, mGate, k_scale, v_scale),
+                           [mQ.shape[0], mK.shape[2], num_splits], stream, mmas)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -248,48 +130,20 @@ class Sm90QsaAttention(Sm90PagedDecode):
         if const_expr(cfg.split):
             # let the merge kernel (programmatic dependent launch) get scheduled behind us
             cute.arch.griddepcontrol_launch_dependents()
-        storage, sQ, sP, sRed, sMask, full, empty = self.setup_shared(q_layout, p_layout, tidx)
+        storage, sQ, sP, sRed, sMask, full, empty = self.gather.setup_shared(q_layout, p_layout, tidx)
         if const_expr(cfg.pdl):
             # launched as a programmatic dependent: the setup above overlapped the previous
             # kernel's tail; nothing it writes (q, indices, caches) is read before this returns
             cute.arch.griddepcontrol_wait()
 
-        if warp >= PRODUCER_WARP:
+        if warp >= self.producer_warp:
             self.produce(mK, mV, mIdx, mBlockTable, mTokenToReq, storage, k_layout, v_layout, sMask, full,
-                         empty, row, kv_head, split, num_splits, warp - PRODUCER_WARP, lane)
+                         empty, row, kv_head, split, num_splits, warp - self.producer_warp, lane)
         else:
             _, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
             self.consume_tiles(mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale,
                                v_scale, qk_mma, pv_mma, k_layout, v_layout, row, kv_head, split, my_tiles,
                                tidx, warp, lane)
-
-    # ------------------------------------------------------------------------------------------
-
-    @cute.jit
-    def setup_shared(self, q_layout, p_layout, tidx):
-        """The shared-memory tensors and the pipeline's mbarriers,
-        initialized and published to the whole CTA."""
-        cfg = self.cfg
-        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
-        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        sP = None
-        if const_expr(p_layout is not None):
-            sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
-        sRed = storage.red.get_tensor(cute.make_layout((MMA_WARPS, self.N), stride=(self.N, 1)))
-        nw = self.R * self.words
-        sMask = storage.mask.get_tensor(cute.make_layout((nw, cfg.stages), stride=(1, nw)))
-        full = storage.full.data_ptr()
-        empty = storage.empty.data_ptr()
-        if tidx == 0:
-            for s in cutlass.range_constexpr(cfg.stages):
-                # cp.async no-inc arrivals of every producer lane + the bitmask writers' releases
-                cute.arch.mbarrier_init(full + s, 32 * self.P + self.mask_writers)
-                if const_expr(cfg.kv_barriers):  # V: the cp.async no-inc arrivals only
-                    cute.arch.mbarrier_init(full + cfg.stages + s, 32 * self.P)
-                cute.arch.mbarrier_init(empty + s, MMA_WARPS * 32)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        return storage, sQ, sP, sRed, sMask, full, empty
 
     @cute.jit
     def row_tiles(self, mIdx, row, split, num_splits):
@@ -307,312 +161,9 @@ class Sm90QsaAttention(Sm90PagedDecode):
         """The row's tiles ``split, split + S, ...`` from its own index list (see ``gather_list``)."""
         topk = mIdx.shape[1] - 1
         count, my_tiles = self.row_tiles(mIdx, row, split, num_splits)
-        self.gather_list(mK, mV, mIdx, row, topk, count, split, num_splits, my_tiles, Int32(0),
+        self.gather.gather_list(mK, mV, mIdx, row, topk, count, split, num_splits, my_tiles, Int32(0),
                          mTokenToReq[row], mBlockTable, storage, k_layout, v_layout, sMask, full, empty,
                          kv_head, pw, lane, None, 0, Int32(0))
-
-    @cute.jit
-    def gather_list(self, mK, mV, mSrc, src_row, limit, count, first_tile, tile_step, n_tiles, i0, req,
-                    mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, pw, lane, mMember,
-                    mode: cutlass.Constexpr, row_in_tile, slot_step: cutlass.Constexpr = 1):
-        """Gather ``n_tiles`` tiles of the token list ``mSrc[src_row, :]`` (columns below ``limit``
-        are read, those below ``count`` used): tile ``first_tile + k * tile_step`` goes to
-        pipeline slot ``i0 + k * slot_step`` (``slot_step`` > 1: groups of gather warps taking
-        alternate slots). Per tile: publish the validity bitmask of the tile's tokens and
-        copy their K and V rows with zero-filling cp.async.
-
-        Work split: one producer warp owns every 32-token word of the tile (lane l: tokens l,
-        l + 32, ...); with ``P = k * words`` producer warps, warp ``pw`` owns word ``pw % words``
-        and copies the ``pw // words``-th of k slices of its rows. The copies are issue-bound, so
-        16-bit and unwidened FP8 rows go out a 128-byte line per row per copy, every address
-        computed once per row (:meth:`copy_lines`; before: ~20 instructions of shuffles and
-        swizzle arithmetic per 512-byte row copy).
-
-        ``mode`` (row tiles): 0 = one query row (lane 0 writes the mask words); 1 = the tile's
-        union list, row r's words are the validity bits AND its membership bits
-        ``mMember[src_row, r, :]``; 2 = the list of row ``row_in_tile`` of the tile, the other
-        rows' words are 0.
-
-        The lookups run two tiles ahead so that their dependent global loads (list entry, then
-        block table) are in flight while earlier tiles are copied: iteration i issues the list
-        loads of tile i + 2 and the block-table loads of tile i + 1, and only consumes values
-        loaded by earlier iterations (membership words: one tile ahead)."""
-        eb, words, wl = self.kv_bytes, self.words, self.local_words
-        cpr, rpc = self.chunks_per_row, self.rows_per_copy
-        word0 = Int32(0)
-        part = Int32(0)
-        if const_expr(self.P > 1):
-            word0 = pw % words
-            part = pw // words
-        rows_per_part = (32 // rpc) // self.parts  # warp-wide copies per word per producer warp
-        tok_a = cute.make_rmem_tensor((wl,), Int32)  # tile i + 1: token ids
-        tok_b = cute.make_rmem_tensor((wl,), Int32)  # tile i + 2: token ids (loading)
-        self.load_tokens(mSrc, src_row, first_tile, tok_a, limit, word0, lane)
-        self.load_tokens(mSrc, src_row, first_tile + tile_step, tok_b, limit, word0, lane)
-
-        num_reqs = mBlockTable.shape[0]
-        width = mBlockTable.shape[1]
-        num_blocks = mK.shape[0]
-        req_ok = req >= 0 and req < num_reqs
-        # 64-bit byte addressing of the cache rows (phys * block stride overflows int32)
-        k_gbase = mK.iterator.toint()
-        v_gbase = mV.iterator.toint()
-        sKb, sKt, sKh = Int64(mK.stride[0]), Int64(mK.stride[1]), Int64(mK.stride[2])
-        sVb, sVt, sVh = Int64(mV.stride[0]), Int64(mV.stride[1]), Int64(mV.stride[2])
-        k_head = k_gbase + Int64(kv_head) * sKh * eb
-        v_head = v_gbase + Int64(kv_head) * sVh * eb
-        # K and V views with the same strides (the two halves of one cache buffer): a row's V
-        # address is its K address plus this, so only K's is shuffled to the copying lanes
-        kv_delta = v_gbase - k_gbase
-        k_sbase = storage.sK.data_ptr().toint()
-        v_sbase = storage.sV.data_ptr().toint()
-        chunk = lane % cpr
-        sub = lane // cpr  # which of the rows of one warp-wide copy this lane serves
-        lane_bytes = Int64(chunk * 16)  # this lane's 16-byte chunk of a row
-        # row-tile bitmask writers: lane j publishes row m_row's word m_word (one warp: j < R *
-        # words, row j // words, word j % words; several: lane j < R of each word's first warp)
-        if const_expr(self.P == 1):
-            m_row = lane // words
-            m_word = lane % words
-            writer = lane < self.mask_writers
-        else:
-            m_row = lane
-            m_word = word0
-            writer = part == 0 and lane < self.R
-        mem_a = Int32(0)  # membership word of tile i (mode 1)
-        if const_expr(mode == 1):
-            if writer:
-                mem_a = mMember[src_row, m_row, first_tile * words + m_word]
-        # tile i + 1 after its block-table lookup: physical page (-1 = invalid entry) and offset
-        phys_a = cute.make_rmem_tensor((wl,), Int32)
-        offs_a = cute.make_rmem_tensor((wl,), Int32)
-        self.lookup_pages(mBlockTable, req, req_ok, width, first_tile, count, tok_a, phys_a, offs_a, word0, lane)
-        # tile i: per owned token its K and V row addresses (the cache base for invalid entries,
-        # which are then copied with source size 0: nothing is read) and the validity bits
-        k_addr = cute.make_rmem_tensor((wl,), Int64)
-        v_addr = cute.make_rmem_tensor((wl,), Int64)
-        bits = cute.make_rmem_tensor((wl,), Int32)
-        for k in cutlass.range(n_tiles, unroll=1):
-            i = i0 + k if const_expr(slot_step == 1) else i0 + k * slot_step
-            stage = i % self.stages
-            tile_idx = first_tile + k * tile_step
-            for w in cutlass.range_constexpr(wl):
-                p = phys_a[w]
-                ok = p >= 0 and p < num_blocks
-                pp = Int64(p) if ok else Int64(0)
-                oo = Int64(offs_a[w]) if ok else Int64(0)
-                k_addr[w] = k_head + (pp * sKb + oo * sKt) * eb if ok else k_gbase
-                if const_expr(not self.derive_v()):
-                    v_addr[w] = v_head + (pp * sVb + oo * sVt) * eb if ok else v_gbase
-                bits[w] = cute.arch.vote_ballot_sync(ok)
-                tok_a[w] = tok_b[w]
-            # ---- lookahead: block table of tile i + 1, list entries of tile i + 2 ----
-            self.lookup_pages(mBlockTable, req, req_ok, width, tile_idx + tile_step, count, tok_a, phys_a,
-                              offs_a, word0, lane)
-            self.load_tokens(mSrc, src_row, tile_idx + 2 * tile_step, tok_b, limit, word0, lane)
-            mem_b = Int32(0)
-            if const_expr(mode == 1):
-                nxt = (tile_idx + tile_step) * words + m_word
-                if writer and nxt < mMember.shape[2]:
-                    mem_b = mMember[src_row, m_row, nxt]
-            # ---- wait until the consumers released this slot ----
-            if i >= self.stages:
-                cute.arch.mbarrier_wait(empty + stage, ((i // self.stages) - 1) % 2)
-            if const_expr(mode == 0):
-                if lane == 0 and part == 0:
-                    for w in cutlass.range_constexpr(wl):
-                        sMask[word0 + w, stage] = bits[w]
-            else:
-                if writer:
-                    b = bits[0]
-                    for w in cutlass.range_constexpr(1, wl):
-                        if m_word == w:
-                            b = bits[w]
-                    if const_expr(mode == 1):
-                        b = b & mem_a
-                    else:
-                        b = b if m_row == row_in_tile else Int32(0)
-                    sMask[m_row * words + m_word, stage] = b
-            # ---- gather: one warp-wide copy covers `rpc` token rows ----
-            if const_expr(self.widen_in_producer):
-                self.copy_widened(k_addr, v_addr, bits, word0, part, rows_per_part, k_sbase, v_sbase, k_layout,
-                                  v_layout, stage, lane_bytes, chunk, sub)
-                # plain stores, read by WGMMA through the async proxy
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(full + stage)
-            else:
-                # kv_barriers (per-row kernel): K only here, released with the bitmask; V below
-                self.copy_lines(self.line_copy_plan(k_layout, v_layout), k_addr, v_addr, kv_delta, bits, word0,
-                                part, k_sbase, v_sbase, k_layout, v_layout, stage, lane,
-                                "k" if const_expr(self.cfg.kv_barriers) else "kv")
-                cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
-            if const_expr(mode == 0):
-                if lane == 0 and part == 0:
-                    cute.arch.mbarrier_arrive(full + stage)  # releases the bitmask store above
-            else:
-                if writer:
-                    cute.arch.mbarrier_arrive(full + stage)
-            if const_expr(self.cfg.kv_barriers):
-                self.copy_lines(self.line_copy_plan(k_layout, v_layout), k_addr, v_addr, kv_delta, bits, word0,
-                                part, k_sbase, v_sbase, k_layout, v_layout, stage, lane, "v")
-                cute.arch.cp_async_mbarrier_arrive_noinc(full + self.stages + stage)
-            if const_expr(mode == 1):
-                mem_a = mem_b
-
-    def derive_v(self) -> bool:
-        """(Trace time.) V row addresses are K's plus a constant (same strides), except in the
-        widening gather, whose loads all stay in flight and need no extra live register pair."""
-        return self.cfg.kv_same_strides and not self.widen_in_producer
-
-    def v_coord(self, tok, d, stage):
-        """The V tile coordinate of (token, element d): (d, token) for 16-bit caches (MN-major B
-        operand), (token, d) for FP8 (widened to fragments by the consumer)."""
-        return (tok, d, stage) if self.fp8 else (d, tok, stage)
-
-    def line_copy_plan(self, k_layout, v_layout):
-        """(Trace time.) Constants of :meth:`copy_lines` per tile (K, V): ``(G, A, xs, stage
-        bytes)``; a layout that breaks its assumption is refused (every 16-bit and FP8 tile
-        layout of the supported head dims keeps it).
-
-        The assumption, checked for every (token, 16-byte chunk) of the tile: a row is groups of G
-        chunks (one 128-byte line for a 128-byte swizzle), group g at byte ``u(t) + g * A``, and
-        chunk j of a group at slot ``j ^ X(t)`` with ``X(t) = (u(t) >> xs) mod G``, where ``u(t)``
-        is the row's unswizzled offset; stages are ``stage bytes`` apart."""
-        eb, E, cpr, T = self.kv_bytes, self.chunk_elems, self.chunks_per_row, self.tile
-        rows = 32 // self.parts  # rows of a 32-token word one producer warp copies
-        plans = []
-        for lay, crd in ((k_layout, lambda t, d, st: (t, d, st)), (v_layout, self.v_coord)):
-            sw = lay.inner
-            G = 1 << sw.num_bits
-            if sw.num_base != 4 or G > cpr or cpr % G or 32 % G or rows % (32 // G):
-                raise ValueError(f"{self.cfg.label()}: the line copy needs 16-byte swizzle units and whole "
-                                 f"groups of them per row ({sw}, {cpr} chunks, {rows} rows per warp)")
-            xs = sw.num_base + sw.num_shift
-            u = [cute.crd2idx(crd(t, 0, 0), lay.outer) * eb for t in range(T)]
-            A = cute.crd2idx(crd(0, G * E, 0), lay.outer) * eb - u[0] if cpr > G else 0
-            st = smem_byte_offset(lay, crd(0, 0, 1), eb) - smem_byte_offset(lay, crd(0, 0, 0), eb)
-            for t in range(T):
-                x = (u[t] >> xs) % G
-                for c in range(cpr):
-                    want = u[t] + (c // G) * A + ((c % G) ^ x) * 16
-                    for stage in range(self.stages):
-                        if smem_byte_offset(lay, crd(t, c * E, stage), eb) != want + stage * st:
-                            raise ValueError(f"{self.cfg.label()}: tile layout breaks the line copy at "
-                                             f"token {t}, chunk {c}, stage {stage}")
-            plans.append((G, A, xs, st))
-        return tuple(plans)
-
-    @cute.jit
-    def copy_lines(self, plan, k_addr, v_addr, kv_delta, bits, word0, part, k_sbase, v_sbase, k_layout, v_layout,
-                   stage, lane, which: cutlass.Constexpr = "kv"):
-        """The tile's K and V rows this warp owns, a 128-byte line per row per copy: G lanes (a
-        swizzle group) serve one row, 32 / G rows per warp-wide copy, so each copy reads whole
-        lines like the per-row copy but every address is computed once per row, not per chunk.
-        Lane q of a row writes slot q of each group, reading the row's chunk ``q ^ X(token)``
-        there (the swizzle moved to the source side), so the copies of a row differ only by
-        compile-time offsets (``[reg + imm]``). ``which``: "kv" both rows of each token, "k" or
-        "v" only that half (the separate K and V barriers)."""
-        eb, cpr = self.kv_bytes, self.chunks_per_row
-        (G, A_k, xs_k, st_k), (_, A_v, xs_v, st_v) = plan
-        per_copy = 32 // G  # rows per warp-wide copy
-        rows = 32 // self.parts
-        q = lane % G
-        for w in cutlass.range_constexpr(self.local_words):
-            for ps in cutlass.range_constexpr(rows // per_copy):
-                row = ps * per_copy + lane // G  # of the 32-token word (owner lane)
-                if const_expr(self.parts > 1):
-                    row = row + part * rows
-                tok = (word0 + w) * 32 + row
-                nbytes = ((bits[w] >> row) & 1) * 16
-                k_row = cute.arch.shuffle_sync(k_addr[w], row)
-                v_row = None
-                if const_expr(self.derive_v()):
-                    v_row = k_row + kv_delta
-                else:
-                    v_row = cute.arch.shuffle_sync(v_addr[w], row)
-                u_k = cute.crd2idx((tok, 0, 0), k_layout.outer) * eb
-                u_v = cute.crd2idx(self.v_coord(tok, 0, 0), v_layout.outer) * eb
-                k_dst = k_sbase + stage * st_k + u_k + q * 16
-                v_dst = v_sbase + stage * st_v + u_v + q * 16
-                k_src = k_row + Int64((q ^ ((u_k >> xs_k) % G)) * 16)
-                v_src = v_row + Int64((q ^ ((u_v >> xs_v) % G)) * 16)
-                policy = Int64(EVICT_FIRST_POLICY) if const_expr(self.cfg.evict_first) else None
-                for g in cutlass.range_constexpr(cpr // G):
-                    if const_expr(which != "v"):
-                        cp_async_zfill_16_at(k_dst, k_src, nbytes, g * A_k, g * G * 16, policy)
-                    if const_expr(which != "k"):
-                        cp_async_zfill_16_at(v_dst, v_src, nbytes, g * A_v, g * G * 16, policy)
-
-    @cute.jit
-    def copy_widened(self, k_addr, v_addr, bits, word0, part, rows_per_part, k_sbase, v_sbase, k_layout, v_layout,
-                     stage, lane_bytes, chunk, sub):
-        """FP8 rows -> fp16 tiles: every 16-byte chunk of the warp's rows is loaded first (all in
-        flight; invalid entries are not read and become zeros), then widened exactly with
-        ``cvt.rn.f16x2.e4m3x2`` and stored as two 16-byte fp16 chunks."""
-        wl, rpc, E = self.local_words, self.rows_per_copy, self.chunk_elems
-        n = wl * rows_per_part
-        buf = cute.make_rmem_tensor((n * 8,), Int32)  # per copy: 4 words of K, 4 of V
-        buf.fill(0)
-        for w in cutlass.range_constexpr(wl):
-            for jl in cutlass.range_constexpr(rows_per_part):
-                jj = jl if const_expr(self.parts == 1) else part * rows_per_part + jl
-                src = jj * rpc + sub if const_expr(rpc > 1) else jj
-                i = w * rows_per_part + jl
-                k_src = cute.arch.shuffle_sync(k_addr[w], src) + lane_bytes
-                v_src = cute.arch.shuffle_sync(v_addr[w], src) + lane_bytes
-                if (bits[w] >> src) & 1 != 0:
-                    k4 = load_nc_b32x4(k_src)
-                    v4 = load_nc_b32x4(v_src)
-                    for q in cutlass.range_constexpr(4):
-                        buf[8 * i + q] = k4[q]
-                        buf[8 * i + 4 + q] = v4[q]
-        for w in cutlass.range_constexpr(wl):
-            for jl in cutlass.range_constexpr(rows_per_part):
-                jj = jl if const_expr(self.parts == 1) else part * rows_per_part + jl
-                src = jj * rpc + sub if const_expr(rpc > 1) else jj
-                i = w * rows_per_part + jl
-                tok = (word0 + w) * 32 + src
-                for kv in cutlass.range_constexpr(2):
-                    h = [Int32(0)] * 8
-                    for q in cutlass.range_constexpr(4):
-                        h[2 * q], h[2 * q + 1] = cvt_e4m3x4_f16(buf[8 * i + 4 * kv + q], False)
-                    for half in cutlass.range_constexpr(2):
-                        d = chunk * E + 8 * half
-                        if const_expr(kv == 0):
-                            dst = k_sbase + smem_byte_offset(k_layout, (tok, d, stage), 2)
-                        else:
-                            dst = v_sbase + smem_byte_offset(v_layout, (d, tok, stage), 2)
-                        store_shared_b32x4(dst, h[4 * half], h[4 * half + 1], h[4 * half + 2], h[4 * half + 3])
-
-    @cute.jit
-    def load_tokens(self, mSrc, row, tile_idx, tok, limit, word0, lane):
-        """Issue the list loads of this lane's columns of tile ``tile_idx`` (its warp's words from
-        ``word0``; -1 from ``limit`` on: TOPK for a packed index row); the valid count masks them
-        later, so these loads need not wait for it."""
-        for w in cutlass.range_constexpr(self.local_words):
-            col = tile_idx * self.tile + (word0 + w) * 32 + lane
-            t = Int32(-1)
-            if col < limit:
-                t = mSrc[row, col]
-            tok[w] = t
-
-    @cute.jit
-    def lookup_pages(self, mBlockTable, req, req_ok, width, tile_idx, count, tok, phys, offs, word0, lane):
-        """Issue the block-table loads of tile ``tile_idx``'s tokens: ``phys`` = the physical page
-        (-1 when the column is past the count, the token negative, the request or the page out of
-        the table; checked against the pool when used), ``offs`` = the offset in the page."""
-        for w in cutlass.range_constexpr(self.local_words):
-            col = tile_idx * self.tile + (word0 + w) * 32 + lane
-            t = tok[w]
-            page = t // self.page
-            ok = req_ok and col < count and t >= 0 and page < width
-            p = Int32(-1)
-            if ok:
-                p = mBlockTable[req, page]
-            phys[w] = p
-            offs[w] = t - page * self.page
-
-    # ------------------------------------------------------------------------------------------
 
     @cute.jit
     def consume_tiles(self, mQ, storage, sQ, sP, sRed, sMask, full, empty, mO, mLse, mGate, k_scale, v_scale,
@@ -622,18 +173,18 @@ class Sm90QsaAttention(Sm90PagedDecode):
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         k_base = storage.sK.data_ptr().toint()
         v_base = storage.sV.data_ptr().toint()
-        q_log2 = self.stage_q(mQ, sQ, sRed, row, kv_head, tidx, warp, lane)
+        q_log2 = self.query.stage_q(mQ, sQ, sRed, row, kv_head, tidx, warp, lane)
         cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
-        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
 
         # logits in log2 units = S_acc * c (the query was scaled by 2^q_log2 when staged)
         c = Float32(self.D ** -0.5 * LOG2E) * k_scale * cute.math.exp2(-q_log2, fastmath=False)
 
-        thr_qk, thr_pv, cS0, cS, cO0, acc_s, acc_o, row_max, row_sum = self.consumer_state(qk_mma, pv_mma, tidx)
+        thr_qk, thr_pv, cS0, cS, cO0, acc_s, acc_o, row_max, row_sum = self.softmax.consumer_state(qk_mma, pv_mma, tidx)
         nS = cute.size(acc_s)
         n_base = cS[0][1] - cS0[0][1]  # this thread's column offset (2 * (lane % 4))
         nslots = N // 4  # columns owned by a thread: 8 * j + n_base + {0, 1}
-        mblocks = self.tile // MMA_M
+        mblocks = self.tile // self.mma_m
         # this thread's token rows of M block mb are mb * 64 + 16 * warp + lane / 4 + {0, 8}: bits
         # 16 * (warp % 2) + lane / 4 + {0, 8} of bitmask word 2 * mb + warp / 2
         mask_shift = (warp % 2) * 16 + lane // 4
@@ -660,7 +211,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
 
             # ---------------- S^T = K Q^T ----------------
             if const_expr(self.fp8):
-                self.load_k_fragments(tSrK, k_base, k_layout, stage, warp, lane)
+                self.frags.load_k_fragments(tSrK, k_base, k_layout, stage, warp, lane)
             first = cute.make_mma_atom(qk_mma.op)
             first.set(warpgroup.Field.ACCUMULATE, False)
             rest = cute.make_mma_atom(qk_mma.op)
@@ -684,12 +235,12 @@ class Sm90QsaAttention(Sm90PagedDecode):
             for e in cutlass.range_constexpr(nS):
                 s_val = acc_s[e] * c
                 r = cS0[e][0]
-                if (mbits[r // MMA_M] >> (r % MMA_M)) & 1 == 0:
+                if (mbits[r // self.mma_m] >> (r % self.mma_m)) & 1 == 0:
                     s_val = -Float32.inf
                 acc_s[e] = s_val
                 sl = slot_of(cS0[e][1])
                 tile_max[sl] = cute.arch.fmax(tile_max[sl], s_val)
-            self.softmax_tile(acc_s, acc_o, tile_max, row_max, row_sum, sRed, sP, cS0, cO0, n_base,
+            self.softmax.softmax_tile(acc_s, acc_o, tile_max, row_max, row_sum, sRed, sP, cS0, cO0, n_base,
                               cS[0][0] - cS0[0][0], warp, lane)
 
             # ---------------- O^T += V^T P^T ----------------
@@ -699,7 +250,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
                     cute.arch.fence_proxy("async.shared", space="cta")  # V, as K above
             if const_expr(self.fp8):
                 # after QK: the K fragments are dead, so K and V fragments share registers
-                self.load_v_fragments(tOrV, v_base, v_layout, stage, warp, lane)
+                self.frags.load_v_fragments(tOrV, v_base, v_layout, stage, warp, lane)
             warpgroup.fence()
             for kb in cutlass.range_constexpr(self.tile // 16):
                 if const_expr(self.fp8):
@@ -713,27 +264,11 @@ class Sm90QsaAttention(Sm90PagedDecode):
         self.epilogue(acc_o, row_max, row_sum, sRed, cO0, thr_pv, mO, mLse, mGate, v_scale, row, kv_head, split,
                       n_base, warp, lane)
 
-    # ------------------------------------------------------------------------------------------
-
     @cute.jit
     def out_row(self, mO, row, kv_head, n):
         """``(token, head, live)`` of WGMMA column ``n`` (head n of the KV group; padding columns
         are not live)."""
         return row, kv_head * self.G + n, n < self.G
-
-    @cute.jit
-    def load_q_chunk(self, mQ, idx, batch_idx, kv_head, work):
-        """16 consecutive Q elements (column n, 16-element chunk c) of work item ``idx`` as fp32;
-        zeros for padding columns, rows past the last (a partial row tile) and ``idx >= work``."""
-        chunks = self.D // 16
-        n = idx // chunks
-        vals = cute.make_rmem_tensor((16,), Float32)
-        vals.fill(0.0)
-        token = batch_idx * self.R + n // self.G
-        if n < self.rows and idx < work and token < mQ.shape[0]:
-            head = kv_head * self.G + n % self.G
-            vals.store(cute.local_tile(mQ[token, head, None], (16,), (idx % chunks,)).load().to(Float32))
-        return vals
 
     @cute.jit
     def epilogue(self, acc_o, row_max, row_sum, sRed, cO0, thr_pv, mO, mLse, mGate, v_scale, row, kv_head, split,
@@ -744,7 +279,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
         D, N = self.D, self.N
         nslots = N // 4
 
-        self.publish_slot_reduction(row_sum, sRed, n_base, warp, lane, lambda a, b: a + b)
+        self.softmax.publish_slot_reduction(row_sum, sRed, n_base, warp, lane, lambda a, b: a + b)
         inv = cute.make_rmem_tensor((nslots,), Float32)
         for s in cutlass.range_constexpr(nslots):
             n = slot_column(s, n_base)
@@ -768,7 +303,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
             for e in cutlass.range_constexpr(n):
                 token, head, live = self.out_row(mO, row, kv_head, cO[e][1])
                 if live:
-                    d = self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])
+                    d = self.frags.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])
                     val = acc_o[e] * inv[slot_of(cO0[e][1])]
                     if const_expr(cfg.split):
                         mO[split, token, head, d] = val
@@ -783,7 +318,7 @@ class Sm90QsaAttention(Sm90PagedDecode):
             gv = cute.make_rmem_tensor((n,), mGate.element_type)
             for e in cutlass.range_constexpr(n):
                 token, head, _ = self.out_row(mO, row, kv_head, cutlass.min(cO[e][1], self.G - 1))
-                gv[e] = mGate[token, head, self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])]
+                gv[e] = mGate[token, head, self.frags.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])]
             ov = cute.make_rmem_tensor((n,), mO.element_type)
             for e in cutlass.range_constexpr(n):
                 # round the attention output first, then the fp32 gate product
@@ -792,233 +327,4 @@ class Sm90QsaAttention(Sm90PagedDecode):
             for e in cutlass.range_constexpr(n):
                 token, head, live = self.out_row(mO, row, kv_head, cO[e][1])
                 if live:
-                    mO[token, head, self.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])] = ov[e]
-
-
-@dataclass(frozen=True)
-class Sm90QsaConfig(KernelConfig):
-    """Compile key of :class:`Sm90QsaAttention`.
-
-    ``group``: query heads per KV head (1..16; the WGMMA N is ``n_pad``, a multiple of 8).
-    ``page_size``: tokens per cache page (any; ``t // page`` divides by this constant).
-    ``tile``: tokens per iteration (64 or 128: one or two WGMMA M blocks). ``stages``: gather
-    slots in flight. ``split``: fp32 partials for the merge (the split count is the grid's
-    third dim, a runtime value) instead of the final output. ``gate``: multiply the output by
-    ``sigmoid(gate)`` (non-split; the merge applies it otherwise). ``occupancy``: CTAs per SM the
-    register allocation must allow (0 = no constraint). ``producers``: gather warps (1, or a
-    multiple of the tile's 32-token words: each then copies a slice of one word's rows).
-    ``kv_same_strides``: k_cache and v_cache have identical strides (the two halves of one
-    buffer, as in production): V row addresses are K's plus a constant, half the gather's address
-    shuffles. ``pdl``: launched as a programmatic dependent of the previous kernel (its shared-memory
-    setup overlaps that kernel's tail; it waits before its first global read). On for split
-    launches, whose predecessor is usually the previous layer's merge (a few CTAs that release
-    their dependents at once): H200, 16 copies in a graph, BF16 N = 4 12.0 -> 11.2 us, FP8 N = 16
-    17.9 -> 16.8. Off without splits: one-wave grids gained nothing and FP8 N = 64 lost 3 us.
-    ``evict_first``: the gathered K/V rows carry the L2 evict-first policy, so that they do not
-    push the index lists, block tables, partials and gates out of L2 (on for the per-row kernel
-    by :func:`make_qsa_config`: H200, decode BF16 N = 4 10.9 -> 10.2 us, N = 16 23.4 -> 21.9,
-    FP8 N = 64 40.6 -> 38.6, N = 256 139.9 -> 136.3); off for the row tiles (not measured there:
-    their union rows are read again by neighbouring tiles).
-    ``kv_barriers``: a slot's K rows are copied first and released on their own barrier, V after
-    them on a second one, so QK and the softmax overlap V's arrival (per-row kernel only). On for
-    split launches by :func:`make_qsa_config`, whose few tiles per CTA end on the last tile's
-    chain (H200, two interleaved pairs, µs: BF16 N = 1 7.9 -> 7.6-7.7, N = 4 10.1-10.2 -> 9.9-10.0,
-    FP8 N = 4 8.9 -> 8.8-8.9, N = 16 within 0.2); off without splits, where the split copies slowed
-    the memory-bound loop (FP8 N = 64 39.2-39.4 -> 41.1-41.6, BF16 N = 256 256.9-257.1 -> 257.6-257.9).
-    """
-
-    q_dtype: str = "bf16"
-    kv_dtype: str = "bf16"
-    head_dim: int = 256
-    group: int = 12
-    page_size: int = 1568
-    tile: int = 64
-    stages: int = 3
-    split: bool = False
-    gate: bool = False
-    occupancy: int = 1
-    producers: int = 1
-    pdl: bool = False
-    kv_same_strides: bool = False
-    evict_first: bool = False
-    kv_barriers: bool = False
-
-    kernel_id = "sm90.qsa"
-    targets = ("sm_90a",)
-    # tensor cores, the zero-filling cp.async gather and the mbarrier pipeline
-    evidence = {"sm_90a": (r"wgmma\.mma_async", r"cp\.async\.cg\.shared\.global", r"cp\.async\.mbarrier\.arrive",
-                           r"mbarrier\.try_wait")}
-
-    def __post_init__(self):
-        if self.q_dtype not in ("bf16", "fp16"):
-            raise ValueError(f"q dtype must be bf16 or fp16, got {self.q_dtype}")
-        if self.kv_dtype not in ("bf16", "fp16", "fp8_e4m3"):
-            raise ValueError(f"kv dtype must be bf16, fp16 or fp8_e4m3, got {self.kv_dtype}")
-        if self.kv_dtype != "fp8_e4m3" and self.kv_dtype != self.q_dtype:
-            raise ValueError("a 16-bit KV cache must have the query's dtype")
-        if self.head_dim not in (64, 128, 256):
-            raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
-        if not 1 <= self.group <= MAX_GROUP:
-            raise ValueError(f"group (num_q_heads / num_kv_heads) must be in [1, {MAX_GROUP}], got {self.group}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be positive, got {self.page_size}")
-        if self.tile not in (64, 128) or self.stages < 1:
-            raise ValueError(f"bad tile/stages {self.tile}/{self.stages}")
-        if self.gate and self.split:
-            raise ValueError("the gate of a split launch is applied by the merge")
-        words = self.tile // 32
-        chunks_per_row = self.head_dim * DTYPE_BITS[self.kv_dtype] // 8 // 16
-        copies = 32 // max(1, 32 // chunks_per_row)  # warp-wide copies per 32-token word
-        if self.producers != 1 and not (self.producers % words == 0 and self.producers <= 8
-                                         and copies % (self.producers // words) == 0):
-            raise ValueError(f"producers must be 1 or a multiple of the tile's {words} words (<= 8) that "
-                             f"divides its rows, got {self.producers}")
-
-    @property
-    def n_pad(self) -> int:
-        return max(8, (self.group + 7) // 8 * 8)
-
-    @property
-    def widen(self) -> str:
-        """FP8 widening used by the inherited decode helpers: exact ``cvt`` to fp16."""
-        return "cvt"
-
-    def signature(self):
-        D = self.head_dim
-        out = "fp32" if self.split else self.q_dtype
-        o_shape = ("S", "T", "Hq", D) if self.split else ("T", "Hq", D)
-        lse_shape = ("S", "T", "Hq") if self.split else ("T", "Hq")
-        cache = ("NB", self.page_size, "Hkv", D)
-        return (
-            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
-            TensorArg("k_cache", self.kv_dtype, cache),
-            TensorArg("v_cache", self.kv_dtype, cache),
-            TensorArg("packed_indices", "int32", ("T", "W"), align=4),
-            TensorArg("block_table", "int32", ("R", "BW"), align=4),
-            TensorArg("token_to_req", "int32", ("T",), align=4),
-            TensorArg("out", out, o_shape, align=4),
-            TensorArg("lse", "fp32", lse_shape, align=4),
-            TensorArg("gate", self.q_dtype, ("GT", "GH", D), align=2),
-            ScalarArg("k_scale", "fp32"),
-            ScalarArg("v_scale", "fp32"),
-        )
-
-    def build(self):
-        return Sm90QsaAttention(self)
-
-
-# ----------------------------------------------------------------------------------------------
-# host-side tuning and the config table (no GPU, no tensors)
-# ----------------------------------------------------------------------------------------------
-
-SMEM_PER_SM = 228 * 1024  # per SM on H100/H200, of which 1 KB per resident CTA is reserved
-H200_SMS = 132
-TILE = 64
-MAX_SPLITS = 64
-PRODUCTION_TOPK = 2051  # 2048 selected tokens + 4 - 1 (qsa-contract §1)
-
-
-def qsa_producers(tile: int = TILE) -> int:
-    """Gather warps of the per-row kernel: one per 32-token word of the tile. One warp issuing
-    every copy was the limit once a CTA owned its SM (H200, decode N = 256: BF16 340.7 -> 296.1
-    us, FP8 177.5 -> 160.1 us with two; N = 64 BF16 89.5 -> 78.8 us)."""
-    return tile // 32
-
-
-def qsa_tuning(kv_dtype: str, head_dim: int, group: int, tile: int = TILE,
-               producers: int | None = None) -> tuple[int, int]:
-    """(stages, CTAs per SM) of a variant: the most resident CTAs that still get >= 3 gather
-    slots each (falling back to 2, then 1) while keeping >= 96 KB of K/V in flight per SM
-    (what the paged decode kernel measured to saturate HBM) and fitting the registers (measured
-    with ptxas at D = 256, G = 12: ~100 for 16-bit caches, 156-172 for FP8, whose K/V fragments
-    live in registers) of the consumer warpgroup plus ``producers`` gather warps."""
-    producers = qsa_producers(tile) if producers is None else producers
-    threads = (MMA_WARPS + producers) * 32
-    kv_bytes = DTYPE_BITS[kv_dtype] // 8
-    n_pad = max(8, (group + 7) // 8 * 8)
-    stage = 2 * tile * head_dim * kv_bytes
-    # Q, P, reduction, barriers + bitmasks + 1024-byte alignment slack, the reserved 1 KB
-    fixed = n_pad * head_dim * 2 + n_pad * tile * 2 + MMA_WARPS * n_pad * 4 + 2 * 1024 + 1024
-    # accumulators O^T and S^T (fp32) + the widened K/V fragments of FP8 (fp16 pairs per register)
-    regs = 32 + head_dim * n_pad // 128 + tile * n_pad // 128 + (tile * head_dim // 256 if kv_bytes == 1 else 0)
-    regs = (regs + 7) // 8 * 8
-    max_occ = max(1, min(4, 65536 // (threads * regs)))
-    for want in (3, 2, 1):
-        for occ in range(max_occ, 0, -1):
-            stages = min(4, (SMEM_PER_SM // occ - fixed) // stage)
-            if stages >= want and occ * stages * stage >= 96 * 1024:
-                return stages, occ
-    return 1, 1
-
-
-@cache
-def split_table(kv_dtype: str, head_dim: int, group: int, prefill: bool, topk: int = PRODUCTION_TOPK,
-                num_sms: int = H200_SMS) -> tuple[tuple[int, int, int], ...]:
-    """The config table: ``((max_bp, tile, splits), ...)`` by increasing ``max_bp`` (0 on the last
-    entry = no bound), keyed by ``bp = rows * num_kv_heads``.
-
-    Built from a cost model in units of one tile's gather (the kernel is bound by gathered bytes):
-    ``bp * S`` CTAs of ``ceil(tiles / S)`` tiles each load ``ceil(bp * S / num_sms)`` of them per
-    SM (CTAs sharing an SM share its gather rate), plus 2 tiles of start-up (index and page
-    lookups, Q staging, epilogue) per wave of ``slots = num_sms * occupancy`` (co-resident CTAs
-    overlap theirs); with ``S > 1`` the merge adds one tile of latency plus its traffic (fp32
-    partials written and read back, ``2 * G * D * 4`` bytes per CTA, spread over the SMs).
-    Counting waves by slots alone had FP8 (2 CTAs per SM) split 3x too finely: measured on the
-    H200, FP8 N = 4 rows 16.1 us at the old S = 33 vs 10.4 at S = 11, N = 64 48.2 (S = 2) vs 42.1
-    (S = 1); BF16 (1 CTA per SM) is unchanged by the rewrite and was at its measured optimum. ``S`` never exceeds the tiles
-    of a full row and never grows with ``bp`` (wave-quantization wiggles are not worth a
-    non-monotonic table). ``prefill`` batches beyond 2048 (row, head) pairs never split: they
-    fill the machine and a merge would only add traffic; below that both profiles agree (the
-    flag is kept so they can be tuned apart).
-    """
-    tile = TILE
-    _, occ = qsa_tuning(kv_dtype, head_dim, group, tile)
-    slots = num_sms * occ
-    tiles = max(1, -(-topk // tile))
-    tile_bytes = 2 * tile * head_dim * (DTYPE_BITS[kv_dtype] // 8)
-    partial_bytes = 2 * group * head_dim * 4
-
-    def cost(bp, s):
-        per_sm = -(-bp * s // num_sms)
-        waves = -(-bp * s // slots)
-        merge = 1 + bp * s * partial_bytes / (num_sms * tile_bytes) if s > 1 else 0
-        return per_sm * -(-tiles // s) + 2 * waves + merge
-
-    table: list[tuple[int, int, int]] = []
-    prev = min(MAX_SPLITS, tiles)
-    for bp in range(1, (2048 if prefill else 8 * slots) + 1):
-        s = min(range(1, prev + 1), key=lambda k: (cost(bp, k), k))
-        prev = s
-        if table and table[-1][2] == s:
-            table[-1] = (bp, tile, s)
-        else:
-            table.append((bp, tile, s))
-        if s == 1:
-            break
-    table[-1] = (0, tile, table[-1][2]) if table[-1][2] == 1 else table[-1]
-    if table[-1][0] != 0:
-        table.append((0, tile, 1))
-    return tuple(table)
-
-
-def select_config(rows: int, num_kv_heads: int, prefill: bool, kv_dtype: str, head_dim: int, group: int,
-                  topk: int = PRODUCTION_TOPK, num_sms: int = H200_SMS) -> tuple[int, int]:
-    """``(tile, splits)`` for a launch, from the table (0 = unbounded last entry)."""
-    bp = rows * num_kv_heads
-    for max_bp, tile, splits in split_table(kv_dtype, head_dim, group, prefill, topk, num_sms):
-        if max_bp == 0 or bp <= max_bp:
-            return tile, max(1, min(splits, -(-max(topk, 1) // tile)))
-    raise AssertionError("config table without a last entry")  # pragma: no cover
-
-
-def make_qsa_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int, split: bool,
-                    gate: bool, tile: int = TILE, **override) -> Sm90QsaConfig:
-    """The config the op, the warm-up and the compile matrix use: tuning filled in here, once.
-    ``override`` replaces tuning fields (benchmarks)."""
-    producers = override.get("producers", qsa_producers(tile))
-    stages, occupancy = qsa_tuning(kv_dtype, head_dim, group, tile, producers)
-    fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
-                  tile=tile, stages=stages, split=split, gate=gate and not split, occupancy=occupancy,
-                  producers=producers, pdl=split, kv_same_strides=True, evict_first=True, kv_barriers=split)
-    fields.update(override)
-    return Sm90QsaConfig(**fields)
+                    mO[token, head, self.frags.physical_d(cO0[e][0], cO[e][0] - cO0[e][0])] = ov[e]

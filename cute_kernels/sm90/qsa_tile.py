@@ -12,11 +12,11 @@ the other instead, each 64-token tile of row r masked to row r's columns: the pe
 result, with its gathered bytes.
 
 The gather (index and page lookups, zero-filling cp.async; FP8 widened to fp16 by the gather
-warps here), the pipeline and the Q staging are :class:`~cute_kernels.sm90.qsa.Sm90QsaAttention`'s,
-which takes R from the config; the consumer and epilogue are this module's. No split-K: prefill
-batches fill the machine.
+warps here), the pipeline and the Q staging are the roles the per-row kernel uses too
+(:mod:`cute_kernels.roles.qsa_gather`, :mod:`cute_kernels.roles.query`), with R rows per CTA; the
+consumer and epilogue are this module's. No split-K: prefill batches fill the machine.
 
-Warp roles (``TILE_SCHEDULE``, measured): 16-bit caches run two consumer warpgroups on alternate
+Warp roles (``TILE_SCHEDULE`` in the plan, docs/design/qsa.md#row-tile-warp-roles): 16-bit caches run two consumer warpgroups on alternate
 union tiles of the same rows (each its own running max, sum and O, combined at the end through the
 idle K tiles); FP8 caches run one consumer and two groups of gather warps on alternate pipeline
 slots, so two tiles are widened at once, and that one consumer issues each tile's QK together
@@ -26,115 +26,75 @@ with the previous tile's PV so that its softmax overlaps the tensor cores (``ove
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
-from cutlass.tensor_utils import LayoutEnum
+from cutlass.cute.nvgpu import warpgroup
 
-from ..jit.dtypes import DTYPE_BITS
-from ..jit.spec import ScalarArg, TensorArg
-from .decode import BAR_MMA, MMA_M, MMA_WARPS
-from .qsa import LOG2E, Sm90QsaAttention, Sm90QsaConfig
-from .qsa_merge import sigmoid
+from ..jit.dtypes import cute_dtype
+from ..roles.fragments import sigmoid
+from ..roles.qsa_gather import QsaGather
+from ..roles.query import QueryStager
+from ..roles.softmax import BAR_MMA, LOG2E, QuadSoftmax, query_on_m_mmas
 
-MAX_COLUMNS = 64  # R * G: the query columns on one warpgroup's WGMMA M
 BAR_CONSUMERS = BAR_MMA + 1  # named barrier of both consumer warpgroups (BAR_MMA: the first's own)
-# Warp roles by cache kind (H200, 1 x 16384 prefill, correlated / independent selections, ms, one
-# process; profiling/NOTES.md "QSA v3"): one consumer warpgroup + 4 gather warps 4.39 / 9.60 BF16,
-# 4.83 / 13.72 FP8; two consumer warpgroups taking alternate union tiles 4.22 / 9.25 BF16,
-# 4.79 / 11.54 FP8; two groups of 4 gather warps filling alternate slots 4.26 / 9.21 BF16,
-# 4.57 / 10.56 FP8 (FP8's widening gather is synchronous: loads, convert, store, so one group
-# keeps only one tile in flight). One gather warp was too slow (7.36 ms with one, 6.09 with four).
-# FP8 also overlaps its single consumer's softmax with the previous tile's PV (``overlap``, NOTES
-# "an overlapped consumer"): 3508 -> 3404 us correlated, 9362 -> 9407 independent at 1 x 16384. For
-# 16-bit caches one overlapped consumer (2667-2684 us) stays behind two serial ones (2521).
-TILE_SCHEDULE = {"16-bit": dict(consumers=2, producers=4, gather_groups=1),
-                 "fp8": dict(consumers=1, producers=8, gather_groups=2, overlap=True)}
-# Above 256 threads the launch gives each thread fewer registers than the consumer's O
-# accumulator and softmax need, so the warpgroups rebalance with setmaxnreg: the gather warps
-# keep the fewest that ptxas compiles without spills at D = 256 (FP8 holds a batch of 16-byte
-# loads in flight for the widening; one group of 8 warps holds half the batch per warp), the
-# consumers take the rest. Keyed by (cache kind, producer warps, gather groups).
-PRODUCER_REGS = {("16-bit", 4, 1): 56, ("16-bit", 8, 1): 56, ("16-bit", 8, 2): 56,
-                 ("fp8", 4, 1): 104, ("fp8", 8, 1): 80, ("fp8", 8, 2): 112}
-MAX_CONSUMER_REGS = 232
 
 
-def launch_regs(threads: int) -> int:
-    """Registers per thread a launch of ``threads`` gets (the 64K file, rounded down to 8).
-    setmaxnreg.inc blocks until registers are free: the warpgroups together must stay within
-    this (a total above it hung the consumers on the H200)."""
-    return 65536 // threads // 8 * 8
+class Sm90QsaTileAttention:
+    """Kernel object of :class:`cute_kernels.plans.sm90_qsa_tile.Sm90QsaTileConfig`; every field
+    is compile-time.
 
-
-def tile_regs(kv_dtype: str, consumers: int, producers: int, groups: int = 1) -> tuple[int, int]:
-    """(producer, consumer) registers per thread, or (0, 0) when one launch's share suffices
-    (256 threads or fewer: up to 255 each)."""
-    threads = (MMA_WARPS * consumers + producers) * 32
-    if threads <= 256:
-        return 0, 0
-    p = PRODUCER_REGS[("fp8" if kv_dtype == "fp8_e4m3" else "16-bit", producers, groups)]
-    c = (threads * launch_regs(threads) - producers * 32 * p) // (consumers * 128) // 8 * 8
-    return p, min(MAX_CONSUMER_REGS, c)
-
-
-class Sm90QsaTileAttention(Sm90QsaAttention):
-    """Kernel object; all fields are compile-time (see :class:`Sm90QsaTileConfig`).
-
-    16-bit caches run the MMAs the FlashAttention way round ("mq"): the tile's R x G query
-    columns are the WGMMA's M (64, one warpgroup), the KV tokens its N. Then a query's logits
-    live in one quad of threads: the softmax needs two shuffles and no shared-memory reduction
-    or barrier, and P goes from the QK accumulators straight into registers as the A operand of
-    an RS PV WGMMA (no P round trip through shared memory). The inherited swap-AB consumer
-    (tokens on M) reduced across the warpgroup twice per tile and staged P in shared memory: at
-    1 x 16384 its single consumer warp per scheduler issued ~1000 instructions per 64-token tile
-    at 5.7 cycles each (ncu). FP8 caches use the same consumer: the gather warps widen their
-    rows to fp16 tiles, and the query is scaled into fp16 range by a power of two.
+    The MMAs run the FlashAttention way round: the tile's R x G query columns are the WGMMA's M
+    (64, one warpgroup), the KV tokens its N. Then a query's logits live in one quad of threads:
+    the softmax needs two shuffles and no shared-memory reduction or barrier, and P goes from the
+    QK accumulators straight into registers as the A operand of an RS PV WGMMA (no P round trip
+    through shared memory), where the swap-AB consumer (tokens on M) reduces across the
+    warpgroup twice per tile and stages P in shared memory (docs/design/qsa.md#row-tiles-over-the-union).
+    FP8 caches use the same consumer: the gather warps widen their rows to fp16 tiles, and the
+    query is scaled into fp16 range by a power of two.
     """
 
     def __init__(self, cfg):
-        super().__init__(cfg)
-        self.mq = True
-        self.N = MMA_M  # Q rows staged (zeros past R x G)
+        self.cfg = cfg
+        self.q_dtype = cute_dtype(cfg.q_dtype)
+        self.kv_dtype = cute_dtype(cfg.kv_dtype)
+        self.fp8 = cfg.kv_dtype == "fp8_e4m3"
+        self.D = cfg.head_dim
+        self.G = cfg.group
+        self.R = cfg.rows_per_cta  # query rows per CTA: R rows x G heads are the WGMMA's M
+        self.tile = cfg.tile
+        self.stages = cfg.stages
+        self.words = self.tile // 32  # membership words per tile (per row)
+        self.warps = cfg.consumer_warps
+        self.mma_m = cfg.hw.WGMMA_M
+        self.N = self.mma_m  # Q rows staged (zeros past R x G)
         # FP8: the gather warps widen rows to fp16 tiles (exact), K and V are then plain B
-        # operands in natural column order, and Q is rescaled into fp16 range (dynamic_q_scale)
-        self.widen_in_producer = self.fp8
-        self.q_permuted = False
+        # operands in natural column order, and Q is rescaled into fp16 range (dynamic scale)
+        self.mma_dtype = cute_dtype("fp16") if self.fp8 else self.q_dtype
         # consumer warpgroups: with two, each takes every other union tile of the same rows (its
         # own running max, sum and O), so one group's softmax overlaps the other's MMAs; they
         # combine at the end through shared memory
         self.consumers = cfg.consumers
-        self.producer_warp = MMA_WARPS * self.consumers
+        self.producer_warp = self.warps * self.consumers
         self.num_threads = (self.producer_warp + cfg.producers) * 32
         # gather groups: each group of producers // groups warps fills every groups-th slot, so
         # that many tiles are in flight at once. FP8's widening gather is synchronous (loads, then
         # convert, then store), so one group keeps a single tile in flight
         self.groups = cfg.gather_groups
-        if self.groups > 1:
-            self.P = cfg.producers // self.groups  # the gather's work split is per group
-            self.local_words = self.words if self.P == 1 else 1
-            self.parts = 1 if self.P == 1 else self.P // self.words
+        self.P = cfg.producers // self.groups  # the gather's work split is per group
+        self.gather = QsaGather(cfg, R=self.R, producers=self.P, N=self.N, warps=self.warps,
+                                num_threads=self.num_threads, mma_dtype=self.mma_dtype, kv_dtype=self.kv_dtype,
+                                widen_in_producer=self.fp8)
+        self.query = QueryStager(self.D, self.N, self.G, self.R, bounded=True,
+                                 dynamic_q_scale=self.fp8 and cfg.q_dtype == "bf16", q_pre=0, q_permuted=False,
+                                 widen=cfg.widen, warps=self.warps)
+        self.softmax = QuadSoftmax(self.words)
 
-    def mmas_and_layouts(self):
-        if not self.mq:
-            return super().mmas_and_layouts()
-        D, T, dt = self.D, self.tile, self.mma_dtype
-        qk_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
-                                                   tiler_mn=(MMA_M, T))
-        pv_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                                   (1, 1, 1), tiler_mn=(MMA_M, D),
-                                                   a_source=warpgroup.OperandSource.RMEM)
-        # K as B (tokens x D, K-major) and V as MN-major B (D contiguous): the gather's
-        # coordinates stay (token, d, stage) and (d, token, stage)
-        k_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (MMA_M, T, D), dt, self.stages)
-        v_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (MMA_M, D, T), dt, self.stages)
-        q_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (MMA_M, T, D), dt, 1)
-        return qk_mma, pv_mma, k_layout, v_layout, q_layout, None
+    # ------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------
 
     @cute.jit
     def __call__(
@@ -155,9 +115,14 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         v_scale: Float32,
         stream,
     ):
-        self.launch(self.tile_kernel, (mQ, mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, mO, mLse,
-                                       mGate, k_scale, v_scale),
-                    [mLen.shape[0], mK.shape[2], 1], stream)
+        mmas = query_on_m_mmas(self.D, self.tile, self.stages, self.mma_dtype, self.mma_m)
+        self.gather.launch(self.tile_kernel, (mQ, mK, mV, mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLen, mO,
+                                              mLse, mGate, k_scale, v_scale),
+                           [mLen.shape[0], mK.shape[2], 1], stream, mmas)
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
 
     @cute.kernel
     def tile_kernel(
@@ -187,7 +152,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         tile, kv_head, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
-        storage, sQ, sP, sRed, sMask, full, empty = self.setup_shared(q_layout, p_layout, tidx)
+        storage, sQ, sP, sRed, sMask, full, empty = self.gather.setup_shared(q_layout, p_layout, tidx)
         if warp >= self.producer_warp:
             if const_expr(self.cfg.producer_regs > 0):
                 cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
@@ -209,12 +174,12 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         wg = Int32(0)
         if const_expr(self.consumers == 1):
-            q_log2 = self.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
+            q_log2 = self.query.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
             cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
-            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=MMA_WARPS * 32)
+            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
         else:
-            wg = warp // MMA_WARPS
-            tidx = tidx % (MMA_WARPS * 32)  # the thread's index in its warpgroup (MMA slices)
+            wg = warp // self.warps
+            tidx = tidx % (self.warps * 32)  # the thread's index in its warpgroup (MMA slices)
             q_log2 = self.stage_q_shared(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane, wg)
         # logits in log2 units (the query was scaled by 2^q_log2 when staged: FP8 -> fp16 MMAs)
         c = Float32(D ** -0.5 * LOG2E) * k_scale * cute.math.exp2(-q_log2, fastmath=False)
@@ -226,10 +191,10 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         tOrV = pv_mma.make_fragment_B(thr_pv.partition_B(sV))
         # static coordinates of thread 0 plus this thread's offsets (rows 16 warp + lane / 4 + {0, 8},
         # columns 2 (lane % 4) + 8 j + {0, 1})
-        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((MMA_M, T)))
-        cS = thr_qk.partition_C(cute.make_identity_tensor((MMA_M, T)))
-        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((MMA_M, D)))
-        cO = thr_pv.partition_C(cute.make_identity_tensor((MMA_M, D)))
+        cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.mma_m, T)))
+        cS = thr_qk.partition_C(cute.make_identity_tensor((self.mma_m, T)))
+        cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.mma_m, D)))
+        cO = thr_pv.partition_C(cute.make_identity_tensor((self.mma_m, D)))
         m_off = cS[0][0] - cS0[0][0]
         n_off = cS[0][1] - cS0[0][1]
         acc_s = cute.make_rmem_tensor(cS.shape, Float32)
@@ -240,7 +205,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         sc, sh, sj = acc_s.layout.stride[0]
         p_view = cute.make_tensor(acc_s.iterator, cute.make_layout(((2, 2, 2), 1, T // 16),
                                                                    stride=((sc, sh, sj), 0, 2 * sj)))
-        tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((MMA_M, T)), self.mma_dtype)
+        tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((self.mma_m, T)), self.mma_dtype)
         # the bitmask words of the thread's two query columns' tile rows (padding columns: the
         # last row's, their output is dropped)
         word_base = cute.make_rmem_tensor((2,), Int32)
@@ -268,10 +233,10 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                 warpgroup.commit_group()
                 self.load_mask(cs, stage)
                 warpgroup.wait_group(0)
-                alpha, grew = self.softmax_tile(cs)
+                alpha, grew = self.softmax.softmax_tile(cs)
                 tOrP.store(p_view.load().to(self.mma_dtype))
                 if grew:  # the running max moved: rescale the output rows (skipped on most tiles)
-                    self.rescale(cs, alpha)
+                    self.softmax.rescale(cs, alpha)
                 warpgroup.fence()
                 self.issue_pv(cs, tOrP, stage)
                 warpgroup.commit_group()
@@ -310,7 +275,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
             warpgroup.commit_group()
             self.load_mask(cs, Int32(0))
             warpgroup.wait_group(0)
-            self.softmax_tile(cs)
+            self.softmax.softmax_tile(cs)
             tOrP.store(cs.p_view.load().to(self.mma_dtype))
             # P of an even tile in tOrP, of an odd one in tOrP2
             for i in cutlass.range(1, my_tiles, 2, unroll=1):
@@ -342,12 +307,12 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         warpgroup.commit_group()
         self.load_mask(cs, stage)
         warpgroup.wait_group(1)  # QK(i) done (groups complete in order); PV(i-1) may still run
-        alpha, grew = self.softmax_tile(cs)
+        alpha, grew = self.softmax.softmax_tile(cs)
         p_next.store(cs.p_view.load().to(self.mma_dtype))
         warpgroup.wait_group(0)  # PV(i-1) done: O is free, and so is stage i-1
         cute.arch.mbarrier_arrive(cs.empty + prev)
         if grew:
-            self.rescale(cs, alpha)
+            self.softmax.rescale(cs, alpha)
 
     @cute.jit
     def wait_full(self, cs, i):
@@ -381,56 +346,15 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                 cs.mw[h * self.words + k] = cs.sMask[cs.word_base[h] + k, stage] >> cs.n_off
 
     @cute.jit
-    def softmax_tile(self, cs):
-        """Masked online softmax of one tile in place: ``cs.acc_s`` becomes P, the running max and
-        sum move on. Returns (alpha per row half, whether a max grew: O needs rescaling)."""
-        words = self.words
-        acc_s, mw, cS0, c, row_max, row_sum = cs.acc_s, cs.mw, cs.cS0, cs.c, cs.row_max, cs.row_sum
-        tile_max = cute.make_rmem_tensor((2,), Float32)
-        tile_max.fill(-Float32.inf)
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            m_s, n_s = cS0[e]
-            h = m_s // 8
-            v = acc_s[e] * c
-            if (mw[h * words + n_s // 32] >> (n_s % 32)) & 1 == 0:
-                v = -Float32.inf
-            acc_s[e] = v
-            tile_max[h] = cute.arch.fmax(tile_max[h], v)
-        alpha = cute.make_rmem_tensor((2,), Float32)
-        safe = cute.make_rmem_tensor((2,), Float32)
-        grew = False
-        for h in cutlass.range_constexpr(2):
-            t = tile_max[h]
-            for off in (1, 2):  # a query's columns live in one quad
-                t = cute.arch.fmax(t, cute.arch.shuffle_sync_bfly(t, off))
-            new_max = cute.arch.fmax(row_max[h], t)
-            safe[h] = new_max if new_max != -Float32.inf else Float32(0.0)
-            alpha[h] = cute.math.exp2(row_max[h] - safe[h], fastmath=True)
-            grew = grew or new_max > row_max[h]
-            row_max[h] = new_max
-            row_sum[h] = row_sum[h] * alpha[h]
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            h = cS0[e][0] // 8
-            p = cute.math.exp2(acc_s[e] - safe[h], fastmath=True)
-            row_sum[h] = row_sum[h] + p
-            acc_s[e] = p
-        return alpha, grew
-
-    @cute.jit
-    def rescale(self, cs, alpha):
-        for e in cutlass.range_constexpr(cute.size(cs.acc_o)):
-            cs.acc_o[e] = cs.acc_o[e] * alpha[cs.cO0[e][0] // 8]
-
-    @cute.jit
     def stage_q_shared(self, mQ, sQ, sRed, tile, kv_head, tidx, warp, lane, wg):
         """Two consumer warpgroups: the first stages Q and publishes its scale exponent (FP8),
         then both wait for sQ. Returns that exponent."""
         if wg == 0:
-            q_log2 = self.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
+            q_log2 = self.query.stage_q(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane)
             if tidx == 0:
                 sRed[0, 1] = q_log2  # column 0 is stage_q's scratch
             cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
-        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=2 * MMA_WARPS * 32)
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=2 * self.warps * 32)
         return sRed[0, 1]
 
     @cute.jit
@@ -442,7 +366,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
         tiles (element-major: conflict-free)."""
         n = cute.size(acc_o)
         half = n // 2
-        nt = MMA_WARPS * 32
+        nt = self.warps * 32
         sX = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
                               cute.make_layout((2, half + 4, nt), stride=((half + 4) * nt, nt, 1)))
         # both groups' last WGMMAs (async proxy) are done before the K tiles are overwritten
@@ -523,9 +447,9 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
             # All gate loads are in flight before the first output store (all n elements fit in
             # registers as packed 16-bit values): the compiler cannot move a load of mGate above a
             # store to mO (they may alias), and a load under a branch waits inside it, so one load
-            # per element between stores serialized an L2 round trip each (ncu: ~40 % of the
-            # row-tile kernel's stall samples at 1 x 4096). A dead row's gate is read from token
-            # 0 (which exists) and never used: no branch.
+            # per element between stores serialized an L2 round trip each
+            # (docs/design/qsa.md#gated-epilogue). A dead row's gate is read from token 0 (which
+            # exists) and never used: no branch.
             gtok = cute.make_rmem_tensor((2,), Int32)
             for h in cutlass.range_constexpr(2):
                 gtok[h] = token[h] * live[h]
@@ -587,7 +511,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                 req = mTokenToReq[row0]  # the pre-pass checked that every row shares it
             n = (length + self.tile - 1) // self.tile
             mine = n if const_expr(groups == 1) else (n - g + groups - 1) // groups
-            self.gather_list(mK, mV, mUnion, tile, length, length, Int32(g), Int32(groups), mine, Int32(g), req,
+            self.gather.gather_list(mK, mV, mUnion, tile, length, length, Int32(g), Int32(groups), mine, Int32(g), req,
                              mBlockTable, storage, k_layout, v_layout, sMask, full, empty, kv_head, pw, lane, mMember,
                              1, Int32(0), groups)
         else:
@@ -603,187 +527,7 @@ class Sm90QsaTileAttention(Sm90QsaAttention):
                     j0 = (g + groups - i0 % groups) % groups
                     mine = (n - j0 + groups - 1) // groups
                 if n > j0:
-                    self.gather_list(mK, mV, mIdx, row, topk, count, Int32(j0), Int32(groups), mine, i0 + j0,
+                    self.gather.gather_list(mK, mV, mIdx, row, topk, count, Int32(j0), Int32(groups), mine, i0 + j0,
                                      mTokenToReq[row], mBlockTable, storage, k_layout, v_layout, sMask, full, empty,
                                      kv_head, pw, lane, None, 2, r, groups)
                 i0 = i0 + n
-
-
-@dataclass(frozen=True)
-class Sm90QsaTileConfig(Sm90QsaConfig):
-    """Compile key of :class:`Sm90QsaTileAttention`: :class:`Sm90QsaConfig`'s fields (``split``
-    must be False) plus ``rows_per_cta`` (R; R * group <= 64), ``consumers`` (consumer
-    warpgroups: 1, or 2 taking alternate union tiles) and, with 2, the registers per thread the
-    producer and consumer warpgroups take with ``setmaxnreg`` (multiples of 8 in [24, 256]; the
-    three warpgroups share the 168 per thread the launch gives 384 threads). ``gate_vec``: gate
-    elements per load, 2 when the gate's pointer and strides are 4-byte aligned (the usual case,
-    a slice of a fused projection), else 1. ``overlap`` (one consumer warpgroup): tile i's QK is
-    issued with tile i-1's PV and the softmax overlaps that PV (:meth:`consume_overlapped`)."""
-
-    rows_per_cta: int = 5
-    consumers: int = 1
-    gather_groups: int = 1
-    producer_regs: int = 0
-    consumer_regs: int = 0
-    gate_vec: int = 1
-    overlap: bool = False
-
-    kernel_id = "sm90.qsa_tile"
-
-    @property
-    def evidence(self):
-        """Tensor cores with the query columns on M (m64n256 PV from registers), the mbarrier
-        pipeline, and the gather: zero-filling cp.async for 16-bit caches; for FP8, 16-byte
-        loads widened exactly to fp16 and stored as 16-byte chunks."""
-        gather = ((r"cp\.async\.cg\.shared\.global", r"cp\.async\.mbarrier\.arrive") if DTYPE_BITS[self.kv_dtype] == 16
-                  else (r"ld\.global\.nc(\.\S+)*\.v4\.b32", r"cvt\.rn\.f16x2\.e4m3x2", r"st\.shared\.v4\.b32"))
-        # the PV WGMMA's A operand is a register list: "{accumulators}, {P registers}, descriptor"
-        rs_wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.\w+\.\w+ +\{[^}]*\}, *\{"
-        return {"sm_90a": (rs_wgmma, r"mbarrier\.try_wait") + gather}
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.split:
-            raise ValueError("the row-tile kernel does not split")
-        if self.pdl:  # it reads the union pre-pass's output, written by the launch just before
-            raise ValueError("the row-tile kernel is not a programmatic dependent launch")
-        if self.kv_barriers:  # its consumers wait on one barrier per slot
-            raise ValueError("the row-tile kernel releases K and V of a slot together (kv_barriers=False)")
-        if not 1 <= self.rows_per_cta or self.rows_per_cta * self.group > MAX_COLUMNS:
-            raise ValueError(f"rows_per_cta * group must be in [1, {MAX_COLUMNS}], got {self.rows_per_cta} x "
-                             f"{self.group}")
-        if self.gate_vec not in (1, 2) or (self.gate_vec == 2 and not self.gate):
-            raise ValueError(f"gate_vec must be 1, or 2 with a gate; got {self.gate_vec} (gate={self.gate})")
-        if self.consumers not in (1, 2):
-            raise ValueError(f"consumers must be 1 or 2, got {self.consumers}")
-        if self.overlap and self.consumers != 1:
-            # two consumer groups already overlap each other's softmax and MMAs; each holding two
-            # stages would leave the gather no free stage of the ring
-            raise ValueError("overlap needs a single consumer warpgroup")
-        threads = (MMA_WARPS * self.consumers + self.producers) * 32
-        regs = (self.producer_regs, self.consumer_regs)
-        if threads > 384:  # 512 threads leave 128 registers per thread before setmaxnreg: too few
-            raise ValueError(f"consumer and producer warps must total <= 12, got {threads // 32}")
-        if threads > 256:
-            # setmaxnreg is per warpgroup: the gather warps must form whole ones
-            if self.producers % 4:
-                raise ValueError(f"{threads} threads rebalance registers per warpgroup: producers must be a "
-                                 f"multiple of 4, got {self.producers}")
-            if (any(r % 8 or not 24 <= r <= 256 for r in regs)
-                    or self.producers * 32 * self.producer_regs + self.consumers * 128 * self.consumer_regs
-                    > threads * launch_regs(threads)):
-                raise ValueError(f"producer/consumer registers {regs} must be multiples of 8 in [24, 256] within "
-                                 f"the launch's {launch_regs(threads)} per thread")
-        elif any(regs):
-            raise ValueError(f"registers are rebalanced only above 256 threads, got {threads}")
-        if self.gather_groups < 1 or self.producers % self.gather_groups:
-            raise ValueError(f"gather_groups must divide producers ({self.producers}), got {self.gather_groups}")
-        if self.gather_groups > 1 and self.consumers > 1:
-            # a group may wait on a slot's "empty" phase only if the slot's previous use was
-            # released in order, which one consumer warpgroup guarantees
-            raise ValueError("several gather groups need a single consumer warpgroup")
-        if self.consumers == 2:
-            # each group's half O fragment, maxima and sums pass through the K tiles
-            if self.stages * self.tile * self.head_dim * 2 < 2 * (self.head_dim // 4 + 4) * 128 * 4:
-                raise ValueError(f"{self.stages} stages of K tiles cannot hold the consumers' exchange")
-
-    @property
-    def n_pad(self) -> int:
-        return MAX_COLUMNS  # Q is staged as the 64-row A operand (zeros past R x G)
-
-    def signature(self):
-        D, R = self.head_dim, self.rows_per_cta
-        cache = ("NB", self.page_size, "Hkv", D)
-        return (
-            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
-            TensorArg("k_cache", self.kv_dtype, cache),
-            TensorArg("v_cache", self.kv_dtype, cache),
-            TensorArg("packed_indices", "int32", ("T", "W"), align=4),
-            TensorArg("block_table", "int32", ("NR", "BW"), align=4),
-            TensorArg("token_to_req", "int32", ("T",), align=4),
-            TensorArg("union", "int32", ("NT", "UCAP"), align=4),
-            TensorArg("member", "int32", ("NT", R, "UW"), align=4),
-            TensorArg("length", "int32", ("NT",), align=4),
-            TensorArg("out", self.q_dtype, ("T", "Hq", D), align=4),
-            TensorArg("lse", "fp32", ("T", "Hq"), align=4),
-            TensorArg("gate", self.q_dtype, ("GT", "GH", D), align=2 * self.gate_vec),
-            ScalarArg("k_scale", "fp32"),
-            ScalarArg("v_scale", "fp32"),
-        )
-
-    def build(self):
-        return Sm90QsaTileAttention(self)
-
-
-MAX_ROWS = 8  # the union pre-pass's limit
-
-
-def tile_rows(kv_dtype: str, group: int) -> int:
-    """R of the row-tile kernel: as many rows (up to 8, the pre-pass's limit) as the WGMMA's M
-    (64 query columns) holds."""
-    return max(1, min(MAX_ROWS, MAX_COLUMNS // group))
-
-
-def make_qsa_tile_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int, gate: bool,
-                         **override) -> Sm90QsaTileConfig:
-    """The config the op, the warm-up and the compile matrix use (tuning filled in here; a gate is
-    assumed 4-byte aligned, ``gate_vec=1`` otherwise, and K and V views to share strides,
-    ``kv_same_strides=False`` otherwise); ``override`` replaces fields (benchmarks)."""
-    rows = override.pop("rows_per_cta", tile_rows(kv_dtype, group))
-    tile = override.pop("tile", 64)
-    roles = TILE_SCHEDULE["fp8" if kv_dtype == "fp8_e4m3" else "16-bit"]
-    consumers = override.pop("consumers", roles["consumers"])
-    producers = override.pop("producers", roles["producers"])
-    groups = override.pop("gather_groups", roles["gather_groups"])
-    overlap = override.pop("overlap", roles.get("overlap", False) and consumers == 1)
-    producer_regs, consumer_regs = tile_regs(kv_dtype, consumers, producers, groups)
-    # query columns on M, K/V tiles in 16 bits (FP8 widened by the gather), no P tile: one CTA per
-    # SM (registers) takes what shared memory holds after Q and the 2 KB header (barriers,
-    # bitmasks, reduction scratch, alignment)
-    stages = min(4, (227 * 1024 - MMA_M * head_dim * 2 - 2048) // (2 * tile * head_dim * 2))
-    occupancy = 1
-    fields = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, page_size=page_size,
-                  tile=tile, stages=stages, split=False, gate=gate, occupancy=occupancy, rows_per_cta=rows,
-                  producers=producers, consumers=consumers, gather_groups=groups, producer_regs=producer_regs,
-                  consumer_regs=consumer_regs, gate_vec=2 if gate else 1, kv_same_strides=True, overlap=overlap)
-    fields.update(override)
-    return Sm90QsaTileConfig(**fields)
-
-
-# ----------------------------------------------------------------------------------------------
-# host-side selection (no GPU, no tensors)
-# ----------------------------------------------------------------------------------------------
-
-TILE_MIN_ROWS = 64  # below this a prefill batch is decode-sized: the per-row kernel (with splits)
-MAX_BITMAP_TOKENS = 1 << 19  # the pre-pass's token bitmap (64 KB + 64 KB of ranks in shared memory)
-
-
-@dataclass(frozen=True)
-class RowTilePlan:
-    """What the row-tile path needs for one launch shape: R, the pre-pass's bitmap capacity (a
-    power of two >= block-table width x page) and union cap (a multiple of 64), tiles."""
-
-    rows_per_cta: int
-    max_tokens: int
-    union_cap: int
-    num_tiles: int
-
-
-def row_tile_plan(rows: int, prefill: bool, kv_dtype: str, group: int, page_size: int, table_width: int,
-                  topk: int, rows_per_cta: int | None = None) -> RowTilePlan | None:
-    """The row-tile path for a prefill launch of ``rows`` rows, or None for the per-row kernel:
-    decode-profile and small batches (split-K serves them better), one-row tiles, and block tables
-    addressing more than 2^19 tokens (the pre-pass bitmap would not fit in shared memory).
-
-    The union cap is ``min(R, 3) * TOPK`` rounded up to 64: a tile whose union is larger walks its
-    rows' own lists (no loss against the per-row kernel), and the workspace stays below
-    ``ceil(rows / R) * cap * 4.2`` bytes (81 MB + 13 MB at 16384 rows, R 5, TOPK 2051)."""
-    R = tile_rows(kv_dtype, group) if rows_per_cta is None else rows_per_cta
-    tokens = table_width * page_size
-    if not prefill or rows < TILE_MIN_ROWS or R < 2 or tokens > MAX_BITMAP_TOKENS or topk < 1:
-        return None
-    max_tokens = 1024
-    while max_tokens < tokens:
-        max_tokens *= 2
-    cap = -(-min(R, 3) * topk // 64) * 64
-    return RowTilePlan(R, max_tokens, cap, -(-rows // R))

@@ -53,14 +53,9 @@ allocated, and tiles past the output's length do nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32, const_expr
-
-from ..jit.compiler import KernelConfig
-from ..jit.spec import TensorArg
 
 NUM_THREADS = 256
 NUM_WARPS = NUM_THREADS // 32
@@ -68,15 +63,13 @@ SCAN_WORDS = 4  # fewest consecutive bitmap words per thread in the scan (one 12
 LOADS_IN_FLIGHT = 20  # at most this many index loads per thread issued before their use
 LINE_INTS = 32  # int32 per 128-byte line: the prefetch stride
 SINK = 32  # per-lane scratch words after the bitmap (pass 1's non-candidates)
-MAX_SMEM = 227 * 1024  # what one CTA may hold on SM90
-SMEM_PER_SM = 228 * 1024  # of which 1 KB per resident CTA is reserved
 MAX_CTAS_PER_SM = 6  # the register cap this asks for: 65536 / (6 x 256) rounds down to 40
 
 
 class Sm90QsaUnion:
-    """Kernel object; all fields are compile-time (see :class:`QsaUnionConfig`)."""
+    """Kernel object; all fields are compile-time (see :class:`cute_kernels.plans.sm90_qsa_union.QsaUnionConfig`)."""
 
-    def __init__(self, cfg: QsaUnionConfig):
+    def __init__(self, cfg):
         self.cfg = cfg
         self.R = cfg.rows_per_tile
         self.page = cfg.page_size
@@ -132,11 +125,12 @@ class Sm90QsaUnion:
 
         self.storage = Storage
         smem = Storage.size_in_bytes()
-        if const_expr(smem > MAX_SMEM):
-            raise ValueError(f"{cfg.label()}: {smem} bytes of shared memory do not fit in {MAX_SMEM}")
+        hw = cfg.hw
+        if const_expr(smem > hw.MAX_SMEM_PER_CTA):
+            raise ValueError(f"{cfg.label()}: {smem} bytes of shared memory do not fit in {hw.MAX_SMEM_PER_CTA}")
         # as many CTAs per SM as shared memory allows, up to the register cap: one tile's load
         # latencies and barriers hide behind the others' work
-        occupancy = max(1, min(MAX_CTAS_PER_SM, SMEM_PER_SM // (smem + 1024)))
+        occupancy = max(1, min(MAX_CTAS_PER_SM, hw.SMEM_PER_SM // (smem + hw.SMEM_RESERVED_PER_CTA)))
         num_tiles = mLength.shape[0]
         # a launch of zero CTAs is an error; one CTA past the end does nothing
         self.kernel(mIdx, mBlockTable, mTokenToReq, mUnion, mMember, mLength).launch(
@@ -407,50 +401,3 @@ class Sm90QsaUnion:
                     t = cute.arch.load(ptr, Int32, cop=cop)
                 toks[r] = t
         return toks
-
-
-@dataclass(frozen=True)
-class QsaUnionConfig(KernelConfig):
-    """Compile key of :class:`Sm90QsaUnion`.
-
-    ``rows_per_tile``: R, the query rows of one tile (1..8). ``page_size``: tokens per cache page
-    (any; it only enters the candidate bound ``min(max_tokens, BW x page)``).
-    ``max_tokens``: the bitmap's capacity, a power of two in [1024, 524288]; tokens at or above
-    it are never candidates (the host picks it >= the block table's width x page). ``union_cap``:
-    the most union entries a tile may have (a multiple of 64); a larger union falls back.
-    """
-
-    rows_per_tile: int = 5
-    page_size: int = 1568
-    max_tokens: int = 16384
-    union_cap: int = 4160
-
-    kernel_id = "sm90.qsa_union"
-    targets = ("sm_90a",)
-    # shared-memory atomics build the bitmap and the member words; popcounts give the ranks
-    evidence = {"sm_90a": (r"atom(\.\w+)*\.shared(::cta)?(\.\w+)*\.or\.b32", r"popc\.b32")}
-
-    def __post_init__(self):
-        if not 1 <= self.rows_per_tile <= 8:
-            raise ValueError(f"rows_per_tile must be in [1, 8], got {self.rows_per_tile}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be positive, got {self.page_size}")
-        mt = self.max_tokens
-        if mt < 1024 or mt > 524288 or mt & (mt - 1):
-            raise ValueError(f"max_tokens must be a power of two in [1024, 524288], got {mt}")
-        if self.union_cap < 64 or self.union_cap % 64:
-            raise ValueError(f"union_cap must be a positive multiple of 64, got {self.union_cap}")
-
-    def signature(self):
-        R, U = self.rows_per_tile, self.union_cap
-        return (
-            TensorArg("packed_indices", "int32", ("T", "W"), align=4),
-            TensorArg("block_table", "int32", ("NR", "BW"), align=4),
-            TensorArg("token_to_req", "int32", ("T",), align=4),
-            TensorArg("union", "int32", ("NT", U), align=4),
-            TensorArg("member", "int32", ("NT", R, U // 32), align=4),
-            TensorArg("length", "int32", ("NT",), align=4),
-        )
-
-    def build(self):
-        return Sm90QsaUnion(self)

@@ -2,22 +2,35 @@
 target it claims, and its PTX/SASS shows the hardware path it claims to use.
 
 The evidence regexes live with each kernel config (``KernelConfig.evidence``); this test only
-enforces them, plus: the PTX ``.target`` is the requested arch, and no variant spills registers
-to local memory (``STL``/``LDL`` in SASS, when nvdisasm is installed).
+enforces them, plus: the PTX ``.target`` is the requested arch, no variant spills registers to
+local memory (``STL``/``LDL`` in SASS, when nvdisasm is installed), and the normalized PTX of every
+variant hashes to the digest committed in ``tests/cpu/ptx_digests.json`` (a refactor changes no
+generated code; docs/design/architecture.md#ptx-digests).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
-from cute_kernels.jit.compiler import COMPILE_TARGETS, nvdisasm_path
-from cute_kernels.registry import compile_with_evidence, variants_for
+from cute_kernels.jit.compiler import nvdisasm_path
+from cute_kernels.jit.evidence import compile_with_evidence
+from cute_kernels.jit.ptx_digest import compare_digests, ptx_digest, read_digests
+from cute_kernels.jit.spec import COMPILE_TARGETS
+from cute_kernels.registry import variants_for
 
 pytestmark = pytest.mark.compile
 
 CASES = [(arch, v) for arch in COMPILE_TARGETS for v in variants_for(arch)]
+DIGESTS = Path(__file__).with_name("ptx_digests.json")
+EXPECTED = read_digests(DIGESTS)
+
+
+def _regenerate(arch: str) -> str:
+    return (f"if the change is intended, regenerate the digests: PYTHONPATH=$PWD python -m cute_kernels compile "
+            f"--arch {arch} --digests {DIGESTS.relative_to(DIGESTS.parents[2])}")
 
 
 @pytest.mark.parametrize("arch,config", CASES, ids=[f"{a}-{c.label()}" for a, c in CASES])
@@ -26,6 +39,10 @@ def test_variant_compiles_with_evidence(arch, config):
     assert ev.ptx_target == arch
     assert not ev.missing, f"{config.label()} on {arch}: PTX lacks {ev.missing}"
     assert all(n > 0 for n in ev.ptx.values())
+    key = f"{arch}:{config.label()}"
+    digest = ptx_digest(compiled.ptx or "")
+    assert EXPECTED.get(key) == digest, (f"{key}: normalized PTX {digest} differs from {DIGESTS.name} "
+                                         f"({EXPECTED.get(key)}); {_regenerate(arch)}")
     if compiled.sass is not None:
         assert "STL" not in ev.sass and "LDL" not in ev.sass, f"register spills: {ev.sass}"
         _assert_wgmma_not_serialized(compiled)
@@ -56,7 +73,7 @@ def test_serialization_check_flags_a_serialized_kernel(monkeypatch):
     """Known answer for the check above: the FP8 decode kernel is serialized (24 DEPBAR for 24
     HGMMA at D 128), so without its exemption the check must fail."""
     from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.decode import make_decode_config
+    from cute_kernels.plans.sm90_decode import make_decode_config
 
     cfg = make_decode_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1, page_size=16,
                              split=False)
@@ -71,9 +88,18 @@ def test_every_target_has_variants():
         assert variants_for(arch), arch
 
 
+def test_digest_file_lists_exactly_the_registered_variants():
+    """A variant added to (or removed from) the registry needs its digest written (or dropped)."""
+    for arch in COMPILE_TARGETS:
+        labels = {f"{arch}:{c.label()}" for c in variants_for(arch)}
+        diff = compare_digests({k: v for k, v in EXPECTED.items() if k.startswith(f"{arch}:")},
+                               dict.fromkeys(labels, "?"))
+        assert not [d for d in diff if not d.startswith("changed")], f"{diff}; {_regenerate(arch)}"
+
+
 @pytest.mark.skipif(nvdisasm_path() is None, reason="nvdisasm (nvidia-cuda-nvdisasm) not installed")
 def test_sass_evidence_of_hopper_probe():
-    from cute_kernels.sm90.probe import Sm90ProbeConfig
+    from cute_kernels.plans.probes import Sm90ProbeConfig
 
     _, ev = compile_with_evidence(Sm90ProbeConfig(), "sm_90a")
     assert ev.sass.get("HGMMA", 0) > 0 and ev.sass.get("UTMALDG", 0) > 0, ev.sass
@@ -81,7 +107,7 @@ def test_sass_evidence_of_hopper_probe():
 
 def test_wrong_target_is_refused():
     from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.probe import Sm90ProbeConfig
+    from cute_kernels.plans.probes import Sm90ProbeConfig
 
     with pytest.raises(ValueError, match="does not compile for sm_100a"):
         compile_config(Sm90ProbeConfig(), "sm_100a")
@@ -109,8 +135,8 @@ def test_qsa_gather_copies_whole_lines_with_immediate_offsets(kind):
     import re
 
     from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.qsa import make_qsa_config
-    from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
+    from cute_kernels.plans.sm90_qsa import make_qsa_config
+    from cute_kernels.plans.sm90_qsa_tile import make_qsa_tile_config
 
     kv = "fp8_e4m3" if kind.endswith("fp8") else "bf16"
     shape = dict(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, gate=True)
@@ -135,7 +161,7 @@ def test_qsa_row_tile_overlap_variant(kv):
     import re
 
     from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
+    from cute_kernels.plans.sm90_qsa_tile import make_qsa_tile_config
 
     shape = dict(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, gate=True)
     roles = {} if kv == "fp8_e4m3" else dict(consumers=1, producers=4)
@@ -166,7 +192,7 @@ def test_decode_strided_split_loads_page_table_with_seq_len():
     for the request's length, so the two loads are in flight together (contiguous ranges need
     the length first: one load). Non-split and dynamic schedules refuse ``strided``."""
     from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.decode import Sm90DecodeConfig, make_decode_config
+    from cute_kernels.plans.sm90_decode import Sm90DecodeConfig, make_decode_config
 
     shape = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=4, q_len=1, page_size=16, split=True)
     strided = compile_config(make_decode_config(**shape, strided=True), "sm_90a", artifacts=True)
@@ -186,7 +212,7 @@ def test_decode_cluster_merge_reads_partials_through_dsmem():
     global partial stores; the global fused merge keeps its atomic. The config refuses it without
     a static split."""
     from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.decode import Sm90DecodeConfig, make_decode_config
+    from cute_kernels.plans.sm90_decode import Sm90DecodeConfig, make_decode_config
 
     shape = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=4, q_len=1, page_size=16, split=True)
     cluster = compile_config(make_decode_config(**shape, cluster=True), "sm_90a", artifacts=True).ptx
@@ -226,8 +252,8 @@ def test_gated_qsa_epilogues_batch_their_gate_loads(kv):
     stores. ncu then put 37-40 % of the kernel's stall samples there. Batched but each under its
     row's branch, the loads still waited one by one (ncu SASS: a stall on every gate conversion)."""
     from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.qsa import make_qsa_config
-    from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
+    from cute_kernels.plans.sm90_qsa import make_qsa_config
+    from cute_kernels.plans.sm90_qsa_tile import make_qsa_tile_config
 
     shape = dict(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, gate=True)
     for cfg in (make_qsa_tile_config(**shape), make_qsa_tile_config(**shape, gate_vec=1),
@@ -253,9 +279,10 @@ def test_decode_l2_policy_descriptor_prefetch_and_staged_merge():
     import re
 
     from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.decode import EVICT_FIRST_POLICY, make_decode_config
-    from cute_kernels.sm90.qsa import make_qsa_config
-    from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
+    from cute_kernels.plans.sm90_decode import make_decode_config
+    from cute_kernels.plans.sm90_qsa import make_qsa_config
+    from cute_kernels.plans.sm90_qsa_tile import make_qsa_tile_config
+    from cute_kernels.roles.fragments import EVICT_FIRST_POLICY
 
     shape = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1, page_size=16, split=True)
     on = compile_config(make_decode_config(**shape), "sm_90a", artifacts=True).ptx
@@ -287,7 +314,7 @@ def test_qsa_merge_issues_every_split_of_a_group_before_using_one(splits):
     import re
 
     from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.qsa_merge import QsaMergeConfig, merge_shape
+    from cute_kernels.plans.sm90_qsa_merge import QsaMergeConfig, merge_shape
 
     group, lanes = merge_shape(splits)
     assert (group, lanes) == {2: (2, 1), 3: (4, 1), 4: (4, 1), 11: (16, 1), 16: (16, 1), 33: (16, 4)}[splits]
@@ -307,8 +334,8 @@ def test_qsa_per_row_gather_releases_k_before_v(kv):
     import re
 
     from cute_kernels.jit.compiler import compile_config
-    from cute_kernels.sm90.qsa import make_qsa_config
-    from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
+    from cute_kernels.plans.sm90_qsa import make_qsa_config
+    from cute_kernels.plans.sm90_qsa_tile import make_qsa_tile_config
 
     shape = dict(q_dtype="bf16", kv_dtype=kv, head_dim=256, group=12, page_size=1568, split=True, gate=False)
 

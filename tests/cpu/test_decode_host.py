@@ -10,40 +10,41 @@ import torch
 
 from cute_kernels import reference
 from cute_kernels.ops import paged_decode as op
-from cute_kernels.sm90.decode import Sm90DecodeConfig, decode_tuning, make_decode_config
+from cute_kernels.plans import sm90_decode as plan
+from cute_kernels.plans.sm90_decode import Sm90DecodeConfig, decode_tuning, make_decode_config
 
 
 def test_schedule_fills_one_wave_with_the_measured_ctas_per_sm():
     sms = 132
     # Qwen3-30B B=8 ctx 32000, FP8 D=128: 32 (request, head) pairs -> 12 splits, 3 CTAs/SM (4 stages)
-    assert op.choose_schedule(32, 32016, sms, 4, 64, 3) == (12, 3)
+    assert plan.choose_schedule(32, 32016, sms, 4, 64, 3) == (12, 3)
     # 512 pairs fill the GPU: no split, 4 CTAs/SM
-    assert op.choose_schedule(512, 8208, sms, 4, 64, 3) == (1, 4)
+    assert plan.choose_schedule(512, 8208, sms, 4, 64, 3) == (1, 4)
     # FP8 D=64: small tiles want more chains: 2 splits, 4 CTAs/SM
-    assert op.choose_schedule(256, 8208, sms, 4, 64, 4) == (2, 4)
+    assert plan.choose_schedule(256, 8208, sms, 4, 64, 4) == (2, 4)
     # FP8 D=256: the split count aims at 2 CTAs/SM (launch_schedule then sizes the kernel for 3)
-    assert op.choose_schedule(256, 8208, sms, 3, 64, 2) == (1, 2)
+    assert plan.choose_schedule(256, 8208, sms, 3, 64, 2) == (1, 2)
     # one request, short context: split down to single tiles, never more splits than tiles
-    assert op.choose_schedule(8, 1024, sms, 4, 64, 3)[0] == 16
-    assert op.choose_schedule(1, 64, sms, 4, 64, 3)[0] == 1
+    assert plan.choose_schedule(8, 1024, sms, 4, 64, 3)[0] == 16
+    assert plan.choose_schedule(1, 64, sms, 4, 64, 3)[0] == 1
     # BF16 (no FP8 target): aim for the occupancy the kernel allows
-    assert op.choose_schedule(32, 32016, sms, 3) == (12, 3)
+    assert plan.choose_schedule(32, 32016, sms, 3) == (12, 3)
 
 
 def test_launch_schedule_sizes_fp8_d64_and_d256_for_three_ctas():
     sms = 132
     # D=256 and D=64, B=32 x 8 heads: unsplit, ~2 CTAs per SM land, the kernel is sized for 3
     # (measured faster than sizing for the 2 that land: docs/design/sm90-decode.md#split-count-and-sizing)
-    assert op.launch_schedule(256, 8208, sms, 3, 64, 256, True) == (1, 3)
-    assert op.launch_schedule(256, 8208, sms, 4, 128, 64, True) == (1, 3)
+    assert plan.launch_schedule(256, 8208, sms, 3, 64, 256, True) == (1, 3)
+    assert plan.launch_schedule(256, 8208, sms, 4, 128, 64, True) == (1, 3)
     # BF16 D=256 keeps the sizing of the CTAs that land
-    assert op.launch_schedule(256, 8208, sms, 3, 64, 256, False) == (1, 2)
+    assert plan.launch_schedule(256, 8208, sms, 3, 64, 256, False) == (1, 2)
     # Qwen3 B=8 FP8 D=128: 12 splits, 3 CTAs/SM
-    assert op.launch_schedule(32, 32016, sms, 4, 64, 128, True) == (12, 3)
+    assert plan.launch_schedule(32, 32016, sms, 4, 64, 128, True) == (12, 3)
     # a caller's split count is kept and the kernel sized for its maximum occupancy
-    assert op.launch_schedule(32, 32016, sms, 4, 64, 128, True, num_splits=5) == (5, 4)
+    assert plan.launch_schedule(32, 32016, sms, 4, 64, 128, True, num_splits=5) == (5, 4)
     # one request, short context
-    assert op.launch_schedule(8, 1024, sms, 4, 64, 128, True) == (16, 1)
+    assert plan.launch_schedule(8, 1024, sms, 4, 64, 128, True) == (16, 1)
 
 
 def test_tuning_fits_shared_memory_and_registers():
@@ -58,7 +59,11 @@ def test_tuning_fits_shared_memory_and_registers():
 
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("form", ["single", "pair"])
-def test_signature_and_generated_caller_order(split, form):
+def test_signature_and_bound_caller_order(split, form):
+    """The launcher's caller passes the op's per-call values and the launch's bound constants in
+    the kernel signature's order (one binder for every op: ``ops._launch.bind``)."""
+    from cute_kernels.ops._launch import bind
+
     cfg = make_decode_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1, page_size=16,
                              split=split, kv_form=form)
     names = [a.name for a in cfg.signature()]
@@ -66,13 +71,44 @@ def test_signature_and_generated_caller_order(split, form):
     assert ("kv_cache" in names) == (form == "single")
     assert ("counters" in names) == split
     seen = []
-    caller = op._make_caller(lambda *a: seen.append(a), tuple(names),
-                             dict(part_out="PO", part_lse="PL", counters="C", sm_scale=0.5))
-    caller("Q", "K", "V", "BT", "SL", "O", "L", "KS", "VS")
+    caller = bind(op._CALL_PARAMS, (lambda *a: seen.append(a), cfg.signature(),
+                                    {"kv_cache": "k", "k_cache": "k", "v_cache": "v"},
+                                    dict(part_out="PO", part_lse="PL", counters="C", sm_scale=0.5)))
+    caller("Q", "K", "V", "BT", "SL", "O", "L", 1.5, 2.5)
     src = {"q": "Q", "kv_cache": "K", "k_cache": "K", "v_cache": "V", "block_table": "BT", "seq_lens": "SL",
-           "out": "O", "lse": "L", "part_out": "PO", "part_lse": "PL", "counters": "C", "k_scale": "KS",
-           "v_scale": "VS", "sm_scale": 0.5}
+           "out": "O", "lse": "L", "part_out": "PO", "part_lse": "PL", "counters": "C", "k_scale": 1.5,
+           "v_scale": 2.5, "sm_scale": 0.5}
     assert seen == [tuple(src[n] for n in names)]
+    # float scales are checked on the way: an int becomes a float, a bad value names the argument
+    caller("Q", "K", "V", "BT", "SL", "O", "L", 2, 2.5)
+    assert seen[-1][names.index("k_scale")] == 2.0 and type(seen[-1][names.index("k_scale")]) is float
+    with pytest.raises(ValueError, match="v_scale must be a positive finite float"):
+        caller("Q", "K", "V", "BT", "SL", "O", "L", 1.5, float("nan"))
+
+
+def test_bind_views_a_0d_scale_and_refuses_an_unbound_argument():
+    from cute_kernels.jit.spec import ScalarArg, TensorArg
+    from cute_kernels.ops._launch import bind
+
+    class Scale:
+        ndim = 0
+
+        def view(self, *shape):
+            return ("view", shape)
+
+    sig = (TensorArg("x", "fp32", (4,)), TensorArg("k_scale", "fp32", (1,), align=4), ScalarArg("n", "int32"))
+    seen = []
+    bind(("x", "k_scale"), (lambda *a: seen.append(a), sig, {"k_scale": "k_scale.view(1)"}, {"n": 3}))("X", Scale())
+    assert seen == [("X", ("view", (1,)), 3)]
+    # a rank the key leaves open: viewed only when not 1-D already
+    caller = bind(("x", "k_scale"), (lambda *a: seen.append(a), sig, {"k_scale": "k_scale.view(1)?"}, {"n": 3}))
+    one_d, zero_d = torch.ones(1), torch.tensor(2.0)
+    caller("X", one_d)
+    assert seen[-1][1] is one_d
+    caller("X", zero_d)
+    assert seen[-1][1].shape == (1,) and seen[-1][1].data_ptr() == zero_d.data_ptr()
+    with pytest.raises(KeyError, match="'n' is neither a call parameter nor a bound constant"):
+        bind(("x", "k_scale"), (print, sig, None, None))
 
 
 def test_config_rejects_unsupported():
@@ -139,7 +175,7 @@ def test_tuning_override_is_part_of_the_key_and_nests():
     cache.put("c", 3)  # full: starts over instead of growing without bound
     assert cache.get("a") is None and cache.get("c") == 3
     with op.tuning_override(tile=128):  # the op's public override feeds its launch key
-        assert op._cache.override_key == (("tile", 128),)
+        assert op._launcher.override_key == (("tile", 128),)
 
 
 def test_public_ops_are_bound_on_first_access():
@@ -155,7 +191,7 @@ def test_warmup_lists_the_cluster_merge_variants():
     """Every split config a shape can reach at the cluster sizing (>= 2 CTAs per SM) comes with its
     cluster-merge form (the op takes it for splits of at most MAX_CLUSTER CTAs), unless the
     warm-up is told ``cluster=False``."""
-    from cute_kernels.sm90.decode import CLUSTER_MIN_SIZING
+    from cute_kernels.plans.sm90_decode import CLUSTER_MIN_SIZING
     from cute_kernels.warmup import decode_variants
 
     shape = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16, scale_tensors=(False,))
@@ -188,15 +224,15 @@ def test_plan_config_drops_a_cluster_whose_partials_do_not_fit():
                                                           **shape, **tuning)
 
     llama = config_for("fp8_e4m3", head_dim=128, group=4, q_len=1)
-    n, cfg = op.plan_config(llama, 8, 1008, 132, None, True, None)
-    assert n == 16 and cfg.cluster and cfg.occupancy >= op.CLUSTER_MIN_SIZING
+    n, cfg = plan.plan_config(llama, 8, 1008, 132, None, True, None)
+    assert n == 16 and cfg.cluster and cfg.occupancy >= plan.CLUSTER_MIN_SIZING
 
     wide = config_for("bf16", head_dim=128, group=16, q_len=4)
     probe = wide(False)
-    assert op.plan_launch(1, 1008, 132, probe.occupancy, probe.tile, 128, False, None, True, None)[2]  # wanted
-    assert not op.cluster_fits(wide(True, occupancy=op.CLUSTER_MIN_SIZING))
-    n, cfg = op.plan_config(wide, 1, 1008, 132, None, True, None)
-    n_global, tuning, _ = op.plan_launch(1, 1008, 132, probe.occupancy, probe.tile, 128, False, None, True, False)
+    assert plan.plan_launch(1, 1008, 132, probe.occupancy, probe.tile, 128, False, None, True, None)[2]  # wanted
+    assert not wide(True, occupancy=plan.CLUSTER_MIN_SIZING).cluster_fits()
+    n, cfg = plan.plan_config(wide, 1, 1008, 132, None, True, None)
+    n_global, tuning, _ = plan.plan_launch(1, 1008, 132, probe.occupancy, probe.tile, 128, False, None, True, False)
     assert n == n_global == 16 and not cfg.cluster
     assert cfg == wide(True, **tuning) and cfg.occupancy == 1
 
@@ -205,12 +241,12 @@ def test_cluster_merge_only_for_small_split_grids():
     """The cluster merge serves split launches of at most 16 CTAs per (request, KV head) that put at
     most one CTA on each SM (latency-bound); fuller grids keep the global merge."""
     sms = 132
-    assert op.use_cluster_merge(8, 16, sms)  # Llama B1 ctx 1000: 8 heads x 16 splits
-    assert op.use_cluster_merge(4, 2, sms)
-    assert not op.use_cluster_merge(32, 12, sms)  # Qwen3 B8 ctx 32000: 384 CTAs
-    assert not op.use_cluster_merge(8, 1, sms)  # no split
-    assert not op.use_cluster_merge(2, 32, sms)  # more splits than a cluster holds
-    assert op.CLUSTER_MIN_SIZING >= 2
+    assert plan.use_cluster_merge(8, 16, sms)  # Llama B1 ctx 1000: 8 heads x 16 splits
+    assert plan.use_cluster_merge(4, 2, sms)
+    assert not plan.use_cluster_merge(32, 12, sms)  # Qwen3 B8 ctx 32000: 384 CTAs
+    assert not plan.use_cluster_merge(8, 1, sms)  # no split
+    assert not plan.use_cluster_merge(2, 32, sms)  # more splits than a cluster holds
+    assert plan.CLUSTER_MIN_SIZING >= 2
 
 
 def test_cluster_decision_precedes_the_sizing():
@@ -219,16 +255,54 @@ def test_cluster_decision_precedes_the_sizing():
     clusters, so it keeps the schedule's sizing; ``force_cluster`` False never clusters."""
     sms = 132
     # Llama B1 ctx 1000 FP8: 16 splits x 8 heads, one CTA per SM -> cluster, sized for 2
-    n, tuning, cluster = op.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, None)
-    assert (n, cluster) == (16, True) and tuning == dict(occupancy=op.CLUSTER_MIN_SIZING)
-    assert op.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, False) == (16, dict(occupancy=1), False)
+    n, tuning, cluster = plan.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, None)
+    assert (n, cluster) == (16, True) and tuning == dict(occupancy=plan.CLUSTER_MIN_SIZING)
+    assert plan.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, False) == (16, dict(occupancy=1), False)
     # Qwen3 B8 ctx 32000: 12 x 32 CTAs -> global merge at 3 CTAs/SM
-    assert op.plan_launch(32, 32016, sms, 4, 64, 128, True, None, True, None) == (12, dict(occupancy=3), False)
+    assert plan.plan_launch(32, 32016, sms, 4, 64, 128, True, None, True, None) == (12, dict(occupancy=3), False)
     # one request, long context, deterministic=False: dynamic chunks, no cluster, no raised sizing
-    n, tuning, cluster = op.plan_launch(4, 8192, sms, 4, 64, 128, True, 4, False, None)
+    n, tuning, cluster = plan.plan_launch(4, 8192, sms, 4, 64, 128, True, 4, False, None)
     assert tuning.get("dynamic") and not cluster
-    assert not op.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, True, force_dynamic=True)[2]
+    assert not plan.plan_launch(8, 1008, sms, 4, 64, 128, True, None, True, True, force_dynamic=True)[2]
     # a kernel that fits only one CTA per SM cannot be sized for the cluster: the rule keeps the
     # global merge (forcing still clusters)
-    assert not op.plan_launch(8, 1008, sms, 1, 64, 128, True, None, True, None)[2]
-    assert op.plan_launch(8, 1008, sms, 1, 64, 128, True, None, True, True)[2]
+    assert not plan.plan_launch(8, 1008, sms, 1, 64, 128, True, None, True, None)[2]
+    assert plan.plan_launch(8, 1008, sms, 1, 64, 128, True, None, True, True)[2]
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_scale_tensors_of_one_element_any_rank(shape):
+    """The one scale validator accepts a 1-element fp32 tensor of any rank (a 0-d one included; the
+    launcher passes it to the kernel's ``[1]`` argument as a view) and names the argument otherwise."""
+    from cute_kernels.ops._launch import check_scale
+
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 8, 64, generator=gen).bfloat16()
+    kv = (torch.randn(6, 2, 2, 16, 64, generator=gen) * 8).to(torch.float8_e4m3fn)
+    bt = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    sl = torch.tensor([40, 17], dtype=torch.int32)
+    ks, vs = torch.full(shape, 0.5), torch.full(shape, 2.0)
+    assert check_scale("k_scale", ks) is True and check_scale("k_scale", 0.5) is False
+    torch.testing.assert_close(op.paged_decode(q, kv, bt, sl, k_scale=ks, v_scale=vs),
+                               reference.paged_decode(q, kv, bt, sl, k_scale=0.5, v_scale=2.0), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="k_scale must be a float or a 1-element tensor, got shape"):
+        check_scale("k_scale", torch.ones(2))
+    with pytest.raises(TypeError, match="k_scale must be a float or a float32 tensor, got dtype float16"):
+        check_scale("k_scale", torch.ones(shape, dtype=torch.float16))
+    with pytest.raises(ValueError, match="k_scale must be a positive finite float, got a tensor"):
+        check_scale("k_scale", ks, tensors=False)
+    with pytest.raises(ValueError, match="k_scale must be a positive finite float or a float32 tensor"):
+        check_scale("k_scale", True)
+
+
+def test_warmups_read_the_registry():
+    """The warm-ups refuse an arch their kernel does not run on (the registry says where it runs)."""
+    # (the functions by their modules: once imported, the module cute_kernels.warmup shadows the
+    # package's lazy attribute of the same name)
+    from cute_kernels.qsa_warmup import qsa_warmup
+    from cute_kernels.warmup import warmup
+
+    with pytest.raises(ValueError, match="sm90.decode runs on sm90: nothing to warm up for sm_100a"):
+        warmup(arch="sm_100a", head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16)
+    with pytest.raises(ValueError, match="sm90.qsa runs on sm90: nothing to warm up for sm_80"):
+        qsa_warmup(arch="sm_80", head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568)

@@ -13,9 +13,9 @@ import re
 
 import pytest
 
-from cute_kernels.common.kv_write import WriteKVCacheConfig
-from cute_kernels.common.quantize import QuantizeQueryConfig
 from cute_kernels.jit.compiler import compile_config
+from cute_kernels.plans.quantize_query import QuantizeQueryConfig
+from cute_kernels.plans.write_kv_cache import WriteKVCacheConfig
 
 pytestmark = pytest.mark.compile
 

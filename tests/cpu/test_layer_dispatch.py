@@ -19,10 +19,10 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference
-from cute_kernels.common.kv_write import WriteKVCacheConfig
-from cute_kernels.common.quantize import QuantizeQueryConfig
 from cute_kernels.ops import quantize_query as qq_op
 from cute_kernels.ops import write_kv_cache as kv_op
+from cute_kernels.plans.quantize_query import QuantizeQueryConfig
+from cute_kernels.plans.write_kv_cache import WriteKVCacheConfig
 from dispatch import KERNELS, SUPPORTED_ARCHS, AttentionLayer, AttentionMetadata, UnsupportedConfig
 
 FP8, BF16, FP16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
@@ -340,7 +340,7 @@ def test_plan_without_an_op_is_refused_before_any_work(monkeypatch):
     step = make_step(**BATCHES["decode"])
     layer = AttentionLayer(8, 2, 64, kv_cache_dtype=FP8, page_size=16, arch="sm100", q_scale=0.5)
     monkeypatch.setattr(cute_kernels, "quantize_query", lambda *a, **k: pytest.fail("quantized"), raising=False)
-    with pytest.raises(UnsupportedConfig, match="sm100.decode, which has no op"):
+    with pytest.raises(UnsupportedConfig, match="sm100.decode, which has no decode op"):
         layer.forward(step.q, step.k, step.v, step.kv_cache, step.metadata)
 
 
@@ -390,7 +390,7 @@ def test_decode_only_forward_does_no_host_sync(monkeypatch):
     (dict(kv_layout="HDN"), "kv_layout must be 'HND' or 'NHD'"),
     (dict(arch="sm75"), "not supported"),
     (dict(model_dtype=torch.float32), "model_dtype"),
-    (dict(q_scale=torch.ones(3)), r"q_scale must be a float or a 1-element or \[num_kv_heads\] tensor"),
+    (dict(q_scale=torch.ones(3)), r"q_scale must be a float or a 1-element tensor or a per-KV-head \[num_kv_heads\]"),
     (dict(q_scale=torch.ones(2, dtype=torch.float64)), "q_scale must be a float or a float32 tensor"),
     (dict(k_scale=torch.ones(2)), "k_scale must be a float or a 1-element tensor"),
     (dict(v_scale=-1.0), "v_scale must be a positive finite float"),

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from cute_kernels.jit.compiler import compile_config  # noqa: E402
-from cute_kernels.sm100.probe import Sm100ProbeConfig  # noqa: E402
+from cute_kernels.plans.probes import Sm100ProbeConfig  # noqa: E402
 
 pytestmark = pytest.mark.compile
 
@@ -28,7 +28,7 @@ def test_ptx_targets_sm100a_with_evidence(compiled):
     ptx = compiled.ptx
     assert ptx, "PTX was not kept"
     assert re.search(r"^\s*\.target\s+sm_100a\b", ptx, re.M), "PTX is not for sm_100a"
-    for pattern in Sm100ProbeConfig.evidence["sm_100a"]:
+    for _, pattern in Sm100ProbeConfig.evidence["sm_100a"]:
         assert re.search(pattern, ptx), f"PTX lacks {pattern!r}"
 
 

@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from cute_kernels.registry import QSA_FALLBACK, kernels_on
 from dispatch import (
     KERNELS,
     SUPPORTED_ARCHS,
@@ -18,7 +19,6 @@ from dispatch import (
     plan_qsa,
     qsa_capability_table,
 )
-from dispatch.kernels import QSA_FALLBACK, QSA_KERNELS
 
 QWEN = dict(head_dim=256, num_q_heads=24, num_kv_heads=2)
 
@@ -47,13 +47,13 @@ def test_qwen38_tp_layouts_on_sm90(tp):
     for kv in ("fp8", "bf16", "auto"):
         p = _plan(num_q_heads=hq, num_kv_heads=hkv, kv=kv)
         assert p.kernel == "sm90.qsa" and p.gqa_ratio == hq // hkv
-        assert "sm90.qsa accepts" in p.reason
+        assert p.reason == "sm90.qsa accepts this layer."
 
 
 @pytest.mark.parametrize("change,needle", [
-    (dict(head_dim=96), "head_dim 64/128/256, got 96"),
-    (dict(num_q_heads=64, num_kv_heads=2), r"GQA ratio .* up to 16, got 32"),
-    (dict(kv="fp16", model="bf16"), "equal to model_dtype bf16, got fp16"),
+    (dict(head_dim=96), r"head_dim 64/128/256 \(got 96\)"),
+    (dict(num_q_heads=64, num_kv_heads=2), r"GQA ratio .* up to 16 \(got 32\)"),
+    (dict(kv="fp16", model="bf16"), r"an FP8 cache or one of the model dtype bf16 \(got fp16\)"),
 ])
 def test_sm90_falls_back_with_the_reason(change, needle):
     p = _plan(**change)
@@ -62,10 +62,9 @@ def test_sm90_falls_back_with_the_reason(change, needle):
 
 
 def test_planned_kernel_falls_back(monkeypatch):
-    monkeypatch.setitem(QSA_KERNELS, "sm90.qsa", dataclasses.replace(QSA_KERNELS["sm90.qsa"], status="planned",
-                                                                     planned_in="a later change"))
+    monkeypatch.setitem(KERNELS, "sm90.qsa", dataclasses.replace(KERNELS["sm90.qsa"], status="planned"))
     p = _plan()
-    assert p.kernel == QSA_FALLBACK and "sm90.qsa is planned (a later change)" in p.reason
+    assert p.kernel == QSA_FALLBACK and p.reason == "reference fallback: sm90.qsa is not built yet."
 
 
 def test_explicit_backends():
@@ -99,11 +98,13 @@ def test_capability_listing_is_separate_from_paged_attention():
         ids = [k["id"] for k in r["kernels"]]
         assert ids[-1] == QSA_FALLBACK
         assert ids == (["sm90.qsa", QSA_FALLBACK] if r["arch"] == "sm90" else [QSA_FALLBACK])
+    qsa = kernels_on("qsa")
+    assert set(qsa) == {"sm90.qsa", QSA_FALLBACK}
     for row in capability_table():  # plan()'s per-phase lists never name a QSA kernel
-        assert not any(k["id"] in QSA_KERNELS for k in row["kernels"] + row["opt_in"])
-    assert not set(QSA_KERNELS) & set(KERNELS)
-    assert QSA_KERNELS[QSA_FALLBACK].status == "fallback"
-    assert QSA_KERNELS["sm90.qsa"].archs == ("sm90",)
+        assert not any(k["id"] in qsa for k in row["kernels"] + row["opt_in"])
+    assert not set(qsa) & set(kernels_on("attention"))
+    assert KERNELS[QSA_FALLBACK].status == "fallback"
+    assert KERNELS["sm90.qsa"].archs == ("sm90",)
 
 
 def test_plan_serialises():
@@ -120,7 +121,7 @@ def test_plan_serialises():
 @pytest.mark.parametrize("group", [12, 6])
 @pytest.mark.parametrize("prefill", [False, True])
 def test_split_table_shape(kv, group, prefill):
-    from cute_kernels.sm90.qsa import PRODUCTION_TOPK, select_config, split_table
+    from cute_kernels.plans.sm90_qsa import PRODUCTION_TOPK, select_config, split_table
 
     table = split_table(kv, 256, group, prefill)
     tiles = -(-PRODUCTION_TOPK // 64)
@@ -141,7 +142,7 @@ def test_split_table_matches_the_measured_optima(kv):
     (FP8's two CTAs per SM share one SM's gather rate; counting them as twice the rate split FP8
     3x too finely: N = 4 at 33 splits took 16.1 us against 10.4 at 11). Split launches are
     programmatic dependents, unsplit ones not (measured: PDL helped N 4/16, cost FP8 N 64 3 us)."""
-    from cute_kernels.sm90.qsa import make_qsa_config, select_config
+    from cute_kernels.plans.sm90_qsa import make_qsa_config, select_config
 
     assert [select_config(n, 2, False, kv, 256, 12)[1] for n in (1, 4, 16, 64, 256)] == [33, 11, 4, 1, 1]
     for split in (False, True):
@@ -151,9 +152,9 @@ def test_split_table_matches_the_measured_optima(kv):
 
 
 def test_warmup_covers_every_table_entry():
+    from cute_kernels.plans.sm90_qsa import Sm90QsaConfig, split_table
+    from cute_kernels.plans.sm90_qsa_merge import QsaMergeConfig
     from cute_kernels.qsa_warmup import qsa_variants
-    from cute_kernels.sm90.qsa import Sm90QsaConfig, split_table
-    from cute_kernels.sm90.qsa_merge import QsaMergeConfig
 
     configs = qsa_variants(head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568, kv_cache_dtype="fp8")
     kernels = [c for c in configs if isinstance(c, Sm90QsaConfig)]
@@ -165,7 +166,7 @@ def test_warmup_covers_every_table_entry():
     assert reach <= {(c.tile, c.split) for c in kernels}
     assert len(configs) == len(set(configs))
     # the merge's load group is chosen from the split count: every reachable one is compiled
-    from cute_kernels.sm90.qsa_merge import merge_shape
+    from cute_kernels.plans.sm90_qsa_merge import merge_shape
     shapes = {merge_shape(s) for p in (False, True) for _, _, s in split_table("fp8_e4m3", 256, 12, p) if s > 1}
     assert {(m.group, m.lanes, m.gate) for m in merges} == {(*m, gate) for m in shapes for gate in (True, False)}
 
@@ -173,7 +174,7 @@ def test_warmup_covers_every_table_entry():
 def test_row_tile_plan():
     """Prefill batches of >= 64 rows take the row-tile path, sized from the block table; decode
     batches, small batches and block tables beyond the pre-pass bitmap do not."""
-    from cute_kernels.sm90.qsa_tile import MAX_BITMAP_TOKENS, TILE_MIN_ROWS, row_tile_plan, tile_rows
+    from cute_kernels.plans.sm90_qsa_tile import MAX_BITMAP_TOKENS, TILE_MIN_ROWS, row_tile_plan, tile_rows
 
     p = row_tile_plan(16384, True, "bf16", 12, 1568, 11, 2051)
     assert (p.rows_per_cta, p.max_tokens, p.union_cap, p.num_tiles) == (5, 32768, 6208, 3277)
@@ -192,8 +193,8 @@ def test_widened_cache_selection():
     page the block table addresses) is within the byte cap and the per-row allowance: the
     benchmark's 1 x 16384 (11 pages of 1568) and 1 x 1024 yes; a 4096-row batch whose table is a
     serving engine's full width (168 pages of 1568 per request, 539 MB) no; 16-bit caches never."""
-    from cute_kernels.sm90.qsa_widen import (
-        MAX_GRID_Y,
+    from cute_kernels.plans.hw import MAX_GRID_Y
+    from cute_kernels.plans.sm90_qsa_widen import (
         WIDEN_BYTES_PER_ROW,
         WIDEN_MAX_BYTES,
         use_widened_cache,
@@ -228,8 +229,8 @@ def test_widened_cache_selection():
 def test_widen_config_and_warmup():
     """The widening pre-pass compiles for each q dtype; an FP8 deployment's warm-up covers it and
     the 16-bit row-tile kernel it feeds; a 16-bit one does not."""
+    from cute_kernels.plans.sm90_qsa_widen import QsaWidenConfig
     from cute_kernels.qsa_warmup import qsa_variants
-    from cute_kernels.sm90.qsa_widen import QsaWidenConfig
 
     with pytest.raises(ValueError, match="output dtype"):
         QsaWidenConfig(out_dtype="fp8_e4m3")
@@ -244,16 +245,16 @@ def test_widen_config_and_warmup():
 
 
 def test_row_tile_config_validation():
-    from cute_kernels.sm90.qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config
+    from cute_kernels.plans.sm90_qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config
 
     c = make_qsa_tile_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=256, group=12, page_size=1568, gate=True)
     assert (c.rows_per_cta, c.n_pad, c.stages, c.occupancy, c.split) == (5, 64, 3, 1, False)
     # FP8: one consumer warpgroup, two groups of 4 gather warps (two widened tiles in flight)
     assert (c.consumers, c.producers, c.gather_groups) == (1, 8, 2)
-    assert any("cvt" in e for e in c.evidence["sm_90a"])  # FP8: widened by the gather warps
+    assert any("cvt" in p for _, p in c.evidence["sm_90a"])  # FP8: widened by the gather warps
     b = make_qsa_tile_config(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=12, page_size=1568, gate=True)
     assert (b.consumers, b.producers, b.gather_groups) == (2, 4, 1)  # two consumer warpgroups
-    assert any("cp\\.async" in e for e in b.evidence["sm_90a"])
+    assert any("cp\\.async" in p for _, p in b.evidence["sm_90a"])
     # 384 threads: setmaxnreg within the launch's 168 registers per thread (above it hangs)
     for cfg in (b, c):
         threads = (4 * cfg.consumers + cfg.producers) * 32
@@ -287,9 +288,9 @@ def test_row_tile_config_validation():
 
 
 def test_warmup_covers_the_row_tile_path():
+    from cute_kernels.plans.sm90_qsa_tile import Sm90QsaTileConfig
+    from cute_kernels.plans.sm90_qsa_union import QsaUnionConfig
     from cute_kernels.qsa_warmup import qsa_variants
-    from cute_kernels.sm90.qsa_tile import Sm90QsaTileConfig
-    from cute_kernels.sm90.qsa_union import QsaUnionConfig
 
     shape = dict(head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568, kv_cache_dtype="bf16")
     assert not any(isinstance(c, (Sm90QsaTileConfig, QsaUnionConfig)) for c in qsa_variants(**shape))

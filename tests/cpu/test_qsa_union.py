@@ -15,8 +15,8 @@ import zlib
 import pytest
 import torch
 
+from cute_kernels.plans.sm90_qsa_union import QsaUnionConfig
 from cute_kernels.reference import qsa_union_reference
-from cute_kernels.sm90.qsa_union import QsaUnionConfig
 
 
 def _packed(rows: list[list[int]], width: int, counts: list[int] | None = None) -> torch.Tensor:
@@ -418,7 +418,7 @@ def test_kernel_compiles_for_sm90a_with_evidence(config):
     compiled = compile_config(config, "sm_90a", artifacts=True)
     ptx = compiled.ptx
     assert re.search(r"^\.target\s+sm_90a", ptx, re.M)
-    for pattern in config.evidence["sm_90a"]:
+    for _, pattern in config.evidence["sm_90a"]:
         assert re.search(pattern, ptx), pattern
     # one thread block of 256 threads per tile; index loads are plain global loads, the only
     # atomics are on shared memory

@@ -246,8 +246,8 @@ def test_fused_merge_staging(gen, kv):
     """The global fused merge with every split's partial staged in shared memory (as many splits
     as the stages hold), one split more than they hold (merged from L2 in rounds) and with the
     staging turned off, against the reference; q_len 2 so that a partial's rows span two tokens."""
-    from cute_kernels.ops.paged_decode import plan_config, tuning_override
-    from cute_kernels.sm90.decode import make_decode_config, merge_slots
+    from cute_kernels.ops.paged_decode import tuning_override
+    from cute_kernels.plans.sm90_decode import make_decode_config, plan_config
 
     c = make_paged_decode_case(batch=3, num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
                                seq_lens=[6000, 0, 777], kv_dtype=kv, q_len=2, generator=gen)
@@ -257,7 +257,7 @@ def test_fused_merge_staging(gen, kv):
         return make_decode_config(q_dtype="bf16", kv_dtype=kv_name, head_dim=128, group=4, q_len=2, page_size=16,
                                   split=split, **tuning)
 
-    slots = merge_slots(plan_config(config_for, 12, 6000, 132, 8, True, False)[1])
+    slots = plan_config(config_for, 12, 6000, 132, 8, True, False)[1].merge_slots()
     assert slots >= 2
     for splits, staged in ((slots, True), (slots + 1, True), (slots, False)):
         with tuning_override(cluster=False, smem_merge=staged):
@@ -303,7 +303,7 @@ def test_bad_inputs_raise(gen):
         run(c.q, c.kv_cache, c.block_table, c.seq_lens[:1])
     with pytest.raises(ValueError, match="multiple of num kv heads"):
         run(c.q[:, :7], c.kv_cache, c.block_table, c.seq_lens)
-    with pytest.raises(ValueError, match="k_scale must be a float or a 1-element float32"):
+    with pytest.raises(ValueError, match="k_scale must be a float or a 1-element tensor"):
         run(c.q, c.kv_cache, c.block_table, c.seq_lens, k_scale=torch.ones(2, device="cuda"))
     with pytest.raises(ValueError, match="q must have contiguous heads"):
         run(c.q.transpose(0, 1).contiguous().transpose(0, 1), c.kv_cache, c.block_table, c.seq_lens)
@@ -341,7 +341,7 @@ def test_bad_inputs_raise_after_a_cached_call(gen):
         run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "out": out.float()})
     with pytest.raises(ValueError, match="out must have shape"):
         run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "out": out[:1]})
-    with pytest.raises(ValueError, match="k_scale must be a float or a 1-element float32"):
+    with pytest.raises(ValueError, match="k_scale must be a float or a 1-element tensor"):
         run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "k_scale": torch.ones(2, device="cuda")})
     ks = torch.ones(1, device="cuda")
     run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, "k_scale": ks})  # caches the tensor-scale variant
@@ -356,4 +356,10 @@ def test_bad_inputs_raise_after_a_cached_call(gen):
     out.fill_(float("nan"))
     run(c.q, c.kv_cache, c.block_table, c.seq_lens, **good)
     ref = reference.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, **c.kwargs())
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= TOL
+    # 0-d scale tensors: the launcher passes them to the kernel's [1] arguments as views
+    out.fill_(float("nan"))
+    zero_d = dict(k_scale=torch.tensor(float(c.k_scale), device="cuda"),
+                  v_scale=torch.tensor(float(c.v_scale), device="cuda"))
+    run(c.q, c.kv_cache, c.block_table, c.seq_lens, **{**good, **zero_d})
     assert torch.isfinite(out).all() and rel_err(out, ref) <= TOL

@@ -6,7 +6,7 @@ import torch
 
 from cute_kernels.jit.compiler import get_kernel
 from cute_kernels.jit.spec import call_arguments
-from cute_kernels.sm90.probe import Sm90ProbeConfig
+from cute_kernels.plans.probes import Sm90ProbeConfig
 
 from .conftest import rel_err, sm90_only
 

@@ -100,8 +100,8 @@ def _check(out, ref):
 def _precompile():
     """Every variant the module will hit, compiled in parallel processes first."""
     from cute_kernels.jit.parallel import precompile
+    from cute_kernels.plans.sm90_qsa_tile import make_qsa_tile_config
     from cute_kernels.qsa_warmup import qsa_variants
-    from cute_kernels.sm90.qsa_tile import make_qsa_tile_config
 
     shapes = {(hq, hkv, page, "fp8" if kv == FP8 else "bf16", 256, "bf16") for _, hq, hkv, page, _, _, kv in CASES}
     shapes |= {(16, 1, 96, "bf16", 128, "bf16"), (8, 8, 64, "fp8", 64, "bf16"), (12, 1, 800, "fp16", 256, "fp16"),
@@ -406,7 +406,7 @@ def _launch_of(c, out):
     """The op's cached launch of case ``c`` (under the active tuning override)."""
     from cute_kernels.ops import qsa_sparse_attention as op
 
-    return op._cache.get(op._key(c["q"], c["k_cache"], c["v_cache"], c["packed_indices"], c["block_table"],
+    return op._launcher.get(op._key(c["q"], c["k_cache"], c["v_cache"], c["packed_indices"], c["block_table"],
                                  c["token_to_req"], True, out, c["output_gate"]))
 
 

@@ -19,8 +19,8 @@ import torch
 
 from cute_kernels.jit.compiler import get_kernel
 from cute_kernels.jit.spec import call_arguments
+from cute_kernels.plans.sm90_qsa_union import QsaUnionConfig
 from cute_kernels.reference import qsa_union_reference
-from cute_kernels.sm90.qsa_union import QsaUnionConfig
 
 from .conftest import sm90_only
 

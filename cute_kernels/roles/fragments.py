@@ -1,4 +1,6 @@
-"""Register-fragment helpers for the SM90 FP8-KV decode: ldmatrix and exact FP8 -> 16-bit widening.
+"""Inline-PTX primitives of the SM90 kernels (device role helpers): ldmatrix, exact FP8 -> 16-bit
+widening, DSMEM / ``.cg`` / shared loads and stores, zero-filling ``cp.async``, the output gate's
+sigmoid.
 
 **Why bit tricks.** WGMMA has no BF16 x E4M3 form, so FP8 K/V must be widened before the MMA.
 The DSL's generic conversion goes e4m3 -> f16 -> f32 -> bf16 (four SASS ops per pair), which is
@@ -13,15 +15,22 @@ which also means stale cache bytes can never inject NaN into P·V.
 row) widens to two 16-bit pairs: ``lo = (b0, b2)`` and ``hi = (b1, b3)``. Both are a shift and a
 masked merge away from ``x``. The MMA then sees the K columns in a permuted order, which the
 kernel compensates by permuting Q the same way when it stages Q in shared memory (QK), and by
-un-permuting the rows of O (PV) — see ``decode.py``.
+un-permuting the rows of O (PV): :mod:`.query` and :mod:`.widen`.
 """
 
 from __future__ import annotations
 
+import math
+
+import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..jit.asm import asm
+
+_LOG2E = math.log2(math.e)
+
+EVICT_FIRST_POLICY = 0x12F0000000000000  # L2 cache-policy operand: evict first (CUTLASS CacheHintSm90)
 
 # log2 of the factor the widened values are *smaller* than the e4m3 values by
 WIDEN_SHIFT_LOG2 = {"bf16": 120, "fp16": 8}
@@ -179,3 +188,45 @@ def load_shared_f32x4(smem_addr: Int32, *, loc=None, ip=None) -> tuple[Float32, 
     vals = asm([T.f32()] * 4, [Int32(smem_addr)], "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r",
                side_effects=True, loc=loc, ip=ip)
     return tuple(Float32(v) for v in vals)
+
+
+def sigmoid(x: Float32) -> Float32:
+    """(Traced.) fp32 ``1 / (1 + e^-x)`` of the QSA output gate. ``rcp.approx`` (about 1 ulp of
+    fp32, far below the bf16 rounding that follows): an IEEE division is a call with a slow-path
+    branch per element, a large share of a gated epilogue (docs/design/qsa.md#gated-epilogue).
+    Saturates to 0 and 1."""
+    return cute.arch.rcp_approx(Float32(1.0) + cute.math.exp2(-x * Float32(_LOG2E), fastmath=True))
+
+
+@dsl_user_op
+def cp_async_zfill_16_at(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, smem_off: int, gmem_off: int,
+                         policy: Int64 | None = None, *, loc=None, ip=None) -> None:
+    """``cp.async.cg.shared.global [smem + smem_off], [gmem + gmem_off], 16, src_bytes``: copies
+    ``src_bytes`` (16 or 0) and zero-fills the rest; with 0 nothing is read from global memory.
+    ``.cg``: L2 only, the gathered rows are used once per CTA. The byte offsets are compile-time
+    immediates (no address arithmetic per copy); with ``policy``, an L2 cache-policy operand
+    (``.L2::cache_hint``)."""
+    if policy is None:
+        asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
+            f"cp.async.cg.shared.global [$0+{int(smem_off)}], [$1+{int(gmem_off)}], 16, $2;", "r,l,r",
+            side_effects=True, loc=loc, ip=ip)
+    else:
+        asm([], [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes), Int64(policy)],
+            f"cp.async.cg.shared.global.L2::cache_hint [$0+{int(smem_off)}], [$1+{int(gmem_off)}], 16, $2, $3;",
+            "r,l,r,l", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_nc_b32x4(gmem_addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """``ld.global.nc.L1::no_allocate.v4.b32``: 16 bytes of the (read-only) cache, kept out of L1
+    (each gathered row is used once per CTA)."""
+    regs = asm([T.i32()] * 4, [Int64(gmem_addr)],
+               "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc=loc, ip=ip)
+    return tuple(Int32(r) for r in regs)
+
+
+@dsl_user_op
+def store_shared_b32x4(smem_addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
+    """``st.shared.v4.b32``: one 16-byte store."""
+    asm([], [Int32(smem_addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+        "r,r,r,r,r", side_effects=True, loc=loc, ip=ip)

@@ -1,0 +1,114 @@
+"""Plan of the query quantization to FP8 with optional fused NeoX RoPE (``common.quantize_query``).
+
+Host-only. The kernel is :mod:`cute_kernels.common.quantize`; design: docs/design/layer.md#the-design-as-it-stands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..jit.spec import ALL_TARGETS, DTYPE_BITS, Arg, KernelConfig, ScalarArg, TensorArg
+
+NUM_THREADS = 256
+VECTOR_WIDTHS = (16, 8, 4, 2, 1)  # elements per thread, widest first
+ROPE_MAX_VEC = 8  # with RoPE a thread owns two chunks (a rotation pair): 2 x 8 elements
+# FP8 conversion instructions (cvt ... e4m3x2) exist from SM89 on; SM80/86 have none
+FP8_TARGETS = tuple(t for t in ALL_TARGETS if t not in ("sm_80", "sm_86"))
+ITEMS = (1, 2, 4)
+
+# head rows per thread (docs/design/layer.md#rows-per-thread-and-pdl)
+DEFAULT_ITEMS = 2
+# RoPE: 2 rows per thread when 2 divides Hq (a thread's rows share one token's cos/sin), measured
+# on SM90 only; other targets keep 1 (on sm_100a the 2-row RoPE kernel spills a register)
+DEFAULT_ITEMS_ROPE = {"sm_90a": 2}
+DEFAULT_PDL = True  # programmatic dependent launch: the launch overlaps the previous kernel's tail
+
+
+@dataclass(frozen=True)
+class QuantizeQueryConfig(KernelConfig):
+    """Compile key of :class:`cute_kernels.common.quantize.QuantizeQuery`.
+
+    ``vec``: elements per thread (16 needs 16-byte aligned q/out pointers and strides; the op
+    picks the widest the tensors allow). ``scale_tensor``: q_scale is an fp32 device tensor
+    (``[1]`` or ``[Hkv]``, read by the kernel so CUDA-graph replays see new values) rather than a
+    float argument. ``rot_dim`` > 0 fuses NeoX RoPE over the first ``rot_dim`` dims, with a
+    ``cos_sin_dtype`` cache and ``pos_dtype`` positions. ``items``: consecutive head rows per thread
+    (their loads are all in flight before the first conversion); with RoPE it must divide Hq (the
+    thread's rows then share one token's position and cos/sin). ``pdl``: launched as a programmatic
+    dependent launch (see :mod:`cute_kernels.roles.pdl`).
+    """
+
+    q_dtype: str = "bf16"
+    head_dim: int = 128
+    vec: int = 16
+    scale_tensor: bool = False
+    rot_dim: int = 0
+    cos_sin_dtype: str = "fp32"
+    pos_dtype: str = "int64"
+    items: int = 1
+    pdl: bool = False
+
+    kernel_id = "common.quantize_query"
+    targets = FP8_TARGETS
+    # 16-byte loads of q, the saturating RNE conversion and the exact division
+    evidence = {
+        t: (("16-byte loads", r"ld\.global(\.\w+)*\.v4\.b32"), ("cvt.rn.satfinite.e4m3x2", r"cvt\.rn\.satfinite\.e4m3x2\.f32"),
+            ("div.rn.f32", r"div\.rn\.f32"))
+        for t in FP8_TARGETS
+    }
+    num_threads: ClassVar[int] = NUM_THREADS
+
+    def __post_init__(self):
+        if self.q_dtype not in ("bf16", "fp16"):
+            raise ValueError(f"quantize_query input dtype must be bf16 or fp16, got {self.q_dtype}")
+        if self.vec not in VECTOR_WIDTHS or self.head_dim % self.vec:
+            raise ValueError(f"head_dim {self.head_dim} is not a multiple of vec {self.vec}")
+        if self.head_dim // self.vec > NUM_THREADS:
+            raise ValueError(f"head_dim {self.head_dim} too large for vec {self.vec}")
+        if self.items not in ITEMS:
+            raise ValueError(f"items must be 1, 2 or 4, got {self.items}")
+        if self.rot_dim:
+            if self.vec > ROPE_MAX_VEC:
+                raise ValueError(f"rot_dim > 0 (RoPE) needs vec <= {ROPE_MAX_VEC} (a thread owns two chunks), got vec {self.vec}")
+            if self.rot_dim % 2 or self.rot_dim > self.head_dim or (self.rot_dim // 2) % self.vec:
+                raise ValueError(f"rot_dim {self.rot_dim} must be even, <= head_dim {self.head_dim}, "
+                                 f"with rot_dim/2 a multiple of vec {self.vec}")
+            if self.cos_sin_dtype not in ("fp32", "bf16", "fp16") or self.pos_dtype not in ("int32", "int64"):
+                raise ValueError(f"bad cos_sin/pos dtypes {self.cos_sin_dtype}/{self.pos_dtype}")
+
+    def _align(self, dtype: str) -> int:
+        return min(16, self.vec * DTYPE_BITS[dtype] // 8)
+
+    def signature(self):
+        D = self.head_dim
+        scale = (TensorArg("q_scale", "fp32", ("S",), align=4) if self.scale_tensor
+                 else ScalarArg("q_scale", "fp32"))
+        args: tuple[Arg, ...] = (
+            TensorArg("q", self.q_dtype, ("T", "Hq", D), align=self._align(self.q_dtype)),
+            TensorArg("out", "fp8_e4m3", ("T", "Hq", D), align=self._align("fp8_e4m3")),
+            scale,
+        )
+        if self.rot_dim:
+            args += (
+                TensorArg("cos_sin_cache", self.cos_sin_dtype, ("M", self.rot_dim),
+                          align=self._align(self.cos_sin_dtype)),
+                TensorArg("positions", self.pos_dtype, ("T",), align=DTYPE_BITS[self.pos_dtype] // 8),
+            )
+        return args
+
+    def build(self):
+        from ..common.quantize import QuantizeQuery  # the kernel module imports the DSL: only here
+
+        return QuantizeQuery(self)
+
+
+def compile_variants() -> list[QuantizeQueryConfig]:
+    """The ops' defaults (2 rows per thread for the query, PDL) and the plain variants: per-tensor
+    and per-KV-head scales, full and partial RoPE."""
+    return [
+        QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=16, items=2, pdl=True),
+        QuantizeQueryConfig(q_dtype="fp16", head_dim=128, vec=16, scale_tensor=True),
+        QuantizeQueryConfig(q_dtype="bf16", head_dim=128, vec=8, scale_tensor=True, rot_dim=128, pdl=True),
+        QuantizeQueryConfig(q_dtype="bf16", head_dim=64, vec=8, rot_dim=32, cos_sin_dtype="bf16", pos_dtype="int32"),
+    ]
