@@ -105,3 +105,67 @@ def test_real_nvtx_module_accepts_the_calls(monkeypatch):
     monkeypatch.setattr(nv, "ENABLED", True)
     with nv.op_range("quantize_query", q=torch.empty(4, 8, 128, dtype=torch.float16)):
         pass
+
+
+def test_bound_caller_opens_the_range_around_its_steps(fake_nvtx):
+    """The launcher puts the range into the caller it generates: the steps run inside
+    ``cute_kernels.<op>``, the call's parameters described in the nested range."""
+    from cute_kernels.jit.spec import ScalarArg, TensorArg
+    from cute_kernels.ops._launch import Launcher, bind
+
+    seen = []
+
+    def kernel(*args):
+        seen.append((tuple(fake_nvtx.stack), args))
+
+    signature = (TensorArg("x", "fp32", ("N",)), ScalarArg("alpha", "fp32"))
+    launcher = Launcher(lambda x, alpha: None, lambda x, alpha: None, op="merge_states")
+    call = launcher.bind(("x", "alpha"), (kernel, signature, None, None))
+    x = torch.empty(5)
+    call(x, 0.5)
+    (stack, args), = seen
+    assert stack == ("cute_kernels.merge_states", "x=float32[5] alpha=0.5")
+    assert args == (x, 0.5) and fake_nvtx.stack == []
+    # no op name (or ranges off): the same caller without a range
+    seen.clear()
+    bind(("x", "alpha"), (kernel, signature, None, None))(x, 0.5)
+    assert seen[0][0] == ()
+
+
+def test_refused_call_leaves_the_ranges_balanced(fake_nvtx):
+    from cute_kernels.jit.spec import TensorArg
+    from cute_kernels.ops._launch import bind
+
+    def kernel(x):
+        raise ValueError("refused")
+
+    call = bind(("x",), (kernel, (TensorArg("x", "fp32", ("N",)),), None, None), op="paged_decode")
+    with pytest.raises(ValueError):
+        call(torch.empty(2))
+    assert fake_nvtx.stack == []
+
+
+def test_every_op_launcher_is_named_after_its_op():
+    import importlib
+
+    from cute_kernels.registry import OPS
+
+    for name, (module, _) in OPS.items():
+        if module.startswith("cute_kernels.ops."):
+            assert importlib.import_module(module)._launcher.op == name
+
+
+def test_layer_step_is_one_range_with_the_ops_inside(fake_nvtx):
+    """AttentionLayer.forward: ``cute_kernels.layer`` around the step, each op's range inside it."""
+    from dispatch import AttentionLayer
+
+    from .test_layer_dispatch import make_step
+
+    st = make_step(decode_ctx=(20, 3), generator=torch.Generator().manual_seed(5))
+    layer = AttentionLayer(8, 2, 64, kv_cache_dtype="fp8", page_size=16, arch="sm90")
+    layer(st.q, st.k, st.v, st.kv_cache, st.metadata)
+    assert fake_nvtx.stack == []
+    assert fake_nvtx.stacks_seen[0] == ("cute_kernels.layer",)
+    inner = {s[2] for s in fake_nvtx.stacks_seen if len(s) >= 3}
+    assert {"cute_kernels.write_kv_cache", "cute_kernels.paged_decode"} <= inner
+    assert all(s[0] == "cute_kernels.layer" for s in fake_nvtx.stacks_seen)
