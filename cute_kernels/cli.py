@@ -238,6 +238,23 @@ def run_bench(args: argparse.Namespace) -> int:
     return bench_main(args.what, args.rest)
 
 
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    from .bench.ncu import OPS
+
+    p.add_argument("what", choices=list(OPS), help="which op: " + "; ".join(
+        f"{name}: cute_kernels.{op}" for name, op in OPS.items()))
+    p.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="--shape K=V,..., --out STEM, --ncu PATH, --ncu-args ARGS (cute-kernels profile WHAT --help)")
+
+
+@command("profile", "Nsight Compute on one op call selected by its NVTX range, with a short report (needs a GPU "
+                    "and ncu)", _profile_args)
+def run_profile(args: argparse.Namespace) -> int:
+    from .bench.profile import main as profile_main
+
+    return profile_main(args.what, args.rest)
+
+
 # ----------------------------------------------------------------------------------------------
 # entry point
 # ----------------------------------------------------------------------------------------------
