@@ -169,6 +169,26 @@ def test_decode_layer_step_compiles_whole():
     assert torch.equal(_bits(kv), _bits(eager_kv))
 
 
+@pytest.mark.parametrize("container", ["single", "tuple"])
+def test_inductor_writes_the_cache_in_place(container):
+    """The cache write stays a mutation of the caller's cache in inductor's code (reinplaced), not
+    a functional copy of a whole cache per step; the decode writes into the step's output buffer."""
+    from torch._inductor.utils import run_and_get_code
+
+    st = make_step(decode_ctx=(20, 33), generator=torch.Generator().manual_seed(33), container=container)
+    layer = AttentionLayer(8, 2, 64, kv_cache_dtype="fp8", page_size=16, arch="sm90", k_scale=0.5, v_scale=0.25)
+
+    def forward(q, k, v, kv, md):
+        return layer(q, k, v, kv, md)
+
+    _, (code,) = run_and_get_code(torch.compile(forward, fullgraph=True), st.q, st.k, st.v,
+                                  clone_cache(st.kv_cache), st.metadata)
+    calls = [line.strip() for line in code.splitlines() if "torch.ops.cute_kernels." in line]
+    assert len(calls) == 2, calls
+    assert "write_kv_cache.default(" in calls[0] and "paged_decode_out.default(" in calls[1]
+    assert "clone" not in code and ".copy_(" not in code
+
+
 def _opcheck_cases(x: SimpleNamespace) -> dict:
     # 16-bit caches: opcheck's schema check compares tensors with allclose, which CPU torch does not
     # implement for float8 (the compiled-step tests above cover FP8 caches)
