@@ -194,7 +194,7 @@ def run_compile(args: argparse.Namespace) -> int:
             ok = not ev.missing and ev.ptx_target == arch
             digests[f"{arch}:{config.label()}"] = ptx_digest(compiled.ptx or "")
             results.append(dict(kernel=config.label(), seconds=round(compiled.seconds, 2), ok=ok,
-                                ptx=ev.ptx, sass=ev.sass, missing=ev.missing))
+                                ptx=ev.ptx, sass=ev.sass, missing=ev.missing, registers=ev.registers))
         except Exception as e:  # report and go on: one broken variant must not hide the rest
             ok = False
             results.append(dict(kernel=config.label(), seconds=None, ok=False, error=f"{type(e).__name__}: {e}"))

@@ -14,8 +14,15 @@ Conventions shared by all ops
   entries of a row are used. A page id outside ``[0, P)`` reads as a page of zeros (kernels
   never dereference it).
 - **Lengths.** ``seq_lens`` int32 ``[B]`` = each request's total KV length *including* its
-  ``q_len`` new tokens. Query token j (0-based within its request) sees KV positions
-  ``< seq_len - q_len + j + 1`` (causal within the speculative draft).
+  ``q_len`` new tokens. Query token j (0-based within its request) sits at position
+  ``p = seq_len - q_len + j`` and sees KV positions ``<= p`` (causal within the speculative draft).
+- **Sliding window.** ``window_left = w >= 0``: the query at position ``p`` sees only positions
+  ``p - w ... p`` (``w + 1`` keys at most); ``-1``: no window (FlashInfer's convention).
+- **Sinks.** ``sinks`` fp32 ``[Hq]``: one logit per query head, in the units of the scaled logits
+  (natural log). It joins the softmax denominator as ``exp(sinks[h])`` and contributes no value:
+  ``out = sum_j exp(l_j) v_j / (sum_j exp(l_j) + exp(sinks[h]))``; the LSE includes it
+  (``lse = log2(sum_j exp(l_j) + exp(sinks[h]))``). A row that sees no key then has output 0 and
+  lse ``sinks[h] / ln 2``.
 - **Scales.** ``logits = (q · (k · k_scale)) · sm_scale`` (times ``q_scale`` for an FP8 query),
   ``sm_scale`` defaults to ``D ** -0.5``; ``out = softmax(logits) · (v · v_scale)``. A scale is a
   Python float or a 1-element fp32 tensor. FP8 values are stored as ``x / scale``, so ``scale``
@@ -97,17 +104,20 @@ def _gather_request(cache: torch.Tensor, pages: torch.Tensor, length: int, dtype
 def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                  kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ...,
                  q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
-                 return_lse: Literal[False] = ..., float64: bool = ...) -> torch.Tensor: ...
+                 return_lse: Literal[False] = ..., window_left: int = ..., sinks: torch.Tensor | None = ...,
+                 float64: bool = ...) -> torch.Tensor: ...
 @overload
 def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                  kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ...,
                  q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
-                 return_lse: Literal[True], float64: bool = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                 return_lse: Literal[True], window_left: int = ..., sinks: torch.Tensor | None = ...,
+                 float64: bool = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                  kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ...,
                  q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
-                 return_lse: bool, float64: bool = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+                 return_lse: bool, window_left: int = ..., sinks: torch.Tensor | None = ...,
+                 float64: bool = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def paged_decode(
     q: torch.Tensor,
     kv_cache: KVCache,
@@ -121,6 +131,8 @@ def paged_decode(
     k_scale: Scale = 1.0,
     v_scale: Scale = 1.0,
     return_lse: bool = False,
+    window_left: int = -1,
+    sinks: torch.Tensor | None = None,
     float64: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged decode attention (see the module docstring for the conventions).
@@ -137,6 +149,8 @@ def paged_decode(
         q_scale: required for (and only for) an FP8 query.
         k_scale, v_scale: KV dequantization scales.
         return_lse: also return the base-2 LSE ``[B * q_len, Hq]`` fp32.
+        window_left: sliding window (``-1``: none), see the module docstring.
+        sinks: fp32 ``[Hq]`` sink logits, see the module docstring.
 
     Returns:
         ``out`` ``[B * q_len, Hq, D]`` in q's dtype (bf16 for an FP8 q), and ``lse`` if asked.
@@ -161,6 +175,10 @@ def paged_decode(
             raise ValueError("q_scale applies only to an FP8 query; a bf16/fp16 query is never rescaled")
         out_dtype = q.dtype
     group = Hq // Hkv
+    if not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != Hq):
+        raise ValueError(f"sinks must be [Hq] = [{Hq}], got shape {tuple(sinks.shape)}")
     scale = (D ** -0.5) if sm_scale is None else float(sm_scale)
     qs = 1.0 if q_scale is None else scale_value(q_scale, "q_scale")
     ks = scale_value(k_scale, "k_scale")
@@ -168,6 +186,9 @@ def paged_decode(
 
     out = torch.zeros((T, Hq, D), dtype=acc, device=q.device)
     lse = torch.full((T, Hq), float("-inf"), dtype=acc, device=q.device)
+    sink = None if sinks is None else sinks.to(device=q.device, dtype=acc).view(1, Hq)
+    if sink is not None:
+        lse[:] = sink / _LN2  # rows that see no key
     lens = seq_lens.tolist()
     for b in range(B):
         L = int(lens[b])
@@ -179,22 +200,39 @@ def paged_decode(
         v = v.repeat_interleave(group, dim=0)
         rows = q[b * q_len_per_req:(b + 1) * q_len_per_req].to(acc) * qs  # [q_len, Hq, D]
         logits = torch.einsum("jhd,hld->jhl", rows, k) * scale  # [q_len, Hq, L]
-        pos = torch.arange(L, device=q.device)
-        limit = L - q_len_per_req + torch.arange(q_len_per_req, device=q.device) + 1  # [q_len]
-        visible = pos.view(1, 1, L) < limit.view(-1, 1, 1)
-        logits = logits.masked_fill(~visible, float("-inf"))
-        row_lse = torch.logsumexp(logits, dim=-1)  # [q_len, Hq]
-        has_any = visible.any(dim=-1).expand_as(row_lse)
-        probs = torch.where(has_any.unsqueeze(-1), torch.exp(logits - row_lse.unsqueeze(-1)), 0.0)
-        o = torch.einsum("jhl,hld->jhd", probs, v)
+        o, row_lse = _softmax_rows(logits, v, _visible(L, q_len_per_req, window_left, q.device), sink)
         out[b * q_len_per_req:(b + 1) * q_len_per_req] = o
-        lse[b * q_len_per_req:(b + 1) * q_len_per_req] = torch.where(
-            has_any, row_lse / _LN2, torch.full_like(row_lse, float("-inf"))
-        )
+        lse[b * q_len_per_req:(b + 1) * q_len_per_req] = row_lse
     out = out.to(out_dtype)
     if return_lse:
         return out, lse.float()
     return out
+
+
+def _visible(L: int, q_len: int, window_left: int, device) -> torch.Tensor:
+    """``[q_len, 1, L]`` bool: query j (at position ``L - q_len + j``) sees key ``pos``."""
+    pos = torch.arange(L, device=device).view(1, 1, L)
+    q_pos = (L - q_len + torch.arange(q_len, device=device)).view(-1, 1, 1)
+    visible = pos <= q_pos
+    if window_left >= 0:
+        visible &= pos >= q_pos - window_left
+    return visible
+
+
+def _softmax_rows(logits: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, sink):
+    """Softmax attention of ``logits [j, Hq, L]`` (natural log) over the visible keys, with the
+    sink logits ``[1, Hq]`` (or None) in the denominator: ``(out [j, Hq, D], base-2 lse [j, Hq])``;
+    rows with no visible key give output 0 and lse -inf (or the sink's)."""
+    logits = logits.masked_fill(~visible, float("-inf"))
+    has_any = visible.any(dim=-1).expand(logits.shape[:2])
+    if sink is not None:
+        has_any = torch.ones_like(has_any)
+        logits = torch.cat([logits, sink.view(1, -1, 1).expand(logits.shape[0], -1, 1)], dim=-1)
+        v = torch.cat([v, torch.zeros_like(v[:, :1])], dim=1)  # the sink adds no value
+    row_lse = torch.logsumexp(logits, dim=-1)  # [j, Hq]
+    probs = torch.where(has_any.unsqueeze(-1), torch.exp(logits - row_lse.unsqueeze(-1)), 0.0)
+    o = torch.einsum("jhl,hld->jhd", probs, v)
+    return o, torch.where(has_any, row_lse / _LN2, torch.full_like(row_lse, float("-inf")))
 
 
 # ----------------------------------------------------------------------------------------------

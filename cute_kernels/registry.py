@@ -10,6 +10,11 @@ Kernel ids are a contract (the attention layer maps an id to an op; benchmarks a
 them), so they never change meaning. A kernel is:
 
 - ``"available"``: built and tested; chosen automatically when its limits accept a request;
+- ``"compile-verified"``: built, and compile-checked for its arch on the CPU (instruction
+  evidence, shared-memory / TMEM / register budgets, no spills), but never run on that hardware;
+  chosen like an available kernel, and its op runs a one-time runtime self-check per process and
+  MMA family before the first use (:mod:`cute_kernels.ops._selfcheck`); a family that failed it
+  on the machine is refused by the dispatcher with the recorded reason;
 - ``"planned"``: designed but not built; named in plans so the reason can say why it was not
   used, refused when asked for explicitly;
 - ``"fallback"``: a slow torch reference (:mod:`cute_kernels.reference`), which serves every
@@ -42,10 +47,11 @@ from .plans import (
     sm90_qsa,
     sm90_qsa_launch,
     sm90_qsa_tile,
+    sm100,
     write_kv_cache,
 )
 
-STATUSES = ("available", "planned", "fallback")
+STATUSES = ("available", "compile-verified", "planned", "fallback")
 PHASES = ("prefill", "decode")
 KV_LAYOUTS = ("HND", "NHD")
 CALL_SITES = ("attention", "qsa")
@@ -148,10 +154,11 @@ _SM90_DECODE: dict[str, Any] = dict(
     head_dims=sm90_decode.HEAD_DIMS, page_sizes=sm90_decode.PAGE_SIZES, max_rows=sm90_decode.MAX_ROWS,
     kv_layouts=sm90_decode.KV_LAYOUTS,
 )
-# Provisional limits of the Blackwell kernels, to be confirmed when they are built.
+# The Blackwell kernels: QK in FP8 for an FP8 cache (the layer quantizes the query, as for
+# trtllm-gen); what they accept is their plan's (cute_kernels/plans/sm100.py).
 _SM100: dict[str, Any] = dict(
-    call_site="attention", archs=("sm100", "sm103"), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
-    head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128), kv_layouts=("HND",),
+    call_site="attention", archs=_archs(sm100.TARGETS), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
+    model_dtypes=sm100.MODEL_DTYPES,
 )
 _REFERENCE: dict[str, Any] = dict(status="fallback", archs=ARCHS)
 _HELPER: dict[str, Any] = dict(status="available", phases=PHASES)
@@ -168,10 +175,15 @@ _ENTRIES = (
         description="SM90 paged decode with FP8 WGMMA on a q_scale-quantized query (opt-in)",
         **_SM90_DECODE,
     ),
-    KernelInfo(id="sm100.decode", status="planned", phases=("decode",),
-               description="Blackwell tcgen05 paged decode, QK in FP8 for an FP8 cache", **_SM100),
-    KernelInfo(id="sm100.prefill", status="planned", phases=("prefill",),
-               description="Blackwell tcgen05 paged prefill, QK in FP8 for an FP8 cache", **_SM100),
+    KernelInfo(id="sm100.decode", status="compile-verified", phases=("decode",), op="paged_decode",
+               description="Blackwell tcgen05 paged decode (swap-AB, S and O in TMEM, TMA page boxes, split-KV, "
+                           "sinks, sliding window); QK in FP8 for an FP8 cache",
+               variants=sm100.decode_variants, **sm100.DECODE_LIMITS, **_SM100),
+    KernelInfo(id="sm100.prefill", status="compile-verified", phases=("prefill",),
+               description="Blackwell tcgen05 paged prefill (ping-pong softmax warpgroups, a correction warpgroup, "
+                           "S and P aliased in TMEM, varlen, causal, sinks, sliding window); QK in FP8 for an "
+                           "FP8 cache",
+               variants=sm100.prefill_variants, **sm100.PREFILL_LIMITS, **_SM100),
     KernelInfo(id="reference.paged_decode", call_site="attention", phases=("decode",), op="reference.paged_decode",
                description="slow torch reference fallback (cute_kernels.reference.paged_decode)", **_REFERENCE),
     KernelInfo(id="reference.paged_prefill", call_site="attention", phases=("prefill",),

@@ -25,8 +25,8 @@ ARCH_SUMMARY = {
     "sm89": "Ada: FP8 tensor cores but no attention kernel here; reference fallback with a model-dtype query.",
     "sm90": "Hopper: sm90.decode widens FP8 K/V on chip, so the query stays in the model dtype "
             "(sm90.decode_fp8q is opt-in).",
-    "sm100": "Blackwell: the planned tcgen05 kernels compute QK in FP8 for an FP8 cache, with a query the "
-             "layer quantizes.",
+    "sm100": "Blackwell: the tcgen05 kernels (compile-verified: a runtime self-check before first use) compute QK "
+             "in FP8 for an FP8 cache, with a query the layer quantizes.",
     "sm103": "Blackwell Ultra: as SM100.",
     "sm120": "Blackwell (consumer): no tcgen05 kernel; reference fallback with a model-dtype query.",
     "sm121": "Blackwell (GB10): as SM120.",

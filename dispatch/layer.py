@@ -309,9 +309,10 @@ class AttentionLayer:
         common = dict(kv_layout=self.kv_layout, q_len_per_req=metadata.q_len_per_req, sm_scale=self.sm_scale,
                       k_scale=self.k_scale, v_scale=self.v_scale)
         if op == "paged_decode":
-            if q_scale is not None:  # pragma: no cover - the registry says sm90.decode takes no q_scale
-                raise UnsupportedConfig(f"{p.kernel} does not apply q_scale")
-            res = cute_kernels.paged_decode(q_in, kv_cache, bt, sl, out=out, **common)
+            # an FP8 query (sm100.decode on an FP8 cache) gives a bf16 output: copied when the model's is fp16
+            direct = q_scale is None or out.dtype == torch_dtype("bf16")
+            res = cute_kernels.paged_decode(q_in, kv_cache, bt, sl, out=out if direct else None, q_scale=q_scale,
+                                            **common)
             if res is not out:  # CPU tensors run the reference, which returns a new tensor
                 out.copy_(res)
         else:

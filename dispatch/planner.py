@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from cute_kernels.plans import selfcheck_records
+from cute_kernels.plans.sm100 import family as self_check_family
 from cute_kernels.registry import FALLBACKS, KERNELS, KV_LAYOUTS, PHASES, KernelInfo
 
 from .arch import ArchLike, parse_arch
@@ -167,6 +169,25 @@ def refusal(k: KernelInfo, unmet: list[str]) -> str | None:
     return f"{k.id} {needs}" if needs else None
 
 
+def _family(k: KernelInfo, req: _Request) -> str:
+    """The self-check family ``k`` runs for ``req`` (the query dtype follows from the cache)."""
+    q = "fp8_e4m3" if k.computes_qk_in_fp8(req.kv_cache_dtype) else req.model_dtype
+    return self_check_family(k.id, q, req.kv_cache_dtype)
+
+
+def _runtime_refusal(k: KernelInfo, req: _Request) -> str | None:
+    """Why a compile-verified kernel whose limits accept ``req`` still cannot run it here: its op
+    is not in this build yet, or its MMA family failed its runtime self-check on this machine."""
+    if k.status != "compile-verified":
+        return None
+    if k.op is None:
+        return f"{k.id} has no op in this build"
+    rec = selfcheck_records.lookup(_family(k, req))
+    if rec is not None and not rec.ok:
+        return f"{rec.family} failed its runtime self-check on this machine ({rec.reason})"
+    return None
+
+
 def _unmet(k: KernelInfo, req: _Request) -> list[str]:
     return unmet_limits(k, kv=req.kv_cache_dtype, model=req.model_dtype, head_dim=req.head_dim, hq=req.num_q_heads,
                         hkv=req.num_kv_heads, page_size=req.page_size, q_len=req.q_len, kv_layout=req.kv_layout)
@@ -178,6 +199,11 @@ def _make_plan(k: KernelInfo, req: _Request, why: str, backend: str | None) -> P
     plan's ``q_dtype`` and ``applies_q_scale`` say the rest)."""
     fp8_query = k.computes_qk_in_fp8(req.kv_cache_dtype)
     query = ", where QK runs in FP8: the layer quantizes the query with q_scale" if fp8_query else ""
+    if k.status == "compile-verified":  # never run on this arch's hardware: say what the check found
+        rec = selfcheck_records.lookup(_family(k, req))
+        state = "its runtime self-check runs on first use" if rec is None else (
+            f"it passed its runtime self-check on {rec.device}")
+        query += f"; compile-verified only, {state}"
     return Plan(
         kernel=k.id,
         q_dtype="fp8_e4m3" if fp8_query else req.model_dtype,
@@ -196,7 +222,7 @@ def _auto(req: _Request) -> Plan:
         if k.is_fallback:
             why = "; ".join(rejected) if rejected else f"no CuTe kernel targets {req.arch} {req.phase}"
             return _make_plan(k, req, f"reference fallback: {why}", None)
-        refused = refusal(k, _unmet(k, req))
+        refused = refusal(k, _unmet(k, req)) or _runtime_refusal(k, req)
         if refused is None:
             return _make_plan(k, req, f"{k.id} accepts this request", None)
         rejected.append(refused)
@@ -209,7 +235,7 @@ def _explicit(req: _Request, backend: str) -> Plan:
     if k is None or k.call_site != "attention":
         ids = ", ".join(i for i, v in KERNELS.items() if v.call_site == "attention")
         raise UnsupportedConfig(f"backend={backend!r} is not an attention kernel id; expected 'reference' or one of {ids}")
-    why = target_mismatch(k, req.arch, req.phase) or refusal(k, _unmet(k, req))
+    why = target_mismatch(k, req.arch, req.phase) or refusal(k, _unmet(k, req)) or _runtime_refusal(k, req)
     if why:
         raise UnsupportedConfig(f"backend={backend!r} cannot serve this request: {why}")
     label = "the reference fallback" if k.is_fallback else k.id

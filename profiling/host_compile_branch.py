@@ -138,7 +138,7 @@ def measure(rounds: int = 30, calls: int = 5000) -> list[dict]:
 def dispatcher_cost(rounds: int = 30, calls: int = 5000) -> dict:
     """Best ns/call of a do-nothing function called directly and as a registered custom op."""
 
-    def nothing(x: torch.Tensor, scale: float, scale_tensor: Optional[torch.Tensor]) -> None:
+    def nothing(x: torch.Tensor, scale: float, scale_tensor: Optional[torch.Tensor]) -> None:  # noqa: UP045
         pass
 
     op = torch.library.custom_op("cute_kernels_lab::nothing", mutates_args=("x",))(nothing)

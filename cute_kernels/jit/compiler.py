@@ -45,6 +45,7 @@ class CompiledKernel:
     seconds: float
     ptx: str | None = None
     sass: str | None = None
+    cubin: bytes | None = None  # (with artifacts) for the resource usage the ELF records
 
 
 def _options(arch: str, dump_dir: str | None) -> str:
@@ -105,15 +106,24 @@ def compile_config(config: KernelConfig, arch: str, *, artifacts: bool = False) 
             seconds = time.perf_counter() - t0
             if "TVMFFI" not in type(fn).__name__:
                 raise RuntimeError(f"expected a TVM-FFI function, got {type(fn).__name__}")
-            ptx = sass = None
+            ptx = sass = cubin = None
             if artifacts:
                 ptx = _read_artifact(fn.__ptx__)
-                sass = _disassemble(fn.__cubin__, dump)
+                cubin = _read_binary(fn.__cubin__)
+                sass = _disassemble(cubin, dump)
         finally:
             os.environ["CUTE_DSL_ARCH"] = previous
             if dump is not None:
                 shutil.rmtree(dump, ignore_errors=True)
-    return CompiledKernel(config, arch, fn, seconds, ptx, sass)
+    return CompiledKernel(config, arch, fn, seconds, ptx, sass, cubin)
+
+
+def _read_binary(value) -> bytes | None:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str) and os.path.isfile(value):
+        return Path(value).read_bytes()
+    return None
 
 
 def _read_artifact(value) -> str | None:

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from .compiler import CompiledKernel, compile_config
+from .cubin import resources
 from .spec import KernelConfig
 
 # SASS mnemonics worth reporting per family (the PTX evidence is what tests assert)
@@ -26,10 +27,13 @@ class Evidence:
     ptx: dict[str, int] = field(default_factory=dict)
     sass: dict[str, int] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
+    registers: int | None = None  # per thread at launch (from the cubin)
 
     def summary(self) -> str:
         """``wgmma.mma_async ×24, TMA load ×16 | SASS HGMMA ×24 ...`` (one line)."""
         ptx = ", ".join(f"{k} ×{v}" for k, v in self.ptx.items())
+        if self.registers:
+            ptx += f", {self.registers} registers"
         sass = " ".join(f"{k} ×{v}" for k, v in self.sass.items())
         return f"{ptx} | SASS {sass}" if sass else ptx
 
@@ -43,6 +47,8 @@ def evidence_of(compiled: CompiledKernel) -> Evidence:
         ev.ptx[name] = n
         if n == 0:
             ev.missing.append(name)
+    if compiled.cubin:
+        ev.registers = resources(compiled.cubin)["registers"]
     if compiled.sass:
         for fam in SASS_FAMILIES:
             n = len(re.findall(r"\b" + re.escape(fam), compiled.sass))

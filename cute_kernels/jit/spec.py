@@ -28,7 +28,7 @@ DTYPE_BITS = {"bf16": 16, "fp16": 16, "fp32": 32, "fp8_e4m3": 8, "int32": 32, "i
 # Targets this package compiles for. Arch-specific kernels name their own subset; arch-neutral
 # ones (merge) compile for every target the DSL knows from SM80 on.
 ALL_TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_103a", "sm_120a", "sm_121a")
-COMPILE_TARGETS = ("sm_90a", "sm_100a")
+COMPILE_TARGETS = ("sm_90a", "sm_100a", "sm_103a")
 
 
 def normalize_target(arch) -> str:

@@ -23,6 +23,7 @@ unnamed launcher, so the hot path pays nothing.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import keyword
 import math
@@ -93,6 +94,11 @@ class Launcher(LaunchCache):
     def bind(self, params: tuple[str, ...], *steps: tuple) -> Callable[..., None]:
         """:func:`bind` with this launcher's NVTX range."""
         return bind(params, *steps, op=self.op)
+
+    def range(self, **tensors: Any) -> contextlib.AbstractContextManager:
+        """The op's NVTX ranges around work that no bound caller runs (a null context without a
+        profiler or an op name)."""
+        return _nvtx.op_range(self.op, **tensors) if self.op is not None else _nvtx.NULL_RANGE
 
     def lookup(self, key, args: tuple):
         """The launch of ``key`` (None: arguments that cannot form a key, validated here)."""

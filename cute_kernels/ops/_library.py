@@ -21,13 +21,13 @@ older torch releases does not read ``X | None``. Design: docs/design/architectur
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
 NAMESPACE = "cute_kernels"
-_NAMES: list[str] = []  # the ops registered so far, in registration order
+_DEFS: dict[str, Any] = {}  # name -> its torch.library CustomOpDef, in registration order
 
 #: True while Dynamo (or export) traces: the public ops then call their registered op
 compiling: Callable[[], bool] = torch.compiler.is_compiling
@@ -36,24 +36,28 @@ compiling: Callable[[], bool] = torch.compiler.is_compiling
 def custom_op(name: str, *, mutates: Iterable[str] = ()) -> Callable[[Callable[..., Any]], Any]:
     """``torch.library.custom_op("cute_kernels::<name>")`` for every device: the implementation is
     the eager op, which serves CPU tensors with the reference and CUDA tensors with the kernels."""
-    if name not in _NAMES:
-        _NAMES.append(name)
-    return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=tuple(mutates), device_types=None)
+    register = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=tuple(mutates), device_types=None)
+
+    def define(fn: Callable[..., Any]) -> Any:
+        _DEFS[name] = register(fn)
+        return _DEFS[name]
+
+    return define
 
 
-def scale_parts(scale: Union[float, Tensor]) -> tuple[float, Tensor | None]:
+def scale_parts(scale: Union[float, Tensor]) -> tuple[float, Optional[Tensor]]:
     """A public scale as the schema's ``(float, Optional[Tensor])`` pair."""
     if isinstance(scale, Tensor):
         return 1.0, scale
     return float(scale), None
 
 
-def scale_of(value: float, tensor: Tensor | None) -> Union[float, Tensor]:
+def scale_of(value: float, tensor: Optional[Tensor]) -> Union[float, Tensor]:
     """The inverse of :func:`scale_parts`."""
     return value if tensor is None else tensor
 
 
-def cache_parts(kv_cache: Union[Tensor, tuple[Tensor, Tensor], list[Tensor]]) -> tuple[Tensor, Tensor | None]:
+def cache_parts(kv_cache: Union[Tensor, tuple[Tensor, Tensor], list[Tensor]]) -> tuple[Tensor, Optional[Tensor]]:
     """A public ``kv_cache`` (one tensor or ``(k_cache, v_cache)``) as ``(k_cache, v_cache or None)``."""
     if isinstance(kv_cache, (tuple, list)):
         if len(kv_cache) != 2:
@@ -62,7 +66,7 @@ def cache_parts(kv_cache: Union[Tensor, tuple[Tensor, Tensor], list[Tensor]]) ->
     return kv_cache, None
 
 
-def cache_of(k_cache: Tensor, v_cache: Tensor | None) -> Union[Tensor, tuple[Tensor, Tensor]]:
+def cache_of(k_cache: Tensor, v_cache: Optional[Tensor]) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """The inverse of :func:`cache_parts`."""
     return k_cache if v_cache is None else (k_cache, v_cache)
 
@@ -74,7 +78,8 @@ def no_lse(like: Tensor) -> Tensor:
 
 def registered_ops() -> dict[str, Any]:
     """Every op this package registers (``name -> torch.ops.cute_kernels.<name>``), importing the
-    public op modules first: an op module registers its ops when it is imported."""
+    public op modules first: an op module registers its ops when it is imported. Their
+    definitions (``torch.library.CustomOpDef``) are in :data:`_DEFS`."""
     import importlib
 
     from ..registry import OPS
@@ -82,4 +87,4 @@ def registered_ops() -> dict[str, Any]:
     for module, _ in OPS.values():
         importlib.import_module(module)
     namespace = getattr(torch.ops, NAMESPACE)
-    return {name: getattr(namespace, name) for name in _NAMES}
+    return {name: getattr(namespace, name) for name in _DEFS}

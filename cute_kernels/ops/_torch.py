@@ -93,6 +93,24 @@ def check_tensor(
     return t
 
 
+def check_paged_tensors(q, k, v, pair: bool, block_table, seq_lens, q_len: int) -> int:
+    """The device-side tensors of a paged attention call on q's device: q and the caches 16-byte
+    aligned (TMA: base and strides), an FP8 or q-dtype cache, an int32 block table and ``[B]``
+    lengths, ``B * q_len`` query rows. Returns B."""
+    device = q.device
+    check_tensor("q", q, device=device, align_bytes=16)
+    if k.dtype not in (torch.float8_e4m3fn, q.dtype):
+        raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
+    for name, t in ((("k_cache", k), ("v_cache", v)) if pair else (("kv_cache", k),)):
+        check_tensor(name, t, device=device, align_bytes=16)
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
+    B = block_table.shape[0]
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(B,), device=device)
+    if q.shape[0] != B * q_len:
+        raise ValueError(f"q has {q.shape[0]} rows; expected batch {B} x q_len_per_req {q_len}")
+    return B
+
+
 def ffi_tensor(t):
     """``t`` as a ``tvm_ffi.Tensor`` over the same memory (None stays None), for an argument that
     a launch binds once (a workspace view): TVM-FFI converts a torch tensor at every call, ~0.1-0.2

@@ -8,6 +8,8 @@ calls look the prepared caller up by a tuple of cheap tensor attributes. Registe
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -148,20 +150,20 @@ def merge_states(
 # ---------------------------------------------------------------------------------------------
 
 
-def _new_outputs(partial_out: Tensor, out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+def _new_outputs(partial_out: Tensor, out_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
     _, N, H, D = partial_out.shape
     return (torch.empty((N, H, D), dtype=out_dtype or torch.float32, device=partial_out.device),
             torch.empty((N, H), dtype=torch.float32, device=partial_out.device))
 
 
 @custom_op("merge_states")
-def _merge_states_op(partial_out: Tensor, partial_lse: Tensor, out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+def _merge_states_op(partial_out: Tensor, partial_lse: Tensor, out_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
     out, out_lse = _new_outputs(partial_out, out_dtype)
     return merge_states(partial_out, partial_lse, out=out, out_lse=out_lse)
 
 
 @_merge_states_op.register_fake
-def _(partial_out: Tensor, partial_lse: Tensor, out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+def _(partial_out: Tensor, partial_lse: Tensor, out_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
     return _new_outputs(partial_out, out_dtype)
 
 

@@ -1,4 +1,4 @@
-"""``cute_kernels.paged_decode``: paged decode attention on SM90 (CuTe-DSL kernel).
+"""``cute_kernels.paged_decode``: paged decode attention on SM90 and SM100 / SM103 (CuTe-DSL kernels).
 
 The host side only looks at shapes, dtypes, strides and pointers: it never reads tensor data
 and never synchronizes, so a call captures in a CUDA graph (after a warm-up call has compiled
@@ -18,18 +18,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, Optional, overload
 
 import torch
 from torch import Tensor
 
-from .. import reference
+from .. import _nvtx, reference
 from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
 from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, make_decode_config, plan_config
+from ..plans.sm100 import TARGETS as SM100_TARGETS
+from . import _paged_decode_sm100 as sm100
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
-from ._torch import DeviceBuffer, check_tensor, compile_target, device_sm_count, dtype_name, ffi_tensor
+from ._torch import (
+    DeviceBuffer,
+    check_paged_tensors,
+    check_tensor,
+    compile_target,
+    device_sm_count,
+    dtype_name,
+    ffi_tensor,
+)
 
 FP8 = torch.float8_e4m3fn
 
@@ -48,6 +58,7 @@ class _Launch:
     scratch_lse: Any  # LSE target (a TVM-FFI tensor) when the caller did not ask for it
     out_shape: Any  # (T, Hq, D); None for the reference
     reference: bool = False
+    sm100: Any = None  # SM100 / SM103: the tcgen05 launch (an FP8 query, sinks and a window too)
 
 
 def tuning_override(**fields: object) -> TuningOverride:
@@ -60,7 +71,7 @@ def tuning_override(**fields: object) -> TuningOverride:
 
 
 def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse, num_splits,
-         deterministic):
+         deterministic, q_scale=None, window_left=-1, sinks=None):
     """What selects the kernel, its schedule and its workspace: the query and cache geometry,
     the block-table width, the options. Left out is what the compiled function checks on every
     call (TVM-FFI): the dtypes of the other tensors, shapes tied to the query's or the cache's by
@@ -72,13 +83,13 @@ def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scal
     # another rank, 0-d included, goes to the kernel as a [1] view)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), out is None, return_lse, num_splits,
-            deterministic, _launcher.override_key)
+            deterministic, _launcher.override_key, type(q_scale), window_left == -1, sinks is None)
 
 
 def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-             num_splits, deterministic) -> _Launch:
+             num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> _Launch:
     """Full validation (clear errors naming the argument) and kernel selection for one key."""
-    check_tensor("q", q, dtype=(torch.bfloat16, torch.float16), ndim=3)
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
     T, Hq, D = q.shape
     if kv_layout not in ("HND", "NHD"):
         raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
@@ -103,9 +114,20 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}")
+    sm100.check_features(q, k, q_scale, sinks, window_left)
+    if q_scale is not None:
+        check_scale("q_scale", q_scale, device=q.device)
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if not q.is_cuda:
         return _REFERENCE
     device = q.device
+    if compile_target(device) in SM100_TARGETS:
+        launch = sm100.prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale,
+                               v_scale, out, num_splits, sinks)
+        return _REFERENCE if launch is None else _Launch(None, None, (T, Hq, D), sm100=launch)
+    if q.dtype == FP8 or sinks is not None or window_left != -1:
+        return _REFERENCE  # the SM90 kernel has neither an FP8 query nor sinks / windows
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
     if page not in PAGE_SIZES:
@@ -117,16 +139,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         raise ValueError(f"Hq/Hkv x q_len_per_req must be <= {MAX_ROWS}, got {group} x {q_len}")
     if q.stride(-2) != D and Hq > 1:
         raise ValueError(f"q must have contiguous heads (stride(-2) == head_dim {D}), got strides {q.stride()}")
-    check_tensor("q", q, device=device, align_bytes=16)
-    if k.dtype not in (FP8, q.dtype):
-        raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
-    for name, t in ((("k_cache", k), ("v_cache", v)) if pair else (("kv_cache", k),)):
-        check_tensor(name, t, device=device, align_bytes=16)  # TMA: 16-byte aligned base and strides
-    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
-    B = block_table.shape[0]
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(B,), device=device)
-    if T != B * q_len:
-        raise ValueError(f"q has {T} rows; expected batch {B} x q_len_per_req {q_len}")
+    B = check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len)
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=device)
 
@@ -176,10 +189,10 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
 
 
 def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-               num_splits, deterministic):
+               num_splits, deterministic, q_scale=None, window_left=-1, sinks=None):
     res = reference.paged_decode(q, (k, v) if pair else k, block_table, seq_lens, kv_layout=kv_layout,
-                                 q_len_per_req=q_len, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-                                 return_lse=return_lse)
+                                 q_len_per_req=q_len, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale,
+                                 v_scale=v_scale, return_lse=return_lse, window_left=window_left, sinks=sinks)
     if out is None:
         return res
     out.copy_(res[0] if return_lse else res)
@@ -196,17 +209,20 @@ _cache = _launcher  # the launch cache under the name the lab's host-cost probe 
 def paged_decode(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, *, kv_layout: str = ...,
                  q_len_per_req: int = ..., sm_scale: float | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
                  out: Tensor | None = ..., return_lse: Literal[False] = ..., num_splits: int | None = ...,
-                 deterministic: bool = ...) -> Tensor: ...
+                 deterministic: bool = ..., q_scale: Scale | None = ..., window_left: int = ...,
+                 sinks: Tensor | None = ...) -> Tensor: ...
 @overload
 def paged_decode(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, *, kv_layout: str = ...,
                  q_len_per_req: int = ..., sm_scale: float | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
                  out: Tensor | None = ..., return_lse: Literal[True], num_splits: int | None = ...,
-                 deterministic: bool = ...) -> tuple[Tensor, Tensor]: ...
+                 deterministic: bool = ..., q_scale: Scale | None = ..., window_left: int = ...,
+                 sinks: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
 @overload
 def paged_decode(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, *, kv_layout: str = ...,
                  q_len_per_req: int = ..., sm_scale: float | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
                  out: Tensor | None = ..., return_lse: bool, num_splits: int | None = ...,
-                 deterministic: bool = ...) -> Tensor | tuple[Tensor, Tensor]: ...
+                 deterministic: bool = ..., q_scale: Scale | None = ..., window_left: int = ...,
+                 sinks: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
 def paged_decode(
     q: Tensor,
     kv_cache: KVCache,
@@ -222,6 +238,9 @@ def paged_decode(
     return_lse: bool = False,
     num_splits: int | None = None,
     deterministic: bool = True,
+    q_scale: Scale | None = None,
+    window_left: int = -1,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Paged decode attention with a BF16/FP16 query and an FP8/BF16/FP16 KV cache.
 
@@ -241,10 +260,18 @@ def paged_decode(
     accumulation order changes); the default keeps fixed ranges, so repeated calls and
     CUDA-graph replays are bitwise identical. Returns ``out`` (the query's dtype) and, with
     ``return_lse``, the base-2 LSE ``[B * q_len, Hq]`` fp32. CPU tensors run the reference.
+
+    On SM100 / SM103 the tcgen05 kernel ``sm100.decode`` serves the call. It is compile-verified
+    only: each MMA family passes a one-time runtime self-check per process before its first launch
+    (:mod:`cute_kernels.ops._selfcheck`), else the reference serves it (logged). It also takes an
+    FP8 query (``q_scale`` then required, float or 1-element fp32 tensor; the output is bf16),
+    ``window_left`` (a query at position p sees keys p - window_left ... p; -1: no window) and
+    ``sinks`` (fp32 ``[Hq]`` sink logits): see :func:`cute_kernels.reference.paged_decode`. On
+    other archs those three run the reference.
     """
     if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
         return _traced(q, kv_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale,
-                       out, return_lse, num_splits, deterministic)
+                       out, return_lse, num_splits, deterministic, q_scale, window_left, sinks)
     pair = isinstance(kv_cache, (tuple, list))
     if pair and len(kv_cache) != 2:
         raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
@@ -252,16 +279,23 @@ def paged_decode(
     v = kv_cache[1] if pair else kv_cache
     try:
         key = _key(q, k, v, pair, block_table, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                   return_lse, num_splits, deterministic)
+                   return_lse, num_splits, deterministic, q_scale, window_left, sinks)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
     launch = _launcher.entries.get(key)
     if launch is None or launch.reference:  # the argument tuple is built off the hot path only
         args = (q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                return_lse, num_splits, deterministic)
+                return_lse, num_splits, deterministic, q_scale, window_left, sinks)
         launch = launch or _launcher.lookup(key, args)
         if launch.reference:
             return _launcher.run_reference(args)
+    if launch.sm100 is not None:  # the kernel, then the merge of its partials: both in the op's range
+        if not _nvtx.ENABLED:
+            return sm100.run(launch.sm100, q, k, v, block_table, seq_lens, out, return_lse, k_scale, v_scale,
+                             q_scale, sinks, window_left)
+        with _launcher.range(q=q, kv_cache=k, block_table=block_table):
+            return sm100.run(launch.sm100, q, k, v, block_table, seq_lens, out, return_lse, k_scale, v_scale,
+                             q_scale, sinks, window_left)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
@@ -270,7 +304,7 @@ def paged_decode(
             launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
         except Exception:  # raises the error that names the argument
             _launcher.refused((q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
-                               v_scale, out, return_lse, num_splits, deterministic))
+                               v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks))
             raise
     return (out, lse) if return_lse else out
 
@@ -280,58 +314,75 @@ def paged_decode(
 # ---------------------------------------------------------------------------------------------
 
 
+def _new_out(q: Tensor) -> Tensor:
+    """The output the op allocates: the query's dtype, bf16 for an FP8 query."""
+    return torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == FP8 else q.dtype, device=q.device)
+
+
 def _new_lse(q: Tensor, return_lse: bool) -> Tensor:
     return torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else no_lse(q)
 
 
 def _run(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, k_scale_tensor,
-         v_scale, v_scale_tensor, return_lse, num_splits, deterministic, out) -> Tensor:
+         v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks,
+         out) -> Tensor:
+    q_scale_arg = q_scale_tensor if q_scale_tensor is not None else q_scale
     res = paged_decode(q, cache_of(k_cache, v_cache), block_table, seq_lens, kv_layout=kv_layout,
                        q_len_per_req=q_len_per_req, sm_scale=sm_scale, k_scale=scale_of(k_scale, k_scale_tensor),
                        v_scale=scale_of(v_scale, v_scale_tensor), out=out, return_lse=return_lse,
-                       num_splits=num_splits, deterministic=deterministic)
+                       num_splits=num_splits, deterministic=deterministic, q_scale=q_scale_arg,
+                       window_left=window_left, sinks=sinks)
     return res[1] if return_lse else no_lse(q)
 
 
 @custom_op("paged_decode")
-def _paged_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor | None, block_table: Tensor, seq_lens: Tensor,
-                     kv_layout: str, q_len_per_req: int, sm_scale: float | None, k_scale: float,
-                     k_scale_tensor: Tensor | None, v_scale: float, v_scale_tensor: Tensor | None,
-                     return_lse: bool, num_splits: int | None, deterministic: bool) -> tuple[Tensor, Tensor]:
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+def _paged_decode_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], block_table: Tensor, seq_lens: Tensor,
+                     kv_layout: str, q_len_per_req: int, sm_scale: Optional[float], k_scale: float,
+                     k_scale_tensor: Optional[Tensor], v_scale: float, v_scale_tensor: Optional[Tensor],
+                     return_lse: bool, num_splits: Optional[int], deterministic: bool, q_scale: Optional[float],
+                     q_scale_tensor: Optional[Tensor], window_left: int,
+                     sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    out = _new_out(q)
     lse = _run(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
-               k_scale_tensor, v_scale, v_scale_tensor, return_lse, num_splits, deterministic, out)
+               k_scale_tensor, v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale,
+               q_scale_tensor, window_left, sinks, out)
     return out, lse
 
 
 @_paged_decode_op.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, k_scale_tensor,
-      v_scale, v_scale_tensor, return_lse, num_splits, deterministic):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), _new_lse(q, return_lse)
+      v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks):
+    return _new_out(q), _new_lse(q, return_lse)
 
 
 @custom_op("paged_decode_out", mutates=("out",))
-def _paged_decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Tensor | None, block_table: Tensor,
-                         seq_lens: Tensor, kv_layout: str, q_len_per_req: int, sm_scale: float | None,
-                         k_scale: float, k_scale_tensor: Tensor | None, v_scale: float,
-                         v_scale_tensor: Tensor | None, return_lse: bool, num_splits: int | None,
-                         deterministic: bool, out: Tensor) -> Tensor:
+def _paged_decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], block_table: Tensor,
+                         seq_lens: Tensor, kv_layout: str, q_len_per_req: int, sm_scale: Optional[float],
+                         k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float,
+                         v_scale_tensor: Optional[Tensor], return_lse: bool, num_splits: Optional[int],
+                         deterministic: bool, q_scale: Optional[float], q_scale_tensor: Optional[Tensor],
+                         window_left: int, sinks: Optional[Tensor], out: Tensor) -> Tensor:
     return _run(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
-                k_scale_tensor, v_scale, v_scale_tensor, return_lse, num_splits, deterministic, out)
+                k_scale_tensor, v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale,
+                q_scale_tensor, window_left, sinks, out)
 
 
 @_paged_decode_out_op.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, k_scale_tensor,
-      v_scale, v_scale_tensor, return_lse, num_splits, deterministic, out):
+      v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks,
+      out):
     return _new_lse(q, return_lse)
 
 
 def _traced(q, kv_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-            return_lse, num_splits, deterministic):
+            return_lse, num_splits, deterministic, q_scale, window_left, sinks):
     """:func:`paged_decode` as torch.compile sees it: the op returns ``(out, lse)`` (an empty lse
-    unless asked for), or only the lse when it writes the caller's ``out``."""
+    unless asked for), or only the lse when it writes the caller's ``out``; ``q_scale`` (None, a
+    float or a tensor) goes as an optional float and an optional tensor."""
+    q_scales = (None, None) if q_scale is None else scale_parts(q_scale)
     args = (q, *cache_parts(kv_cache), block_table, seq_lens, kv_layout, q_len_per_req, sm_scale,
-            *scale_parts(k_scale), *scale_parts(v_scale), return_lse, num_splits, deterministic)
+            *scale_parts(k_scale), *scale_parts(v_scale), return_lse, num_splits, deterministic, *q_scales,
+            window_left, sinks)
     if out is None:
         out, lse = _paged_decode_op(*args)
     else:

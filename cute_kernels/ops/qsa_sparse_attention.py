@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -348,7 +349,7 @@ def qsa_sparse_attention(
 
 @custom_op("qsa_sparse_attention_out", mutates=("out",))
 def _qsa_out_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, packed_indices: Tensor, block_table: Tensor,
-                token_to_req: Tensor, prefill: bool, k_scale: float, v_scale: float, output_gate: Tensor | None,
+                token_to_req: Tensor, prefill: bool, k_scale: float, v_scale: float, output_gate: Optional[Tensor],
                 out: Tensor) -> None:
     qsa_sparse_attention(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill=prefill,
                          k_scale=k_scale, v_scale=v_scale, out=out, output_gate=output_gate)
@@ -362,7 +363,7 @@ def _(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k
 @custom_op("qsa_sparse_attention")
 def _qsa_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, packed_indices: Tensor, block_table: Tensor,
             token_to_req: Tensor, prefill: bool, k_scale: float, v_scale: float,
-            output_gate: Tensor | None) -> Tensor:
+            output_gate: Optional[Tensor]) -> Tensor:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return qsa_sparse_attention(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill=prefill,
                                 k_scale=k_scale, v_scale=v_scale, out=out, output_gate=output_gate)

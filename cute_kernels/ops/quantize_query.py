@@ -12,7 +12,7 @@ tensor attributes. Registered as ``torch.ops.cute_kernels.quantize_query`` and
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -194,15 +194,15 @@ def quantize_query(
 # ---------------------------------------------------------------------------------------------
 
 
-def _rope_of(cos_sin_cache: Tensor | None, positions: Tensor | None) -> Rope | None:
+def _rope_of(cos_sin_cache: Optional[Tensor], positions: Optional[Tensor]) -> Rope | None:
     if cos_sin_cache is None or positions is None:
         return None
     return cos_sin_cache, positions
 
 
 @custom_op("quantize_query_out", mutates=("out",))
-def _quantize_query_out_op(q: Tensor, q_scale: float, q_scale_tensor: Tensor | None,
-                           cos_sin_cache: Tensor | None, positions: Tensor | None, out: Tensor) -> None:
+def _quantize_query_out_op(q: Tensor, q_scale: float, q_scale_tensor: Optional[Tensor],
+                           cos_sin_cache: Optional[Tensor], positions: Optional[Tensor], out: Tensor) -> None:
     quantize_query(q, scale_of(q_scale, q_scale_tensor), out=out, rope=_rope_of(cos_sin_cache, positions))
 
 
@@ -212,8 +212,8 @@ def _(q, q_scale, q_scale_tensor, cos_sin_cache, positions, out):
 
 
 @custom_op("quantize_query")
-def _quantize_query_op(q: Tensor, q_scale: float, q_scale_tensor: Tensor | None, cos_sin_cache: Tensor | None,
-                       positions: Tensor | None) -> Tensor:
+def _quantize_query_op(q: Tensor, q_scale: float, q_scale_tensor: Optional[Tensor], cos_sin_cache: Optional[Tensor],
+                       positions: Optional[Tensor]) -> Tensor:
     out = torch.empty(q.shape, dtype=FP8, device=q.device)
     quantize_query(q, scale_of(q_scale, q_scale_tensor), out=out, rope=_rope_of(cos_sin_cache, positions))
     return out

@@ -11,6 +11,8 @@ so a call captures in a CUDA graph once compiled. Registered as
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -198,9 +200,9 @@ def write_kv_cache(
 
 
 @custom_op("write_kv_cache", mutates=("k_cache", "v_cache"))
-def _write_kv_cache_op(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor | None, slot_mapping: Tensor,
-                       kv_layout: str, k_scale: float, k_scale_tensor: Tensor | None, v_scale: float,
-                       v_scale_tensor: Tensor | None) -> None:
+def _write_kv_cache_op(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], slot_mapping: Tensor,
+                       kv_layout: str, k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float,
+                       v_scale_tensor: Optional[Tensor]) -> None:
     write_kv_cache(key, value, cache_of(k_cache, v_cache), slot_mapping, kv_layout=kv_layout,
                    k_scale=scale_of(k_scale, k_scale_tensor), v_scale=scale_of(v_scale, v_scale_tensor))
 

@@ -46,6 +46,24 @@ def test_variant_compiles_with_evidence(arch, config):
     if compiled.sass is not None:
         assert "STL" not in ev.sass and "LDL" not in ev.sass, f"register spills: {ev.sass}"
         _assert_wgmma_not_serialized(compiled)
+    budget = getattr(config, "registers", None)
+    if budget is not None and compiled.cubin is not None:
+        _assert_register_budget(config, budget, compiled.cubin)
+
+
+def _assert_register_budget(config, budget, cubin):
+    """The SM100 kernels reconfigure registers per warpgroup role (setmaxnreg): the roles must
+    share the pool the launch allocated (the kernel's register count, rounded up to the 8-register
+    allocation unit, x its threads), which must fit the SM's 64K; and no local-memory frame."""
+    from cute_kernels.jit.cubin import resources
+    from cute_kernels.plans.hw import REGISTERS_PER_SM
+
+    res = resources(cubin)
+    launch = (res["registers"] + 7) // 8 * 8
+    pool = launch * budget.threads
+    assert pool <= REGISTERS_PER_SM, f"{config.label()}: {launch} registers x {budget.threads} threads"
+    assert budget.total <= pool, f"{config.label()}: roles {dict(budget.roles)} need {budget.total} of {pool}"
+    assert res["frame_bytes"] == 0, f"{config.label()}: {res['frame_bytes']} bytes of local memory"
 
 
 def _assert_wgmma_not_serialized(compiled):

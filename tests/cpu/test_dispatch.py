@@ -78,7 +78,9 @@ def _check_invariants(p: Plan, model: str):
         assert k.status == "fallback"
         assert "fallback" in p.reason and "reference" in p.reason
     else:
-        assert k.status == "available", p
+        assert k.status in ("available", "compile-verified"), p
+        if k.status == "compile-verified":  # the reason says so, and what the self-check found
+            assert "compile-verified only" in p.reason and "self-check" in p.reason
     if p.quantize_query:
         assert p.q_dtype == "fp8_e4m3" and p.applies_q_scale
     if p.q_dtype != "fp8_e4m3":
@@ -303,6 +305,7 @@ def test_explicit_backend_lists_every_violation(all_planned):
 
 def test_explicit_layout_refused(sm90_decode_available, monkeypatch):
     _make_available(monkeypatch, "sm100.decode")
+    monkeypatch.setitem(KERNELS, "sm100.decode", dataclasses.replace(KERNELS["sm100.decode"], kv_layouts=("HND",)))
     _raises(r"sm100.decode needs kv_layout HND \(got NHD\)", arch="sm100", kv_layout="NHD",
             backend="sm100.decode")
     assert _plan(kv_layout="nhd", backend="sm90.decode").kv_layout == "NHD"

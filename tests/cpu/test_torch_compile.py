@@ -60,7 +60,7 @@ def make_inputs(seed: int) -> SimpleNamespace:
         slots=slots, k_scale=torch.tensor(0.0625) * (1 + torch.rand((), generator=g)), v_scale=0.5,
         q_scale=torch.rand(2, generator=g) * 0.1 + 0.05,
         cos_sin=torch.randn(64, 32, generator=g), positions=torch.randint(0, 64, (3,), generator=g),
-        qsa=qsa,
+        sinks=torch.randn(8, generator=g), qsa=qsa,
     )
 
 
@@ -86,10 +86,14 @@ def step(x: SimpleNamespace, o: dict, kv: torch.Tensor) -> tuple:
     cute_kernels.merge_states(parts, part_lse, out=o["merge_out"], out_lse=o["merge_lse"])
     q8 = cute_kernels.quantize_query(x.q, 0.25, rope=(x.cos_sin, x.positions))
     cute_kernels.quantize_query(x.q, x.q_scale, out=o["q8"])
+    # an FP8 query (q_scale), sinks and a sliding window (served by the reference off SM100)
+    fp8_out, fp8_lse = cute_kernels.paged_decode(q8, kv, x.block_table, x.seq_lens, q_scale=0.25, k_scale=x.k_scale,
+                                                 sinks=x.sinks, window_left=8, return_lse=True)
     gated = cute_kernels.qsa_sparse_attention(**x.qsa, prefill=False)
     ungated = {**x.qsa, "output_gate": None, "k_scale": 0.5}
     cute_kernels.qsa_sparse_attention(**ungated, prefill=True, out=o["qsa_out"])
-    return (out, lse, out2, merged, merged_lse, o["merge_out"], o["merge_lse"], q8, o["q8"], gated, o["qsa_out"])
+    return (out, lse, out2, merged, merged_lse, o["merge_out"], o["merge_lse"], q8, o["q8"], fp8_out, fp8_lse, gated,
+            o["qsa_out"])
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -112,11 +116,24 @@ def test_every_op_is_registered_with_its_schema():
     assert "Tensor k_cache, Tensor? v_cache" in schemas["paged_decode"]
     assert "float k_scale, Tensor? k_scale_tensor" in schemas["paged_decode"]
     assert schemas["paged_decode"].endswith("-> (Tensor, Tensor)")
-    assert "Tensor(a15!) out) -> Tensor" in schemas["paged_decode_out"]
+    assert "float? q_scale, Tensor? q_scale_tensor, SymInt window_left, Tensor? sinks" in schemas["paged_decode"]
+    assert "Tensor(a19!) out) -> Tensor" in schemas["paged_decode_out"]
     assert "Tensor(a2!) k_cache, Tensor(a3!)? v_cache" in schemas["write_kv_cache"]
     assert "Tensor? cos_sin_cache, Tensor? positions" in schemas["quantize_query"]
     assert "Tensor(a2!) out, Tensor(a3!) out_lse" in schemas["merge_states_out"]
     assert "Tensor(a10!) out" in schemas["qsa_sparse_attention_out"]
+
+
+def test_registered_functions_annotate_optionals_as_optional():
+    """Schema inference reads the annotations as strings; older torch releases (the GPU host's
+    2.11) accept ``Optional[X]`` but not ``X | None``."""
+    import inspect
+
+    _library.registered_ops()
+    assert sorted(_library._DEFS) == sorted(OPS)
+    for name, definition in _library._DEFS.items():
+        for p in inspect.signature(definition._init_fn).parameters.values():
+            assert "|" not in str(p.annotation), (name, p.name, p.annotation)
 
 
 def test_step_traces_as_one_graph_without_breaks():
@@ -195,6 +212,7 @@ def _opcheck_cases(x: SimpleNamespace) -> dict:
     kv = x.kv.to(BF16)
     pair = (kv[:, 0].clone(), kv[:, 1].clone())
     decode = (x.q, kv, None, x.block_table, x.seq_lens, "HND", 1, None, 1.0, x.k_scale, 0.5, None)
+    q8 = x.q.to(FP8)
     parts = torch.randn(2, 3, 8, 64)
     part_lse = torch.randn(2, 3, 8)
     qsa = x.qsa
@@ -203,9 +221,11 @@ def _opcheck_cases(x: SimpleNamespace) -> dict:
     return {
         "merge_states": (parts, part_lse, torch.bfloat16),
         "merge_states_out": (parts, part_lse, torch.empty(3, 8, 64), torch.empty(3, 8)),
-        "paged_decode": (*decode, True, None, True),
+        "paged_decode": (*decode, True, None, True, None, None, -1, None),
         "paged_decode_out": (x.q, *pair, x.block_table, x.seq_lens, "HND", 1, 0.1, 0.25, None, 0.5, None, False,
-                             None, True, torch.empty_like(x.q)),
+                             None, True, None, None, 4, x.sinks, torch.empty_like(x.q)),
+        "paged_decode_fp8_query": (q8, x.kv.clone(), None, x.block_table, x.seq_lens, "HND", 1, None, 1.0, None, 1.0,
+                                   None, True, None, True, 1.0, x.q_scale[:1].clone(), -1, x.sinks),
         "qsa_sparse_attention": qsa_args,
         "qsa_sparse_attention_out": (*qsa_args, torch.empty_like(qsa["q"])),
         "quantize_query": (x.q, 0.25, None, x.cos_sin, x.positions),
@@ -214,20 +234,22 @@ def _opcheck_cases(x: SimpleNamespace) -> dict:
     }
 
 
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("name", OPS + ("paged_decode_fp8_query",))
 def test_opcheck(name):
     """Schema (declared mutations, no aliasing), fake implementation, autograd registration and
     AOT dispatch with dynamic shapes, as torch.library.opcheck checks them."""
     x = make_inputs(41)
-    op = _library.registered_ops()[name]
+    op = _library.registered_ops()[name.removesuffix("_fp8_query")]
     args = _opcheck_cases(x)[name]
-    if name != "quantize_query_out":
+    if name not in ("quantize_query_out", "paged_decode_fp8_query"):
         torch.library.opcheck(op.default, args)
         return
-    # its mutated output is float8, which the schema check's allclose cannot compare on the CPU:
-    # the other checks run, and the declared mutation is checked by hand
+    # float8 tensors, which the schema check's allclose cannot compare on the CPU: the other checks
+    # run (and the out variant's declared mutation is checked by hand)
     torch.library.opcheck(op.default, args,
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    if name == "paged_decode_fp8_query":
+        return
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     out = args[-1].view(torch.uint8).fill_(0x7F)  # NaN codes
     op(*args)
@@ -244,16 +266,16 @@ def test_fake_outputs_match_the_real_ones():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cases = _opcheck_cases(x)
-    for name in ("merge_states", "paged_decode", "qsa_sparse_attention", "quantize_query"):
+    for name in ("merge_states", "paged_decode", "paged_decode_fp8_query", "qsa_sparse_attention", "quantize_query"):
         args = cases[name]
-        if name == "paged_decode":
-            args = [(*args[:-3], flag, *args[-2:]) for flag in (True, False)]
+        if name.startswith("paged_decode"):  # with and without the LSE
+            args = [(*args[:12], flag, *args[13:]) for flag in (True, False)]
         else:
             args = [args]
         for a in args:
-            real = _library.registered_ops()[name](*a)
+            real = _library.registered_ops()[name.removesuffix("_fp8_query")](*a)
             with FakeTensorMode(allow_non_fake_inputs=True):
-                fake = _library.registered_ops()[name](*a)
+                fake = _library.registered_ops()[name.removesuffix("_fp8_query")](*a)
             real = real if isinstance(real, tuple) else (real,)
             fake = fake if isinstance(fake, tuple) else (fake,)
             for r, f in zip(real, fake):
