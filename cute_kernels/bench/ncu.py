@@ -33,7 +33,8 @@ ROOFLINE_RANGE = "cute_kernels.roofline"
 SHAPES: dict[str, dict[str, Any]] = {
     # cute-kernels bench decode's first shape (Qwen3-30B B8 at 32000 tokens, FP8 cache)
     "decode": dict(B=8, ctx=32000, Hq=32, Hkv=4, D=128, page=16, kv="fp8", q_len=1),
-    "prefill": dict(B=4, new=1024, ctx=4096, Hq=32, Hkv=8, D=128, page=16, kv="fp8"),
+    # cute-kernels bench prefill's first shape: B requests of `new` tokens after a cached `prefix`
+    "prefill": dict(B=1, prefix=0, new=4096, Hq=32, Hkv=8, D=128, page=16, kv="bf16"),
     # cute-kernels bench qsa: Hq 24, Hkv 2, D 256, page 1568; decode rows or 1 x n prefill tokens
     "qsa": dict(kind="decode", n=64, kv="bf16", selection="correlated", gate=1),
     # cute-kernels bench merge: S splits of N rows x H heads x D
