@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time the ops load on first u
     from . import reference as reference
     from .ops.merge_states import merge_states as merge_states
     from .ops.paged_decode import paged_decode as paged_decode
+    from .ops.paged_prefill import paged_prefill as paged_prefill
     from .ops.qsa_sparse_attention import qsa_sparse_attention as qsa_sparse_attention
     from .ops.quantize_query import quantize_query as quantize_query
     from .ops.write_kv_cache import write_kv_cache as write_kv_cache

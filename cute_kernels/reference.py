@@ -15,7 +15,8 @@ Conventions shared by all ops
   never dereference it).
 - **Lengths.** ``seq_lens`` int32 ``[B]`` = each request's total KV length *including* its
   ``q_len`` new tokens. Query token j (0-based within its request) sits at position
-  ``p = seq_len - q_len + j`` and sees KV positions ``<= p`` (causal within the speculative draft).
+  ``p = seq_len - q_len + j`` and sees KV positions ``<= p`` (causal within the speculative draft or
+  the prefill chunk; a non-causal prefill sees all ``seq_len``).
 - **Sliding window.** ``window_left = w >= 0``: the query at position ``p`` sees only positions
   ``p - w ... p`` (``w + 1`` keys at most); ``-1``: no window (FlashInfer's convention).
 - **Sinks.** ``sinks`` fp32 ``[Hq]``: one logit per query head, in the units of the scaled logits
@@ -26,7 +27,8 @@ Conventions shared by all ops
 - **Scales.** ``logits = (q · (k · k_scale)) · sm_scale`` (times ``q_scale`` for an FP8 query),
   ``sm_scale`` defaults to ``D ** -0.5``; ``out = softmax(logits) · (v · v_scale)``. A scale is a
   Python float or a 1-element fp32 tensor. FP8 values are stored as ``x / scale``, so ``scale``
-  multiplies them back.
+  multiplies them back. An FP8 query's ``q_scale`` may also be an fp32 ``[Hkv]`` tensor (per KV
+  head: query head h uses ``q_scale[h // (Hq // Hkv)]``).
 - **LSE.** Base 2: ``lse = log2(sum_j 2^(logits_j · log2 e)) = logsumexp(logits) / ln 2`` of the
   scaled logits, fp32. A row that sees no KV has output 0 and lse ``-inf``.
 - **FP8 conversion.** ``saturate(round_to_nearest_even(x / scale))`` to float8_e4m3fn (±448).
@@ -58,6 +60,16 @@ def scale_value(scale: Scale, name: str = "scale") -> float | torch.Tensor:
             raise ValueError(f"{name} must be a float or a 1-element tensor, got shape {tuple(scale.shape)}")
         return scale.reshape(()).float()
     return float(scale)
+
+
+def query_scale(q_scale: Scale, num_q_heads: int) -> float | torch.Tensor:
+    """``q_scale`` per tensor (a float or a 0-d fp32 tensor) or per query head (an fp32 ``[Hq]``
+    tensor expanded from a per-KV-head ``[Hkv]`` one)."""
+    if isinstance(q_scale, torch.Tensor) and q_scale.numel() > 1:
+        if q_scale.dim() != 1 or num_q_heads % q_scale.numel():
+            raise ValueError(f"per-head q_scale must be [Hkv] with Hq % Hkv == 0, got {tuple(q_scale.shape)}")
+        return q_scale.float().repeat_interleave(num_q_heads // q_scale.numel())
+    return scale_value(q_scale, "q_scale")
 
 
 def split_kv_cache(kv_cache: KVCache, kv_layout: str = "HND") -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,6 +248,211 @@ def _softmax_rows(logits: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, 
 
 
 # ----------------------------------------------------------------------------------------------
+# paged prefill
+# ----------------------------------------------------------------------------------------------
+
+# Default chunk sizes of the prefill reference: the largest temporaries are the logits of one
+# block, q_chunk x Hq x kv_chunk in the accumulation dtype (64 MiB in fp32 for 32 heads).
+PREFILL_Q_CHUNK = 256
+PREFILL_KV_CHUNK = 2048
+
+
+def _gather_span(cache: torch.Tensor, pages: torch.Tensor, p0: int, p1: int, dtype) -> torch.Tensor:
+    """``[Hkv, p1 - p0, D]``: KV positions ``[p0, p1)`` of one request from HND-ordered ``cache``;
+    ``pages`` must cover position ``p1 - 1``. A page id outside ``[0, P)`` reads as zeros."""
+    P, Hkv, page, D = cache.shape
+    c0, c1 = p0 // page, (p1 - 1) // page + 1
+    ids = pages[c0:c1].long()
+    valid = (ids >= 0) & (ids < P)
+    rows = cache[ids.clamp(0, max(P - 1, 0))].to(dtype)  # [c1 - c0, Hkv, page, D]
+    # select, not multiply: the clamped-to page may hold NaN/inf, and 0 * NaN is NaN
+    rows = torch.where(valid.view(-1, 1, 1, 1), rows, torch.zeros((), dtype=dtype, device=rows.device))
+    rows = rows.permute(1, 0, 2, 3).reshape(Hkv, (c1 - c0) * page, D)
+    return rows[:, p0 - c0 * page:p1 - c0 * page]
+
+
+def prefill_block(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, visible: torch.Tensor,
+                  scale: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One online-softmax step of the prefill reference: ``rows [qc, Hkv, G, D]`` against the KV
+    block ``k, v [Hkv, kc, D]``; ``visible [qc, kc]``; ``state = (m, l, o)`` (running max, sum of
+    exponentials, unnormalized output), returned updated. Its logits ``[qc, Hkv, G, kc]`` are the
+    largest temporary of :func:`paged_prefill` (module-level so that tests can watch the bound)."""
+    m, total, o = state
+    logits = torch.einsum("qhgd,hkd->qhgk", rows, k) * scale
+    logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
+    m_new = torch.maximum(m, logits.amax(dim=-1))
+    m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)  # no -inf - -inf
+    alpha = torch.exp(m - m_safe)
+    p = torch.exp(logits - m_safe.unsqueeze(-1))
+    return m_new, total * alpha + p.sum(dim=-1), o * alpha.unsqueeze(-1) + torch.einsum("qhgk,hkd->qhgd", p, v)
+
+
+def prefill_spans(query_start_loc: torch.Tensor, num_tokens: int, max_query_len: int | None = None) -> list[int]:
+    """``query_start_loc`` as a host list, checked: ``[0] == 0``, non-decreasing, ``[-1] == T``,
+    every request's query length ``<= max_query_len`` when given (raises naming the index)."""
+    starts = [int(x) for x in query_start_loc.tolist()]
+    if starts[0] != 0 or starts[-1] != num_tokens:
+        raise ValueError(f"query_start_loc must start at 0 and end at T={num_tokens}, got {starts[0]} ... {starts[-1]}")
+    for b in range(len(starts) - 1):
+        n = starts[b + 1] - starts[b]
+        if n < 0:
+            raise ValueError(f"query_start_loc must be non-decreasing; it decreases at index {b + 1}")
+        if max_query_len is not None and n > max_query_len:
+            raise ValueError(f"max_query_len ({max_query_len}) is below request {b}'s query length {n}")
+    return starts
+
+
+@overload
+def paged_prefill(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, *, max_query_len: int | None = ..., kv_layout: str = ...,
+                  causal: bool = ..., sm_scale: float | None = ..., q_scale: Scale | None = ..., k_scale: Scale = ...,
+                  v_scale: Scale = ..., return_lse: Literal[False] = ..., out_dtype: torch.dtype | None = ...,
+                  float64: bool = ..., q_chunk: int = ..., kv_chunk: int = ...) -> torch.Tensor: ...
+@overload
+def paged_prefill(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, *, max_query_len: int | None = ..., kv_layout: str = ...,
+                  causal: bool = ..., sm_scale: float | None = ..., q_scale: Scale | None = ..., k_scale: Scale = ...,
+                  v_scale: Scale = ..., return_lse: Literal[True], out_dtype: torch.dtype | None = ...,
+                  float64: bool = ..., q_chunk: int = ..., kv_chunk: int = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def paged_prefill(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, *, max_query_len: int | None = ..., kv_layout: str = ...,
+                  causal: bool = ..., sm_scale: float | None = ..., q_scale: Scale | None = ..., k_scale: Scale = ...,
+                  v_scale: Scale = ..., return_lse: bool, out_dtype: torch.dtype | None = ..., float64: bool = ...,
+                  q_chunk: int = ..., kv_chunk: int = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+def paged_prefill(
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    max_query_len: int | None = None,
+    kv_layout: str = "HND",
+    causal: bool = True,
+    sm_scale: float | None = None,
+    q_scale: Scale | None = None,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
+    return_lse: bool = False,
+    out_dtype: torch.dtype | None = None,
+    float64: bool = False,
+    q_chunk: int = PREFILL_Q_CHUNK,
+    kv_chunk: int = PREFILL_KV_CHUNK,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Paged prefill attention of a varlen batch (see the module docstring for the conventions).
+
+    Args:
+        q: ``[T, Hq, D]``: the new tokens of B requests, packed (bf16/fp16, or float8_e4m3fn with
+            ``q_scale``). Request b owns rows ``query_start_loc[b] : query_start_loc[b + 1]``
+            (``q_len_b`` of them, 0 allowed); they are the last ``q_len_b`` positions of its
+            ``seq_lens[b]`` tokens (a cached prefix comes first).
+        kv_cache, block_table, seq_lens, kv_layout, k_scale, v_scale: as :func:`paged_decode`.
+        query_start_loc: int32 ``[B + 1]``, non-decreasing from 0 to T.
+        max_query_len: optional upper bound on every ``q_len_b`` (checked here).
+        causal: query j of request b sees KV positions ``< seq_lens[b] - q_len_b + j + 1``;
+            without it, all ``seq_lens[b]`` positions.
+        q_scale: required for (and only for) an FP8 query: per tensor, or fp32 ``[Hkv]``.
+        return_lse: also return the base-2 LSE ``[T, Hq]`` fp32.
+        out_dtype: the output dtype (default q's; bf16 for an FP8 query, which may also write fp16).
+        q_chunk, kv_chunk: the block sizes (results agree across them up to rounding).
+
+    Defined results for data a kernel cannot refuse without synchronizing: KV positions at or
+    past the block table's capacity (``max_pages * page``) are not attended; an invalid page id
+    reads as zeros; a row that sees no KV (``seq_len <= 0``, or ``q_len > seq_len`` for its first
+    rows) gives 0 and LSE ``-inf``. A malformed ``query_start_loc`` raises ``ValueError``.
+
+    Memory: queries run in blocks of ``q_chunk`` rows against KV blocks of ``kv_chunk`` positions
+    merged online, so besides the ``[T, Hq, D]`` output and ``[T, Hq]`` LSE (in the accumulation
+    dtype) the working set is ``O(q_chunk * Hq * kv_chunk)`` for the logits plus
+    ``O((kv_chunk + 2 page) * Hkv * D)`` for one gathered K/V block, whatever the prompt length
+    (with the defaults and 32 fp32 heads: 64 MiB of logits).
+
+    Returns:
+        ``out`` ``[T, Hq, D]`` in ``out_dtype``, and ``lse`` if asked.
+    """
+    acc = torch.float64 if float64 else torch.float32
+    k_cache, v_cache = split_kv_cache(kv_cache, kv_layout)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    T, Hq, D = q.shape
+    P, Hkv, page, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"head dim mismatch: q has {D}, kv_cache has {Dk}")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"num q heads {Hq} must be a multiple of num kv heads {Hkv}")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table must be [B, max_pages], got shape {tuple(block_table.shape)}")
+    B, width = block_table.shape
+    if tuple(seq_lens.shape) != (B,):
+        raise ValueError(f"seq_lens must be [B={B}], got shape {tuple(seq_lens.shape)}")
+    if tuple(query_start_loc.shape) != (B + 1,):
+        raise ValueError(f"query_start_loc must be [B + 1={B + 1}], got shape {tuple(query_start_loc.shape)}")
+    for name, n in (("q_chunk", q_chunk), ("kv_chunk", kv_chunk)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    if q.dtype == FP8:
+        if q_scale is None:
+            raise ValueError("an FP8 query needs q_scale")
+        out_dtype = out_dtype or torch.bfloat16
+        qs = query_scale(q_scale, Hq)
+        if isinstance(qs, torch.Tensor) and qs.dim():
+            per_head = q_scale if isinstance(q_scale, torch.Tensor) else qs  # qs has a dim only for a tensor
+            if qs.numel() != Hq or per_head.numel() != Hkv:
+                raise ValueError(f"per-KV-head q_scale must have Hkv={Hkv} elements, got {tuple(per_head.shape)}")
+            qs = qs.to(acc).view(1, Hq, 1)
+    else:
+        if q_scale is not None:
+            raise ValueError("q_scale applies only to an FP8 query; a bf16/fp16 query is never rescaled")
+        out_dtype, qs = out_dtype or q.dtype, 1.0
+    scale = (D ** -0.5) if sm_scale is None else float(sm_scale)
+    ks = scale_value(k_scale, "k_scale")
+    vs = scale_value(v_scale, "v_scale")
+    starts = prefill_spans(query_start_loc, T, max_query_len)
+    lens = seq_lens.tolist()
+    capacity = width * page  # positions past the block table are not attended
+    group = Hq // Hkv
+    dev = q.device
+
+    out = torch.zeros((T, Hq, D), dtype=acc, device=dev)
+    lse = torch.full((T, Hq), float("-inf"), dtype=acc, device=dev)
+    for b in range(B):
+        s, n = starts[b], starts[b + 1] - starts[b]
+        L = int(lens[b])
+        kv_end = min(L, capacity)
+        for j0 in range(0, n, q_chunk):
+            j1 = min(n, j0 + q_chunk)
+            if causal:
+                limit = (L - n + 1 + torch.arange(j0, j1, device=dev)).clamp(max=kv_end)
+            else:
+                limit = torch.full((j1 - j0,), kv_end, device=dev)
+            hi = min(kv_end, L - n + j1) if causal else kv_end  # = limit.max(), without a sync
+            if hi <= 0:
+                continue  # these rows see no KV: 0 and -inf
+            rows = (q[s + j0:s + j1].to(acc) * qs).view(j1 - j0, Hkv, group, D)
+            state = (torch.full((j1 - j0, Hkv, group), float("-inf"), dtype=acc, device=dev),
+                     torch.zeros((j1 - j0, Hkv, group), dtype=acc, device=dev),
+                     torch.zeros((j1 - j0, Hkv, group, D), dtype=acc, device=dev))
+            for p0 in range(0, hi, kv_chunk):
+                p1 = min(hi, p0 + kv_chunk)
+                k = _gather_span(k_cache, block_table[b], p0, p1, acc) * ks
+                v = _gather_span(v_cache, block_table[b], p0, p1, acc) * vs
+                visible = torch.arange(p0, p1, device=dev).view(1, -1) < limit.view(-1, 1)
+                state = prefill_block(state, rows, k, v, visible, scale)
+            m, total, o = state
+            has = total > 0
+            safe = torch.where(has, total, torch.ones_like(total))
+            out[s + j0:s + j1] = torch.where(has.unsqueeze(-1), o / safe.unsqueeze(-1), 0.0).view(j1 - j0, Hq, D)
+            lse[s + j0:s + j1] = torch.where(has, (m + torch.log(safe)) / _LN2,
+                                             torch.full_like(m, float("-inf"))).view(j1 - j0, Hq)
+    out = out.to(out_dtype)
+    if return_lse:
+        return out, lse.float()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # merge
 # ----------------------------------------------------------------------------------------------
 
@@ -339,14 +556,8 @@ def quantize_query(q: torch.Tensor, q_scale: Scale, *, rope: Rope | None = None)
         raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
     if rope is not None:
         q = rope_neox(q, *rope)
-    if isinstance(q_scale, torch.Tensor) and q_scale.numel() > 1:
-        Hq = q.shape[1]
-        if q_scale.dim() != 1 or Hq % q_scale.numel():
-            raise ValueError(f"per-head q_scale must be [Hkv] with Hq % Hkv == 0, got {tuple(q_scale.shape)}")
-        s: Scale = q_scale.float().repeat_interleave(Hq // q_scale.numel()).view(1, Hq, 1)
-    else:
-        s = scale_value(q_scale, "q_scale")
-    return quantize_fp8(q, s)
+    s = query_scale(q_scale, q.shape[1])
+    return quantize_fp8(q, s.view(1, -1, 1) if isinstance(s, torch.Tensor) and s.dim() else s)
 
 
 def write_kv_cache(

@@ -11,10 +11,12 @@ them), so they never change meaning. A kernel is:
 
 - ``"available"``: built and tested; chosen automatically when its limits accept a request;
 - ``"compile-verified"``: built, and compile-checked for its arch on the CPU (instruction
-  evidence, shared-memory / TMEM / register budgets, no spills), but never run on that hardware;
+  evidence, shared-memory / TMEM / register budgets, no spills, PTX digests), but not yet verified
+  on that hardware;
   chosen like an available kernel, and its op runs a one-time runtime self-check per process and
-  MMA family before the first use (:mod:`cute_kernels.ops._selfcheck`); a family that failed it
-  on the machine is refused by the dispatcher with the recorded reason;
+  variant family (``family``) before the first use (:mod:`cute_kernels.ops._selfcheck`): a family
+  that fails it is served by the reference, and the dispatcher refuses it on that machine with
+  the recorded reason;
 - ``"planned"``: designed but not built; named in plans so the reason can say why it was not
   used, refused when asked for explicitly;
 - ``"fallback"``: a slow torch reference (:mod:`cute_kernels.reference`), which serves every
@@ -44,6 +46,7 @@ from .plans import (
     probes,
     quantize_query,
     sm90_decode,
+    sm90_prefill,
     sm90_qsa,
     sm90_qsa_launch,
     sm90_qsa_tile,
@@ -64,6 +67,7 @@ KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
 OPS = {
     "merge_states": ("cute_kernels.ops.merge_states", "merge_states"),
     "paged_decode": ("cute_kernels.ops.paged_decode", "paged_decode"),
+    "paged_prefill": ("cute_kernels.ops.paged_prefill", "paged_prefill"),
     "qsa_sparse_attention": ("cute_kernels.ops.qsa_sparse_attention", "qsa_sparse_attention"),
     "qsa_warmup": ("cute_kernels.qsa_warmup", "qsa_warmup"),
     "quantize_query": ("cute_kernels.ops.quantize_query", "quantize_query"),
@@ -89,7 +93,9 @@ class KernelInfo:
     puts a KV group's rows on one MMA dimension); ``opt_in``: never chosen automatically, only
     when named with ``backend=``; ``op``: the public op (a key of :data:`OPS`, or
     ``"reference.<name>"`` for :mod:`cute_kernels.reference`) that runs it; ``variants``: a
-    function returning its compile matrix (configs, each naming its targets).
+    function returning its compile matrix (configs, each naming its targets); ``family`` (a
+    compile-verified kernel): ``family(q_dtype, kv_dtype, head_dim)``, the name of the runtime
+    self-check family a request runs (its record is what the dispatcher reads).
     """
 
     id: str
@@ -111,6 +117,7 @@ class KernelInfo:
     opt_in: bool = False
     op: str | None = None
     variants: Callable[[], Sequence[KernelConfig]] | None = None
+    family: Callable[[str, str, int], str] | None = None
 
     def __post_init__(self):
         # Registry entries are code, so an inconsistent one is a bug caught at import time.
@@ -136,6 +143,8 @@ class KernelInfo:
             raise ValueError(f"kernel {self.id!r}: fallback ids (and only they) start with 'reference.'")
         if self.op is not None and self.op not in OPS and not self.op.startswith("reference."):
             raise ValueError(f"kernel {self.id!r}: op {self.op!r} is not a public op")
+        if self.status == "compile-verified" and self.family is None:
+            raise ValueError(f"kernel {self.id!r}: a compile-verified kernel names its self-check family")
 
     @property
     def is_fallback(self) -> bool:
@@ -154,14 +163,29 @@ _SM90_DECODE: dict[str, Any] = dict(
     head_dims=sm90_decode.HEAD_DIMS, page_sizes=sm90_decode.PAGE_SIZES, max_rows=sm90_decode.MAX_ROWS,
     kv_layouts=sm90_decode.KV_LAYOUTS,
 )
+# What the SM90 paged prefill kernel accepts: its plan's limits. Both query paths are compile-verified
+# (docs/design/sm90-prefill.md#status): the op runs a runtime self-check before their first launch.
+_SM90_PREFILL: dict[str, Any] = dict(
+    status="compile-verified", call_site="attention", archs=("sm90",), phases=("prefill",),
+    model_dtypes=sm90_prefill.MODEL_DTYPES, head_dims=sm90_prefill.HEAD_DIMS, max_gqa_ratio=sm90_prefill.MAX_GROUP,
+    page_sizes=sm90_prefill.PAGE_SIZES, kv_layouts=sm90_prefill.KV_LAYOUTS, op="paged_prefill",
+    family=sm90_prefill.family,
+)
 # The Blackwell kernels: QK in FP8 for an FP8 cache (the layer quantizes the query, as for
 # trtllm-gen); what they accept is their plan's (cute_kernels/plans/sm100.py).
 _SM100: dict[str, Any] = dict(
     call_site="attention", archs=_archs(sm100.TARGETS), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
     model_dtypes=sm100.MODEL_DTYPES,
 )
+
 _REFERENCE: dict[str, Any] = dict(status="fallback", archs=ARCHS)
 _HELPER: dict[str, Any] = dict(status="available", phases=PHASES)
+
+
+def _sm100_family(kernel_id: str) -> Callable[[str, str, int], str]:
+    """A Blackwell kernel's self-check family: its MMA family (the head dim does not enter)."""
+    return lambda q_dtype, kv_dtype, head_dim: sm100.family(kernel_id, q_dtype, kv_dtype)
+
 
 _ENTRIES = (
     KernelInfo(
@@ -175,20 +199,37 @@ _ENTRIES = (
         description="SM90 paged decode with FP8 WGMMA on a q_scale-quantized query (opt-in)",
         **_SM90_DECODE,
     ),
+    # the FP8-query prefill first: when it is the FP8-cache choice (sm90_prefill.FP8_CACHE_KERNEL), it
+    # takes exactly the FP8 caches; otherwise it is opt-in
+    KernelInfo(
+        id="sm90.prefill_fp8q", kv_dtypes=("fp8_e4m3",), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
+        opt_in=sm90_prefill.FP8_CACHE_KERNEL != "sm90.prefill_fp8q",
+        description="SM90 varlen paged prefill with e4m3 WGMMA for QK and PV on a q_scale-quantized query "
+                    "(V transposed on chip, P rounded to e4m3)",
+        variants=sm90_prefill.fp8_query_compile_variants, **_SM90_PREFILL,
+    ),
+    KernelInfo(
+        id="sm90.prefill", kv_dtypes=sm90_prefill.KV_DTYPES,
+        description="SM90 varlen paged prefill with WGMMA and TMA (warp-specialized, causal blocks skipped); FP8 "
+                    "K/V widened exactly on chip, the query stays in the model dtype",
+        variants=sm90_prefill.compile_variants, **_SM90_PREFILL,
+    ),
     KernelInfo(id="sm100.decode", status="compile-verified", phases=("decode",), op="paged_decode",
                description="Blackwell tcgen05 paged decode (swap-AB, S and O in TMEM, TMA page boxes, split-KV, "
                            "sinks, sliding window); QK in FP8 for an FP8 cache",
-               variants=sm100.decode_variants, **sm100.DECODE_LIMITS, **_SM100),
+               variants=sm100.decode_variants, family=_sm100_family("sm100.decode"), **sm100.DECODE_LIMITS,
+               **_SM100),
     KernelInfo(id="sm100.prefill", status="compile-verified", phases=("prefill",),
                description="Blackwell tcgen05 paged prefill (ping-pong softmax warpgroups, a correction warpgroup, "
                            "S and P aliased in TMEM, varlen, causal, sinks, sliding window); QK in FP8 for an "
                            "FP8 cache",
-               variants=sm100.prefill_variants, **sm100.PREFILL_LIMITS, **_SM100),
+               variants=sm100.prefill_variants, family=_sm100_family("sm100.prefill"), **sm100.PREFILL_LIMITS,
+               **_SM100),
     KernelInfo(id="reference.paged_decode", call_site="attention", phases=("decode",), op="reference.paged_decode",
                description="slow torch reference fallback (cute_kernels.reference.paged_decode)", **_REFERENCE),
     KernelInfo(id="reference.paged_prefill", call_site="attention", phases=("prefill",),
-               op="reference.paged_decode",
-               description="slow torch reference fallback (cute_kernels.reference.paged_decode per request)", **_REFERENCE),
+               op="reference.paged_prefill",
+               description="slow torch reference fallback (cute_kernels.reference.paged_prefill)", **_REFERENCE),
     # QSA sparse attention: its own call site, one op for prefill and decode batches (``prefill``
     # only picks a tuning profile); ``phases`` names the profiles a kernel serves
     KernelInfo(

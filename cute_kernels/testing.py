@@ -54,59 +54,159 @@ def make_paged_decode_case(
     fused_qkv: bool = False,
     poison_tail: bool = True,
     spare_pages: int = 7,
+    table_tokens: int | None = None,
     generator: torch.Generator | None = None,
     device: str = "cuda",
 ) -> PagedDecodeCase:
-    """A random paged-decode problem. ``seq_lens``: an int (all equal) or a list of B ints."""
+    """A random paged-decode problem. ``seq_lens``: an int (all equal) or a list of B ints.
+    ``table_tokens``: the block table's width in tokens (e.g. a serving engine's max model length;
+    its unused columns hold random page ids); default: one page past the longest request."""
     g = generator
     lens = [int(seq_lens)] * batch if isinstance(seq_lens, int) else [int(x) for x in seq_lens]
     assert len(lens) == batch
+    width = None if table_tokens is None else math.ceil(table_tokens / page_size)
+    table, P = _block_table(lens, page_size, spare_pages, g, device, width)
+    kv = _kv_pool(P, num_kv_heads, head_dim, page_size, kv_dtype, kv_layout, g, device)
+    if poison_tail:
+        _poison_tails(kv, table, lens, page_size, kv_layout)
+    D, Hkv = head_dim, num_kv_heads
+    kv_cache = (kv[:, 0].clone(), kv[:, 1].clone()) if container == "tuple" else kv
+    q = _query(batch * q_len, num_q_heads, Hkv, D, q_dtype, fused_qkv, g, device)
+    return PagedDecodeCase(
+        q=q, kv_cache=kv_cache, block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        kv_layout=kv_layout, q_len=q_len, k_scale=k_scale, v_scale=v_scale,
+        meta=dict(num_kv_heads=Hkv, head_dim=D, kv_bytes=1 if kv_dtype == FP8 else 2, page_size=page_size),
+    )
+
+
+def _block_table(lens, page_size, spare_pages, g, device, width=None):
+    """``(table, P)``: a randomly permuted block table over a pool of ``P = sum(pages) +
+    spare_pages`` pages, ``width`` columns (default: one column of junk ids past the longest
+    request; junk ids in every unused column)."""
     pages_per = [math.ceil(L / page_size) for L in lens]
-    width = max(max(pages_per), 1) + 1  # one extra column of junk ids
-    used = sum(pages_per)
-    P = used + spare_pages
+    if width is None:
+        width = max(pages_per + [1]) + 1  # one extra column of junk ids
+    elif width < max(pages_per + [1]):
+        raise ValueError(f"a block table of {width} pages cannot hold a request of {max(pages_per)} pages")
+    P = sum(pages_per) + spare_pages
     perm = torch.randperm(P, generator=g, device="cpu" if g is None or g.device.type == "cpu" else device)
     perm = perm.to(device)
-    table = torch.randint(0, P, (batch, width), dtype=torch.int32, device=device, generator=g)
+    table = torch.randint(0, P, (len(lens), width), dtype=torch.int32, device=device, generator=g)
     ofs = 0
     for b, n in enumerate(pages_per):
         table[b, :n] = perm[ofs:ofs + n].int()
         ofs += n
-    D, Hkv = head_dim, num_kv_heads
+    return table, P
+
+
+def _query(T, Hq, Hkv, D, q_dtype, fused_qkv, g, device):
+    """``[T, Hq, D]``, or with ``fused_qkv`` a view of a fused QKV projection (token stride
+    ``(Hq + 2 Hkv) D``)."""
+    if fused_qkv:
+        qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=device, generator=g).to(q_dtype)
+        return qkv[:, : Hq * D].view(T, Hq, D)
+    return torch.randn(T, Hq, D, device=device, generator=g).to(q_dtype)
+
+
+def _kv_pool(P, Hkv, D, page_size, kv_dtype, kv_layout, g, device):
     shape = (P, 2, Hkv, page_size, D) if kv_layout == "HND" else (P, 2, page_size, Hkv, D)
     if kv_dtype == FP8:
-        kv = (torch.randn(shape, device=device, generator=g) * 64).clamp(-448, 448).to(FP8)
-    else:
-        kv = torch.randn(shape, device=device, generator=g).to(kv_dtype)
+        return (torch.randn(shape, device=device, generator=g) * 64).clamp(-448, 448).to(FP8)
+    return torch.randn(shape, device=device, generator=g).to(kv_dtype)
+
+
+def _poison_tails(kv, table, lens, page_size, kv_layout):
+    """Stale bytes past each request's end (NaN for 16-bit caches, NaN codes for FP8): kernels must
+    never let them reach the output."""
+    bad = torch.tensor(float("nan"), device=kv.device).to(kv.dtype) if kv.dtype != FP8 else None
+    for b, L in enumerate(lens):
+        if L % page_size:
+            pid = int(table[b, L // page_size])
+            tail = (slice(None), slice(L % page_size, None)) if kv_layout == "HND" else (slice(L % page_size, None),)
+            view = kv[(slice(pid, pid + 1), slice(None)) + tail]
+            if bad is None:
+                view.view(torch.uint8).fill_(0x7F)
+            else:
+                view.fill_(bad)
+
+
+@dataclass
+class PagedPrefillCase:
+    q: torch.Tensor
+    kv_cache: object  # tensor or (k, v)
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    kv_layout: str
+    k_scale: float | torch.Tensor
+    v_scale: float | torch.Tensor
+    reqs: list  # (prefix, q_len) per request
+    meta: dict = field(default_factory=dict)
+
+    def kwargs(self):
+        return dict(kv_layout=self.kv_layout, k_scale=self.k_scale, v_scale=self.v_scale)
+
+    @property
+    def max_query_len(self) -> int:
+        return max([n for _, n in self.reqs] + [0])
+
+    def attended_pairs(self, causal: bool = True) -> int:
+        """(query row, KV position) pairs the attention visits: prefix x q_len plus the causal
+        triangle of each request (all seq_len positions per row without ``causal``)."""
+        if not causal:
+            return sum(n * (p + n) for p, n in self.reqs)
+        return sum(n * p + n * (n + 1) // 2 for p, n in self.reqs)
+
+    def flops(self, causal: bool = True) -> int:
+        """QK and PV multiply-adds of the attended pairs, 2 flops each (causal work only)."""
+        return 4 * self.meta["head_dim"] * self.q.shape[1] * self.attended_pairs(causal)
+
+
+def make_paged_prefill_case(
+    *,
+    reqs,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    kv_dtype=torch.bfloat16,
+    q_dtype=torch.bfloat16,
+    kv_layout: str = "HND",
+    container: str = "single",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    fused_qkv: bool = False,
+    poison_tail: bool = True,
+    invalid_pages: int = 0,
+    spare_pages: int = 7,
+    generator: torch.Generator | None = None,
+    device: str = "cuda",
+) -> PagedPrefillCase:
+    """A random varlen paged-prefill problem: ``reqs`` = ``(cached prefix, new tokens)`` per
+    request (0 new tokens allowed). ``invalid_pages`` entries of the used block-table range become
+    -1 or a page id past the pool (they read as zeros). ``q_dtype`` is 16-bit (quantize it with
+    :func:`cute_kernels.quantize_query` for an FP8 query)."""
+    g = generator
+    reqs = [(int(p), int(n)) for p, n in reqs]
+    lens = [p + n for p, n in reqs]
+    table, P = _block_table(lens, page_size, spare_pages, g, device)
+    kv = _kv_pool(P, num_kv_heads, head_dim, page_size, kv_dtype, kv_layout, g, device)
     if poison_tail:
-        # stale bytes past each request's end (NaN for 16-bit caches, NaN codes for FP8):
-        # kernels must never let them reach the output
-        bad = torch.tensor(float("nan"), device=device).to(kv_dtype) if kv_dtype != FP8 else None
-        for b, L in enumerate(lens):
-            if L % page_size:
-                pid = int(table[b, L // page_size])
-                sl = (slice(pid, pid + 1), slice(None))
-                tail = (slice(None), slice(L % page_size, None)) if kv_layout == "HND" else (slice(L % page_size, None), slice(None))
-                view = kv[sl + tail]
-                if bad is None:
-                    view.view(torch.uint8).fill_(0x7F)
-                else:
-                    view.fill_(bad)
-    if container == "tuple":
-        k = kv[:, 0].clone()
-        v = kv[:, 1].clone()
-        kv_cache = (k, v)
-    else:
-        kv_cache = kv
-    T = batch * q_len
-    if fused_qkv:
-        qkv = torch.randn(T, (num_q_heads + 2 * Hkv) * D, device=device, generator=g).to(q_dtype)
-        q = qkv[:, : num_q_heads * D].view(T, num_q_heads, D)
-    else:
-        q = torch.randn(T, num_q_heads, D, device=device, generator=g).to(q_dtype)
-    return PagedDecodeCase(
+        _poison_tails(kv, table, lens, page_size, kv_layout)
+    used = [(b, c) for b, L in enumerate(lens) for c in range(math.ceil(L / page_size))]
+    for i in range(min(invalid_pages, len(used))):
+        b, c = used[int(torch.randint(0, len(used), (1,), generator=g, device=table.device))]
+        table[b, c] = -1 if i % 2 == 0 else P + 3
+    kv_cache = (kv[:, 0].clone(), kv[:, 1].clone()) if container == "tuple" else kv
+    D, Hkv = head_dim, num_kv_heads
+    q = _query(sum(n for _, n in reqs), num_q_heads, Hkv, D, q_dtype, fused_qkv, g, device)
+    starts = [0]
+    for _, n in reqs:
+        starts.append(starts[-1] + n)
+    return PagedPrefillCase(
         q=q, kv_cache=kv_cache, block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        kv_layout=kv_layout, q_len=q_len, k_scale=k_scale, v_scale=v_scale,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device), kv_layout=kv_layout,
+        k_scale=k_scale, v_scale=v_scale, reqs=reqs,
         meta=dict(num_kv_heads=Hkv, head_dim=D, kv_bytes=1 if kv_dtype == FP8 else 2, page_size=page_size),
     )
 

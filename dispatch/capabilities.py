@@ -13,6 +13,7 @@ on SM89 from a global setting).
 
 from __future__ import annotations
 
+from cute_kernels.plans import sm90_prefill
 from cute_kernels.registry import FALLBACKS, KERNELS, PHASES
 
 from .arch import SUPPORTED_ARCHS, parse_arch
@@ -23,8 +24,9 @@ ARCH_SUMMARY = {
     "sm80": "Ampere: no CuTe attention kernel; reference fallback with a model-dtype query.",
     "sm86": "Ampere (consumer): as SM80.",
     "sm89": "Ada: FP8 tensor cores but no attention kernel here; reference fallback with a model-dtype query.",
-    "sm90": "Hopper: sm90.decode widens FP8 K/V on chip, so the query stays in the model dtype "
-            "(sm90.decode_fp8q is opt-in).",
+    "sm90": "Hopper: sm90.decode and sm90.prefill widen FP8 K/V on chip, so the query stays in the model "
+            "dtype (sm90.decode_fp8q and sm90.prefill_fp8q are opt-in; the prefill kernels are compile-verified: "
+            "a runtime self-check before first use).",
     "sm100": "Blackwell: the tcgen05 kernels (compile-verified: a runtime self-check before first use) compute QK "
              "in FP8 for an FP8 cache, with a query the layer quantizes.",
     "sm103": "Blackwell Ultra: as SM100.",
@@ -41,6 +43,14 @@ def kernels_for(arch, phase: str) -> tuple[str, ...]:
     auto = tuple(k.id for k in KERNELS.values() if k.call_site == "attention" and not k.is_fallback
                  and not k.opt_in and name in k.archs and phase in k.phases)
     return auto + (FALLBACKS[phase],)
+
+
+def choice_note(arch: str, phase: str, kv_cache_dtype: str) -> str:
+    """Why the automatic plan of ``(arch, phase, cache dtype)`` takes its kernel over an
+    alternative that could serve it too ("" when there is no such choice)."""
+    if (arch, phase, kv_cache_dtype) == ("sm90", "prefill", "fp8_e4m3"):
+        return sm90_prefill.FP8_CACHE_REASON
+    return ""
 
 
 def opt_in_kernels(arch, phase: str) -> tuple[str, ...]:

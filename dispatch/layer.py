@@ -15,10 +15,11 @@ A forward step (``forward(q, k, v, kv_cache, metadata)``):
 Inputs are checked for the layout the kernels need, not for ``is_contiguous()``: q, k and v may
 be views of a fused QKV projection (the Nemotron crash, anchors §3.3).
 
-CUDA graphs: a decode-only batch served by a CuTe kernel does no host synchronization (no
-``.item()``/``.tolist()``; the metadata counts are Python ints), so the step captures once its
-variants are compiled (run one eager step first). Prefill rows and the reference fallbacks read
-``query_start_loc``/``seq_lens`` on the host and are not capturable.
+CUDA graphs: a step whose phases are served by CuTe kernels does no host synchronization (no
+``.item()``/``.tolist()``; the metadata counts are Python ints): all prefill rows of a batch go to
+one prefill launch, the decode rows to one decode launch, so the step captures once its variants
+are compiled (run one eager step first). The reference fallbacks read ``query_start_loc`` and
+``seq_lens`` on the host and are not capturable.
 
 Importing this module needs neither torch nor the CuTe DSL; both are imported inside ``forward``.
 """
@@ -64,6 +65,8 @@ class AttentionMetadata:
             requests); the remaining rows belong to prefill requests (vLLM's order).
         q_len_per_req: Python int: new tokens per decode request (> 1 for speculative decoding;
             query token j of a decode request sees KV positions ``< seq_len - q_len + j + 1``).
+        max_query_len: optional Python int, at least every prefill request's new tokens: it sizes
+            the prefill launch's grid (the prefill token count otherwise).
     """
 
     query_start_loc: Any
@@ -72,12 +75,17 @@ class AttentionMetadata:
     slot_mapping: Any
     num_decode_tokens: int = 0
     q_len_per_req: int = 1
+    max_query_len: int | None = None
 
     def __post_init__(self):
-        for name in ("num_decode_tokens", "q_len_per_req"):
+        for name in ("num_decode_tokens", "q_len_per_req", "max_query_len"):
             value = getattr(self, name)
+            if name == "max_query_len" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be a Python int (never a device tensor), got {type(value).__name__}")
+        if self.max_query_len is not None and self.max_query_len < 0:
+            raise ValueError(f"max_query_len must be >= 0, got {self.max_query_len}")
         if self.q_len_per_req < 1:
             raise ValueError(f"q_len_per_req must be >= 1, got {self.q_len_per_req}")
         if self.num_decode_tokens < 0 or self.num_decode_tokens % self.q_len_per_req:
@@ -319,25 +327,29 @@ class AttentionLayer:
             out.copy_(reference.paged_decode(q_in, kv_cache, bt, sl, q_scale=q_scale, **common))
 
     def _prefill(self, p: Plan, q, kv_cache, metadata: AttentionMetadata, out):
+        """All prefill rows of the step in one launch: rows ``num_decode_tokens:``, requests
+        ``num_decode_reqs:``, their ``query_start_loc`` shifted to start at 0 (a device op, no sync)."""
+        import cute_kernels
         from cute_kernels import reference
 
-        if KERNELS[p.kernel].op != "reference.paged_decode":
+        op = KERNELS[p.kernel].op  # the registry names the op that runs a kernel
+        if op not in ("paged_prefill", "reference.paged_prefill"):
             raise UnsupportedConfig(f"the prefill plan chose {p.kernel}, which has no prefill op in this build")
-        nd, T = metadata.num_decode_tokens, q.shape[0]
-        first = metadata.num_decode_reqs
-        starts = metadata.query_start_loc.tolist()  # host sync: prefill steps are never graph-captured
-        if starts[first] != nd or starts[-1] != T or any(b < a for a, b in zip(starts, starts[1:])):
-            raise ValueError(f"query_start_loc must be non-decreasing with query_start_loc[num_decode_reqs={first}] "
-                             f"== num_decode_tokens ({nd}) and query_start_loc[-1] == T ({T}), got {starts}")
-        for r in range(first, metadata.num_reqs):
-            s, e = starts[r], starts[r + 1]
-            if e == s:
-                continue
-            q_in, q_scale = self._query_for(p, q[s:e])
-            res = reference.paged_decode(q_in, kv_cache, metadata.block_table[r:r + 1], metadata.seq_lens[r:r + 1],
-                                         kv_layout=self.kv_layout, q_len_per_req=e - s, sm_scale=self.sm_scale,
-                                         q_scale=q_scale, k_scale=self.k_scale, v_scale=self.v_scale)
-            out[s:e].copy_(res)
+        nd, first = metadata.num_decode_tokens, metadata.num_decode_reqs
+        whole = nd == 0  # no views on the all-prefill path
+        bt, sl, qsl = metadata.block_table, metadata.seq_lens, metadata.query_start_loc
+        if not whole:
+            q, out = q[nd:], out[nd:]
+            bt, sl, qsl = bt[first:], sl[first:], qsl[first:] - nd
+        q_in, q_scale = self._query_for(p, q)  # the prefill rows only: decode rows keep their own query
+        common = dict(max_query_len=metadata.max_query_len, kv_layout=self.kv_layout, sm_scale=self.sm_scale,
+                      q_scale=q_scale, k_scale=self.k_scale, v_scale=self.v_scale)
+        if op == "reference.paged_prefill":
+            out.copy_(reference.paged_prefill(q_in, kv_cache, bt, sl, qsl, out_dtype=out.dtype, **common))
+        else:
+            res = cute_kernels.paged_prefill(q_in, kv_cache, bt, sl, qsl, out=out, **common)
+            if res is not out:  # pragma: no cover - the op writes out= on every device
+                out.copy_(res)
 
     # ------------------------------------------------------------------------------------------
     # validation (shapes, dtypes, devices only: never reads tensor data)

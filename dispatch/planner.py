@@ -18,11 +18,10 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from cute_kernels.plans import selfcheck_records
-from cute_kernels.plans.sm100 import family as self_check_family
 from cute_kernels.registry import FALLBACKS, KERNELS, KV_LAYOUTS, PHASES, KernelInfo
 
 from .arch import ArchLike, parse_arch
-from .capabilities import kernels_for
+from .capabilities import choice_note, kernels_for
 from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
 
@@ -170,9 +169,11 @@ def refusal(k: KernelInfo, unmet: list[str]) -> str | None:
 
 
 def _family(k: KernelInfo, req: _Request) -> str:
-    """The self-check family ``k`` runs for ``req`` (the query dtype follows from the cache)."""
+    """The self-check family ``k`` runs for ``req`` (the query dtype follows from the cache; the
+    registry entry names the family: ``KernelInfo.family``)."""
     q = "fp8_e4m3" if k.computes_qk_in_fp8(req.kv_cache_dtype) else req.model_dtype
-    return self_check_family(k.id, q, req.kv_cache_dtype)
+    assert k.family is not None, f"{k.id} names no self-check family"  # only compile-verified kernels get here
+    return k.family(q, req.kv_cache_dtype, req.head_dim)
 
 
 def _runtime_refusal(k: KernelInfo, req: _Request) -> str | None:
@@ -224,7 +225,8 @@ def _auto(req: _Request) -> Plan:
             return _make_plan(k, req, f"reference fallback: {why}", None)
         refused = refusal(k, _unmet(k, req)) or _runtime_refusal(k, req)
         if refused is None:
-            return _make_plan(k, req, f"{k.id} accepts this request", None)
+            note = choice_note(req.arch, req.phase, req.kv_cache_dtype)
+            return _make_plan(k, req, f"{k.id} accepts this request" + (f" ({note})" if note else ""), None)
         rejected.append(refused)
     raise AssertionError(f"capability list of {req.arch} {req.phase} has no fallback")  # pragma: no cover
 

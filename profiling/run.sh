@@ -4,12 +4,17 @@
 #
 #   bash profiling/run.sh TIER...            e.g. bash profiling/run.sh test bench
 #
-#   test        the GPU test suite except QSA                 (log pytest.log)
+#   test        the GPU test suite except QSA and the prefill  (log pytest.log)
 #   test-qsa    the QSA GPU tests                             (log pytest_qsa.log)
+#   test-prefill  the SM90 prefill: the kernel alone (smoke), its GPU tests, the self-check of every
+#               registered variant (logs smoke_prefill.log, pytest_prefill.log)
+#   sanitize-prefill  compute-sanitizer memcheck and racecheck of the prefill smoke cases
+#   bench-prefill  cute-kernels bench prefill (ours, both FP8 query paths, and every installed peer)
 #   smoke       a few decode split counts against the reference, in seconds
 #   sanitize    compute-sanitizer memcheck of the decode/merge and QSA drivers
-#   bench       cute-kernels bench decode (FP8 and BF16 with every installed peer), merge, layer, latency
+#   bench       cute-kernels bench decode (uniform shapes, FP8 and BF16 with every installed peer), merge, layer, latency
 #   bench-qsa   cute-kernels bench qsa --check (decode rows and prefill row tiles)
+#   bench-serve  cute-kernels bench decode on the ragged and Hkv 1 shapes, then bench serve --quick
 #   ncu         Nsight Compute sections of the decode (three shapes) and QSA kernels (two shapes)
 #   ncu-source  per-instruction stall samples of the QSA row-tile kernel, summarized
 #   gather      the memory system's ceiling for QSA's scattered row reads
@@ -51,20 +56,36 @@ for tier in "$@"; do
   echo "=== $tier $(date +%T)"
   case $tier in
     test) step 420 pytest "$PY" -m pytest tests/gpu -q -p no:cacheprovider \
-            --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py ;;
+            --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py \
+            --ignore=tests/gpu/test_prefill_gpu.py --ignore=tests/gpu/test_prefill_kernel_gpu.py \
+            --ignore=tests/gpu/test_prefill_bad_input_gpu.py ;;
     test-qsa) step 420 pytest_qsa "$PY" -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider ;;
+    test-prefill) step 300 smoke_prefill "$PY" -m profiling.smoke_prefill
+                  step 580 pytest_prefill "$PY" -m pytest tests/gpu/test_prefill_kernel_gpu.py \
+                    tests/gpu/test_prefill_gpu.py tests/gpu/test_prefill_bad_input_gpu.py -q -p no:cacheprovider ;;
+    sanitize-prefill) for only in q_dtype=bf16,kv_dtype=bf16 q_dtype=bf16,kv_dtype=fp8 q_dtype=fp8; do
+                        step 400 "memcheck_prefill_${only//[=,]/_}" "${MEMCHECK[@]}" "$PY" -m profiling.smoke_prefill \
+                          --only "$only"
+                        step 400 "racecheck_prefill_${only//[=,]/_}" compute-sanitizer --tool racecheck \
+                          --racecheck-report hazard --error-exitcode 9 "$PY" -m profiling.smoke_prefill --only "$only"
+                      done ;;
+    bench-prefill) TAIL=60 step 580 prefill "${CK[@]}" bench prefill --json "$OUT/prefill.json" --png "$OUT/prefill.png" ;;
     smoke) step 120 smoke "$PY" -m profiling.smoke_decode ;;
     sanitize) step 200 sanitize_decode "${MEMCHECK[@]}" "$PY" -m profiling.sanitize_decode
               step 200 sanitize_qsa "${MEMCHECK[@]}" "$PY" -m profiling.sanitize_qsa ;;
-    bench) TAIL=40 step 420 decode_fp8 "${CK[@]}" bench decode --kv fp8 --peers xqa,xqa_nopdl,fi,sdpa \
+    bench) TAIL=40 step 420 decode_fp8 "${CK[@]}" bench decode --shapes ctx --kv fp8 --peers xqa,xqa_nopdl,fi,sdpa \
              --json "$OUT/decode_fp8.json" --png "$OUT/decode_fp8.png"
-           TAIL=40 step 500 decode_bf16 "${CK[@]}" bench decode --kv bf16 --peers xqa,fi,fa4,sdpa \
+           TAIL=40 step 500 decode_bf16 "${CK[@]}" bench decode --shapes ctx --kv bf16 --peers xqa,fi,fa4,sdpa \
              --json "$OUT/decode_bf16.json" --png "$OUT/decode_bf16.png"
            step 120 merge "${CK[@]}" bench merge --json "$OUT/merge.json"
            step 200 layer "${CK[@]}" bench layer --json "$OUT/layer.json"
            step 200 latency "${CK[@]}" bench latency --json "$OUT/latency.json" ;;
     bench-qsa) TAIL=40 step 400 qsa "${CK[@]}" bench qsa --check --json "$OUT/qsa.json" ;;
+    bench-serve) TAIL=60 step 500 decode_ragged "${CK[@]}" bench decode --shapes ragged,70b --kv fp8,bf16 \
+                   --peers xqa,fi,fa4 --json "$OUT/decode_ragged.json" --png "$OUT/decode_ragged.png"
+                 TAIL=60 step 580 serve_quick "${CK[@]}" bench serve --quick --json "$OUT/serve_quick.json" \
+                   --png "$OUT/serve_quick.png" ;;
     ncu) for sh in "qwen3-30b B8 ctx32000" "d256 h16/8 B32 ctx8192" "llama3-8b B1 ctx1000"; do
            "$PY" -m profiling.ncu_decode --shape "$sh" > /dev/null 2>&1  # compile outside the profiler
            name="ncu_decode_$(echo "${sh%% *}_${sh##* }" | tr -c 'a-zA-Z0-9_\n-' _)"

@@ -9,8 +9,13 @@ is reported in that shape's row):
 - ``sdpa``: torch SDPA on contiguous BF16 K/V (q_len 1; for an FP8 cache, on its dequantized copy).
 
 Any other ``--peers`` entry is a tuning variant of ours (:data:`VARIANTS`, or ``field=int+...``).
+Shapes: uniform batches (:data:`SHAPES`: every request the same context, a block table as wide as
+it) and ragged ones (:data:`RAGGED_SHAPES`: contexts drawn uniformly from [1, max] with a fixed
+seed, a block table :data:`TABLE_TOKENS` wide as a serving engine's; each is reported next to
+ours on its "uniform twin", the same batch size, total tokens and table with equal contexts).
 Times are CUDA-graph replays (launch gaps removed). Roofline = bytes that must be read
-(visible KV + Q + O) / the read bandwidth measured in this process. Each output is also
+(the K/V of the tokens present, sum(seq_lens) x bytes per token, + Q + O) / the read bandwidth
+measured in this process. Each output is also
 compared with the fp32 reference (relative error; ``--quick`` skips it). Prints a table; writes
 JSON (``--json``) and a bar chart (``--png``).
 """
@@ -18,7 +23,7 @@ JSON (``--json``) and a bar chart (``--png``).
 from __future__ import annotations
 
 import math
-import sys
+import random
 import traceback
 
 import torch
@@ -27,16 +32,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.testing import make_paged_decode_case, rel_err
 
-from .harness import (
-    INSTALL_HINT,
-    SM90,
-    NvtxRanges,
-    Peer,
-    available_peers,
-    module_available,
-    parse_variants,
-    write_json,
-)
+from .harness import SM90, NvtxRanges, Peer, bar_chart, parse_variants, runnable, write_json
 from .timing import bench_setup, host_overhead, time_eager, time_graph, time_graph_fresh
 
 NEEDS = SM90
@@ -52,9 +48,33 @@ SHAPES = [
     ("d256 h16/8 B32 ctx8192", 16, 8, 256, 32, 8192, 1),
     ("llama3-8b B64 ctx8192 q2", 32, 8, 128, 64, 8192, 2),
     ("llama3-8b B64 ctx8192 q4", 32, 8, 128, 64, 8192, 4),
+    ("llama3-70b-tp8 B64 ctx4096", 8, 1, 128, 64, 4096, 1),  # Hq 64 / Hkv 8 over 8-way tensor parallelism
 ]
+# name, Hq, Hkv, D, B, max context, q_len: contexts uniform in [1, max] (ragged_lens), table TABLE_TOKENS wide
+RAGGED_SHAPES = [
+    *[(f"qwen3-30b ragged B{b} max{m}", 32, 4, 128, b, m, 1) for b in (8, 32, 128) for m in (4000, 32000)],
+    ("llama3-70b-tp8 ragged B64 max8192", 8, 1, 128, 64, 8192, 1),
+    ("llama3-70b-tp8 ragged B32 max32000", 8, 1, 128, 32, 32000, 1),
+]
+TABLE_TOKENS = 32768  # a serving engine's block table spans its max model length (vLLM)
 PAGE = 16
 KV_DTYPES = ("fp8", "bf16")
+
+
+def ragged_lens(batch: int, max_ctx: int) -> list[int]:
+    """The contexts of a ragged shape: ``batch`` draws uniform in [1, max_ctx], seeded by the
+    shape, so every run (and every peer) sees the same batch."""
+    rng = random.Random(batch * 1_000_003 + max_ctx)
+    return [rng.randint(1, max_ctx) for _ in range(batch)]
+
+
+def twin_ctx(lens: list[int]) -> int:
+    """The context of the uniform batch with the same tokens (to rounding) as ``lens``."""
+    return max(1, round(sum(lens) / len(lens)))
+
+
+def is_ragged(shape) -> bool:
+    return shape in RAGGED_SHAPES
 
 
 def _dequant_contiguous(case, dtype=BF16):
@@ -144,6 +164,8 @@ def peer_fa4(case, sm_scale, q_len):
 def peer_sdpa(case, sm_scale, q_len):
     if q_len != 1:
         raise NotImplementedError("SDPA peer only for q_len 1")
+    if int(case.seq_lens.min()) != int(case.seq_lens.max()):
+        raise NotImplementedError("SDPA peer only for equal contexts")
     k, v = _dequant_contiguous(case)
     B, Hq, D = case.q.shape[0], case.q.shape[1], case.q.shape[2]
     q = case.q.view(B, Hq, 1, D)
@@ -211,11 +233,13 @@ def peer(name, ranges: NvtxRanges):
 
 
 def select_shapes(keys: str | None) -> list[tuple]:
-    """The :data:`SHAPES` whose name contains one of the comma-separated ``keys`` (all: None)."""
+    """The :data:`SHAPES` and :data:`RAGGED_SHAPES` whose name contains one of the comma-separated
+    ``keys`` (all: None)."""
+    shapes = SHAPES + RAGGED_SHAPES
     if not keys:
-        return list(SHAPES)
+        return list(shapes)
     parts = [k for k in keys.split(",") if k]
-    return [sh for sh in SHAPES if any(k in sh[0] for k in parts)]
+    return [sh for sh in shapes if any(k in sh[0] for k in parts)]
 
 
 def run(peers=DEFAULT_PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, out_png=None, quick=False,
@@ -225,16 +249,27 @@ def run(peers=DEFAULT_PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, ou
     rows = []
     for kvn in kv_dtypes:
         kv_dtype = FP8 if kvn == "fp8" else BF16
-        for name, Hq, Hkv, D, B, ctx, q_len in shapes or SHAPES:
-            case = make_paged_decode_case(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=PAGE,
-                                          seq_lens=ctx, kv_dtype=kv_dtype, q_len=q_len, generator=g,
-                                          poison_tail=False, k_scale=0.0625 if kvn == "fp8" else 1.0,
-                                          v_scale=0.03125 if kvn == "fp8" else 1.0)
+        for shape in shapes or SHAPES:
+            name, Hq, Hkv, D, B, ctx, q_len = shape
+            ragged = is_ragged(shape)
+            lens = ragged_lens(B, ctx) if ragged else ctx
+            table_tokens = TABLE_TOKENS if ragged else None
+
+            def make_case(lens):
+                return make_paged_decode_case(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=PAGE,
+                                              seq_lens=lens, kv_dtype=kv_dtype, q_len=q_len, generator=g,
+                                              poison_tail=False, table_tokens=table_tokens,
+                                              k_scale=0.0625 if kvn == "fp8" else 1.0,
+                                              v_scale=0.03125 if kvn == "fp8" else 1.0)
+
+            case = make_case(lens)
             sm_scale = D ** -0.5
-            nbytes = case.visible_kv_bytes() + 2 * case.q.numel() * case.q.element_size()
+            nbytes = _bytes(case)
             ref = reference.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, **case.kwargs()) \
                 if not quick else None
-            row = dict(shape=name, kv=kvn, B=B, ctx=ctx, Hq=Hq, Hkv=Hkv, D=D, q_len=q_len, bytes=nbytes)
+            row = dict(shape=name, kv=kvn, B=B, ctx=ctx, Hq=Hq, Hkv=Hkv, D=D, q_len=q_len, bytes=nbytes,
+                       ragged=ragged, tokens=B * ctx if not ragged else sum(lens),
+                       table_tokens=case.block_table.shape[1] * PAGE)
             out = torch.empty_like(case.q)
 
             def ours():
@@ -269,6 +304,8 @@ def run(peers=DEFAULT_PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, ou
                     row[pname + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                     if pname == "ours":
                         traceback.print_exc()
+            if ragged:
+                _time_twin(row, make_case(twin_ctx(lens)), bw, ranges)
             if "xqa_us" in row and "ours_us" in row:
                 row["speedup_vs_xqa"] = row["xqa_us"] / row["ours_us"]
             rows.append(row)
@@ -288,6 +325,26 @@ def run(peers=DEFAULT_PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, ou
     return result
 
 
+def _bytes(case) -> int:
+    """Bytes a decode must move: the K/V of the tokens present, Q and O."""
+    return case.visible_kv_bytes() + 2 * case.q.numel() * case.q.element_size()
+
+
+def _time_twin(row: dict, twin, bw: float, ranges: NvtxRanges) -> None:
+    """Ours on the ragged row's uniform twin (same B, tokens and table, equal contexts)."""
+    out = torch.empty_like(twin.q)
+    fn = ranges.wrap("cute_kernels.paged_decode", lambda: cute_kernels.paged_decode(
+        twin.q, twin.kv_cache, twin.block_table, twin.seq_lens, out=out, **twin.kwargs()))
+    try:
+        fn()
+        t = time_graph(fn)
+        row.update(twin_ctx=int(twin.seq_lens[0]), twin_us=t * 1e6, twin_roof=100 * _bytes(twin) / bw / t)
+        if "ours_us" in row:
+            row["ours_minus_twin_us"] = row["ours_us"] - row["twin_us"]
+    except Exception as e:  # reported in the row, as a peer's failure
+        row["twin_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
 def _print_row(r, peers):
     def f(p):
         if p + "_us" in r:
@@ -297,31 +354,16 @@ def _print_row(r, peers):
 
     sp = f"x{r['speedup_vs_xqa']:.2f}" if "speedup_vs_xqa" in r else ""
     print(f"{r['shape']:<26} {r['kv']:<4} ours {f('ours')} {sp}", flush=True)
+    if "twin_us" in r:
+        print(f"{'':<31} twin {r['twin_us']:8.1f}us {r['twin_roof']:5.1f}% (uniform ctx {r['twin_ctx']}, same tokens "
+              f"and table)", flush=True)
     for p in peers:
         print(f"{'':<31} {p:<4} {f(p)}", flush=True)
 
 
 def _plot(rows, peers, path, device):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['shape']}\n{r['kv']}" for r in rows]
-    names = ["ours"] + list(peers)
-    fig, ax = plt.subplots(figsize=(max(10, len(rows) * 1.2), 5))
-    width = 0.8 / len(names)
-    for i, p in enumerate(names):
-        vals = [r.get(p + "_roof", 0.0) for r in rows]
-        ax.bar([x + i * width for x in range(len(rows))], vals, width, label=p)
-    ax.axhline(85, color="k", ls="--", lw=0.8)
-    ax.set_ylabel("% of measured read-bandwidth roofline")
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
-    ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
-    ax.legend()
-    ax.set_title(f"SM90 paged decode ({device}, page {PAGE})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bar_chart(path, rows, ["ours", *peers], "_roof", "% of measured read-bandwidth roofline",
+              f"SM90 paged decode ({device}, page {PAGE})", hline=85)
 
 
 def add_arguments(p) -> None:
@@ -331,17 +373,11 @@ def add_arguments(p) -> None:
     p.add_argument("--png", default=None, metavar="PATH", help="also draw the %% of roofline per shape to PATH")
     p.add_argument("--quick", action="store_true", help="skip the accuracy check against the reference")
     p.add_argument("--shapes", default=None,
-                   help="comma-separated substrings selecting shapes by name (default: every shape)")
+                   help="comma-separated substrings selecting shapes by name, e.g. 'ragged' (default: every "
+                        "uniform and ragged shape)")
 
 
 def main(args) -> None:
-    requested = [x for x in args.peers.split(",") if x]
-    peers, skipped = available_peers(requested, PEER_LIBS)
-    png = args.png
-    if png and not module_available("matplotlib"):
-        skipped.append(f"--png skipped: matplotlib is not installed ({INSTALL_HINT})")
-        png = None
-    for line in skipped:
-        print(line, file=sys.stderr)
+    peers, png = runnable([x for x in args.peers.split(",") if x], PEER_LIBS, args.png)
     run(peers=tuple(peers), kv_dtypes=tuple(args.kv.split(",")), shapes=select_shapes(args.shapes),
         out_json=args.json, out_png=png, quick=args.quick, nvtx=args.nvtx)

@@ -17,6 +17,25 @@ from dataclasses import dataclass
 INSTALL_HINT = 'pip install "cute-kernels[bench]"'
 
 
+def self_check_state(kernel_id: str, q_dtype: str, kv_dtype: str, head_dim: int) -> tuple[bool, str]:
+    """``(ok, text)`` for the kernel serving a (query, cache) dtype pair and head dim: an available
+    kernel is ``(True, "")``; a compile-verified one reports its family's self-check in this
+    process or on this machine (``ok`` False only when it failed: the reference served its calls)."""
+    from cute_kernels.plans import selfcheck_records
+    from cute_kernels.registry import KERNELS
+
+    info = KERNELS[kernel_id]
+    if info.status != "compile-verified":
+        return True, ""
+    fam = info.family(q_dtype, kv_dtype, head_dim)
+    rec = selfcheck_records.lookup(fam)
+    if rec is None:
+        return True, f"{fam}: self-check not run"
+    if not rec.ok:
+        return False, f"{fam} FAILED its self-check ({rec.reason}): the reference served its calls"
+    return True, f"{fam}: self-check passed on {rec.device}"
+
+
 @dataclass(frozen=True)
 class GpuNeed:
     """The GPUs a benchmark runs on: compute capability ``min_major`` up to ``max_major``."""
@@ -88,6 +107,21 @@ def available_peers(requested: list[str], peers: dict[str, Peer], *,
     return run, skipped
 
 
+def runnable(requested: list[str], peers: dict[str, Peer], png: str | None, *,
+             available: Callable[[str], bool] = module_available) -> tuple[list[str], str | None]:
+    """``(entries to run, PNG path or None)``: :func:`available_peers` of ``requested``, and the
+    ``--png`` path unless matplotlib is missing; one line on stderr per thing skipped."""
+    import sys
+
+    run, skipped = available_peers(requested, peers, available=available)
+    if png and not available("matplotlib"):
+        skipped.append(f"--png skipped: matplotlib is not installed ({INSTALL_HINT})")
+        png = None
+    for line in skipped:
+        print(line, file=sys.stderr)
+    return run, png
+
+
 class NvtxRanges:
     """``wrap(name, fn)``: ``fn`` itself when ranges are off, else ``fn`` inside an NVTX push/pop
     range called exactly ``name`` (the op's shapes are in the benchmark's output, not the name,
@@ -127,3 +161,28 @@ def write_json(path: str | None, result) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def bar_chart(path: str, rows: list[dict], names, key: str, ylabel: str, title: str, *, row_width: float = 1.2,
+              hline: float | None = None) -> None:
+    """One group of bars per row (labelled ``shape`` / ``kv``), one bar per entry of ``names`` with the
+    row's ``<name><key>`` value (0 when absent), written as a PNG to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['shape']}\n{r['kv']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(10, len(rows) * row_width), 5))
+    width = 0.8 / len(names)
+    for i, p in enumerate(names):
+        ax.bar([x + i * width for x in range(len(rows))], [r.get(p + key, 0.0) for r in rows], width, label=p)
+    if hline is not None:
+        ax.axhline(hline, color="k", ls="--", lw=0.8)
+    ax.set_ylabel(ylabel)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
+    ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -84,7 +84,20 @@ def _layer(shape: dict, g) -> Callable[[], Any]:
 
 
 def _prefill(shape: dict, g) -> Callable[[], Any]:
-    raise NotImplementedError("this build has no paged_prefill op")
+    import torch
+
+    import cute_kernels
+    from cute_kernels.testing import make_paged_prefill_case
+
+    kv = torch.float8_e4m3fn if shape["kv"] == "fp8" else torch.bfloat16
+    scales = dict(k_scale=0.0625, v_scale=0.03125) if shape["kv"] == "fp8" else {}
+    case = make_paged_prefill_case(reqs=[(shape["prefix"], shape["new"])] * shape["B"], num_q_heads=shape["Hq"],
+                                   num_kv_heads=shape["Hkv"], head_dim=shape["D"], page_size=shape["page"],
+                                   kv_dtype=kv, generator=g, poison_tail=False, **scales)
+    out = torch.empty_like(case.q)
+    return lambda: cute_kernels.paged_prefill(case.q, case.kv_cache, case.block_table, case.seq_lens,
+                                              case.query_start_loc, max_query_len=case.max_query_len, out=out,
+                                              **case.kwargs())
 
 
 BUILDERS: dict[str, Callable[[dict, Any], Callable[[], Any]]] = {

@@ -93,6 +93,28 @@ def check_tensor(
     return t
 
 
+def check_kv_cache(k, v, pair: bool, kv_layout: str, head_dim: int) -> tuple[int, int, int]:
+    """Validate a paged cache (one ``[P, 2, ...]`` tensor ``k`` is ``v``, or a ``(k, v)`` pair
+    of 4-D halves) in ``kv_layout`` against the query's head dim; ``(P, Hkv, page)``."""
+    if kv_layout not in ("HND", "NHD"):
+        raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
+    if pair:
+        check_tensor("k_cache", k, ndim=4)
+        check_tensor("v_cache", v, ndim=4)
+        if k.shape != v.shape or k.dtype != v.dtype:
+            raise ValueError(f"k_cache and v_cache must match, got {tuple(k.shape)} {k.dtype} / {tuple(v.shape)} {v.dtype}")
+        k4 = k
+    else:
+        check_tensor("kv_cache", k, ndim=5)
+        if k.shape[1] != 2:
+            raise ValueError(f"kv_cache must be [P, 2, ...] (K and V), got shape {tuple(k.shape)}")
+        k4 = k[:, 0]
+    P, Hkv, page, D = k4.shape if kv_layout == "HND" else (k4.shape[0], k4.shape[2], k4.shape[1], k4.shape[3])
+    if D != head_dim:
+        raise ValueError(f"head dim mismatch: q has {head_dim}, kv_cache has {D}")
+    return P, Hkv, page
+
+
 def check_paged_tensors(q, k, v, pair: bool, block_table, seq_lens, q_len: int) -> int:
     """The device-side tensors of a paged attention call on q's device: q and the caches 16-byte
     aligned (TMA: base and strides), an FP8 or q-dtype cache, an int32 block table and ``[B]``

@@ -33,6 +33,7 @@ from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
 from ._torch import (
     DeviceBuffer,
+    check_kv_cache,
     check_paged_tensors,
     check_tensor,
     compile_target,
@@ -91,22 +92,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     """Full validation (clear errors naming the argument) and kernel selection for one key."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
     T, Hq, D = q.shape
-    if kv_layout not in ("HND", "NHD"):
-        raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
-    if pair:
-        check_tensor("k_cache", k, ndim=4)
-        check_tensor("v_cache", v, ndim=4)
-        if k.shape != v.shape or k.dtype != v.dtype:
-            raise ValueError(f"k_cache and v_cache must match, got {tuple(k.shape)} {k.dtype} / {tuple(v.shape)} {v.dtype}")
-        k4 = k
-    else:
-        check_tensor("kv_cache", k, ndim=5)
-        if k.shape[1] != 2:
-            raise ValueError(f"kv_cache must be [P, 2, ...] (K and V), got shape {tuple(k.shape)}")
-        k4 = k[:, 0]
-    P, Hkv, page, Dk = k4.shape if kv_layout == "HND" else (k4.shape[0], k4.shape[2], k4.shape[1], k4.shape[3])
-    if Dk != D:
-        raise ValueError(f"head dim mismatch: q has {D}, kv_cache has {Dk}")
+    P, Hkv, page = check_kv_cache(k, v, pair, kv_layout, D)
     if not isinstance(q_len, int) or q_len < 1:
         raise ValueError(f"q_len_per_req must be a positive int, got {q_len!r}")
     ks_t = check_scale("k_scale", k_scale, device=q.device)

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from ..jit.spec import Arg, KernelConfig, ScalarArg, TensorArg
 from .hw import MAX_SMEM_PER_CTA, REGISTERS_PER_SM
+from .paged_cache import kv_cache_args, scale_arg
 
 # ---- hardware (B200/GB200 = sm_100a, B300/GB300 = sm_103a) ------------------------------------
 TARGETS = ("sm_100a", "sm_103a")
@@ -360,13 +361,7 @@ class Sm100DecodeConfig(_Sm100Config):
 
     def signature(self):
         D = self.head_dim
-        inner = ("Hkv", self.page_size) if self.kv_layout == "HND" else (self.page_size, "Hkv")
-        caches: tuple[Arg, ...]
-        if self.kv_form == "single":
-            caches = (TensorArg("kv_cache", self.kv_dtype, ("P", 2, *inner, D)),)
-        else:
-            caches = (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
-                      TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
+        caches = kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, D)
         outs: tuple[Arg, ...]
         if self.split:
             outs = (TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=16),
@@ -375,12 +370,9 @@ class Sm100DecodeConfig(_Sm100Config):
             outs = (TensorArg("out", self.out_dtype, ("T", "Hq", D), align=2),
                     TensorArg("lse", "fp32", ("T", "Hq"), align=4))
 
-        def scale(name, tensor):
-            return TensorArg(name, "fp32", (1,), align=4) if tensor else ScalarArg(name, "fp32")
-
         extra: tuple[Arg, ...] = ()
         if self.q_dtype == "fp8_e4m3":
-            extra += (scale("q_scale", self.q_scale_tensor),)
+            extra += (scale_arg("q_scale", self.q_scale_tensor),)
         if self.sinks:
             extra += (TensorArg("sinks", "fp32", ("Hq",), align=4),)
         return (
@@ -389,8 +381,8 @@ class Sm100DecodeConfig(_Sm100Config):
             TensorArg("block_table", "int32", ("B", "W"), align=4),
             TensorArg("seq_lens", "int32", ("B",), align=4),
             *outs,
-            scale("k_scale", self.k_scale_tensor),
-            scale("v_scale", self.v_scale_tensor),
+            scale_arg("k_scale", self.k_scale_tensor),
+            scale_arg("v_scale", self.v_scale_tensor),
             *extra,
             ScalarArg("sm_scale", "fp32"),
             ScalarArg("window_left", "int32"),
@@ -515,19 +507,10 @@ class Sm100PrefillConfig(_Sm100Config):
 
     def signature(self):
         D = self.head_dim
-        inner = ("Hkv", self.page_size) if self.kv_layout == "HND" else (self.page_size, "Hkv")
-        caches: tuple[Arg, ...]
-        if self.kv_form == "single":
-            caches = (TensorArg("kv_cache", self.kv_dtype, ("P", 2, *inner, D)),)
-        else:
-            caches = (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
-                      TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
-
-        def scale(name, tensor):
-            return TensorArg(name, "fp32", (1,), align=4) if tensor else ScalarArg(name, "fp32")
+        caches = kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, D)
 
         lse = (TensorArg("lse", "fp32", ("T", "Hq"), align=4),) if self.write_lse else ()
-        qs = (scale("q_scale", self.q_scale_tensor),) if self.q_dtype == "fp8_e4m3" else ()
+        qs = (scale_arg("q_scale", self.q_scale_tensor),) if self.q_dtype == "fp8_e4m3" else ()
         sinks = (TensorArg("sinks", "fp32", ("Hq",), align=4),) if self.sinks else ()
         return (
             TensorArg("q", self.q_dtype, ("T", "Hq", D)),
@@ -537,8 +520,8 @@ class Sm100PrefillConfig(_Sm100Config):
             TensorArg("query_start_loc", "int32", ("B1",), align=4),
             TensorArg("out", self.out_dtype, ("T", "Hq", D), align=16),
             *lse,
-            scale("k_scale", self.k_scale_tensor),
-            scale("v_scale", self.v_scale_tensor),
+            scale_arg("k_scale", self.k_scale_tensor),
+            scale_arg("v_scale", self.v_scale_tensor),
             *qs,
             ScalarArg("sm_scale", "fp32"),
             ScalarArg("max_query_len", "int32"),

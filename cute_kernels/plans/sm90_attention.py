@@ -1,11 +1,17 @@
-"""What the SM90 attention kernels (paged decode, QSA) accept in common: the query and cache dtypes
-and head dims of their shared Q staging, FP8 fragment widening and WGMMA shapes. Host-only."""
+"""What the SM90 attention kernels (paged decode and prefill, QSA) accept in common: the query and
+cache dtypes and head dims of their shared Q staging, FP8 widening and WGMMA shapes; and what the
+paged TMA kernels (decode, prefill) share: page sizes, cache layouts and containers. Host-only."""
 
 from __future__ import annotations
 
 Q_DTYPES = ("bf16", "fp16")
 KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")  # a 16-bit cache must have the query's dtype
 HEAD_DIMS = (64, 128, 256)
+
+# the paged TMA kernels: one box is min(page, tile) tokens of one page
+PAGE_SIZES = (16, 32, 64, 128)
+KV_LAYOUTS = ("HND", "NHD")
+KV_FORMS = ("single", "pair")  # one [P, 2, ...] cache tensor, or a (K, V) pair
 
 
 def check_qkv(q_dtype: str, kv_dtype: str, head_dim: int) -> None:

@@ -17,16 +17,22 @@ from typing import Any, ClassVar
 
 from ..jit.spec import Arg, KernelConfig, ScalarArg, TensorArg
 from . import hw
-from .sm90_attention import HEAD_DIMS, KV_DTYPES, Q_DTYPES, check_qkv  # noqa: F401 - the limits
+from .paged_cache import kv_cache_args, scale_arg
+from .sm90_attention import (  # noqa: F401 - the limits
+    HEAD_DIMS,
+    KV_DTYPES,
+    KV_FORMS,
+    KV_LAYOUTS,
+    PAGE_SIZES,
+    Q_DTYPES,
+    check_qkv,
+)
 
 # ---------------------------------------------------------------------------------------------
 # limits: what the kernel accepts (the registry and the op read these)
 # ---------------------------------------------------------------------------------------------
 
-PAGE_SIZES = (16, 32, 64, 128)
 MAX_ROWS = 64  # query rows of one CTA, group x q_len: the WGMMA N
-KV_LAYOUTS = ("HND", "NHD")
-KV_FORMS = ("single", "pair")  # one [P, 2, ...] cache tensor, or a (K, V) pair
 MAX_SPLITS = 64
 
 # ---------------------------------------------------------------------------------------------
@@ -162,17 +168,8 @@ class Sm90DecodeConfig(KernelConfig):
 
     def signature(self):
         D = self.head_dim
-        kscale = TensorArg("k_scale", "fp32", (1,), align=4) if self.k_scale_tensor else ScalarArg("k_scale", "fp32")
-        vscale = TensorArg("v_scale", "fp32", (1,), align=4) if self.v_scale_tensor else ScalarArg("v_scale", "fp32")
-        page = self.page_size
-        inner = ("Hkv", page) if self.kv_layout == "HND" else (page, "Hkv")
-        caches: tuple[Arg, ...]
+        caches = kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, D)
         split: tuple[Arg, ...]
-        if self.kv_form == "single":
-            caches = (TensorArg("kv_cache", self.kv_dtype, ("P", 2, *inner, D)),)
-        else:
-            caches = (TensorArg("k_cache", self.kv_dtype, ("P", *inner, D)),
-                      TensorArg("v_cache", self.kv_dtype, ("P", *inner, D)))
         if self.cluster:  # partials stay in the cluster's shared memory: only the grid's split count
             split = (ScalarArg("num_splits", "int32"),)
         elif self.split:
@@ -191,8 +188,8 @@ class Sm90DecodeConfig(KernelConfig):
             TensorArg("out", self.q_dtype, ("T", "Hq", D), align=2),
             TensorArg("lse", "fp32", ("T", "Hq"), align=4),
             *split,
-            kscale,
-            vscale,
+            scale_arg("k_scale", self.k_scale_tensor),
+            scale_arg("v_scale", self.v_scale_tensor),
             ScalarArg("sm_scale", "fp32"),
         )
 

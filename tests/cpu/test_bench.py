@@ -174,9 +174,60 @@ def test_decode_shapes_are_well_formed():
         assert 1 <= (hq // hkv) * q_len <= 64, name  # the KV group's query rows: one WGMMA N
         assert b >= 1 and ctx >= 1 and q_len >= 1, name
         assert f"B{b} " in name + " " and f"ctx{ctx}" in name, name  # the name says what it is
-    assert bench_decode.select_shapes(None) == list(bench_decode.SHAPES)
+    assert bench_decode.select_shapes(None) == list(bench_decode.SHAPES) + list(bench_decode.RAGGED_SHAPES)
     assert [s[0] for s in bench_decode.select_shapes("B1 ctx,d256")] == ["llama3-8b B1 ctx1000", "d256 h16/8 B32 ctx8192"]
+    assert bench_decode.select_shapes("ragged") == list(bench_decode.RAGGED_SHAPES)
     assert bench_decode.select_shapes("nothing") == []
+    named = {s[0]: s[1:] for s in bench_decode.SHAPES}
+    assert named["llama3-70b-tp8 B64 ctx4096"] == (8, 1, 128, 64, 4096, 1)  # 70B under 8-way TP
+
+
+def test_ragged_shapes_are_the_agreed_table():
+    ragged = bench_decode.RAGGED_SHAPES
+    names = [s[0] for s in ragged]
+    assert len(set(names)) == len(names) and not set(names) & {s[0] for s in bench_decode.SHAPES}
+    qwen = {(b, m) for _, hq, hkv, d, b, m, _ in ragged if (hq, hkv, d) == (32, 4, 128)}
+    assert qwen == {(b, m) for b in (8, 32, 128) for m in (4000, 32000)}
+    assert any((hq, hkv) == (8, 1) for _, hq, hkv, *_ in ragged)
+    assert bench_decode.TABLE_TOKENS == 32768
+    for shape in ragged:
+        name, hq, hkv, d, b, m, q_len = shape
+        assert bench_decode.is_ragged(shape) and "ragged" in name and f"B{b} " in name and f"max{m}" in name
+        assert hq % hkv == 0 and 1 <= (hq // hkv) * q_len <= 64 and m <= bench_decode.TABLE_TOKENS
+    assert not any(bench_decode.is_ragged(s) for s in bench_decode.SHAPES)
+
+
+@pytest.mark.parametrize("batch, max_ctx", [(8, 4000), (32, 32000), (128, 32000), (64, 8192)])
+def test_ragged_lens_are_seeded_uniform_draws(batch, max_ctx):
+    lens = bench_decode.ragged_lens(batch, max_ctx)
+    assert lens == bench_decode.ragged_lens(batch, max_ctx)  # the same batch in every run
+    assert len(lens) == batch and all(1 <= x <= max_ctx for x in lens)
+    assert len(set(lens)) > batch // 2  # ragged, not a constant
+    assert lens != bench_decode.ragged_lens(batch, max_ctx - 1)
+    twin = bench_decode.twin_ctx(lens)
+    assert abs(twin * batch - sum(lens)) <= batch / 2  # the same tokens, to rounding
+    if batch >= 32:  # a uniform draw: mean near max / 2
+        assert 0.3 * max_ctx < sum(lens) / batch < 0.7 * max_ctx
+
+
+def test_wide_block_table_and_present_tokens():
+    import torch
+
+    from cute_kernels.testing import make_paged_decode_case
+
+    lens = [5, 40, 1]
+    case = make_paged_decode_case(batch=3, num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=16, seq_lens=lens,
+                                  table_tokens=320, generator=torch.Generator().manual_seed(0), device="cpu")
+    assert tuple(case.block_table.shape) == (3, 20)
+    P = case.kv_cache.shape[0]
+    assert int(case.block_table.min()) >= 0 and int(case.block_table.max()) < P
+    # the pages the requests own are distinct: a permuted pool, as a serving engine's allocator leaves it
+    owned = [int(p) for b, L in enumerate(lens) for p in case.block_table[b, :-(-L // 16)]]
+    assert len(owned) == len(set(owned)) == 1 + 3 + 1
+    assert case.visible_kv_bytes() == sum(lens) * 2 * 1 * 64 * 1  # FP8: tokens present x K,V x Hkv x D bytes
+    with pytest.raises(ValueError, match="cannot hold"):
+        make_paged_decode_case(batch=3, num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=16, seq_lens=lens,
+                               table_tokens=16, generator=torch.Generator().manual_seed(0), device="cpu")
 
 
 def test_decode_variants_are_tuning_fields():
@@ -215,3 +266,22 @@ def test_write_json(tmp_path):
     write_json(str(path), {"rows": [1.5]})
     assert json.loads(path.read_text()) == {"rows": [1.5]}
     write_json(None, {"rows": []})  # no path: nothing written, no error
+
+
+def test_self_check_state_of_compile_verified_kernels():
+    """What ``bench prefill`` / ``bench serve`` report next to a compile-verified kernel's times: its
+    family's self-check, and a failure (the reference served the calls: never the kernel's times)."""
+    import time
+
+    from cute_kernels.bench.harness import self_check_state
+    from cute_kernels.plans import selfcheck_records as records
+
+    assert self_check_state("sm90.decode", "bf16", "fp8_e4m3", 128) == (True, "")  # available: nothing to say
+    assert self_check_state("sm90.prefill", "bf16", "fp8_e4m3", 128) == (
+        True, "sm90.prefill/widen/d128: self-check not run")
+    records.store(records.CheckRecord("sm90.prefill/widen/d128", "gpu0", True, "", 0.1, time.time()))
+    assert self_check_state("sm90.prefill", "bf16", "fp8_e4m3", 128) == (
+        True, "sm90.prefill/widen/d128: self-check passed on gpu0")
+    records.store(records.CheckRecord("sm90.prefill_fp8q/fp8/d64", "gpu0", False, "case 0: NaN", 0.1, time.time()))
+    ok, text = self_check_state("sm90.prefill_fp8q", "fp8_e4m3", "fp8_e4m3", 64)
+    assert not ok and "FAILED its self-check (case 0: NaN): the reference served its calls" in text

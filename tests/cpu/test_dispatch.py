@@ -57,7 +57,8 @@ def _make_available(monkeypatch, *kernel_ids):
     _set_status(monkeypatch, "available", *kernel_ids)
 
 
-REAL_KERNELS = ("sm90.decode", "sm90.decode_fp8q", "sm100.decode", "sm100.prefill")
+REAL_KERNELS = ("sm90.decode", "sm90.decode_fp8q", "sm90.prefill", "sm90.prefill_fp8q", "sm100.decode",
+                "sm100.prefill")
 
 
 @pytest.fixture
@@ -137,8 +138,9 @@ def test_every_arch_phase_list_ends_with_the_reference_fallback():
 
 
 def test_registry_ids_and_statuses():
-    assert set(kernels_on("attention")) == {"sm90.decode", "sm90.decode_fp8q", "sm100.decode", "sm100.prefill",
-                                            "reference.paged_decode", "reference.paged_prefill"}
+    assert set(kernels_on("attention")) == {"sm90.decode", "sm90.decode_fp8q", "sm90.prefill", "sm90.prefill_fp8q",
+                                            "sm100.decode", "sm100.prefill", "reference.paged_decode",
+                                            "reference.paged_prefill"}
     sm90 = KERNELS["sm90.decode"]
     assert sm90.status in ("planned", "available")
     assert sm90.qk_dtype == "model" and not sm90.supports_quant_query_input
@@ -188,7 +190,7 @@ def test_skip_layer_bf16_group_never_gets_fp8_query(arch, monkeypatch):
         bf16_group = _plan(arch, phase, "auto")  # the skip layer, planned right after
         assert bf16_group.kv_cache_dtype == "bf16"
         assert bf16_group.q_dtype == "bf16" and not bf16_group.applies_q_scale
-        if arch == "sm90":  # sm90.decode converts FP8 K/V on chip; prefill is the reference
+        if arch == "sm90":  # sm90.decode and sm90.prefill convert FP8 K/V on chip (the default choice)
             assert fp8_group.q_dtype == "bf16" and not fp8_group.applies_q_scale
         else:  # the tcgen05 kernels compute QK in FP8, but for an FP8 cache only
             assert fp8_group.kernel == bf16_group.kernel == f"sm100.{phase}"
@@ -253,12 +255,6 @@ def test_sm90_decode_serves_every_group_times_q_len_up_to_64(sm90_decode_availab
     """GQA 32, q_len 8 x GQA 8 and GQA 64: the kernel takes any group x q_len <= 64, so none of
     them goes to the reference."""
     assert _plan("sm90", "decode", "fp8", **shape).kernel == "sm90.decode"
-
-
-def test_sm90_prefill_still_falls_back(sm90_decode_available):
-    p = _plan("sm90", "prefill", "fp8")
-    assert p.kernel == "reference.paged_prefill" and p.q_dtype == "bf16"
-    assert "no CuTe kernel targets sm90 prefill" in p.reason
 
 
 def test_fallback_reason_names_the_planned_kernel(all_planned):

@@ -132,12 +132,10 @@ def reference_step(step: Step, kv_cache, *, k_scale=1.0, v_scale=1.0, q_scale=No
         x, extra = query(step.q[:nd], 0)
         out[:nd] = reference.paged_decode(x, kv_cache, md.block_table[:Bd], md.seq_lens[:Bd],
                                           q_len_per_req=md.q_len_per_req, **kw, **extra)
-    starts = md.query_start_loc.tolist()
-    for r in range(Bd, md.num_reqs):
-        s, e = starts[r], starts[r + 1]
-        x, extra = query(step.q[s:e], 1)
-        out[s:e] = reference.paged_decode(x, kv_cache, md.block_table[r:r + 1], md.seq_lens[r:r + 1],
-                                          q_len_per_req=e - s, **kw, **extra)
+    if nd < T:  # every prefill request in one call, query_start_loc shifted to start at 0
+        x, extra = query(step.q[nd:], 1)
+        out[nd:] = reference.paged_prefill(x, kv_cache, md.block_table[Bd:], md.seq_lens[Bd:],
+                                           md.query_start_loc[Bd:] - nd, **kw, **extra)
     return out
 
 
@@ -288,45 +286,52 @@ def test_forward_padding_requests_write_nothing_and_output_zeros():
 @pytest.mark.parametrize("arch", ["sm90", "sm100", "sm80"])
 def test_forward_quantizes_only_phases_whose_plan_says_so(arch, fp8_reference, monkeypatch):
     """With FP8-QK stand-ins, the layer quantizes the query (with q_scale) of FP8-cache phases
-    only, passes q_scale only to them, and a bf16 skip layer's phases are never quantized."""
+    whose plan says so, once per phase (all prefill rows in one call), passes q_scale only to
+    them, and a bf16 skip layer's phases are never quantized."""
     calls = []
-    real_quantize, real_decode = cute_kernels.quantize_query, reference.paged_decode
+    real = dict(quantize=cute_kernels.quantize_query, decode=reference.paged_decode,
+                prefill=reference.paged_prefill)
 
     def spy_quantize(q, q_scale, **kw):
         calls.append(("quantize", q.shape[0], q_scale))
-        return real_quantize(q, q_scale, **kw)
+        return real["quantize"](q, q_scale, **kw)
 
-    def spy_decode(q, *args, q_scale=None, **kw):
-        calls.append(("attend", q.dtype, q_scale))
-        return real_decode(q, *args, q_scale=q_scale, **kw)
+    def spy(kind):
+        def attend(q, *args, q_scale=None, **kw):
+            calls.append((kind, q.dtype, q_scale))
+            return real[kind](q, *args, q_scale=q_scale, **kw)
+        return attend
+
+    def spying(on: bool):
+        monkeypatch.setattr(reference, "paged_decode", spy("decode") if on else real["decode"])
+        monkeypatch.setattr(reference, "paged_prefill", spy("prefill") if on else real["prefill"])
 
     monkeypatch.setattr(cute_kernels, "quantize_query", spy_quantize, raising=False)
-    monkeypatch.setattr(reference, "paged_decode", spy_decode)
     g = torch.Generator().manual_seed(11)
     for kv in (FP8, BF16):
         calls.clear()
+        spying(True)
         step = make_step(**BATCHES["mixed"], kv_dtype=kv, generator=g)
         ks = 0.0625 if kv == FP8 else 1.0
         layer = AttentionLayer(8, 2, 64, kv_cache_dtype=kv, page_size=16, arch=arch, q_scale=0.25, k_scale=ks)
         plans = layer.plans_for(step.metadata)
         out = layer.forward(step.q, step.k, step.v, step.kv_cache, step.metadata)
-        fp8_q = kv == FP8 and plans["decode"].kernel != "sm90.decode"  # sm90 decode never quantizes
-        quantized = {"decode": fp8_q, "prefill": kv == FP8}
-        assert plans["prefill"].quantize_query == quantized["prefill"]
-        if plans["decode"].is_fallback:
-            assert plans["decode"].quantize_query == quantized["decode"]
-        attends = [c for c in calls if c[0] == "attend"]
+        # sm90's kernels convert FP8 K/V on chip: the FP8-QK kernels and the reference stand-ins quantize
+        quantized = {ph: kv == FP8 and plans[ph].kernel not in ("sm90.decode", "sm90.prefill")
+                     for ph in ("decode", "prefill")}
+        assert {ph: plans[ph].quantize_query for ph in quantized} == quantized
         quants = [c for c in calls if c[0] == "quantize"]
-        assert len(quants) == int(quantized["decode"]) + 2 * int(quantized["prefill"])  # decode once, per request
+        assert [c[1] for c in quants] == [n for ph, n in (("decode", 2), ("prefill", 10)) if quantized[ph]]
         assert all(c[2] == 0.25 for c in quants)
-        for dtype, qs in (c[1:] for c in attends):
+        attends = [c for c in calls if c[0] != "quantize"]
+        assert [c[0] for c in attends] == ["decode", "prefill"]  # one call per phase
+        for _, dtype, qs in attends:
             assert (dtype == FP8) == (qs is not None)
             assert qs in (None, 0.25)
         # the cache already holds the new tokens; the direct reference writes them again (idempotent)
-        monkeypatch.setattr(reference, "paged_decode", real_decode)
+        spying(False)
         expected = reference_step(step, clone_cache(step.kv_cache), k_scale=ks, q_scale=0.25,
                                   quantize=(quantized["decode"], quantized["prefill"]))
-        monkeypatch.setattr(reference, "paged_decode", spy_decode)
         assert torch.equal(out, expected)
 
 
@@ -459,12 +464,23 @@ def test_metadata_errors():
         _md(step, num_decode_tokens=3, q_len_per_req=2)
     with pytest.raises(ValueError, match="q_len_per_req must be >= 1"):
         _md(step, q_len_per_req=0)
-    # query_start_loc inconsistent with num_decode_tokens: caught when the prefill rows are split
+    with pytest.raises(TypeError, match="max_query_len must be a Python int"):
+        _md(step, max_query_len=torch.tensor(4))
+    with pytest.raises(ValueError, match="max_query_len must be >= 0"):
+        _md(step, max_query_len=-1)
+    # query_start_loc inconsistent with num_decode_tokens: the CPU path (the reference) reads it and
+    # raises; a CUDA step never reads it (CUTE_KERNELS_CHECK=1 does)
     bad = step.metadata.query_start_loc.clone()
     bad[2] += 1
     layer = AttentionLayer(8, 2, 64, kv_cache_dtype=FP8, page_size=16, arch="sm90")
+    with pytest.raises(ValueError, match="query_start_loc must start at 0"):
+        layer.forward(step.q, step.k, step.v, step.kv_cache, _md(step, query_start_loc=bad))
+    bad = step.metadata.query_start_loc.clone()
+    bad[3] = bad[4] + 1
     with pytest.raises(ValueError, match="query_start_loc must be non-decreasing"):
         layer.forward(step.q, step.k, step.v, step.kv_cache, _md(step, query_start_loc=bad))
+    with pytest.raises(ValueError, match=r"max_query_len \(5\) is below request 0's query length 6"):
+        layer.forward(step.q, step.k, step.v, step.kv_cache, _md(step, max_query_len=5))
 
 
 # ----------------------------------------------------------------------------------------------

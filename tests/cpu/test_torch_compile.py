@@ -23,7 +23,7 @@ from cute_kernels.ops import paged_decode as pd_op
 from cute_kernels.ops import qsa_sparse_attention as qsa_op
 from cute_kernels.ops import quantize_query as qq_op
 from cute_kernels.ops import write_kv_cache as kv_op
-from cute_kernels.testing import make_paged_decode_case
+from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case
 from dispatch import AttentionLayer
 
 from .test_layer_dispatch import clone_cache, make_step
@@ -33,8 +33,8 @@ from .test_qsa_reference import make_qsa_case
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
-OPS = ("merge_states", "merge_states_out", "paged_decode", "paged_decode_out", "qsa_sparse_attention",
-       "qsa_sparse_attention_out", "quantize_query", "quantize_query_out", "write_kv_cache")
+OPS = ("merge_states", "merge_states_out", "paged_decode", "paged_decode_out", "paged_prefill", "paged_prefill_out",
+       "qsa_sparse_attention", "qsa_sparse_attention_out", "quantize_query", "quantize_query_out", "write_kv_cache")
 
 
 @pytest.fixture(autouse=True)
@@ -54,13 +54,17 @@ def make_inputs(seed: int) -> SimpleNamespace:
     slots = torch.tensor([int(c.block_table[0, 0]) * page + 4, int(c.block_table[1, 2]) * page + 7, -1])
     qsa = make_qsa_case(rows=4, num_q_heads=4, num_kv_heads=2, head_dim=64, page=16, generator=g, gate=True)
     qsa.pop("meta")
+    p = make_paged_prefill_case(reqs=[(5, 3), (0, 4), (20, 2)], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                                page_size=16, kv_dtype=FP8, k_scale=0.5, generator=g, device="cpu", poison_tail=False)
+    prefill = dict(q=p.q, kv_cache=p.kv_cache, block_table=p.block_table, seq_lens=p.seq_lens,
+                   query_start_loc=p.query_start_loc)
     return SimpleNamespace(
         q=c.q, kv=c.kv_cache, block_table=c.block_table, seq_lens=c.seq_lens,
         key=torch.randn(3, 2, 64, generator=g).to(BF16), value=torch.randn(3, 2, 64, generator=g).to(BF16),
         slots=slots, k_scale=torch.tensor(0.0625) * (1 + torch.rand((), generator=g)), v_scale=0.5,
         q_scale=torch.rand(2, generator=g) * 0.1 + 0.05,
         cos_sin=torch.randn(64, 32, generator=g), positions=torch.randint(0, 64, (3,), generator=g),
-        sinks=torch.randn(8, generator=g), qsa=qsa,
+        sinks=torch.randn(8, generator=g), qsa=qsa, prefill=prefill,
     )
 
 
@@ -69,7 +73,7 @@ def poisoned_outputs(x: SimpleNamespace) -> dict:
     return dict(
         decode_out=torch.full_like(x.q, nan), merge_out=torch.full((3, 8, 64), nan),
         merge_lse=torch.full((3, 8), nan), q8=torch.full(x.q.shape, nan).to(FP8),
-        qsa_out=torch.full_like(x.qsa["q"], nan),
+        qsa_out=torch.full_like(x.qsa["q"], nan), prefill_out=torch.full_like(x.prefill["q"], nan),
     )
 
 
@@ -89,11 +93,15 @@ def step(x: SimpleNamespace, o: dict, kv: torch.Tensor) -> tuple:
     # an FP8 query (q_scale), sinks and a sliding window (served by the reference off SM100)
     fp8_out, fp8_lse = cute_kernels.paged_decode(q8, kv, x.block_table, x.seq_lens, q_scale=0.25, k_scale=x.k_scale,
                                                  sinks=x.sinks, window_left=8, return_lse=True)
+    pre_out, pre_lse = cute_kernels.paged_prefill(**x.prefill, k_scale=0.5, return_lse=True)
+    cute_kernels.paged_prefill(**x.prefill, max_query_len=4, causal=False, k_scale=x.k_scale, out=o["prefill_out"])
+    q8p = cute_kernels.quantize_query(x.prefill["q"], x.q_scale)  # per KV head
+    pre8 = cute_kernels.paged_prefill(q8p, *list(x.prefill.values())[1:], q_scale=x.q_scale, v_scale=0.5)
     gated = cute_kernels.qsa_sparse_attention(**x.qsa, prefill=False)
     ungated = {**x.qsa, "output_gate": None, "k_scale": 0.5}
     cute_kernels.qsa_sparse_attention(**ungated, prefill=True, out=o["qsa_out"])
-    return (out, lse, out2, merged, merged_lse, o["merge_out"], o["merge_lse"], q8, o["q8"], fp8_out, fp8_lse, gated,
-            o["qsa_out"])
+    return (out, lse, out2, merged, merged_lse, o["merge_out"], o["merge_lse"], q8, o["q8"], fp8_out, fp8_lse,
+            pre_out, pre_lse, o["prefill_out"], pre8, gated, o["qsa_out"])
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -206,6 +214,27 @@ def test_inductor_writes_the_cache_in_place(container):
     assert "clone" not in code and ".copy_(" not in code
 
 
+def test_mixed_layer_step_compiles_whole_after_an_eager_step():
+    """Decode and prefill rows in one step: once an eager step has made the layer's plans (planning
+    a compile-verified kernel reads the self-check records, host work Dynamo does not trace), the
+    compiled step is one graph, equal to eager."""
+    st = make_step(decode_ctx=(20, 40), prefill=((0, 6), (9, 4)), generator=torch.Generator().manual_seed(35))
+    layer = AttentionLayer(8, 2, 64, kv_cache_dtype="fp8", page_size=16, arch="sm90", k_scale=0.5, v_scale=0.25)
+
+    def forward(q, k, v, kv, md):
+        return layer(q, k, v, kv, md)
+
+    forward(st.q, st.k, st.v, clone_cache(st.kv_cache), st.metadata)  # the warm-up step: plans cached
+    explained = torch._dynamo.explain(forward)(st.q, st.k, st.v, clone_cache(st.kv_cache), st.metadata)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    eager_kv, kv = clone_cache(st.kv_cache), clone_cache(st.kv_cache)
+    want = forward(st.q, st.k, st.v, eager_kv, st.metadata)
+    got = torch.compile(forward, backend="aot_eager", fullgraph=True)(st.q, st.k, st.v, kv, st.metadata)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want)
+    assert torch.equal(_bits(kv), _bits(eager_kv))
+
+
 def _opcheck_cases(x: SimpleNamespace) -> dict:
     # 16-bit caches: opcheck's schema check compares tensors with allclose, which CPU torch does not
     # implement for float8 (the compiled-step tests above cover FP8 caches)
@@ -215,6 +244,8 @@ def _opcheck_cases(x: SimpleNamespace) -> dict:
     q8 = x.q.to(FP8)
     parts = torch.randn(2, 3, 8, 64)
     part_lse = torch.randn(2, 3, 8)
+    pre = x.prefill
+    pre_args = (pre["q"], pre["kv_cache"].to(BF16), None, pre["block_table"], pre["seq_lens"], pre["query_start_loc"])
     qsa = x.qsa
     qsa_args = (qsa["q"], qsa["k_cache"], qsa["v_cache"], qsa["packed_indices"], qsa["block_table"],
                 qsa["token_to_req"], False, 1.0, 0.5, qsa["output_gate"])
@@ -226,6 +257,9 @@ def _opcheck_cases(x: SimpleNamespace) -> dict:
                              None, True, None, None, 4, x.sinks, torch.empty_like(x.q)),
         "paged_decode_fp8_query": (q8, x.kv.clone(), None, x.block_table, x.seq_lens, "HND", 1, None, 1.0, None, 1.0,
                                    None, True, None, True, 1.0, x.q_scale[:1].clone(), -1, x.sinks),
+        "paged_prefill": (*pre_args, None, "HND", True, None, None, None, 1.0, None, 1.0, None, True),
+        "paged_prefill_out": (*pre_args, 4, "HND", False, 0.2, None, None, 0.5, x.k_scale, 1.0,
+                              None, False, torch.empty_like(pre["q"])),
         "qsa_sparse_attention": qsa_args,
         "qsa_sparse_attention_out": (*qsa_args, torch.empty_like(qsa["q"])),
         "quantize_query": (x.q, 0.25, None, x.cos_sin, x.positions),
@@ -266,10 +300,13 @@ def test_fake_outputs_match_the_real_ones():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cases = _opcheck_cases(x)
-    for name in ("merge_states", "paged_decode", "paged_decode_fp8_query", "qsa_sparse_attention", "quantize_query"):
+    for name in ("merge_states", "paged_decode", "paged_decode_fp8_query", "paged_prefill", "qsa_sparse_attention",
+                 "quantize_query"):
         args = cases[name]
         if name.startswith("paged_decode"):  # with and without the LSE
             args = [(*args[:12], flag, *args[13:]) for flag in (True, False)]
+        elif name == "paged_prefill":
+            args = [(*args[:-1], flag) for flag in (True, False)]
         else:
             args = [args]
         for a in args:

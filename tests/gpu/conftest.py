@@ -32,3 +32,21 @@ def sm90_only():
 def rel_err(out, ref):
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def prefill_kernel_only(monkeypatch):
+    """``paged_prefill`` still runs its one-time runtime self-check, but a family that fails it fails
+    the test instead of being served by the reference: the prefill GPU tests verify the kernel."""
+    from cute_kernels.ops import paged_prefill as op
+    from cute_kernels.plans import selfcheck_records, sm90_prefill
+
+    checked = op.self_check_passes
+
+    def strict(config, device):
+        if not checked(config, device):
+            fam = sm90_prefill.family(config.q_dtype, config.kv_dtype, config.head_dim)
+            pytest.fail(f"the kernel, not the reference, is under test: {selfcheck_records.describe(fam)}")
+        return True
+
+    monkeypatch.setattr(op, "self_check_passes", strict)

@@ -34,3 +34,56 @@ def test_bench_decode_one_shape_with_sdpa(tmp_path):
         assert row[f"{name}_err"] < 5e-2, row
     assert row["ours_err"] < 5e-3, row
     assert result["host_overhead_us"] > 0
+
+
+@sm90_only()
+def test_bench_decode_ragged_row_with_its_twin(tmp_path):
+    from cute_kernels.bench.decode import ragged_lens, twin_ctx
+
+    path = tmp_path / "ragged.json"
+    assert bench_main("decode", ["--shapes", "ragged B8 max4000", "--kv", "fp8", "--peers", "sdpa",
+                                 "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())["rows"]
+    lens = ragged_lens(8, 4000)
+    assert row["ragged"] and row["tokens"] == sum(lens) and row["table_tokens"] == 32768
+    assert row["bytes"] == sum(lens) * 2 * 4 * 128 + 2 * 8 * 32 * 128 * 2  # K/V present + Q + O
+    assert row["ours_us"] > 0 and row["ours_err"] < 5e-3, row
+    assert row["twin_ctx"] == twin_ctx(lens) and row["twin_us"] > 0 and "ours_minus_twin_us" in row
+    assert "equal contexts" in row["sdpa_error"]
+
+
+@sm90_only()
+def test_bench_serve_quick_writes_json(tmp_path):
+    """``bench serve --quick``, cut further (one workload per cache dtype, 2 layers, 8 output tokens):
+    every step timed, the latencies summarized, and each configuration's layer 0 checked against the
+    reference on its first prefill, mixed and decode step."""
+    from cute_kernels.bench.serve_schedule import WORKLOADS, quick, schedule
+
+    path = tmp_path / "serve.json"
+    assert bench_main("serve", ["--quick", "--workloads", "long-fp8,short-bf16", "--layers", "2", "--output-len", "8",
+                                "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert [e["workload"]["kv"] for e in result["workloads"]] == ["fp8", "bf16"]
+    for e, name in zip(result["workloads"], ("long-fp8", "short-bf16")):
+        w = quick(WORKLOADS[name]).scaled(layers=2, output_len=8)
+        n_steps = len(schedule(w).steps)
+        assert e["workload"]["steps"] == n_steps and e["workload"]["layers"] == 2
+        ours = e["configs"]["ours"]
+        assert "error" not in ours, ours
+        assert len(ours["step_s"]) == n_steps and all(t > 0 for t in ours["step_s"])
+        assert all(ours["timed"])
+        assert {h for h in ours["how"]} == {"graph", "eager"}
+        s = ours["summary"]
+        assert s["total"] > 0 and 0 < s["ttft"]["median"] <= s["total"] and 0 < s["tpot"]["median"] < s["total"]
+        for kind in ("prefill_prefill", "mixed_decode", "mixed_prefill", "decode_decode"):
+            assert ours[f"{kind}_err"] < 5e-3, (name, kind, ours[f"{kind}_err"])
+        for peer in ("fi_xqa", "fi_native", "fa4"):
+            r = e["configs"].get(peer)
+            if r is None or "error" in r:  # not installed, or refused (FA4 on FP8): said in the row
+                continue
+            assert len(r["step_s"]) == n_steps and r["summary"]["total"] > 0, peer
+            for k, v in r.items():
+                if k.endswith("_err"):
+                    assert v < 5e-2, (name, peer, k, v)
+    fp8 = result["workloads"][0]["configs"]
+    assert fp8["fa4"]["error"].startswith("FA4 has no FP8 KV")

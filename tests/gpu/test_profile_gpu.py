@@ -55,3 +55,11 @@ def test_profile_layer(tmp_path):
     report = _profile(tmp_path, "layer", "B=8,ctx=4096")
     names = [k["name"] for k in report["kernels"]]
     assert names[0].startswith("cute_kernels_write_kv_cache") and names[-1].startswith("cute_kernels_sm90_decode")
+
+
+@sm90_only()
+def test_profile_prefill(tmp_path):
+    report = _profile(tmp_path, "prefill", "B=1,new=4096")
+    names = [k["name"] for k in report["kernels"]]
+    assert names and all(n.startswith("cute_kernels_sm90_prefill") for n in names), names
+    _check_columns(report["kernels"][-1])

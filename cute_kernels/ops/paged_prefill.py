@@ -1,0 +1,500 @@
+"""``cute_kernels.paged_prefill``: varlen paged prefill attention on SM90 (CuTe-DSL kernel).
+
+The host never reads tensor data and never synchronizes: the grid comes from shapes (query
+heads, ``max_query_len`` or T, the batch), the kernel reads ``query_start_loc`` and ``seq_lens``
+on the device, so a prefill step captures in a CUDA graph once its variant is compiled and has
+passed its self-check. Nothing is allocated per call beyond ``out`` and the LSE when the caller
+passes none; without ``return_lse`` the kernel is compiled without an LSE argument.
+
+The op runs on the shared launcher (:mod:`cute_kernels.ops._launch`): the first call with a new
+combination of shapes, strides and dtypes validates everything (the same checks for CPU and CUDA
+tensors, so code that passes on the CPU passes on the GPU) and prepares a :class:`_Launch` (config
+from :mod:`cute_kernels.plans.sm90_prefill`, one generated positional caller); later calls look it
+up by a tuple of cheap tensor attributes and go straight to the TVM-FFI call, which checks dtypes,
+ranks, shared extents, devices and alignment itself; when it refuses one, the call is validated in
+full for an error that names the argument. CPU tensors run :func:`cute_kernels.reference.paged_prefill`.
+
+The kernel is compile-verified (registry status): before the first launch of a variant family in
+a process, :mod:`._selfcheck` runs that variant on a few small problems against the reference; a
+family that fails is served by the reference from then on, with a logged warning.
+
+``CUTE_KERNELS_CHECK=1`` also validates the data (``query_start_loc``, ``max_query_len``,
+``seq_lens`` within the block table, block-table entries in range) before each launch; it
+synchronizes, so it is off by default. Registered as ``torch.ops.cute_kernels.paged_prefill`` and
+``paged_prefill_out`` (:mod:`cute_kernels.ops._library`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, overload
+
+import torch
+from torch import Tensor
+
+from .. import reference
+from .._types import KVCache, Scale
+from ..jit.compiler import get_kernel
+from ..jit.spec import call_arguments
+from ..plans import sm90_prefill as plan
+from ..registry import KERNELS
+from ._launch import Launcher, TuningOverride, check_scale
+from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
+from ._selfcheck import Case, ensure
+from ._torch import check_kv_cache, check_tensor, compile_target, dtype_name
+
+FP8 = torch.float8_e4m3fn
+CHECK_DATA = os.environ.get("CUTE_KERNELS_CHECK") == "1"
+
+# the caller's per-call parameters (ops._launch.bind), and where each signature name comes from
+_CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "query_start_loc", "out", "lse", "k_scale", "v_scale",
+                "q_scale", "max_query_len")
+_SOURCES = {"kv_cache": "k", "k_cache": "k", "v_cache": "v"}
+
+
+@dataclass
+class _Launch:
+    """Everything a call needs that depends only on its key."""
+
+    fn: Any  # the compiled kernel's caller (ops._launch.bind); None for the reference
+    out_shape: tuple
+    out_dtype: torch.dtype
+    reference: bool = False
+    empty: bool = False  # T == 0 or B == 0: nothing to launch
+
+
+def tuning_override(**fields: object) -> TuningOverride:
+    """``with tuning_override(tile_n=64, pingpong=False): ...`` forces kernel tuning fields (for
+    benchmarks and tests comparing variants); the override is part of the launch-cache key."""
+    return _launcher.tuning_override(**fields)
+
+
+def _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, q_scale, k_scale, v_scale, out,
+         return_lse):
+    """What selects the kernel: the query and cache geometry, the batch, the options (with their
+    types: ``causal=1`` must reach the validation), the types of the k/v scales (a 1-element
+    tensor of any rank goes to the kernel as a ``[1]`` view) and the shape of a tensor ``q_scale``
+    (one element or per KV head: another variant). Left to the compiled function's own checks:
+    the other tensors' dtypes, extents tied by name to the query's or the cache's (V, seq_lens,
+    out...), devices, alignment. ``query_start_loc``'s extent is tied to nothing, so its shape is
+    in the key."""
+    # type(), not isinstance(): torch.Tensor's metaclass makes isinstance slow
+    qs = q_scale.shape if type(q_scale) is torch.Tensor else type(q_scale)
+    return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
+            query_start_loc.shape, kv_layout, causal, type(causal), sm_scale, qs, type(k_scale), type(v_scale),
+            None if out is None else out.dtype, return_lse, type(return_lse), _launcher.override_key)
+
+
+def _q_scale_kind(q, Hkv, q_scale) -> str:
+    """Validate ``q_scale`` against the query (values never read); the config's ``q_scale`` kind."""
+    if q.dtype != FP8:
+        if q_scale is not None:
+            raise ValueError("q_scale applies only to an FP8 query; a bf16/fp16 query is never rescaled")
+        return "none"
+    if q_scale is None:
+        raise ValueError("an FP8 query needs q_scale (the scale it was quantized with)")
+    if not check_scale("q_scale", q_scale, device=q.device, num_q_heads=q.shape[1], num_kv_heads=Hkv):
+        return "scalar"
+    return "tensor" if q_scale.numel() == 1 else "per_head"
+
+
+def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
+             q_scale, k_scale, v_scale, out, return_lse) -> _Launch:
+    """Full validation (clear errors naming the argument, the same for CPU and CUDA tensors) and
+    kernel selection for one key."""
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
+    T, Hq, D = q.shape
+    device = q.device
+    P, Hkv, page = check_kv_cache(k, v, pair, kv_layout, D)
+    if P == 0:  # a TMA descriptor needs a non-empty tensor; refused before any launch
+        raise ValueError("kv_cache has no pages (P = 0); allocate at least one page")
+    if D not in plan.HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {plan.HEAD_DIMS}, got {D}")
+    if page not in plan.PAGE_SIZES:
+        raise ValueError(f"page size must be one of {plan.PAGE_SIZES}, got {page}")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"num q heads ({Hq}) must be a multiple of num kv heads ({Hkv})")
+    if Hq // Hkv > plan.MAX_GROUP:
+        raise ValueError(f"Hq / Hkv must be <= {plan.MAX_GROUP}, got {Hq // Hkv}")
+    if q.dtype == FP8:
+        if k.dtype != FP8:
+            raise TypeError(f"an FP8 query needs a float8_e4m3fn kv_cache, got {k.dtype}")
+    elif k.dtype not in (FP8, q.dtype):
+        raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
+    ks_t = check_scale("k_scale", k_scale, device=device)
+    vs_t = check_scale("v_scale", v_scale, device=device)
+    q_scale_kind = _q_scale_kind(q, Hkv, q_scale)
+    scale = D ** -0.5 if sm_scale is None else sm_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
+    B = block_table.shape[0]
+    if B > plan.MAX_BATCH:
+        raise ValueError(f"the batch must have at most {plan.MAX_BATCH} requests, got {B}")
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, shape=(B,), device=device)
+    check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, shape=(B + 1,), device=device)
+    if B == 0 and T:
+        raise ValueError(f"q has {T} rows but the batch is empty (query_start_loc must end at T)")
+    _check_max_query_len(max_query_len, T, B)
+    out_dtypes = (torch.bfloat16, torch.float16) if q.dtype == FP8 else (q.dtype,)
+    if out is not None:
+        check_tensor("out", out, dtype=out_dtypes, shape=(T, Hq, D), device=device)
+    out_dtype = out_dtypes[0] if out is None else out.dtype
+    config = plan.make_prefill_config(
+        q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), out_dtype=dtype_name(out_dtype), head_dim=D,
+        group=Hq // Hkv, page_size=page, kv_form="pair" if pair else "single", kv_layout=kv_layout, causal=causal,
+        write_lse=return_lse, k_scale_tensor=ks_t, v_scale_tensor=vs_t, q_scale=q_scale_kind,
+        **_launcher.override)
+    # pointer and stride alignment, from the signature the kernel is compiled with (TMA wants 16 bytes)
+    tensors = dict(q=q, kv_cache=k, k_cache=k, v_cache=v, block_table=block_table, seq_lens=seq_lens,
+                   query_start_loc=query_start_loc, out=out)
+    for arg in config.signature():
+        t = tensors.get(arg.name)
+        if t is not None and getattr(arg, "align", 0) > t.element_size():
+            check_tensor(arg.name, t, align_bytes=arg.align)
+    shape = (T, Hq, D)
+    if not q.is_cuda:
+        return _Launch(None, shape, out_dtype, reference=True)
+    if T == 0 or B == 0:
+        return _Launch(None, shape, out_dtype, empty=True)
+    target = compile_target(device)
+    if target not in config.targets:
+        raise ValueError(f"{config.kernel_id} runs on {'/'.join(config.targets)}, this GPU is {target}: "
+                         "use cute_kernels.reference.paged_prefill (dispatch.plan picks it)")
+    if not self_check_passes(config, device):  # a family that failed it: the reference serves it
+        return _Launch(None, shape, out_dtype, reference=True)
+    fn = get_kernel(config, target)
+    sources = dict(_SOURCES)
+    for name, is_tensor in (("k_scale", ks_t), ("v_scale", vs_t)):
+        if is_tensor:  # the key holds the type only: a 1-element tensor of any rank is viewed as [1]
+            sources[name] = f"{name}.view(1)?"
+    if q_scale_kind == "tensor" and q_scale.dim() != 1:  # the key holds the shape
+        sources["q_scale"] = "q_scale.view(1)"
+    return _Launch(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, dict(sm_scale=float(scale)))), shape,
+                   out_dtype)
+
+
+def _check_max_query_len(max_query_len, T: int, B: int) -> None:
+    """``max_query_len``: None or an int; T rows in B requests need one of at least ceil(T / B)."""
+    if max_query_len is None:
+        return
+    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len must be None or a non-negative int, got {max_query_len!r}")
+    if max_query_len * B < T:
+        raise ValueError(f"max_query_len ({max_query_len}) is below every split of T={T} rows into {B} requests")
+
+
+def _check_data(q, k, pair, kv_layout, block_table, seq_lens, query_start_loc, max_query_len) -> None:
+    """``CUTE_KERNELS_CHECK=1``: the data rules the kernel cannot refuse without synchronizing."""
+    T = q.shape[0]
+    starts = reference.prefill_spans(query_start_loc, T, max_query_len)
+    k4 = k if pair else k[:, 0]
+    P, page = k4.shape[0], k4.shape[2 if kv_layout == "HND" else 1]
+    B, W = block_table.shape
+    lens = seq_lens.long()
+    q_lens = torch.tensor(starts, device=lens.device).diff()
+    bad = ((lens < q_lens) | (lens > W * page)).nonzero().flatten().tolist()
+    if bad:
+        b = bad[0]
+        raise ValueError(f"seq_lens[{b}] = {int(lens[b])} must lie in [query length {int(q_lens[b])}, "
+                         f"block-table capacity {W * page}]")
+    used = torch.arange(W, device=lens.device).view(1, W) < ((lens + page - 1) // page).view(B, 1)
+    ids = block_table.long()
+    bad = (used & ((ids < 0) | (ids >= P))).nonzero().tolist()
+    if bad:
+        b, c = bad[0]
+        raise ValueError(f"block_table[{b}, {c}] = {int(ids[b, c])} is outside [0, {P}) (a page seq_lens[{b}] uses)")
+
+
+def _reference(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
+               q_scale, k_scale, v_scale, out, return_lse):
+    out_dtype = (out.dtype if out is not None else torch.bfloat16) if q.dtype == FP8 else q.dtype
+    res = reference.paged_prefill(q, (k, v) if pair else k, block_table, seq_lens, query_start_loc,
+                                  max_query_len=max_query_len, kv_layout=kv_layout, causal=causal, sm_scale=sm_scale,
+                                  q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
+                                  out_dtype=out_dtype)
+    res, lse = res if return_lse else (res, None)
+    if out is not None:
+        out.copy_(res)
+        res = out
+    return (res, lse) if return_lse else res
+
+
+_launcher = Launcher(_prepare, _reference, op="paged_prefill")
+_cache = _launcher  # the launch cache under the name the lab's host-cost probe reads (profiling/host_costs.py)
+
+
+@overload
+def paged_prefill(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
+                  max_query_len: int | None = ..., kv_layout: str = ..., causal: bool = ..., sm_scale: float | None = ...,
+                  q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., out: Tensor | None = ...,
+                  return_lse: Literal[False] = ...) -> Tensor: ...
+@overload
+def paged_prefill(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
+                  max_query_len: int | None = ..., kv_layout: str = ..., causal: bool = ..., sm_scale: float | None = ...,
+                  q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., out: Tensor | None = ...,
+                  return_lse: Literal[True]) -> tuple[Tensor, Tensor]: ...
+@overload
+def paged_prefill(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
+                  max_query_len: int | None = ..., kv_layout: str = ..., causal: bool = ..., sm_scale: float | None = ...,
+                  q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., out: Tensor | None = ...,
+                  return_lse: bool) -> Tensor | tuple[Tensor, Tensor]: ...
+def paged_prefill(
+    q: Tensor,
+    kv_cache: KVCache,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    *,
+    max_query_len: int | None = None,
+    kv_layout: str = "HND",
+    causal: bool = True,
+    sm_scale: float | None = None,
+    q_scale: Scale | None = None,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
+    out: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Varlen paged prefill attention with a BF16/FP16 or FP8 query and a BF16/FP16/FP8 KV cache.
+
+    Semantics are those of :func:`cute_kernels.reference.paged_prefill` (read its docstring for
+    the defined results of every data case): ``q`` ``[T, Hq, D]`` packs the new tokens of B
+    requests, request b owning rows ``query_start_loc[b] : query_start_loc[b + 1]`` (int32
+    ``[B + 1]`` on the device), which are the last ``q_len_b`` of its ``seq_lens[b]`` tokens.
+    ``kv_cache`` is one HND/NHD tensor or a ``(k, v)`` tuple, ``block_table`` int32 ``[B, W]``.
+
+    ``q`` is bf16/fp16 (any 16-byte aligned strides, e.g. a view of a fused QKV tensor), or
+    float8_e4m3fn from :func:`cute_kernels.quantize_query`, which needs an FP8 cache and
+    ``q_scale``. Scales: positive floats, or 0-d / 1-element fp32 device tensors (read on the
+    device, so they may change between CUDA-graph replays); ``q_scale`` also fp32 ``[Hkv]`` (per
+    KV head). ``max_query_len``: optional bound on every ``q_len_b`` (a Python int; it sizes the
+    grid, T otherwise; a bound below a request's length leaves that request's rows beyond it
+    unspecified). ``out``: optional ``[T, Hq, D]`` of q's dtype (bf16 or fp16 for an FP8 query,
+    bf16 by default), written in place, on the CPU too.
+
+    Supported here: SM90 (compile-verified: a one-time runtime self-check per variant family
+    guards the first launch, the reference serves a family that fails it), head_dim 64/128/256,
+    page size 16/32/64/128, Hq / Hkv up to ``plans.sm90_prefill.MAX_GROUP``. Returns ``out`` and,
+    with ``return_lse``, the base-2 LSE ``[T, Hq]`` fp32.
+    """
+    if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
+        return _traced(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
+                       sm_scale, q_scale, k_scale, v_scale, out, return_lse)
+    pair = isinstance(kv_cache, (tuple, list))
+    if pair and len(kv_cache) != 2:
+        raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
+    k = kv_cache[0] if pair else kv_cache
+    v = kv_cache[1] if pair else kv_cache
+    try:
+        key = _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, q_scale, k_scale, v_scale,
+                   out, return_lse)
+    except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
+        key = None
+    launch = _launcher.entries.get(key)
+    if launch is None or launch.reference:  # the argument tuple is built off the hot path only
+        args = (q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
+                q_scale, k_scale, v_scale, out, return_lse)
+        launch = launch or _launcher.lookup(key, args)
+        if launch.reference:
+            return _launcher.run_reference(args)
+    elif max_query_len is not None:  # a value the key leaves out
+        _check_max_query_len(max_query_len, q.shape[0], block_table.shape[0])
+    if CHECK_DATA:
+        _check_data(q, k, pair, kv_layout, block_table, seq_lens, query_start_loc, max_query_len)
+    if out is None:
+        out = torch.empty(launch.out_shape, dtype=launch.out_dtype, device=q.device)
+    lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    if launch.empty:  # no rows, or no requests (then no rows either): nothing to launch
+        return out if lse is None else (out, lse)
+    max_q = q.shape[0] if max_query_len is None else min(max_query_len, q.shape[0])
+    try:
+        launch.fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q)
+    except Exception:  # raises the error that names the argument
+        _launcher.refused((q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
+                           sm_scale, q_scale, k_scale, v_scale, out, return_lse))
+        raise
+    return out if lse is None else (out, lse)  # lse is None unless return_lse
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: torch.ops.cute_kernels.paged_prefill / paged_prefill_out
+# ---------------------------------------------------------------------------------------------
+
+
+def _new_out(q: Tensor) -> Tensor:
+    """The output the op allocates: the query's dtype, bf16 for an FP8 query."""
+    return torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == FP8 else q.dtype, device=q.device)
+
+
+def _new_lse(q: Tensor, return_lse: bool) -> Tensor:
+    return torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else no_lse(q)
+
+
+def _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
+         q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, out) -> Tensor:
+    res = paged_prefill(q, cache_of(k_cache, v_cache), block_table, seq_lens, query_start_loc,
+                        max_query_len=max_query_len, kv_layout=kv_layout, causal=causal, sm_scale=sm_scale,
+                        q_scale=q_scale_tensor if q_scale_tensor is not None else q_scale,
+                        k_scale=scale_of(k_scale, k_scale_tensor), v_scale=scale_of(v_scale, v_scale_tensor), out=out,
+                        return_lse=return_lse)
+    return res[1] if return_lse else no_lse(q)
+
+
+@custom_op("paged_prefill")
+def _paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], block_table: Tensor, seq_lens: Tensor,
+                      query_start_loc: Tensor, max_query_len: Optional[int], kv_layout: str, causal: bool,
+                      sm_scale: Optional[float], q_scale: Optional[float], q_scale_tensor: Optional[Tensor],
+                      k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float, v_scale_tensor: Optional[Tensor],
+                      return_lse: bool) -> tuple[Tensor, Tensor]:
+    out = _new_out(q)
+    lse = _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
+               q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, out)
+    return out, lse
+
+
+@_paged_prefill_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
+      q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse):
+    return _new_out(q), _new_lse(q, return_lse)
+
+
+@custom_op("paged_prefill_out", mutates=("out",))
+def _paged_prefill_out_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], block_table: Tensor,
+                          seq_lens: Tensor, query_start_loc: Tensor, max_query_len: Optional[int], kv_layout: str,
+                          causal: bool, sm_scale: Optional[float], q_scale: Optional[float],
+                          q_scale_tensor: Optional[Tensor], k_scale: float, k_scale_tensor: Optional[Tensor],
+                          v_scale: float, v_scale_tensor: Optional[Tensor], return_lse: bool, out: Tensor) -> Tensor:
+    return _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
+                sm_scale, q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, out)
+
+
+@_paged_prefill_out_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
+      q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, out):
+    return _new_lse(q, return_lse)
+
+
+def _traced(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
+            k_scale, v_scale, out, return_lse):
+    """:func:`paged_prefill` as torch.compile sees it (as :func:`..paged_decode._traced`)."""
+    q_scales = (None, None) if q_scale is None else scale_parts(q_scale)
+    args = (q, *cache_parts(kv_cache), block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
+            sm_scale, *q_scales, *scale_parts(k_scale), *scale_parts(v_scale), return_lse)
+    if out is None:
+        out, lse = _paged_prefill_op(*args)
+    else:
+        lse = _paged_prefill_out_op(*args, out)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# the runtime self-check of the compile-verified kernel
+# ---------------------------------------------------------------------------------------------
+
+# (rtol, atol) per kind: outputs of V ~ N(0, 1); P rounded to 16 bits, or to e4m3 for an FP8 query.
+# The check catches broken kernels (garbage rows, NaN, wrong masks), not the last bits.
+SELF_CHECK_TOL = {"16": (2e-2, 2e-2), "widen": (2e-2, 2e-2), "fp8": (1e-1, 1e-1)}
+SELF_CHECK_SEED = 2029
+
+
+def self_check_passes(config: plan.Sm90PrefillConfig, device) -> bool:
+    """The one-time runtime check of ``config``'s family (:func:`plans.sm90_prefill.family`) on
+    ``device``: the variant itself (same compile key, so no extra compile) on small varlen,
+    chunked problems against the reference. True at once when the registry no longer lists its
+    kernel as compile-verified (verified on the GPU: ``available``)."""
+    if KERNELS[plan.registry_id(config.q_dtype, config.kv_dtype)].status != "compile-verified":
+        return True
+    fam = plan.family(config.q_dtype, config.kv_dtype, config.head_dim)
+    return ensure(fam, device, lambda: self_check_cases(config, device))
+
+
+def self_check_cases(config: plan.Sm90PrefillConfig, device) -> list[Case]:
+    """Two problems in the variant's own dtypes, layout, container and scale forms, on two KV heads:
+    four requests (128+ rows over two query blocks without a prefix, an empty one, a chunk after a
+    cached prefix ending mid-page, one row after a long prefix) with NaN-poisoned page tails, and
+    one full-prefill request of two query blocks with ``max_query_len``. Inputs are built on the
+    CPU from a fixed seed; the reference runs on the CPU copies."""
+    rtol, atol = SELF_CHECK_TOL[config.kind]
+    page = config.page_size
+    problems = (([(0, 130), (40, 0), (3 * page + 5, 20), (300, 1)], None), ([(0, 256)], 256))
+    g = torch.Generator(device="cpu").manual_seed(SELF_CHECK_SEED)
+    cases = []
+    for i, (reqs, max_q) in enumerate(problems):
+        host = _self_check_inputs(config, reqs, g)
+        dev = {k: _to(v, device) for k, v in host.items()}
+
+        def run(dev=dev, max_q=max_q):
+            return _launch_now(config, dev, max_q)
+
+        def expect(host=host, max_q=max_q):
+            cache = (host["k"], host["v"]) if config.kv_form == "pair" else host["k"]
+            res = reference.paged_prefill(
+                host["q"], cache, host["block_table"], host["seq_lens"], host["query_start_loc"], max_query_len=max_q,
+                kv_layout=config.kv_layout, causal=config.causal, q_scale=host["q_scale"], k_scale=host["k_scale"],
+                v_scale=host["v_scale"], return_lse=config.write_lse, out_dtype=_TORCH[config.out_dtype])
+            return res
+
+        cases.append(Case(f"problem {i} (seed {SELF_CHECK_SEED})", run, expect, rtol, atol))
+    return cases
+
+
+_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": FP8}
+
+
+def _to(x, device):
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def _self_check_inputs(config, reqs, g) -> dict:
+    """CPU tensors of one self-check problem for ``config`` (random, from ``g``)."""
+    Hkv, D, page = 2, config.head_dim, config.page_size
+    Hq = Hkv * config.group
+    lens = [p + n for p, n in reqs]
+    pages = [math.ceil(L / page) for L in lens]
+    P = sum(pages) + 3
+    perm = torch.randperm(P, generator=g)
+    table = torch.randint(0, P, (len(reqs), max(pages) + 1), generator=g, dtype=torch.int32)
+    ofs = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[ofs:ofs + n].int()
+        ofs += n
+    shape = (P, 2, Hkv, page, D) if config.kv_layout == "HND" else (P, 2, page, Hkv, D)
+    kv = torch.randn(shape, generator=g).to(_TORCH[config.kv_dtype])
+    nan_byte = 0x7F if config.kv_dtype == "fp8_e4m3" else 0xFF  # a NaN in every byte (pair) of the dtype
+    for b, L in enumerate(lens):  # stale bytes past each request's end: they must never reach the output
+        if L % page:
+            tail = (slice(None), slice(L % page, None)) if config.kv_layout == "HND" else (slice(L % page, None),)
+            kv[(int(table[b, L // page]), slice(None)) + tail].view(torch.uint8).fill_(nan_byte)
+    starts = [0]
+    for _, n in reqs:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], Hq, D, generator=g).to(_TORCH[config.q_dtype])
+
+    def scale(value, tensor):
+        return torch.tensor([value], dtype=torch.float32) if tensor else value
+
+    q_scale = {"none": None, "scalar": 0.5, "tensor": torch.tensor([0.5]),
+               "per_head": torch.tensor([0.5, 0.75])}[config.q_scale]
+    return dict(q=q, k=kv[:, 0] if config.kv_form == "pair" else kv, v=kv[:, 1] if config.kv_form == "pair" else kv,
+                block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                query_start_loc=torch.tensor(starts, dtype=torch.int32), q_scale=q_scale,
+                k_scale=scale(0.9, config.k_scale_tensor), v_scale=scale(1.1, config.v_scale_tensor))
+
+
+def _launch_now(config, t: dict, max_query_len):
+    """Launch ``config`` on the tensors ``t`` now (no launch cache, no self-check): the self-check's
+    own kernel call."""
+    T, Hq, D = t["q"].shape
+    out = torch.full((T, Hq, D), float("nan"), dtype=_TORCH[config.out_dtype], device=t["q"].device)
+    lse = torch.full((T, Hq), float("nan"), dtype=torch.float32, device=t["q"].device)
+    values = dict(t, kv_cache=t["k"], k_cache=t["k"], v_cache=t["v"], out=out, lse=lse, sm_scale=D ** -0.5,
+                  max_query_len=T if max_query_len is None else min(max_query_len, T))
+    fn = get_kernel(config, compile_target(t["q"].device))
+    fn(*call_arguments(config.signature(), values))
+    return (out, lse) if config.write_lse else out

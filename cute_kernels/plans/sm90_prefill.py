@@ -1,0 +1,372 @@
+"""Plan of the SM90 paged prefill (``sm90.prefill``, ``sm90.prefill_fp8q``): limits, the compile
+key and call signature (:class:`Sm90PrefillConfig`), tuning, the launch grid, the compile variants,
+the variants a model shape reaches and the FP8-cache choice between the two query paths.
+
+Host-only (no DSL, no torch): the op, the dispatcher, the warm-up and the compile matrix read it;
+the kernel (:mod:`cute_kernels.sm90.prefill`) reads what it needs from the config instance it is
+built with. Design: docs/design/sm90-prefill.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from types import ModuleType
+from typing import Any, ClassVar
+
+from ..jit.spec import Arg, KernelConfig, ScalarArg, TensorArg
+from . import hw
+from .paged_cache import kv_cache_args, scale_arg
+from .sm90_attention import HEAD_DIMS, KV_FORMS, KV_LAYOUTS, PAGE_SIZES
+
+__all__ = [
+    "HEAD_DIMS", "PAGE_SIZES", "MAX_GROUP", "MODEL_DTYPES", "Q_DTYPES", "KV_DTYPES", "OUT_DTYPES", "KV_LAYOUTS",
+    "KV_FORMS", "Q_SCALE_KINDS", "TILE_M", "SMEM_BUDGET", "MAX_BATCH", "FP8_CACHE_KERNEL", "FP8_CACHE_REASON",
+    "Sm90PrefillConfig", "make_prefill_config", "grid", "smem_bytes", "registry_id", "family", "compile_variants",
+    "fp8_query_compile_variants", "prefill_variants",
+]
+
+# ---------------------------------------------------------------------------------------------
+# limits (each written once; the registry, the dispatcher and the op read them from here)
+# ---------------------------------------------------------------------------------------------
+
+# one query head per CTA (no GQA packing): any ratio works; this bounds the compile key
+MAX_GROUP = 128
+MODEL_DTYPES = ("bf16", "fp16")  # the query's dtype before any quantization, and the output's
+Q_DTYPES = (*MODEL_DTYPES, "fp8_e4m3")
+KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+OUT_DTYPES = MODEL_DTYPES
+# q_scale of an FP8 query: a Float32 argument, a 1-element fp32 tensor, or fp32 [Hkv]
+Q_SCALE_KINDS = ("none", "scalar", "tensor", "per_head")
+MAX_BATCH = hw.MAX_GRID_Y  # requests: the grid's z extent
+
+# SM90 prefill with an FP8 cache: the exact BF16-query kernel (FP8 K/V widened on chip: the error of
+# the cache's quantization only) or the FP8-query kernel (e4m3 QK and PV; the layer quantizes the
+# prefill rows with q_scale). This one constant decides; the registry lists the other as opt-in,
+# selectable with backend=. The BF16-query kernel stays the default until the GPU has measured both
+# (speed, and error against the dequantized reference): docs/design/sm90-prefill.md#status.
+FP8_CACHE_KERNEL = "sm90.prefill"
+FP8_CACHE_REASON = "an FP8 cache keeps the exact BF16 query until the FP8-query path is measured"
+
+# ---------------------------------------------------------------------------------------------
+# kernel structure the tuning depends on
+# ---------------------------------------------------------------------------------------------
+
+WARPGROUP = hw.WARPGROUP_WARPS * 32  # threads of one warpgroup
+NUM_THREADS = 3 * WARPGROUP  # one producer and two consumer warpgroups
+TILE_M = 2 * hw.WGMMA_M  # query rows per CTA: two consumer warpgroups of one 64-row WGMMA M each
+SMEM_BUDGET = hw.MAX_SMEM_PER_CTA  # dynamic shared memory one CTA may use
+SMEM_RESERVE = 2048  # barriers, the per-row query scales, alignment padding
+
+# ---- tuning defaults: (kv kind, head dim) -> (tile_n, stages) ----
+# "16": 16-bit K/V straight from TMA; "widen": FP8 K/V widened to fp16 in shared memory for a
+# 16-bit query; "fp8": FP8 query and K/V (e4m3 WGMMA, V transposed in shared memory)
+_TILE_N = {("16", 64): 128, ("16", 128): 128, ("16", 256): 64,
+           ("widen", 64): 128, ("widen", 128): 128, ("widen", 256): 64,
+           ("fp8", 64): 128, ("fp8", 128): 128, ("fp8", 256): 64}
+# setmaxnreg targets (producer, consumer) within the launch's REGS_PER_THREAD x 384: the TMA-only
+# producer needs 32 (24 spilled), the rewriting producer warpgroup 56
+_REGS = {"16": (32, 232), "widen": (56, 224), "fp8": (56, 224)}
+# registers per thread a 384-thread launch gets (64K / 384 rounded down to 8): setmaxnreg only moves
+# registers within the CTA's allocation, and an increase beyond it waits forever
+REGS_PER_THREAD = hw.REGISTERS_PER_SM // NUM_THREADS // 8 * 8
+
+
+def kv_kind(q_dtype: str, kv_dtype: str) -> str:
+    if kv_dtype != "fp8_e4m3":
+        return "16"
+    return "fp8" if q_dtype == "fp8_e4m3" else "widen"
+
+
+@dataclass(frozen=True)
+class Sm90PrefillConfig(KernelConfig):
+    """Compile key of :class:`cute_kernels.sm90.prefill.Sm90PagedPrefill`; the instance is the key.
+
+    Problem: ``q_dtype`` (bf16/fp16, or fp8_e4m3 for an FP8 query), ``kv_dtype`` (the query's
+    16-bit dtype, or fp8_e4m3), ``out_dtype`` (16-bit; the query's dtype for a 16-bit query),
+    ``head_dim``, ``group`` (Hq / Hkv), ``page_size``, ``kv_form`` ("single" ``[P, 2, ...]`` or
+    "pair" of K and V tensors), ``kv_layout`` ("HND"/"NHD"), ``causal``, ``write_lse`` (no LSE
+    argument when False), ``k_scale_tensor`` / ``v_scale_tensor`` (a 1-element fp32 tensor
+    instead of a float), ``q_scale`` (FP8 query only, :data:`Q_SCALE_KINDS`).
+
+    Tuning: ``tile_n`` KV tokens per tile; ``stages`` K/V stages the consumers read (16-bit or,
+    for FP8 KV, the widened / transposed copies); ``staging`` FP8 stages TMA writes before the
+    producer warpgroup widens or transposes them (0 for a 16-bit cache); ``overlap``: each
+    consumer warpgroup issues tile n's QK with tile n-1's PV and runs the softmax while PV is in
+    the tensor cores (FA3's intra-warpgroup overlap); ``pingpong``: the two consumer warpgroups
+    take turns issuing their WGMMAs (named barriers), so one's softmax overlaps the other's MMAs;
+    ``producer_regs`` / ``consumer_regs``: ``setmaxnreg`` targets (three warpgroups share 64K).
+    """
+
+    q_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    out_dtype: str = "bf16"
+    head_dim: int = 128
+    group: int = 8
+    page_size: int = 16
+    kv_form: str = "single"
+    kv_layout: str = "HND"
+    causal: bool = True
+    write_lse: bool = True
+    k_scale_tensor: bool = False
+    v_scale_tensor: bool = False
+    q_scale: str = "none"
+    tile_n: int = 128
+    stages: int = 2
+    staging: int = 0
+    overlap: bool = True
+    pingpong: bool = True
+    producer_regs: int = 32
+    consumer_regs: int = 232
+
+    kernel_id = "sm90.prefill"
+    targets = ("sm_90a",)
+    # what the kernel reads from its config (kernels never import plans)
+    hw: ClassVar[ModuleType] = hw
+    tile_m: ClassVar[int] = TILE_M
+    num_threads: ClassVar[int] = NUM_THREADS
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"sm90.prefill: {msg}")
+
+        if self.q_dtype not in Q_DTYPES or self.kv_dtype not in KV_DTYPES or self.out_dtype not in OUT_DTYPES:
+            bad(f"dtypes q={self.q_dtype} kv={self.kv_dtype} out={self.out_dtype} not supported")
+        if self.q_dtype == "fp8_e4m3":
+            if self.kv_dtype != "fp8_e4m3":
+                bad("an FP8 query needs an FP8 KV cache")
+            if self.q_scale not in ("scalar", "tensor", "per_head"):
+                bad(f"an FP8 query needs q_scale in ('scalar', 'tensor', 'per_head'), got {self.q_scale!r}")
+        else:
+            if self.q_scale != "none":
+                bad("q_scale applies only to an FP8 query")
+            if self.out_dtype != self.q_dtype:
+                bad(f"a {self.q_dtype} query writes {self.q_dtype} output, got out_dtype={self.out_dtype}")
+            if self.kv_dtype != "fp8_e4m3" and self.kv_dtype != self.q_dtype:
+                bad("a 16-bit KV cache must have the query's dtype")
+        if self.head_dim not in HEAD_DIMS:
+            bad(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+        if self.page_size not in PAGE_SIZES:
+            bad(f"page_size must be one of {PAGE_SIZES}, got {self.page_size}")
+        if not 1 <= self.group <= MAX_GROUP:
+            bad(f"group (Hq / Hkv) must be in [1, {MAX_GROUP}], got {self.group}")
+        if self.kv_form not in KV_FORMS or self.kv_layout not in KV_LAYOUTS:
+            bad(f"kv_form/kv_layout {self.kv_form}/{self.kv_layout} not supported")
+        k_step = 32 if self.kind == "fp8" else 16
+        if self.tile_n % k_step or not 16 <= self.tile_n <= 256:
+            bad(f"tile_n must be a multiple of {k_step} in [16, 256], got {self.tile_n}")
+        if self.tile_n % self.page_size and self.page_size % self.tile_n:
+            bad(f"tile_n {self.tile_n} and page_size {self.page_size}: one must divide the other")
+        if self.stages < 1 or (self.kind != "16") != (self.staging > 0):
+            bad(f"stages {self.stages} / staging {self.staging}: staging is for FP8 caches only")
+        if any(r % 8 or not 24 <= r <= 256 for r in (self.producer_regs, self.consumer_regs)) or (
+                WARPGROUP * self.producer_regs + 2 * WARPGROUP * self.consumer_regs > NUM_THREADS * REGS_PER_THREAD):
+            bad(f"registers {self.producer_regs}/{self.consumer_regs} (producer/consumer) exceed the launch's "
+                f"{REGS_PER_THREAD} x {NUM_THREADS}")
+        if self.pingpong and not self.overlap:
+            bad("pingpong takes turns between overlapped consumers (overlap=True)")
+        if smem_bytes(self) > SMEM_BUDGET:
+            bad(f"{smem_bytes(self)} bytes of shared memory exceed {SMEM_BUDGET}")
+
+    # ---- derived ----
+    @property
+    def kind(self) -> str:
+        """"16", "widen" or "fp8" (see :func:`kv_kind`)."""
+        return kv_kind(self.q_dtype, self.kv_dtype)
+
+    @property
+    def mma_dtype(self) -> str:
+        """The WGMMA operand type: the query's 16-bit type, fp16 for widened FP8 K/V, or e4m3."""
+        return {"16": self.q_dtype, "widen": "fp16", "fp8": "fp8_e4m3"}[self.kind]
+
+    @property
+    def box(self) -> int:
+        """KV tokens per TMA box: one page, or a tile-sized piece of a larger page."""
+        return min(self.page_size, self.tile_n)
+
+    @property  # per instance (the base: a class constant)
+    def evidence(self) -> dict[str, tuple[tuple[str, str], ...]]:  # type: ignore[override]
+        """WGMMA with the operand types this variant claims, the PV one with P from registers (an
+        RS WGMMA: a register list for A), TMA loads and mbarrier waits."""
+        if self.kind == "fp8":
+            name, ops = "e4m3", r"k32\.f32\.e4m3\.e4m3"
+        else:
+            name = {"bf16": "bf16", "fp16": "f16"}[self.mma_dtype]
+            ops = r"k16\.f32\." + {"bf16": r"bf16\.bf16", "fp16": r"f16\.f16"}[self.mma_dtype]
+        wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+" + ops
+        return {"sm_90a": ((f"wgmma.mma_async {name}", wgmma), (f"wgmma {name} with P from registers",
+                                                                 wgmma + r" +\{[^}]*\}, *\{"),
+                           ("TMA load", r"cp\.async\.bulk\.tensor"), ("mbarrier.try_wait", r"mbarrier\.try_wait"))}
+
+    def signature(self):
+        """Call arguments, in order (the op binds them by name)."""
+        D = self.head_dim
+        caches = kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, D)
+        q_scale: tuple[Arg, ...] = ()
+        if self.q_scale in ("scalar", "tensor"):
+            q_scale = (scale_arg("q_scale", self.q_scale == "tensor"),)
+        elif self.q_scale == "per_head":
+            q_scale = (TensorArg("q_scale", "fp32", ("Hkv",), align=4),)
+        lse = (TensorArg("lse", "fp32", ("T", "Hq"), align=4),) if self.write_lse else ()
+        return (
+            TensorArg("q", self.q_dtype, ("T", "Hq", D)),  # TMA: 16-byte aligned base and strides
+            *caches,
+            TensorArg("block_table", "int32", ("B", "W"), align=4),
+            TensorArg("seq_lens", "int32", ("B",), align=4),
+            TensorArg("query_start_loc", "int32", ("B1",), align=4),  # B + 1 entries
+            TensorArg("out", self.out_dtype, ("T", "Hq", D)),
+            *lse,
+            scale_arg("k_scale", self.k_scale_tensor),
+            scale_arg("v_scale", self.v_scale_tensor),
+            *q_scale,
+            ScalarArg("sm_scale", "fp32"),
+            ScalarArg("max_query_len", "int32"),
+        )
+
+    def build(self):
+        from ..sm90.prefill import Sm90PagedPrefill  # kernels < plans: the allowed direction
+
+        return Sm90PagedPrefill(self)
+
+
+def smem_bytes(cfg: Sm90PrefillConfig) -> int:
+    """Shared memory of one CTA: Q, the stages the consumers read, the FP8 staging, the reserve."""
+    D, n = cfg.head_dim, cfg.tile_n
+    mma_bytes = 1 if cfg.kind == "fp8" else 2
+    kv_bytes = 1 if cfg.kv_dtype == "fp8_e4m3" else 2
+    q = TILE_M * D * mma_bytes
+    consumer_stages = cfg.stages * 2 * n * D * mma_bytes  # K and V (or V^T) of each stage
+    staging = cfg.staging * (2 if cfg.kind == "widen" else 1) * n * D * kv_bytes  # FP8: K+V, or V only
+    return q + consumer_stages + staging + SMEM_RESERVE
+
+
+def _tuning(kind: str, head_dim: int) -> tuple[int, int, int]:
+    """(tile_n, stages, staging): the deepest pipeline that fits, consumer stages first."""
+    tile_n = _TILE_N[(kind, head_dim)]
+    probe: dict[str, Any] = dict(q_dtype={"16": "bf16", "widen": "bf16", "fp8": "fp8_e4m3"}[kind],
+                                 kv_dtype="bf16" if kind == "16" else "fp8_e4m3", out_dtype="bf16",
+                                 head_dim=head_dim, q_scale="scalar" if kind == "fp8" else "none", tile_n=tile_n)
+    best = None
+    for stages in (4, 3, 2, 1):
+        for staging in ((0,) if kind == "16" else (2, 1)):
+            if stages > 2 and head_dim > 64:
+                continue  # two stages already cover the TMA latency at D >= 128 (FA3's choice)
+            try:
+                Sm90PrefillConfig(**probe, stages=stages, staging=staging)
+            except ValueError:
+                continue
+            best = best or (tile_n, stages, staging)
+    if best is None:
+        raise ValueError(f"no tiling fits shared memory for {kind} D={head_dim}")
+    return best
+
+
+def make_prefill_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int,
+                        out_dtype: str | None = None, kv_form: str = "single", kv_layout: str = "HND",
+                        causal: bool = True, write_lse: bool = True, k_scale_tensor: bool = False,
+                        v_scale_tensor: bool = False, q_scale: str | None = None,
+                        **override: Any) -> Sm90PrefillConfig:
+    """The config the op, the warm-up and the compile matrix use for a problem: tuning filled in
+    here, once. ``out_dtype`` defaults to the query's dtype (bf16 for an FP8 query); ``q_scale``
+    to "scalar" for an FP8 query. ``override`` replaces tuning fields (benchmarks, tests)."""
+    fp8_q = q_dtype == "fp8_e4m3"
+    out_dtype = out_dtype or ("bf16" if fp8_q else q_dtype)
+    q_scale = q_scale or ("scalar" if fp8_q else "none")
+    kind = kv_kind(q_dtype, kv_dtype)
+    tile_n, stages, staging = _tuning(kind, head_dim)
+    tile_n = override.pop("tile_n", tile_n)
+    if tile_n % page_size and page_size % tile_n:
+        tile_n = page_size  # e.g. 96-token tiles on 64-token pages
+    producer_regs, consumer_regs = _REGS[kind]
+    # the consumers take turns issuing at D <= 128 only (FA3/FA4's choice; at D = 256 the PV of one
+    # warpgroup alone fills the tensor cores for long)
+    pingpong = head_dim <= 128
+    fields_: dict[str, Any] = dict(
+        q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, head_dim=head_dim, group=group,
+        page_size=page_size, kv_form=kv_form, kv_layout=kv_layout, causal=causal, write_lse=write_lse,
+        k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, q_scale=q_scale, tile_n=tile_n,
+        stages=stages, staging=staging, producer_regs=producer_regs, consumer_regs=consumer_regs, pingpong=pingpong)
+    fields_.update(override)
+    return Sm90PrefillConfig(**fields_)
+
+
+def num_m_blocks(max_query_len: int) -> int:
+    return max(0, (max_query_len + TILE_M - 1) // TILE_M)
+
+
+def grid(num_q_heads: int, batch: int, max_query_len: int) -> tuple[int, int, int]:
+    """The launch grid (computed inside the kernel's host function from the same values):
+    x = query head (fastest, so the heads of one KV group run together and share K/V in L2),
+    y = query block (reversed inside the kernel: longest first), z = request."""
+    return num_q_heads, num_m_blocks(max_query_len), batch
+
+
+# ---------------------------------------------------------------------------------------------
+# runtime self-check families, compile variants, the variants a model shape reaches
+# ---------------------------------------------------------------------------------------------
+
+
+def registry_id(q_dtype: str, kv_dtype: str) -> str:
+    """The registry entry a (query, cache) dtype pair runs: the FP8-query kernel, or the other."""
+    return "sm90.prefill_fp8q" if kv_kind(q_dtype, kv_dtype) == "fp8" else "sm90.prefill"
+
+
+def family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
+    """The runtime self-check family of a (query, cache) dtype pair and head dim: its registry id,
+    its kind (the MMA path: 16-bit K/V, FP8 widened, FP8 query) and its head dim (which sets the
+    tile and the consumer schedule), e.g. ``"sm90.prefill/widen/d128"``."""
+    return f"{registry_id(q_dtype, kv_dtype)}/{kv_kind(q_dtype, kv_dtype)}/d{head_dim}"
+
+
+def _variant(q, kv, d, g, page, **kw) -> Sm90PrefillConfig:
+    return make_prefill_config(q_dtype=q, kv_dtype=kv, head_dim=d, group=g, page_size=page, **kw)
+
+
+def compile_variants() -> list[Sm90PrefillConfig]:
+    """``sm90.prefill``'s compile matrix: each head dim of the 16-bit and the FP8-widened kinds
+    (a bf16 query narrowed to fp16, and an fp16 one), with both layouts and containers, scale
+    tensors, causal and not, with and without LSE; the serial consumer schedule once."""
+    return [
+        _variant("bf16", "bf16", 128, 8, 16),
+        _variant("fp16", "fp16", 64, 4, 32, kv_form="pair", kv_layout="NHD", causal=False),
+        _variant("bf16", "bf16", 256, 1, 128, write_lse=False),
+        _variant("bf16", "bf16", 128, 8, 16, overlap=False, pingpong=False),
+        _variant("bf16", "fp8_e4m3", 128, 8, 16),
+        _variant("fp16", "fp8_e4m3", 64, 16, 64, kv_layout="NHD", k_scale_tensor=True, v_scale_tensor=True),
+        _variant("bf16", "fp8_e4m3", 256, 4, 32, kv_form="pair", causal=False),
+    ]
+
+
+def fp8_query_compile_variants() -> list[Sm90PrefillConfig]:
+    """``sm90.prefill_fp8q``'s compile matrix: each head dim, each ``q_scale`` form, fp16 output once."""
+    return [
+        _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar"),
+        _variant("fp8_e4m3", "fp8_e4m3", 64, 8, 128, q_scale="tensor", kv_form="pair", kv_layout="NHD"),
+        _variant("fp8_e4m3", "fp8_e4m3", 256, 4, 16, q_scale="per_head", out_dtype="fp16", write_lse=False),
+    ]
+
+
+_KV_NAMES = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}
+
+
+def prefill_variants(*, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
+                     kv_dtypes=("fp8_e4m3",), q_dtype: str = "bf16", fp8_query: bool = False,
+                     q_scale_kinds=("scalar",), scale_tensors=(False, True), kv_layouts=("HND",),
+                     kv_forms=("single",), causal=(True,), return_lse=(False,)) -> list[Sm90PrefillConfig]:
+    """Every prefill config a model shape can reach: per cache dtype, layout, container, scale form,
+    mask and LSE output. ``fp8_query``: for an FP8 cache, the FP8-query kernel's variants (one
+    per ``q_scale_kinds``, bf16 output: what :class:`dispatch.AttentionLayer` launches when the
+    prefill plan computes QK in FP8) instead of the BF16-query ones."""
+    out: list[Sm90PrefillConfig] = []
+    group = num_q_heads // num_kv_heads
+    for kv, st, layout, form, mask, lse in product(kv_dtypes, scale_tensors, kv_layouts, kv_forms, causal,
+                                                    return_lse):
+        kv = _KV_NAMES.get(kv, kv)
+        fields_ = dict(kv_dtype=kv, head_dim=head_dim, group=group, page_size=page_size, kv_form=form,
+                       kv_layout=layout, causal=mask, write_lse=lse, k_scale_tensor=st, v_scale_tensor=st)
+        if fp8_query and kv == "fp8_e4m3":
+            out += [make_prefill_config(q_dtype="fp8_e4m3", out_dtype=q_dtype, q_scale=qs, **fields_)
+                    for qs in q_scale_kinds]
+        else:
+            out.append(make_prefill_config(q_dtype=q_dtype, **fields_))
+    return out

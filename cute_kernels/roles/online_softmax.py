@@ -1,0 +1,101 @@
+"""Online softmax over KV tiles with the query rows on the WGMMA's M (the FlashAttention
+orientation): a thread owns two rows of its warpgroup's 64 (``r`` and ``r + 8``) and, in each,
+columns ``8 j + 2 (lane % 4) + {0, 1}``; a row lives in one quad, so its max and sum need two
+shuffles and no shared memory.
+
+State per thread: the running max (log2 units) and this thread's share of the running sum of
+each of its two rows. The sum is reduced over the quad once, in :func:`finalize`. A row whose max
+is still -inf shifts by 0, so ``exp2(-inf) = 0`` and no ``inf - inf`` appears; a row that saw no
+KV finishes with sum 0, output 0 and LSE -inf. Design: docs/design/sm90-prefill.md#softmax.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .prefill_blocks import row_limit
+
+ROWS = 2  # rows per thread in an m64 accumulator
+
+
+def new_state():
+    """(row_max, row_sum) rmem tensors: -inf and 0."""
+    row_max = cute.make_rmem_tensor((ROWS,), Float32)
+    row_sum = cute.make_rmem_tensor((ROWS,), Float32)
+    row_max.fill(-Float32.inf)
+    row_sum.fill(0.0)
+    return row_max, row_sum
+
+
+@cute.jit
+def softmax_step(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_max: cute.Tensor,
+                 row_sum: cute.Tensor, masked: cutlass.Constexpr, limit: cute.Tensor, col0, alpha: cute.Tensor):
+    """One tile in place: ``acc_s`` (the raw QK accumulator) becomes ``P = exp2(s - max)`` with
+    ``s = acc * scale[row]`` (log2 units) and, when ``masked``, ``s = -inf`` at columns
+    ``col0 + c >= limit[row]`` (``col0``: the tile's first KV position plus this thread's
+    column offset; ``cS0``: thread 0's static coordinates of ``acc_s``). Writes ``alpha``, the
+    factor the output rows must be rescaled by (``exp2(old max - new max)``)."""
+    tile_max = cute.make_rmem_tensor((ROWS,), Float32)
+    tile_max.fill(-Float32.inf)
+    for e in cutlass.range_constexpr(cute.size(acc_s)):
+        m, n = cS0[e]
+        h = m // 8
+        v = acc_s[e] * scale[h]
+        if cutlass.const_expr(masked):
+            if col0 + n >= limit[h]:
+                v = -Float32.inf  # a select, not a product: the logit may be NaN past the sequence
+        acc_s[e] = v
+        tile_max[h] = cute.arch.fmax(tile_max[h], v)
+    shift = cute.make_rmem_tensor((ROWS,), Float32)
+    for h in cutlass.range_constexpr(ROWS):
+        t = tile_max[h]
+        for off in (1, 2):
+            t = cute.arch.fmax(t, cute.arch.shuffle_sync_bfly(t, off))
+        new_max = cute.arch.fmax(row_max[h], t)
+        shift[h] = new_max if new_max != -Float32.inf else Float32(0.0)
+        alpha[h] = cute.math.exp2(row_max[h] - shift[h], fastmath=True)
+        row_max[h] = new_max
+        row_sum[h] = row_sum[h] * alpha[h]
+    for e in cutlass.range_constexpr(cute.size(acc_s)):
+        h = cS0[e][0] // 8
+        p = cute.math.exp2(acc_s[e] - shift[h], fastmath=True)
+        row_sum[h] = row_sum[h] + p
+        acc_s[e] = p
+
+
+@cute.jit
+def rescale_rows(acc_o: cute.Tensor, cO0: cute.Tensor, alpha: cute.Tensor):
+    for e in cutlass.range_constexpr(cute.size(acc_o)):
+        acc_o[e] = acc_o[e] * alpha[cO0[e][0] // 8]
+
+
+@cute.jit
+def finalize(row_max: cute.Tensor, row_sum: cute.Tensor, out_scale):
+    """(inv, lse) per row: ``out_scale / sum`` to multiply the output rows by, and the base-2
+    LSE ``max + log2(sum)``; 0 and -inf for a row that saw nothing."""
+    inv = cute.make_rmem_tensor((ROWS,), Float32)
+    lse = cute.make_rmem_tensor((ROWS,), Float32)
+    for h in cutlass.range_constexpr(ROWS):
+        total = row_sum[h]
+        for off in (1, 2):
+            total = total + cute.arch.shuffle_sync_bfly(total, off)
+        inv[h] = Float32(0.0)
+        lse[h] = -Float32.inf
+        if total > Float32(0.0):
+            inv[h] = out_scale / total
+            lse[h] = row_max[h] + cute.math.log2(total, fastmath=True)
+    return inv, lse
+
+
+def row_limits(row0, j_first, q_len, seq_len, cap, causal: bool):
+    """(Traced.) The KV limit of this thread's two rows (query rows ``j_first + row0 + {0, 8}`` of
+    the request), as in :func:`cute_kernels.roles.prefill_blocks.row_limit`."""
+    limit = cute.make_rmem_tensor((ROWS,), Int32)
+    for h in range(ROWS):
+        limit[h] = row_limit(j_first + row0 + 8 * h, q_len, seq_len, cap, causal, cutlass.min, cutlass.max)
+    return limit
+
+
+__all__ = ["ROWS", "new_state", "softmax_step", "rescale_rows", "finalize", "row_limits"]

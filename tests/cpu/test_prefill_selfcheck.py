@@ -1,0 +1,159 @@
+"""The runtime self-check that guards the compile-verified SM90 prefill kernel, on the CPU with the
+device and the compiled function stubbed:
+
+- the self-check's problems fit every registered variant (dtypes, layouts, containers, scale forms,
+  LSE or not: the arguments pass TVM-FFI's checks) and pass when the "kernel" is the reference;
+- a kernel that passes is launched after its check, which runs once per process and family;
+- a broken kernel (wrong values, NaN, an error) fails its check: the op serves the reference
+  (the same result as on the CPU), a warning names the family, the record persists for the
+  dispatcher, whose plan then takes the reference and says why (``cute-kernels plan`` too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+
+from cute_kernels import reference
+from cute_kernels.cli import main as cli_main
+from cute_kernels.ops import paged_prefill as op
+from cute_kernels.plans import selfcheck_records as records
+from cute_kernels.plans import sm90_prefill as plan
+from cute_kernels.registry import KERNELS
+from dispatch import plan as dispatch_plan
+
+from .test_prefill_host import _args, _kw, _problem, ffi_checks
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+VARIANTS = [c for kid in ("sm90.prefill", "sm90.prefill_fp8q") for c in KERNELS[kid].variants()]
+
+
+def reference_kernel(config, *, damage=None):
+    """A stand-in for the compiled variant: TVM-FFI's argument checks, then the reference written
+    into ``out`` (and ``lse``); ``damage(out)`` breaks it."""
+    signature = config.signature()
+    names = [a.name for a in signature]
+
+    def fn(*args):
+        ffi_checks(signature, args)
+        a = dict(zip(names, args))
+        cache = a["kv_cache"] if "kv_cache" in a else (a["k_cache"], a["v_cache"])
+        out, lse = reference.paged_prefill(
+            a["q"], cache, a["block_table"], a["seq_lens"], a["query_start_loc"], max_query_len=a["max_query_len"],
+            kv_layout=config.kv_layout, causal=config.causal, sm_scale=a["sm_scale"], q_scale=a.get("q_scale"),
+            k_scale=a["k_scale"], v_scale=a["v_scale"], return_lse=True, out_dtype=a["out"].dtype)
+        a["out"].copy_(out)
+        if "lse" in a:
+            a["lse"].copy_(lse)
+        if damage is not None:
+            damage(a["out"])
+
+    return fn
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """CPU tensors take the CUDA path on an sm_90a target; ``kernels`` maps a config to the stub
+    ``get_kernel`` returns (the reference kernel by default); ``compiled`` lists the lookups."""
+    state = dict(damage=None, compiled=[])
+
+    def get_kernel(config, target):
+        state["compiled"].append(config)
+        return reference_kernel(config, damage=state["damage"])
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(op, "compile_target", lambda device: "sm_90a")
+    monkeypatch.setattr(op, "get_kernel", get_kernel)
+    op._launcher.entries.clear()
+    yield state
+    op._launcher.entries.clear()
+
+
+@pytest.mark.parametrize("config", VARIANTS, ids=[c.label() for c in VARIANTS])
+def test_problems_fit_every_variant_and_pass_with_the_reference(fake_gpu, config):
+    cases = op.self_check_cases(config, "cpu")
+    assert len(cases) == 2
+    for case in cases:
+        got, want = case.run(), case.expect()
+        got = got if isinstance(got, tuple) else (got,)
+        want = want if isinstance(want, tuple) else (want,)
+        assert len(got) == len(want) == (2 if config.write_lse else 1)
+        assert got[0].dtype == want[0].dtype == {"bf16": BF16, "fp16": torch.float16}[config.out_dtype]
+        assert not torch.isnan(want[0]).any()  # the poisoned tails never reach the reference's output
+    fam = plan.family(config.q_dtype, config.kv_dtype, config.head_dim)
+    assert op.self_check_passes(config, "cpu")
+    rec = records.lookup(fam, "cpu")
+    assert rec.ok and rec.family == fam and fam.startswith(("sm90.prefill/", "sm90.prefill_fp8q/"))
+
+
+def test_a_passing_family_is_checked_once_then_launched(fake_gpu):
+    p = _problem("pass", kv_dtype=FP8)
+    want = reference.paged_prefill(*_args(p), **_kw(p))
+    got = op.paged_prefill(*_args(p), **_kw(p))
+    assert torch.equal(got, want)
+    checks = len(fake_gpu["compiled"])
+    assert checks == 3  # the two problems of the check, then the launch itself
+    assert records.lookup("sm90.prefill/widen/d64").ok
+    # another variant of the same family (non-causal): no new check; another family: its own check
+    op.paged_prefill(*_args(p), **_kw(p), causal=False)
+    assert len(fake_gpu["compiled"]) == checks + 1
+    p16 = _problem("pass16")
+    op.paged_prefill(*_args(p16), **_kw(p16))
+    assert len(fake_gpu["compiled"]) == checks + 1 + 3 and records.lookup("sm90.prefill/16/d64").ok
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda out: out.mul_(1.5), "beyond tolerance"),
+    (lambda out: out[-1].fill_(float("nan")), "NaN"),
+    (lambda out: 1 / 0, "ZeroDivisionError"),
+])
+def test_a_failing_family_serves_the_reference_and_dispatch_says_so(fake_gpu, damage, why, caplog, capsys):
+    fake_gpu["damage"] = damage
+    p = _problem("fail", kv_dtype=FP8)
+    want = reference.paged_prefill(*_args(p), **_kw(p))
+    out = torch.full(want.shape, float("nan"), dtype=BF16)
+    with caplog.at_level(logging.WARNING, logger="cute_kernels"):
+        got = op.paged_prefill(*_args(p), **_kw(p), out=out)
+    assert got is out and torch.equal(out, want)  # the reference's result, in out=
+    assert any("sm90.prefill/widen/d64 failed its self-check" in r.getMessage() for r in caplog.records)
+    rec = records.lookup("sm90.prefill/widen/d64")
+    assert not rec.ok and why in rec.reason
+    n = len(fake_gpu["compiled"])
+    assert torch.equal(op.paged_prefill(*_args(p), **_kw(p)), want)  # later calls: no new check, no kernel
+    assert len(fake_gpu["compiled"]) == n == 1  # the first problem failed: nothing else ran
+    # the dispatcher refuses the family on this machine, with the recorded reason; others stay
+    shape = dict(arch="sm90", phase="prefill", model_dtype="bf16", head_dim=64, num_q_heads=4, num_kv_heads=2,
+                 page_size=16)
+    pl = dispatch_plan(kv_cache_dtype="fp8", **shape)
+    assert pl.kernel == "reference.paged_prefill" and "sm90.prefill/widen/d64 failed its runtime self-check" in pl.reason
+    assert dispatch_plan(kv_cache_dtype="bf16", **shape).kernel == "sm90.prefill"
+    assert cli_main(["plan", "--arch", "sm90", "--phase", "prefill", "--kv-cache-dtype", "fp8", "--head-dim", "64",
+                     "--num-q-heads", "4", "--num-kv-heads", "2", "--page-size", "16", "--json"]) == 0
+    assert "failed its runtime self-check" in json.loads(capsys.readouterr().out)["reason"]
+
+
+def test_plan_reports_the_check_before_and_after(fake_gpu):
+    shape = dict(arch="sm90", phase="prefill", kv_cache_dtype="fp8", model_dtype="bf16", head_dim=64, num_q_heads=4,
+                 num_kv_heads=2, page_size=16)
+    before = dispatch_plan(**shape)
+    assert before.kernel == "sm90.prefill" and "compile-verified only" in before.reason
+    assert "compile-verified only, its runtime self-check runs on first use" in before.reason
+    p = _problem("report", kv_dtype=FP8)
+    op.paged_prefill(*_args(p), **_kw(p))
+    after = dispatch_plan(**shape)
+    assert after.kernel == "sm90.prefill" and "it passed its runtime self-check on cpu" in after.reason
+
+
+def test_an_available_kernel_runs_no_check(fake_gpu, monkeypatch):
+    """Once the GPU has verified it, the registry's status is ``available`` and the op launches
+    without the self-check: flipping the status is the whole change."""
+    for kid in ("sm90.prefill", "sm90.prefill_fp8q"):
+        monkeypatch.setitem(KERNELS, kid, dataclasses.replace(KERNELS[kid], status="available"))
+    fake_gpu["damage"] = lambda out: out.mul_(2)  # a check would fail: none runs
+    p = _problem("available", kv_dtype=FP8)
+    op.paged_prefill(*_args(p), **_kw(p))
+    assert len(fake_gpu["compiled"]) == 1 and records.lookup("sm90.prefill/widen/d64") is None
