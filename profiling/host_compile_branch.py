@@ -29,6 +29,7 @@ import torch
 from cute_kernels.bench.harness import write_json
 from cute_kernels.ops import merge_states as ms
 from cute_kernels.ops import paged_decode as pd
+from cute_kernels.ops import paged_prefill as pp
 from cute_kernels.ops import qsa_sparse_attention as qs
 from cute_kernels.ops import quantize_query as qq
 from cute_kernels.ops import write_kv_cache as kw
@@ -90,6 +91,15 @@ def cases() -> dict:
     ms._launcher.put(ms._key(po, pl, None, mo, ml),
                      ms._Launch(bind(ms._CALL_PARAMS, (_dummy, mcfg.signature(), None, None)), False, torch.float32))
 
+    # prefill: 4 requests of 64 new tokens (the launch's caller is the dummy itself)
+    pq = torch.randn(256, 32, 128, dtype=torch.bfloat16)
+    pbt = torch.zeros(4, 64, dtype=torch.int32)
+    psl = torch.full((4,), 1000, dtype=torch.int32)
+    qsl = torch.arange(0, 257, 64, dtype=torch.int32)
+    po2 = torch.empty_like(pq)
+    pkey = pp._key(pq, kv, False, pbt, qsl, "HND", True, None, None, 1.0, 1.0, po2, False)
+    pp._launcher.put(pkey, pp._Launch(_dummy, (256, 32, 128), torch.bfloat16))
+
     qn = torch.randn(4, 24, 256, dtype=torch.bfloat16)
     kc = torch.zeros(8, 1568, 2, 256, dtype=torch.bfloat16)
     idx = torch.zeros(4, 2052, dtype=torch.int32)
@@ -103,6 +113,7 @@ def cases() -> dict:
                      qs._Launch(call, _dummy, None, None, None, None, 1, False))
     return {
         "paged_decode B1 (out=)": (pd, "paged_decode", lambda f: lambda: f(q, kv, bt, sl, out=out)),
+        "paged_prefill 4x64 (out=)": (pp, "paged_prefill", lambda f: lambda: f(pq, kv, pbt, psl, qsl, out=po2)),
         "quantize_query (out=)": (qq, "quantize_query", lambda f: lambda: f(q, 0.5, out=qo)),
         "write_kv_cache": (kw, "write_kv_cache", lambda f: lambda: f(k, v, kv, slots)),
         "merge_states (out=)": (ms, "merge_states", lambda f: lambda: f(po, pl, out=mo, out_lse=ml)),
