@@ -175,15 +175,23 @@ def test_compiled_step_equals_eager(backend, seed):
     assert torch.equal(_bits(kv), _bits(eager_kv))
 
 
-def test_decode_layer_step_compiles_whole():
-    """A decode-only AttentionLayer step (write, then paged decode) is one graph, equal to eager."""
-    st = make_step(decode_ctx=(20, 33, 1, 16), generator=torch.Generator().manual_seed(31))
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_layer_step_compiles_whole(batch):
+    """An AttentionLayer step (write, then attend) is one graph, equal to eager: a decode-only step
+    from the first call; a step with prefill rows once an eager step has made the layer's plans
+    (planning a compile-verified kernel reads the self-check records, host work Dynamo does not
+    trace)."""
+    rows = dict(decode_ctx=(20, 33, 1, 16)) if batch == "decode" else dict(decode_ctx=(20, 40),
+                                                                           prefill=((0, 6), (9, 4)))
+    st = make_step(**rows, generator=torch.Generator().manual_seed(31))
     layer = AttentionLayer(8, 2, 64, kv_cache_dtype="fp8", page_size=16, arch="sm90", k_scale=0.5,
                            v_scale=torch.tensor(0.25))
 
     def forward(q, k, v, kv, md):
         return layer(q, k, v, kv, md)
 
+    if batch == "mixed":
+        forward(st.q, st.k, st.v, clone_cache(st.kv_cache), st.metadata)  # the warm-up step: plans cached
     explained = torch._dynamo.explain(forward)(st.q, st.k, st.v, clone_cache(st.kv_cache), st.metadata)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     eager_kv, kv = clone_cache(st.kv_cache), clone_cache(st.kv_cache)
@@ -212,27 +220,6 @@ def test_inductor_writes_the_cache_in_place(container):
     assert len(calls) == 2, calls
     assert "write_kv_cache.default(" in calls[0] and "paged_decode_out.default(" in calls[1]
     assert "clone" not in code and ".copy_(" not in code
-
-
-def test_mixed_layer_step_compiles_whole_after_an_eager_step():
-    """Decode and prefill rows in one step: once an eager step has made the layer's plans (planning
-    a compile-verified kernel reads the self-check records, host work Dynamo does not trace), the
-    compiled step is one graph, equal to eager."""
-    st = make_step(decode_ctx=(20, 40), prefill=((0, 6), (9, 4)), generator=torch.Generator().manual_seed(35))
-    layer = AttentionLayer(8, 2, 64, kv_cache_dtype="fp8", page_size=16, arch="sm90", k_scale=0.5, v_scale=0.25)
-
-    def forward(q, k, v, kv, md):
-        return layer(q, k, v, kv, md)
-
-    forward(st.q, st.k, st.v, clone_cache(st.kv_cache), st.metadata)  # the warm-up step: plans cached
-    explained = torch._dynamo.explain(forward)(st.q, st.k, st.v, clone_cache(st.kv_cache), st.metadata)
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    eager_kv, kv = clone_cache(st.kv_cache), clone_cache(st.kv_cache)
-    want = forward(st.q, st.k, st.v, eager_kv, st.metadata)
-    got = torch.compile(forward, backend="aot_eager", fullgraph=True)(st.q, st.k, st.v, kv, st.metadata)
-    assert torch.isfinite(got).all()
-    assert torch.equal(got, want)
-    assert torch.equal(_bits(kv), _bits(eager_kv))
 
 
 def _opcheck_cases(x: SimpleNamespace) -> dict:
