@@ -16,7 +16,9 @@ Conventions shared by all ops
 - **Lengths.** ``seq_lens`` int32 ``[B]`` = each request's total KV length *including* its
   ``q_len`` new tokens. Query token j (0-based within its request) sits at position
   ``p = seq_len - q_len + j`` and sees KV positions ``<= p`` (causal within the speculative draft or
-  the prefill chunk; a non-causal prefill sees all ``seq_len``).
+  the prefill chunk; a non-causal prefill sees all ``seq_len``), and none at or past the block
+  table's capacity ``max_pages * page``: a ``seq_len`` beyond it attends the positions the table
+  can address (a row left with none gives 0 and LSE ``-inf``).
 - **Sliding window.** ``window_left = w >= 0``: the query at position ``p`` sees only positions
   ``p - w ... p`` (``w + 1`` keys at most); ``-1``: no window (FlashInfer's convention).
 - **Sinks.** ``sinks`` fp32 ``[Hq]``: one logit per query head, in the units of the scaled logits
@@ -40,8 +42,9 @@ import math
 from typing import Literal, overload
 
 import torch
+from torch import Tensor
 
-from ._types import KVCache, Rope, Scale
+from ._types import KVCache, Rope, Scale, TensorPair
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -115,21 +118,18 @@ def _gather_request(cache: torch.Tensor, pages: torch.Tensor, length: int, dtype
 @overload
 def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                  kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ...,
-                 q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
-                 return_lse: Literal[False] = ..., window_left: int = ..., sinks: torch.Tensor | None = ...,
-                 float64: bool = ...) -> torch.Tensor: ...
+                 q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., window_left: int = ...,
+                 sinks: torch.Tensor | None = ..., float64: bool = ..., return_lse: Literal[False] = ...) -> Tensor: ...
 @overload
 def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                  kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ...,
-                 q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
-                 return_lse: Literal[True], window_left: int = ..., sinks: torch.Tensor | None = ...,
-                 float64: bool = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                 q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., window_left: int = ...,
+                 sinks: torch.Tensor | None = ..., float64: bool = ..., return_lse: Literal[True]) -> TensorPair: ...
 @overload
 def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                  kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ...,
-                 q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
-                 return_lse: bool, window_left: int = ..., sinks: torch.Tensor | None = ...,
-                 float64: bool = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+                 q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., window_left: int = ...,
+                 sinks: torch.Tensor | None = ..., float64: bool = ..., return_lse: bool) -> Tensor | TensorPair: ...
 def paged_decode(
     q: torch.Tensor,
     kv_cache: KVCache,
@@ -202,17 +202,19 @@ def paged_decode(
     if sink is not None:
         lse[:] = sink / _LN2  # rows that see no key
     lens = seq_lens.tolist()
+    capacity = block_table.shape[1] * page  # positions past the block table are not attended
     for b in range(B):
         L = int(lens[b])
-        if L <= 0:
+        n = min(L, capacity)  # the positions the table addresses
+        if n <= 0:
             continue
-        k = _gather_request(k_cache, block_table[b], L, acc) * ks  # [Hkv, L, D]
-        v = _gather_request(v_cache, block_table[b], L, acc) * vs
-        k = k.repeat_interleave(group, dim=0)  # [Hq, L, D]
+        k = _gather_request(k_cache, block_table[b], n, acc) * ks  # [Hkv, n, D]
+        v = _gather_request(v_cache, block_table[b], n, acc) * vs
+        k = k.repeat_interleave(group, dim=0)  # [Hq, n, D]
         v = v.repeat_interleave(group, dim=0)
         rows = q[b * q_len_per_req:(b + 1) * q_len_per_req].to(acc) * qs  # [q_len, Hq, D]
-        logits = torch.einsum("jhd,hld->jhl", rows, k) * scale  # [q_len, Hq, L]
-        o, row_lse = _softmax_rows(logits, v, _visible(L, q_len_per_req, window_left, q.device), sink)
+        logits = torch.einsum("jhd,hld->jhl", rows, k) * scale  # [q_len, Hq, n]
+        o, row_lse = _softmax_rows(logits, v, _visible(L, q_len_per_req, window_left, q.device, n), sink)
         out[b * q_len_per_req:(b + 1) * q_len_per_req] = o
         lse[b * q_len_per_req:(b + 1) * q_len_per_req] = row_lse
     out = out.to(out_dtype)
@@ -221,9 +223,11 @@ def paged_decode(
     return out
 
 
-def _visible(L: int, q_len: int, window_left: int, device) -> torch.Tensor:
-    """``[q_len, 1, L]`` bool: query j (at position ``L - q_len + j``) sees key ``pos``."""
-    pos = torch.arange(L, device=device).view(1, 1, L)
+def _visible(L: int, q_len: int, window_left: int, device, n: int | None = None) -> torch.Tensor:
+    """``[q_len, 1, n]`` bool: query j (at position ``L - q_len + j``) sees key ``pos < n``
+    (``n``: the keys gathered, ``L`` by default; fewer past the block table's capacity)."""
+    n = L if n is None else n
+    pos = torch.arange(n, device=device).view(1, 1, n)
     q_pos = (L - q_len + torch.arange(q_len, device=device)).view(-1, 1, 1)
     visible = pos <= q_pos
     if window_left >= 0:
@@ -271,9 +275,8 @@ def _gather_span(cache: torch.Tensor, pages: torch.Tensor, p0: int, p1: int, dty
     return rows[:, p0 - c0 * page:p1 - c0 * page]
 
 
-def prefill_block(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, visible: torch.Tensor,
-                  scale: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def prefill_block(state: tuple[Tensor, Tensor, Tensor], rows: Tensor, k: Tensor, v: Tensor, visible: Tensor,
+                  scale: float | Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One online-softmax step of the prefill reference: ``rows [qc, Hkv, G, D]`` against the KV
     block ``k, v [Hkv, kc, D]``; ``visible [qc, kc]``; ``state = (m, l, o)`` (running max, sum of
     exponentials, unnormalized output), returned updated. Its logits ``[qc, Hkv, G, kc]`` are the
@@ -303,24 +306,6 @@ def prefill_spans(query_start_loc: torch.Tensor, num_tokens: int, max_query_len:
     return starts
 
 
-@overload
-def paged_prefill(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                  query_start_loc: torch.Tensor, *, max_query_len: int | None = ..., kv_layout: str = ...,
-                  causal: bool = ..., sm_scale: float | None = ..., q_scale: Scale | None = ..., k_scale: Scale = ...,
-                  v_scale: Scale = ..., return_lse: Literal[False] = ..., out_dtype: torch.dtype | None = ...,
-                  float64: bool = ..., q_chunk: int = ..., kv_chunk: int = ...) -> torch.Tensor: ...
-@overload
-def paged_prefill(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                  query_start_loc: torch.Tensor, *, max_query_len: int | None = ..., kv_layout: str = ...,
-                  causal: bool = ..., sm_scale: float | None = ..., q_scale: Scale | None = ..., k_scale: Scale = ...,
-                  v_scale: Scale = ..., return_lse: Literal[True], out_dtype: torch.dtype | None = ...,
-                  float64: bool = ..., q_chunk: int = ..., kv_chunk: int = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
-@overload
-def paged_prefill(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                  query_start_loc: torch.Tensor, *, max_query_len: int | None = ..., kv_layout: str = ...,
-                  causal: bool = ..., sm_scale: float | None = ..., q_scale: Scale | None = ..., k_scale: Scale = ...,
-                  v_scale: Scale = ..., return_lse: bool, out_dtype: torch.dtype | None = ..., float64: bool = ...,
-                  q_chunk: int = ..., kv_chunk: int = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def paged_prefill(
     q: torch.Tensor,
     kv_cache: KVCache,

@@ -34,15 +34,19 @@ from cute_kernels import _nvtx
 from cute_kernels.ops._launch import check_scale
 from cute_kernels.registry import KERNELS, KV_LAYOUTS
 
+from . import warmup as _warmup
 from .arch import ArchLike, parse_arch
 from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
 from .planner import Plan, plan
 
 if TYPE_CHECKING:  # annotations only: importing this module needs neither torch nor the DSL
+    from collections.abc import Sequence
+
     import torch
 
     from cute_kernels._types import KVCache, Scale
+    from cute_kernels.jit.spec import KernelConfig
 
 _MAX_PLANS = 1024  # per layer; plans are cheap to redo, the cache only saves host time
 
@@ -235,6 +239,32 @@ class AttentionLayer:
             "decode": self.plan("decode", q_len=metadata.q_len_per_req, arch=arch, device=device) if nd else None,
             "prefill": self.plan("prefill", q_len=T - nd, arch=arch, device=device) if T > nd else None,
         }
+
+    # ------------------------------------------------------------------------------------------
+    # warm-up
+    # ------------------------------------------------------------------------------------------
+
+    def warmup(self, max_num_seqs: int, max_model_len: int, *, device: torch.device | str | None = None,
+               arch: ArchLike | None = None, q_lens: Sequence[int] = (1,), kv_form: str = "single",
+               slot_dtypes: Sequence[str] = ("int64", "int32"), workers: int | None = None,
+               progress: bool = False) -> list[KernelConfig]:
+        """Compile and load every kernel variant a step can reach with decode batches of up to
+        ``max_num_seqs`` requests of up to ``max_model_len`` tokens (``q_lens``: the draft lengths
+        of decode requests; ``kv_form``: ``"single"`` cache tensor or ``"pair"``; ``slot_dtypes``:
+        the slot mappings' dtypes), and size the decode workspaces of ``device``'s current stream
+        (run it on the stream that will capture). A step of those shapes then compiles nothing and
+        allocates no workspace. Returns the configs (:func:`dispatch.warmup.layer_variants`)."""
+        return _warmup.warm_up(self, max_num_seqs, max_model_len, device=device, arch=arch, q_lens=q_lens,
+                               kv_form=kv_form, slot_dtypes=slot_dtypes, workers=workers, progress=progress)
+
+    def warmup_variants(self, max_num_seqs: int, max_model_len: int, *, arch: ArchLike | None = None,
+                        q_lens: Sequence[int] = (1,), kv_form: str = "single",
+                        slot_dtypes: Sequence[str] = ("int64", "int32"),
+                        num_sms: int | None = None) -> list[KernelConfig]:
+        """The configs :meth:`warmup` compiles, without compiling (host-only)."""
+        kw: dict[str, Any] = {} if num_sms is None else dict(num_sms=num_sms)
+        return _warmup.layer_variants(self, max_num_seqs, max_model_len, arch=arch, q_lens=q_lens,
+                                      kv_form=kv_form, slot_dtypes=slot_dtypes, **kw)
 
     # ------------------------------------------------------------------------------------------
     # forward

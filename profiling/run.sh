@@ -6,12 +6,13 @@
 #
 #   test        the GPU test suite except QSA and the prefill  (log pytest.log)
 #   test-qsa    the QSA GPU tests                             (log pytest_qsa.log)
+#   test-hardening  the property tier, bad inputs, concurrent streams, the layer warm-up (pytest_hardening.log)
 #   test-prefill  the SM90 prefill: the kernel alone (smoke), its GPU tests, the self-check of every
 #               registered variant (logs smoke_prefill.log, pytest_prefill.log)
-#   sanitize-prefill  compute-sanitizer memcheck and racecheck of the prefill smoke cases
+#   sanitize-prefill  compute-sanitizer memcheck, racecheck, synccheck and initcheck of the prefill smoke cases
 #   bench-prefill  cute-kernels bench prefill (ours, both FP8 query paths, and every installed peer)
 #   smoke       a few decode split counts against the reference, in seconds
-#   sanitize    compute-sanitizer memcheck of the decode/merge and QSA drivers
+#   sanitize    compute-sanitizer memcheck, racecheck, synccheck, initcheck of the decode/merge, QSA, glue drivers
 #   bench       cute-kernels bench decode (uniform shapes, FP8 and BF16 with every installed peer), merge, layer, latency
 #   bench-qsa   cute-kernels bench qsa --check (decode rows and prefill row tiles)
 #   bench-serve  cute-kernels bench decode on the ragged and Hkv 1 shapes, then bench serve --quick
@@ -41,6 +42,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 CK=("$PY" -m cute_kernels)
 MEMCHECK=(compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9)
+SANITIZE=(compute-sanitizer --report-api-errors no --error-exitcode 9 --print-limit 100)
 NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 
@@ -58,9 +60,14 @@ for tier in "$@"; do
     test) step 420 pytest "$PY" -m pytest tests/gpu -q -p no:cacheprovider \
             --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py \
             --ignore=tests/gpu/test_prefill_gpu.py --ignore=tests/gpu/test_prefill_kernel_gpu.py \
-            --ignore=tests/gpu/test_prefill_bad_input_gpu.py ;;
+            --ignore=tests/gpu/test_prefill_bad_input_gpu.py \
+            --ignore=tests/gpu/test_properties_gpu.py --ignore=tests/gpu/test_inputs_gpu.py \
+            --ignore=tests/gpu/test_streams_gpu.py --ignore=tests/gpu/test_warmup_gpu.py ;;
     test-qsa) step 420 pytest_qsa "$PY" -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider ;;
+    test-hardening) step 1500 pytest_hardening "$PY" -m pytest tests/gpu/test_properties_gpu.py \
+                      tests/gpu/test_inputs_gpu.py tests/gpu/test_streams_gpu.py tests/gpu/test_warmup_gpu.py -q \
+                      -p no:cacheprovider ;;
     test-prefill) step 300 smoke_prefill "$PY" -m profiling.smoke_prefill
                   step 580 pytest_prefill "$PY" -m pytest tests/gpu/test_prefill_kernel_gpu.py \
                     tests/gpu/test_prefill_gpu.py tests/gpu/test_prefill_bad_input_gpu.py -q -p no:cacheprovider ;;
@@ -69,11 +76,23 @@ for tier in "$@"; do
                           --only "$only"
                         step 400 "racecheck_prefill_${only//[=,]/_}" compute-sanitizer --tool racecheck \
                           --racecheck-report hazard --error-exitcode 9 "$PY" -m profiling.smoke_prefill --only "$only"
+                        for tool in synccheck initcheck; do
+                          step 400 "${tool}_prefill_${only//[=,]/_}" "${SANITIZE[@]}" --tool "$tool" "$PY" -m \
+                            profiling.smoke_prefill --only "$only"
+                        done
                       done ;;
     bench-prefill) TAIL=60 step 580 prefill "${CK[@]}" bench prefill --json "$OUT/prefill.json" --png "$OUT/prefill.png" ;;
     smoke) step 120 smoke "$PY" -m profiling.smoke_decode ;;
-    sanitize) step 200 sanitize_decode "${MEMCHECK[@]}" "$PY" -m profiling.sanitize_decode
-              step 200 sanitize_qsa "${MEMCHECK[@]}" "$PY" -m profiling.sanitize_qsa ;;
+    sanitize) for d in sanitize_decode sanitize_qsa sanitize_glue; do  # compile outside the sanitizer first
+                step 600 "${d}_plain" "$PY" -m "profiling.$d"
+              done
+              for tool in memcheck racecheck synccheck initcheck; do
+                extra=()
+                [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
+                for d in sanitize_decode sanitize_qsa sanitize_glue; do
+                  step 900 "${d}_$tool" "${SANITIZE[@]}" --tool "$tool" "${extra[@]}" "$PY" -m "profiling.$d"
+                done
+              done ;;
     bench) TAIL=40 step 420 decode_fp8 "${CK[@]}" bench decode --shapes ctx --kv fp8 --peers xqa,xqa_nopdl,fi,sdpa \
              --json "$OUT/decode_fp8.json" --png "$OUT/decode_fp8.png"
            TAIL=40 step 500 decode_bf16 "${CK[@]}" bench decode --shapes ctx --kv bf16 --peers xqa,fi,fa4,sdpa \

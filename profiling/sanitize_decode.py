@@ -1,12 +1,15 @@
-"""A few decode and merge calls for ``compute-sanitizer --tool memcheck`` (``profiling/run.sh
-sanitize``; docs/design/testing.md#sanitizer):
+"""A few decode and merge calls for compute-sanitizer's memcheck, racecheck, synccheck and
+initcheck (``profiling/run.sh sanitize``, tests/gpu/test_sanitize_gpu.py;
+docs/design/testing.md#sanitizer):
 
-    compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize_decode
+    compute-sanitizer --tool synccheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize_decode
 
-Shapes include out-of-range page ids, a partial last page, an empty request, split and no split,
-HND and NHD, FP8 and BF16 caches, the cluster merge (DSMEM; 2, 3 and 16 CTAs) and the global fused
-merge (3 splits: staged in shared memory; 40: more than the stages hold, merged from L2): any
-out-of-bounds access fails the run.
+Shapes include out-of-range page ids, a partial last page, an empty request, lengths past the
+block table (and 2^31 - 1), split and no split, HND and NHD, FP8 and BF16 caches, q_len 2, tensor
+scales, the cluster merge (DSMEM; 2, 3 and 16 CTAs, and the one-request FP8 launch the schedule
+merges in a 16-CTA cluster: B 1, context 1000, Hq 32 / Hkv 8, D 128) and the global fused merge
+(3 splits: staged in shared memory; 40: more than the stages hold, merged from L2): any
+out-of-bounds access or barrier misuse fails the run.
 """
 
 from __future__ import annotations
@@ -31,6 +34,19 @@ def main():
         c.block_table[3, 5] = -5
         with tuning_override(**({} if cluster is None else {"cluster": cluster})):
             cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=splits, **c.kwargs())
+    # the schedule's own choice for one request of 1000 tokens: a cluster merge of 16 CTAs
+    c = make_paged_decode_case(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, seq_lens=1000,
+                               generator=g)
+    cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, **c.kwargs())
+    # lengths past the block table (a huge one too), q_len 2, tensor scales, cluster and global merges
+    for cluster in (True, False):
+        c = make_paged_decode_case(batch=3, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=16,
+                                   seq_lens=[200, 40, 90], q_len=2, generator=g)
+        W = c.block_table.shape[1]
+        c.seq_lens.copy_(torch.tensor([W * 16 + 3, 2**31 - 1, 90], dtype=torch.int32))
+        kw = dict(c.kwargs(), k_scale=torch.tensor(0.0625, device="cuda"), v_scale=torch.tensor([0.03125], device="cuda"))
+        with tuning_override(cluster=cluster):
+            cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=4, **kw)
     po = torch.randn(3, 5, 4, 128, device="cuda")
     pl = torch.randn(3, 5, 4, device="cuda")
     cute_kernels.merge_states(po, pl, out_dtype=torch.bfloat16)

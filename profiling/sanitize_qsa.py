@@ -1,4 +1,5 @@
-"""A few QSA calls for ``compute-sanitizer --tool memcheck`` (and ``--tool racecheck``):
+"""A few QSA calls for compute-sanitizer's memcheck, racecheck, synccheck and initcheck
+(tests/gpu/test_sanitize_gpu.py; docs/design/testing.md#sanitizer):
 
     compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize_qsa
 
@@ -62,6 +63,11 @@ def main():
                 assert not torch.isnan(out).any()
         packed[5, 2051] = -3  # negative count
         cute_kernels.qsa_sparse_attention(q, k, v, packed, table, t2r, prefill=True)
+        # scales as device tensors (0-d and [1]), read by the kernels
+        ks, vs = torch.tensor(0.5, device="cuda"), torch.tensor([2.0], device="cuda")
+        for splits in (1, 3):
+            with tuning_override(splits=splits):
+                cute_kernels.qsa_sparse_attention(q, k, v, packed, table, t2r, prefill=False, k_scale=ks, v_scale=vs)
         # the prefill row-tile path (>= 64 rows): the invalid rows above in fallback tiles (mixed
         # requests), then one request whose rows share a selection (union tiles) with invalid
         # entries and a duplicate token inside

@@ -33,6 +33,25 @@ from .spec import KernelConfig, normalize_target
 
 _lock = threading.RLock()
 _memory: dict[tuple, Any] = {}
+# what get_kernel did beyond its in-memory cache: loads from the disk cache and compiles (a warmed-up
+# process does neither during a step; tests read these)
+stats = {"loaded": 0, "compiled": 0}
+_forbidden = 0
+
+
+class forbid_compiles:
+    """Context manager: any ``get_kernel`` that misses the in-memory cache raises instead of
+    loading or compiling (proves that a warmed-up step compiles nothing)."""
+
+    def __enter__(self):
+        global _forbidden
+        _forbidden += 1
+        return self
+
+    def __exit__(self, *exc):
+        global _forbidden
+        _forbidden -= 1
+        return False
 
 
 @dataclass
@@ -149,14 +168,19 @@ def get_kernel(config: KernelConfig, arch: str):
         fn = _memory.get(key)
         if fn is not None:
             return fn
+        if _forbidden:
+            raise RuntimeError(f"{config.label()} for {arch} is not loaded, and compiles are forbidden here "
+                               "(a warm-up should have compiled it)")
         path = _disk_path(config, arch)
         if path is not None and path.exists():
             try:
                 fn = _load_object(path)
+                stats["loaded"] += 1
             except Exception:
                 fn = None
         if fn is None:
             compiled = compile_config(config, arch)
+            stats["compiled"] += 1
             if path is not None:
                 _store_object(compiled.fn, path)
             fn = _bare_function(compiled.fn)

@@ -27,30 +27,67 @@ import contextlib
 import inspect
 import keyword
 import math
+import os
 import re
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from .. import _nvtx
 from ..jit.spec import ScalarArg
 
+# ---------------------------------------------------------------------------------------------
+# checked mode: CUTE_KERNELS_CHECK=1 validates the data of every call (docs/design/inputs.md#checked-mode)
+# ---------------------------------------------------------------------------------------------
+
+_checked = os.environ.get("CUTE_KERNELS_CHECK", "") not in ("", "0")
+_caches: weakref.WeakSet = weakref.WeakSet()
+_NO_ENTRIES: dict = {}  # the hot path's dict in checked mode: never filled, every call takes the slow path
+
+
+def checked() -> bool:
+    """Whether checked mode is on (``CUTE_KERNELS_CHECK=1`` at import, or :func:`set_checked`)."""
+    return _checked
+
+
+def set_checked(flag: bool) -> bool:
+    """Turn checked mode on or off for every op; returns the previous state. On, every call goes
+    through its op's data checks (which synchronize: the data is read on the host); off, the hot
+    path is one dict lookup again."""
+    global _checked
+    previous, _checked = _checked, bool(flag)
+    for cache in list(_caches):
+        cache.entries = _NO_ENTRIES if _checked else cache.launches
+    return previous
+
 
 class LaunchCache:
-    """Prepared launches by key, and the active tuning override (part of every key)."""
+    """Prepared launches by key, and the active tuning override (part of every key).
+
+    ``entries`` is the dict the ops' hot paths read: ``launches`` itself, or, in checked mode, an
+    empty dict, so that every call goes through :meth:`Launcher.lookup` and its data checks.
+    Dropping launches when ``max_entries`` is reached is safe for captured CUDA graphs: the
+    workspaces a launch binds belong to their :class:`~cute_kernels.ops._torch.DeviceBuffer`,
+    which keeps every buffer it handed out (docs/design/inputs.md#workspaces)."""
 
     def __init__(self, max_entries: int = 4096):
-        self.entries: dict[Any, Any] = {}  # launch key -> the op's prepared launch
+        self.launches: dict[Any, Any] = {}  # launch key -> the op's prepared launch
+        self.entries: dict[Any, Any] = _NO_ENTRIES if _checked else self.launches
         self.max_entries = max_entries
         self.override: dict[str, Any] = {}
         self.override_key: tuple = ()
+        _caches.add(self)
 
     def get(self, key):
-        return self.entries.get(key)
+        return self.launches.get(key)
 
     def put(self, key, launch) -> None:
-        if len(self.entries) >= self.max_entries:  # shapes churn: start over rather than grow forever
-            self.entries.clear()
-        self.entries[key] = launch
+        if len(self.launches) >= self.max_entries:  # shapes churn: start over rather than grow forever
+            self.launches.clear()
+        self.launches[key] = launch
+
+    def clear(self) -> None:
+        self.launches.clear()
 
     def tuning_override(self, **fields: object) -> TuningOverride:
         return TuningOverride(self, fields)
@@ -85,10 +122,11 @@ class Launcher(LaunchCache):
     goes through :meth:`lookup` and :meth:`run_reference`, where the argument tuple is built (off
     the hot path)."""
 
-    def __init__(self, prepare: Callable[..., Any], reference: Callable[..., Any], max_entries: int = 4096, *,
-                 op: str | None = None) -> None:
+    def __init__(self, prepare: Callable[..., Any], reference: Callable[..., Any], max_entries: int = 4096,
+                 check_data: Callable[..., Any] | None = None, *, op: str | None = None) -> None:
         super().__init__(max_entries)
         self.prepare, self.reference, self.op = prepare, reference, op
+        self.check_data = check_data  # checked mode: the op's data checks, with prepare's arguments
         self._arg_names = tuple(inspect.signature(prepare).parameters)  # the reference path's NVTX detail
 
     def bind(self, params: tuple[str, ...], *steps: tuple) -> Callable[..., None]:
@@ -101,12 +139,15 @@ class Launcher(LaunchCache):
         return _nvtx.op_range(self.op, **tensors) if self.op is not None else _nvtx.NULL_RANGE
 
     def lookup(self, key, args: tuple):
-        """The launch of ``key`` (None: arguments that cannot form a key, validated here)."""
-        launch = self.entries.get(key)
+        """The launch of ``key`` (None: arguments that cannot form a key, validated here). In
+        checked mode the call's data is validated too (every call comes here then)."""
+        launch = self.launches.get(key)
         if launch is None:
             launch = self.prepare(*args)
             if key is not None:
                 self.put(key, launch)
+        if _checked and self.check_data is not None:
+            self.check_data(*args)
         return launch
 
     def run_reference(self, args: tuple):

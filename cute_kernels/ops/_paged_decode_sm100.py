@@ -21,7 +21,7 @@ import torch
 
 from .. import reference
 from ..jit.compiler import get_kernel
-from ..plans.sm100 import DECODE_LIMITS, Sm100DecodeConfig, decode_splits, family
+from ..plans.sm100 import DECODE_LIMITS, Sm100DecodeConfig, decode_launch_config, family
 from ._launch import bind, check_scale
 from ._selfcheck import Case, ensure
 from ._torch import (
@@ -32,6 +32,7 @@ from ._torch import (
     device_sm_count,
     dtype_name,
     ffi_tensor,
+    stream_id,
 )
 from .merge_states import merge_states
 
@@ -101,18 +102,15 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q
     ks_t = check_scale("k_scale", k_scale, device=device)
     vs_t = check_scale("v_scale", v_scale, device=device)
     qs_t = q_scale is not None and check_scale("q_scale", q_scale, device=device)
-    config = Sm100DecodeConfig(
+    num_splits, config = decode_launch_config(
         q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv, q_len=q_len,
         page_size=page, sinks=sinks is not None, kv_form="pair" if pair else "single", kv_layout=kv_layout,
-        k_scale_tensor=ks_t, v_scale_tensor=vs_t, q_scale_tensor=qs_t)
-    if num_splits is None:
-        num_splits = decode_splits(B * Hkv * config.row_tiles, block_table.shape[1] * page,
-                                   device_sm_count(device.index or 0))
+        k_scale_tensor=ks_t, v_scale_tensor=vs_t, q_scale_tensor=bool(qs_t), batch=B, num_kv_heads=Hkv,
+        max_context=block_table.shape[1] * page, num_sms=device_sm_count(device.index or 0), num_splits=num_splits)
     part_out = part_lse = None
     if num_splits > 1:
-        config = Sm100DecodeConfig(**{**config.__dict__, "split": True})
         n = num_splits * T * Hq
-        ws = _workspace.get(device, n * (D + 1))
+        ws = _workspace.get(device, n * (D + 1), stream_id(q))  # per stream: docs/design/inputs.md#workspaces
         part_out = ws[:n * D].view(num_splits, T, Hq, D)
         part_lse = ws[n * D:n * (D + 1)].view(num_splits, T, Hq)
     fn = get_kernel(config, compile_target(device))

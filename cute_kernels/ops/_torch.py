@@ -8,6 +8,7 @@ argument and what was expected.
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -160,24 +161,99 @@ def widest_vector(tensors_and_bytes, max_bytes: int = 16) -> int:
     return width
 
 
+_raw_stream: Any  # torch's current-raw-stream getter; None in a build without CUDA
+try:  # the current stream of a device as an int, without building a torch.cuda.Stream (~0.1 us)
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - a torch build without CUDA
+    _raw_stream = None
+
+
+def stream_id(t) -> int:
+    """The current CUDA stream of ``t``'s device as an int (0 for a CPU tensor): what the compiled
+    functions launch on, and what keys a launch's workspaces."""
+    return _raw_stream(t.get_device()) if t.is_cuda else 0
+
+
+def device_stream_id(device) -> int:
+    """:func:`stream_id` of a device (0 for the CPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_BUFFERS: list = []  # every DeviceBuffer, for reserve / release
+_ARENAS: dict = {}  # (device, dtype) -> [zeroed chunk, elements handed out]
+_ARENA_NUMEL = 1 << 16  # elements of one zeroed chunk (16 streams' arrival counters at the minimum size)
+
+
+def _zeroed(device: torch.device, numel: int, dtype: torch.dtype, owner: str) -> torch.Tensor:
+    """``numel`` zeros that no other caller gets, carved from a chunk zeroed when it was allocated.
+    A new chunk is allocated (and zeroed) only outside a CUDA-graph capture: a buffer allocated
+    inside one would be zeroed only when the graph first replays, and another graph or an eager
+    call on that stream could use it before (docs/design/inputs.md#workspaces)."""
+    arena = _ARENAS.get((device, dtype))
+    if arena is None or arena[0].numel() - arena[1] < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{owner} needs {numel} zeroed workspace elements for a new stream or a larger shape while a "
+                "CUDA graph is being captured, more than were reserved: run one eager call with this shape first "
+                "(or AttentionLayer.warmup on the capturing stream)")
+        arena = [torch.zeros(max(numel, _ARENA_NUMEL), dtype=dtype, device=device), 0]
+        _ARENAS[(device, dtype)] = arena  # a replaced chunk stays alive through the views handed out
+    view = arena[0][arena[1]:arena[1] + numel]
+    arena[1] += numel
+    return view
+
+
 class DeviceBuffer:
-    """A per-device scratch tensor shared by the calls of one op: it grows to the largest request
-    seen and never shrinks, so steady-state calls allocate nothing and capture in CUDA graphs.
-    Growing during graph capture is refused (the new allocation would not be replayed)."""
+    """A scratch tensor per (device, stream) shared by the calls of one op on that stream: it grows
+    to the largest request seen there and never shrinks, so steady-state calls allocate nothing
+    and capture in CUDA graphs.
+
+    Per stream: two launches on two streams at once (dual-batch overlap, two graphs replayed on
+    two streams) never share partials or arrival counters. A captured graph uses the buffers of
+    the stream it was captured on, so graphs that may replay at the same time are captured on
+    different streams. Lifetime: a buffer replaced by a larger one is kept (``retired``), because
+    a captured graph may still address it; :func:`release_workspaces` drops the retired ones when
+    the caller knows no such graph is alive. Growing during a capture is allowed (the new buffer
+    comes from the graph's memory pool and is kept like any other); a ``zero`` buffer (arrival
+    counters, which must be zero before a launch) is carved from memory zeroed eagerly, so inside
+    a capture it needs what an earlier eager allocation left over (:func:`_zeroed`). Design:
+    docs/design/inputs.md#workspaces."""
 
     def __init__(self, owner: str, dtype: torch.dtype, *, zero: bool = False, min_numel: int = 1 << 20):
         self.owner, self.dtype, self.zero, self.min_numel = owner, dtype, zero, min_numel
-        self.buffers: dict[torch.device, torch.Tensor] = {}
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.retired: list[torch.Tensor] = []
+        _BUFFERS.append(self)
 
-    def get(self, device: torch.device, numel: int) -> torch.Tensor:
-        buf = self.buffers.get(device)
+    def get(self, device: torch.device, numel: int, stream: int = 0) -> torch.Tensor:
+        key = (device, stream)
+        buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"{self.owner} needs a larger workspace while a CUDA graph is being captured; run one "
-                    "eager call with the largest shape first (or warm up)"
-                )
-            alloc = torch.zeros if self.zero else torch.empty
-            buf = alloc(max(numel, self.min_numel), dtype=self.dtype, device=device)
-            self.buffers[device] = buf
+            size = max(numel, self.min_numel)
+            if self.zero:
+                new = _zeroed(device, size, self.dtype, self.owner)
+            else:
+                new = torch.empty(size, dtype=self.dtype, device=device)
+            if buf is not None:
+                self.retired.append(buf)
+            buf = self.buffers[key] = new
         return buf
+
+    def release(self) -> int:
+        """Drop the retired buffers; returns the bytes released."""
+        freed = sum(b.numel() * b.element_size() for b in self.retired)
+        self.retired.clear()
+        return freed
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (*self.buffers.values(), *self.retired))
+
+
+def release_workspaces() -> int:
+    """Release the workspaces that larger ones replaced (they are kept because a captured CUDA
+    graph may still write to them). Call it only when no graph captured before the last growth is
+    alive; returns the bytes released."""
+    return sum(b.release() for b in _BUFFERS)

@@ -16,6 +16,7 @@ from torch import Tensor
 from .. import reference
 from ..jit.compiler import get_kernel
 from ..plans.merge_states import MergeStatesConfig
+from . import _check
 from ._launch import Launcher, TuningOverride
 from ._library import compiling, custom_op
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
@@ -52,9 +53,18 @@ def _prepare(partial_out, partial_lse, out_dtype, out, out_lse) -> _Launch:
     if out_lse is not None:
         check_tensor("out_lse", out_lse, dtype=torch.float32, shape=(N, H), device=partial_out.device)
     if not partial_out.is_cuda:
+        _config(partial_out, out, dt)  # the kernel's own limits (head dim), checked for CPU tensors too
         return _Launch(None, True, dt)
     if S == 0 or N * H == 0:
         return _Launch(None, False, dt, empty=True)
+    config = _config(partial_out, out, dt)
+    fn = get_kernel(config, compile_target(partial_out.device))
+    return _Launch(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), None, None)), False, dt)
+
+
+def _config(partial_out, out, dt) -> MergeStatesConfig:
+    """The kernel variant: 16-byte lanes when the partials allow it."""
+    D = partial_out.shape[3]
     # 16-byte lanes when the partials allow it; the output needs vec * its element size (an
     # output the op allocates is contiguous and aligned: only its rows' length limits it)
     esize = dt.itemsize
@@ -67,9 +77,7 @@ def _prepare(partial_out, partial_lse, out_dtype, out, out_lse) -> _Launch:
     vec = widest_vector([partial_out]) // 4
     while vec > 1 and out_width < vec * esize:
         vec //= 2
-    config = MergeStatesConfig(out_dtype=dtype_name(dt), head_dim=D, vec=vec, **_launcher.override)
-    fn = get_kernel(config, compile_target(partial_out.device))
-    return _Launch(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), None, None)), False, dt)
+    return MergeStatesConfig(out_dtype=dtype_name(dt), head_dim=D, vec=vec, **_launcher.override)
 
 
 def _reference(partial_out, partial_lse, out_dtype, out, out_lse):
@@ -82,8 +90,13 @@ def _reference(partial_out, partial_lse, out_dtype, out, out_lse):
     return out, out_lse
 
 
+def _check_data(partial_out, partial_lse, out_dtype, out, out_lse) -> None:
+    """Checked mode (``CUTE_KERNELS_CHECK=1``): LSEs finite or -inf (an empty split)."""
+    _check.lse("partial_lse", partial_lse)
+
+
 _CALL_PARAMS = ("partial_out", "partial_lse", "out", "lse")
-_launcher = Launcher(_prepare, _reference, op="merge_states")
+_launcher = Launcher(_prepare, _reference, check_data=_check_data, op="merge_states")
 
 
 def tuning_override(**fields: object) -> TuningOverride:

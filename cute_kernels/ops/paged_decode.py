@@ -2,7 +2,8 @@
 
 The host side only looks at shapes, dtypes, strides and pointers: it never reads tensor data
 and never synchronizes, so a call captures in a CUDA graph (after a warm-up call has compiled
-the variant). Split-KV workspaces are allocated once per device and reused.
+the variant). Split-KV workspaces are allocated once per (device, stream) and reused
+(docs/design/inputs.md#workspaces).
 
 The op runs on the shared launcher (:mod:`cute_kernels.ops._launch`): the first call with a new
 combination of shapes/strides/dtypes validates everything and prepares a :class:`_Launch` (kernel,
@@ -26,8 +27,9 @@ from torch import Tensor
 from .. import _nvtx, reference
 from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
-from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, make_decode_config, plan_config
+from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, launch_config
 from ..plans.sm100 import TARGETS as SM100_TARGETS
+from . import _check
 from . import _paged_decode_sm100 as sm100
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
@@ -38,8 +40,10 @@ from ._torch import (
     check_tensor,
     compile_target,
     device_sm_count,
+    device_stream_id,
     dtype_name,
     ffi_tensor,
+    stream_id,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -60,6 +64,7 @@ class _Launch:
     out_shape: Any  # (T, Hq, D); None for the reference
     reference: bool = False
     sm100: Any = None  # SM100 / SM103: the tcgen05 launch (an FP8 query, sinks and a window too)
+    empty: bool = False  # nothing to attend (no rows, or no block-table columns): 0 and LSE -inf
 
 
 def tuning_override(**fields: object) -> TuningOverride:
@@ -74,94 +79,115 @@ def tuning_override(**fields: object) -> TuningOverride:
 def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse, num_splits,
          deterministic, q_scale=None, window_left=-1, sinks=None):
     """What selects the kernel, its schedule and its workspace: the query and cache geometry,
-    the block-table width, the options. Left out is what the compiled function checks on every
-    call (TVM-FFI): the dtypes of the other tensors, shapes tied to the query's or the cache's by
-    a shared extent (seq_lens, out, V), every device against the query's, pointer and stride
-    alignment. A call that fails one of those checks is validated in full by :func:`_prepare`,
-    whose error names the argument (see :func:`paged_decode`)."""
+    the block-table width, the options, the stream (workspaces are per stream). Left out is what
+    the compiled function checks on every call (TVM-FFI): the dtypes of the other tensors, shapes
+    tied to the query's or the cache's by a shared extent (seq_lens, out, V), every device against
+    the query's, pointer and stride alignment. A call that fails one of those checks is validated
+    in full by :func:`_prepare`, whose error names the argument (see :func:`paged_decode`)."""
     # type(), not isinstance(): torch.Tensor's metaclass makes isinstance slow. A float scale's
     # value is checked per call by the caller; a tensor scale's rank too (a 1-element tensor of
     # another rank, 0-d included, goes to the kernel as a [1] view)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), out is None, return_lse, num_splits,
-            deterministic, _launcher.override_key, type(q_scale), window_left == -1, sinks is None)
+            deterministic, _launcher.override_key, type(q_scale), window_left == -1, sinks is None, stream_id(q))
 
 
-def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-             num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> _Launch:
-    """Full validation (clear errors naming the argument) and kernel selection for one key."""
+def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, num_splits,
+              deterministic, q_scale, window_left, sinks):
+    """Every check of the arguments, the same for CPU and CUDA tensors (code that passes on the CPU
+    passes on the GPU: the SM90 kernel's limits hold for the calls it serves, whatever the
+    device); returns ``(scale, P, Hkv, page, k_scale is a tensor, v_scale is a tensor)``."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
     T, Hq, D = q.shape
     P, Hkv, page = check_kv_cache(k, v, pair, kv_layout, D)
-    if not isinstance(q_len, int) or q_len < 1:
+    if not isinstance(q_len, int) or isinstance(q_len, bool) or q_len < 1:
         raise ValueError(f"q_len_per_req must be a positive int, got {q_len!r}")
     ks_t = check_scale("k_scale", k_scale, device=q.device)
     vs_t = check_scale("v_scale", v_scale, device=q.device)
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))):
+        raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}")
     sm100.check_features(q, k, q_scale, sinks, window_left)
     if q_scale is not None:
         check_scale("q_scale", q_scale, device=q.device)
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
+    if P == 0:  # a TMA descriptor needs a non-empty tensor: refused before any launch
+        raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has no pages (P = 0): an empty KV pool cannot be "
+                         "attended; allocate at least one page (docs/design/inputs.md#kv-pool)")
+    if _sm90_serves(q, window_left, sinks):
+        if D not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
+        if page not in PAGE_SIZES:
+            raise ValueError(f"page size must be one of {PAGE_SIZES}, got {page}")
+        if Hkv < 1 or Hq % Hkv:
+            raise ValueError(f"num q heads ({Hq}) must be a multiple of num kv heads ({Hkv})")
+        if (Hq // Hkv) * q_len > MAX_ROWS:
+            raise ValueError(f"Hq/Hkv x q_len_per_req must be <= {MAX_ROWS}, got {Hq // Hkv} x {q_len}")
+        if q.stride(-2) != D and Hq > 1:
+            raise ValueError(f"q must have contiguous heads (stride(-2) == head_dim {D}), got strides {q.stride()}")
+        check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len)
+        if out is not None:
+            check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=q.device)
+    return scale, P, Hkv, page, ks_t, vs_t
+
+
+def _sm90_serves(q, window_left, sinks) -> bool:
+    """The calls the SM90 kernel takes: a 16-bit query, no sinks, no window (the others run the
+    reference on SM90)."""
+    return q.dtype != FP8 and sinks is None and window_left == -1
+
+
+def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
+             num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> _Launch:
+    """Full validation (clear errors naming the argument) and kernel selection for one key."""
+    scale, P, Hkv, page, ks_t, vs_t = _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale,
+                                                k_scale, v_scale, out, num_splits, deterministic, q_scale,
+                                                window_left, sinks)
+    T, Hq, D = q.shape
     if not q.is_cuda:
         return _REFERENCE
     device = q.device
+    if T == 0:  # nothing to compute: no launch, no compiled variant
+        return _Launch(None, None, (T, Hq, D), empty=True)
     if compile_target(device) in SM100_TARGETS:
         launch = sm100.prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale,
                                v_scale, out, num_splits, sinks)
         return _REFERENCE if launch is None else _Launch(None, None, (T, Hq, D), sm100=launch)
-    if q.dtype == FP8 or sinks is not None or window_left != -1:
+    if not _sm90_serves(q, window_left, sinks):
         return _REFERENCE  # the SM90 kernel has neither an FP8 query nor sinks / windows
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
-    if page not in PAGE_SIZES:
-        raise ValueError(f"page size must be one of {PAGE_SIZES}, got {page}")
-    if Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"num q heads ({Hq}) must be a multiple of num kv heads ({Hkv})")
-    group = Hq // Hkv
-    if group * q_len > MAX_ROWS:
-        raise ValueError(f"Hq/Hkv x q_len_per_req must be <= {MAX_ROWS}, got {group} x {q_len}")
-    if q.stride(-2) != D and Hq > 1:
-        raise ValueError(f"q must have contiguous heads (stride(-2) == head_dim {D}), got strides {q.stride()}")
-    B = check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len)
-    if out is not None:
-        check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=device)
-
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
-
-    override = dict(_launcher.override)
-    # cluster: None = the rule (use_cluster_merge), True = whenever the split count allows, False = never
-    force_cluster = override.pop("cluster", None)
-
-    def config_for(split, **tuning):
-        return make_decode_config(
-            q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=group, q_len=q_len,
-            page_size=page, split=split, k_scale_tensor=ks_t, v_scale_tensor=vs_t,
-            kv_form="pair" if pair else "single", kv_layout=kv_layout, **{**tuning, **override},
-        )
-
-    num_splits, config = plan_config(config_for, B * Hkv, block_table.shape[1] * page,
-                                     device_sm_count(device.index or 0), num_splits, deterministic, force_cluster,
-                                     bool(override.get("dynamic", False)))
+    if block_table.shape[1] == 0:
+        # a block table of no pages (capacity 0: no position is attended): 0 and LSE -inf without
+        # a launch or a compiled variant (docs/design/inputs.md#lengths)
+        return _Launch(None, None, (T, Hq, D), empty=True)
+    B = block_table.shape[0]
+    # cluster (override): None = the rule (use_cluster_merge), True = whenever the split count allows, False = never
+    num_splits, config = launch_config(
+        q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv, q_len=q_len,
+        page_size=page, k_scale_tensor=ks_t, v_scale_tensor=vs_t, kv_form="pair" if pair else "single",
+        kv_layout=kv_layout, items=B * Hkv, max_context=block_table.shape[1] * page,
+        num_sms=device_sm_count(device.index or 0), num_splits=num_splits, deterministic=deterministic,
+        override=_launcher.override)
     split = num_splits > 1
     target = compile_target(device)
     fn = get_kernel(config, target)
+    stream = stream_id(q)
     part_o = part_lse = scratch = counters = None
     lse_numel = T * Hq
     global_merge = split and not config.cluster  # a cluster merges in shared memory: no workspace
     part_numel = num_splits * T * Hq * D if global_merge else 0
     plse_numel = num_splits * lse_numel if global_merge else 0
-    ws = _workspace.get(device, part_numel + plse_numel + (0 if return_lse else lse_numel))
+    numel, counters_numel = workspace_numel(config, num_splits, B, Hkv, T, Hq, D, return_lse)
+    ws = _workspace.get(device, numel, stream)
     if global_merge:
         part_o = ws[:part_numel].view(num_splits, T, Hq, D)
         part_lse = ws[part_numel:part_numel + plse_numel].view(num_splits, T, Hq)
         # arrival counters, then (dynamic split) the tile-chunk counters
-        counters = _counters.get(device, 2 * B * Hkv if config.dynamic else B * Hkv)
+        counters = _counters.get(device, counters_numel, stream)
     if not return_lse:
         base = part_numel + plse_numel
         scratch = ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
@@ -172,6 +198,37 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     constants = dict(part_out=ffi_tensor(part_o), part_lse=ffi_tensor(part_lse), counters=ffi_tensor(counters),
                      sm_scale=scale, num_splits=num_splits)
     return _Launch(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, constants)), scratch, (T, Hq, D))
+
+
+def workspace_numel(config, num_splits: int, B: int, Hkv: int, T: int, Hq: int, D: int,
+                    return_lse: bool) -> tuple[int, int]:
+    """(fp32 elements, int32 counters) of a launch's workspaces: a global merge's partials and
+    LSEs, the LSE target when the caller asks for none; arrival (and dynamic chunk) counters."""
+    global_merge = num_splits > 1 and not config.cluster
+    numel = (num_splits * T * Hq * (D + 1) if global_merge else 0) + (0 if return_lse else T * Hq)
+    counters = (2 * B * Hkv if config.dynamic else B * Hkv) if global_merge else 0
+    return numel, counters
+
+
+def reserve(device, numel: int, counters: int = 0) -> None:
+    """Size this stream's workspaces for ``numel`` fp32 elements and ``counters`` int32 counters
+    (:func:`workspace_numel`) now, so that no call or graph capture of those shapes allocates."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    stream = device_stream_id(device)
+    _workspace.get(device, numel, stream)
+    if counters:
+        _counters.get(device, counters, stream)
+
+
+def _check_data(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
+                num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> None:
+    """Checked mode (``CUTE_KERNELS_CHECK=1``): the data rules (docs/design/inputs.md#checked-mode)."""
+    P, _, page = check_kv_cache(k, v, pair, kv_layout, q.shape[2])
+    _check.lengths("seq_lens", seq_lens, block_table.shape[1] * page, q_len=q_len)
+    _check.pages("block_table", block_table, seq_lens, page, P)
+    _check.scales(k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
 
 
 def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
@@ -187,7 +244,7 @@ def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale,
 
 _CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "out", "lse", "k_scale", "v_scale")
 _REFERENCE = _Launch(None, None, None, reference=True)
-_launcher = Launcher(_prepare, _reference, op="paged_decode")
+_launcher = Launcher(_prepare, _reference, check_data=_check_data, op="paged_decode")
 _cache = _launcher  # the launch cache under the name the lab's host-cost probe reads (profiling/host_costs.py)
 
 
@@ -245,7 +302,9 @@ def paged_decode(
     at the price of results that differ in the last bits from run to run (the tiles'
     accumulation order changes); the default keeps fixed ranges, so repeated calls and
     CUDA-graph replays are bitwise identical. Returns ``out`` (the query's dtype) and, with
-    ``return_lse``, the base-2 LSE ``[B * q_len, Hq]`` fp32. CPU tensors run the reference.
+    ``return_lse``, the base-2 LSE ``[B * q_len, Hq]`` fp32. CPU tensors run the reference, after
+    the same validation (the SM90 kernel's limits included). Positions at or past the block table's
+    capacity are not attended; a cache of no pages is refused (docs/design/inputs.md).
 
     On SM100 / SM103 the tcgen05 kernel ``sm100.decode`` serves the call. It is compile-verified
     only: each MMA family passes a one-time runtime self-check per process before its first launch
@@ -282,16 +341,28 @@ def paged_decode(
         with _launcher.range(q=q, kv_cache=k, block_table=block_table):
             return sm100.run(launch.sm100, q, k, v, block_table, seq_lens, out, return_lse, k_scale, v_scale,
                              q_scale, sinks, window_left)
+    if launch.empty:
+        return _empty_result(q, out, launch.out_shape, return_lse)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
-    if launch.out_shape[0]:
-        try:
-            launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
-        except Exception:  # raises the error that names the argument
-            _launcher.refused((q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
-                               v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks))
-            raise
+    try:
+        launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
+    except Exception:  # raises the error that names the argument
+        _launcher.refused((q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
+                           v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks))
+        raise
+    return (out, lse) if return_lse else out
+
+
+def _empty_result(q, out, shape, return_lse):
+    """The defined result of a call with nothing to attend (no rows, or a block table of no pages):
+    0 and LSE -inf, without a launch (an FP8 query's output is bf16, as the kernels write it)."""
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16 if q.dtype == FP8 else q.dtype, device=q.device)
+    if out.numel():
+        out.zero_()
+    lse = torch.full(shape[:2], -math.inf, dtype=torch.float32, device=q.device) if return_lse else None
     return (out, lse) if return_lse else out
 
 

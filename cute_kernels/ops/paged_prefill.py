@@ -18,16 +18,15 @@ The kernel is compile-verified (registry status): before the first launch of a v
 a process, :mod:`._selfcheck` runs that variant on a few small problems against the reference; a
 family that fails is served by the reference from then on, with a logged warning.
 
-``CUTE_KERNELS_CHECK=1`` also validates the data (``query_start_loc``, ``max_query_len``,
-``seq_lens`` within the block table, block-table entries in range) before each launch; it
-synchronizes, so it is off by default. Registered as ``torch.ops.cute_kernels.paged_prefill`` and
-``paged_prefill_out`` (:mod:`cute_kernels.ops._library`).
+Checked mode (``CUTE_KERNELS_CHECK=1``, :mod:`cute_kernels.ops._check`) also validates the data
+(``query_start_loc``, ``max_query_len``, ``seq_lens`` within the block table, block-table entries
+in range, tensor scales) before each launch; it synchronizes, so it is off by default. Registered
+as ``torch.ops.cute_kernels.paged_prefill`` and ``paged_prefill_out`` (:mod:`cute_kernels.ops._library`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, overload
 
@@ -40,13 +39,13 @@ from ..jit.compiler import get_kernel
 from ..jit.spec import call_arguments
 from ..plans import sm90_prefill as plan
 from ..registry import KERNELS
+from . import _check
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
 from ._selfcheck import Case, ensure
 from ._torch import check_kv_cache, check_tensor, compile_target, dtype_name
 
 FP8 = torch.float8_e4m3fn
-CHECK_DATA = os.environ.get("CUTE_KERNELS_CHECK") == "1"
 
 # the caller's per-call parameters (ops._launch.bind), and where each signature name comes from
 _CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "query_start_loc", "out", "lse", "k_scale", "v_scale",
@@ -108,8 +107,9 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     T, Hq, D = q.shape
     device = q.device
     P, Hkv, page = check_kv_cache(k, v, pair, kv_layout, D)
-    if P == 0:  # a TMA descriptor needs a non-empty tensor; refused before any launch
-        raise ValueError("kv_cache has no pages (P = 0); allocate at least one page")
+    if P == 0:  # a TMA descriptor needs a non-empty tensor: refused before any launch
+        raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has no pages (P = 0): an empty KV pool cannot be "
+                         "attended; allocate at least one page (docs/design/inputs.md#kv-pool)")
     if D not in plan.HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {plan.HEAD_DIMS}, got {D}")
     if page not in plan.PAGE_SIZES:
@@ -189,26 +189,15 @@ def _check_max_query_len(max_query_len, T: int, B: int) -> None:
         raise ValueError(f"max_query_len ({max_query_len}) is below every split of T={T} rows into {B} requests")
 
 
-def _check_data(q, k, pair, kv_layout, block_table, seq_lens, query_start_loc, max_query_len) -> None:
-    """``CUTE_KERNELS_CHECK=1``: the data rules the kernel cannot refuse without synchronizing."""
-    T = q.shape[0]
-    starts = reference.prefill_spans(query_start_loc, T, max_query_len)
-    k4 = k if pair else k[:, 0]
-    P, page = k4.shape[0], k4.shape[2 if kv_layout == "HND" else 1]
-    B, W = block_table.shape
-    lens = seq_lens.long()
-    q_lens = torch.tensor(starts, device=lens.device).diff()
-    bad = ((lens < q_lens) | (lens > W * page)).nonzero().flatten().tolist()
-    if bad:
-        b = bad[0]
-        raise ValueError(f"seq_lens[{b}] = {int(lens[b])} must lie in [query length {int(q_lens[b])}, "
-                         f"block-table capacity {W * page}]")
-    used = torch.arange(W, device=lens.device).view(1, W) < ((lens + page - 1) // page).view(B, 1)
-    ids = block_table.long()
-    bad = (used & ((ids < 0) | (ids >= P))).nonzero().tolist()
-    if bad:
-        b, c = bad[0]
-        raise ValueError(f"block_table[{b}, {c}] = {int(ids[b, c])} is outside [0, {P}) (a page seq_lens[{b}] uses)")
+def _check_data(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
+                q_scale, k_scale, v_scale, out, return_lse) -> None:
+    """Checked mode (``CUTE_KERNELS_CHECK=1``): the data rules the kernel cannot refuse without
+    synchronizing (docs/design/inputs.md#checked-mode)."""
+    P, _, page = check_kv_cache(k, v, pair, kv_layout, q.shape[2])
+    q_lens = _check.query_start_loc("query_start_loc", query_start_loc, q.shape[0], max_query_len)
+    _check.lengths("seq_lens", seq_lens, block_table.shape[1] * page, q_lens=q_lens)
+    _check.pages("block_table", block_table, seq_lens, page, P)
+    _check.scales(k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
 
 
 def _reference(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
@@ -225,7 +214,7 @@ def _reference(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_
     return (res, lse) if return_lse else res
 
 
-_launcher = Launcher(_prepare, _reference, op="paged_prefill")
+_launcher = Launcher(_prepare, _reference, check_data=_check_data, op="paged_prefill")
 _cache = _launcher  # the launch cache under the name the lab's host-cost probe reads (profiling/host_costs.py)
 
 
@@ -305,8 +294,6 @@ def paged_prefill(
             return _launcher.run_reference(args)
     elif max_query_len is not None:  # a value the key leaves out
         _check_max_query_len(max_query_len, q.shape[0], block_table.shape[0])
-    if CHECK_DATA:
-        _check_data(q, k, pair, kv_layout, block_table, seq_lens, query_start_loc, max_query_len)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=launch.out_dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None

@@ -36,14 +36,16 @@ import torch
 from torch import Tensor
 
 from .. import reference
+from .._types import Scale
 from ..jit.compiler import get_kernel
 from ..plans.sm90_qsa import HEAD_DIMS, MAX_GROUP, Sm90QsaConfig, make_qsa_config, select_config
 from ..plans.sm90_qsa_merge import QsaMergeConfig, merge_shape
 from ..plans.sm90_qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_tile_plan
 from ..plans.sm90_qsa_union import QsaUnionConfig
 from ..plans.sm90_qsa_widen import QsaWidenConfig, use_widened_cache
+from . import _check
 from ._launch import Launcher, TuningOverride, check_scale
-from ._library import compiling, custom_op
+from ._library import compiling, custom_op, scale_of, scale_parts
 from ._torch import (
     NAME_TO_TORCH,
     DeviceBuffer,
@@ -52,6 +54,7 @@ from ._torch import (
     device_sm_count,
     dtype_name,
     ffi_tensor,
+    stream_id,
     widest_vector,
 )
 
@@ -78,6 +81,7 @@ class _Launch:
     splits: int
     gate: bool
     reference: bool = False
+    empty: bool = False  # no rows: nothing to launch
     union_fn: object = None  # row-tile prefill: the union pre-pass, then ``fn`` over the tiles
     union: torch.Tensor | None = None
     member: torch.Tensor | None = None
@@ -96,7 +100,7 @@ def tuning_override(**fields: object) -> TuningOverride:
     return _launcher.tuning_override(**fields)
 
 
-def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
+def _key(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate):
     """What selects the kernels, their configs and workspaces: the query and cache geometry, V's
     strides (``kv_same_strides``), the selection and block-table shapes, the options, and the
     pointer/stride alignment of ``out`` and ``output_gate`` (vector widths) with the gate's shape
@@ -104,11 +108,13 @@ def _key(q, k, v, idx, bt, t2r, prefill, out, gate):
     call (TVM-FFI): the other dtypes, extents shared with the query's or the cache's (V,
     token_to_req, out), devices against the query's, alignment of the other pointers. When they
     refuse an argument the call is validated in full (see :func:`qsa_sparse_attention`)."""
-    # a non-bool ``prefill`` (1 == True) must not hit a cached launch: it is refused by _prepare
+    # a non-bool ``prefill`` (1 == True) must not hit a cached launch: it is refused by _prepare;
+    # a scale's type selects the kernel's scale form (a tensor's rank is left to the caller)
     return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.stride(), idx.shape, bt.shape,
             prefill if type(prefill) is bool else None,
             None if out is None else (out.stride(), out.data_ptr() % 16),
-            None if gate is None else (gate.shape, gate.stride(), gate.data_ptr() % 16), _launcher.override_key)
+            None if gate is None else (gate.shape, gate.stride(), gate.data_ptr() % 16), type(k_scale), type(v_scale),
+            stream_id(q), _launcher.override_key)
 
 
 _LAUNCH_FIELDS = ("splits", "tile_rows", "widen", "merge_group", "merge_lanes")  # read where the launch is chosen, not kernel fields
@@ -147,10 +153,9 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _La
         check_tensor("out", out, dtype=q.dtype, shape=(rows, Hq, D), device=q.device)
     if gate is not None:
         check_tensor("output_gate", gate, dtype=q.dtype, shape=(rows, Hq, D), device=q.device)
-    check_scale("k_scale", k_scale, tensors=False)
-    check_scale("v_scale", v_scale, tensors=False)
-    if not q.is_cuda:
-        return _Launch(None, None, None, None, None, None, 1, gate is not None, reference=True)
+    scale_tensors = dict(k_scale_tensor=check_scale("k_scale", k_scale, device=q.device),
+                         v_scale_tensor=check_scale("v_scale", v_scale, device=q.device))
+    # the kernels' limits, checked for CPU tensors too: code that passes on the CPU passes on the GPU
     if k.dtype not in (FP8, q.dtype):
         raise TypeError(f"k_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
     if D not in HEAD_DIMS:
@@ -162,8 +167,16 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _La
     check_tensor("q", q, align_bytes=16)
     check_tensor("k_cache", k, align_bytes=16)
     check_tensor("v_cache", v, align_bytes=16)
+    if NB == 0:  # nothing to gather from: refused before any launch
+        raise ValueError("k_cache has no blocks (num_blocks = 0): an empty KV pool cannot be attended; allocate at "
+                         "least one block (docs/design/inputs.md#kv-pool)")
+    if not q.is_cuda:
+        return _Launch(None, None, None, None, None, None, 1, gate is not None, reference=True)
+    if rows == 0:  # nothing to compute: no variant is compiled
+        return _Launch(None, None, None, None, None, None, 1, gate is not None, empty=True)
 
     device = q.device
+    stream = stream_id(q)
     topk = idx.shape[1] - 1
     kv_name, q_name = dtype_name(k.dtype), dtype_name(q.dtype)
     target = compile_target(device)
@@ -175,10 +188,10 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _La
         if use_widened_cache(kv_name, rows, bt.shape[0], bt.shape[1], page, Hkv, D, _launcher.override.get("widen")):
             wide = (bt.shape[0], bt.shape[1], Hkv)
         return _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, same_strides, device,
-                                  target, wide)
+                                  target, stream, scale_tensors, wide)
     tile, splits = select_config(rows, Hkv, prefill, kv_name, D, group, topk, device_sm_count(device.index or 0))
     splits = _launcher.override.get("splits", splits)
-    tuning = _kernel_tuning()
+    tuning = {**scale_tensors, **_kernel_tuning()}
     split = splits > 1
     tuning.setdefault("kv_same_strides", same_strides)
     config = make_qsa_config(q_dtype=q_name, kv_dtype=kv_name, head_dim=D, group=group, page_size=page,
@@ -199,13 +212,14 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _La
                                    group=group, lanes=lanes)
         merge_fn = get_kernel(merge_cfg, target)
         n_o, n_l = splits * rows * Hq * D, splits * rows * Hq
-        ws = _workspace.get(device, n_o + n_l)
+        ws = _workspace.get(device, n_o + n_l, stream)
         part_o = ws[:n_o].view(splits, rows, Hq, D)
         part_lse = ws[n_o:n_o + n_l].view(splits, rows, Hq)
     else:
-        lse = _workspace.get(device, rows * Hq)[:rows * Hq].view(rows, Hq)
-    # an absent gate: the kernels take a placeholder they never read
-    gate_src = {"gate": "gate" if gate is not None else "q"}
+        lse = _workspace.get(device, rows * Hq, stream)[:rows * Hq].view(rows, Hq)
+    # an absent gate: the kernels take a placeholder they never read; a tensor scale of another
+    # rank than 1 (0-d included) goes to the kernel as a [1] view
+    gate_src = {"gate": "gate" if gate is not None else "q", **_scale_sources(scale_tensors)}
     if split:
         parts = dict(out=ffi_tensor(part_o), lse=ffi_tensor(part_lse))
         merge_gate = {"gate": "gate" if gate is not None else "out"}
@@ -217,14 +231,18 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _La
     return _Launch(call, fn, merge_fn, part_o, part_lse, lse, splits, gate is not None)
 
 
+def _scale_sources(scale_tensors: dict) -> dict:
+    return {name: f"{name}.view(1)?" for name in ("k_scale", "v_scale") if scale_tensors[f"{name}_tensor"]}
+
+
 def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, same_strides, device,
-                       target, wide=None) -> _Launch:
+                       target, stream, scale_tensors, wide=None) -> _Launch:
     """The prefill row-tile path: the union pre-pass and the row-tile kernel, with their int32
     workspace (union lists, membership bits, lengths) carved from one reused buffer. ``wide``
     (``(NR, W, Hkv)`` of an FP8 cache's block table): the widening pre-pass first, into a 16-bit
     copy of the table's pages and a table addressing it, which the union pre-pass and the 16-bit
     row-tile kernel then read instead of the cache and the caller's table."""
-    tuning = _kernel_tuning(row_tiles=True)
+    tuning = {**scale_tensors, **_kernel_tuning(row_tiles=True)}
     if wide is not None:
         kv_name, same_strides = q_name, True  # the copy: q's dtype, K and V halves of one buffer
     if gate is not None and widest_vector([gate]) < 4:
@@ -238,13 +256,13 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
     nt, cap = plan.num_tiles, plan.union_cap
     n_u, n_m = nt * cap, nt * R * (cap // 32)
     n_t = 0 if wide is None else wide[0] * wide[1]
-    ws = _tile_workspace.get(device, n_u + n_m + nt + n_t)
+    ws = _tile_workspace.get(device, n_u + n_m + nt + n_t, stream)
     union = ws[:n_u].view(nt, cap)
     member = ws[n_u:n_u + n_m].view(nt, R, cap // 32)
     length = ws[n_u + n_m:n_u + n_m + nt]
-    lse = _workspace.get(device, rows * Hq)[:rows * Hq].view(rows, Hq)
+    lse = _workspace.get(device, rows * Hq, stream)[:rows * Hq].view(rows, Hq)
     bound = dict(union=ffi_tensor(union), member=ffi_tensor(member), length=ffi_tensor(length), lse=ffi_tensor(lse))
-    gate_src = {"gate": "gate" if gate is not None else "q"}
+    gate_src = {"gate": "gate" if gate is not None else "q", **_scale_sources(scale_tensors)}
     if wide is None:
         call = _launcher.bind(_CALL_PARAMS, (union_fn, union_cfg.signature(), None, bound),
                     (fn, tile_cfg.signature(), gate_src, bound))
@@ -256,7 +274,7 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
     table = ws[n_u + n_m + nt:n_u + n_m + nt + n_t].view(NR, W)
     # slot p = r * W + j holds page block_table[r, j]: [NP, page, Hkv, 2 D] as the production
     # layout (a token's K and V rows adjacent, tokens of a head contiguous)
-    buf = _wide_workspace.get(device, NP * page * Hkv * 2 * D)[:NP * page * Hkv * 2 * D]
+    buf = _wide_workspace.get(device, NP * page * Hkv * 2 * D, stream)[:NP * page * Hkv * 2 * D]
     kv = buf.view(NAME_TO_TORCH[q_name]).view(NP, Hkv, page, 2 * D).transpose(1, 2)
     wide_k, wide_v = kv[..., :D], kv[..., D:]
     widen_cfg = QsaWidenConfig(out_dtype=q_name, head_dim=D, page_size=page)
@@ -271,14 +289,20 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
 
 
 def _reference(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate):
-    return reference.qsa_sparse_attention(q, k, v, idx, bt, t2r, prefill=prefill, k_scale=float(k_scale),
-                                          v_scale=float(v_scale), out=out, output_gate=gate)
+    return reference.qsa_sparse_attention(q, k, v, idx, bt, t2r, prefill=prefill, k_scale=k_scale, v_scale=v_scale,
+                                          out=out, output_gate=gate)
+
+
+def _check_data(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> None:
+    """Checked mode (``CUTE_KERNELS_CHECK=1``): the data rules (docs/design/inputs.md#checked-mode)."""
+    _check.qsa_selection(idx, bt, t2r, k.shape[1], k.shape[0])
+    _check.scales(k_scale=k_scale, v_scale=v_scale)
 
 
 # the caller's parameters: the kernels' argument names (a kernel's other arguments are bound)
 _CALL_PARAMS = ("q", "k_cache", "v_cache", "packed_indices", "block_table", "token_to_req", "out", "gate", "k_scale",
                 "v_scale")
-_launcher = Launcher(_prepare, _reference, op="qsa_sparse_attention")
+_launcher = Launcher(_prepare, _reference, check_data=_check_data, op="qsa_sparse_attention")
 
 
 def qsa_sparse_attention(
@@ -290,8 +314,8 @@ def qsa_sparse_attention(
     token_to_req: torch.Tensor,
     *,
     prefill: bool,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
     out: torch.Tensor | None = None,
     output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -307,19 +331,22 @@ def qsa_sparse_attention(
     (e.g. the two halves of one ``[num_blocks, Hkv, PAGE, 2 D]`` buffer), FP8 e4m3 or q's dtype;
     any PAGE; D 64/128/256; Hq / Hkv <= 16. ``prefill``: True when the batch's max query length
     exceeds 1 + the number of speculative tokens (selects the tuning profile only).
-    ``k_scale``/``v_scale``: dequantization scales (floats). ``output_gate``: optional, q's shape:
+    ``k_scale``/``v_scale``: dequantization scales, floats or 1-element fp32 device tensors of any
+    rank, 0-d included (read by the kernels: a replayed CUDA graph sees their current values).
+    A cache of no blocks is refused (ValueError). ``output_gate``: optional, q's shape:
     ``out = round(attn) * sigmoid(gate)``. ``out``: optional output (q's shape and dtype).
     CPU tensors run the reference.
     """
     if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
+        traced = (q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, *scale_parts(k_scale),
+                  *scale_parts(v_scale), output_gate)
         if out is None:
-            return _qsa_op(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale,
-                           output_gate)
-        _qsa_out_op(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale,
-                    output_gate, out)
+            return _qsa_op(*traced)
+        _qsa_out_op(*traced, out)
         return out
     try:
-        key = _key(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, out, output_gate)
+        key = _key(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale, out,
+                   output_gate)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
     launch = _launcher.entries.get(key)
@@ -331,10 +358,11 @@ def qsa_sparse_attention(
             return _launcher.run_reference(args)
     if out is None:
         out = torch.empty_like(q)
-    if q.shape[0] == 0:
+    if launch.empty:
         return out
     try:
-        launch.call(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, output_gate, k_scale, v_scale)
+        launch.call(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, output_gate, k_scale,
+                    v_scale)
     except Exception:  # raises the error that names the argument
         _launcher.refused((q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale,
                            out, output_gate))
@@ -349,26 +377,30 @@ def qsa_sparse_attention(
 
 @custom_op("qsa_sparse_attention_out", mutates=("out",))
 def _qsa_out_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, packed_indices: Tensor, block_table: Tensor,
-                token_to_req: Tensor, prefill: bool, k_scale: float, v_scale: float, output_gate: Optional[Tensor],
-                out: Tensor) -> None:
+                token_to_req: Tensor, prefill: bool, k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float,
+                v_scale_tensor: Optional[Tensor], output_gate: Optional[Tensor], out: Tensor) -> None:
     qsa_sparse_attention(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill=prefill,
-                         k_scale=k_scale, v_scale=v_scale, out=out, output_gate=output_gate)
+                         k_scale=scale_of(k_scale, k_scale_tensor), v_scale=scale_of(v_scale, v_scale_tensor), out=out,
+                         output_gate=output_gate)
 
 
 @_qsa_out_op.register_fake
-def _(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale, output_gate, out):
+def _(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, k_scale_tensor, v_scale,
+      v_scale_tensor, output_gate, out):
     return None
 
 
 @custom_op("qsa_sparse_attention")
 def _qsa_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, packed_indices: Tensor, block_table: Tensor,
-            token_to_req: Tensor, prefill: bool, k_scale: float, v_scale: float,
-            output_gate: Optional[Tensor]) -> Tensor:
+            token_to_req: Tensor, prefill: bool, k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float,
+            v_scale_tensor: Optional[Tensor], output_gate: Optional[Tensor]) -> Tensor:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return qsa_sparse_attention(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill=prefill,
-                                k_scale=k_scale, v_scale=v_scale, out=out, output_gate=output_gate)
+                                k_scale=scale_of(k_scale, k_scale_tensor), v_scale=scale_of(v_scale, v_scale_tensor),
+                                out=out, output_gate=output_gate)
 
 
 @_qsa_op.register_fake
-def _(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale, output_gate):
+def _(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, k_scale_tensor, v_scale,
+      v_scale_tensor, output_gate):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -12,7 +12,7 @@ tensor attributes. Registered as ``torch.ops.cute_kernels.quantize_query`` and
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -20,14 +20,8 @@ from torch import Tensor
 from .. import reference
 from .._types import Rope, Scale
 from ..jit.compiler import get_kernel
-from ..plans.quantize_query import (
-    DEFAULT_ITEMS,
-    DEFAULT_ITEMS_ROPE,
-    DEFAULT_PDL,
-    ROPE_MAX_VEC,
-    VECTOR_WIDTHS,
-    QuantizeQueryConfig,
-)
+from ..plans.quantize_query import ROPE_MAX_VEC, VECTOR_WIDTHS, QuantizeQueryConfig, make_quantize_config
+from . import _check
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import compiling, custom_op, scale_of, scale_parts
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
@@ -70,14 +64,9 @@ def make_config(q: Tensor, scale_tensor: bool, out: Tensor | None = None, rope: 
     # an allocated out is always aligned enough; with RoPE a thread owns two chunks (a rotation
     # pair), and 2 x 16 elements would spill registers
     vec = vector_width(D, tensors, multiple_of=rot // 2, widest=ROPE_MAX_VEC if rope is not None else 16)
-    fields: dict[str, Any] = dict(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor)
-    if rope is not None:
-        fields.update(rot_dim=rot, cos_sin_dtype=dtype_name(rope[0].dtype), pos_dtype=dtype_name(rope[1].dtype))
-    fields = {**fields, "items": DEFAULT_ITEMS_ROPE.get(target, 1) if rope is not None else DEFAULT_ITEMS,
-              "pdl": DEFAULT_PDL, **_launcher.override}
-    if rope is not None and q.shape[1] % fields["items"]:
-        fields["items"] = 1  # a thread's RoPE rows must be heads of one token
-    return QuantizeQueryConfig(**fields)
+    rope_fields = None if rope is None else (rot, dtype_name(rope[0].dtype), dtype_name(rope[1].dtype))
+    return make_quantize_config(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor,
+                                num_q_heads=q.shape[1], target=target, rope=rope_fields, override=_launcher.override)
 
 
 def _key(q, q_scale, out, rope):
@@ -114,15 +103,17 @@ def _prepare(q, q_scale, out, rope) -> _Launch:
     if rope is not None:
         rope = _check_rope(rope, q)
     if not q.is_cuda:
+        make_config(q, scale_tensor, out, rope)  # the kernel's own limits, checked for CPU tensors too
         return _REFERENCE
+    if q.numel() == 0:  # nothing to quantize: no launch, no compiled variant
+        return _EMPTY
     target = compile_target(q.device)
     config = make_config(q, scale_tensor, out, rope, target)
     if target not in config.targets:  # SM80/86 have no FP8 conversion instructions: torch path
         return _REFERENCE
     # a tensor scale other than 1-D (a 1-element tensor of any rank) goes as a [1] view
     sources = {"q_scale": "q_scale.view(1)"} if scale_tensor and q_scale.dim() != 1 else None
-    return _Launch(_launcher.bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)),
-                   False)
+    return _Launch(_launcher.bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)), False)
 
 
 def _reference(q, q_scale, out, rope):
@@ -133,9 +124,18 @@ def _reference(q, q_scale, out, rope):
     return out
 
 
+def _check_data(q, q_scale, out, rope) -> None:
+    """Checked mode (``CUTE_KERNELS_CHECK=1``): scales positive and finite, RoPE positions inside
+    the cos/sin cache."""
+    _check.scales(q_scale=q_scale)
+    if rope is not None:
+        _check.positions("positions", rope[1], rope[0].shape[0])
+
+
 _CALL_PARAMS = ("q", "out", "q_scale", "cos_sin_cache", "positions")
 _REFERENCE = _Launch(None, True)
-_launcher = Launcher(_prepare, _reference, op="quantize_query")
+_EMPTY = _Launch(None, False)
+_launcher = Launcher(_prepare, _reference, check_data=_check_data, op="quantize_query")
 
 
 def quantize_query(
@@ -179,7 +179,7 @@ def quantize_query(
             return _launcher.run_reference(args)
     if out is None:
         out = torch.empty(q.shape, dtype=FP8, device=q.device)
-    if q.shape[0] and q.shape[1]:
+    if launch.call is not None:
         cos_sin, positions = rope if rope is not None else (None, None)
         try:
             launch.call(q, out, q_scale, cos_sin, positions)

@@ -19,7 +19,8 @@ from torch import Tensor
 from .. import reference
 from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
-from ..plans.write_kv_cache import DEFAULT_ITEMS, DEFAULT_PDL, WriteKVCacheConfig
+from ..plans.write_kv_cache import WriteKVCacheConfig, make_write_config
+from . import _check
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, scale_of, scale_parts
 from ._torch import check_tensor, compile_target, dtype_name
@@ -70,12 +71,11 @@ def make_config(key: Tensor, value: Tensor, kv_cache: KVCache, slot_mapping: Ten
                 k_scale_tensor: bool, v_scale_tensor: bool) -> WriteKVCacheConfig:
     """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers)."""
     pair, (_, _, page, D), caches = _cache_geometry(kv_cache, kv_layout, key.device)
-    return WriteKVCacheConfig(
+    return make_write_config(
         in_dtype=dtype_name(key.dtype), cache_dtype=dtype_name(caches[0].dtype), head_dim=D, page_size=page,
         vec=vector_width(D, [key, value, *caches]), slot_dtype=dtype_name(slot_mapping.dtype),
         kv_form="pair" if pair else "single", kv_layout=kv_layout, k_scale_tensor=k_scale_tensor,
-        v_scale_tensor=v_scale_tensor, **{"items": DEFAULT_ITEMS, "pdl": DEFAULT_PDL, **_launcher.override},
-    )
+        v_scale_tensor=v_scale_tensor, override=_launcher.override)
 
 
 def _key(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale):
@@ -91,10 +91,10 @@ def _key(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale):
 
 
 class _Launch:
-    __slots__ = ("call", "reference", "pair")
+    __slots__ = ("call", "reference", "pair", "empty")
 
-    def __init__(self, call, reference, pair):
-        self.call, self.reference, self.pair = call, reference, pair
+    def __init__(self, call, reference, pair, empty=False):
+        self.call, self.reference, self.pair, self.empty = call, reference, pair, empty
 
 
 def tuning_override(**fields: object) -> TuningOverride:
@@ -117,25 +117,36 @@ def _prepare(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale) ->
     check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(T,), device=device)
     k_tensor = check_scale("k_scale", k_scale, device=device)
     v_tensor = check_scale("v_scale", v_scale, device=device)
+    # the kernel's own limits (vector width, head dim), checked for CPU tensors too
+    config = make_config(key, value, kv_cache, slot_mapping, kv_layout, k_tensor, v_tensor)
     if not key.is_cuda:
         return _Launch(None, True, pair)
-    config = make_config(key, value, kv_cache, slot_mapping, kv_layout, k_tensor, v_tensor)
+    if T == 0 or Hkv == 0 or P == 0:
+        # nothing to write: no rows, or a cache of no pages (every slot is outside it, and slots
+        # outside the cache are skipped): no launch, no compiled variant (docs/design/inputs.md#kv-pool)
+        return _Launch(None, False, pair, empty=True)
     target = compile_target(device)
     if target not in config.targets:  # SM80/86 have no FP8 conversion instructions: torch path
         return _Launch(None, True, pair)
     # a tensor scale other than 1-D (a 1-element tensor of any rank) goes as a [1] view
     sources = {name: f"{name}.view(1)" for name, t, is_t in (("k_scale", k_scale, k_tensor), ("v_scale", v_scale, v_tensor))
                if is_t and t.dim() != 1}
-    return _Launch(_launcher.bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)),
-                   False, pair)
+    return _Launch(_launcher.bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)), False, pair)
 
 
 def _reference(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale):
     reference.write_kv_cache(key, value, kv_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale)
 
 
+def _check_data(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale) -> None:
+    """Checked mode (``CUTE_KERNELS_CHECK=1``): slots inside the cache, scales positive and finite."""
+    _, (P, _, page, _), _ = _cache_geometry(kv_cache, kv_layout, key.device)
+    _check.slots("slot_mapping", slot_mapping, P * page)
+    _check.scales(k_scale=k_scale, v_scale=v_scale)
+
+
 _CALL_PARAMS = ("key", "value", "k_cache", "v_cache", "slot_mapping", "k_scale", "v_scale")
-_launcher = Launcher(_prepare, _reference, op="write_kv_cache")
+_launcher = Launcher(_prepare, _reference, check_data=_check_data, op="write_kv_cache")
 
 
 def write_kv_cache(
@@ -160,7 +171,8 @@ def write_kv_cache(
             contiguous, other strides free.
         slot_mapping: int32/int64 ``[T]``: token i goes to page ``s // page``, offset
             ``s % page`` of ``s = slot_mapping[i]``. ``-1`` (padding) and any slot outside
-            ``[0, P * page)`` is skipped: nothing is ever written out of bounds.
+            ``[0, P * page)`` is skipped: nothing is ever written out of bounds (a cache of no
+            pages is then written nothing, without a launch).
         kv_layout: ``"HND"`` or ``"NHD"``.
         k_scale, v_scale: positive floats or 1-element fp32 device tensors (read by the kernel,
             CUDA-graph safe). The cache stores ``x / scale``: saturated RNE for FP8, an RNE cast
@@ -184,7 +196,7 @@ def write_kv_cache(
         if launch.reference:
             _launcher.run_reference(args)
             return
-    if key.shape[0] == 0 or key.shape[1] == 0:
+    if launch.empty:
         return
     k_cache, v_cache = (kv_cache[0], kv_cache[1]) if launch.pair else (kv_cache, kv_cache)
     try:

@@ -6,7 +6,7 @@ Host-only. The kernel is :mod:`cute_kernels.common.quantize`; design: docs/desig
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..jit.spec import ALL_TARGETS, DTYPE_BITS, Arg, KernelConfig, ScalarArg, TensorArg
 
@@ -101,6 +101,26 @@ class QuantizeQueryConfig(KernelConfig):
         from ..common.quantize import QuantizeQuery  # the kernel module imports the DSL: only here
 
         return QuantizeQuery(self)
+
+
+def aligned_vec(head_dim: int) -> int:
+    """The elements per thread the op picks without RoPE when q and out are 16-byte aligned."""
+    return next(v for v in VECTOR_WIDTHS if head_dim % v == 0 and head_dim // v <= NUM_THREADS)
+
+
+def make_quantize_config(*, q_dtype: str, head_dim: int, vec: int, scale_tensor: bool, num_q_heads: int,
+                         target: str = "sm_90a", rope: tuple | None = None,
+                         override: dict | None = None) -> QuantizeQueryConfig:
+    """The config the op uses for validated arguments (and the warm-up enumerates): the tuning
+    defaults filled in here. ``rope``: ``(rot_dim, cos_sin_dtype, pos_dtype)`` of a fused RoPE."""
+    fields: dict[str, Any] = dict(q_dtype=q_dtype, head_dim=head_dim, vec=vec, scale_tensor=scale_tensor)
+    if rope is not None:
+        fields.update(rot_dim=rope[0], cos_sin_dtype=rope[1], pos_dtype=rope[2])
+    fields = {**fields, "items": DEFAULT_ITEMS_ROPE.get(target, 1) if rope is not None else DEFAULT_ITEMS,
+              "pdl": DEFAULT_PDL, **(override or {})}
+    if rope is not None and num_q_heads % fields["items"]:
+        fields["items"] = 1  # a thread's RoPE rows must be heads of one token
+    return QuantizeQueryConfig(**fields)
 
 
 def compile_variants() -> list[QuantizeQueryConfig]:

@@ -406,6 +406,23 @@ def decode_splits(items: int, max_context: int, num_sms: int) -> int:
     return max(1, min(MAX_SPLITS, math.ceil(max_context / KV_TILE), num_sms // max(items, 1)))
 
 
+def decode_launch_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int, page_size: int,
+                         sinks: bool, kv_form: str, kv_layout: str, k_scale_tensor: bool, v_scale_tensor: bool,
+                         q_scale_tensor: bool, batch: int, num_kv_heads: int, max_context: int, num_sms: int,
+                         num_splits: int | None = None) -> tuple[int, Sm100DecodeConfig]:
+    """``(num_splits, config)`` of a decode call (the op decides with this; the layer's warm-up
+    enumerates it): the split count from :func:`decode_splits` unless given."""
+    config = Sm100DecodeConfig(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len,
+                               page_size=page_size, sinks=sinks, kv_form=kv_form, kv_layout=kv_layout,
+                               k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
+                               q_scale_tensor=q_scale_tensor)
+    if num_splits is None:
+        num_splits = decode_splits(batch * num_kv_heads * config.row_tiles, max_context, num_sms)
+    if num_splits > 1:
+        config = Sm100DecodeConfig(**{**config.__dict__, "split": True})
+    return num_splits, config
+
+
 # ---- prefill ----------------------------------------------------------------------------------
 
 M_TILE = 128  # query rows per Q tile (one TMEM lane each)

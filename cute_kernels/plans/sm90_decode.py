@@ -440,3 +440,50 @@ def compile_variants() -> list[Sm90DecodeConfig]:
         out.append(make_decode_config(q_dtype="bf16", kv_dtype=kv, head_dim=128, group=8, q_len=1, page_size=16,
                                       split=True, cluster=True, **sizing))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch of one call, and every launch a deployment's batches reach (the layer's warm-up)
+# ---------------------------------------------------------------------------------------------
+
+
+def launch_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int, page_size: int,
+                  k_scale_tensor: bool, v_scale_tensor: bool, kv_form: str, kv_layout: str, items: int,
+                  max_context: int, num_sms: int, num_splits: int | None = None, deterministic: bool = True,
+                  override: dict | None = None) -> tuple[int, Sm90DecodeConfig]:
+    """``(num_splits, config)`` of a call: ``items`` = requests x KV heads, ``max_context`` = the
+    block table's width x page. The op decides with this, and the warm-up enumerates it.
+    ``override``: tuning fields (``tuning_override``; ``cluster`` and ``dynamic`` are launch
+    choices, see :func:`plan_launch`)."""
+    override = dict(override or {})
+    force_cluster = override.pop("cluster", None)
+
+    def config_for(split, **tuning):
+        return make_decode_config(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len,
+                                  page_size=page_size, split=split, k_scale_tensor=k_scale_tensor,
+                                  v_scale_tensor=v_scale_tensor, kv_form=kv_form, kv_layout=kv_layout,
+                                  **{**tuning, **override})
+
+    return plan_config(config_for, items, max_context, num_sms, num_splits, deterministic, force_cluster,
+                       bool(override.get("dynamic", False)))
+
+
+def launch_widths(max_pages: int, page_size: int, tile: int, deterministic: bool = True) -> list[int]:
+    """The block-table widths whose launches stand for every width up to ``max_pages``: the
+    schedule reads the width only through ``min(MAX_SPLITS, ceil(width * page / tile), ...)`` and
+    (non-deterministic calls) ``ceil(width * page / tile) >= DYNAMIC_MIN_TILES * splits``, so one
+    width per tile count up to the first past ``MAX_SPLITS`` tiles (``DYNAMIC_MIN_TILES *
+    MAX_SPLITS`` for non-deterministic calls), and the largest, cover them all
+    (tests/cpu/test_warmup.py checks it against every width)."""
+    last = MAX_SPLITS if deterministic else DYNAMIC_MIN_TILES * MAX_SPLITS
+    out, last_tiles = [], -1
+    for w in range(1, max_pages + 1):
+        tiles = -(-w * page_size // tile)
+        if tiles != last_tiles:
+            out.append(w)
+            last_tiles = tiles
+        if tiles > last:
+            break
+    if max_pages >= 1 and out[-1] != max_pages:
+        out.append(max_pages)
+    return out

@@ -53,6 +53,8 @@ class Sm90QsaConfig(KernelConfig):
     them on a second one, so QK and the softmax overlap V's arrival (per-row kernel only); on for
     split launches, whose few tiles per CTA end on the last tile's chain, off without splits, where
     the split copies slowed the memory-bound loop (docs/design/qsa.md#k-before-v-split-launches).
+    ``k_scale_tensor`` / ``v_scale_tensor``: that scale arrives as a 1-element fp32 device tensor,
+    read by the kernel (a captured CUDA graph then sees its current value), instead of a float.
     """
 
     q_dtype: str = "bf16"
@@ -70,6 +72,8 @@ class Sm90QsaConfig(KernelConfig):
     kv_same_strides: bool = False
     evict_first: bool = False
     kv_barriers: bool = False
+    k_scale_tensor: bool = False
+    v_scale_tensor: bool = False
 
     kernel_id = "sm90.qsa"
     targets = ("sm_90a",)
@@ -130,9 +134,13 @@ class Sm90QsaConfig(KernelConfig):
             TensorArg("out", out, o_shape, align=4),
             TensorArg("lse", "fp32", lse_shape, align=4),
             TensorArg("gate", self.q_dtype, ("GT", "GH", D), align=2),
-            ScalarArg("k_scale", "fp32"),
-            ScalarArg("v_scale", "fp32"),
+            *self.scale_args(),
         )
+
+    def scale_args(self):
+        """``k_scale`` and ``v_scale``: fp32 scalars, or ``[1]`` fp32 device tensors."""
+        return tuple(TensorArg(name, "fp32", (1,), align=4) if tensor else ScalarArg(name, "fp32")
+                     for name, tensor in (("k_scale", self.k_scale_tensor), ("v_scale", self.v_scale_tensor)))
 
     def build(self):
         from ..sm90.qsa import Sm90QsaAttention  # the kernel module imports the DSL: only here

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..jit.spec import DTYPE_BITS, ScalarArg, TensorArg
+from ..jit.spec import DTYPE_BITS, TensorArg
 from . import hw
 from .sm90_qsa import CONSUMER_WARPS, Sm90QsaConfig
 
@@ -152,8 +152,7 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
             TensorArg("out", self.q_dtype, ("T", "Hq", D), align=4),
             TensorArg("lse", "fp32", ("T", "Hq"), align=4),
             TensorArg("gate", self.q_dtype, ("GT", "GH", D), align=2 * self.gate_vec),
-            ScalarArg("k_scale", "fp32"),
-            ScalarArg("v_scale", "fp32"),
+            *self.scale_args(),
         )
 
     def build(self):

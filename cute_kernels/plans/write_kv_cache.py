@@ -103,6 +103,23 @@ class WriteKVCacheConfig(KernelConfig):
         return WriteKVCache(self)
 
 
+def aligned_vec(head_dim: int) -> int:
+    """The elements per thread the op picks when every tensor is 16-byte aligned (the usual case:
+    a cache, and keys/values that are views of a fused QKV projection of 16-byte rows)."""
+    return next(v for v in VECTOR_WIDTHS if head_dim % v == 0 and head_dim // v <= NUM_THREADS)
+
+
+def make_write_config(*, in_dtype: str, cache_dtype: str, head_dim: int, page_size: int, vec: int, slot_dtype: str,
+                      kv_form: str, kv_layout: str, k_scale_tensor: bool, v_scale_tensor: bool,
+                      override: dict | None = None) -> WriteKVCacheConfig:
+    """The config the op uses for validated arguments (and the warm-up enumerates): the tuning
+    defaults filled in here; ``override`` replaces fields (benchmarks)."""
+    return WriteKVCacheConfig(in_dtype=in_dtype, cache_dtype=cache_dtype, head_dim=head_dim, page_size=page_size,
+                              vec=vec, slot_dtype=slot_dtype, kv_form=kv_form, kv_layout=kv_layout,
+                              k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
+                              **{"items": DEFAULT_ITEMS, "pdl": DEFAULT_PDL, **(override or {})})
+
+
 def compile_variants() -> list[WriteKVCacheConfig]:
     """FP8 and 16-bit caches, both layouts and containers, int32 and int64 slots, tensor scales."""
     return [

@@ -97,10 +97,15 @@ class RowMerge:
                     lses[j] = mPartialLse[s0 + j * stride, n, h]
                     src = cute.local_tile(mPartialO[s0 + j * stride, n, h, None], (self.vec,), (lane,))
                     cute.local_tile(parts, (self.vec,), (j,)).store(src.load())
+            # the sums are rescaled from the previous max, -inf while every split so far is empty
+            # (the sums are 0 then, and exp2(-inf) = 0): rescaling from the shift of 0 instead
+            # gives exp2(-new_shift) = inf for a max below -128, and 0 * inf = NaN
+            # (docs/design/merge.md#any-finite-lse)
+            prev_max = lse_max
             for j in cutlass.range_constexpr(group):
                 lse_max = cute.arch.fmax(lse_max, lses[j])
             new_shift = lse_max if lse_max != -Float32.inf else Float32(0.0)
-            scale = cute.math.exp2(shift - new_shift, fastmath=True)
+            scale = cute.math.exp2(prev_max - new_shift, fastmath=True)
             for e in cutlass.range_constexpr(self.vec):
                 acc[e] = acc[e] * scale
             weight_sum = weight_sum * scale

@@ -32,12 +32,15 @@ class PagedKVProducer:
     ``tile`` tokens per tile, ``stages`` pipeline stages; ``fp8``: V is stored like K (tokens x D,
     widened by the consumer), else as V^T (D x tokens, the MN-major SS operand). ``strided`` /
     ``dynamic``: the split schedule; ``chunk_tiles``: tiles per dynamic grab; ``evict_first``: the
-    loads carry the L2 evict-first policy (every KV byte is read once per call)."""
+    loads carry the L2 evict-first policy (every KV byte is read once per call); ``tail``: the
+    static producer waits, after its last tile, until the consumers have released every stage
+    (a CTA of a thread-block cluster, whose shared memory its peers read before it exits)."""
 
     def __init__(self, *, D: int, page: int, tile: int, stages: int, fp8: bool, strided: bool, dynamic: bool,
-                 evict_first: bool, chunk_tiles_max: int):
+                 evict_first: bool, chunk_tiles_max: int, tail: bool = False):
         self.D, self.page, self.tile, self.stages, self.fp8 = D, page, tile, stages, fp8
         self.strided, self.dynamic, self.evict_first = strided, dynamic, evict_first
+        self.tail = tail
         self.box = min(page, tile)  # tokens per TMA box
         self.boxes_per_tile = tile // self.box
         # dynamic split: tiles per grab (their page ids must fit one per lane of the producer warp)
@@ -109,6 +112,12 @@ class PagedKVProducer:
             self.load_tile(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, pipe_k, pipe_v, state_k, state_v, page_id, rel, tile)
             state_k.advance()
             state_v.advance()
+        if const_expr(self.tail):
+            # every phase the consumers complete on the empty barriers is waited for before this
+            # warp leaves its loop: no arrive is left pending on this CTA's barriers when the
+            # cluster merge starts (docs/design/sm90-decode.md#cluster-merge-exit)
+            pipe_k.producer_tail(state_k)
+            pipe_v.producer_tail(state_v)
 
     @cute.jit
     def produce_dynamic(self, tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,

@@ -94,7 +94,7 @@ class Sm90PagedDecode:
         # the roles this kernel composes
         self.kv = PagedKVProducer(D=self.D, page=self.page, tile=self.tile, stages=self.stages, fp8=self.fp8,
                                   strided=cfg.strided, dynamic=cfg.dynamic, evict_first=cfg.evict_first,
-                                  chunk_tiles_max=cfg.chunk_tiles_max)
+                                  chunk_tiles_max=cfg.chunk_tiles_max, tail=cfg.cluster)
         self.frags = Fp8Fragments(self.D, self.tile, self.fp8, self.cvt, cfg.q_dtype, self.mma_m)
         self.query = QueryStager(self.D, self.N, self.G, self.q_len, bounded=False,
                                  dynamic_q_scale=self.dynamic_q_scale, q_pre=self.q_pre, q_permuted=self.q_permuted,
@@ -274,7 +274,11 @@ class Sm90PagedDecode:
             first_raw = self.kv.load_page_raw(mBlockTable, batch_idx, self.kv.box_of(split, num_splits, Int32(0), lane),
                                            predicated=True)
         seq_len = mSeqLens[batch_idx]
-        num_tiles = (seq_len + self.tile - 1) // self.tile
+        # positions at or past the block table's capacity are not attended, so the tiles end there
+        # (a seq_len past it, even a corrupted huge one, costs no more than a full table):
+        # docs/design/inputs.md#lengths
+        kv_cap = mBlockTable.shape[1] * self.page
+        num_tiles = (cutlass.min(seq_len, kv_cap) + self.tile - 1) // self.tile
         tile_step = Int32(1)
         if const_expr(self.cfg.strided):
             tile_begin = split
@@ -303,7 +307,7 @@ class Sm90PagedDecode:
             merge = (mPartO, mPartLse, mCounter, sFlag, num_splits)
             self.consume(mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                          qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                         seq_len, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId)
+                         seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId)
         if const_expr(self.cfg.cluster):
             # every thread of the CTA, the producer warp too: the cluster barriers count them all
             self.split_merge.cluster_merge(mO, mLse, storage.sK.data_ptr().toint())
@@ -311,7 +315,7 @@ class Sm90PagedDecode:
     @cute.jit
     def consume(self, mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                 qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                seq_len, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId):
+                seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId):
         cfg = self.cfg
         mPartO, mPartLse, mCounter, sFlag, num_splits = merge
         D, N, G = self.D, self.N, self.G
@@ -338,8 +342,9 @@ class Sm90PagedDecode:
         limit = cute.make_rmem_tensor((nslots,), Int32)
         for s in cutlass.range_constexpr(nslots):
             n = slot_column(s, n_base)
-            # query row n is draft token n // G: it sees positions < seq_len - q_len + j + 1
-            limit[s] = seq_len - self.q_len + n // G + 1
+            # query row n is draft token n // G: it sees positions < seq_len - q_len + j + 1, and
+            # none at or past the block table's capacity
+            limit[s] = cutlass.min(seq_len - self.q_len + n // G + 1, kv_cap)
 
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         tSrQ = qk_mma.make_fragment_B(thr_qk.partition_B(sQ))
@@ -367,7 +372,7 @@ class Sm90PagedDecode:
             state_k.advance()
 
             # ---------------- online softmax over the tile's tokens ----------------
-            masked = (tile + 1) * self.tile > seq_len - self.q_len + 1
+            masked = (tile + 1) * self.tile > cutlass.min(seq_len - self.q_len + 1, kv_cap)
             tile_max = cute.make_rmem_tensor((nslots,), Float32)
             tile_max.fill(-Float32.inf)
             for i in cutlass.range_constexpr(nS):

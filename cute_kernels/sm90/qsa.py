@@ -86,8 +86,8 @@ class Sm90QsaAttention:
         mO: cute.Tensor,  # [T, Hq, D] (q dtype) or split: [S, T, Hq, D] fp32
         mLse: cute.Tensor,  # [T, Hq] or split: [S, T, Hq] fp32
         mGate: cute.Tensor,  # [T, Hq, D] (read only when cfg.gate)
-        k_scale: Float32,
-        v_scale: Float32,
+        k_scale,  # Float32, or a [1] fp32 tensor (k_scale_tensor)
+        v_scale,  # Float32, or a [1] fp32 tensor (v_scale_tensor)
         stream,
     ):
         num_splits = mO.shape[0] if const_expr(self.cfg.split) else 1
@@ -111,8 +111,8 @@ class Sm90QsaAttention:
         mO: cute.Tensor,
         mLse: cute.Tensor,
         mGate: cute.Tensor,
-        k_scale: Float32,
-        v_scale: Float32,
+        k_scale,
+        v_scale,
         qk_mma: cute.TiledMma,
         pv_mma: cute.TiledMma,
         k_layout,
@@ -177,8 +177,11 @@ class Sm90QsaAttention:
         cute.arch.fence_proxy("async.shared", space="cta")  # sQ is read by WGMMA (async proxy)
         cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
 
+        ks = k_scale
+        if const_expr(self.cfg.k_scale_tensor):
+            ks = k_scale[0]  # read on the device: a replayed CUDA graph sees the current value
         # logits in log2 units = S_acc * c (the query was scaled by 2^q_log2 when staged)
-        c = Float32(self.D ** -0.5 * LOG2E) * k_scale * cute.math.exp2(-q_log2, fastmath=False)
+        c = Float32(self.D ** -0.5 * LOG2E) * ks * cute.math.exp2(-q_log2, fastmath=False)
 
         thr_qk, thr_pv, cS0, cS, cO0, acc_s, acc_o, row_max, row_sum = self.softmax.consumer_state(qk_mma, pv_mma, tidx)
         nS = cute.size(acc_s)
@@ -261,7 +264,10 @@ class Sm90QsaAttention:
             warpgroup.wait_group(0)
             cute.arch.mbarrier_arrive(empty + stage)
 
-        self.epilogue(acc_o, row_max, row_sum, sRed, cO0, thr_pv, mO, mLse, mGate, v_scale, row, kv_head, split,
+        vs = v_scale
+        if const_expr(self.cfg.v_scale_tensor):
+            vs = v_scale[0]
+        self.epilogue(acc_o, row_max, row_sum, sRed, cO0, thr_pv, mO, mLse, mGate, vs, row, kv_head, split,
                       n_base, warp, lane)
 
     @cute.jit

@@ -111,8 +111,8 @@ class Sm90QsaTileAttention:
         mO: cute.Tensor,  # [T, Hq, D]
         mLse: cute.Tensor,  # [T, Hq] fp32
         mGate: cute.Tensor,  # [T, Hq, D] (read only when cfg.gate)
-        k_scale: Float32,
-        v_scale: Float32,
+        k_scale,  # Float32, or a [1] fp32 tensor (k_scale_tensor)
+        v_scale,  # Float32, or a [1] fp32 tensor (v_scale_tensor)
         stream,
     ):
         mmas = query_on_m_mmas(self.D, self.tile, self.stages, self.mma_dtype, self.mma_m)
@@ -139,8 +139,8 @@ class Sm90QsaTileAttention:
         mO: cute.Tensor,
         mLse: cute.Tensor,
         mGate: cute.Tensor,
-        k_scale: Float32,
-        v_scale: Float32,
+        k_scale,
+        v_scale,
         qk_mma: cute.TiledMma,
         pv_mma: cute.TiledMma,
         k_layout,
@@ -181,8 +181,11 @@ class Sm90QsaTileAttention:
             wg = warp // self.warps
             tidx = tidx % (self.warps * 32)  # the thread's index in its warpgroup (MMA slices)
             q_log2 = self.stage_q_shared(mQ, sQ, sRed, tile, kv_head, tidx, warp, lane, wg)
+        ks = k_scale
+        if const_expr(self.cfg.k_scale_tensor):
+            ks = k_scale[0]  # read on the device: a replayed CUDA graph sees the current value
         # logits in log2 units (the query was scaled by 2^q_log2 when staged: FP8 -> fp16 MMAs)
-        c = Float32(D ** -0.5 * LOG2E) * k_scale * cute.math.exp2(-q_log2, fastmath=False)
+        c = Float32(D ** -0.5 * LOG2E) * ks * cute.math.exp2(-q_log2, fastmath=False)
 
         thr_qk = qk_mma.get_slice(tidx)
         thr_pv = pv_mma.get_slice(tidx)
@@ -244,17 +247,20 @@ class Sm90QsaTileAttention:
                 cute.arch.mbarrier_arrive(empty + stage)
 
         n = cute.size(acc_o)
+        vs = v_scale
+        if const_expr(self.cfg.v_scale_tensor):
+            vs = v_scale[0]
         if const_expr(self.consumers == 1):
-            self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head, lane,
+            self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, vs, tile, kv_head, lane,
                             0, n)
         else:
             # each group finishes half of the elements (the epilogue is serial work of the CTA)
             self.combine_consumers(storage, acc_o, row_max, row_sum, cO0, wg, tidx)
             if wg == 0:
-                self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head,
+                self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, vs, tile, kv_head,
                                 lane, 0, n // 2)
             else:
-                self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, v_scale, tile, kv_head,
+                self.store_rows(acc_o, row_max, row_sum, cO0, cO, m_off, mO, mLse, mGate, vs, tile, kv_head,
                                 lane, n // 2, n)
 
     @cute.jit

@@ -341,6 +341,16 @@ def test_reference_raises_for_malformed_query_start_loc_on_cpu():
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def checked():
+    """Checked mode (CUTE_KERNELS_CHECK=1) for one test: every op validates its data."""
+    from cute_kernels.ops import _launch
+
+    previous = _launch.set_checked(True)
+    yield
+    _launch.set_checked(previous)
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda p: p["query_start_loc"].copy_(torch.tensor([0, 5, 3, 8, 9])), "non-decreasing"),
     (lambda p: p.update(max_query_len=3), r"max_query_len \(3\) is below request 0's query length 5"),
@@ -349,9 +359,8 @@ def test_reference_raises_for_malformed_query_start_loc_on_cpu():
     (lambda p: p["block_table"].__setitem__((1, 0), -1), r"block_table\[1, 0\] = -1 is outside"),
     (lambda p: p["block_table"].__setitem__((3, 1), 10**4), r"block_table\[3, 1\] = 10000 is outside"),
 ])
-def test_checked_mode_names_the_first_bad_entry(fake_gpu, monkeypatch, mutate, match):
+def test_checked_mode_names_the_first_bad_entry(fake_gpu, checked, mutate, match):
     calls, _ = fake_gpu
-    monkeypatch.setattr(op, "CHECK_DATA", True)
     p = _problem("checked")
     op.paged_prefill(*_args(p), **_kw(p))  # well-formed data passes the check
     assert len(calls) == 1

@@ -306,10 +306,14 @@ def test_op_on_cpu_runs_the_reference_and_validates():
     import cute_kernels
     from tests.cpu.test_qsa_reference import make_qsa_case
 
-    c = make_qsa_case(rows=4, num_q_heads=12, num_kv_heads=2, head_dim=32, page=10, ctx=40, gate=True)
+    c = make_qsa_case(rows=4, num_q_heads=12, num_kv_heads=2, head_dim=64, page=10, ctx=40, gate=True)
     args = {k: v for k, v in c.items() if k != "meta"}
     out = cute_kernels.qsa_sparse_attention(**args, prefill=True)
     assert torch.equal(out, cute_kernels.reference.qsa_sparse_attention(**args))
+    # the kernels' limits hold on the CPU too: a head dim they refuse is refused here
+    c32 = make_qsa_case(rows=4, num_q_heads=12, num_kv_heads=2, head_dim=32, page=10, ctx=40, gate=True)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        cute_kernels.qsa_sparse_attention(**{k: v for k, v in c32.items() if k != "meta"}, prefill=True)
     with pytest.raises(TypeError, match="packed_indices must have dtype int32"):
         cute_kernels.qsa_sparse_attention(**dict(args, packed_indices=args["packed_indices"].long()), prefill=True)
     with pytest.raises(ValueError, match="token_to_req must have shape"):

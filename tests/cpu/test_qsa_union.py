@@ -229,12 +229,15 @@ def _popc(x: int) -> int:
     return bin(x & 0xFFFFFFFF).count("1")
 
 
-def _kernel_model(packed, req, bw, page, R, cap, max_tokens):
+def _kernel_model(packed, req, bw, page, R, cap, max_tokens, stores=None):
     """What ``Sm90QsaUnion`` computes, step by step as the kernel does it: the per-warp column
     iterations (unpredicated ones first, then one block at a time), the sink words of
     non-candidates, the thread / warp scan and the member-bit count. It also checks that every
     load is a counted column of a row below T and that each counted column is read exactly once
-    per pass. Returns ``(union, member, length)`` like the reference (-1 / 0 where undefined)."""
+    per pass. Returns ``(union, member, length)`` like the reference (-1 / 0 where undefined).
+    ``stores``: a list that receives, per tile that reaches pass 2, ``(num_union, [(address,
+    value, candidate), ...])`` of its shared union stores and ``[(row, word, candidate), ...]`` of
+    its member-word ORs (racecheck's write-write hazards are between these stores)."""
     from cute_kernels.sm90.qsa_union import NUM_THREADS, NUM_WARPS, SINK, Sm90QsaUnion
 
     k = Sm90QsaUnion(QsaUnionConfig(rows_per_tile=R, page_size=page, max_tokens=max_tokens, union_cap=cap))
@@ -305,13 +308,19 @@ def _kernel_model(packed, req, bw, page, R, cap, max_tokens):
         assert bitmap[words] == 0
         sunion = [None] * (cap + 4)
         smember = [0] * (-(-R * MS // 4) * 4)
+        union_stores, member_ors = [], []
         for w, ln in threads:  # pass 2
             for r, col in entries(counts, w, ln):
                 tok = rows[row0 + r][col]
-                word = (tok >> 5) if 0 <= tok < limit else words
+                ok = 0 <= tok < limit
+                word = (tok >> 5) if ok else words
                 rank = prefix[word] + _popc(bitmap[word] & ~(-1 << (tok & 31)))
                 sunion[rank] = tok
                 smember[r * MS + (rank >> 5)] |= 1 << (rank & 31)
+                union_stores.append((rank, tok, ok))
+                member_ors.append((r, rank >> 5, ok))
+        if stores is not None:
+            stores.append((num_union, union_stores, member_ors))
         assert None not in sunion[:num_union]
         seen = sum(_popc(smember[r * MS + c]) for r in range(R) for c in range(MW))
         length[t] = num_union if seen == found else -1
@@ -372,6 +381,38 @@ def test_kernel_model_matches_reference_at_production_counts(seed):
     assert want[2].tolist()[1] == -1 and min(want[2].tolist()[::2]) > 0  # the duplicate's tile falls back
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_union_store_hazards_are_benign(seed):
+    """racecheck reports write-write hazards between the pass-2 union stores of different threads
+    (docs/design/qsa.md#racecheck-of-the-union-pre-pass). Each is benign: every store to an address
+    below the union's length U comes from a candidate and writes that address's token (the rank is
+    a bijection between the distinct candidates and [0, U), so rows sharing a token store the same
+    value); every other store is a non-candidate's, at the sink slot ``cap`` that no one reads (the
+    copy reads [0, U) only, U <= cap); a non-candidate's member OR lands on its row's sink word
+    ``cap / 32`` (the copy reads words [0, cap / 32))."""
+    R, cap, bw, page, max_tokens = 5, 256, 20, 16, 1024
+    packed, req = _random_case(zlib.crc32(repr(("hazards", seed)).encode()), 41, 24)
+    packed[3, :5] = torch.tensor([-1, -9, bw * page, 1 << 20, 7], dtype=torch.int32)  # non-candidates
+    packed[3, -1] = 5
+    stores: list = []
+    got = _kernel_model(packed, req, bw, page, R, cap, max_tokens, stores)
+    assert all(torch.equal(a, b) for a, b in zip(got, qsa_union_reference(packed, req, bw, page, R, cap, max_tokens)))
+    assert stores and any(not ok for _, us, _ in stores for *_, ok in us)  # both kinds of store occur
+    for num_union, union_stores, member_ors in stores:
+        assert num_union <= cap
+        by_address: dict = {}
+        for address, value, candidate in union_stores:
+            if candidate:
+                assert address < num_union
+                by_address.setdefault(address, set()).add(value)
+            else:
+                assert address == cap  # the sink slot, past everything the copy reads
+        assert all(len(v) == 1 for v in by_address.values())  # one value per address
+        assert sorted(v for vs in by_address.values() for v in vs) == sorted({v for a, v, c in union_stores if c})
+        for _, word, candidate in member_ors:
+            assert (word < cap // 32) if candidate else (word == cap // 32)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -133,7 +133,9 @@ def make_block_table(g, seq_lens, page, P, max_pages):
 
 def naive_decode(q, kv_cache, layout, block_table, seq_lens, q_len, *, sm_scale=None, q_scale=None,
                  k_scale=1.0, v_scale=1.0):
-    """Straightforward float64 paged decode: returns ``(out [T, Hq, D], lse [T, Hq])`` in float64."""
+    """Straightforward float64 paged decode: returns ``(out [T, Hq, D], lse [T, Hq])`` in float64.
+    Token t of request b is position t: visible to draft row j iff ``t < L - q_len + j + 1`` and its
+    page ``t // page`` is a column of the block table."""
     P, Hkv, page, D = cache_dims(kv_cache, layout)
     T, Hq, Dq = q.shape
     assert Dq == D and Hq % Hkv == 0
@@ -146,6 +148,8 @@ def naive_decode(q, kv_cache, layout, block_table, seq_lens, q_len, *, sm_scale=
     for b, L in enumerate(int(x) for x in seq_lens.tolist()):
         ks, vs = [], []
         for t in range(L):  # assemble the request token by token
+            if t // page >= len(bt[b]):
+                break  # past the block table: not attended
             k, v = token_kv(kv_cache, layout, bt[b][t // page], t % page, Hkv, D)
             ks.append(k * float(k_scale))
             vs.append(v * float(v_scale))
@@ -153,7 +157,7 @@ def naive_decode(q, kv_cache, layout, block_table, seq_lens, q_len, *, sm_scale=
         V = torch.stack(vs) if vs else torch.zeros(0, Hkv, D, dtype=F64)
         for j in range(q_len):
             row = b * q_len + j
-            n_vis = L - q_len + j + 1  # causal within the draft
+            n_vis = min(L - q_len + j + 1, len(ks))  # causal within the draft, inside the table
             if n_vis <= 0:
                 continue  # sees nothing: out 0, lse -inf
             for h in range(Hq):
@@ -523,6 +527,37 @@ def test_out_of_range_page_reads_as_zeros():
         n = int(seq_lens[2]) - q_len + j + 1
         assert torch.all(out[2 * q_len + j] == 0)
         torch.testing.assert_close(lse[2 * q_len + j], torch.full((group * Hkv,), math.log2(n)), **LSE_TOL)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_seq_lens_past_the_block_table_attend_only_what_it_addresses(q_len):
+    """A ``seq_len`` beyond the table's capacity (``max_pages * page``) attends the positions the
+    table addresses, with each draft row's causal limit clamped to the capacity: the same rule as
+    the prefill kernel's, and the decode kernel's (which ends its tiles there). A request whose
+    table has no column sees nothing (0 and -inf); a huge corrupted length costs nothing more."""
+    g = _gen("capacity", q_len)
+    page, D, Hkv, group, P, W = 16, 64, 2, 2, 9, 3
+    seq_lens = torch.tensor([W * page + 5, W * page + 1, 2 ** 31 - 1, W * page - 1, 7], dtype=torch.int32)
+    bt = torch.randint(0, P, (len(seq_lens), W), generator=g).to(torch.int32)
+    kv = make_cache(g, layout="HND", container="single", dtype=BF16, P=P, Hkv=Hkv, page=page, D=D)
+    q = _randn(g, len(seq_lens) * q_len, group * Hkv, D).to(BF16)
+    out, lse = _check_against_naive(q, kv, "HND", bt, seq_lens, q_len)
+    assert not torch.isnan(out).any() and not torch.isneginf(lse[:4 * q_len]).any()
+    # every row of requests 0 and 2 sees exactly the table's W * page positions: the same as with
+    # the smallest length whose draft rows all reach the capacity (request 1's first rows, with
+    # q_len 3, stop below it and its last ones are clamped: checked against the loops above)
+    for b in (0, 2):
+        assert int(seq_lens[b]) - q_len + 1 >= W * page
+        rows = slice(b * q_len, (b + 1) * q_len)
+        cap_out, cap_lse = ref.paged_decode(q[rows], kv, bt[b:b + 1],
+                                            torch.tensor([W * page + q_len - 1], dtype=torch.int32),
+                                            q_len_per_req=q_len, return_lse=True)
+        torch.testing.assert_close(out[rows], cap_out, **EXACT)
+        torch.testing.assert_close(lse[rows], cap_lse, **EXACT)
+    # no column: nothing is attended
+    empty_out, empty_lse = ref.paged_decode(q[:q_len], kv, bt[:1, :0], seq_lens[:1], q_len_per_req=q_len,
+                                            return_lse=True)
+    assert torch.all(empty_out == 0) and torch.all(empty_lse == NEG_INF)
 
 
 # ----------------------------------------------------------------------------------------------

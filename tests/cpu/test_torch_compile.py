@@ -129,7 +129,8 @@ def test_every_op_is_registered_with_its_schema():
     assert "Tensor(a2!) k_cache, Tensor(a3!)? v_cache" in schemas["write_kv_cache"]
     assert "Tensor? cos_sin_cache, Tensor? positions" in schemas["quantize_query"]
     assert "Tensor(a2!) out, Tensor(a3!) out_lse" in schemas["merge_states_out"]
-    assert "Tensor(a10!) out" in schemas["qsa_sparse_attention_out"]
+    assert "float k_scale, Tensor? k_scale_tensor" in schemas["qsa_sparse_attention"]
+    assert "Tensor(a12!) out" in schemas["qsa_sparse_attention_out"]
 
 
 def test_registered_functions_annotate_optionals_as_optional():
@@ -235,7 +236,7 @@ def _opcheck_cases(x: SimpleNamespace) -> dict:
     pre_args = (pre["q"], pre["kv_cache"].to(BF16), None, pre["block_table"], pre["seq_lens"], pre["query_start_loc"])
     qsa = x.qsa
     qsa_args = (qsa["q"], qsa["k_cache"], qsa["v_cache"], qsa["packed_indices"], qsa["block_table"],
-                qsa["token_to_req"], False, 1.0, 0.5, qsa["output_gate"])
+                qsa["token_to_req"], False, 1.0, x.k_scale, 0.5, None, qsa["output_gate"])
     return {
         "merge_states": (parts, part_lse, torch.bfloat16),
         "merge_states_out": (parts, part_lse, torch.empty(3, 8, 64), torch.empty(3, 8)),

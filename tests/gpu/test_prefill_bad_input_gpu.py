@@ -12,7 +12,6 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference
-from cute_kernels.ops import paged_prefill as op
 from cute_kernels.testing import make_paged_prefill_case, rel_err
 
 from ..cpu.test_prefill_host import BAD
@@ -94,8 +93,17 @@ def test_malformed_data_never_kills_the_context(corrupt):
     _good_call_still_works()
 
 
-def test_checked_mode_names_the_first_bad_entry(monkeypatch):
-    monkeypatch.setattr(op, "CHECK_DATA", True)
+@pytest.fixture
+def checked():
+    """Checked mode (CUTE_KERNELS_CHECK=1) for one test: every op validates its data."""
+    from cute_kernels.ops import _launch
+
+    previous = _launch.set_checked(True)
+    yield
+    _launch.set_checked(previous)
+
+
+def test_checked_mode_names_the_first_bad_entry(checked):
     p = _problem()
     _call(p)
     p["block_table"][1, 0] = -1

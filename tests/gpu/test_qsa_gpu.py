@@ -407,7 +407,8 @@ def _launch_of(c, out):
     from cute_kernels.ops import qsa_sparse_attention as op
 
     return op._launcher.get(op._key(c["q"], c["k_cache"], c["v_cache"], c["packed_indices"], c["block_table"],
-                                 c["token_to_req"], True, out, c["output_gate"]))
+                                 c["token_to_req"], True, c.get("k_scale", 1.0), c.get("v_scale", 1.0), out,
+                                 c["output_gate"]))
 
 
 def _check_widened(c, launch):

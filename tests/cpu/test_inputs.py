@@ -1,0 +1,348 @@
+"""Every bad-input class has one defined behaviour (docs/design/inputs.md), the same for CPU and
+CUDA tensors: a clear error naming the argument, or a documented result. On the CPU:
+
+- an empty KV pool is refused by the attention ops before any launch; the cache write writes
+  nothing;
+- the kernels' limits (head dims, page sizes, rows per CTA) are refused for CPU tensors too, and
+  ``out=`` is honoured;
+- 0-d and 1-element tensor scales reach a kernel as a ``[1]`` view (the generated caller);
+- checked mode (``CUTE_KERNELS_CHECK=1``) raises on bad data naming the argument and its first bad
+  index, and passes good data through to the same result; off, the same data gets its defined
+  result;
+- workspaces are per (device, stream) and a replaced buffer stays alive until released.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import cute_kernels
+from cute_kernels import reference
+from cute_kernels.ops import _launch
+from cute_kernels.ops._torch import DeviceBuffer, release_workspaces
+from tests.cpu.test_qsa_reference import make_qsa_case
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
+@pytest.fixture
+def checked():
+    previous = _launch.set_checked(True)
+    try:
+        yield
+    finally:
+        _launch.set_checked(previous)
+
+
+def _decode_case(*, B=3, Hq=8, Hkv=2, D=64, page=16, P=12, W=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, D, generator=g).to(BF16)
+    kv = torch.randn(P, 2, Hkv, page, D, generator=g).to(BF16)
+    bt = torch.randperm(P, generator=g)[:B * W].view(B, W).to(torch.int32)
+    sl = torch.tensor([W * page - 3, 1, page + 2][:B], dtype=torch.int32)
+    return q, kv, bt, sl
+
+
+# ----------------------------------------------------------------------------------------------
+# the KV pool
+# ----------------------------------------------------------------------------------------------
+
+
+def test_empty_pool_is_refused_by_decode_and_qsa():
+    q, kv, bt, sl = _decode_case()
+    with pytest.raises(ValueError, match=r"kv_cache has no pages \(P = 0\)"):
+        cute_kernels.paged_decode(q, kv[:0], bt, sl)
+    with pytest.raises(ValueError, match=r"k_cache has no pages \(P = 0\)"):
+        cute_kernels.paged_decode(q, (kv[:0, 0], kv[:0, 1]), bt, sl)
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"kv_cache has no pages \(P = 0\)"):
+        cute_kernels.paged_prefill(q, kv[:0], bt, sl, qsl)
+    c = make_qsa_case(rows=4, num_q_heads=8, num_kv_heads=2, head_dim=64, page=16, ctx=40)
+    args = {k: v for k, v in c.items() if k != "meta"}
+    with pytest.raises(ValueError, match=r"k_cache has no blocks \(num_blocks = 0\)"):
+        cute_kernels.qsa_sparse_attention(**dict(args, k_cache=args["k_cache"][:0], v_cache=args["v_cache"][:0]),
+                                          prefill=False)
+
+
+def test_empty_pool_cache_write_writes_nothing():
+    key = torch.randn(4, 2, 64).to(BF16)
+    cache = torch.empty(0, 2, 2, 16, 64, dtype=BF16)
+    cute_kernels.write_kv_cache(key, key, cache, torch.tensor([0, 5, -1, 9]))  # every slot is outside
+    assert cache.numel() == 0
+
+
+def test_block_table_of_no_columns_attends_nothing():
+    q, kv, bt, sl = _decode_case()
+    out, lse = cute_kernels.paged_decode(q, kv, bt[:, :0], sl, return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == -math.inf)
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernels' limits hold for CPU tensors too; out= is honoured
+# ----------------------------------------------------------------------------------------------
+
+
+def test_decode_limits_hold_on_the_cpu():
+    q, kv, bt, sl = _decode_case()
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        cute_kernels.paged_decode(q[..., :32].contiguous(), kv[..., :32].contiguous(), bt, sl)
+    with pytest.raises(ValueError, match="page size must be one of"):
+        cute_kernels.paged_decode(q, kv[:, :, :, :8].contiguous(), bt, sl)
+    big = torch.randn(3 * 2, 130, 64).to(BF16)  # 65 heads per KV head x q_len 2
+    with pytest.raises(ValueError, match="Hq/Hkv x q_len_per_req must be <= 64"):
+        cute_kernels.paged_decode(big, kv[:, :, :1].contiguous(), bt, sl, q_len_per_req=2)
+    with pytest.raises(ValueError, match="contiguous heads"):
+        cute_kernels.paged_decode(q.transpose(0, 1).contiguous().transpose(0, 1), kv, bt, sl)
+    with pytest.raises(ValueError, match="num_splits"):
+        cute_kernels.paged_decode(q, kv, bt, sl, num_splits=0)
+
+
+def test_decode_out_is_honoured_on_the_cpu():
+    q, kv, bt, sl = _decode_case()
+    out = torch.full_like(q, float("nan"))
+    res, lse = cute_kernels.paged_decode(q, kv, bt, sl, out=out, return_lse=True)
+    ref_out, ref_lse = reference.paged_decode(q, kv, bt, sl, return_lse=True)
+    assert res is out and torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_merge_and_cache_write_limits_hold_on_the_cpu():
+    with pytest.raises(ValueError, match="too large for merge_states"):
+        cute_kernels.merge_states(torch.zeros(2, 1, 1, 8192), torch.zeros(2, 1, 1))
+    key = torch.zeros(2, 1, 8192).to(BF16)
+    with pytest.raises(ValueError, match="too large"):
+        cute_kernels.write_kv_cache(key, key, torch.zeros(3, 2, 1, 16, 8192, dtype=BF16), torch.tensor([0, 1]))
+
+
+def test_merge_and_quantize_out_is_honoured_on_the_cpu():
+    po, pl = torch.randn(3, 2, 4, 64), torch.randn(3, 2, 4)
+    out, out_lse = torch.full((2, 4, 64), float("nan")), torch.full((2, 4), float("nan"))
+    res = cute_kernels.merge_states(po, pl, out=out, out_lse=out_lse)
+    assert res[0] is out and res[1] is out_lse
+    torch.testing.assert_close(out, reference.merge_states(po, pl)[0], rtol=0, atol=0)
+    q = torch.randn(3, 4, 64).to(BF16)
+    qo = torch.empty(3, 4, 64, dtype=FP8)
+    assert cute_kernels.quantize_query(q, 0.5, out=qo) is qo
+    assert torch.equal(qo.view(torch.uint8), reference.quantize_query(q, 0.5).view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------------------------
+# 0-d scales: accepted by every op, passed to a kernel as a [1] view
+# ----------------------------------------------------------------------------------------------
+
+
+def test_zero_d_scales_everywhere():
+    q, kv, bt, sl = _decode_case()
+    zero_d, one = torch.tensor(0.5), torch.tensor([[0.25]])
+    ref_out = reference.paged_decode(q, kv, bt, sl, k_scale=0.5, v_scale=0.25)
+    torch.testing.assert_close(cute_kernels.paged_decode(q, kv, bt, sl, k_scale=zero_d, v_scale=one), ref_out,
+                               rtol=0, atol=0)
+    key = torch.randn(2, 2, 64).to(BF16)
+    a, b = torch.zeros(4, 2, 2, 16, 64, dtype=FP8), torch.zeros(4, 2, 2, 16, 64, dtype=FP8)
+    cute_kernels.write_kv_cache(key, key, a, torch.tensor([3, 17]), k_scale=zero_d, v_scale=one)
+    cute_kernels.write_kv_cache(key, key, b, torch.tensor([3, 17]), k_scale=0.5, v_scale=0.25)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    q4 = torch.randn(3, 4, 64).to(BF16)
+    assert torch.equal(cute_kernels.quantize_query(q4, zero_d).view(torch.uint8),
+                       cute_kernels.quantize_query(q4, 0.5).view(torch.uint8))
+    c = make_qsa_case(rows=4, num_q_heads=8, num_kv_heads=2, head_dim=64, page=16, ctx=40)
+    args = {k: v for k, v in c.items() if k not in ("meta", "k_scale", "v_scale")}
+    torch.testing.assert_close(cute_kernels.qsa_sparse_attention(**args, prefill=False, k_scale=zero_d, v_scale=one),
+                               cute_kernels.qsa_sparse_attention(**args, prefill=False, k_scale=0.5, v_scale=0.25),
+                               rtol=0, atol=0)
+
+
+def test_generated_caller_views_a_tensor_scale_of_any_rank_as_one_element():
+    """The hot path: a 0-d or [1, 1] scale reaches the compiled function as a [1] view of the same
+    memory (read on the device at every replay), a [1] one as itself, a float checked inline."""
+    from cute_kernels.jit.spec import ScalarArg, TensorArg
+
+    seen = []
+    sig = (TensorArg("x", "fp32", (1,)), TensorArg("k_scale", "fp32", (1,)), ScalarArg("v_scale", "fp32"))
+    call = _launch.bind(("x", "k_scale", "v_scale"), (lambda *a: seen.append(a), sig, {"k_scale": "k_scale.view(1)?"},
+                                                       None))
+    for s in (torch.tensor(2.0), torch.tensor([[2.0]]), torch.tensor([2.0])):
+        call(None, s, 0.5)
+        got = seen[-1][1]
+        assert got.shape == (1,) and got.data_ptr() == s.data_ptr()
+        assert got is s if s.dim() == 1 else True
+    with pytest.raises(ValueError, match="v_scale must be a positive finite float"):
+        call(None, torch.tensor(2.0), float("inf"))
+
+
+# ----------------------------------------------------------------------------------------------
+# checked mode
+# ----------------------------------------------------------------------------------------------
+
+
+def test_checked_mode_is_off_by_default_and_toggles_the_hot_path():
+    assert not _launch.checked()
+    from cute_kernels.ops.paged_decode import _launcher
+
+    assert _launcher.entries is _launcher.launches
+    previous = _launch.set_checked(True)
+    try:
+        assert _launcher.entries is not _launcher.launches and not _launcher.entries
+    finally:
+        _launch.set_checked(previous)
+    assert _launcher.entries is _launcher.launches
+
+
+def test_checked_decode_names_the_first_bad_index(checked):
+    q, kv, bt, sl = _decode_case()
+    cap = bt.shape[1] * 16
+    good = cute_kernels.paged_decode(q, kv, bt, sl)
+    torch.testing.assert_close(good, reference.paged_decode(q, kv, bt, sl), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=rf"seq_lens\[1\] = {cap + 1} must lie in \[query length 1, block-table "
+                                         rf"capacity {cap}\] or be 0"):
+        cute_kernels.paged_decode(q, kv, bt, torch.tensor([5, cap + 1, cap + 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"seq_lens\[2\] = -4"):
+        cute_kernels.paged_decode(q, kv, bt, torch.tensor([5, 0, -4], dtype=torch.int32))
+    bad = bt.clone()
+    bad[2, 1] = 12  # request 2 (page + 2 tokens) uses columns 0 and 1
+    bad[1, 3] = -7  # request 1 (1 token) never reads column 3: fine
+    with pytest.raises(ValueError, match=r"block_table\[2, 1\] = 12 is outside \[0, 12\)"):
+        cute_kernels.paged_decode(q, kv, bad, sl)
+    with pytest.raises(ValueError, match=r"k_scale = nan must be positive and finite"):
+        cute_kernels.paged_decode(q, kv, bt, sl, k_scale=torch.tensor(float("nan")))
+
+
+def test_unchecked_decode_gives_the_defined_results():
+    """Without checked mode the same data runs: lengths past the table attend what it addresses,
+    invalid pages read as zeros."""
+    q, kv, bt, sl = _decode_case()
+    cap = bt.shape[1] * 16
+    long = torch.tensor([5, cap + 1, 2**31 - 1], dtype=torch.int32)
+    torch.testing.assert_close(cute_kernels.paged_decode(q, kv, bt, long),
+                               reference.paged_decode(q, kv, bt, torch.tensor([5, cap, cap], dtype=torch.int32)),
+                               rtol=0, atol=0)
+    bad = bt.clone()
+    bad[2, 1] = 99
+    zeroed = kv.clone()
+    zeroed[bt[2, 1]] = 0
+    torch.testing.assert_close(cute_kernels.paged_decode(q, kv, bad, sl), reference.paged_decode(q, zeroed, bt, sl),
+                               rtol=0, atol=0)
+
+
+def test_checked_qsa_names_the_first_bad_index(checked):
+    c = make_qsa_case(rows=6, num_q_heads=8, num_kv_heads=2, head_dim=64, page=16, ctx=40, num_reqs=2)
+    args = {k: v for k, v in c.items() if k != "meta"}
+    cute_kernels.qsa_sparse_attention(**args, prefill=False)  # good data passes
+    idx, topk = args["packed_indices"], args["packed_indices"].shape[1] - 1
+    W, page = args["block_table"].shape[1], 16
+
+    def bad(**kw):
+        return cute_kernels.qsa_sparse_attention(**dict(args, **kw), prefill=False)
+
+    x = idx.clone()
+    x[3, topk] = topk + 1
+    with pytest.raises(ValueError, match=rf"packed_indices\[3, {topk}\] \(the valid count\) = {topk + 1}"):
+        bad(packed_indices=x)
+    t2r = args["token_to_req"].clone()
+    t2r[4] = 2
+    with pytest.raises(ValueError, match=r"token_to_req\[4\] = 2 is outside \[0, 2\)"):
+        bad(token_to_req=t2r)
+    x = idx.clone()
+    x[1, topk] = topk
+    x[1, 2] = W * page
+    with pytest.raises(ValueError, match=rf"packed_indices\[1, 2\] = {W * page} is neither -1 nor a token"):
+        bad(packed_indices=x)
+    x = idx.clone()
+    x[0, topk] = topk
+    x[0, 0] = 0
+    bt = args["block_table"].clone()
+    bt[int(args["token_to_req"][0]), 0] = args["k_cache"].shape[0]
+    with pytest.raises(ValueError, match=r"packed_indices\[0, 0\] = 0 lies on page block_table\[\d, 0\]"):
+        bad(packed_indices=x, block_table=bt)
+
+
+def test_checked_prefill_uses_the_shared_rules(checked):
+    q, kv, bt, sl = _decode_case()
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    cute_kernels.paged_prefill(q, kv, bt, sl, qsl)  # good data passes
+    with pytest.raises(ValueError, match=r"query_start_loc must be non-decreasing: query_start_loc\[2\] = 0"):
+        cute_kernels.paged_prefill(q, kv, bt, sl, torch.tensor([0, 2, 0, 3], dtype=torch.int32))
+    cap = bt.shape[1] * 16
+    with pytest.raises(ValueError, match=rf"seq_lens\[0\] = {cap + 2} must lie in \[query length 1"):
+        cute_kernels.paged_prefill(q, kv, bt, torch.tensor([cap + 2, 1, 5], dtype=torch.int32), qsl)
+    with pytest.raises(ValueError, match=r"v_scale = -1.0 must be positive and finite"):
+        cute_kernels.paged_prefill(q, kv, bt, sl, qsl, v_scale=torch.tensor(-1.0))
+
+
+def test_checked_cache_write_merge_and_quantize(checked):
+    key = torch.randn(3, 2, 64).to(BF16)
+    cache = torch.zeros(4, 2, 2, 16, 64, dtype=BF16)
+    cute_kernels.write_kv_cache(key, key, cache, torch.tensor([0, -1, 63]))  # -1 is padding
+    with pytest.raises(ValueError, match=r"slot_mapping\[2\] = 64 is outside \[0, 64\)"):
+        cute_kernels.write_kv_cache(key, key, cache, torch.tensor([0, -1, 64]))
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = -2"):
+        cute_kernels.write_kv_cache(key, key, cache, torch.tensor([-2, 1, 2]))
+    pl = torch.randn(2, 3, 4)
+    pl[0, 0, 0] = -math.inf  # an empty split is fine
+    cute_kernels.merge_states(torch.randn(2, 3, 4, 64), pl)
+    pl[1, 2, 3] = math.inf
+    with pytest.raises(ValueError, match=r"partial_lse\[1, 2, 3\] = inf must be finite or -inf"):
+        cute_kernels.merge_states(torch.randn(2, 3, 4, 64), pl)
+    q = torch.randn(3, 4, 64).to(BF16)
+    with pytest.raises(ValueError, match=r"q_scale\[1\] = 0.0 must be positive and finite"):
+        cute_kernels.quantize_query(q, torch.tensor([0.5, 0.0]))
+    cos_sin = torch.randn(10, 64)
+    with pytest.raises(ValueError, match=r"positions\[2\] = 10 is outside \[0, 10\)"):
+        cute_kernels.quantize_query(q, 0.5, rope=(cos_sin, torch.tensor([0, 9, 10])))
+
+
+# ----------------------------------------------------------------------------------------------
+# workspaces: per (device, stream), replaced buffers kept until released
+# ----------------------------------------------------------------------------------------------
+
+
+def test_workspaces_are_per_stream_and_replaced_buffers_stay_alive():
+    buf = DeviceBuffer("test", torch.float32, min_numel=8)
+    dev = torch.device("cpu")
+    a1, a2 = buf.get(dev, 8, stream=1), buf.get(dev, 8, stream=2)
+    assert a1.data_ptr() != a2.data_ptr()  # two streams never share a buffer
+    assert buf.get(dev, 4, stream=1) is a1  # a request that fits reuses it
+    grown = buf.get(dev, 100, stream=1)
+    assert grown.numel() == 100 and buf.get(dev, 8, stream=2) is a2
+    assert any(r is a1 for r in buf.retired)  # a captured graph may still address a1: kept alive
+    freed = release_workspaces()
+    assert freed >= 8 * 4 and not buf.retired
+    assert buf.get(dev, 100, stream=1) is grown
+
+
+def test_zeroed_workspaces_are_disjoint_zeroed_slices():
+    """Arrival counters (zero before every launch) are carved from memory zeroed when allocated:
+    each stream's slice is disjoint from every other's, so a graph capturing on a new stream takes
+    zeros without allocating (inside a capture, an allocation would be zeroed only at replay)."""
+    buf = DeviceBuffer("test", torch.int32, zero=True, min_numel=16)
+    dev = torch.device("cpu")
+    a, b = buf.get(dev, 10, stream=1), buf.get(dev, 40, stream=2)
+    assert a.numel() == 16 and b.numel() == 40 and not a.any() and not b.any()
+    a.fill_(7)
+    assert not b.any() and not buf.get(dev, 16, stream=3).any()
+    lo = lambda t: t.data_ptr()  # noqa: E731
+    hi = lambda t: t.data_ptr() + t.numel() * t.element_size()  # noqa: E731
+    assert hi(a) <= lo(b) or hi(b) <= lo(a)
+
+
+def test_dropping_launches_keeps_their_workspaces():
+    """The launch cache starts over when full; the buffers its launches bound belong to the
+    DeviceBuffer, so a graph captured with a dropped launch still writes to live memory."""
+    buf = DeviceBuffer("test", torch.float32, min_numel=8)
+    cache = _launch.LaunchCache(max_entries=1)
+    view = buf.get(torch.device("cpu"), 8)
+    cache.put("a", view)
+    cache.put("b", None)  # full: "a" dropped
+    assert cache.get("a") is None and buf.buffers[(torch.device("cpu"), 0)].data_ptr() == view.data_ptr()
+
+
+def test_launch_keys_hold_the_stream():
+    from cute_kernels.ops import paged_decode as pd
+    from cute_kernels.ops import qsa_sparse_attention as qsa
+
+    q, kv, bt, sl = _decode_case()
+    key = pd._key(q, kv, kv, False, bt, "HND", 1, None, 1.0, 1.0, None, False, None, True)
+    assert 0 in key  # CPU tensors: stream 0 (a CUDA call's current stream otherwise)
+    assert pd.stream_id is qsa.stream_id
