@@ -12,7 +12,5 @@ KVCache: TypeAlias = Union[Tensor, tuple[Tensor, Tensor]]
 Scale: TypeAlias = Union[float, Tensor]
 #: ``(cos_sin_cache [max_pos, rot_dim], positions [T])`` for fused NeoX rotary embedding
 Rope: TypeAlias = tuple[Tensor, Tensor]
-#: ``(out, lse)``: what an op returns with ``return_lse=True``
-TensorPair: TypeAlias = tuple[Tensor, Tensor]
 
-__all__ = ["KVCache", "Rope", "Scale", "TensorPair"]
+__all__ = ["KVCache", "Rope", "Scale"]

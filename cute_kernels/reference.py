@@ -20,7 +20,8 @@ Conventions shared by all ops
   table's capacity ``max_pages * page``: a ``seq_len`` beyond it attends the positions the table
   can address (a row left with none gives 0 and LSE ``-inf``).
 - **Sliding window.** ``window_left = w >= 0``: the query at position ``p`` sees only positions
-  ``p - w ... p`` (``w + 1`` keys at most); ``-1``: no window (FlashInfer's convention).
+  ``p - w ... p`` (``w + 1`` keys at most); ``-1``: no window (FlashInfer's convention). A key no
+  query of its request sees is never read: its page may have been freed and hold anything.
 - **Sinks.** ``sinks`` fp32 ``[Hq]``: one logit per query head, in the units of the scaled logits
   (natural log). It joins the softmax denominator as ``exp(sinks[h])`` and contributes no value:
   ``out = sum_j exp(l_j) v_j / (sum_j exp(l_j) + exp(sinks[h]))``; the LSE includes it
@@ -39,12 +40,11 @@ Conventions shared by all ops
 from __future__ import annotations
 
 import math
-from typing import Literal, overload
 
 import torch
 from torch import Tensor
 
-from ._types import KVCache, Rope, Scale, TensorPair
+from ._types import KVCache, Rope, Scale
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -115,21 +115,6 @@ def _gather_request(cache: torch.Tensor, pages: torch.Tensor, length: int, dtype
 # ----------------------------------------------------------------------------------------------
 
 
-@overload
-def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
-                 kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ...,
-                 q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., window_left: int = ...,
-                 sinks: torch.Tensor | None = ..., float64: bool = ..., return_lse: Literal[False] = ...) -> Tensor: ...
-@overload
-def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
-                 kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ...,
-                 q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., window_left: int = ...,
-                 sinks: torch.Tensor | None = ..., float64: bool = ..., return_lse: Literal[True]) -> TensorPair: ...
-@overload
-def paged_decode(q: torch.Tensor, kv_cache: KVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
-                 kv_layout: str = ..., q_len_per_req: int = ..., sm_scale: float | None = ...,
-                 q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., window_left: int = ...,
-                 sinks: torch.Tensor | None = ..., float64: bool = ..., return_lse: bool) -> Tensor | TensorPair: ...
 def paged_decode(
     q: torch.Tensor,
     kv_cache: KVCache,
@@ -240,6 +225,8 @@ def _softmax_rows(logits: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, 
     sink logits ``[1, Hq]`` (or None) in the denominator: ``(out [j, Hq, D], base-2 lse [j, Hq])``;
     rows with no visible key give output 0 and lse -inf (or the sink's)."""
     logits = logits.masked_fill(~visible, float("-inf"))
+    # select, not multiply: a key outside every row's window may hold NaN, and 0 * NaN is NaN
+    v = torch.where(visible.any(dim=0).view(1, -1, 1), v, torch.zeros((), dtype=v.dtype, device=v.device))
     has_any = visible.any(dim=-1).expand(logits.shape[:2])
     if sink is not None:
         has_any = torch.ones_like(has_any)
@@ -291,6 +278,16 @@ def prefill_block(state: tuple[Tensor, Tensor, Tensor], rows: Tensor, k: Tensor,
     return m_new, total * alpha + p.sum(dim=-1), o * alpha.unsqueeze(-1) + torch.einsum("qhgk,hkd->qhgd", p, v)
 
 
+def _fold_sink(m, total, o, sink):
+    """The online state ``(m, sum exp(l - m), sum exp(l - m) v)`` with one more logit, ``sink``,
+    that adds no value (natural log; a -inf max or sink contributes nothing, never ``inf - inf``)."""
+    big = torch.maximum(m, sink.expand_as(m))
+    safe = torch.where(torch.isneginf(big), torch.zeros_like(big), big)
+    keep = torch.where(torch.isneginf(m), torch.zeros_like(m), torch.exp(m - safe))
+    extra = torch.where(torch.isneginf(sink), torch.zeros_like(sink), torch.exp(sink - safe))
+    return big, total * keep + extra, o * keep.unsqueeze(-1)
+
+
 def prefill_spans(query_start_loc: torch.Tensor, num_tokens: int, max_query_len: int | None = None) -> list[int]:
     """``query_start_loc`` as a host list, checked: ``[0] == 0``, non-decreasing, ``[-1] == T``,
     every request's query length ``<= max_query_len`` when given (raises naming the index)."""
@@ -325,6 +322,8 @@ def paged_prefill(
     float64: bool = False,
     q_chunk: int = PREFILL_Q_CHUNK,
     kv_chunk: int = PREFILL_KV_CHUNK,
+    window_left: int = -1,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged prefill attention of a varlen batch (see the module docstring for the conventions).
 
@@ -342,6 +341,10 @@ def paged_prefill(
         return_lse: also return the base-2 LSE ``[T, Hq]`` fp32.
         out_dtype: the output dtype (default q's; bf16 for an FP8 query, which may also write fp16).
         q_chunk, kv_chunk: the block sizes (results agree across them up to rounding).
+        window_left: sliding window (``-1``: none): row j of request b, at position
+            ``p = seq_lens[b] - q_len_b + j``, sees only keys ``>= p - window_left`` (causal or not).
+        sinks: fp32 ``[Hq]`` sink logits (natural log), as :func:`paged_decode`; a row that sees
+            no key then gives 0 and LSE ``sinks[h] / ln 2``.
 
     Defined results for data a kernel cannot refuse without synchronizing: KV positions at or
     past the block table's capacity (``max_pages * page``) are not attended; an invalid page id
@@ -394,6 +397,10 @@ def paged_prefill(
     scale = (D ** -0.5) if sm_scale is None else float(sm_scale)
     ks = scale_value(k_scale, "k_scale")
     vs = scale_value(v_scale, "v_scale")
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != Hq):
+        raise ValueError(f"sinks must be [Hq] = [{Hq}], got shape {tuple(sinks.shape)}")
     starts = prefill_spans(query_start_loc, T, max_query_len)
     lens = seq_lens.tolist()
     capacity = width * page  # positions past the block table are not attended
@@ -402,30 +409,43 @@ def paged_prefill(
 
     out = torch.zeros((T, Hq, D), dtype=acc, device=dev)
     lse = torch.full((T, Hq), float("-inf"), dtype=acc, device=dev)
+    sink = None if sinks is None else sinks.to(device=dev, dtype=acc).view(1, Hkv, group)
+    if sink is not None:
+        lse[:] = sink.view(1, Hq) / _LN2  # rows that see no key
     for b in range(B):
         s, n = starts[b], starts[b + 1] - starts[b]
         L = int(lens[b])
         kv_end = min(L, capacity)
         for j0 in range(0, n, q_chunk):
             j1 = min(n, j0 + q_chunk)
+            pos = L - n + torch.arange(j0, j1, device=dev)  # the rows' positions
             if causal:
-                limit = (L - n + 1 + torch.arange(j0, j1, device=dev)).clamp(max=kv_end)
+                limit = (pos + 1).clamp(max=kv_end)
             else:
                 limit = torch.full((j1 - j0,), kv_end, device=dev)
             hi = min(kv_end, L - n + j1) if causal else kv_end  # = limit.max(), without a sync
-            if hi <= 0:
-                continue  # these rows see no KV: 0 and -inf
+            # a window: keys >= each row's position - window_left (the first row's bounds the block)
+            lo = max(0, L - n + j0 - window_left) if window_left >= 0 else 0
+            if hi <= lo:
+                continue  # these rows see no KV: 0 and -inf (or the sink's LSE)
             rows = (q[s + j0:s + j1].to(acc) * qs).view(j1 - j0, Hkv, group, D)
             state = (torch.full((j1 - j0, Hkv, group), float("-inf"), dtype=acc, device=dev),
                      torch.zeros((j1 - j0, Hkv, group), dtype=acc, device=dev),
                      torch.zeros((j1 - j0, Hkv, group, D), dtype=acc, device=dev))
-            for p0 in range(0, hi, kv_chunk):
+            for p0 in range(lo, hi, kv_chunk):
                 p1 = min(hi, p0 + kv_chunk)
                 k = _gather_span(k_cache, block_table[b], p0, p1, acc) * ks
                 v = _gather_span(v_cache, block_table[b], p0, p1, acc) * vs
-                visible = torch.arange(p0, p1, device=dev).view(1, -1) < limit.view(-1, 1)
+                keys = torch.arange(p0, p1, device=dev).view(1, -1)
+                visible = keys < limit.view(-1, 1)
+                if window_left >= 0:
+                    visible &= keys >= (pos - window_left).view(-1, 1)
+                    # select, not multiply: a key no row sees may hold anything (a freed page's NaN)
+                    v = torch.where(visible.any(dim=0).view(1, -1, 1), v, torch.zeros((), dtype=acc, device=dev))
                 state = prefill_block(state, rows, k, v, visible, scale)
             m, total, o = state
+            if sink is not None:  # the sink joins the denominator: exp(sink), no value
+                m, total, o = _fold_sink(m, total, o, sink)
             has = total > 0
             safe = torch.where(has, total, torch.ones_like(total))
             out[s + j0:s + j1] = torch.where(has.unsqueeze(-1), o / safe.unsqueeze(-1), 0.0).view(j1 - j0, Hq, D)
@@ -442,8 +462,7 @@ def paged_prefill(
 # ----------------------------------------------------------------------------------------------
 
 
-def merge_states(partial_out: torch.Tensor, partial_lse: torch.Tensor, *,
-                 float64: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_states(partial_out: Tensor, partial_lse: Tensor, *, float64: bool = False) -> tuple[Tensor, Tensor]:
     """Merge split partial states.
 
     Args:
@@ -613,24 +632,6 @@ def qsa_valid_entries(packed_indices: torch.Tensor, block_table: torch.Tensor, t
     return valid, phys, offset
 
 
-@overload
-def qsa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, packed_indices: torch.Tensor,
-                         block_table: torch.Tensor, token_to_req: torch.Tensor, *, prefill: bool = ...,
-                         k_scale: Scale = ..., v_scale: Scale = ..., out: torch.Tensor | None = ...,
-                         output_gate: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
-                         float64: bool = ...) -> torch.Tensor: ...
-@overload
-def qsa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, packed_indices: torch.Tensor,
-                         block_table: torch.Tensor, token_to_req: torch.Tensor, *, prefill: bool = ...,
-                         k_scale: Scale = ..., v_scale: Scale = ..., out: torch.Tensor | None = ...,
-                         output_gate: torch.Tensor | None = ..., return_lse: Literal[True],
-                         float64: bool = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
-@overload
-def qsa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, packed_indices: torch.Tensor,
-                         block_table: torch.Tensor, token_to_req: torch.Tensor, *, prefill: bool = ...,
-                         k_scale: Scale = ..., v_scale: Scale = ..., out: torch.Tensor | None = ...,
-                         output_gate: torch.Tensor | None = ..., return_lse: bool,
-                         float64: bool = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def qsa_sparse_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -738,9 +739,8 @@ def qsa_sparse_attention(
     return (result, lse.float()) if return_lse else result
 
 
-def qsa_union_reference(packed_indices: torch.Tensor, token_to_req: torch.Tensor, block_table_width: int,
-                        page_size: int, rows_per_tile: int, union_cap: int,
-                        max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qsa_union_reference(packed_indices: Tensor, token_to_req: Tensor, block_table_width: int, page_size: int,
+                        rows_per_tile: int, union_cap: int, max_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
     """The row-tile union pre-pass of QSA sparse prefill (``sm90/qsa_union.py``).
 
     Rows are grouped in tiles of ``R = rows_per_tile`` consecutive rows (tile ``t`` covers rows

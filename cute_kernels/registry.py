@@ -193,6 +193,16 @@ _ENTRIES = (
         description="SM90 paged decode: WGMMA and TMA, FP8 K/V widened exactly on chip, never an FP8 query",
         variants=sm90_decode.compile_variants, **_SM90_DECODE,
     ),
+    # the window / sink variants of sm90.decode: never run on a GPU yet, so compile-verified (the op
+    # runs a one-time self-check per family before their first launch); not on a dispatcher list:
+    # paged_decode picks them for window_left >= 0 or sinks
+    KernelInfo(
+        id="sm90.decode_window_sinks", status="compile-verified", kv_dtypes=sm90_decode.KV_DTYPES, op="paged_decode",
+        description="SM90 paged decode's sliding-window (runtime window_left, pages outside skipped) and "
+                    "attention-sink variants",
+        variants=sm90_decode.feature_variants, family=sm90_decode.request_family,
+        **{**_SM90_DECODE, "call_site": None},
+    ),
     KernelInfo(
         id="sm90.decode_fp8q", status="planned", kv_dtypes=("fp8_e4m3",), qk_dtype="fp8_e4m3",
         supports_quant_query_input=True, opt_in=True,
@@ -208,6 +218,14 @@ _ENTRIES = (
                     "(V transposed on chip, P rounded to e4m3)",
         variants=sm90_prefill.fp8_query_compile_variants, **_SM90_PREFILL,
     ),
+    # the window / sink variants of the prefill: compile-verified, picked by paged_prefill for
+    # window_left >= 0 or sinks (not on a dispatcher list)
+    KernelInfo(
+        id=sm90_prefill.FEATURES_ID, kv_dtypes=sm90_prefill.KV_DTYPES,
+        description="SM90 varlen paged prefill's sliding-window (runtime window_left, tiles and pages outside "
+                    "skipped) and attention-sink variants",
+        variants=sm90_prefill.feature_variants, **{**_SM90_PREFILL, "call_site": None,
+                                                    "family": sm90_prefill.feature_family}),
     KernelInfo(
         id="sm90.prefill", kv_dtypes=sm90_prefill.KV_DTYPES,
         description="SM90 varlen paged prefill with WGMMA and TMA (warp-specialized, causal blocks skipped); FP8 "

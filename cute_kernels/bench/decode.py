@@ -375,9 +375,17 @@ def add_arguments(p) -> None:
     p.add_argument("--shapes", default=None,
                    help="comma-separated substrings selecting shapes by name, e.g. 'ragged' (default: every "
                         "uniform and ragged shape)")
+    p.add_argument("--api", default="ops", choices=("ops", "trtllm"),
+                   help="ops: paged_decode against its peers; trtllm: the cute_kernels.trtllm call next to "
+                        "FlashInfer's trtllm_batch_decode_with_kv_cache, windows and sinks (default: %(default)s)")
 
 
 def main(args) -> None:
+    if args.api == "trtllm":
+        from . import trtllm
+
+        trtllm.main_decode(args)
+        return
     peers, png = runnable([x for x in args.peers.split(",") if x], PEER_LIBS, args.png)
     run(peers=tuple(peers), kv_dtypes=tuple(args.kv.split(",")), shapes=select_shapes(args.shapes),
         out_json=args.json, out_png=png, quick=args.quick, nvtx=args.nvtx)

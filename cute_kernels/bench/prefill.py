@@ -305,9 +305,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default=None, help="comma-separated substrings selecting shapes by name")
     p.add_argument("--quick", action="store_true", help="skip the reference (no error column)")
     p.add_argument("--png", default=None, metavar="PATH", help="write a bar chart to PATH")
+    p.add_argument("--api", default="ops", choices=("ops", "trtllm"),
+                   help="ops: paged_prefill against its peers; trtllm: the cute_kernels.trtllm context call next to "
+                        "FlashInfer's trtllm_batch_context_with_kv_cache, windows and sinks (default: %(default)s)")
 
 
 def main(args) -> None:
+    if args.api == "trtllm":
+        from . import trtllm
+
+        trtllm.main_prefill(args)
+        return
     requested = [x for x in args.peers.split(",") if x]
     unknown = [x for x in requested if x not in ENTRIES]
     if unknown:

@@ -13,7 +13,6 @@ captures in a CUDA graph once its family has been checked (``warmup`` or one eag
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +21,9 @@ import torch
 from .. import reference
 from ..jit.compiler import get_kernel
 from ..plans.sm100 import DECODE_LIMITS, Sm100DecodeConfig, decode_launch_config, family
+from . import _caller_workspace as caller_ws
 from ._launch import bind, check_scale
-from ._selfcheck import Case, ensure
+from ._selfcheck import Case, decode_problem, ensure
 from ._torch import (
     DeviceBuffer,
     check_paged_tensors,
@@ -75,16 +75,17 @@ def check_features(q, k, q_scale, sinks, window_left) -> None:
 
 
 def prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale, v_scale, out,
-            num_splits, sinks) -> Sm100Decode | None:
+            num_splits, sinks, workspace=None) -> Sm100Decode | None:
     """Validation of the rest and kernel selection for one key; None when the variant's MMA family
-    failed its runtime self-check (the caller then serves the reference)."""
+    failed its runtime self-check (the caller then serves the reference). ``workspace``: the
+    caller's buffer for the split partials (else this module's own)."""
     launch = _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale, v_scale,
-                      out, num_splits, sinks)
+                      out, num_splits, sinks, workspace)
     return launch if self_check_passes(launch.config, q.device) else None
 
 
 def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale, v_scale, out,
-             num_splits, sinks) -> Sm100Decode:
+             num_splits, sinks, workspace=None) -> Sm100Decode:
     T, Hq, D = q.shape
     device = q.device
     k4 = k if pair else k[:, 0]
@@ -110,7 +111,10 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q
     part_out = part_lse = None
     if num_splits > 1:
         n = num_splits * T * Hq
-        ws = _workspace.get(device, n * (D + 1), stream_id(q))  # per stream: docs/design/inputs.md#workspaces
+        if workspace is None:
+            ws = _workspace.get(device, n * (D + 1), stream_id(q))  # per stream: docs/design/inputs.md#workspaces
+        else:  # the caller's memory (the trtllm API's workspace_buffer)
+            ws, _ = caller_ws.carve(workspace, device, n * (D + 1))
         part_out = ws[:n * D].view(num_splits, T, Hq, D)
         part_lse = ws[n * D:n * (D + 1)].view(num_splits, T, Hq)
     fn = get_kernel(config, compile_target(device))
@@ -170,26 +174,15 @@ def self_check_cases(config: Sm100DecodeConfig, device, runner=None) -> list[Cas
     runner = runner or launch_now
     rtol, atol = SELF_CHECK_TOL[config.mode]
     g = torch.Generator(device="cpu").manual_seed(2027)
-    D, page, G, q_len = config.head_dim, config.page_size, config.group, config.q_len
-    Hkv = 2
-    lens = [3 * page + 5, q_len, 700]  # a partial last page, the shortest request, several tiles
-    B = len(lens)
-    max_pages = max(math.ceil(x / page) for x in lens)
-    P = B * max_pages + 2
-    bt = torch.randperm(P, generator=g)[: B * max_pages].view(B, max_pages).to(torch.int32)
-    kv_dt = FP8 if config.kv_dtype == "fp8_e4m3" else _torch_dtype(config.kv_dtype)
-    shape = (P, 2, Hkv, page, D) if config.kv_layout == "HND" else (P, 2, page, Hkv, D)
-    kv = torch.randn(shape, generator=g).to(kv_dt).to(device)
-    cache = (kv[:, 0], kv[:, 1]) if config.kv_form == "pair" else kv
-    q = torch.randn(B * q_len, G * Hkv, D, generator=g)
-    q = (q.to(FP8) if config.q_dtype == "fp8_e4m3" else q.to(_torch_dtype(config.q_dtype))).to(device)
-    sl = torch.tensor(lens, dtype=torch.int32)
-    sinks = torch.randn(G * Hkv, generator=g) if config.sinks else None
+    q_len = config.q_len
+    q, cpu_cache, bt, sl = decode_problem(config, g)
+    q = q.to(device)
+    cache = tuple(t.to(device) for t in cpu_cache) if isinstance(cpu_cache, tuple) else cpu_cache.to(device)
+    sinks = torch.randn(q.shape[1], generator=g) if config.sinks else None
     qs = 0.5 if config.q_dtype == "fp8_e4m3" else None
     kw: dict[str, Any] = dict(kv_layout=config.kv_layout, q_len_per_req=q_len, k_scale=0.9, v_scale=1.1,
                               q_scale=qs, return_lse=True)
     dev_sinks = None if sinks is None else sinks.to(device)
-    cpu_cache = (cache[0].cpu(), cache[1].cpu()) if isinstance(cache, tuple) else cache.cpu()
     cases = []
     for splits, window in ((1, -1), (3, 90)):
         def run_case(splits=splits, window=window):
@@ -201,7 +194,3 @@ def self_check_cases(config: Sm100DecodeConfig, device, runner=None) -> list[Cas
 
         cases.append(Case(f"splits={splits},window={window}", run_case, expect, rtol, atol))
     return cases
-
-
-def _torch_dtype(name: str):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]

@@ -15,6 +15,7 @@ return tensors to compare), so any op can guard any kernel with it.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,28 @@ class Case:
     expect: Callable[[], object]
     rtol: float = 2e-2
     atol: float = 2e-2
+
+
+_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def decode_problem(config, generator: torch.Generator, Hkv: int = 2):
+    """A decode family's problem on the CPU, in a variant's shape (``config``: ``head_dim``,
+    ``page_size``, ``group``, ``q_len``, ``q_dtype``, ``kv_dtype``, ``kv_layout``, ``kv_form``):
+    three requests (a partial last page, the shortest, 700 tokens, several tiles) on a permuted
+    block table. Returns ``(q, cache, block_table, seq_lens)``."""
+    g = generator
+    D, page, G, q_len = config.head_dim, config.page_size, config.group, config.q_len
+    lens = [3 * page + 5, q_len, 700]
+    B = len(lens)
+    max_pages = max(math.ceil(x / page) for x in lens)
+    P = B * max_pages + 2
+    bt = torch.randperm(P, generator=g)[: B * max_pages].view(B, max_pages).to(torch.int32)
+    shape = (P, 2, Hkv, page, D) if config.kv_layout == "HND" else (P, 2, page, Hkv, D)
+    kv = torch.randn(shape, generator=g).to(_TORCH[config.kv_dtype])
+    cache = (kv[:, 0], kv[:, 1]) if config.kv_form == "pair" else kv
+    q = torch.randn(B * q_len, G * Hkv, D, generator=g).to(_TORCH[config.q_dtype])
+    return q, cache, bt, torch.tensor(lens, dtype=torch.int32)
 
 
 def device_name(device) -> str:

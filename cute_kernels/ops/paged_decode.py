@@ -27,9 +27,11 @@ from torch import Tensor
 from .. import _nvtx, reference
 from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
-from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, launch_config
+from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, launch_config, window_context
 from ..plans.sm100 import TARGETS as SM100_TARGETS
+from . import _caller_workspace as caller_ws
 from . import _check
+from . import _decode_features as features
 from . import _paged_decode_sm100 as sm100
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
@@ -77,7 +79,7 @@ def tuning_override(**fields: object) -> TuningOverride:
 
 
 def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse, num_splits,
-         deterministic, q_scale=None, window_left=-1, sinks=None):
+         deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None):
     """What selects the kernel, its schedule and its workspace: the query and cache geometry,
     the block-table width, the options, the stream (workspaces are per stream). Left out is what
     the compiled function checks on every call (TVM-FFI): the dtypes of the other tensors, shapes
@@ -89,11 +91,12 @@ def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scal
     # another rank, 0-d included, goes to the kernel as a [1] view)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), out is None, return_lse, num_splits,
-            deterministic, _launcher.override_key, type(q_scale), window_left == -1, sinks is None, stream_id(q))
+            deterministic, _launcher.override_key, type(q_scale), window_left, sinks is None, stream_id(q),
+            caller_ws.workspace_key(workspace))
 
 
 def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, num_splits,
-              deterministic, q_scale, window_left, sinks):
+              deterministic, q_scale, window_left, sinks, workspace=None):
     """Every check of the arguments, the same for CPU and CUDA tensors (code that passes on the CPU
     passes on the GPU: the SM90 kernel's limits hold for the calls it serves, whatever the
     device); returns ``(scale, P, Hkv, page, k_scale is a tensor, v_scale is a tensor)``."""
@@ -116,6 +119,8 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
+    if workspace is not None:
+        caller_ws.check_workspace(workspace, q.device)
     if P == 0:  # a TMA descriptor needs a non-empty tensor: refused before any launch
         raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has no pages (P = 0): an empty KV pool cannot be "
                          "attended; allocate at least one page (docs/design/inputs.md#kv-pool)")
@@ -137,17 +142,17 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
 
 
 def _sm90_serves(q, window_left, sinks) -> bool:
-    """The calls the SM90 kernel takes: a 16-bit query, no sinks, no window (the others run the
-    reference on SM90)."""
-    return q.dtype != FP8 and sinks is None and window_left == -1
+    """The calls the SM90 kernel takes: a 16-bit query (windows and sinks through its window / sink
+    variants; an FP8 query runs the reference on SM90)."""
+    return q.dtype != FP8
 
 
 def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-             num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> _Launch:
+             num_splits, deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None) -> _Launch:
     """Full validation (clear errors naming the argument) and kernel selection for one key."""
     scale, P, Hkv, page, ks_t, vs_t = _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale,
                                                 k_scale, v_scale, out, num_splits, deterministic, q_scale,
-                                                window_left, sinks)
+                                                window_left, sinks, workspace)
     T, Hq, D = q.shape
     if not q.is_cuda:
         return _REFERENCE
@@ -156,10 +161,10 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         return _Launch(None, None, (T, Hq, D), empty=True)
     if compile_target(device) in SM100_TARGETS:
         launch = sm100.prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale,
-                               v_scale, out, num_splits, sinks)
+                               v_scale, out, num_splits, sinks, workspace)
         return _REFERENCE if launch is None else _Launch(None, None, (T, Hq, D), sm100=launch)
     if not _sm90_serves(q, window_left, sinks):
-        return _REFERENCE  # the SM90 kernel has neither an FP8 query nor sinks / windows
+        return _REFERENCE  # the SM90 kernel has no FP8 query
     if block_table.shape[1] == 0:
         # a block table of no pages (capacity 0: no position is attended): 0 and LSE -inf without
         # a launch or a compiled variant (docs/design/inputs.md#lengths)
@@ -169,9 +174,13 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     num_splits, config = launch_config(
         q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv, q_len=q_len,
         page_size=page, k_scale_tensor=ks_t, v_scale_tensor=vs_t, kv_form="pair" if pair else "single",
-        kv_layout=kv_layout, items=B * Hkv, max_context=block_table.shape[1] * page,
+        kv_layout=kv_layout, items=B * Hkv,
+        # a window bounds the keys a request reads: the split count is planned for those
+        max_context=window_context(block_table.shape[1] * page, window_left, q_len),
         num_sms=device_sm_count(device.index or 0), num_splits=num_splits, deterministic=deterministic,
-        override=_launcher.override)
+        override=_launcher.override, window=window_left != -1, sinks=sinks is not None)
+    if features.family_of(config) is not None and not features.self_check_passes(config, device, _check_call):
+        return _REFERENCE  # this window / sink family failed its one-time runtime check here (logged)
     split = num_splits > 1
     target = compile_target(device)
     fn = get_kernel(config, target)
@@ -182,12 +191,15 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     part_numel = num_splits * T * Hq * D if global_merge else 0
     plse_numel = num_splits * lse_numel if global_merge else 0
     numel, counters_numel = workspace_numel(config, num_splits, B, Hkv, T, Hq, D, return_lse)
-    ws = _workspace.get(device, numel, stream)
+    if workspace is not None:  # the caller's memory (the trtllm API's workspace_buffer): nothing of ours
+        ws, counters = caller_ws.carve(workspace, device, numel, counters_numel)
+    else:
+        ws = _workspace.get(device, numel, stream)
+        if global_merge:  # arrival counters, then (dynamic split) the tile-chunk counters
+            counters = _counters.get(device, counters_numel, stream)
     if global_merge:
         part_o = ws[:part_numel].view(num_splits, T, Hq, D)
         part_lse = ws[part_numel:part_numel + plse_numel].view(num_splits, T, Hq)
-        # arrival counters, then (dynamic split) the tile-chunk counters
-        counters = _counters.get(device, counters_numel, stream)
     if not return_lse:
         base = part_numel + plse_numel
         scratch = ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
@@ -223,7 +235,7 @@ def reserve(device, numel: int, counters: int = 0) -> None:
 
 
 def _check_data(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-                num_splits, deterministic, q_scale=None, window_left=-1, sinks=None) -> None:
+                num_splits, deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None) -> None:
     """Checked mode (``CUTE_KERNELS_CHECK=1``): the data rules (docs/design/inputs.md#checked-mode)."""
     P, _, page = check_kv_cache(k, v, pair, kv_layout, q.shape[2])
     _check.lengths("seq_lens", seq_lens, block_table.shape[1] * page, q_len=q_len)
@@ -232,7 +244,7 @@ def _check_data(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale
 
 
 def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
-               num_splits, deterministic, q_scale=None, window_left=-1, sinks=None):
+               num_splits, deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None):
     res = reference.paged_decode(q, (k, v) if pair else k, block_table, seq_lens, kv_layout=kv_layout,
                                  q_len_per_req=q_len, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale,
                                  v_scale=v_scale, return_lse=return_lse, window_left=window_left, sinks=sinks)
@@ -242,7 +254,14 @@ def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale,
     return (out, res[1]) if return_lse else out
 
 
-_CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "out", "lse", "k_scale", "v_scale")
+def _check_call(override: dict, **kwargs):
+    """A self-check's kernel call (:mod:`._decode_features`): this op past its guard and its launch
+    cache, with ``override`` as the tuning override."""
+    with features.unguarded(_launcher), _launcher.tuning_override(**override):
+        return paged_decode(**kwargs)
+
+
+_CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "out", "lse", "k_scale", "v_scale", "sinks", "window_left")
 _REFERENCE = _Launch(None, None, None, reference=True)
 _launcher = Launcher(_prepare, _reference, check_data=_check_data, op="paged_decode")
 _cache = _launcher  # the launch cache under the name the lab's host-cost probe reads (profiling/host_costs.py)
@@ -253,19 +272,19 @@ def paged_decode(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Te
                  q_len_per_req: int = ..., sm_scale: float | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
                  out: Tensor | None = ..., return_lse: Literal[False] = ..., num_splits: int | None = ...,
                  deterministic: bool = ..., q_scale: Scale | None = ..., window_left: int = ...,
-                 sinks: Tensor | None = ...) -> Tensor: ...
+                 sinks: Tensor | None = ..., workspace: Tensor | None = ...) -> Tensor: ...
 @overload
 def paged_decode(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, *, kv_layout: str = ...,
                  q_len_per_req: int = ..., sm_scale: float | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
                  out: Tensor | None = ..., return_lse: Literal[True], num_splits: int | None = ...,
                  deterministic: bool = ..., q_scale: Scale | None = ..., window_left: int = ...,
-                 sinks: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
+                 sinks: Tensor | None = ..., workspace: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
 @overload
 def paged_decode(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, *, kv_layout: str = ...,
                  q_len_per_req: int = ..., sm_scale: float | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
                  out: Tensor | None = ..., return_lse: bool, num_splits: int | None = ...,
                  deterministic: bool = ..., q_scale: Scale | None = ..., window_left: int = ...,
-                 sinks: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
+                 sinks: Tensor | None = ..., workspace: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
 def paged_decode(
     q: Tensor,
     kv_cache: KVCache,
@@ -284,6 +303,7 @@ def paged_decode(
     q_scale: Scale | None = None,
     window_left: int = -1,
     sinks: Tensor | None = None,
+    workspace: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Paged decode attention with a BF16/FP16 query and an FP8/BF16/FP16 KV cache.
 
@@ -312,11 +332,17 @@ def paged_decode(
     FP8 query (``q_scale`` then required, float or 1-element fp32 tensor; the output is bf16),
     ``window_left`` (a query at position p sees keys p - window_left ... p; -1: no window) and
     ``sinks`` (fp32 ``[Hq]`` sink logits): see :func:`cute_kernels.reference.paged_decode`. On
-    other archs those three run the reference.
+    SM90, ``window_left`` and ``sinks`` select the kernel's window / sink variants (compile-verified:
+    a one-time runtime self-check per variant family guards their first launch, the reference
+    serves a family that fails it); an FP8 query runs the reference there.
+
+    ``workspace``: optional caller-owned CUDA buffer (any dtype, contiguous, 16-byte aligned) that
+    holds the split partials, the unused LSE target and the merge counters instead of the op's
+    own per-stream buffers (the trtllm API's ``workspace_buffer``; docs/design/trtllm.md#workspace).
     """
     if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
         return _traced(q, kv_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale,
-                       out, return_lse, num_splits, deterministic, q_scale, window_left, sinks)
+                       out, return_lse, num_splits, deterministic, q_scale, window_left, sinks, workspace)
     pair = isinstance(kv_cache, (tuple, list))
     if pair and len(kv_cache) != 2:
         raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
@@ -324,13 +350,13 @@ def paged_decode(
     v = kv_cache[1] if pair else kv_cache
     try:
         key = _key(q, k, v, pair, block_table, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                   return_lse, num_splits, deterministic, q_scale, window_left, sinks)
+                   return_lse, num_splits, deterministic, q_scale, window_left, sinks, workspace)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
     launch = _launcher.entries.get(key)
     if launch is None or launch.reference:  # the argument tuple is built off the hot path only
         args = (q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-                return_lse, num_splits, deterministic, q_scale, window_left, sinks)
+                return_lse, num_splits, deterministic, q_scale, window_left, sinks, workspace)
         launch = launch or _launcher.lookup(key, args)
         if launch.reference:
             return _launcher.run_reference(args)
@@ -347,10 +373,11 @@ def paged_decode(
         out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
     try:
-        launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale)
+        launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale, sinks, window_left)
     except Exception:  # raises the error that names the argument
         _launcher.refused((q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
-                           v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks))
+                           v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks,
+                           workspace))
         raise
     return (out, lse) if return_lse else out
 
@@ -382,64 +409,66 @@ def _new_lse(q: Tensor, return_lse: bool) -> Tensor:
 
 def _run(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, k_scale_tensor,
          v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks,
-         out) -> Tensor:
+         workspace, out) -> Tensor:
     q_scale_arg = q_scale_tensor if q_scale_tensor is not None else q_scale
     res = paged_decode(q, cache_of(k_cache, v_cache), block_table, seq_lens, kv_layout=kv_layout,
                        q_len_per_req=q_len_per_req, sm_scale=sm_scale, k_scale=scale_of(k_scale, k_scale_tensor),
                        v_scale=scale_of(v_scale, v_scale_tensor), out=out, return_lse=return_lse,
                        num_splits=num_splits, deterministic=deterministic, q_scale=q_scale_arg,
-                       window_left=window_left, sinks=sinks)
+                       window_left=window_left, sinks=sinks, workspace=workspace)
     return res[1] if return_lse else no_lse(q)
 
 
-@custom_op("paged_decode")
+@custom_op("paged_decode", mutates=("workspace",))
 def _paged_decode_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], block_table: Tensor, seq_lens: Tensor,
                      kv_layout: str, q_len_per_req: int, sm_scale: Optional[float], k_scale: float,
                      k_scale_tensor: Optional[Tensor], v_scale: float, v_scale_tensor: Optional[Tensor],
                      return_lse: bool, num_splits: Optional[int], deterministic: bool, q_scale: Optional[float],
-                     q_scale_tensor: Optional[Tensor], window_left: int,
-                     sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                     q_scale_tensor: Optional[Tensor], window_left: int, sinks: Optional[Tensor],
+                     workspace: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     out = _new_out(q)
     lse = _run(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
                k_scale_tensor, v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale,
-               q_scale_tensor, window_left, sinks, out)
+               q_scale_tensor, window_left, sinks, workspace, out)
     return out, lse
 
 
 @_paged_decode_op.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, k_scale_tensor,
-      v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks):
+      v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks,
+      workspace):
     return _new_out(q), _new_lse(q, return_lse)
 
 
-@custom_op("paged_decode_out", mutates=("out",))
+@custom_op("paged_decode_out", mutates=("workspace", "out"))
 def _paged_decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], block_table: Tensor,
                          seq_lens: Tensor, kv_layout: str, q_len_per_req: int, sm_scale: Optional[float],
                          k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float,
                          v_scale_tensor: Optional[Tensor], return_lse: bool, num_splits: Optional[int],
                          deterministic: bool, q_scale: Optional[float], q_scale_tensor: Optional[Tensor],
-                         window_left: int, sinks: Optional[Tensor], out: Tensor) -> Tensor:
+                         window_left: int, sinks: Optional[Tensor], workspace: Optional[Tensor],
+                         out: Tensor) -> Tensor:
     return _run(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
                 k_scale_tensor, v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale,
-                q_scale_tensor, window_left, sinks, out)
+                q_scale_tensor, window_left, sinks, workspace, out)
 
 
 @_paged_decode_out_op.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, k_scale_tensor,
       v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks,
-      out):
+      workspace, out):
     return _new_lse(q, return_lse)
 
 
 def _traced(q, kv_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
-            return_lse, num_splits, deterministic, q_scale, window_left, sinks):
+            return_lse, num_splits, deterministic, q_scale, window_left, sinks, workspace):
     """:func:`paged_decode` as torch.compile sees it: the op returns ``(out, lse)`` (an empty lse
     unless asked for), or only the lse when it writes the caller's ``out``; ``q_scale`` (None, a
     float or a tensor) goes as an optional float and an optional tensor."""
     q_scales = (None, None) if q_scale is None else scale_parts(q_scale)
     args = (q, *cache_parts(kv_cache), block_table, seq_lens, kv_layout, q_len_per_req, sm_scale,
             *scale_parts(k_scale), *scale_parts(v_scale), return_lse, num_splits, deterministic, *q_scales,
-            window_left, sinks)
+            window_left, sinks, workspace)
     if out is None:
         out, lse = _paged_decode_op(*args)
     else:

@@ -49,7 +49,7 @@ FP8 = torch.float8_e4m3fn
 
 # the caller's per-call parameters (ops._launch.bind), and where each signature name comes from
 _CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "query_start_loc", "out", "lse", "k_scale", "v_scale",
-                "q_scale", "max_query_len")
+                "q_scale", "max_query_len", "sinks", "window_left")
 _SOURCES = {"kv_cache": "k", "k_cache": "k", "v_cache": "v"}
 
 
@@ -71,7 +71,7 @@ def tuning_override(**fields: object) -> TuningOverride:
 
 
 def _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, q_scale, k_scale, v_scale, out,
-         return_lse):
+         return_lse, window_left=-1, sinks=None):
     """What selects the kernel: the query and cache geometry, the batch, the options (with their
     types: ``causal=1`` must reach the validation), the types of the k/v scales (a 1-element
     tensor of any rank goes to the kernel as a ``[1]`` view) and the shape of a tensor ``q_scale``
@@ -83,7 +83,8 @@ def _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, 
     qs = q_scale.shape if type(q_scale) is torch.Tensor else type(q_scale)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             query_start_loc.shape, kv_layout, causal, type(causal), sm_scale, qs, type(k_scale), type(v_scale),
-            None if out is None else out.dtype, return_lse, type(return_lse), _launcher.override_key)
+            None if out is None else out.dtype, return_lse, type(return_lse), _launcher.override_key,
+            window_left == -1, type(window_left), sinks is None)
 
 
 def _q_scale_kind(q, Hkv, q_scale) -> str:
@@ -100,7 +101,7 @@ def _q_scale_kind(q, Hkv, q_scale) -> str:
 
 
 def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-             q_scale, k_scale, v_scale, out, return_lse) -> _Launch:
+             q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None) -> _Launch:
     """Full validation (clear errors naming the argument, the same for CPU and CUDA tensors) and
     kernel selection for one key."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
@@ -145,11 +146,12 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     if out is not None:
         check_tensor("out", out, dtype=out_dtypes, shape=(T, Hq, D), device=device)
     out_dtype = out_dtypes[0] if out is None else out.dtype
+    _check_window_sinks(window_left, sinks, Hq, device)
     config = plan.make_prefill_config(
         q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), out_dtype=dtype_name(out_dtype), head_dim=D,
         group=Hq // Hkv, page_size=page, kv_form="pair" if pair else "single", kv_layout=kv_layout, causal=causal,
         write_lse=return_lse, k_scale_tensor=ks_t, v_scale_tensor=vs_t, q_scale=q_scale_kind,
-        **_launcher.override)
+        window=window_left != -1, sinks=sinks is not None, **_launcher.override)
     # pointer and stride alignment, from the signature the kernel is compiled with (TMA wants 16 bytes)
     tensors = dict(q=q, kv_cache=k, k_cache=k, v_cache=v, block_table=block_table, seq_lens=seq_lens,
                    query_start_loc=query_start_loc, out=out)
@@ -179,6 +181,14 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
                    out_dtype)
 
 
+def _check_window_sinks(window_left, sinks, Hq: int, device) -> None:
+    """``window_left``: an int >= -1 (-1: no window); ``sinks``: None or fp32 ``[Hq]`` on q's device."""
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"window_left must be an int >= -1 (-1: no window), got {window_left!r}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtype=torch.float32, shape=(Hq,), device=device)
+
+
 def _check_max_query_len(max_query_len, T: int, B: int) -> None:
     """``max_query_len``: None or an int; T rows in B requests need one of at least ceil(T / B)."""
     if max_query_len is None:
@@ -190,7 +200,7 @@ def _check_max_query_len(max_query_len, T: int, B: int) -> None:
 
 
 def _check_data(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-                q_scale, k_scale, v_scale, out, return_lse) -> None:
+                q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None) -> None:
     """Checked mode (``CUTE_KERNELS_CHECK=1``): the data rules the kernel cannot refuse without
     synchronizing (docs/design/inputs.md#checked-mode)."""
     P, _, page = check_kv_cache(k, v, pair, kv_layout, q.shape[2])
@@ -201,12 +211,12 @@ def _check_data(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query
 
 
 def _reference(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-               q_scale, k_scale, v_scale, out, return_lse):
+               q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None):
     out_dtype = (out.dtype if out is not None else torch.bfloat16) if q.dtype == FP8 else q.dtype
     res = reference.paged_prefill(q, (k, v) if pair else k, block_table, seq_lens, query_start_loc,
                                   max_query_len=max_query_len, kv_layout=kv_layout, causal=causal, sm_scale=sm_scale,
                                   q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
-                                  out_dtype=out_dtype)
+                                  out_dtype=out_dtype, window_left=window_left, sinks=sinks)
     res, lse = res if return_lse else (res, None)
     if out is not None:
         out.copy_(res)
@@ -222,17 +232,19 @@ _cache = _launcher  # the launch cache under the name the lab's host-cost probe 
 def paged_prefill(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
                   max_query_len: int | None = ..., kv_layout: str = ..., causal: bool = ..., sm_scale: float | None = ...,
                   q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., out: Tensor | None = ...,
-                  return_lse: Literal[False] = ...) -> Tensor: ...
+                  return_lse: Literal[False] = ..., window_left: int = ..., sinks: Tensor | None = ...) -> Tensor: ...
 @overload
 def paged_prefill(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
                   max_query_len: int | None = ..., kv_layout: str = ..., causal: bool = ..., sm_scale: float | None = ...,
                   q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., out: Tensor | None = ...,
-                  return_lse: Literal[True]) -> tuple[Tensor, Tensor]: ...
+                  return_lse: Literal[True], window_left: int = ...,
+                  sinks: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
 @overload
 def paged_prefill(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
                   max_query_len: int | None = ..., kv_layout: str = ..., causal: bool = ..., sm_scale: float | None = ...,
                   q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., out: Tensor | None = ...,
-                  return_lse: bool) -> Tensor | tuple[Tensor, Tensor]: ...
+                  return_lse: bool, window_left: int = ...,
+                  sinks: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
 def paged_prefill(
     q: Tensor,
     kv_cache: KVCache,
@@ -249,6 +261,8 @@ def paged_prefill(
     v_scale: Scale = 1.0,
     out: Tensor | None = None,
     return_lse: bool = False,
+    window_left: int = -1,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Varlen paged prefill attention with a BF16/FP16 or FP8 query and a BF16/FP16/FP8 KV cache.
 
@@ -271,10 +285,16 @@ def paged_prefill(
     guards the first launch, the reference serves a family that fails it), head_dim 64/128/256,
     page size 16/32/64/128, Hq / Hkv up to ``plans.sm90_prefill.MAX_GROUP``. Returns ``out`` and,
     with ``return_lse``, the base-2 LSE ``[T, Hq]`` fp32.
+
+    ``window_left`` (row j of a request at ``p = seq_len - q_len + j`` sees keys ``>= p -
+    window_left``; -1: none; KV tiles and pages outside every row's window are never read) and
+    ``sinks`` (fp32 ``[Hq]`` natural-log sink logits in each row's denominator) select the
+    kernel's window / sink variants, compile-verified behind their own self-check families:
+    docs/design/sm90-prefill.md#sliding-window-and-sinks.
     """
     if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
         return _traced(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
-                       sm_scale, q_scale, k_scale, v_scale, out, return_lse)
+                       sm_scale, q_scale, k_scale, v_scale, out, return_lse, window_left, sinks)
     pair = isinstance(kv_cache, (tuple, list))
     if pair and len(kv_cache) != 2:
         raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
@@ -282,18 +302,21 @@ def paged_prefill(
     v = kv_cache[1] if pair else kv_cache
     try:
         key = _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, q_scale, k_scale, v_scale,
-                   out, return_lse)
+                   out, return_lse, window_left, sinks)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
     launch = _launcher.entries.get(key)
     if launch is None or launch.reference:  # the argument tuple is built off the hot path only
         args = (q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-                q_scale, k_scale, v_scale, out, return_lse)
+                q_scale, k_scale, v_scale, out, return_lse, window_left, sinks)
         launch = launch or _launcher.lookup(key, args)
         if launch.reference:
             return _launcher.run_reference(args)
-    elif max_query_len is not None:  # a value the key leaves out
-        _check_max_query_len(max_query_len, q.shape[0], block_table.shape[0])
+    else:  # values the key leaves out
+        if max_query_len is not None:
+            _check_max_query_len(max_query_len, q.shape[0], block_table.shape[0])
+        if type(window_left) is not int or window_left < -1:
+            _check_window_sinks(window_left, sinks, q.shape[1], q.device)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=launch.out_dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
@@ -301,10 +324,11 @@ def paged_prefill(
         return out if lse is None else (out, lse)
     max_q = q.shape[0] if max_query_len is None else min(max_query_len, q.shape[0])
     try:
-        launch.fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q)
+        launch.fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q, sinks,
+                  window_left)
     except Exception:  # raises the error that names the argument
         _launcher.refused((q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
-                           sm_scale, q_scale, k_scale, v_scale, out, return_lse))
+                           sm_scale, q_scale, k_scale, v_scale, out, return_lse, window_left, sinks))
         raise
     return out if lse is None else (out, lse)  # lse is None unless return_lse
 
@@ -324,12 +348,13 @@ def _new_lse(q: Tensor, return_lse: bool) -> Tensor:
 
 
 def _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-         q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, out) -> Tensor:
+         q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks,
+         out) -> Tensor:
     res = paged_prefill(q, cache_of(k_cache, v_cache), block_table, seq_lens, query_start_loc,
                         max_query_len=max_query_len, kv_layout=kv_layout, causal=causal, sm_scale=sm_scale,
                         q_scale=q_scale_tensor if q_scale_tensor is not None else q_scale,
                         k_scale=scale_of(k_scale, k_scale_tensor), v_scale=scale_of(v_scale, v_scale_tensor), out=out,
-                        return_lse=return_lse)
+                        return_lse=return_lse, window_left=window_left, sinks=sinks)
     return res[1] if return_lse else no_lse(q)
 
 
@@ -338,16 +363,17 @@ def _paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], blo
                       query_start_loc: Tensor, max_query_len: Optional[int], kv_layout: str, causal: bool,
                       sm_scale: Optional[float], q_scale: Optional[float], q_scale_tensor: Optional[Tensor],
                       k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float, v_scale_tensor: Optional[Tensor],
-                      return_lse: bool) -> tuple[Tensor, Tensor]:
+                      return_lse: bool, window_left: int, sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     out = _new_out(q)
     lse = _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-               q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, out)
+               q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left,
+               sinks, out)
     return out, lse
 
 
 @_paged_prefill_op.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
-      q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse):
+      q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks):
     return _new_out(q), _new_lse(q, return_lse)
 
 
@@ -356,23 +382,25 @@ def _paged_prefill_out_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor],
                           seq_lens: Tensor, query_start_loc: Tensor, max_query_len: Optional[int], kv_layout: str,
                           causal: bool, sm_scale: Optional[float], q_scale: Optional[float],
                           q_scale_tensor: Optional[Tensor], k_scale: float, k_scale_tensor: Optional[Tensor],
-                          v_scale: float, v_scale_tensor: Optional[Tensor], return_lse: bool, out: Tensor) -> Tensor:
+                          v_scale: float, v_scale_tensor: Optional[Tensor], return_lse: bool, window_left: int,
+                          sinks: Optional[Tensor], out: Tensor) -> Tensor:
     return _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
-                sm_scale, q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, out)
+                sm_scale, q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse,
+                window_left, sinks, out)
 
 
 @_paged_prefill_out_op.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
-      q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, out):
+      q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks, out):
     return _new_lse(q, return_lse)
 
 
 def _traced(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
-            k_scale, v_scale, out, return_lse):
+            k_scale, v_scale, out, return_lse, window_left, sinks):
     """:func:`paged_prefill` as torch.compile sees it (as :func:`..paged_decode._traced`)."""
     q_scales = (None, None) if q_scale is None else scale_parts(q_scale)
     args = (q, *cache_parts(kv_cache), block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
-            sm_scale, *q_scales, *scale_parts(k_scale), *scale_parts(v_scale), return_lse)
+            sm_scale, *q_scales, *scale_parts(k_scale), *scale_parts(v_scale), return_lse, window_left, sinks)
     if out is None:
         out, lse = _paged_prefill_op(*args)
     else:
@@ -395,9 +423,9 @@ def self_check_passes(config: plan.Sm90PrefillConfig, device) -> bool:
     ``device``: the variant itself (same compile key, so no extra compile) on small varlen,
     chunked problems against the reference. True at once when the registry no longer lists its
     kernel as compile-verified (verified on the GPU: ``available``)."""
-    if KERNELS[plan.registry_id(config.q_dtype, config.kv_dtype)].status != "compile-verified":
+    if KERNELS[plan.check_registry_id(config)].status != "compile-verified":
         return True
-    fam = plan.family(config.q_dtype, config.kv_dtype, config.head_dim)
+    fam = plan.config_family(config)
     return ensure(fam, device, lambda: self_check_cases(config, device))
 
 
@@ -424,7 +452,8 @@ def self_check_cases(config: plan.Sm90PrefillConfig, device) -> list[Case]:
             res = reference.paged_prefill(
                 host["q"], cache, host["block_table"], host["seq_lens"], host["query_start_loc"], max_query_len=max_q,
                 kv_layout=config.kv_layout, causal=config.causal, q_scale=host["q_scale"], k_scale=host["k_scale"],
-                v_scale=host["v_scale"], return_lse=config.write_lse, out_dtype=_TORCH[config.out_dtype])
+                v_scale=host["v_scale"], return_lse=config.write_lse, out_dtype=_TORCH[config.out_dtype],
+                window_left=host["window_left"], sinks=host["sinks"])
             return res
 
         cases.append(Case(f"problem {i} (seed {SELF_CHECK_SEED})", run, expect, rtol, atol))
@@ -468,10 +497,14 @@ def _self_check_inputs(config, reqs, g) -> dict:
 
     q_scale = {"none": None, "scalar": 0.5, "tensor": torch.tensor([0.5]),
                "per_head": torch.tensor([0.5, 0.75])}[config.q_scale]
+    # the window / sink variants: a window shorter than the prompts (tiles skipped, pages zero-filled
+    # at its start), sinks of either sign
+    sinks = torch.randn(Hq, generator=g) * 2 if config.sinks else None
     return dict(q=q, k=kv[:, 0] if config.kv_form == "pair" else kv, v=kv[:, 1] if config.kv_form == "pair" else kv,
                 block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32),
                 query_start_loc=torch.tensor(starts, dtype=torch.int32), q_scale=q_scale,
-                k_scale=scale(0.9, config.k_scale_tensor), v_scale=scale(1.1, config.v_scale_tensor))
+                k_scale=scale(0.9, config.k_scale_tensor), v_scale=scale(1.1, config.v_scale_tensor),
+                sinks=sinks, window_left=75 if config.window else -1)
 
 
 def _launch_now(config, t: dict, max_query_len):

@@ -75,7 +75,10 @@ class Sm90DecodeConfig(KernelConfig):
     TMA loads carry the L2 evict-first policy. ``prefetch_desc``: the producer warp prefetches the
     two TMA descriptors at the kernel's start, before the programmatic-dependent wait.
     ``smem_merge``: the fused merge stages the partials in shared memory first when they fit
-    (:meth:`merge_slots`).
+    (:meth:`merge_slots`). ``window``: the variant takes a runtime ``window_left`` (-1: none) and
+    walks only the tiles and pages of the keys its rows can see; ``sinks``: it takes fp32 ``[Hq]``
+    sink logits folded into each row's softmax (split 0 only): docs/design/sm90-decode.md#sliding-window-and-sinks.
+    These two variants are compile-verified (:func:`feature_family`).
     """
 
     q_dtype: str = "bf16"
@@ -100,6 +103,8 @@ class Sm90DecodeConfig(KernelConfig):
     evict_first: bool = True
     prefetch_desc: bool = True
     smem_merge: bool = True
+    window: bool = False
+    sinks: bool = False
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -123,6 +128,8 @@ class Sm90DecodeConfig(KernelConfig):
             raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
         if self.dynamic and not self.split:
             raise ValueError("dynamic tile scheduling needs split partials (split=True)")
+        if self.dynamic and self.window:
+            raise ValueError("a window variant takes the static split schedule (dynamic=False)")
         if self.strided and (self.dynamic or not self.split):
             raise ValueError("strided tiles are a static split schedule (split=True, dynamic=False)")
         if self.widen not in ("bits", "cvt") or self.tile not in (64, 128):
@@ -191,6 +198,8 @@ class Sm90DecodeConfig(KernelConfig):
             scale_arg("k_scale", self.k_scale_tensor),
             scale_arg("v_scale", self.v_scale_tensor),
             ScalarArg("sm_scale", "fp32"),
+            *((TensorArg("sinks", "fp32", ("Hq",), align=4),) if self.sinks else ()),
+            *((ScalarArg("window_left", "int32"),) if self.window else ()),
         )
 
     def build(self):
@@ -256,11 +265,13 @@ FP8_D64_TILE = 128
 
 def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int, page_size: int,
                        split: bool, k_scale_tensor: bool = False, v_scale_tensor: bool = False,
-                       kv_form: str = "single", kv_layout: str = "HND", **override) -> Sm90DecodeConfig:
+                       kv_form: str = "single", kv_layout: str = "HND", window: bool = False, sinks: bool = False,
+                       **override) -> Sm90DecodeConfig:
     """The config the op uses for a problem: tuning (stages, occupancy, tile, widening) filled in
     here, once, for the op, the warm-up and the compile matrix alike. ``override`` replaces any
-    tuning field (benchmarks compare variants with it)."""
-    dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split
+    tuning field (benchmarks compare variants with it). A ``window`` variant keeps the static
+    split schedule (its first tile depends on the request's length)."""
+    dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split and not window
     strided = override.pop("strided", DEFAULT_STRIDED) and split and not dynamic
     tile = override.get("tile", FP8_D64_TILE if (kv_dtype, head_dim) == ("fp8_e4m3", 64) else TILE)
     n_pad = max(8, (group * q_len + 7) // 8 * 8)
@@ -271,7 +282,7 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
         stages=stages, split=split, k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor,
         kv_form=kv_form, kv_layout=kv_layout, occupancy=occupancy, tile=tile,
         widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=DEFAULT_PDL, dynamic=dynamic,
-        strided=strided,
+        strided=strided, window=window, sinks=sinks,
     )
     fields.update(override)
     return Sm90DecodeConfig(**fields)
@@ -362,6 +373,15 @@ def plan_launch(items: int, max_context: int, num_sms: int, max_occupancy: int, 
     return num_splits, tuning, cluster
 
 
+def window_context(table_tokens: int, window_left: int, q_len: int) -> int:
+    """The most keys one request reads, which a launch's split count is planned for: the block
+    table's capacity, or with a window (``window_left >= 0``) the ``window_left + q_len`` keys its
+    rows see plus one tile of misalignment (the schedule starts at the tile holding the first)."""
+    if window_left < 0:
+        return table_tokens
+    return min(table_tokens, window_left + q_len + max(TILE, FP8_D64_TILE))
+
+
 def plan_config(config_for, items: int, max_context: int, num_sms: int, num_splits: int | None,
                 deterministic: bool, force_cluster: bool | None, force_dynamic: bool = False):
     """``(num_splits, config)`` of a launch: :func:`plan_launch` on the variant ``config_for(split,
@@ -450,11 +470,13 @@ def compile_variants() -> list[Sm90DecodeConfig]:
 def launch_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int, page_size: int,
                   k_scale_tensor: bool, v_scale_tensor: bool, kv_form: str, kv_layout: str, items: int,
                   max_context: int, num_sms: int, num_splits: int | None = None, deterministic: bool = True,
-                  override: dict | None = None) -> tuple[int, Sm90DecodeConfig]:
+                  override: dict | None = None, window: bool = False,
+                  sinks: bool = False) -> tuple[int, Sm90DecodeConfig]:
     """``(num_splits, config)`` of a call: ``items`` = requests x KV heads, ``max_context`` = the
     block table's width x page. The op decides with this, and the warm-up enumerates it.
     ``override``: tuning fields (``tuning_override``; ``cluster`` and ``dynamic`` are launch
-    choices, see :func:`plan_launch`)."""
+    choices, see :func:`plan_launch`). ``window`` / ``sinks``: the window / sink variant (a window
+    keeps the static split schedule; pass the window's keys as ``max_context``: :func:`window_context`)."""
     override = dict(override or {})
     force_cluster = override.pop("cluster", None)
 
@@ -462,9 +484,9 @@ def launch_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_l
         return make_decode_config(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len,
                                   page_size=page_size, split=split, k_scale_tensor=k_scale_tensor,
                                   v_scale_tensor=v_scale_tensor, kv_form=kv_form, kv_layout=kv_layout,
-                                  **{**tuning, **override})
+                                  window=window, sinks=sinks, **{**tuning, **override})
 
-    return plan_config(config_for, items, max_context, num_sms, num_splits, deterministic, force_cluster,
+    return plan_config(config_for, items, max_context, num_sms, num_splits, deterministic or window, force_cluster,
                        bool(override.get("dynamic", False)))
 
 
@@ -486,4 +508,49 @@ def launch_widths(max_pages: int, page_size: int, tile: int, deterministic: bool
             break
     if max_pages >= 1 and out[-1] != max_pages:
         out.append(max_pages)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the sliding-window and sink variants (compile-verified: docs/design/sm90-decode.md#sliding-window-and-sinks)
+# ---------------------------------------------------------------------------------------------
+
+
+def feature_family(config: Sm90DecodeConfig) -> str | None:
+    """The runtime self-check family of a window / sink variant (None for the others): variants
+    with the same features and the same MMA path (16-bit SS, or FP8 widened by ``cvt`` or
+    ``bits``) share their numerics, so one check per process covers them."""
+    features = "+".join(name for name, on in (("window", config.window), ("sinks", config.sinks)) if on)
+    if not features:
+        return None
+    path = f"fp8-{config.widen}" if config.kv_dtype == "fp8_e4m3" else "16bit"
+    return f"sm90.decode/{features}/{path}"
+
+
+def request_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
+    """The registry's family of a request with a window and sinks (the op's default MMA path): what
+    ``registry.KernelInfo.family`` asks of a compile-verified kernel."""
+    widen = DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits"
+    return f"sm90.decode/window+sinks/{f'fp8-{widen}' if kv_dtype == 'fp8_e4m3' else '16bit'}"
+
+
+def feature_variants() -> list[Sm90DecodeConfig]:
+    """The window / sink variants of the compile matrix: every MMA path (FP8 ``cvt`` and ``bits``,
+    BF16, FP16), window and sinks alone and together, unsplit and split (both merges), the
+    speculative draft (q_len 4), D 64 / 128 / 256, both cache forms and layouts."""
+    base: dict[str, Any] = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1, page_size=16)
+    both: dict[str, Any] = dict(window=True, sinks=True)
+    out = [
+        make_decode_config(**base, split=False, **both),
+        make_decode_config(**base, split=True, **both),
+        make_decode_config(**base, split=True, occupancy=3, cluster=True, **both),
+        make_decode_config(**base, split=False, widen="bits", **both),
+        make_decode_config(**{**base, "q_len": 4}, split=True, **both),
+        make_decode_config(**{**base, "kv_dtype": "bf16"}, split=False, **both),
+        make_decode_config(**{**base, "kv_dtype": "bf16"}, split=True, **both),
+        make_decode_config(**{**base, "kv_dtype": "bf16", "head_dim": 64, "page_size": 64}, split=True,
+                           kv_form="pair", kv_layout="NHD", window=True),
+        make_decode_config(**{**base, "q_dtype": "fp16", "kv_dtype": "fp16"}, split=False, window=True),
+        make_decode_config(**{**base, "head_dim": 256, "group": 4}, split=True, sinks=True),
+    ]
     return out

@@ -96,6 +96,10 @@ class Sm90PrefillConfig(KernelConfig):
     the tensor cores (FA3's intra-warpgroup overlap); ``pingpong``: the two consumer warpgroups
     take turns issuing their WGMMAs (named barriers), so one's softmax overlaps the other's MMAs;
     ``producer_regs`` / ``consumer_regs``: ``setmaxnreg`` targets (three warpgroups share 64K).
+
+    Features (compile-verified: :func:`feature_variants`): ``window`` takes a runtime
+    ``window_left`` (-1: none) and walks only the KV tiles a block's rows see; ``sinks`` takes fp32
+    ``[Hq]`` sink logits: docs/design/sm90-prefill.md#sliding-window-and-sinks.
     """
 
     q_dtype: str = "bf16"
@@ -118,6 +122,8 @@ class Sm90PrefillConfig(KernelConfig):
     pingpong: bool = True
     producer_regs: int = 32
     consumer_regs: int = 232
+    window: bool = False
+    sinks: bool = False
 
     kernel_id = "sm90.prefill"
     targets = ("sm_90a",)
@@ -221,6 +227,8 @@ class Sm90PrefillConfig(KernelConfig):
             *q_scale,
             ScalarArg("sm_scale", "fp32"),
             ScalarArg("max_query_len", "int32"),
+            *((TensorArg("sinks", "fp32", ("Hq",), align=4),) if self.sinks else ()),
+            *((ScalarArg("window_left", "int32"),) if self.window else ()),
         )
 
     def build(self):
@@ -311,6 +319,26 @@ def registry_id(q_dtype: str, kv_dtype: str) -> str:
     return "sm90.prefill_fp8q" if kv_kind(q_dtype, kv_dtype) == "fp8" else "sm90.prefill"
 
 
+def config_family(config: Sm90PrefillConfig) -> str:
+    """A variant's self-check family: :func:`family`, and its window / sink features if any."""
+    features = "+".join(name for name, on in (("window", config.window), ("sinks", config.sinks)) if on)
+    base = family(config.q_dtype, config.kv_dtype, config.head_dim)
+    return f"{base}/{features}" if features else base
+
+
+def check_registry_id(config: Sm90PrefillConfig) -> str:
+    """The registry entry whose status says whether ``config`` still needs its self-check."""
+    return FEATURES_ID if config.window or config.sinks else registry_id(config.q_dtype, config.kv_dtype)
+
+
+FEATURES_ID = "sm90.prefill_window_sinks"
+
+
+def feature_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
+    """The registry's family of a request with a window and sinks."""
+    return f"{family(q_dtype, kv_dtype, head_dim)}/window+sinks"
+
+
 def family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
     """The runtime self-check family of a (query, cache) dtype pair and head dim: its registry id,
     its kind (the MMA path: 16-bit K/V, FP8 widened, FP8 query) and its head dim (which sets the
@@ -343,6 +371,21 @@ def fp8_query_compile_variants() -> list[Sm90PrefillConfig]:
         _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar"),
         _variant("fp8_e4m3", "fp8_e4m3", 64, 8, 128, q_scale="tensor", kv_form="pair", kv_layout="NHD"),
         _variant("fp8_e4m3", "fp8_e4m3", 256, 4, 16, q_scale="per_head", out_dtype="fp16", write_lse=False),
+    ]
+
+
+def feature_variants() -> list[Sm90PrefillConfig]:
+    """The window / sink variants' compile matrix (registry id ``sm90.prefill_window_sinks``):
+    every kind (16-bit, FP8 widened, FP8 query), both features alone and together, causal and not,
+    D 64 / 128 / 256, with and without LSE, the serial consumer schedule once."""
+    both = dict(window=True, sinks=True)
+    return [
+        _variant("bf16", "bf16", 128, 8, 16, **both),
+        _variant("bf16", "bf16", 128, 8, 16, overlap=False, pingpong=False, **both),
+        _variant("fp16", "fp16", 64, 4, 32, kv_form="pair", kv_layout="NHD", causal=False, window=True),
+        _variant("bf16", "fp8_e4m3", 128, 8, 16, **both),
+        _variant("bf16", "fp8_e4m3", 256, 4, 32, write_lse=False, sinks=True),
+        _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar", **both),
     ]
 
 

@@ -31,12 +31,14 @@ def new_state():
 
 @cute.jit
 def softmax_step(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_max: cute.Tensor,
-                 row_sum: cute.Tensor, masked: cutlass.Constexpr, limit: cute.Tensor, col0, alpha: cute.Tensor):
+                 row_sum: cute.Tensor, masked: cutlass.Constexpr, limit: cute.Tensor, col0, alpha: cute.Tensor,
+                 lower=None):
     """One tile in place: ``acc_s`` (the raw QK accumulator) becomes ``P = exp2(s - max)`` with
     ``s = acc * scale[row]`` (log2 units) and, when ``masked``, ``s = -inf`` at columns
-    ``col0 + c >= limit[row]`` (``col0``: the tile's first KV position plus this thread's
-    column offset; ``cS0``: thread 0's static coordinates of ``acc_s``). Writes ``alpha``, the
-    factor the output rows must be rescaled by (``exp2(old max - new max)``)."""
+    ``col0 + c >= limit[row]`` (and, with ``lower``, a sliding window's ``< lower[row]``;
+    ``col0``: the tile's first KV position plus this thread's column offset; ``cS0``: thread 0's
+    static coordinates of ``acc_s``). Writes ``alpha``, the factor the output rows must be
+    rescaled by (``exp2(old max - new max)``)."""
     tile_max = cute.make_rmem_tensor((ROWS,), Float32)
     tile_max.fill(-Float32.inf)
     for e in cutlass.range_constexpr(cute.size(acc_s)):
@@ -46,6 +48,9 @@ def softmax_step(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_m
         if cutlass.const_expr(masked):
             if col0 + n >= limit[h]:
                 v = -Float32.inf  # a select, not a product: the logit may be NaN past the sequence
+            if cutlass.const_expr(lower is not None):
+                if col0 + n < lower[h]:
+                    v = -Float32.inf
         acc_s[e] = v
         tile_max[h] = cute.arch.fmax(tile_max[h], v)
     shift = cute.make_rmem_tensor((ROWS,), Float32)
@@ -89,6 +94,38 @@ def finalize(row_max: cute.Tensor, row_sum: cute.Tensor, out_scale):
     return inv, lse
 
 
+@cute.jit
+def add_sink(row_max: cute.Tensor, row_sum: cute.Tensor, sink_log2, first_of_quad):
+    """One more logit per row, a sink (log2 units) that adds no value, as an online-softmax step:
+    the running max becomes ``max(m, sink)``, every thread's share of the sum is rescaled and the
+    sink's ``2^(sink - max)`` joins the share of the quad's first thread (``first_of_quad``).
+    Returns the factor the output rows must be rescaled by (then :func:`finalize` as usual; a row
+    that saw nothing gets 0 and LSE ``sink_log2``)."""
+    alpha = cute.make_rmem_tensor((ROWS,), Float32)
+    for h in cutlass.range_constexpr(ROWS):
+        big = cute.arch.fmax(row_max[h], sink_log2)
+        keep = Float32(0.0)
+        if row_max[h] != -Float32.inf:
+            keep = cute.math.exp2(row_max[h] - big, fastmath=False)
+        extra = Float32(0.0)
+        if first_of_quad and sink_log2 != -Float32.inf:  # (a -inf sink is no sink)
+            extra = cute.math.exp2(sink_log2 - big, fastmath=False)
+        row_sum[h] = row_sum[h] * keep + extra
+        row_max[h] = big
+        alpha[h] = keep
+    return alpha
+
+
+def row_lower(row0, j_first, q_len, seq_len, window_left):
+    """(Traced.) A sliding window's lowest visible key of this thread's two rows (``p - w``; 0
+    without a window, ``window_left = -1``)."""
+    lower = cute.make_rmem_tensor((ROWS,), Int32)
+    on = cutlass.min(cutlass.max(window_left + 1, Int32(0)), Int32(1))  # 1 with a window, 0 without
+    for h in range(ROWS):
+        lower[h] = (seq_len - q_len + j_first + row0 + 8 * h - window_left) * on
+    return lower
+
+
 def row_limits(row0, j_first, q_len, seq_len, cap, causal: bool):
     """(Traced.) The KV limit of this thread's two rows (query rows ``j_first + row0 + {0, 8}`` of
     the request), as in :func:`cute_kernels.roles.prefill_blocks.row_limit`."""
@@ -98,4 +135,4 @@ def row_limits(row0, j_first, q_len, seq_len, cap, causal: bool):
     return limit
 
 
-__all__ = ["ROWS", "new_state", "softmax_step", "rescale_rows", "finalize", "row_limits"]
+__all__ = ["ROWS", "new_state", "softmax_step", "rescale_rows", "finalize", "add_sink", "row_lower", "row_limits"]

@@ -10,7 +10,9 @@ coordinate is out of range, so no page id can make the kernel read outside the c
 
 Schedules (per split CTA): a contiguous tile range, strided tiles ``s, s + S, ...`` (whose first
 page-table load need not wait for the request's length), or dynamic chunks taken from a shared
-counter; :meth:`PagedKVProducer.next_tile` is the consumer's side of the same schedule.
+counter; :meth:`PagedKVProducer.next_tile` is the consumer's side of the same schedule. With a
+sliding window (``window``) the schedule starts at the tile of the oldest row's window start, and
+the boxes of that tile wholly before it are out of range too: no page outside the window is read.
 Design: docs/design/sm90-decode.md#the-design-as-it-stands.
 """
 
@@ -34,13 +36,15 @@ class PagedKVProducer:
     ``dynamic``: the split schedule; ``chunk_tiles``: tiles per dynamic grab; ``evict_first``: the
     loads carry the L2 evict-first policy (every KV byte is read once per call); ``tail``: the
     static producer waits, after its last tile, until the consumers have released every stage
-    (a CTA of a thread-block cluster, whose shared memory its peers read before it exits)."""
+    (a CTA of a thread-block cluster, whose shared memory its peers read before it exits);
+    ``window``: the static schedule's boxes before ``key_lo`` (the first visible key) are
+    zero-filled, not read."""
 
     def __init__(self, *, D: int, page: int, tile: int, stages: int, fp8: bool, strided: bool, dynamic: bool,
-                 evict_first: bool, chunk_tiles_max: int, tail: bool = False):
+                 evict_first: bool, chunk_tiles_max: int, tail: bool = False, window: bool = False):
         self.D, self.page, self.tile, self.stages, self.fp8 = D, page, tile, stages, fp8
         self.strided, self.dynamic, self.evict_first = strided, dynamic, evict_first
-        self.tail = tail
+        self.tail, self.window = tail, window
         self.box = min(page, tile)  # tokens per TMA box
         self.boxes_per_tile = tile // self.box
         # dynamic split: tiles per grab (their page ids must fit one per lane of the producer warp)
@@ -88,8 +92,9 @@ class PagedKVProducer:
 
     @cute.jit
     def produce(self, tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
-                batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw):
-        """Static split: this CTA's tiles ``tile_begin, tile_begin + tile_step, ... < tile_end``."""
+                batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw, key_lo=None):
+        """Static split: this CTA's tiles ``tile_begin, tile_begin + tile_step, ... < tile_end``
+        (``key_lo``: the window's first visible key, with ``window``)."""
         nb = self.boxes_per_tile
         tKsK, tKgK, tVsV, tVgV = self.partition_tma(tma_k, mK, tma_v, mV, sK, sV, kv_head)
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -98,15 +103,15 @@ class PagedKVProducer:
         # first batch: with strided splits it was loaded together with seq_len (``first_raw``:
         # one L2 round trip less before the first TMA of every split CTA).
         box0 = self.box_of(tile_begin, tile_step, Int32(0), lane)
-        if const_expr(not self.strided):
+        if const_expr(not self.strided or self.window):  # (a window's first tile waits for seq_len)
             first_raw = self.load_page_raw(mBlockTable, batch_idx, box0)
-        page_id = self.mask_page(first_raw, num_pages, seq_len, box0)
+        page_id = self.mask_page(first_raw, num_pages, seq_len, box0, key_lo)
         k = Int32(0)
         for tile in cutlass.range(tile_begin, tile_end, tile_step, unroll=1):
             rel = k * nb  # box index relative to this CTA's first box
             if rel % 32 == 0 and k > 0:
                 page_id = self.lookup_page(mBlockTable, num_pages, batch_idx, seq_len,
-                                           self.box_of(tile_begin, tile_step, k, lane))
+                                           self.box_of(tile_begin, tile_step, k, lane), key_lo)
             k += 1
             pipe_k.producer_acquire(state_k)
             self.load_tile(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, pipe_k, pipe_v, state_k, state_v, page_id, rel, tile)
@@ -166,10 +171,11 @@ class PagedKVProducer:
         return (tile_begin + (k0 + lane // nb) * tile_step) * nb + lane % nb
 
     @cute.jit
-    def lookup_page(self, mBlockTable, num_pages, batch_idx, seq_len, box_idx):
+    def lookup_page(self, mBlockTable, num_pages, batch_idx, seq_len, box_idx, key_lo=None):
         """Physical page of box ``box_idx`` (one per lane); ``num_pages`` (out of range: TMA
         zero-fill) past the sequence, past the table or for an invalid id."""
-        return self.mask_page(self.load_page_raw(mBlockTable, batch_idx, box_idx), num_pages, seq_len, box_idx)
+        return self.mask_page(self.load_page_raw(mBlockTable, batch_idx, box_idx), num_pages, seq_len, box_idx,
+                              key_lo)
 
     @cute.jit
     def load_page_raw(self, mBlockTable, batch_idx, box_idx, predicated: cutlass.Constexpr = False):
@@ -189,12 +195,16 @@ class PagedKVProducer:
         return raw
 
     @cute.jit
-    def mask_page(self, raw, num_pages, seq_len, box_idx):
+    def mask_page(self, raw, num_pages, seq_len, box_idx, key_lo=None):
         """``raw`` as a TMA page coordinate: ``num_pages`` (out of range: zero-fill) past the
-        sequence or for an invalid id (negative ones too; clamped only to keep it int32)."""
+        sequence or for an invalid id (negative ones too; clamped only to keep it int32); with
+        ``window``, also for a box wholly before ``key_lo``."""
         page_id = raw
         if box_idx * self.box >= seq_len or raw < 0 or raw >= num_pages:
             page_id = Int32(num_pages)
+        if const_expr(self.window):
+            if box_idx * self.box + self.box <= key_lo:
+                page_id = Int32(num_pages)
         return page_id
 
     @cute.jit

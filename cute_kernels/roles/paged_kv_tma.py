@@ -70,9 +70,10 @@ class PagedTiles:
         return tXsX, tXgX
 
     @cute.jit
-    def lookup(self, mBlockTable, batch, tile, cap, num_pages, lane):
+    def lookup(self, mBlockTable, batch, tile, cap, num_pages, lane, lo=None):
         """The page id of box ``lane`` of KV tile ``tile`` (lanes past the tile's boxes: unused):
-        ``num_pages`` past ``cap`` or for an id outside ``[0, num_pages)``. The table is read only
+        ``num_pages`` past ``cap`` or for an id outside ``[0, num_pages)``, and (a sliding window)
+        for a box wholly before ``lo``, a page no row of the block sees. The table is read only
         below ``cap`` (so never past its width)."""
         token, logical_page, _ = box_source(tile, lane, self.tile_n, self.box, self.page)
         page_id = Int32(num_pages)
@@ -81,6 +82,9 @@ class PagedTiles:
                 raw = mBlockTable[batch, logical_page]
                 if raw >= 0 and raw < num_pages:
                     page_id = raw
+            if const_expr(lo is not None):
+                if token + self.box <= lo:
+                    page_id = Int32(num_pages)
         return page_id
 
     @cute.jit

@@ -47,6 +47,21 @@ def n_block_range(m_block, tile_m: int, tile_n: int, q_len, seq_len, cap, causal
     return n_max, imin(lo // tile_n, n_max)
 
 
+def window_tiles(m_block, tile_m: int, tile_n: int, q_len, seq_len, window_left, n_max, imin=min, imax=max):
+    """``(n_min, lo_first, lo_last)`` of query block ``m_block`` under a sliding window
+    (``window_left = w``; row j at ``p = seq_len - q_len + j`` sees keys ``>= p - w``): the block
+    visits KV tiles ``[n_min, n_max)`` only, the first of them holding ``lo_first``, its first
+    row's window start (the boxes wholly before it are never read); tiles that start before
+    ``lo_last``, its last real row's window start, are masked per row from below. ``w = -1`` (no
+    window): ``(0, 0, 0)``."""
+    on = imin(imax(window_left + 1, 0), 1)  # 1 with a window, 0 without
+    first = m_block * tile_m
+    last = imax(imin(first + tile_m, q_len) - 1, first)
+    lo_first = imax(seq_len - q_len + first - window_left, 0) * on
+    lo_last = imax(seq_len - q_len + last - window_left, 0) * on
+    return imin(lo_first // tile_n, n_max), lo_first, lo_last
+
+
 def m_block_of(grid_y, num_m_blocks):
     """The query block a CTA row ``grid_y`` takes: the last block first, since causal blocks grow
     with their index (longest-processing-time order)."""

@@ -39,9 +39,11 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..jit.dtypes import cute_dtype
 from ..jit.spec import bind_arguments
+from ..roles.attn_window import window_start
 from ..roles.fragments import WIDEN_SHIFT_LOG2, store_shared_f32
 from ..roles.paged_kv import PagedKVProducer
 from ..roles.query import QueryStager
+from ..roles.sinks import fold_sink
 from ..roles.softmax import BAR_MMA, LOG2E, SwapAbSoftmax, slot_column, slot_of, swap_ab_mmas
 from ..roles.split_merge import SplitMerge
 from ..roles.widen import Fp8Fragments
@@ -94,7 +96,8 @@ class Sm90PagedDecode:
         # the roles this kernel composes
         self.kv = PagedKVProducer(D=self.D, page=self.page, tile=self.tile, stages=self.stages, fp8=self.fp8,
                                   strided=cfg.strided, dynamic=cfg.dynamic, evict_first=cfg.evict_first,
-                                  chunk_tiles_max=cfg.chunk_tiles_max, tail=cfg.cluster)
+                                  chunk_tiles_max=cfg.chunk_tiles_max, tail=cfg.cluster,
+                                  window=cfg.window)
         self.frags = Fp8Fragments(self.D, self.tile, self.fp8, self.cvt, cfg.q_dtype, self.mma_m)
         self.query = QueryStager(self.D, self.N, self.G, self.q_len, bounded=False,
                                  dynamic_q_scale=self.dynamic_q_scale, q_pre=self.q_pre, q_permuted=self.q_permuted,
@@ -127,8 +130,11 @@ class Sm90PagedDecode:
             num_splits = mPartO.shape[0]
         elif const_expr(self.cfg.merge == "cluster"):
             num_splits = a["num_splits"]
+        # the window / sink variants' runtime inputs (absent from the other variants' launches)
+        mSinks = a["sinks"] if const_expr(self.cfg.sinks) else None
+        window_left = a["window_left"] if const_expr(self.cfg.window) else None
         self.launch(mQ, mKc, mVc, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse, mCounter, a["k_scale"],
-                    a["v_scale"], a["sm_scale"], num_splits, a["stream"])
+                    a["v_scale"], a["sm_scale"], num_splits, a["stream"], mSinks, window_left)
 
     @cute.jit
     def launch(
@@ -148,6 +154,8 @@ class Sm90PagedDecode:
         sm_scale: Float32,
         num_splits,  # the grid's split count (1 without split)
         stream,
+        mSinks=None,  # sinks: [Hq] fp32 sink logits (natural log)
+        window_left=None,  # window: Int32, -1 = no window
     ):
         D, N = self.D, self.N
         cfg = self.cfg
@@ -187,6 +195,7 @@ class Sm90PagedDecode:
         kernel = self.kernel(
             mQ, tma_k, tma_tK, tma_v, tma_tV, mK4.shape[0], mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse,
             mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
+            mSinks, window_left,
         )
         # cluster merge: the splits of one (KV head, request) form one cluster and merge through DSMEM
         kernel.launch(grid=[num_splits, num_kv_heads, batch], block=[self.num_threads, 1, 1], stream=stream,
@@ -222,6 +231,8 @@ class Sm90PagedDecode:
         v_layout,
         q_layout,
         p_layout,
+        mSinks,
+        window_left,
     ):
         D, N = self.D, self.N
         tidx, _, _ = cute.arch.thread_idx()
@@ -269,7 +280,7 @@ class Sm90PagedDecode:
         # producer's first lookup is issued ahead of the seq_len load (nothing that waits for
         # seq_len may come before it, or the two loads are serialized again)
         first_raw = Int32(-1)
-        if const_expr(self.cfg.strided):
+        if const_expr(self.cfg.strided and not self.cfg.window):
             # every warp loads (a branch on the role would let ptxas put seq_len's uses first)
             first_raw = self.kv.load_page_raw(mBlockTable, batch_idx, self.kv.box_of(split, num_splits, Int32(0), lane),
                                            predicated=True)
@@ -280,7 +291,21 @@ class Sm90PagedDecode:
         kv_cap = mBlockTable.shape[1] * self.page
         num_tiles = (cutlass.min(seq_len, kv_cap) + self.tile - 1) // self.tile
         tile_step = Int32(1)
-        if const_expr(self.cfg.strided):
+        key_lo = None
+        if const_expr(self.cfg.window):
+            # the oldest draft row's window start: tiles (and pages) wholly before it are never
+            # loaded; the schedule spreads the remaining tiles over the splits
+            key_lo = window_start(seq_len - self.q_len, window_left)
+            first_tile = key_lo // self.tile
+            if const_expr(self.cfg.strided):
+                tile_begin = first_tile + split
+                tile_step = num_splits
+                tile_end = num_tiles
+            else:
+                per_split = (num_tiles - first_tile + num_splits - 1) // num_splits
+                tile_begin = first_tile + split * per_split
+                tile_end = cutlass.min(tile_begin + per_split, num_tiles)
+        elif const_expr(self.cfg.strided):
             tile_begin = split
             tile_step = num_splits
             tile_end = num_tiles
@@ -299,7 +324,7 @@ class Sm90PagedDecode:
                                      batch_idx, kv_head, seq_len, num_tiles, grab, sTileId, lane)
             else:
                 self.kv.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
-                             batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw)
+                             batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw, key_lo)
         else:
             k_base = storage.sK.data_ptr().toint()
             v_base = storage.sV.data_ptr().toint()
@@ -307,7 +332,8 @@ class Sm90PagedDecode:
             merge = (mPartO, mPartLse, mCounter, sFlag, num_splits)
             self.consume(mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                          qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                         seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId)
+                         seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId, mSinks,
+                         window_left)
         if const_expr(self.cfg.cluster):
             # every thread of the CTA, the producer warp too: the cluster barriers count them all
             self.split_merge.cluster_merge(mO, mLse, storage.sK.data_ptr().toint())
@@ -315,7 +341,8 @@ class Sm90PagedDecode:
     @cute.jit
     def consume(self, mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                 qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId):
+                seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId, mSinks=None,
+                window_left=None):
         cfg = self.cfg
         mPartO, mPartLse, mCounter, sFlag, num_splits = merge
         D, N, G = self.D, self.N, self.G
@@ -345,6 +372,13 @@ class Sm90PagedDecode:
             # query row n is draft token n // G: it sees positions < seq_len - q_len + j + 1, and
             # none at or past the block table's capacity
             limit[s] = cutlass.min(seq_len - self.q_len + n // G + 1, kv_cap)
+        if const_expr(cfg.window):
+            # ... and (window_left = w >= 0) positions >= its own position - w
+            lower = cute.make_rmem_tensor((nslots,), Int32)
+            for s in cutlass.range_constexpr(nslots):
+                lower[s] = Int32(0)
+                if window_left >= 0:
+                    lower[s] = seq_len - self.q_len + slot_column(s, n_base) // G - window_left
 
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         tSrQ = qk_mma.make_fragment_B(thr_qk.partition_B(sQ))
@@ -373,6 +407,10 @@ class Sm90PagedDecode:
 
             # ---------------- online softmax over the tile's tokens ----------------
             masked = (tile + 1) * self.tile > cutlass.min(seq_len - self.q_len + 1, kv_cap)
+            if const_expr(cfg.window):
+                if window_left >= 0:
+                    if tile * self.tile < seq_len - 1 - window_left:  # the newest row's window start
+                        masked = True
             tile_max = cute.make_rmem_tensor((nslots,), Float32)
             tile_max.fill(-Float32.inf)
             for i in cutlass.range_constexpr(nS):
@@ -382,6 +420,9 @@ class Sm90PagedDecode:
                     pos = tile * self.tile + cS0[i][0] + m_base
                     if pos >= limit[sl]:
                         s_val = -Float32.inf
+                    if const_expr(cfg.window):
+                        if pos < lower[sl]:
+                            s_val = -Float32.inf
                 acc_s[i] = s_val
                 tile_max[sl] = cute.arch.fmax(tile_max[sl], s_val)
             self.softmax.softmax_tile(acc_s, acc_o, tile_max, row_max, row_sum, sRed, sP, cS0, cO0, n_base, m_base, warp,
@@ -426,7 +467,17 @@ class Sm90PagedDecode:
             total = sRed[0, n] + sRed[1, n] + sRed[2, n] + sRed[3, n]
             inv[s] = Float32(0.0)
             lse = -Float32.inf
-            if total > Float32(0.0):
+            if const_expr(cfg.sinks):
+                # the sink joins the denominator once: unsplit, or in split 0 (the merge adds the rest)
+                m_row = row_max[s]
+                keep = Float32(1.0)
+                if split == 0:
+                    head_sink = kv_head * G + cutlass.min(n, Int32(self.rows - 1)) % G
+                    m_row, total, keep = fold_sink(m_row, total, mSinks[head_sink] * Float32(LOG2E))
+                if total > Float32(0.0):
+                    inv[s] = vs * keep * Float32(2.0 ** self.out_log2) / total
+                    lse = m_row + cute.math.log2(total, fastmath=True)
+            elif total > Float32(0.0):
                 inv[s] = vs * Float32(2.0 ** self.out_log2) / total
                 lse = row_max[s] + cute.math.log2(total, fastmath=True)
             if warp == 0:

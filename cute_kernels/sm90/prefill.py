@@ -29,7 +29,7 @@ from ..jit.spec import bind_arguments
 from ..roles import online_softmax as softmax
 from ..roles.fragments import store_shared_b32x4
 from ..roles.paged_kv_tma import PagedTiles, box_atom, cache_views, transposed
-from ..roles.prefill_blocks import kv_cap, m_block_of, n_block_range, request_rows
+from ..roles.prefill_blocks import kv_cap, m_block_of, n_block_range, request_rows, window_tiles
 from ..roles.smem_fp8 import (
     P_SHIFT,
     narrow_q_rows,
@@ -115,6 +115,7 @@ class Sm90PagedPrefill:
             tma_q, tma_tQ, tma_k, tma_tK, tma_v, tma_tV, num_pages, arg["block_table"], arg["seq_lens"],
             arg["query_start_loc"], mQ.shape[0], arg["out"], arg.get("lse"), arg["k_scale"], arg["v_scale"],
             arg.get("q_scale"), arg["sm_scale"], qk_mma, pv_mma, L["q"], L["k"], L["v"], L.get("ks"), L.get("vs"),
+            arg.get("sinks"), arg.get("window_left"),  # the window / sink variants' inputs (else None)
         ).launch(grid=[num_q_heads, m_blocks, batch], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def mmas(self):
@@ -183,7 +184,8 @@ class Sm90PagedPrefill:
     @cute.kernel
     def kernel(self, tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages: Int32, mBlockTable: cute.Tensor,
                mSeqLens: cute.Tensor, mQsl: cute.Tensor, total_rows: Int32, mO: cute.Tensor, mLse, k_scale, v_scale,
-               q_scale, sm_scale: Float32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, lq, lk, lv, lks, lvs):
+               q_scale, sm_scale: Float32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, lq, lk, lv, lks, lvs,
+               mSinks, window_left):
         cfg = self.cfg
         L = dict(q=lq, k=lk, v=lv, ks=lks, vs=lvs)
         scales = (k_scale, v_scale, q_scale, sm_scale)
@@ -198,6 +200,13 @@ class Sm90PagedPrefill:
                                           cutlass.min, cutlass.max)
         kv_head = head // cfg.group
         req = (batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head)
+        # a sliding window: the block walks tiles [n_min, n_max) only (docs/design/sm90-prefill.md#sliding-window-and-sinks)
+        count, win = n_max, None
+        if const_expr(cfg.window):
+            n_min, lo_first, lo_last = window_tiles(m_block, self.tile_m, self.tile_n, q_len, seq_len, window_left,
+                                                    n_max, cutlass.min, cutlass.max)
+            win = (n_max - n_min, lo_first, lo_last, window_left)
+            count = win[0]
 
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         if tidx == 0:
@@ -218,17 +227,18 @@ class Sm90PagedPrefill:
         if m_block * self.tile_m < q_len:  # a block past the request's rows has nothing to do
             if warp < 4:
                 cute.arch.setmaxregister_decrease(cfg.producer_regs)
-                if n_max > 0:
+                if count > 0:
                     if const_expr(self.kind == "16"):
                         if warp == 0:
                             self.produce_direct(tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable,
-                                                storage, L, req)
+                                                storage, L, req, win)
                     else:
                         self.produce_rewrite(tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable,
-                                             storage, L, req, tidx, warp)
+                                             storage, L, req, tidx, warp, win)
             else:
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
-                self.consume(storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tidx % self.wg_threads, warp // 4 - 1)
+                self.consume(storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tidx % self.wg_threads, warp // 4 - 1,
+                             win, mSinks)
 
     # ---- producer ------------------------------------------------------------------------------
 
@@ -246,10 +256,14 @@ class Sm90PagedPrefill:
             cute.copy(tma_q, tQgQ[None, 2 * m_block + h], tQsQ[None, h], tma_bar_ptr=bar)
 
     @cute.jit
-    def produce_direct(self, tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable, storage, L, req):
+    def produce_direct(self, tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable, storage, L, req, win=None):
         """16-bit cache, one warp: the query, then K(i) ahead of V(i-1) (the consumer needs K(i)
-        first), each into its stage once the consumers have released it."""
+        first), each into its stage once the consumers have released it (``count`` tiles from
+        ``n_max - 1`` down: all of them, or a window's)."""
         batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head = req
+        count, lo = n_max, None
+        if const_expr(win is not None):
+            count, lo = win[0], win[1]
         lane = cute.arch.lane_idx()
         sQ = storage.sQ.get_tensor(L["q"].outer, swizzle=L["q"].inner)
         sK = storage.sK.get_tensor(L["k"].outer, swizzle=L["k"].inner)
@@ -260,13 +274,13 @@ class Sm90PagedPrefill:
         k_full, k_empty = storage.k_full.data_ptr(), storage.k_empty.data_ptr()
         v_full, v_empty = storage.v_full.data_ptr(), storage.v_empty.data_ptr()
         tile_bytes = self.tile_n * self.D * self.kv_dtype.width // 8
-        ids_next = self.k_tiles.lookup(mBlockTable, batch, n_max - 1, cap, num_pages, lane)
+        ids_next = self.k_tiles.lookup(mBlockTable, batch, n_max - 1, cap, num_pages, lane, lo)
         ids_prev = ids_next
-        for i in cutlass.range(n_max + 1, unroll=1):
+        for i in cutlass.range(count + 1, unroll=1):
             ids = ids_next
-            if i + 1 < n_max:  # the next tile's page ids, loaded one tile ahead
-                ids_next = self.k_tiles.lookup(mBlockTable, batch, n_max - 2 - i, cap, num_pages, lane)
-            if i < n_max:
+            if i + 1 < count:  # the next tile's page ids, loaded one tile ahead
+                ids_next = self.k_tiles.lookup(mBlockTable, batch, n_max - 2 - i, cap, num_pages, lane, lo)
+            if i < count:
                 stage, phase = i % self.stages, (i // self.stages) % 2
                 cute.arch.mbarrier_wait(k_empty + stage, phase ^ 1)
                 with cute.arch.elect_one():
@@ -283,12 +297,15 @@ class Sm90PagedPrefill:
 
     @cute.jit
     def produce_rewrite(self, tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable, storage, L, req, tidx,
-                        warp):
+                        warp, win=None):
         """FP8 cache, the whole warpgroup: warp 0 TMAs the query and each tile's FP8 K and V (FP8
         query: K straight into its consumer stage, V into staging) ``staging`` tiles ahead; all
         four warps then rewrite each staged tile into the consumers' stage (widen K and V, or
         transpose V), publish it (proxy fence + arrival) and free the staging slot."""
         batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head = req
+        count, lo = n_max, None
+        if const_expr(win is not None):
+            count, lo = win[0], win[1]
         lane = cute.arch.lane_idx()
         n, D = self.tile_n, self.D
         sQ = storage.sQ.get_tensor(L["q"].outer, swizzle=L["q"].inner, dtype=self.q_dtype)
@@ -307,9 +324,9 @@ class Sm90PagedPrefill:
         tVs, tVg = self.v_tiles.partition(tma_v, mVt, sVs, kv_head)
         if warp == 0:
             self.load_q(tma_q, mQt, sQ, storage.q_full.data_ptr(), req)
-            for i in cutlass.range(cutlass.min(self.staging, n_max), unroll=1):
+            for i in cutlass.range(cutlass.min(self.staging, count), unroll=1):
                 self.issue_staged(tma_k, tKg, tKs, tma_v, tVg, tVs, mBlockTable, batch, n_max - 1 - i, i, cap,
-                                  num_pages, lane, s_full, k_full, k_empty, tile_bytes)
+                                  num_pages, lane, s_full, k_full, k_empty, tile_bytes, lo)
         if const_expr(self.narrow_q):
             cute.arch.mbarrier_wait(storage.q_full.data_ptr(), 0)
             narrow_q_rows(storage.sQ.data_ptr().toint(), L["q"], D,
@@ -318,7 +335,7 @@ class Sm90PagedPrefill:
             cute.arch.barrier_arrive(barrier_id=BAR_Q_READY, number_of_threads=self.num_threads)
         src_v = storage.sVs.data_ptr().toint()
         dst_v = storage.sV.data_ptr().toint()
-        for i in cutlass.range(n_max, unroll=1):
+        for i in cutlass.range(count, unroll=1):
             tile = n_max - 1 - i
             slot, s_phase = i % self.staging, (i // self.staging) % 2
             stage, phase = i % self.stages, (i // self.stages) % 2
@@ -340,17 +357,17 @@ class Sm90PagedPrefill:
             # every warp is done reading the staging slot: refill it
             cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.wg_threads)
             if warp == 0:
-                if i + self.staging < n_max:
+                if i + self.staging < count:
                     self.issue_staged(tma_k, tKg, tKs, tma_v, tVg, tVs, mBlockTable, batch,
                                       n_max - 1 - i - self.staging, i + self.staging, cap, num_pages, lane, s_full,
-                                      k_full, k_empty, tile_bytes)
+                                      k_full, k_empty, tile_bytes, lo)
 
     @cute.jit
     def issue_staged(self, tma_k, tKg, tKs, tma_v, tVg, tVs, mBlockTable, batch, tile, i, cap, num_pages, lane,
-                     s_full, k_full, k_empty, tile_bytes):
+                     s_full, k_full, k_empty, tile_bytes, lo=None):
         """(Warp 0.) Tile ``tile`` (the i-th walked): K and V into staging slot ``i % staging``
         (widen), or K into consumer stage ``i % stages`` and V into staging (FP8 query)."""
-        ids = self.k_tiles.lookup(mBlockTable, batch, tile, cap, num_pages, lane)
+        ids = self.k_tiles.lookup(mBlockTable, batch, tile, cap, num_pages, lane, lo)
         slot = i % self.staging
         if const_expr(self.kind == "widen"):
             with cute.arch.elect_one():
@@ -369,9 +386,11 @@ class Sm90PagedPrefill:
     # ---- consumers -----------------------------------------------------------------------------
 
     @cute.jit
-    def consume(self, storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tid, wg):
+    def consume(self, storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tid, wg, win=None, mSinks=None):
         """One consumer warpgroup: rows ``64 wg ..`` of the query block; ``tid`` is the thread's
-        index inside its warpgroup (the MMA slices and the shared work loops count from it)."""
+        index inside its warpgroup (the MMA slices and the shared work loops count from it).
+        ``win``: a sliding window's ``(count, lo_first, lo_last, window_left)``; ``mSinks``: the
+        fp32 [Hq] sink logits."""
         cfg = self.cfg
         batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head = req
         D, n = self.D, self.tile_n
@@ -398,6 +417,9 @@ class Sm90PagedPrefill:
         row_max, row_sum = softmax.new_state()
         j_first = m_block * self.tile_m + self.mma_m * wg  # request row of this warpgroup's row 0
         limit = softmax.row_limits(m_off, j_first, q_len, seq_len, cap, cfg.causal)
+        count = n_max
+        if const_expr(win is not None):
+            count = win[0]
 
         k_scale, v_scale, q_scale, sm_scale = scales
         ks = k_scale[0] if const_expr(isinstance(k_scale, cute.Tensor)) else Float32(k_scale)
@@ -415,10 +437,13 @@ class Sm90PagedPrefill:
                   acc_s=acc_s, acc_o=acc_o, cS0=cS0, cO0=cO0, row_max=row_max, row_sum=row_sum, limit=limit,
                   pmap=pmap, p_kind=p_kind, n_off=n_off, v_base=storage.sV.data_ptr().toint(), v_layout=L["v"],
                   tid=tid, wg=wg)
+        if const_expr(win is not None):
+            st["lower"] = softmax.row_lower(m_off, j_first, q_len, seq_len, win[3])
+            st["lo_last"] = win[2]
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)  # O starts at zero
         scale = cute.make_rmem_tensor((softmax.ROWS,), Float32)  # per row: logits in log2 units = S * scale
         st["scale"] = scale
-        if n_max > 0:
+        if count > 0:
             if const_expr(self.narrow_q):
                 cute.arch.barrier(barrier_id=BAR_Q_READY, number_of_threads=self.num_threads)
                 sShift = storage.q_shift.get_tensor(cute.make_layout(self.tile_m))
@@ -427,13 +452,19 @@ class Sm90PagedPrefill:
             else:
                 cute.arch.mbarrier_wait(storage.q_full.data_ptr(), 0)
                 scale.fill(c)
-            self.mainloop(st, storage, n_max, n_unmasked, cap)
+            self.mainloop(st, storage, n_max, n_unmasked, cap, count)
+        sink_log2 = None
+        if const_expr(cfg.sinks):
+            sink_log2 = mSinks[head] * Float32(LOG2E)
         self.epilogue(acc_o, row_max, row_sum, cO0, m_off, n_off, out_scale, mO, mLse, q_start, q_len, j_first,
-                      head, tid)
+                      head, tid, sink_log2)
 
     @cute.jit
-    def mainloop(self, st, storage, n_max, n_unmasked, cap):
-        """The KV tiles from ``n_max - 1`` down to 0 (see the module docstring)."""
+    def mainloop(self, st, storage, n_max, n_unmasked, cap, count=None):
+        """The KV tiles from ``n_max - 1`` down: ``count`` of them (all ``n_max``, or a window's;
+        see the module docstring)."""
+        if const_expr(count is None):
+            count = n_max
         k_full, k_empty = storage.k_full.data_ptr(), storage.k_empty.data_ptr()
         v_full, v_empty = storage.v_full.data_ptr(), storage.v_empty.data_ptr()
         wg = st["wg"]
@@ -446,7 +477,7 @@ class Sm90PagedPrefill:
             self.release(k_empty, 0)
             self.softmax(st, n_max - 1, n_unmasked)
             pack_p(st["acc_s"], st["tOrP"], st["pmap"], st["p_kind"])
-            for i in cutlass.range(1, n_max, unroll=1):
+            for i in cutlass.range(1, count, unroll=1):
                 self.wait(k_full, i)
                 if const_expr(self.cfg.pingpong):
                     if wg == 1 or i > 1:  # balanced: wg 0 goes first, wg 1 skips its last turn's handoff
@@ -458,7 +489,7 @@ class Sm90PagedPrefill:
                         self.zero_v_tail(st, (i - 1) % self.stages, n_max, cap)
                 self.issue_pv(st, i - 1)
                 if const_expr(self.cfg.pingpong):
-                    if wg == 0 or i < n_max - 1:
+                    if wg == 0 or i < count - 1:
                         cute.arch.barrier_arrive(barrier_id=BAR_SCHED + 1 - wg, number_of_threads=2 * self.wg_threads)
                 warpgroup.wait_group(1)  # QK(i) done (groups retire in order); PV(i-1) may run on
                 self.release(k_empty, i)
@@ -467,7 +498,7 @@ class Sm90PagedPrefill:
                 self.release(v_empty, i - 1)
                 pack_p(st["acc_s"], st["tOrP"], st["pmap"], st["p_kind"])
                 softmax.rescale_rows(st["acc_o"], st["cO0"], alpha)
-            last = n_max - 1
+            last = count - 1
             self.wait(v_full, last)
             if const_expr(zero_tail):
                 if last == 0:
@@ -476,7 +507,7 @@ class Sm90PagedPrefill:
             warpgroup.wait_group(0)
             self.release(v_empty, last)
         else:
-            for i in cutlass.range(n_max, unroll=1):
+            for i in cutlass.range(count, unroll=1):
                 self.wait(k_full, i)
                 self.issue_qk(st, i)
                 warpgroup.wait_group(0)
@@ -533,7 +564,15 @@ class Sm90PagedPrefill:
         """Scale, mask (the tiles at or past ``n_unmasked``) and exponentiate the tile's scores."""
         col0 = tile * self.tile_n + st["n_off"]
         alpha = cute.make_rmem_tensor((softmax.ROWS,), Float32)
-        if tile >= n_unmasked:
+        if const_expr("lower" in st):
+            # a window masks the tiles before its newest row's window start too
+            if tile >= n_unmasked or tile * self.tile_n < st["lo_last"]:
+                softmax.softmax_step(st["acc_s"], st["cS0"], st["scale"], st["row_max"], st["row_sum"], True,
+                                     st["limit"], col0, alpha, st["lower"])
+            else:
+                softmax.softmax_step(st["acc_s"], st["cS0"], st["scale"], st["row_max"], st["row_sum"], False,
+                                     st["limit"], col0, alpha)
+        elif tile >= n_unmasked:
             softmax.softmax_step(st["acc_s"], st["cS0"], st["scale"], st["row_max"], st["row_sum"], True,
                                  st["limit"], col0, alpha)
         else:
@@ -559,9 +598,12 @@ class Sm90PagedPrefill:
 
     @cute.jit
     def epilogue(self, acc_o, row_max, row_sum, cO0, m_off, n_off, out_scale, mO, mLse, q_start, q_len, j_first,
-                 head, tid):
-        """Normalize, write the rows of this request (4-byte pairs; rows past ``q_len`` belong to
-        the next request and are skipped) and, when asked, their base-2 LSE."""
+                 head, tid, sink_log2=None):
+        """Normalize (with the head's sink in the denominator, ``sink_log2``), write the rows of
+        this request (4-byte pairs; rows past ``q_len`` belong to the next request and are
+        skipped) and, when asked, their base-2 LSE."""
+        if const_expr(sink_log2 is not None):
+            softmax.rescale_rows(acc_o, cO0, softmax.add_sink(row_max, row_sum, sink_log2, tid % 4 == 0))
         inv, lse = softmax.finalize(row_max, row_sum, out_scale)
         for e in cutlass.range_constexpr(0, cute.size(acc_o), 2):
             h = cO0[e][0] // 8

@@ -74,16 +74,16 @@ def test_signature_and_bound_caller_order(split, form):
     caller = bind(op._CALL_PARAMS, (lambda *a: seen.append(a), cfg.signature(),
                                     {"kv_cache": "k", "k_cache": "k", "v_cache": "v"},
                                     dict(part_out="PO", part_lse="PL", counters="C", sm_scale=0.5)))
-    caller("Q", "K", "V", "BT", "SL", "O", "L", 1.5, 2.5)
+    caller("Q", "K", "V", "BT", "SL", "O", "L", 1.5, 2.5, "SI", -1)  # (sinks, window_left: unused here)
     src = {"q": "Q", "kv_cache": "K", "k_cache": "K", "v_cache": "V", "block_table": "BT", "seq_lens": "SL",
            "out": "O", "lse": "L", "part_out": "PO", "part_lse": "PL", "counters": "C", "k_scale": 1.5,
            "v_scale": 2.5, "sm_scale": 0.5}
     assert seen == [tuple(src[n] for n in names)]
     # float scales are checked on the way: an int becomes a float, a bad value names the argument
-    caller("Q", "K", "V", "BT", "SL", "O", "L", 2, 2.5)
+    caller("Q", "K", "V", "BT", "SL", "O", "L", 2, 2.5, None, -1)
     assert seen[-1][names.index("k_scale")] == 2.0 and type(seen[-1][names.index("k_scale")]) is float
     with pytest.raises(ValueError, match="v_scale must be a positive finite float"):
-        caller("Q", "K", "V", "BT", "SL", "O", "L", 1.5, float("nan"))
+        caller("Q", "K", "V", "BT", "SL", "O", "L", 1.5, float("nan"), None, -1)
 
 
 def test_bind_views_a_0d_scale_and_refuses_an_unbound_argument():

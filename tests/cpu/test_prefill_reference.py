@@ -95,8 +95,10 @@ def _token(cache, layout, pid, off, kv):
 
 
 def dense_prefill(q, kv_cache, block_table, seq_lens, query_start_loc, *, kv_layout, causal=True, sm_scale=None,
-                  q_scale=None, k_scale=1.0, v_scale=1.0):
-    """The contract, directly: float64 ``out [T, Hq, D]`` and base-2 ``lse [T, Hq]``."""
+                  q_scale=None, k_scale=1.0, v_scale=1.0, window_left=-1, sinks=None):
+    """The contract, directly: float64 ``out [T, Hq, D]`` and base-2 ``lse [T, Hq]`` (with a
+    window, row j at ``p = seq_len - q_len + j`` sees keys ``>= p - window_left``; ``sinks[h]``, a
+    natural-log logit, joins each row's denominator with no value)."""
     T, Hq, D = q.shape
     first = kv_layout == "HND"
     k0 = kv_cache[0] if isinstance(kv_cache, tuple) else kv_cache[:, 0]
@@ -126,14 +128,19 @@ def dense_prefill(q, kv_cache, block_table, seq_lens, query_start_loc, *, kv_lay
         for j in range(n):
             row = starts[b] + j
             seen = min(len(K), L - n + j + 1) if causal else len(K)
-            if seen <= 0:
+            lo = max(0, L - n + j - window_left) if window_left >= 0 else 0
+            if seen <= lo and sinks is None:
                 continue
             for h in range(Hq):
-                logits = [float(qf[row, h] @ K[t][h // G]) * scale for t in range(seen)]
-                mx = max(logits)
+                logits = [float(qf[row, h] @ K[t][h // G]) * scale for t in range(lo, seen)]
+                terms = logits + ([float(sinks[h])] if sinks is not None else [])
+                mx = max(terms)
+                if mx == float("-inf"):
+                    continue
                 w = [math.exp(x - mx) for x in logits]
-                total = sum(w)
-                out[row, h] = sum(wt * V[t][h // G] for t, wt in enumerate(w)) / total
+                total = sum(w) + sum(math.exp(x - mx) for x in terms[len(logits):])
+                out[row, h] = sum((wt * V[lo + t][h // G] for t, wt in enumerate(w)),
+                                  torch.zeros(D, dtype=torch.float64)) / total
                 lse[row, h] = (mx + math.log(total)) / LN2
     return out, lse
 

@@ -32,9 +32,10 @@ BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 VARIANTS = [c for kid in ("sm90.prefill", "sm90.prefill_fp8q") for c in KERNELS[kid].variants()]
 
 
-def reference_kernel(config, *, damage=None):
+def reference_kernel(config, *, damage=None, drop=None):
     """A stand-in for the compiled variant: TVM-FFI's argument checks, then the reference written
-    into ``out`` (and ``lse``); ``damage(out)`` breaks it."""
+    into ``out`` (and ``lse``); ``damage(out)`` breaks it, ``drop`` ("sinks" or "window") ignores
+    one of a window / sink variant's inputs."""
     signature = config.signature()
     names = [a.name for a in signature]
 
@@ -45,7 +46,9 @@ def reference_kernel(config, *, damage=None):
         out, lse = reference.paged_prefill(
             a["q"], cache, a["block_table"], a["seq_lens"], a["query_start_loc"], max_query_len=a["max_query_len"],
             kv_layout=config.kv_layout, causal=config.causal, sm_scale=a["sm_scale"], q_scale=a.get("q_scale"),
-            k_scale=a["k_scale"], v_scale=a["v_scale"], return_lse=True, out_dtype=a["out"].dtype)
+            k_scale=a["k_scale"], v_scale=a["v_scale"], return_lse=True, out_dtype=a["out"].dtype,
+            sinks=None if drop == "sinks" else a.get("sinks"),
+            window_left=-1 if drop == "window" else a.get("window_left", -1))
         a["out"].copy_(out)
         if "lse" in a:
             a["lse"].copy_(lse)
@@ -59,11 +62,11 @@ def reference_kernel(config, *, damage=None):
 def fake_gpu(monkeypatch):
     """CPU tensors take the CUDA path on an sm_90a target; ``kernels`` maps a config to the stub
     ``get_kernel`` returns (the reference kernel by default); ``compiled`` lists the lookups."""
-    state = dict(damage=None, compiled=[])
+    state = dict(damage=None, drop=None, compiled=[])
 
     def get_kernel(config, target):
         state["compiled"].append(config)
-        return reference_kernel(config, damage=state["damage"])
+        return reference_kernel(config, damage=state["damage"], drop=state["drop"])
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(op, "compile_target", lambda device: "sm_90a")

@@ -60,9 +60,7 @@ def test_every_argument_and_return_is_annotated(name):
     assert _missing(PUBLIC[name]) == [], f"{name}: unannotated"
 
 
-@pytest.mark.parametrize("name", ["cute_kernels.paged_decode", "cute_kernels.reference.paged_decode",
-                                  "cute_kernels.paged_prefill",
-                                  "cute_kernels.reference.qsa_sparse_attention"])
+@pytest.mark.parametrize("name", ["cute_kernels.paged_decode", "cute_kernels.paged_prefill"])
 def test_return_lse_selects_the_return_type(name):
     """Three overloads: ``return_lse`` False (default) -> Tensor, True -> (out, lse), a bool -> either."""
     fn = PUBLIC[name]

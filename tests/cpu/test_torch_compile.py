@@ -94,7 +94,8 @@ def step(x: SimpleNamespace, o: dict, kv: torch.Tensor) -> tuple:
     fp8_out, fp8_lse = cute_kernels.paged_decode(q8, kv, x.block_table, x.seq_lens, q_scale=0.25, k_scale=x.k_scale,
                                                  sinks=x.sinks, window_left=8, return_lse=True)
     pre_out, pre_lse = cute_kernels.paged_prefill(**x.prefill, k_scale=0.5, return_lse=True)
-    cute_kernels.paged_prefill(**x.prefill, max_query_len=4, causal=False, k_scale=x.k_scale, out=o["prefill_out"])
+    cute_kernels.paged_prefill(**x.prefill, max_query_len=4, k_scale=x.k_scale, window_left=3, sinks=x.sinks,
+                               out=o["prefill_out"])
     q8p = cute_kernels.quantize_query(x.prefill["q"], x.q_scale)  # per KV head
     pre8 = cute_kernels.paged_prefill(q8p, *list(x.prefill.values())[1:], q_scale=x.q_scale, v_scale=0.5)
     gated = cute_kernels.qsa_sparse_attention(**x.qsa, prefill=False)
@@ -125,7 +126,8 @@ def test_every_op_is_registered_with_its_schema():
     assert "float k_scale, Tensor? k_scale_tensor" in schemas["paged_decode"]
     assert schemas["paged_decode"].endswith("-> (Tensor, Tensor)")
     assert "float? q_scale, Tensor? q_scale_tensor, SymInt window_left, Tensor? sinks" in schemas["paged_decode"]
-    assert "Tensor(a19!) out) -> Tensor" in schemas["paged_decode_out"]
+    assert "Tensor(a19!)? workspace, Tensor(a20!) out) -> Tensor" in schemas["paged_decode_out"]
+    assert "SymInt window_left, Tensor? sinks) -> (Tensor, Tensor)" in schemas["paged_prefill"]
     assert "Tensor(a2!) k_cache, Tensor(a3!)? v_cache" in schemas["write_kv_cache"]
     assert "Tensor? cos_sin_cache, Tensor? positions" in schemas["quantize_query"]
     assert "Tensor(a2!) out, Tensor(a3!) out_lse" in schemas["merge_states_out"]
@@ -240,14 +242,14 @@ def _opcheck_cases(x: SimpleNamespace) -> dict:
     return {
         "merge_states": (parts, part_lse, torch.bfloat16),
         "merge_states_out": (parts, part_lse, torch.empty(3, 8, 64), torch.empty(3, 8)),
-        "paged_decode": (*decode, True, None, True, None, None, -1, None),
+        "paged_decode": (*decode, True, None, True, None, None, -1, None, None),
         "paged_decode_out": (x.q, *pair, x.block_table, x.seq_lens, "HND", 1, 0.1, 0.25, None, 0.5, None, False,
-                             None, True, None, None, 4, x.sinks, torch.empty_like(x.q)),
+                             None, True, None, None, 4, x.sinks, None, torch.empty_like(x.q)),
         "paged_decode_fp8_query": (q8, x.kv.clone(), None, x.block_table, x.seq_lens, "HND", 1, None, 1.0, None, 1.0,
-                                   None, True, None, True, 1.0, x.q_scale[:1].clone(), -1, x.sinks),
-        "paged_prefill": (*pre_args, None, "HND", True, None, None, None, 1.0, None, 1.0, None, True),
+                                   None, True, None, True, 1.0, x.q_scale[:1].clone(), -1, x.sinks, None),
+        "paged_prefill": (*pre_args, None, "HND", True, None, None, None, 1.0, None, 1.0, None, True, -1, None),
         "paged_prefill_out": (*pre_args, 4, "HND", False, 0.2, None, None, 0.5, x.k_scale, 1.0,
-                              None, False, torch.empty_like(pre["q"])),
+                              None, False, 8, x.sinks, torch.empty_like(pre["q"])),
         "qsa_sparse_attention": qsa_args,
         "qsa_sparse_attention_out": (*qsa_args, torch.empty_like(qsa["q"])),
         "quantize_query": (x.q, 0.25, None, x.cos_sin, x.positions),
@@ -294,7 +296,7 @@ def test_fake_outputs_match_the_real_ones():
         if name.startswith("paged_decode"):  # with and without the LSE
             args = [(*args[:12], flag, *args[13:]) for flag in (True, False)]
         elif name == "paged_prefill":
-            args = [(*args[:-1], flag) for flag in (True, False)]
+            args = [(*args[:16], flag, *args[17:]) for flag in (True, False)]
         else:
             args = [args]
         for a in args:

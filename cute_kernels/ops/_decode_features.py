@@ -1,0 +1,91 @@
+"""The SM90 paged decode's sliding-window and sink variants behind their runtime self-check.
+
+``sm90.decode`` compiles a window variant (a runtime ``window_left``; tiles and pages outside the
+window are skipped) and a sink variant (fp32 ``[Hq]`` sink logits) as config flags
+(:mod:`cute_kernels.plans.sm90_decode`). They were compiled and read on a CPU but never run on a
+GPU, so the registry marks them compile-verified (``sm90.decode_window_sinks``) and
+``paged_decode`` runs :func:`self_check_passes` before the first launch of each family in a
+process: the variant's own shape on a few small problems against the reference, unsplit and
+split (cluster and global merges). A family that fails is logged, recorded, and served by the
+reference from then on (:mod:`._selfcheck`). Design: docs/design/sm90-decode.md#sliding-window-and-sinks.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .. import reference
+from ..plans.sm90_decode import Sm90DecodeConfig, feature_family
+from ._selfcheck import Case, decode_problem, ensure
+
+# (rtol, atol) against the fp32 reference: one 16-bit rounding of P and of the output
+SELF_CHECK_TOL = (2e-2, 1e-2)
+
+_checking = False  # inside a self-check: the op's kernel calls go past the guard
+
+
+def family_of(config: Sm90DecodeConfig) -> str | None:
+    """The self-check family of a window / sink variant (None: a variant that needs none)."""
+    return feature_family(config)
+
+
+@contextmanager
+def unguarded(launcher):
+    """The self-check's own kernel calls: past the guard, and leaving no launch in ``launcher``'s
+    cache (a later call of the same key is guarded again: it finds the recorded outcome)."""
+    global _checking
+    before = set(launcher.entries)
+    saved, _checking = _checking, True
+    try:
+        yield
+    finally:
+        _checking = saved
+        for key in [k for k in launcher.entries if k not in before]:
+            del launcher.entries[key]
+
+
+def self_check_passes(config: Sm90DecodeConfig, device, runner) -> bool:
+    """Whether ``config``'s family may run on ``device`` (its check runs on the first call of the
+    process). ``runner(override, **kwargs)``: the op's unguarded call (``paged_decode``'s)."""
+    family = family_of(config)
+    if _checking or family is None:  # a variant without a window or sinks needs no check
+        return True
+    return ensure(family, device, lambda: self_check_cases(config, device, runner))
+
+
+def self_check_cases(config: Sm90DecodeConfig, device, runner) -> list[Case]:
+    """Small problems of ``config``'s shape (head dim, group, draft length, page, cache form and
+    layout, dtypes, scale forms, FP8 widening): three requests (a partial last page, the
+    shortest, 700 tokens), unsplit and split into three (the cluster merge, then the global one),
+    windows of 90 and 5 keys when the family has a window, random sinks when it has sinks."""
+    rtol, atol = SELF_CHECK_TOL
+    g = torch.Generator(device="cpu").manual_seed(2029)
+    q_len = config.q_len
+    q, cache, bt, sl = decode_problem(config, g)
+    sinks = torch.randn(q.shape[1], generator=g) if config.sinks else None
+
+    def scale(value: float, tensor: bool):
+        return torch.tensor(value, dtype=torch.float32, device=device) if tensor else value
+
+    ks, vs = scale(0.9, config.k_scale_tensor), scale(1.1, config.v_scale_tensor)
+    override = {"widen": config.widen} if config.kv_dtype == "fp8_e4m3" else {}
+    dev_cache = tuple(t.to(device) for t in cache) if isinstance(cache, tuple) else cache.to(device)
+    dev = dict(q=q.to(device), kv_cache=dev_cache, block_table=bt.to(device), seq_lens=sl.to(device),
+               sinks=None if sinks is None else sinks.to(device))
+    windows = (90, 90, 5) if config.window else (-1, -1, -1)
+    cases = []
+    for (splits, cluster), window in zip(((1, None), (3, True), (3, False)), windows):
+        def run_case(splits=splits, cluster=cluster, window=window):
+            over = override if cluster is None else {**override, "cluster": cluster}
+            return runner(over, **dev, kv_layout=config.kv_layout, q_len_per_req=q_len, k_scale=ks, v_scale=vs,
+                          window_left=window, num_splits=splits, return_lse=True)
+
+        def expect(window=window):
+            return reference.paged_decode(q, cache, bt, sl, kv_layout=config.kv_layout, q_len_per_req=q_len,
+                                          k_scale=0.9, v_scale=1.1, sinks=sinks, window_left=window, return_lse=True)
+
+        name = f"splits={splits},{'cluster' if cluster else 'global' if cluster is False else 'single'},window={window}"
+        cases.append(Case(name, run_case, expect, rtol, atol))
+    return cases
