@@ -205,6 +205,32 @@ def test_layer_step_compiles_whole(batch):
     assert torch.equal(_bits(kv), _bits(eager_kv))
 
 
+def test_trtllm_calls_trace_through_the_registered_ops():
+    """cute_kernels.trtllm's decode and context calls are argument adapters over paged_decode and
+    paged_prefill: traced, they are one graph of the registered ops (after one eager call, which
+    resolves which kernels serve them), equal to eager."""
+    from cute_kernels import trtllm
+
+    x = make_inputs(91)
+    pre = x.prefill
+    workspace = torch.zeros(1 << 20, dtype=torch.uint8)
+    kv_lens = torch.tensor([0, 8, 12, 34], dtype=torch.int32)
+
+    def calls(q, kv, bt, sl, pq, pkv, pbt, psl, qsl):
+        out, lse = trtllm.batch_decode_with_kv_cache(q, kv, workspace, bt, sl, 64, bmm1_scale=0.1, bmm2_scale=0.5,
+                                                     sinks=x.sinks, window_left=8, return_lse=True)
+        ctx = trtllm.batch_context_with_kv_cache(pq, pkv, workspace, pbt, psl, 4, 64, 0.1, 0.5, 3, qsl, kv_lens)
+        return out, lse, ctx
+
+    args = (x.q, x.kv, x.block_table, x.seq_lens, *pre.values())
+    want = calls(*args)
+    explained = torch._dynamo.explain(calls)(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    targets = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert {"cute_kernels.paged_decode.default", "cute_kernels.paged_prefill.default"} <= targets
+    assert_same(torch.compile(calls, backend="aot_eager", fullgraph=True)(*args), want)
+
+
 @pytest.mark.parametrize("container", ["single", "tuple"])
 def test_inductor_writes_the_cache_in_place(container):
     """The cache write stays a mutation of the caller's cache in inductor's code (reinplaced), not
