@@ -7,6 +7,9 @@
 #   test        the GPU test suite except QSA and the prefill  (log pytest.log)
 #   test-qsa    the QSA GPU tests                             (log pytest_qsa.log)
 #   test-hardening  the property tier, bad inputs, concurrent streams, the layer warm-up (pytest_hardening.log)
+#   test-multigpu  the ops off the current device and two GPUs at once (pytest_multigpu.log); with two
+#               GPUs also the contexts a process makes without the device guard (contexts_no_guard.log);
+#               the device handling's host cost (host_device.log)
 #   test-prefill  the SM90 prefill: the kernel alone (smoke), its GPU tests, the self-check of every
 #               registered variant (logs smoke_prefill.log, pytest_prefill.log)
 #   sanitize-prefill  compute-sanitizer memcheck, racecheck, synccheck and initcheck of the prefill smoke cases
@@ -62,12 +65,19 @@ for tier in "$@"; do
             --ignore=tests/gpu/test_prefill_gpu.py --ignore=tests/gpu/test_prefill_kernel_gpu.py \
             --ignore=tests/gpu/test_prefill_bad_input_gpu.py \
             --ignore=tests/gpu/test_properties_gpu.py --ignore=tests/gpu/test_inputs_gpu.py \
-            --ignore=tests/gpu/test_streams_gpu.py --ignore=tests/gpu/test_warmup_gpu.py ;;
+            --ignore=tests/gpu/test_streams_gpu.py --ignore=tests/gpu/test_warmup_gpu.py \
+            --ignore=tests/gpu/test_multi_gpu.py ;;
     test-qsa) step 420 pytest_qsa "$PY" -m pytest tests/gpu/test_qsa_gpu.py tests/gpu/test_qsa_union_gpu.py -q \
                 -p no:cacheprovider ;;
     test-hardening) step 1500 pytest_hardening "$PY" -m pytest tests/gpu/test_properties_gpu.py \
                       tests/gpu/test_inputs_gpu.py tests/gpu/test_streams_gpu.py tests/gpu/test_warmup_gpu.py -q \
                       -p no:cacheprovider ;;
+    test-multigpu) TAIL=40 step 1800 pytest_multigpu "$PY" -m pytest tests/gpu/test_multi_gpu.py -q -rs \
+                     -p no:cacheprovider
+                   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+                     step 300 contexts_no_guard "$PY" -m tests.gpu.multi_gpu_worker contexts 1 --thread --no-guard
+                   fi
+                   step 120 host_device "$PY" -m profiling.host_device --json "$OUT/host_device.json" ;;
     test-prefill) step 300 smoke_prefill "$PY" -m profiling.smoke_prefill
                   step 580 pytest_prefill "$PY" -m pytest tests/gpu/test_prefill_kernel_gpu.py \
                     tests/gpu/test_prefill_gpu.py tests/gpu/test_prefill_bad_input_gpu.py -q -p no:cacheprovider ;;

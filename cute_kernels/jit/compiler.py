@@ -9,11 +9,14 @@ stream (which is what CUDA-graph capture needs).
 Disk cache: each compiled variant is exported as an object file under
 ``$CUTE_KERNELS_CACHE_DIR`` (default ``~/.cache/cute_kernels``), in a folder named by a
 fingerprint of this package's sources and the DSL / TVM-FFI / Python versions, so an edit to any
-kernel invalidates it. ``CUTE_KERNELS_DISK_CACHE=0`` turns it off.
+kernel invalidates it. ``CUTE_KERNELS_DISK_CACHE=0`` turns it off. Processes share it (one per GPU
+warming up at once): a file is written whole (a temporary file renamed over it), and a variant
+missing from it is compiled by one process while the others wait for its file (:mod:`.files`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -27,6 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from . import files
 from .fake import fake_arguments
 from .naming import kernel_symbol, named_kernels
 from .spec import KernelConfig, normalize_target
@@ -37,6 +41,8 @@ _memory: dict[tuple, Any] = {}
 # process does neither during a step; tests read these)
 stats = {"loaded": 0, "compiled": 0}
 _forbidden = 0
+# how long a process waits for another one compiling the same variant before compiling it too
+COMPILE_LOCK_SECONDS = 900.0
 
 
 class forbid_compiles:
@@ -172,20 +178,32 @@ def get_kernel(config: KernelConfig, arch: str):
             raise RuntimeError(f"{config.label()} for {arch} is not loaded, and compiles are forbidden here "
                                "(a warm-up should have compiled it)")
         path = _disk_path(config, arch)
-        if path is not None and path.exists():
-            try:
-                fn = _load_object(path)
-                stats["loaded"] += 1
-            except Exception:
-                fn = None
+        fn = _load_cached(path)
         if fn is None:
-            compiled = compile_config(config, arch)
-            stats["compiled"] += 1
-            if path is not None:
-                _store_object(compiled.fn, path)
-            fn = _bare_function(compiled.fn)
+            # one process compiles a variant, the others (a tensor-parallel group warming up at once)
+            # wait for its file and load it (docs/design/multi-gpu.md#the-disk-cache)
+            with files.locked(path, COMPILE_LOCK_SECONDS) if path is not None else contextlib.nullcontext():
+                fn = _load_cached(path)
+                if fn is None:
+                    compiled = compile_config(config, arch)
+                    stats["compiled"] += 1
+                    if path is not None:
+                        _store_object(compiled.fn, path)
+                    fn = _bare_function(compiled.fn)
         _memory[key] = fn
         return fn
+
+
+def _load_cached(path: Path | None):
+    """The function of the object file at ``path``, or None (no file, or one that does not load)."""
+    if path is None or not path.exists():
+        return None
+    try:
+        fn = _load_object(path)
+    except Exception:
+        return None
+    stats["loaded"] += 1
+    return fn
 
 
 def _bare_function(fn):
@@ -274,11 +292,7 @@ def _load_object(path: Path):
 
 
 def _store_object(fn, path: Path) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".o.tmp")
-        os.close(fd)
-        fn.export_to_c(tmp, function_name=_FUNCTION_NAME)
-        os.replace(tmp, path)  # atomic: concurrent writers leave one whole file
+    try:  # atomic: concurrent writers and readers see one whole file, never a part of one
+        files.write_atomic(path, lambda tmp: fn.export_to_c(tmp, function_name=_FUNCTION_NAME))
     except Exception:
         pass  # the disk cache is an optimisation; the in-memory function is already usable

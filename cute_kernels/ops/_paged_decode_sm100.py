@@ -22,6 +22,7 @@ from .. import reference
 from ..jit.compiler import get_kernel
 from ..plans.sm100 import DECODE_LIMITS, Sm100DecodeConfig, decode_launch_config, family
 from . import _caller_workspace as caller_ws
+from ._device import on_device
 from ._launch import bind, check_scale
 from ._selfcheck import Case, decode_problem, ensure
 from ._torch import (
@@ -124,7 +125,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q
             sources[name] = f"{name}.view(1)?"
     constants = dict(part_out=ffi_tensor(part_out), part_lse=ffi_tensor(part_lse),
                      sm_scale=D ** -0.5 if sm_scale is None else float(sm_scale))
-    caller = bind(_PARAMS, (fn, config.signature(), sources, constants))
+    caller = on_device(bind(_PARAMS, (fn, config.signature(), sources, constants)), device)
     return Sm100Decode(config, caller, num_splits, part_out, part_lse, (T, Hq, D), out_dtype)
 
 

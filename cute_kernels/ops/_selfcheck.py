@@ -14,6 +14,7 @@ return tensors to compare), so any op can guard any kernel with it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..plans import selfcheck_records as records
+from ._device import capturing
 
 log = logging.getLogger("cute_kernels")
 
@@ -104,18 +106,21 @@ def run_check(family: str, device, cases: Sequence[Case]) -> records.CheckRecord
     dev = device_name(device)
     t0 = time.perf_counter()
     reason = ""
-    for case in cases:
-        try:
-            got = case.run()
-            want = case.expect()
-            if torch.device(device).type == "cuda":
-                torch.cuda.synchronize(device)
-            problem = compare(got, want, case.rtol, case.atol)
-        except Exception as exc:  # a kernel that raises fails its check, it does not crash the op
-            problem = f"{type(exc).__name__}: {exc}"
-        if problem:
-            reason = f"case {case.name}: {problem}"
-            break
+    cuda = torch.device(device).type == "cuda"
+    # the cases' launches run on the checked device whichever device is current (docs/design/multi-gpu.md)
+    with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+        for case in cases:
+            try:
+                got = case.run()
+                want = case.expect()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                problem = compare(got, want, case.rtol, case.atol)
+            except Exception as exc:  # a kernel that raises fails its check, it does not crash the op
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem:
+                reason = f"case {case.name}: {problem}"
+                break
     rec = records.CheckRecord(family=family, device=dev, ok=not reason, reason=reason,
                               seconds=round(time.perf_counter() - t0, 4), when=time.time())
     records.store(rec)
@@ -135,7 +140,7 @@ def ensure(family: str, device, make_cases: Callable[[], Sequence[Case]]) -> boo
     rec = records.in_process(family, device_name(device))
     if rec is not None:
         return rec.ok
-    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         raise RuntimeError(f"{family} must pass its one-time self-check before CUDA-graph capture: call the op "
                            "once (or cute_kernels.warmup) outside capture first")
     return run_check(family, device, make_cases()).ok

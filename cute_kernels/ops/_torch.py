@@ -7,10 +7,13 @@ argument and what was expected.
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 from typing import Any
 
 import torch
+
+from ._device import capturing
 
 TORCH_TO_NAME = {
     torch.bfloat16: "bf16",
@@ -185,6 +188,7 @@ def device_stream_id(device) -> int:
 _BUFFERS: list = []  # every DeviceBuffer, for reserve / release
 _ARENAS: dict = {}  # (device, dtype) -> [zeroed chunk, elements handed out]
 _ARENA_NUMEL = 1 << 16  # elements of one zeroed chunk (16 streams' arrival counters at the minimum size)
+_ARENA_LOCK = threading.Lock()  # two threads (two streams of a device) never get the same zeros
 
 
 def _zeroed(device: torch.device, numel: int, dtype: torch.dtype, owner: str) -> torch.Tensor:
@@ -192,17 +196,18 @@ def _zeroed(device: torch.device, numel: int, dtype: torch.dtype, owner: str) ->
     A new chunk is allocated (and zeroed) only outside a CUDA-graph capture: a buffer allocated
     inside one would be zeroed only when the graph first replays, and another graph or an eager
     call on that stream could use it before (docs/design/inputs.md#workspaces)."""
-    arena = _ARENAS.get((device, dtype))
-    if arena is None or arena[0].numel() - arena[1] < numel:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"{owner} needs {numel} zeroed workspace elements for a new stream or a larger shape while a "
-                "CUDA graph is being captured, more than were reserved: run one eager call with this shape first "
-                "(or AttentionLayer.warmup on the capturing stream)")
-        arena = [torch.zeros(max(numel, _ARENA_NUMEL), dtype=dtype, device=device), 0]
-        _ARENAS[(device, dtype)] = arena  # a replaced chunk stays alive through the views handed out
-    view = arena[0][arena[1]:arena[1] + numel]
-    arena[1] += numel
+    with _ARENA_LOCK:
+        arena = _ARENAS.get((device, dtype))
+        if arena is None or arena[0].numel() - arena[1] < numel:
+            if capturing(device):  # the capture on that device's stream (the current device may be another)
+                raise RuntimeError(
+                    f"{owner} needs {numel} zeroed workspace elements for a new stream or a larger shape while a "
+                    "CUDA graph is being captured, more than were reserved: run one eager call with this shape "
+                    "first (or AttentionLayer.warmup on the capturing stream)")
+            arena = [torch.zeros(max(numel, _ARENA_NUMEL), dtype=dtype, device=device), 0]
+            _ARENAS[(device, dtype)] = arena  # a replaced chunk stays alive through the views handed out
+        view = arena[0][arena[1]:arena[1] + numel]
+        arena[1] += numel
     return view
 
 

@@ -17,6 +17,7 @@ from .. import reference
 from ..jit.compiler import get_kernel
 from ..plans.merge_states import MergeStatesConfig
 from . import _check
+from ._device import current_device, on_device
 from ._launch import Launcher, TuningOverride
 from ._library import compiling, custom_op
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
@@ -35,7 +36,8 @@ def _key(partial_out, partial_lse, out_dtype, out, out_lse):
     def t(x):
         return None if x is None else (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
 
-    return (t(partial_out), t(partial_lse), out_dtype, t(out), t(out_lse), _launcher.override_key)
+    return (t(partial_out), t(partial_lse), out_dtype, t(out), t(out_lse), _launcher.override_key,
+            current_device() if partial_out.is_cuda else -1)
 
 
 def _prepare(partial_out, partial_lse, out_dtype, out, out_lse) -> _Launch:
@@ -59,7 +61,7 @@ def _prepare(partial_out, partial_lse, out_dtype, out, out_lse) -> _Launch:
         return _Launch(None, False, dt, empty=True)
     config = _config(partial_out, out, dt)
     fn = get_kernel(config, compile_target(partial_out.device))
-    return _Launch(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), None, None)), False, dt)
+    return _Launch(on_device(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), None, None)), partial_out.device), False, dt)
 
 
 def _config(partial_out, out, dt) -> MergeStatesConfig:

@@ -33,6 +33,7 @@ from . import _caller_workspace as caller_ws
 from . import _check
 from . import _decode_features as features
 from . import _paged_decode_sm100 as sm100
+from ._device import check_devices, current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
 from ._torch import (
@@ -85,14 +86,15 @@ def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scal
     the compiled function checks on every call (TVM-FFI): the dtypes of the other tensors, shapes
     tied to the query's or the cache's by a shared extent (seq_lens, out, V), every device against
     the query's, pointer and stride alignment. A call that fails one of those checks is validated
-    in full by :func:`_prepare`, whose error names the argument (see :func:`paged_decode`)."""
+    in full by :func:`_prepare`, whose error names the argument (see :func:`paged_decode`). The
+    current device decides whether the launch runs in a device guard (:mod:`._device`)."""
     # type(), not isinstance(): torch.Tensor's metaclass makes isinstance slow. A float scale's
     # value is checked per call by the caller; a tensor scale's rank too (a 1-element tensor of
     # another rank, 0-d included, goes to the kernel as a [1] view)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), out is None, return_lse, num_splits,
             deterministic, _launcher.override_key, type(q_scale), window_left, sinks is None, stream_id(q),
-            caller_ws.workspace_key(workspace))
+            caller_ws.workspace_key(workspace), current_device() if q.is_cuda else -1)
 
 
 def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, num_splits,
@@ -113,6 +115,9 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}")
     sm100.check_features(q, k, q_scale, sinks, window_left)
+    # every tensor on the query's device, whichever path serves the call (the reference too)
+    check_devices(q.device, **{"k_cache" if pair else "kv_cache": k}, **({"v_cache": v} if pair else {}),
+                  block_table=block_table, seq_lens=seq_lens, out=out)
     if q_scale is not None:
         check_scale("q_scale", q_scale, device=q.device)
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
@@ -209,7 +214,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
             sources[name] = f"{name}.view(1)?"
     constants = dict(part_out=ffi_tensor(part_o), part_lse=ffi_tensor(part_lse), counters=ffi_tensor(counters),
                      sm_scale=scale, num_splits=num_splits)
-    return _Launch(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, constants)), scratch, (T, Hq, D))
+    return _Launch(on_device(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, constants)), device), scratch,
+                   (T, Hq, D))
 
 
 def workspace_numel(config, num_splits: int, B: int, Hkv: int, T: int, Hq: int, D: int,

@@ -40,6 +40,7 @@ from ..jit.spec import call_arguments
 from ..plans import sm90_prefill as plan
 from ..registry import KERNELS
 from . import _check
+from ._device import check_devices, current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
 from ._selfcheck import Case, ensure
@@ -78,13 +79,13 @@ def _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, 
     (one element or per KV head: another variant). Left to the compiled function's own checks:
     the other tensors' dtypes, extents tied by name to the query's or the cache's (V, seq_lens,
     out...), devices, alignment. ``query_start_loc``'s extent is tied to nothing, so its shape is
-    in the key."""
+    in the key, and the current device (a launch off it runs in a device guard: :mod:`._device`)."""
     # type(), not isinstance(): torch.Tensor's metaclass makes isinstance slow
     qs = q_scale.shape if type(q_scale) is torch.Tensor else type(q_scale)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             query_start_loc.shape, kv_layout, causal, type(causal), sm_scale, qs, type(k_scale), type(v_scale),
             None if out is None else out.dtype, return_lse, type(return_lse), _launcher.override_key,
-            window_left == -1, type(window_left), sinks is None)
+            window_left == -1, type(window_left), sinks is None, current_device() if q.is_cuda else -1)
 
 
 def _q_scale_kind(q, Hkv, q_scale) -> str:
@@ -108,6 +109,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     T, Hq, D = q.shape
     device = q.device
     P, Hkv, page = check_kv_cache(k, v, pair, kv_layout, D)
+    check_devices(device, **({"k_cache": k, "v_cache": v} if pair else {"kv_cache": k}))
     if P == 0:  # a TMA descriptor needs a non-empty tensor: refused before any launch
         raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has no pages (P = 0): an empty KV pool cannot be "
                          "attended; allocate at least one page (docs/design/inputs.md#kv-pool)")
@@ -177,8 +179,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
             sources[name] = f"{name}.view(1)?"
     if q_scale_kind == "tensor" and q_scale.dim() != 1:  # the key holds the shape
         sources["q_scale"] = "q_scale.view(1)"
-    return _Launch(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, dict(sm_scale=float(scale)))), shape,
-                   out_dtype)
+    return _Launch(on_device(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, dict(sm_scale=float(scale)))),
+                             device), shape, out_dtype)
 
 
 def _check_window_sinks(window_left, sinks, Hq: int, device) -> None:

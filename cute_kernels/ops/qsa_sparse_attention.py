@@ -44,6 +44,7 @@ from ..plans.sm90_qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_t
 from ..plans.sm90_qsa_union import QsaUnionConfig
 from ..plans.sm90_qsa_widen import QsaWidenConfig, use_widened_cache
 from . import _check
+from ._device import current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import compiling, custom_op, scale_of, scale_parts
 from ._torch import (
@@ -114,7 +115,7 @@ def _key(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate):
             prefill if type(prefill) is bool else None,
             None if out is None else (out.stride(), out.data_ptr() % 16),
             None if gate is None else (gate.shape, gate.stride(), gate.data_ptr() % 16), type(k_scale), type(v_scale),
-            stream_id(q), _launcher.override_key)
+            stream_id(q), _launcher.override_key, current_device() if q.is_cuda else -1)
 
 
 _LAUNCH_FIELDS = ("splits", "tile_rows", "widen", "merge_group", "merge_lanes")  # read where the launch is chosen, not kernel fields
@@ -228,7 +229,7 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _La
                      dict(partial_out=parts["out"], partial_lse=parts["lse"])))
     else:
         call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), gate_src, dict(lse=ffi_tensor(lse))))
-    return _Launch(call, fn, merge_fn, part_o, part_lse, lse, splits, gate is not None)
+    return _Launch(on_device(call, device), fn, merge_fn, part_o, part_lse, lse, splits, gate is not None)
 
 
 def _scale_sources(scale_tensors: dict) -> dict:
@@ -266,8 +267,8 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
     if wide is None:
         call = _launcher.bind(_CALL_PARAMS, (union_fn, union_cfg.signature(), None, bound),
                     (fn, tile_cfg.signature(), gate_src, bound))
-        return _Launch(call, fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn, union=union,
-                       member=member, length=length)
+        return _Launch(on_device(call, device), fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn,
+                       union=union, member=member, length=length)
 
     NR, W, Hkv = wide
     NP = NR * W
@@ -284,8 +285,8 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
     on_copy = {**bound, "k_cache": copy["k_wide"], "v_cache": copy["v_wide"], "block_table": copy["table"]}
     call = _launcher.bind(_CALL_PARAMS, (widen_fn, widen_cfg.signature(), None, copy),
                 (union_fn, union_cfg.signature(), None, on_copy), (fn, tile_cfg.signature(), gate_src, on_copy))
-    return _Launch(call, fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn, union=union,
-                   member=member, length=length, widen_fn=widen_fn, wide_k=wide_k, table=table)
+    return _Launch(on_device(call, device), fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn,
+                   union=union, member=member, length=length, widen_fn=widen_fn, wide_k=wide_k, table=table)
 
 
 def _reference(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate):

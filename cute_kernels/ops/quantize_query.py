@@ -22,6 +22,7 @@ from .._types import Rope, Scale
 from ..jit.compiler import get_kernel
 from ..plans.quantize_query import ROPE_MAX_VEC, VECTOR_WIDTHS, QuantizeQueryConfig, make_quantize_config
 from . import _check
+from ._device import current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import compiling, custom_op, scale_of, scale_parts
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
@@ -77,7 +78,8 @@ def _key(q, q_scale, out, rope):
         cs, pos = rope
         r = (cs.shape, cs.stride(), cs.dtype, cs.device, cs.data_ptr() % 16, pos.shape, pos.stride(), pos.dtype,
              pos.device)
-    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16, s, o, r, _launcher.override_key)
+    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16, s, o, r, _launcher.override_key,
+            current_device() if q.is_cuda else -1)
 
 
 class _Launch:
@@ -113,7 +115,8 @@ def _prepare(q, q_scale, out, rope) -> _Launch:
         return _REFERENCE
     # a tensor scale other than 1-D (a 1-element tensor of any rank) goes as a [1] view
     sources = {"q_scale": "q_scale.view(1)"} if scale_tensor and q_scale.dim() != 1 else None
-    return _Launch(_launcher.bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)), False)
+    return _Launch(on_device(_launcher.bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)),
+                             q.device), False)
 
 
 def _reference(q, q_scale, out, rope):

@@ -21,6 +21,7 @@ from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
 from ..plans.write_kv_cache import WriteKVCacheConfig, make_write_config
 from . import _check
+from ._device import current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, scale_of, scale_parts
 from ._torch import check_tensor, compile_target, dtype_name
@@ -87,7 +88,8 @@ def _key(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale):
 
     cache = tuple(t(c) for c in kv_cache) + ("pair",) if isinstance(kv_cache, (tuple, list)) else t(kv_cache)
     return (t(key), t(value), cache, slot_mapping.shape, slot_mapping.stride(), slot_mapping.dtype,
-            slot_mapping.device, kv_layout, s(k_scale), s(v_scale), _launcher.override_key)
+            slot_mapping.device, kv_layout, s(k_scale), s(v_scale), _launcher.override_key,
+            current_device() if key.is_cuda else -1)
 
 
 class _Launch:
@@ -131,7 +133,8 @@ def _prepare(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale) ->
     # a tensor scale other than 1-D (a 1-element tensor of any rank) goes as a [1] view
     sources = {name: f"{name}.view(1)" for name, t, is_t in (("k_scale", k_scale, k_tensor), ("v_scale", v_scale, v_tensor))
                if is_t and t.dim() != 1}
-    return _Launch(_launcher.bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)), False, pair)
+    return _Launch(on_device(_launcher.bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)),
+                             device), False, pair)
 
 
 def _reference(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale):

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ..jit import files
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class CheckRecord:
 
 
 _memory: dict[tuple[str, str], CheckRecord] = {}
+LOCK_SECONDS = 30.0  # the longest wait for another process's update of the file
 
 
 def records_path() -> Path | None:
@@ -66,19 +68,19 @@ def lookup(family: str, device: str | None = None) -> CheckRecord | None:
 
 
 def store(record: CheckRecord) -> None:
-    """Keep ``record`` for this process and write it to the machine's file (best effort)."""
+    """Keep ``record`` for this process and write it to the machine's file (best effort). The
+    processes of a tensor-parallel group store their devices' records at once: the file's
+    read-modify-write holds its lock, and the file is replaced whole (:mod:`cute_kernels.jit.files`)."""
     _memory[(record.family, record.device)] = record
     path = records_path()
     if path is None:
         return
     try:
-        data = _load_file()
-        data[f"{record.family}@{record.device}"] = asdict(record)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json.tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        with files.locked(path, LOCK_SECONDS):
+            data = _load_file()
+            data[f"{record.family}@{record.device}"] = asdict(record)
+            text = json.dumps(data, indent=1, sort_keys=True)
+            files.write_atomic(path, lambda tmp: Path(tmp).write_text(text))
     except OSError:
         pass  # the in-process record still holds
 
