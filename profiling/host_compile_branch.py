@@ -109,7 +109,7 @@ def cases() -> dict:
     scfg = make_qsa_config(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=12, page_size=1568, split=False,
                            gate=False)
     call = bind(qs._CALL_PARAMS, (_dummy, scfg.signature(), {"gate": "q"}, dict(lse=None)))
-    qs._launcher.put(qs._key(qn, kc, kc, idx, bt2, t2r, False, o2, None),
+    qs._launcher.put(qs._key(qn, kc, kc, idx, bt2, t2r, False, 1.0, 1.0, o2, None),
                      qs._Launch(call, _dummy, None, None, None, None, 1, False))
     return {
         "paged_decode B1 (out=)": (pd, "paged_decode", lambda f: lambda: f(q, kv, bt, sl, out=out)),
