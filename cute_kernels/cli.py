@@ -167,6 +167,7 @@ def _compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="sm_90a",
                    help=f"compile target, no GPU needed, in any spelling `plan` takes: {_ARCH_SPELLINGS}")
     p.add_argument("--kernel", default=None, help="only variants whose label contains this text (default: all)")
+    p.add_argument("--ci", action="store_true", help="only the representative set the CPU test suite compiles")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--digests", default=None, metavar="FILE",
                    help="write the normalized-PTX digest of every compiled variant to FILE (JSON; entries of other archs kept)")
@@ -174,48 +175,50 @@ def _compile_args(p: argparse.ArgumentParser) -> None:
                    help="compare every variant's normalized-PTX digest with FILE; fail on any difference")
 
 
-@command("compile", "compile every registered kernel variant for an arch and show the instruction evidence",
-         _compile_args)
+@command("compile", "compile the registered kernel variants of an arch (the compile matrix) and show the "
+         "instruction evidence", _compile_args)
 def run_compile(args: argparse.Namespace) -> int:
     from .jit.evidence import compile_with_evidence
     from .jit.ptx_digest import compare_digests, ptx_digest, read_digests, write_digests
     from .jit.spec import normalize_target
-    from .registry import variants_for
+    from .registry import compile_matrix
 
     cc = parse_arch(args.arch, argument="--arch")  # the one arch parser, as in `plan`
     arch = normalize_target((cc.major, cc.minor))
     results, failed = [], 0
     digests: dict[str, str] = {}
-    for config in variants_for(arch):
-        if args.kernel and args.kernel not in config.label():
-            continue
+    selection = [c for t, c in compile_matrix(ci=args.ci) if t == arch and (not args.kernel or args.kernel in c.label())]
+    # the digest-file entries this run speaks for: the selection when filtered, else all of the arch's
+    ours = {f"{arch}:{c.label()}" for c in selection}
+    owned = (lambda k: k in ours) if args.kernel or args.ci else (lambda k: k.startswith(f"{arch}:"))
+    for config in selection:
         try:
             compiled, ev = compile_with_evidence(config, arch)
-            ok = not ev.missing and ev.ptx_target == arch
+            # the compile matrix's rule: the evidence, the requested target, no register spills
+            spills = "STL" in ev.sass or "LDL" in ev.sass
+            ok = not ev.missing and ev.ptx_target == arch and not spills
             digests[f"{arch}:{config.label()}"] = ptx_digest(compiled.ptx or "")
             results.append(dict(kernel=config.label(), seconds=round(compiled.seconds, 2), ok=ok,
-                                ptx=ev.ptx, sass=ev.sass, missing=ev.missing, registers=ev.registers))
+                                ptx=ev.ptx, sass=ev.sass, missing=ev.missing, registers=ev.registers, spills=spills))
         except Exception as e:  # report and go on: one broken variant must not hide the rest
             ok = False
             results.append(dict(kernel=config.label(), seconds=None, ok=False, error=f"{type(e).__name__}: {e}"))
         failed += not ok
         if not args.json:
             r = results[-1]
-            status = "ok  " if ok else "FAIL"
+            status = "ok" if ok else "SPILL" if r.get("spills") else "FAIL"
             secs = f"{r['seconds']:6.2f}s" if r.get("seconds") is not None else "   -   "
             detail = r.get("error") or ev.summary()
-            print(f"{status} {secs} {r['kernel']}\n           {detail}", flush=True)
+            print(f"{status:5} {secs} {r['kernel']}\n            {detail}", flush=True)
     if args.json:
         print(json.dumps(dict(arch=arch, results=results), indent=1))
     else:
-        print(f"{len(results) - failed}/{len(results)} variants compiled with their evidence for {arch}")
+        print(f"{len(results) - failed}/{len(results)} variants compiled with their evidence and no spills for {arch}")
     if args.digests:  # update this arch's entries of an existing file, keep the others
         kept = read_digests(args.digests) if os.path.exists(args.digests) else {}
-        kept = {k: v for k, v in kept.items() if not k.startswith(f"{arch}:") or (args.kernel and args.kernel not in k)}
-        write_digests(args.digests, {**kept, **digests})
+        write_digests(args.digests, {**{k: v for k, v in kept.items() if not owned(k)}, **digests})
     if args.check_digests:
-        expected = {k: v for k, v in read_digests(args.check_digests).items() if k.startswith(f"{arch}:")
-                    and (not args.kernel or args.kernel in k)}
+        expected = {k: v for k, v in read_digests(args.check_digests).items() if owned(k)}
         diff = compare_digests(expected, digests)
         print("\n".join(diff) if diff else f"PTX digests of {len(digests)} variants match {args.check_digests}")
         failed += bool(diff)

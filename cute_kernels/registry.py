@@ -26,6 +26,11 @@ them), so they never change meaning. A kernel is:
 :func:`dispatch.plan`), ``"qsa"`` (QSA sparse attention, :func:`dispatch.plan_qsa`), or none of
 them (the kernels an op runs around the attention kernel, and the hardware probes).
 
+A kernel that has not run on every arch it serves says so in ``verified``: the portable
+``sm80.*`` kernels passed their GPU suite as SM80 code on SM90 hardware (the H200) and have never
+run on SM80/86/89/100/103/120/121 hardware; ``hardware_runs`` lists the archs whose hardware ran
+it, and a plan for another arch says so in its reason.
+
 ``qk_dtype`` records the precision of Q·Kᵀ. ``"fp8_e4m3"`` means the kernel runs QK as an FP8
 GEMM *when the KV cache is FP8* (with a 16-bit cache every kernel computes QK in the model dtype);
 only then does the query become FP8 and ``q_scale`` apply. Such a kernel takes an already
@@ -38,13 +43,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from .jit.spec import KernelConfig, normalize_target
+from .jit.spec import ALL_TARGETS, COMPILE_TARGETS, KernelConfig, normalize_target
 from .plans import (
     merge_states,
     probes,
     quantize_query,
+    sm80,
     sm90_decode,
     sm90_prefill,
     sm90_qsa,
@@ -55,6 +62,7 @@ from .plans import (
 )
 
 STATUSES = ("available", "compile-verified", "planned", "fallback")
+USABLE = ("available", "compile-verified")  # the statuses a dispatcher or an op chooses automatically
 PHASES = ("prefill", "decode")
 KV_LAYOUTS = ("HND", "NHD")
 CALL_SITES = ("attention", "qsa")
@@ -93,9 +101,13 @@ class KernelInfo:
     puts a KV group's rows on one MMA dimension); ``opt_in``: never chosen automatically, only
     when named with ``backend=``; ``op``: the public op (a key of :data:`OPS`, or
     ``"reference.<name>"`` for :mod:`cute_kernels.reference`) that runs it; ``variants``: a
-    function returning its compile matrix (configs, each naming its targets); ``family`` (a
-    compile-verified kernel): ``family(q_dtype, kv_dtype, head_dim)``, the name of the runtime
-    self-check family a request runs (its record is what the dispatcher reads).
+    function returning its compile variants (configs, each naming its targets), ``ci_variants``
+    the representative part of them the CPU test suite compiles (None: all of them);
+    ``mixed_16bit``: (model dtype, 16-bit cache dtype) pairs served besides a cache of the model's
+    dtype; ``verified``: how its GPU tests verified it where that is not its own hardware, with
+    ``hardware_runs`` the archs whose hardware ran them; ``family`` (a compile-verified kernel):
+    ``family(q_dtype, kv_dtype, head_dim)``, the name of the runtime self-check family a request
+    runs (its record is what the dispatcher reads).
     """
 
     id: str
@@ -117,6 +129,10 @@ class KernelInfo:
     opt_in: bool = False
     op: str | None = None
     variants: Callable[[], Sequence[KernelConfig]] | None = None
+    ci_variants: Callable[[], Sequence[KernelConfig]] | None = None
+    mixed_16bit: tuple[tuple[str, str], ...] = ()
+    verified: str = ""
+    hardware_runs: tuple[str, ...] = ()
     family: Callable[[str, str, int], str] | None = None
 
     def __post_init__(self):
@@ -143,6 +159,8 @@ class KernelInfo:
             raise ValueError(f"kernel {self.id!r}: fallback ids (and only they) start with 'reference.'")
         if self.op is not None and self.op not in OPS and not self.op.startswith("reference."):
             raise ValueError(f"kernel {self.id!r}: op {self.op!r} is not a public op")
+        if not set(self.hardware_runs) <= set(self.archs) or bool(self.verified) != bool(self.hardware_runs):
+            raise ValueError(f"kernel {self.id!r}: verified and hardware_runs (a subset of its archs) go together")
         if self.status == "compile-verified" and self.family is None:
             raise ValueError(f"kernel {self.id!r}: a compile-verified kernel names its self-check family")
 
@@ -153,6 +171,21 @@ class KernelInfo:
     def computes_qk_in_fp8(self, kv_dtype: str) -> bool:
         """Whether QK runs as an FP8 GEMM for a cache of ``kv_dtype`` (so Q must be FP8)."""
         return self.qk_dtype == "fp8_e4m3" and kv_dtype == "fp8_e4m3"
+
+    def takes_dtypes(self, model: str, kv: str) -> bool:
+        """Whether it takes a ``model``-dtype query against a ``kv`` cache: both listed, and (a
+        tensor-core kernel multiplies Q and K in one 16-bit type) an FP8 cache (widened on chip), a
+        cache of the model's dtype or a pair in ``mixed_16bit``; the fallback takes any listed pair."""
+        if model not in self.model_dtypes or kv not in self.kv_dtypes:
+            return False
+        return self.is_fallback or kv in ("fp8_e4m3", model) or (model, kv) in self.mixed_16bit
+
+    def unverified_on(self, arch: str) -> str | None:
+        """``"verified as SM80 code on SM90 hardware, not on sm86"`` when this kernel's GPU tests
+        have not run on ``arch``'s hardware, else None."""
+        if not self.verified or arch in self.hardware_runs:
+            return None
+        return f"verified as {self.verified}, not on {arch}"
 
 
 _ALL_16 = ("bf16", "fp16")
@@ -177,7 +210,13 @@ _SM100: dict[str, Any] = dict(
     call_site="attention", archs=_archs(sm100.TARGETS), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
     model_dtypes=sm100.MODEL_DTYPES,
 )
-
+# The portable SM80-class kernels: every arch from SM80 on, exactly their plan's limits; their GPU
+# suite passed on the H200 (the same code: only SM80 instructions inside), nowhere else yet
+_SM80: dict[str, Any] = dict(
+    status="available", call_site="attention", archs=ARCHS, kv_dtypes=sm80.KV_DTYPES, model_dtypes=sm80.Q_DTYPES,
+    head_dims=sm80.HEAD_DIMS, page_sizes=sm80.PAGE_SIZES, kv_layouts=sm80.KV_LAYOUTS, mixed_16bit=sm80.MIXED_16BIT,
+    verified="SM80 code on SM90 hardware", hardware_runs=("sm90",),
+)
 _REFERENCE: dict[str, Any] = dict(status="fallback", archs=ARCHS)
 _HELPER: dict[str, Any] = dict(status="available", phases=PHASES)
 
@@ -243,6 +282,22 @@ _ENTRIES = (
                            "FP8 cache",
                variants=sm100.prefill_variants, family=_sm100_family("sm100.prefill"), **sm100.PREFILL_LIMITS,
                **_SM100),
+    # after the arch-specific kernels: they serve what those refuse, and the archs without one
+    KernelInfo(
+        id="sm80.decode", phases=("decode",), max_rows=sm80.MAX_DECODE_ROWS, op="paged_decode",
+        description="portable paged decode (warp mma.sync, ldmatrix, cp.async page gathers; split-KV with "
+                    "merge_states); FP8 K/V widened exactly (cvt from SM89, bit operations before), never an "
+                    "FP8 query",
+        variants=partial(sm80.compile_variants, "sm80.decode"), ci_variants=partial(sm80.ci_variants, "sm80.decode"),
+        **_SM80,
+    ),
+    KernelInfo(
+        id="sm80.prefill", phases=("prefill",), op="paged_prefill",
+        description="portable FA2-style paged prefill (warp mma.sync, ldmatrix, cp.async page gathers): varlen, "
+                    "chunked, causal; FP8 K/V widened exactly, never an FP8 query",
+        variants=partial(sm80.compile_variants, "sm80.prefill"),
+        ci_variants=partial(sm80.ci_variants, "sm80.prefill"), **_SM80,
+    ),
     KernelInfo(id="reference.paged_decode", call_site="attention", phases=("decode",), op="reference.paged_decode",
                description="slow torch reference fallback (cute_kernels.reference.paged_decode)", **_REFERENCE),
     KernelInfo(id="reference.paged_prefill", call_site="attention", phases=("prefill",),
@@ -299,21 +354,53 @@ KERNELS: dict[str, KernelInfo] = {k.id: k for k in _ENTRIES}
 FALLBACKS = {"decode": "reference.paged_decode", "prefill": "reference.paged_prefill"}
 QSA_FALLBACK = "reference.qsa_sparse_attention"
 
+
+def op_kernel(op: str, phase: str, target: str, model: str, kv: str, group: int | None = None) -> KernelInfo:
+    """The kernel public op ``op`` runs for a ``phase`` call on ``target`` with these dtypes: the
+    first automatic kernel of the dispatcher's list (registration order) run by that op, available
+    or compile-verified (not the window / sink variants an op picks itself), whose
+    archs include the target's and that takes the dtypes. So ``paged_decode`` runs ``sm90.decode``
+    on SM90, ``sm100.decode`` on SM100/103 and ``sm80.decode`` for what those refuse (an fp16 cache
+    with a bf16 query) and on every other arch; with ``group`` (num_q_heads / num_kv_heads), its GQA
+    limit too (``paged_prefill`` beyond the SM90 kernel's group). The op's own validation then
+    applies the kernel's other limits."""
+    arch = arch_of_target(target)
+    for info in KERNELS.values():
+        if (info.op == op and info.call_site == "attention" and info.status in USABLE and not info.opt_in
+                and arch in info.archs
+                and phase in info.phases and info.takes_dtypes(model, kv)
+                and (group is None or info.max_gqa_ratio is None or group <= info.max_gqa_ratio)):
+            return info
+    raise ValueError(f"{op} has no kernel for a {model} query and a {kv} cache on {target}")
+
+
 def kernels_on(call_site: str) -> dict[str, KernelInfo]:
     """The entries of one dispatcher list (in registration order, which is the priority order)."""
     return {k: v for k, v in KERNELS.items() if v.call_site == call_site}
 
 
-def variants() -> list[KernelConfig]:
-    """Every compile variant of every registered kernel (the compile matrix)."""
+def variants(*, ci: bool = False) -> list[KernelConfig]:
+    """Every compile variant of every registered kernel; with ``ci``, the representative set the
+    CPU test suite compiles (a kernel's ``ci_variants`` where it has them)."""
     out: list[KernelConfig] = []
     for info in KERNELS.values():
-        if info.variants is not None:
-            out += info.variants()
+        fn = (info.ci_variants or info.variants) if ci else info.variants
+        if fn is not None:
+            out += fn()
     return out
 
 
-def variants_for(arch: str) -> list[KernelConfig]:
+def variants_for(arch: str, *, ci: bool = False) -> list[KernelConfig]:
     """The compile variants that target ``arch`` (a compile target such as ``"sm_90a"``)."""
     target = normalize_target(arch)
-    return [v for v in variants() if target in v.targets]
+    return [v for v in variants(ci=ci) if target in v.targets]
+
+
+def compile_matrix(*, ci: bool = False) -> list[tuple[str, KernelConfig]]:
+    """``(target, variant)`` pairs whose build, instruction evidence and PTX digest the compile
+    tier checks: every variant on the main targets (``COMPILE_TARGETS``); on the other targets the
+    attention kernels that serve those archs (the portable ``sm80.*``), not the arch-neutral
+    helpers. With ``ci``, the representative set (docs/design/testing.md)."""
+    attention = {k for k, v in KERNELS.items() if v.call_site == "attention"}
+    return [(t, v) for t in ALL_TARGETS for v in variants_for(t, ci=ci)
+            if t in COMPILE_TARGETS or v.kernel_id in attention]

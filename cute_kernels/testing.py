@@ -215,3 +215,63 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64."""
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def ragged_seq_lens(gen, batch: int, page: int) -> list[int]:
+    """``batch`` random lengths below 1500 with the edge cases first: an empty request (zeros and
+    a -inf LSE), a page-aligned end, one shorter than a page."""
+    lens = torch.randint(1, 1500, (batch,), generator=gen, device=gen.device).tolist()
+    lens[0] = 0
+    lens[1] = 3 * page
+    lens[2] = 7
+    return lens
+
+
+def check_attention(out, lse, ref, ref_lse, seed, tol: float = 5e-3):
+    """The GPU tests' verdict on one call: no NaN/inf in ``out``, relative error <= ``tol``, the
+    same empty (-inf LSE) rows as the reference, LSEs close elsewhere; ``seed`` in every message."""
+    assert torch.isfinite(out).all(), f"seed {seed}: NaN/inf in output"
+    err = rel_err(out, ref)
+    assert err <= tol, f"seed {seed}: relative error {err:.2e} > {tol}"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"seed {seed}: -inf LSE rows differ"
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-3, rtol=1e-4, msg=lambda m: f"seed {seed}: {m}")
+
+
+def capture_graph(fn):
+    """``fn`` (a call whose variant is compiled and loaded) run once on a side stream, then
+    captured into a CUDA graph, which is returned."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def check_graph_replay(case, call, eager, check, seed=None, new_scales=(0.11, 0.007)):
+    """``call(out)`` writes an attention of ``case`` into ``out`` (its variant compiled), ``eager()``
+    returns ``(out, lse)`` of a fresh eager call, ``check(out, lse)`` judges a result. Captured into
+    a CUDA graph, the replay must equal the eager result bitwise, before and after new values are
+    written into the case's k/v scale tensors (read on the device, so a replay sees them); the
+    result under the new scales is checked, then the scales are restored."""
+    ks, vs = case.k_scale, case.v_scale
+    saved = (ks.clone(), vs.clone())
+    out = torch.empty_like(case.q)
+    graph = capture_graph(lambda: call(out))
+    for step in range(2):
+        if step:
+            ks.fill_(new_scales[0])
+            vs.fill_(new_scales[1])
+        expected, lse = eager()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        what = "did not see the new scales" if step else "differs from eager"
+        assert torch.equal(out, expected), f"seed {seed}: graph replay {what}"
+    check(out, lse)
+    ks.copy_(saved[0])
+    vs.copy_(saved[1])

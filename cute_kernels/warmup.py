@@ -1,13 +1,16 @@
 """``cute_kernels.warmup``: precompile the kernel variants a deployment will hit.
 
 Cold variants compile in a few seconds each; a serving engine should not pay that on its first
-request (nor inside CUDA-graph capture, where compiling is impossible). This enumerates the
-decode variants for a model's shapes (:func:`cute_kernels.plans.sm90_decode.decode_variants`) and
-the prefill variants ``AttentionLayer`` can launch for them
-(:func:`cute_kernels.plans.sm90_prefill.prefill_variants`), compiles the missing ones in parallel
-processes into the on-disk cache, with a progress bar, then loads them into memory. On a GPU of
-the target arch it also runs the prefill kernel's one-time runtime self-check of each variant
-family (it synchronizes, so it must not first happen inside CUDA-graph capture).
+request (nor inside CUDA-graph capture, where compiling is impossible). This enumerates, per cache
+dtype, the decode variants for a model's shapes on the kernel ``paged_decode`` runs there (the
+registry's choice: :func:`cute_kernels.plans.sm90_decode.decode_variants` on SM90,
+:func:`cute_kernels.plans.sm80.decode_variants` where the portable kernel runs; ``sm100.decode``
+has no list, its first call compiles) and the prefill variants ``AttentionLayer`` can launch for
+them (:func:`cute_kernels.plans.sm90_prefill.prefill_variants`,
+:func:`cute_kernels.plans.sm80.prefill_variants`), compiles the missing ones in parallel processes
+into the on-disk cache, with a progress bar, then loads them into memory. On a GPU of the target
+arch it also runs the SM90 prefill kernel's one-time runtime self-check of each variant family (it
+synchronizes, so it must not first happen inside CUDA-graph capture).
 """
 
 from __future__ import annotations
@@ -16,23 +19,26 @@ from typing import Any
 
 from .jit.parallel import precompile
 from .jit.spec import KernelConfig, normalize_target
+from .plans import sm80
 from .plans.sm90_decode import decode_variants
 from .plans.sm90_prefill import Sm90PrefillConfig, prefill_variants
-from .registry import KERNELS, arch_of_target
+from .registry import op_kernel
 
 __all__ = ["decode_variants", "prefill_variants", "warmup"]
 
 # keyword arguments of prefill_variants that decode_variants does not take, and those both take
 _PREFILL_ONLY = ("fp8_query", "q_scale_kinds", "causal", "return_lse")
-_SHARED = ("head_dim", "num_q_heads", "num_kv_heads", "page_size", "kv_dtypes", "q_dtype", "scale_tensors",
-           "kv_layouts", "kv_forms")
+_SHARED = ("head_dim", "num_q_heads", "num_kv_heads", "page_size", "q_dtype", "scale_tensors", "kv_layouts",
+           "kv_forms")
+_KV_NAMES = {"fp8": "fp8_e4m3"}
 
 
-def warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None = None, progress: bool = True,
-           prefill: bool = True, **shape: Any) -> list[KernelConfig]:
+def warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None = None,
+           progress: bool = True, prefill: bool = True, kv_dtypes: tuple[str, ...] = ("fp8_e4m3",),
+           **shape: Any) -> list[KernelConfig]:
     """Compile (in parallel, into the disk cache) and load every decode variant for ``shape`` and,
     with ``prefill``, every prefill variant the layer can launch for it; on a GPU of ``arch``, run
-    the prefill variants' self-checks.
+    the SM90 prefill variants' self-checks.
 
     ``shape`` takes the keyword arguments of :func:`~cute_kernels.plans.sm90_decode.decode_variants`
     and the prefill-only ones of :func:`~cute_kernels.plans.sm90_prefill.prefill_variants`
@@ -40,22 +46,37 @@ def warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None 
     ``q_scale_kinds``, ``causal``, ``return_lse``). Returns the configs.
     """
     target = normalize_target(arch)
-    info = KERNELS["sm90.decode"]  # the registry says where the kernels run
-    if arch_of_target(target) not in info.archs:
-        raise ValueError(f"{info.id} runs on {'/'.join(info.archs)}: nothing to warm up for {target}")
     prefill_only = {k: shape.pop(k) for k in _PREFILL_ONLY if k in shape}
-    configs: list[KernelConfig] = list(decode_variants(**shape))
+    q_dtype = shape.get("q_dtype", "bf16")
+    configs: list[KernelConfig] = []
+    sm90_prefill_kvs: list[str] = []
+    sm80_prefill_kvs: list[str] = []
+    for kv in (_KV_NAMES.get(kv, kv) for kv in kv_dtypes):
+        kernel = op_kernel("paged_decode", "decode", target, q_dtype, kv).id  # raises where none runs
+        if kernel == "sm90.decode":
+            configs += decode_variants(kv_dtypes=(kv,), **shape)
+        elif kernel == "sm80.decode":
+            configs += [c for c in sm80.decode_variants(target=target, kv_dtypes=(kv,), **shape) if c not in configs]
+        else:
+            raise ValueError(f"{kernel} has no warm-up list: nothing to warm up for {target}")
+        if prefill:
+            kernel = op_kernel("paged_prefill", "prefill", target, q_dtype, kv).id
+            (sm80_prefill_kvs if kernel == "sm80.prefill" else sm90_prefill_kvs).append(kv)
+    shared = {k: v for k, v in shape.items() if k in _SHARED}
     prefill_configs: list[Sm90PrefillConfig] = []
-    if prefill and arch_of_target(target) in KERNELS["sm90.prefill"].archs:
-        prefill_configs = prefill_variants(**{k: v for k, v in shape.items() if k in _SHARED}, **prefill_only)
+    if sm90_prefill_kvs:
+        prefill_configs = prefill_variants(kv_dtypes=tuple(sm90_prefill_kvs), **shared, **prefill_only)
+    portable = {k: v for k, v in prefill_only.items() if k in ("causal", "return_lse")}
+    if sm80_prefill_kvs:
+        configs += sm80.prefill_variants(target=target, kv_dtypes=tuple(sm80_prefill_kvs), **shared, **portable)
     precompile([*configs, *prefill_configs], target, workers=workers, progress=progress)
     _self_check(prefill_configs, target)
     return [*configs, *prefill_configs]
 
 
 def _self_check(configs: list[Sm90PrefillConfig], target: str) -> None:
-    """The prefill kernel's runtime self-check of each family, on the current GPU when it is one of
-    ``target`` (a CPU-only machine only compiles)."""
+    """The SM90 prefill kernel's runtime self-check of each family, on the current GPU when it is
+    one of ``target`` (a CPU-only machine only compiles)."""
     if not configs:
         return
     import torch

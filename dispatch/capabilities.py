@@ -6,9 +6,10 @@ a plan. The planner takes the first available kernel whose limits accept the req
 kernels (``sm90.decode_fp8q``) are deliberately absent from these lists: they change numerics
 (FP8 query) and are used only when named with ``backend=``.
 
-An arch without an FP8-QK kernel in its list never gets an FP8 query; that is why SM80/86/89 and
-SM120/121 are pure fallback rows today (vLLM's L4 crash, anchors §3.2, was an FP8 query planned
-on SM89 from a global setting).
+An arch without an FP8-QK kernel in its list never gets an FP8 query: SM80/86/89 and SM120/121 run
+the portable ``sm80.*`` kernels, which widen FP8 K/V on chip and keep the model-dtype query
+(vLLM's L4 crash, anchors §3.2, was an FP8 query planned on SM89 from a global setting). The
+portable kernels, registered after the arch-specific ones, also close the SM90 and SM100/103 lists.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from .errors import UnsupportedConfig
 
 # one sentence per arch, printed under the ``cute-kernels matrix`` table
 ARCH_SUMMARY = {
-    "sm80": "Ampere: no CuTe attention kernel; reference fallback with a model-dtype query.",
-    "sm86": "Ampere (consumer): as SM80.",
-    "sm89": "Ada: FP8 tensor cores but no attention kernel here; reference fallback with a model-dtype query.",
+    "sm80": "Ampere: the portable sm80.* kernels (warp MMA, cp.async; FP8 K/V widened by bit operations, "
+            "163 KB of shared memory), a model-dtype query.",
+    "sm86": "Ampere (consumer): as SM80 with 99 KB of shared memory.",
+    "sm89": "Ada: the portable sm80.* kernels, FP8 K/V widened by the cvt instruction, a model-dtype query.",
     "sm90": "Hopper: sm90.decode and sm90.prefill widen FP8 K/V on chip, so the query stays in the model "
             "dtype (sm90.decode_fp8q and sm90.prefill_fp8q are opt-in; the prefill kernels are compile-verified: "
-            "a runtime self-check before first use).",
+            "a runtime self-check before first use); sm80.* serve what they refuse.",
     "sm100": "Blackwell: the tcgen05 kernels (compile-verified: a runtime self-check before first use) compute QK "
-             "in FP8 for an FP8 cache, with a query the layer quantizes.",
+             "in FP8 for an FP8 cache, with a query the layer quantizes; sm80.* serve what they refuse.",
     "sm103": "Blackwell Ultra: as SM100.",
-    "sm120": "Blackwell (consumer): no tcgen05 kernel; reference fallback with a model-dtype query.",
+    "sm120": "Blackwell (consumer): no tcgen05 kernel; the portable sm80.* kernels (cvt widening, 99 KB), a "
+             "model-dtype query.",
     "sm121": "Blackwell (GB10): as SM120.",
 }
 

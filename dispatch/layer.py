@@ -27,6 +27,7 @@ Importing this module needs neither torch nor the CuTe DSL; both are imported in
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -347,10 +348,16 @@ class AttentionLayer:
         common = dict(kv_layout=self.kv_layout, q_len_per_req=metadata.q_len_per_req, sm_scale=self.sm_scale,
                       k_scale=self.k_scale, v_scale=self.v_scale)
         if op == "paged_decode":
+            from cute_kernels.ops.paged_decode import BACKENDS, tuning_override
+
             # an FP8 query (sm100.decode on an FP8 cache) gives a bf16 output: copied when the model's is fp16
             direct = q_scale is None or out.dtype == torch_dtype("bf16")
-            res = cute_kernels.paged_decode(q_in, kv_cache, bt, sl, out=out if direct else None, q_scale=q_scale,
-                                            **common)
+            # a kernel the op can be told to run (the portable one) runs as planned, even where the op
+            # would choose another (an SM100 family that passed the self-check the plan's did not)
+            forced = next((name for name, kid in BACKENDS.items() if kid == p.kernel), None)
+            with tuning_override(backend=forced) if forced else nullcontext():
+                res = cute_kernels.paged_decode(q_in, kv_cache, bt, sl, out=out if direct else None,
+                                                q_scale=q_scale, **common)
             if res is not out:  # CPU tensors run the reference, which returns a new tensor
                 out.copy_(res)
         else:
@@ -377,7 +384,12 @@ class AttentionLayer:
         if op == "reference.paged_prefill":
             out.copy_(reference.paged_prefill(q_in, kv_cache, bt, sl, qsl, out_dtype=out.dtype, **common))
         else:
-            res = cute_kernels.paged_prefill(q_in, kv_cache, bt, sl, qsl, out=out, **common)
+            from cute_kernels.ops.paged_prefill import BACKENDS, tuning_override
+
+            # a kernel the op can be told to run (the portable one) runs as planned
+            forced = next((name for name, kid in BACKENDS.items() if kid == p.kernel), None)
+            with tuning_override(backend=forced) if forced else nullcontext():
+                res = cute_kernels.paged_prefill(q_in, kv_cache, bt, sl, qsl, out=out, **common)
             if res is not out:  # pragma: no cover - the op writes out= on every device
                 out.copy_(res)
 

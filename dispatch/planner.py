@@ -138,8 +138,9 @@ def unmet_limits(k: KernelInfo, *, kv: str, model: str, head_dim: int, hq: int, 
         out.append(f"kv_cache_dtype {_slash(k.kv_dtypes)} (got {kv})")
     if model not in k.model_dtypes:
         out.append(f"model_dtype {_slash(k.model_dtypes)} (got {model})")
-    elif not k.is_fallback and kv not in ("fp8_e4m3", model):
-        # A tensor-core kernel multiplies Q and K in one 16-bit type; only FP8 K is converted on chip.
+    elif kv in k.kv_dtypes and not k.takes_dtypes(model, kv):
+        # A tensor-core kernel multiplies Q and K in one 16-bit type; only FP8 K is converted on chip
+        # (and, by the kernels that list the pair, an fp16 cache against a bf16 query).
         out.append(f"an FP8 cache or one of the model dtype {model} (got {kv})")
     if k.head_dims is not None and head_dim not in k.head_dims:
         out.append(f"head_dim {_slash(k.head_dims)} (got {head_dim})")
@@ -196,9 +197,12 @@ def _unmet(k: KernelInfo, req: _Request) -> list[str]:
 
 def _make_plan(k: KernelInfo, req: _Request, why: str, backend: str | None) -> Plan:
     """Fix the query dtype from the chosen kernel and this group's cache dtype, nothing else. The
-    reason is one sentence: why this kernel, and the query's quantization when there is one (the
-    plan's ``q_dtype`` and ``applies_q_scale`` say the rest)."""
+    reason is one sentence: why this kernel, what its GPU tests have not run on (a kernel verified
+    on other hardware than the request's arch), and the query's quantization when there is one
+    (the plan's ``q_dtype`` and ``applies_q_scale`` say the rest)."""
     fp8_query = k.computes_qk_in_fp8(req.kv_cache_dtype)
+    note = k.unverified_on(req.arch)
+    why = f"{why} ({note})" if note else why
     query = ", where QK runs in FP8: the layer quantizes the query with q_scale" if fp8_query else ""
     if k.status == "compile-verified":  # never run on this arch's hardware: say what the check found
         rec = selfcheck_records.lookup(_family(k, req))
@@ -216,18 +220,37 @@ def _make_plan(k: KernelInfo, req: _Request, why: str, backend: str | None) -> P
     )
 
 
+def _joined(refusals: list[tuple[str, str]]) -> list[str]:
+    """``(kernel id, refusal)`` pairs -> clauses; kernels refused for the same reason share one
+    (``"sm90.decode and sm80.decode need head_dim 64/128/256 (got 96)"``)."""
+    groups: dict[str, list[str]] = {}
+    for kid, why in refusals:
+        groups.setdefault(why[len(kid):], []).append(kid)
+    plural = {" needs ": " need ", " is not built yet": " are not built yet", " has no ": " have no "}
+    out = []
+    for tail, ids in groups.items():
+        verb = next((v for v in plural if tail.startswith(v)), None)
+        if len(ids) > 1 and verb is not None:
+            out.append(" and ".join(ids) + plural[verb] + tail[len(verb):])
+        else:
+            out += [kid + tail for kid in ids]
+    return out
+
+
 def _auto(req: _Request) -> Plan:
-    rejected: list[str] = []
+    rejected: list[tuple[str, str]] = []
     for kid in kernels_for(req.arch, req.phase):
         k = KERNELS[kid]
         if k.is_fallback:
-            why = "; ".join(rejected) if rejected else f"no CuTe kernel targets {req.arch} {req.phase}"
-            return _make_plan(k, req, f"reference fallback: {why}", None)
-        refused = refusal(k, _unmet(k, req)) or _runtime_refusal(k, req)
-        if refused is None:
-            note = choice_note(req.arch, req.phase, req.kv_cache_dtype)
-            return _make_plan(k, req, f"{k.id} accepts this request" + (f" ({note})" if note else ""), None)
-        rejected.append(refused)
+            reason = "; ".join(_joined(rejected)) if rejected else f"no CuTe kernel targets {req.arch} {req.phase}"
+            return _make_plan(k, req, f"reference fallback: {reason}", None)
+        why = refusal(k, _unmet(k, req)) or _runtime_refusal(k, req)
+        if why is None:
+            # why this kernel over an alternative that could serve it too (the first one tried only)
+            note = "" if rejected else choice_note(req.arch, req.phase, req.kv_cache_dtype)
+            accepts = f"{k.id} accepts this request" + (f" ({note})" if note else "")
+            return _make_plan(k, req, "; ".join(_joined(rejected) + [accepts]), None)
+        rejected.append((k.id, why))
     raise AssertionError(f"capability list of {req.arch} {req.phase} has no fallback")  # pragma: no cover
 
 

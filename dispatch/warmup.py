@@ -11,7 +11,8 @@ every block-table width up to ``max_model_len`` (the widths that decide differen
 layer's head dim (an engine merging this layer's outputs, e.g. a cascade's prefix and suffix).
 
 The SM90 prefill is one variant for the layer (its grid comes from shapes, its schedule does not
-vary); on SM100 / SM103 the tcgen05 decode. The compile-verified kernels' runtime self-checks run
+vary), and so is the portable ``sm80.prefill``; on SM100 / SM103 the tcgen05 decode; where the plan
+takes the portable ``sm80.decode``, its launches (split ones with their ``merge_states``). The compile-verified kernels' runtime self-checks run
 in :func:`warm_up` too. Host-only until :func:`warm_up`: the enumeration imports neither torch nor
 the DSL.
 """
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cute_kernels.jit.spec import KernelConfig, normalize_target
-from cute_kernels.plans import hw, sm90_decode
+from cute_kernels.plans import hw, sm80, sm90_decode
 from cute_kernels.plans import quantize_query as qq_plan
 from cute_kernels.plans import write_kv_cache as kv_plan
 from cute_kernels.plans.merge_states import MergeStatesConfig
@@ -57,6 +58,29 @@ def decode_launches(layer, *, arch: str, max_num_seqs: int, max_model_len: int, 
             yield batch, width, splits, config
 
 
+def sm80_decode_launches(layer, *, arch: str, max_num_seqs: int, max_model_len: int, q_len: int = 1,
+                         kv_form: str = "single", num_sms: int = hw.H200_SMS, widths=None):
+    """Yield ``(batch, width, num_splits, config)`` of the portable decode on ``arch``'s target for
+    every decode batch of 1..max_num_seqs requests and every block-table width in ``widths`` (default:
+    the widths that stand for all, as for the SM90 decode: its split rule reads the width the same
+    way), as :func:`paged_decode` would launch them."""
+    page, Hkv = layer.page_size, layer.num_kv_heads
+    fields = dict(target=normalize_target(arch), q_dtype=layer.model_dtype, kv_dtype=layer.kv_cache_dtype,
+                  head_dim=layer.head_dim, group=layer.num_q_heads // Hkv, q_len=q_len, page_size=page,
+                  k_scale_tensor=_is_tensor(layer.k_scale), v_scale_tensor=_is_tensor(layer.v_scale), kv_form=kv_form,
+                  kv_layout=layer.kv_layout)
+
+    def config_for(split):
+        return sm80.make_decode_config(**fields, split=split)
+
+    if widths is None:
+        widths = sm90_decode.launch_widths(-(-max_model_len // page), page, config_for(False).tile)
+    for batch in range(1, max_num_seqs + 1):
+        for width in widths:
+            splits, config = sm80.plan_decode(config_for, batch * Hkv, width * page, num_sms, None)
+            yield batch, width, splits, config
+
+
 def sm100_decode_launches(layer, p, *, max_num_seqs: int, max_model_len: int, q_len: int = 1,
                           kv_form: str = "single", num_sms: int = hw.H200_SMS) -> list[Sm100DecodeConfig]:
     """The SM100 decode configs (split or not) of every batch up to ``max_num_seqs`` and width up
@@ -80,14 +104,21 @@ def sm100_decode_launches(layer, p, *, max_num_seqs: int, max_model_len: int, q_
 
 
 def prefill_config(layer, p, kv_form: str = "single") -> KernelConfig:
-    """The SM90 prefill config the layer's prefill launch selects (``out=`` in the model dtype,
-    causal, no LSE, the layer's scales), as :func:`cute_kernels.ops.paged_prefill` derives it."""
+    """The prefill config the layer's prefill launch selects for the plan ``p`` (SM90's or the
+    portable one; ``out=`` in the model dtype, causal, no LSE, the layer's scales), as
+    :func:`cute_kernels.ops.paged_prefill` derives it."""
     from cute_kernels.plans.sm90_prefill import make_prefill_config
 
     q_scale = "none"
     if p.q_dtype == "fp8_e4m3":
         qs = layer.q_scale
         q_scale = "scalar" if not _is_tensor(qs) else "tensor" if qs.numel() == 1 else "per_head"
+    if p.kernel == "sm80.prefill":  # the portable kernel, built for the plan's arch
+        return sm80.make_prefill_config(
+            target=normalize_target(p.arch), q_dtype=p.q_dtype, kv_dtype=layer.kv_cache_dtype, head_dim=layer.head_dim,
+            group=layer.num_q_heads // layer.num_kv_heads, page_size=layer.page_size, kv_form=kv_form,
+            kv_layout=layer.kv_layout, causal=True, write_lse=False, k_scale_tensor=_is_tensor(layer.k_scale),
+            v_scale_tensor=_is_tensor(layer.v_scale))
     return make_prefill_config(q_dtype=p.q_dtype, kv_dtype=layer.kv_cache_dtype, out_dtype=layer.model_dtype,
                                head_dim=layer.head_dim, group=layer.num_q_heads // layer.num_kv_heads,
                                page_size=layer.page_size, kv_form=kv_form, kv_layout=layer.kv_layout, causal=True,
@@ -116,6 +147,11 @@ def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,),
             out += [cfg for *_, cfg in decode_launches(layer, arch=a, max_num_seqs=max_num_seqs,
                                                        max_model_len=max_model_len, q_len=q_len, kv_form=kv_form,
                                                        num_sms=num_sms)]
+        elif p.kernel == "sm80.decode":
+            configs = [cfg for *_, cfg in sm80_decode_launches(layer, arch=a, max_num_seqs=max_num_seqs,
+                                                               max_model_len=max_model_len, q_len=q_len,
+                                                               kv_form=kv_form, num_sms=num_sms)]
+            out += configs + [c.merge_config() for c in configs if c.split]
         elif p.kernel == "sm100.decode":
             configs = sm100_decode_launches(layer, p, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                             q_len=q_len, kv_form=kv_form, num_sms=num_sms)
@@ -127,7 +163,7 @@ def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,),
     for q_len in (1, max_model_len):  # the prefill plan's q_len: the step's prefill token count
         p = layer.plan("prefill", q_len=q_len, arch=a)
         quantize |= p.quantize_query
-        if p.kernel in ("sm90.prefill", "sm90.prefill_fp8q") and p.kernel not in prefill_kernels:
+        if p.kernel in ("sm90.prefill", "sm90.prefill_fp8q", "sm80.prefill") and p.kernel not in prefill_kernels:
             prefill_kernels.add(p.kernel)
             out.append(prefill_config(layer, p, kv_form))
     D = layer.head_dim
@@ -160,11 +196,12 @@ def decode_workspace(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,
     numel = counters = 0
     Hq, Hkv, D = layer.num_q_heads, layer.num_kv_heads, layer.head_dim
     for q_len in q_lens:
-        if layer.plan("decode", q_len=q_len, arch=a).kernel != "sm90.decode":
+        kernel = layer.plan("decode", q_len=q_len, arch=a).kernel
+        launches = {"sm90.decode": decode_launches, "sm80.decode": sm80_decode_launches}.get(kernel)
+        if launches is None:
             continue
-        for batch, _, splits, cfg in decode_launches(layer, arch=a, max_num_seqs=max_num_seqs,
-                                                     max_model_len=max_model_len, q_len=q_len, kv_form=kv_form,
-                                                     num_sms=num_sms):
+        for batch, _, splits, cfg in launches(layer, arch=a, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                              q_len=q_len, kv_form=kv_form, num_sms=num_sms):
             n, c = workspace_numel(cfg, splits, batch, Hkv, batch * q_len, Hq, D, False)
             numel, counters = max(numel, n), max(counters, c)
     return numel, counters

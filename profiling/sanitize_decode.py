@@ -8,8 +8,10 @@ Shapes include out-of-range page ids, a partial last page, an empty request, len
 block table (and 2^31 - 1), split and no split, HND and NHD, FP8 and BF16 caches, q_len 2, tensor
 scales, the cluster merge (DSMEM; 2, 3 and 16 CTAs, and the one-request FP8 launch the schedule
 merges in a 16-CTA cluster: B 1, context 1000, Hq 32 / Hkv 8, D 128) and the global fused merge
-(3 splits: staged in shared memory; 40: more than the stages hold, merged from L2): any
-out-of-bounds access or barrier misuse fails the run.
+(3 splits: staged in shared memory; 40: more than the stages hold, merged from L2); then the
+portable ``sm80.decode`` (forced) with the same bad page ids and lengths past the table, both FP8
+widenings, a ring sized for 99 KB, split and not, and ``sm80.prefill`` on varlen chunks against
+cached prefixes: any out-of-bounds access or barrier misuse fails the run.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from __future__ import annotations
 import torch
 
 import cute_kernels
-from cute_kernels.testing import make_paged_decode_case
+from cute_kernels.ops.paged_prefill import tuning_override as prefill_override
+from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case
 
 
 def main():
@@ -47,6 +50,25 @@ def main():
         kw = dict(c.kwargs(), k_scale=torch.tensor(0.0625, device="cuda"), v_scale=torch.tensor([0.03125], device="cuda"))
         with tuning_override(cluster=cluster):
             cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=4, **kw)
+    for kv, layout, splits, extra in ((torch.float8_e4m3fn, "HND", 1, {"widen": "bits"}),
+                                      (torch.float8_e4m3fn, "NHD", 5, {}),
+                                      (torch.bfloat16, "HND", 3, {"smem_target": "sm_86"})):
+        c = make_paged_decode_case(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                                   seq_lens=[0, 17, 300, 1000], kv_dtype=kv, kv_layout=layout, generator=g)
+        c.block_table[2, 3] = 10**6
+        c.block_table[3, 5] = -5
+        c.seq_lens[0] = 2**31 - 1  # past the table: the positions past its capacity are not attended
+        with tuning_override(backend="sm80", **extra):
+            cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=splits, **c.kwargs())
+    for kv in (torch.float8_e4m3fn, torch.bfloat16):
+        c = make_paged_prefill_case(reqs=[(0, 37), (50, 0), (33, 130), (1000, 5)], num_q_heads=32, num_kv_heads=8,
+                                    head_dim=128, page_size=16, kv_dtype=kv, k_scale=0.5, v_scale=0.25, generator=g)
+        qsl = c.query_start_loc
+        c.block_table[2, 3] = 10**6
+        c.block_table[3, 5] = -5
+        with prefill_override(backend="sm80"):
+            cute_kernels.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=130,
+                                       k_scale=c.k_scale, v_scale=c.v_scale, return_lse=True)
     po = torch.randn(3, 5, 4, 128, device="cuda")
     pl = torch.randn(3, 5, 4, device="cuda")
     cute_kernels.merge_states(po, pl, out_dtype=torch.bfloat16)

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "qsa": "QSA sparse attention, decode rows and prefill row tiles, against the gathered-bytes roofline",
     "layer": "quantize_query, write_kv_cache and one AttentionLayer decode step",
     "latency": "small-batch paged decode: graph and eager time per split count and launch form",
+    "sm80": "the portable sm80.decode / sm80.prefill (forced on any arch) against FlashInfer's FA2 paths",
     "prefill": "SM90 paged prefill (both FP8 query paths) side by side with FA4, FlashInfer fa3 and SDPA",
     "serve": "a vLLM serving run replayed at the attention level (chunked prefill + decode steps, all layers): "
              "total, TTFT and TPOT attention time of AttentionLayer, FlashInfer + XQA, FlashInfer, FA4",

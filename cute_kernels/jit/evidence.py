@@ -16,7 +16,8 @@ from .cubin import resources
 from .spec import KernelConfig
 
 # SASS mnemonics worth reporting per family (the PTX evidence is what tests assert)
-SASS_FAMILIES = ("HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "UTCHMMA", "UTCQMMA", "LDSM", "LDG.E.128", "STL", "LDL")
+SASS_FAMILIES = ("HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "UTCHMMA", "UTCQMMA", "HMMA", "LDSM", "LDGSTS", "LDG.E.128",
+                 "STL", "LDL")
 
 
 @dataclass

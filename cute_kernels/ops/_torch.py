@@ -119,13 +119,14 @@ def check_kv_cache(k, v, pair: bool, kv_layout: str, head_dim: int) -> tuple[int
     return P, Hkv, page
 
 
-def check_paged_tensors(q, k, v, pair: bool, block_table, seq_lens, q_len: int) -> int:
+def check_paged_tensors(q, k, v, pair: bool, block_table, seq_lens, q_len: int, cache_dtypes=None) -> int:
     """The device-side tensors of a paged attention call on q's device: q and the caches 16-byte
-    aligned (TMA: base and strides), an FP8 or q-dtype cache, an int32 block table and ``[B]``
-    lengths, ``B * q_len`` query rows. Returns B."""
+    aligned (TMA: base and strides), an FP8 or q-dtype cache (or one of ``cache_dtypes``, what the
+    caller's kernel takes), an int32 block table and ``[B]`` lengths, ``B * q_len`` query rows.
+    Returns B."""
     device = q.device
     check_tensor("q", q, device=device, align_bytes=16)
-    if k.dtype not in (torch.float8_e4m3fn, q.dtype):
+    if k.dtype not in (cache_dtypes or (torch.float8_e4m3fn, q.dtype)):
         raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
     for name, t in ((("k_cache", k), ("v_cache", v)) if pair else (("kv_cache", k),)):
         check_tensor(name, t, device=device, align_bytes=16)

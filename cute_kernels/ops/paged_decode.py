@@ -1,4 +1,6 @@
-"""``cute_kernels.paged_decode``: paged decode attention on SM90 and SM100 / SM103 (CuTe-DSL kernels).
+"""``cute_kernels.paged_decode``: paged decode attention (CuTe-DSL kernels: ``sm90.decode`` on SM90,
+``sm100.decode`` on SM100 / SM103, the portable ``sm80.decode`` on every other arch and for what
+those refuse).
 
 The host side only looks at shapes, dtypes, strides and pointers: it never reads tensor data
 and never synchronizes, so a call captures in a CUDA graph (after a warm-up call has compiled
@@ -11,8 +13,16 @@ split schedule and sizing from the plan :mod:`cute_kernels.plans.sm90_decode`, w
 bound once as TVM-FFI tensors, one generated positional caller); later calls look it up by a tuple
 of the attributes that select the kernel and go straight to the TVM-FFI call, which checks dtype,
 rank, static and shared extents, devices and alignment of every argument itself. When it refuses
-one, the call is validated in full for a clear error. Registered as
-``torch.ops.cute_kernels.paged_decode`` and ``paged_decode_out`` (:mod:`cute_kernels.ops._library`).
+one, the call is validated in full for a clear error.
+
+Which kernel runs comes from the registry (:func:`decode_kernel`): the first decode kernel of the
+device's arch, available or compile-verified, that takes the dtypes; the portable one also serves
+an SM100 / SM103 family that failed its runtime self-check (not windows or sinks, which it does not
+take: those run on the SM90 and SM100 kernels, else the reference), and
+``tuning_override(backend="sm80")`` forces it (its plan: :mod:`cute_kernels.plans.sm80`; a split
+launch there is followed by ``common.merge_states``). Registered as
+``torch.ops.cute_kernels.paged_decode`` and ``paged_decode_out`` (:mod:`cute_kernels.ops._library`),
+whichever kernel serves the call.
 """
 
 from __future__ import annotations
@@ -27,8 +37,9 @@ from torch import Tensor
 from .. import _nvtx, reference
 from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
-from ..plans.sm90_decode import HEAD_DIMS, MAX_ROWS, PAGE_SIZES, launch_config, window_context
-from ..plans.sm100 import TARGETS as SM100_TARGETS
+from ..plans import sm80
+from ..plans.sm90_decode import launch_config, window_context
+from ..registry import KERNELS, KernelInfo, arch_of_target, op_kernel
 from . import _caller_workspace as caller_ws
 from . import _check
 from . import _decode_features as features
@@ -75,8 +86,24 @@ def tuning_override(**fields: object) -> TuningOverride:
     benchmarks comparing variants). The override is part of the launch-cache key. ``cluster``
     is a launch choice: ``False`` never merges in clusters, ``True`` does whenever the split
     count allows (at most MAX_CLUSTER), absent leaves it to the plan's rule
-    (:func:`cute_kernels.plans.sm90_decode.use_cluster_merge`)."""
+    (:func:`cute_kernels.plans.sm90_decode.use_cluster_merge`). ``backend="sm80"`` runs the
+    portable ``sm80.decode`` on any arch (its fields then: ``widen``, ``stages``, ``tw``...,
+    ``smem_target`` for a ring sized for another target's shared memory)."""
     return _launcher.tuning_override(**fields)
+
+
+BACKENDS = {"sm80": "sm80.decode"}  # tuning_override(backend=...) -> the kernel it forces
+_CPU_TARGET = "sm_90a"  # CPU tensors are validated for the kernel an SM90 GPU would run
+
+
+def decode_kernel(target: str, q_dtype: str, kv_dtype: str, backend: str | None = None) -> KernelInfo:
+    """The kernel a decode runs (:func:`cute_kernels.registry.op_kernel`), or the one ``backend``
+    forces."""
+    if backend is None:
+        return op_kernel("paged_decode", "decode", target, q_dtype, kv_dtype)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {tuple(BACKENDS)} (or absent), got {backend!r}")
+    return KERNELS[BACKENDS[backend]]
 
 
 def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse, num_splits,
@@ -100,8 +127,10 @@ def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scal
 def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, num_splits,
               deterministic, q_scale, window_left, sinks, workspace=None):
     """Every check of the arguments, the same for CPU and CUDA tensors (code that passes on the CPU
-    passes on the GPU: the SM90 kernel's limits hold for the calls it serves, whatever the
-    device); returns ``(scale, P, Hkv, page, k_scale is a tensor, v_scale is a tensor)``."""
+    passes on the GPU: the limits of the kernel that serves the call hold, whatever the device; CPU
+    tensors as on an SM90 GPU); returns ``(scale, P, Hkv, page, k_scale is a tensor, v_scale is a
+    tensor, the kernel)`` (the kernel: None for an FP8 query, and for windows or sinks where only
+    the portable kernel would take the dtypes: sm100.decode's where it runs, else the reference)."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
     T, Hq, D = q.shape
     P, Hkv, page = check_kv_cache(k, v, pair, kv_layout, D)
@@ -129,21 +158,34 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
     if P == 0:  # a TMA descriptor needs a non-empty tensor: refused before any launch
         raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has no pages (P = 0): an empty KV pool cannot be "
                          "attended; allocate at least one page (docs/design/inputs.md#kv-pool)")
+    backend = _launcher.override.get("backend")
+    info = None
     if _sm90_serves(q, window_left, sinks):
-        if D not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
-        if page not in PAGE_SIZES:
-            raise ValueError(f"page size must be one of {PAGE_SIZES}, got {page}")
+        if k.dtype not in (FP8, q.dtype, torch.float16):
+            raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype} (or float16 for "
+                            f"a bfloat16 query), got {k.dtype}")
+        target = compile_target(q.device) if q.is_cuda else _CPU_TARGET
+        info = decode_kernel(target, dtype_name(q.dtype), dtype_name(k.dtype), backend)
+        if info.id == BACKENDS["sm80"] and (window_left != -1 or sinks is not None):
+            if backend is not None:
+                raise ValueError(f"backend={backend!r} takes no window or sinks")
+            return scale, P, Hkv, page, ks_t, vs_t, None  # the portable kernel has neither
+        if info.head_dims is not None and D not in info.head_dims:
+            raise ValueError(f"head_dim must be one of {info.head_dims}, got {D}")
+        if info.page_sizes is not None and page not in info.page_sizes:
+            raise ValueError(f"page size must be one of {info.page_sizes}, got {page}")
         if Hkv < 1 or Hq % Hkv:
             raise ValueError(f"num q heads ({Hq}) must be a multiple of num kv heads ({Hkv})")
-        if (Hq // Hkv) * q_len > MAX_ROWS:
-            raise ValueError(f"Hq/Hkv x q_len_per_req must be <= {MAX_ROWS}, got {Hq // Hkv} x {q_len}")
+        if info.max_rows is not None and (Hq // Hkv) * q_len > info.max_rows:
+            raise ValueError(f"Hq/Hkv x q_len_per_req must be <= {info.max_rows}, got {Hq // Hkv} x {q_len}")
         if q.stride(-2) != D and Hq > 1:
             raise ValueError(f"q must have contiguous heads (stride(-2) == head_dim {D}), got strides {q.stride()}")
-        check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len)
+        check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len, cache_dtypes=(FP8, q.dtype, k.dtype))
         if out is not None:
             check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=q.device)
-    return scale, P, Hkv, page, ks_t, vs_t
+    elif backend is not None:
+        raise ValueError(f"backend={backend!r} takes no FP8 query")
+    return scale, P, Hkv, page, ks_t, vs_t, info
 
 
 def _sm90_serves(q, window_left, sinks) -> bool:
@@ -155,26 +197,40 @@ def _sm90_serves(q, window_left, sinks) -> bool:
 def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
              num_splits, deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None) -> _Launch:
     """Full validation (clear errors naming the argument) and kernel selection for one key."""
-    scale, P, Hkv, page, ks_t, vs_t = _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale,
-                                                k_scale, v_scale, out, num_splits, deterministic, q_scale,
-                                                window_left, sinks, workspace)
+    scale, P, Hkv, page, ks_t, vs_t, info = _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len,
+                                                      sm_scale, k_scale, v_scale, out, num_splits, deterministic,
+                                                      q_scale, window_left, sinks, workspace)
     T, Hq, D = q.shape
     if not q.is_cuda:
         return _REFERENCE
     device = q.device
     if T == 0:  # nothing to compute: no launch, no compiled variant
         return _Launch(None, None, (T, Hq, D), empty=True)
-    if compile_target(device) in SM100_TARGETS:
-        launch = sm100.prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale,
-                               v_scale, out, num_splits, sinks, workspace)
-        return _REFERENCE if launch is None else _Launch(None, None, (T, Hq, D), sm100=launch)
-    if not _sm90_serves(q, window_left, sinks):
-        return _REFERENCE  # the SM90 kernel has no FP8 query
+    override = dict(_launcher.override)
+    override.pop("backend", None)  # (its kernel: info)
+    target = compile_target(device)
+    if info is None or info.id == "sm100.decode":  # an FP8 query: sm100.decode only
+        launch = None
+        if arch_of_target(target) in KERNELS["sm100.decode"].archs:
+            launch = sm100.prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale,
+                                   k_scale, v_scale, out, num_splits, sinks, workspace)
+        if launch is not None:
+            return _Launch(None, None, (T, Hq, D), sm100=launch)
+        if info is None or window_left != -1 or sinks is not None:  # no other kernel here takes the call
+            return _REFERENCE
+        info = KERNELS[BACKENDS["sm80"]]  # its MMA family failed the runtime self-check: the portable kernel
     if block_table.shape[1] == 0:
         # a block table of no pages (capacity 0: no position is attended): 0 and LSE -inf without
         # a launch or a compiled variant (docs/design/inputs.md#lengths)
         return _Launch(None, None, (T, Hq, D), empty=True)
     B = block_table.shape[0]
+    sources = {"kv_cache": "k", "k_cache": "k", "v_cache": "v"}
+    for name, is_tensor in (("k_scale", ks_t), ("v_scale", vs_t)):
+        if is_tensor:  # the key holds the type only: a 1-element tensor of any rank is viewed as [1]
+            sources[name] = f"{name}.view(1)?"
+    if info.id == BACKENDS["sm80"]:
+        return _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, Hq // Hkv, page, scale, ks_t, vs_t,
+                             return_lse, num_splits, target, override, sources, workspace)
     # cluster (override): None = the rule (use_cluster_merge), True = whenever the split count allows, False = never
     num_splits, config = launch_config(
         q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv, q_len=q_len,
@@ -183,11 +239,10 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         # a window bounds the keys a request reads: the split count is planned for those
         max_context=window_context(block_table.shape[1] * page, window_left, q_len),
         num_sms=device_sm_count(device.index or 0), num_splits=num_splits, deterministic=deterministic,
-        override=_launcher.override, window=window_left != -1, sinks=sinks is not None)
+        override=override, window=window_left != -1, sinks=sinks is not None)
     if features.family_of(config) is not None and not features.self_check_passes(config, device, _check_call):
         return _REFERENCE  # this window / sink family failed its one-time runtime check here (logged)
     split = num_splits > 1
-    target = compile_target(device)
     fn = get_kernel(config, target)
     stream = stream_id(q)
     part_o = part_lse = scratch = counters = None
@@ -208,23 +263,60 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     if not return_lse:
         base = part_numel + plse_numel
         scratch = ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
-    sources = {"kv_cache": "k", "k_cache": "k", "v_cache": "v"}
-    for name, is_tensor in (("k_scale", ks_t), ("v_scale", vs_t)):
-        if is_tensor:  # the key holds the type only: a 1-element tensor of any rank is viewed as [1]
-            sources[name] = f"{name}.view(1)?"
     constants = dict(part_out=ffi_tensor(part_o), part_lse=ffi_tensor(part_lse), counters=ffi_tensor(counters),
                      sm_scale=scale, num_splits=num_splits)
     return _Launch(on_device(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, constants)), device), scratch,
                    (T, Hq, D))
 
 
+def _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, group, page, scale, ks_t, vs_t, return_lse,
+                  num_splits, target, override, sources, workspace) -> _Launch:
+    """The portable kernel's launch: the split count from shapes only
+    (:func:`cute_kernels.plans.sm80.plan_decode`), and for a split launch the fp32 partials in this
+    stream's workspace (or the caller's) and the merge (``common.merge_states``) as a second step of
+    the caller."""
+    T, Hq, D = q.shape
+    B = block_table.shape[0]
+
+    def config_for(split):
+        return sm80.make_decode_config(
+            target=target, q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=group,
+            q_len=q_len, page_size=page, split=split, kv_form="pair" if pair else "single", kv_layout=kv_layout,
+            k_scale_tensor=ks_t, v_scale_tensor=vs_t, **override)
+
+    splits, config = sm80.plan_decode(config_for, B * (Hq // group), block_table.shape[1] * page,
+                                      device_sm_count(q.device.index or 0), num_splits)
+    numel, _ = workspace_numel(config, splits, B, Hq // group, T, Hq, D, return_lse)
+    if workspace is not None:  # the caller's memory: nothing of ours
+        ws, _ = caller_ws.carve(workspace, q.device, numel)
+    else:
+        ws = _workspace.get(q.device, numel, stream_id(q))
+    lse_numel = T * Hq
+    part_numel = splits * T * Hq * D if config.split else 0
+    base = part_numel + (splits * lse_numel if config.split else 0)
+    scratch = None if return_lse else ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
+    fn = get_kernel(config, target)
+    if not config.split:
+        call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, dict(sm_scale=scale)))
+        return _Launch(on_device(call, q.device), scratch, (T, Hq, D))
+    part_o = ffi_tensor(ws[:part_numel].view(splits, T, Hq, D))
+    part_lse = ffi_tensor(ws[part_numel:base].view(splits, T, Hq))
+    merge = config.merge_config()
+    steps = ((fn, config.signature(), sources, dict(part_out=part_o, part_lse=part_lse, sm_scale=scale)),
+             (get_kernel(merge, target), merge.signature(), None, dict(partial_out=part_o, partial_lse=part_lse)))
+    # both launches (the kernel, then the merge of its partials) in the op's NVTX range
+    return _Launch(on_device(_launcher.bind(_CALL_PARAMS, *steps), q.device), scratch, (T, Hq, D))
+
+
 def workspace_numel(config, num_splits: int, B: int, Hkv: int, T: int, Hq: int, D: int,
                     return_lse: bool) -> tuple[int, int]:
     """(fp32 elements, int32 counters) of a launch's workspaces: a global merge's partials and
-    LSEs, the LSE target when the caller asks for none; arrival (and dynamic chunk) counters."""
-    global_merge = num_splits > 1 and not config.cluster
+    LSEs, the LSE target when the caller asks for none; the SM90 kernel's arrival (and dynamic
+    chunk) counters (the portable kernel merges in a second launch: none)."""
+    global_merge = num_splits > 1 and not getattr(config, "cluster", False)
     numel = (num_splits * T * Hq * (D + 1) if global_merge else 0) + (0 if return_lse else T * Hq)
-    counters = (2 * B * Hkv if config.dynamic else B * Hkv) if global_merge else 0
+    fused = global_merge and config.kernel_id == "sm90.decode"  # its last CTA merges: arrival counters
+    counters = (2 * B * Hkv if config.dynamic else B * Hkv) if fused else 0
     return numel, counters
 
 
@@ -320,9 +412,12 @@ def paged_decode(
     KV length including the new tokens); k/v scales as floats or 1-element fp32 device tensors of
     any rank, 0-d included (read on the device, so they may change between CUDA-graph replays).
 
-    Supported here (the limits of :mod:`cute_kernels.plans.sm90_decode`): SM90, head_dim
-    64/128/256, page size 16/32/64/128, Hq / Hkv x q_len <= 64, a 16-bit cache of the query's
-    dtype or an FP8 e4m3 cache. ``num_splits`` (split-KV count)
+    Supported here (the limits of :mod:`cute_kernels.plans.sm90_decode`, :mod:`cute_kernels.plans.sm100`
+    and :mod:`cute_kernels.plans.sm80`): every arch from SM80 on (``sm90.decode`` on SM90,
+    ``sm100.decode`` on SM100/103, the portable ``sm80.decode`` elsewhere and for what those refuse,
+    e.g. an fp16 cache with a bf16 query), head_dim 64/128/256, page size 16/32/64/128, Hq / Hkv x
+    q_len <= 64, a 16-bit cache of the query's dtype, an fp16 cache with a bf16 query, or an FP8 e4m3
+    cache. ``num_splits`` (split-KV count)
     defaults to a shape-based heuristic. ``deterministic=False`` lets the split CTAs of a request
     take tile chunks dynamically from a counter (better balanced: docs/design/sm90-decode.md#dynamic-split-scheduling-opt-in),
     at the price of results that differ in the last bits from run to run (the tiles'
@@ -334,11 +429,12 @@ def paged_decode(
 
     On SM100 / SM103 the tcgen05 kernel ``sm100.decode`` serves the call. It is compile-verified
     only: each MMA family passes a one-time runtime self-check per process before its first launch
-    (:mod:`cute_kernels.ops._selfcheck`), else the reference serves it (logged). It also takes an
+    (:mod:`cute_kernels.ops._selfcheck`), else ``sm80.decode`` serves it (logged; the reference for
+    an FP8 query, a window or sinks). It also takes an
     FP8 query (``q_scale`` then required, float or 1-element fp32 tensor; the output is bf16),
     ``window_left`` (a query at position p sees keys p - window_left ... p; -1: no window) and
-    ``sinks`` (fp32 ``[Hq]`` sink logits): see :func:`cute_kernels.reference.paged_decode`. On
-    SM90, ``window_left`` and ``sinks`` select the kernel's window / sink variants (compile-verified:
+    ``sinks`` (fp32 ``[Hq]`` sink logits): see :func:`cute_kernels.reference.paged_decode`; on
+    other archs but SM90 those three run the reference. On SM90, ``window_left`` and ``sinks`` select the kernel's window / sink variants (compile-verified:
     a one-time runtime self-check per variant family guards their first launch, the reference
     serves a family that fails it); an FP8 query runs the reference there.
 

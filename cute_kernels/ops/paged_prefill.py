@@ -1,4 +1,5 @@
-"""``cute_kernels.paged_prefill``: varlen paged prefill attention on SM90 (CuTe-DSL kernel).
+"""``cute_kernels.paged_prefill``: varlen paged prefill attention (CuTe-DSL kernels: ``sm90.prefill``
+on SM90, the portable ``sm80.prefill`` on every other arch and for what the SM90 kernel refuses).
 
 The host never reads tensor data and never synchronizes: the grid comes from shapes (query
 heads, ``max_query_len`` or T, the batch), the kernel reads ``query_start_loc`` and ``seq_lens``
@@ -14,9 +15,17 @@ up by a tuple of cheap tensor attributes and go straight to the TVM-FFI call, wh
 ranks, shared extents, devices and alignment itself; when it refuses one, the call is validated in
 full for an error that names the argument. CPU tensors run :func:`cute_kernels.reference.paged_prefill`.
 
-The kernel is compile-verified (registry status): before the first launch of a variant family in
-a process, :mod:`._selfcheck` runs that variant on a few small problems against the reference; a
-family that fails is served by the reference from then on, with a logged warning.
+Which kernel runs comes from the registry (:func:`prefill_kernel`): the first prefill kernel of
+the device's arch that takes the dtypes and the GQA group (an FP8 query: the SM90 kernel only, the
+reference elsewhere; a window or sinks: the SM90 kernel's variants, the reference where only the
+portable kernel would take the call);
+``tuning_override(backend="sm80")`` forces the portable one (its plan: :mod:`cute_kernels.plans.sm80`).
+CPU tensors are validated as on an SM90 GPU.
+
+The SM90 kernel is compile-verified (registry status): before the first launch of a variant family
+in a process, :mod:`._selfcheck` runs that variant on a few small problems against the reference;
+a family that fails is served by ``sm80.prefill`` from then on (the reference for an FP8 query),
+with a logged warning.
 
 Checked mode (``CUTE_KERNELS_CHECK=1``, :mod:`cute_kernels.ops._check`) also validates the data
 (``query_start_loc``, ``max_query_len``, ``seq_lens`` within the block table, block-table entries
@@ -37,8 +46,9 @@ from .. import reference
 from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
 from ..jit.spec import call_arguments
+from ..plans import sm80
 from ..plans import sm90_prefill as plan
-from ..registry import KERNELS
+from ..registry import KERNELS, KernelInfo, op_kernel
 from . import _check
 from ._device import check_devices, current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
@@ -67,8 +77,30 @@ class _Launch:
 
 def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(tile_n=64, pingpong=False): ...`` forces kernel tuning fields (for
-    benchmarks and tests comparing variants); the override is part of the launch-cache key."""
+    benchmarks and tests comparing variants); the override is part of the launch-cache key.
+    ``backend="sm80"`` runs the portable ``sm80.prefill`` on any arch (its fields then: ``widen``,
+    ``stages``, ``tw``..., ``smem_target`` for a ring sized for another target's shared memory)."""
     return _launcher.tuning_override(**fields)
+
+
+BACKENDS = {"sm80": "sm80.prefill"}  # tuning_override(backend=...) -> the kernel it forces
+_PORTABLE = BACKENDS["sm80"]
+_CPU_TARGET = "sm_90a"  # CPU tensors are validated for the kernel an SM90 GPU would run
+
+
+def prefill_kernel(target: str, q_dtype: str, kv_dtype: str, group: int, backend: str | None = None) -> KernelInfo:
+    """The kernel a prefill runs (:func:`cute_kernels.registry.op_kernel`, with the GQA group; an
+    FP8 query: the SM90 FP8-query kernel, the only one that takes it), or the one ``backend``
+    forces."""
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {tuple(BACKENDS)} (or absent), got {backend!r}")
+        if q_dtype == "fp8_e4m3":
+            raise ValueError(f"backend={backend!r} takes no FP8 query")
+        return KERNELS[BACKENDS[backend]]
+    if q_dtype == "fp8_e4m3":
+        return KERNELS["sm90.prefill_fp8q"]
+    return op_kernel("paged_prefill", "prefill", target, q_dtype, kv_dtype, group)
 
 
 def _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, q_scale, k_scale, v_scale, out,
@@ -113,19 +145,24 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     if P == 0:  # a TMA descriptor needs a non-empty tensor: refused before any launch
         raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has no pages (P = 0): an empty KV pool cannot be "
                          "attended; allocate at least one page (docs/design/inputs.md#kv-pool)")
-    if D not in plan.HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {plan.HEAD_DIMS}, got {D}")
-    if page not in plan.PAGE_SIZES:
-        raise ValueError(f"page size must be one of {plan.PAGE_SIZES}, got {page}")
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"num q heads ({Hq}) must be a multiple of num kv heads ({Hkv})")
-    if Hq // Hkv > plan.MAX_GROUP:
-        raise ValueError(f"Hq / Hkv must be <= {plan.MAX_GROUP}, got {Hq // Hkv}")
     if q.dtype == FP8:
         if k.dtype != FP8:
             raise TypeError(f"an FP8 query needs a float8_e4m3fn kv_cache, got {k.dtype}")
-    elif k.dtype not in (FP8, q.dtype):
-        raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype}, got {k.dtype}")
+    elif k.dtype not in (FP8, q.dtype, torch.float16):
+        raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype} (or float16 for a "
+                        f"bfloat16 query), got {k.dtype}")
+    override = dict(_launcher.override)
+    backend = override.pop("backend", None)
+    target = compile_target(device) if q.is_cuda else _CPU_TARGET
+    info = prefill_kernel(target, dtype_name(q.dtype), dtype_name(k.dtype), Hq // Hkv, backend)
+    if info.head_dims is not None and D not in info.head_dims:
+        raise ValueError(f"head_dim must be one of {info.head_dims}, got {D}")
+    if info.page_sizes is not None and page not in info.page_sizes:
+        raise ValueError(f"page size must be one of {info.page_sizes}, got {page}")
+    if info.max_gqa_ratio is not None and Hq // Hkv > info.max_gqa_ratio:
+        raise ValueError(f"Hq / Hkv must be <= {info.max_gqa_ratio}, got {Hq // Hkv}")
     ks_t = check_scale("k_scale", k_scale, device=device)
     vs_t = check_scale("v_scale", v_scale, device=device)
     q_scale_kind = _q_scale_kind(q, Hkv, q_scale)
@@ -149,11 +186,18 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
         check_tensor("out", out, dtype=out_dtypes, shape=(T, Hq, D), device=device)
     out_dtype = out_dtypes[0] if out is None else out.dtype
     _check_window_sinks(window_left, sinks, Hq, device)
-    config = plan.make_prefill_config(
-        q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), out_dtype=dtype_name(out_dtype), head_dim=D,
-        group=Hq // Hkv, page_size=page, kv_form="pair" if pair else "single", kv_layout=kv_layout, causal=causal,
-        write_lse=return_lse, k_scale_tensor=ks_t, v_scale_tensor=vs_t, q_scale=q_scale_kind,
-        window=window_left != -1, sinks=sinks is not None, **_launcher.override)
+    features = window_left != -1 or sinks is not None  # the portable kernel has neither
+    if features and info.id == _PORTABLE and backend is not None:
+        raise ValueError(f"backend={backend!r} takes no window or sinks")
+    fields = dict(q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv,
+                  page_size=page, kv_form="pair" if pair else "single", kv_layout=kv_layout, causal=causal,
+                  write_lse=return_lse, k_scale_tensor=ks_t, v_scale_tensor=vs_t)
+    config: sm80.Sm80PrefillConfig | plan.Sm90PrefillConfig
+    if info.id == _PORTABLE:
+        config = sm80.make_prefill_config(target=target, **fields, **override)
+    else:
+        config = plan.make_prefill_config(out_dtype=dtype_name(out_dtype), q_scale=q_scale_kind, window=window_left != -1,
+                                          sinks=sinks is not None, **fields, **override)
     # pointer and stride alignment, from the signature the kernel is compiled with (TMA wants 16 bytes)
     tensors = dict(q=q, kv_cache=k, k_cache=k, v_cache=v, block_table=block_table, seq_lens=seq_lens,
                    query_start_loc=query_start_loc, out=out)
@@ -166,12 +210,17 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
         return _Launch(None, shape, out_dtype, reference=True)
     if T == 0 or B == 0:
         return _Launch(None, shape, out_dtype, empty=True)
-    target = compile_target(device)
+    if info.id == _PORTABLE and features:  # no kernel here takes a window or sinks with these dtypes / group
+        return _Launch(None, shape, out_dtype, reference=True)
+    if q.dtype == FP8 and target not in config.targets:  # an FP8 query off SM90: no kernel takes it
+        return _Launch(None, shape, out_dtype, reference=True)
     if target not in config.targets:
         raise ValueError(f"{config.kernel_id} runs on {'/'.join(config.targets)}, this GPU is {target}: "
                          "use cute_kernels.reference.paged_prefill (dispatch.plan picks it)")
-    if not self_check_passes(config, device):  # a family that failed it: the reference serves it
-        return _Launch(None, shape, out_dtype, reference=True)
+    if isinstance(config, plan.Sm90PrefillConfig) and not self_check_passes(config, device):  # a family that failed it
+        if q.dtype == FP8 or features:  # no other kernel takes them: the reference serves it
+            return _Launch(None, shape, out_dtype, reference=True)
+        config = sm80.make_prefill_config(target=target, **fields)  # the portable kernel serves it
     fn = get_kernel(config, target)
     sources = dict(_SOURCES)
     for name, is_tensor in (("k_scale", ks_t), ("v_scale", vs_t)):
@@ -179,8 +228,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
             sources[name] = f"{name}.view(1)?"
     if q_scale_kind == "tensor" and q_scale.dim() != 1:  # the key holds the shape
         sources["q_scale"] = "q_scale.view(1)"
-    return _Launch(on_device(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, dict(sm_scale=float(scale)))),
-                             device), shape, out_dtype)
+    call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, dict(sm_scale=float(scale))))
+    return _Launch(on_device(call, device), shape, out_dtype)
 
 
 def _check_window_sinks(window_left, sinks, Hq: int, device) -> None:

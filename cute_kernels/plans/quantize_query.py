@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..jit.spec import ALL_TARGETS, DTYPE_BITS, Arg, KernelConfig, ScalarArg, TensorArg
+from ..jit.spec import DTYPE_BITS, Arg, KernelConfig, ScalarArg, TensorArg
+from .hw import FP8_CVT_TARGETS
 
 NUM_THREADS = 256
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)  # elements per thread, widest first
 ROPE_MAX_VEC = 8  # with RoPE a thread owns two chunks (a rotation pair): 2 x 8 elements
-# FP8 conversion instructions (cvt ... e4m3x2) exist from SM89 on; SM80/86 have none
-FP8_TARGETS = tuple(t for t in ALL_TARGETS if t not in ("sm_80", "sm_86"))
+FP8_TARGETS = FP8_CVT_TARGETS  # the conversion instructions the kernel is built from
 ITEMS = (1, 2, 4)
 
 # head rows per thread (docs/design/layer.md#rows-per-thread-and-pdl)

@@ -36,8 +36,9 @@ EVICT_FIRST_POLICY = 0x12F0000000000000  # L2 cache-policy operand: evict first 
 WIDEN_SHIFT_LOG2 = {"bf16": 120, "fp16": 8}
 
 # per 16-bit lane: sign mask, exponent+mantissa mask after the shift, and the shift amount
-# that moves ``e4m3 << 8`` (bits 14:8) to the target's position (bf16: 10:4, fp16: 13:7)
-_WIDEN = {
+# that moves ``e4m3 << 8`` (bits 14:8) to the target's position (bf16: 10:4, fp16: 13:7); the CPU
+# tests emulate the instructions with these numbers for every e4m3 code
+WIDEN_BITS = {
     "bf16": (0x80008000, 0x07F007F0, 4),
     "fp16": (0x80008000, 0x3F803F80, 1),
 }
@@ -46,7 +47,7 @@ _WIDEN = {
 @dsl_user_op
 def widen_e4m3x4(x: Int32, target: str, *, loc=None, ip=None) -> tuple[Int32, Int32]:
     """Four e4m3 bytes -> (lo, hi) 16-bit pairs, ``lo = (b0, b2)``, ``hi = (b1, b3)``."""
-    sign, em, sh = _WIDEN[target]
+    sign, em, sh = WIDEN_BITS[target]
     # f = (a & c) | b  ->  LUT (0xF0 & 0xAA) | 0xCC = 0xEC
     text = (
         "{\n\t.reg .b32 t, u;\n\t"

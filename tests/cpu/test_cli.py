@@ -50,11 +50,13 @@ def test_matrix_text(capsys, sm90_decode_planned):
     for r in rows:
         assert len(r) == 7 and r[5] in ("yes", "no")
     sm90_fp8 = next(r for r in rows if r[:3] == ["sm90", "decode", "fp8_e4m3"])
-    assert sm90_fp8[4] == "bf16" and sm90_fp8[5] == "no"
-    assert sm90_fp8[6] == "reference fallback: sm90.decode is not built yet."
-    for r in rows:
+    assert sm90_fp8[3] == "sm80.decode" and sm90_fp8[4] == "bf16" and sm90_fp8[5] == "no"
+    assert sm90_fp8[6] == "sm90.decode is not built yet; sm80.decode accepts this request."
+    for r in rows:  # every cell names a kernel, none the reference
+        assert not r[3].startswith("reference."), r
         if r[0] in ("sm80", "sm86", "sm89", "sm120", "sm121"):
-            assert r[3].startswith("reference.") and r[4] == "bf16" and r[5] == "no"
+            assert r[3] == f"sm80.{r[1]}" and r[4] == "bf16" and r[5] == "no"
+            assert r[6].endswith(f"(verified as SM80 code on SM90 hardware, not on {r[0]}).")
     for arch in SUPPORTED_ARCHS:  # per-arch notes follow the table
         assert f"\n  {arch} " in out
 
@@ -80,9 +82,12 @@ def test_matrix_bad_shape_exits_2(capsys):
 def test_plan_text(capsys, sm90_decode_planned):
     assert main(["plan", "--arch", "sm_90a", "--phase", "decode", "--kv-cache-dtype", "fp8"]) == 0
     out = capsys.readouterr().out
-    assert "kernel           reference.paged_decode (reference fallback)" in out
+    assert "kernel           sm80.decode\n" in out
     assert "query dtype      bf16" in out and "q_scale applied  no" in out
     assert "sm90.decode is not built yet" in out
+    assert main(["plan", "--arch", "sm_90a", "--phase", "decode", "--kv-cache-dtype", "fp8", "--backend",
+                 "reference"]) == 0
+    assert "kernel           reference.paged_decode (reference fallback)" in capsys.readouterr().out
 
 
 def test_plan_json_reference_backend(capsys):
@@ -122,7 +127,7 @@ def test_format_table_aligns_columns():
 def test_python_m_matrix_runs():
     r = subprocess.run([sys.executable, "-m", "cute_kernels", "matrix"], cwd=ROOT, env=_env(),
                        capture_output=True, text=True, check=True)
-    assert "sm121" in r.stdout and "reference.paged_decode" in r.stdout
+    assert "sm121" in r.stdout and "sm80.decode" in r.stdout
 
 
 def test_matrix_does_not_import_cutlass_or_torch():

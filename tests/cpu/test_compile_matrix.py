@@ -1,5 +1,9 @@
-"""Compile matrix: every registered kernel variant compiles on this (GPU-less) machine for each
-target it claims, and its PTX/SASS shows the hardware path it claims to use.
+"""Compile matrix: the registered kernel variants compile on this (GPU-less) machine for each
+target they claim, and their PTX/SASS shows the hardware path they claim to use.
+
+Which (target, variant) pairs: :func:`cute_kernels.registry.compile_matrix`, every variant on the
+main targets and the portable ``sm80.*`` kernels on every target; this suite compiles its
+representative set (``ci=True``), ``cute-kernels compile --arch <target>`` the full one.
 
 The evidence regexes live with each kernel config (``KernelConfig.evidence``); this test only
 enforces them, plus: the PTX ``.target`` is the requested arch, no variant spills registers to
@@ -18,12 +22,12 @@ import pytest
 from cute_kernels.jit.compiler import nvdisasm_path
 from cute_kernels.jit.evidence import compile_with_evidence
 from cute_kernels.jit.ptx_digest import compare_digests, ptx_digest, read_digests
-from cute_kernels.jit.spec import COMPILE_TARGETS
-from cute_kernels.registry import variants_for
+from cute_kernels.jit.spec import ALL_TARGETS
+from cute_kernels.registry import compile_matrix
 
 pytestmark = pytest.mark.compile
 
-CASES = [(arch, v) for arch in COMPILE_TARGETS for v in variants_for(arch)]
+CASES = compile_matrix(ci=True)
 DIGESTS = Path(__file__).with_name("ptx_digests.json")
 EXPECTED = read_digests(DIGESTS)
 
@@ -102,14 +106,17 @@ def test_serialization_check_flags_a_serialized_kernel(monkeypatch):
 
 
 def test_every_target_has_variants():
-    for arch in COMPILE_TARGETS:
-        assert variants_for(arch), arch
+    for arch in ALL_TARGETS:
+        assert any(t == arch for t, _ in CASES), arch
 
 
 def test_digest_file_lists_exactly_the_registered_variants():
-    """A variant added to (or removed from) the registry needs its digest written (or dropped)."""
-    for arch in COMPILE_TARGETS:
-        labels = {f"{arch}:{c.label()}" for c in variants_for(arch)}
+    """A variant added to (or removed from) the registry needs its digest written (or dropped):
+    the file covers the full matrix, of which this suite compiles the representative part."""
+    full = compile_matrix()
+    assert {(t, c.label()) for t, c in CASES} <= {(t, c.label()) for t, c in full}
+    for arch in ALL_TARGETS:
+        labels = {f"{arch}:{c.label()}" for t, c in full if t == arch}
         diff = compare_digests({k: v for k, v in EXPECTED.items() if k.startswith(f"{arch}:")},
                                dict.fromkeys(labels, "?"))
         assert not [d for d in diff if not d.startswith("changed")], f"{diff}; {_regenerate(arch)}"

@@ -295,14 +295,35 @@ def test_scale_tensors_of_one_element_any_rank(shape):
         check_scale("k_scale", True)
 
 
-def test_warmups_read_the_registry():
-    """The warm-ups refuse an arch their kernel does not run on (the registry says where it runs)."""
+def test_warmups_read_the_registry(monkeypatch):
+    """The warm-ups build the variants of the kernel the registry runs on the arch (as the op
+    chooses it) and refuse an arch where none runs."""
     # (the functions by their modules: once imported, the module cute_kernels.warmup shadows the
     # package's lazy attribute of the same name)
-    from cute_kernels.qsa_warmup import qsa_warmup
-    from cute_kernels.warmup import warmup
+    import dataclasses
 
-    with pytest.raises(ValueError, match="sm90.decode runs on sm90: nothing to warm up for sm_100a"):
-        warmup(arch="sm_100a", head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16)
+    import cute_kernels.warmup as warmup_module
+    from cute_kernels.qsa_warmup import qsa_warmup
+    from cute_kernels.registry import KERNELS
+
+    monkeypatch.setattr(warmup_module, "precompile", lambda configs, target, **kw: None)
+    shape = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16)
+    assert {c.kernel_id for c in warmup_module.warmup(arch="sm_90a", **shape)} == {"sm90.decode", "sm90.prefill"}
+    assert {c.kernel_id for c in warmup_module.warmup(arch="sm_90a", prefill=False, **shape)} == {"sm90.decode"}
+    for arch in ("sm_120a", "sm_86"):
+        configs = warmup_module.warmup(arch=arch, **shape)
+        assert {c.kernel_id for c in configs} == {"sm80.decode", "common.merge_states", "sm80.prefill"}
+        assert all(c.target == arch for c in configs if c.kernel_id.startswith("sm80."))
+        assert all(c.causal and not c.write_lse for c in configs if c.kernel_id == "sm80.prefill")  # the layer's
+    mixed = warmup_module.warmup(arch="sm_90a", kv_dtypes=("fp16", "fp8"), **shape)  # bf16 query
+    assert {(c.kernel_id, c.kv_dtype) for c in mixed if "merge" not in c.kernel_id} == {
+        ("sm80.decode", "fp16"), ("sm90.decode", "fp8_e4m3"), ("sm80.prefill", "fp16"), ("sm90.prefill", "fp8_e4m3")}
+    fp16 = warmup_module.warmup(arch="sm_100a", kv_dtypes=("fp16",), **shape)  # sm100.decode refuses it
+    assert {c.target for c in fp16 if c.kernel_id.startswith("sm80.")} == {"sm_100a"}
+    with pytest.raises(ValueError, match="sm100.decode has no warm-up list: nothing to warm up for sm_100a"):
+        warmup_module.warmup(arch="sm_100a", **shape)
+    monkeypatch.setitem(KERNELS, "sm80.decode", dataclasses.replace(KERNELS["sm80.decode"], status="planned"))
+    with pytest.raises(ValueError, match="paged_decode has no kernel for a bf16 query and a bf16 cache on sm_86"):
+        warmup_module.warmup(arch="sm_86", kv_dtypes=("bf16",), **shape)
     with pytest.raises(ValueError, match="sm90.qsa runs on sm90: nothing to warm up for sm_80"):
         qsa_warmup(arch="sm_80", head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568)

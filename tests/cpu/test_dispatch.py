@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cute_kernels.plans import sm90_decode
+from cute_kernels.plans import sm80, sm90_decode
 from cute_kernels.registry import kernels_on
 from dispatch import (
     KERNELS,
@@ -58,7 +58,7 @@ def _make_available(monkeypatch, *kernel_ids):
 
 
 REAL_KERNELS = ("sm90.decode", "sm90.decode_fp8q", "sm90.prefill", "sm90.prefill_fp8q", "sm100.decode",
-                "sm100.prefill")
+                "sm100.prefill", "sm80.decode", "sm80.prefill")
 
 
 @pytest.fixture
@@ -104,20 +104,36 @@ def test_arch_matrix(registry, monkeypatch):
         _make_available(monkeypatch, *REAL_KERNELS)
     sm90_built = KERNELS["sm90.decode"].status == "available"
     cells = 0
+    kernel_cells = 0
     for arch, phase, kv, model in itertools.product(SUPPORTED_ARCHS, PHASES, KV_DTYPES, MODEL_DTYPES):
         p = _plan(arch, phase, kv, model)
         _check_invariants(p, model)
         assert (p.arch, p.phase, p.model_dtype) == (arch, phase, model)
         if arch in NO_FP8_QUERY_ARCHS or kv != "fp8":
             assert p.q_dtype == model, p  # no FP8 tensor-core attention kernel, or a 16-bit cache
+        # the portable kernels serve every cache but a bf16 one under an fp16 model
+        portable = KERNELS[f"sm80.{phase}"].status == "available" and (kv, model) != ("bf16", "fp16")
+        fallback = f"reference.paged_{phase}"
         if arch == "sm90" and phase == "decode":
             assert p.q_dtype == model and not p.applies_q_scale  # FP8 KV is converted on chip
             served = sm90_built and kv in ("fp8", model)  # a 16-bit cache must match the model
-            assert p.kernel == ("sm90.decode" if served else "reference.paged_decode")
+            assert p.kernel == ("sm90.decode" if served else "sm80.decode" if portable else fallback)
+        if arch in NO_FP8_QUERY_ARCHS:
+            assert p.kernel == (f"sm80.{phase}" if portable else fallback), p
+        if arch == "sm90" and phase == "prefill":  # the SM90 kernels where they take it, else sm80.prefill
+            own = KERNELS["sm90.prefill"].status in ("available", "compile-verified") and kv in ("fp8", model)
+            assert p.kernel in (("sm90.prefill", "sm90.prefill_fp8q") if own else
+                                (f"sm80.{phase}",) if portable else (fallback,)), p
+        if registry == "as_registered" and arch in ("sm100", "sm103"):  # their own (compile-verified) where
+            own = KERNELS[f"sm100.{phase}"].op is not None and kv in ("fp8", model)  # it has an op, else sm80
+            assert p.kernel == (f"sm100.{phase}" if own else f"sm80.{phase}" if portable else fallback), p
         if registry == "all_built" and arch in ("sm100", "sm103") and kv == "fp8":
             assert p.kernel == f"sm100.{phase}" and p.q_dtype == "fp8_e4m3" and p.quantize_query
         cells += 1
+        kernel_cells += not p.is_fallback
     assert cells == 96
+    if registry == "as_registered":  # only an fp16 model with a bf16 cache has no exact kernel
+        assert kernel_cells == 96 - len(SUPPORTED_ARCHS) * len(PHASES)
 
 
 def test_every_arch_phase_list_ends_with_the_reference_fallback():
@@ -131,16 +147,47 @@ def test_every_arch_phase_list_ends_with_the_reference_fallback():
         assert "sm90.decode_fp8q" not in ids  # opt-in only
         assert r["summary"]
     sm90 = next(r for r in rows if (r["arch"], r["phase"]) == ("sm90", "decode"))
-    assert [k["id"] for k in sm90["kernels"]] == ["sm90.decode", "reference.paged_decode"]
+    assert [k["id"] for k in sm90["kernels"]] == ["sm90.decode", "sm80.decode", "reference.paged_decode"]
     assert [k["id"] for k in sm90["opt_in"]] == ["sm90.decode_fp8q"]
     for arch in NO_FP8_QUERY_ARCHS:
-        assert kernels_for(arch, "decode") == ("reference.paged_decode",)
+        for phase in PHASES:
+            assert kernels_for(arch, phase) == (f"sm80.{phase}", f"reference.paged_{phase}")
+    for arch in ("sm100", "sm103"):
+        for phase in PHASES:
+            assert kernels_for(arch, phase) == (f"sm100.{phase}", f"sm80.{phase}", f"reference.paged_{phase}")
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_matrix_names_a_kernel_in_every_cell(arch):
+    """``cute-kernels matrix`` (bf16 model): every (arch, phase, KV dtype) cell is served by a
+    kernel, none by the reference, and the reference stays reachable with backend="reference".
+    A kernel not run on the arch's hardware says so in the reason."""
+    for phase, kv in itertools.product(PHASES, KV_DTYPES):
+        p = _plan(arch, phase, kv, "bf16")
+        assert not p.is_fallback and KERNELS[p.kernel].status in ("available", "compile-verified"), p
+        # only a kernel that computes QK in FP8 for an FP8 cache (sm100.*) gets an FP8 query
+        assert p.q_dtype == ("fp8_e4m3" if KERNELS[p.kernel].computes_qk_in_fp8(p.kv_cache_dtype) else "bf16")
+        if p.kernel.startswith("sm80."):
+            assert (arch == "sm90") != p.reason.endswith(
+                f"(verified as SM80 code on SM90 hardware, not on {arch}).")
+        assert _plan(arch, phase, kv, "bf16", backend="reference").is_fallback
 
 
 def test_registry_ids_and_statuses():
     assert set(kernels_on("attention")) == {"sm90.decode", "sm90.decode_fp8q", "sm90.prefill", "sm90.prefill_fp8q",
-                                            "sm100.decode", "sm100.prefill", "reference.paged_decode",
-                                            "reference.paged_prefill"}
+                                            "sm100.decode", "sm100.prefill", "sm80.decode", "sm80.prefill",
+                                            "reference.paged_decode", "reference.paged_prefill"}
+    for kid in ("sm80.decode", "sm80.prefill"):
+        k = KERNELS[kid]
+        assert k.status == "available" and k.archs == SUPPORTED_ARCHS and k.qk_dtype == "model"
+        assert not k.supports_quant_query_input and k.mixed_16bit == (("bf16", "fp16"),)
+        assert k.verified == "SM80 code on SM90 hardware" and k.hardware_runs == ("sm90",)
+        assert (k.head_dims, k.page_sizes, k.kv_layouts, k.kv_dtypes) == (
+            sm80.HEAD_DIMS, sm80.PAGE_SIZES, sm80.KV_LAYOUTS, sm80.KV_DTYPES)
+    # exactly what the decode kernel accepts: any GQA ratio x q_len up to its 64 rows per CTA
+    assert (KERNELS["sm80.decode"].max_gqa_ratio, KERNELS["sm80.decode"].max_q_len) == (None, None)
+    assert KERNELS["sm80.decode"].max_rows == sm80.MAX_DECODE_ROWS == 64
+    assert KERNELS["sm80.prefill"].max_rows is None  # rows are tiled: any group, any length
     sm90 = KERNELS["sm90.decode"]
     assert sm90.status in ("planned", "available")
     assert sm90.qk_dtype == "model" and not sm90.supports_quant_query_input
@@ -218,7 +265,7 @@ def test_explicit_fp8q_backend_quantizes_query_once_built(all_planned, monkeypat
     assert (p.kernel, p.q_dtype, p.quantize_query, p.applies_q_scale) == (kid, "fp8_e4m3", True, True)
     assert p.backend == kid
     _raises(r"needs kv_cache_dtype fp8_e4m3 \(got bf16\)", kv="bf16", backend=kid)
-    assert _plan("sm90", "decode", "fp8").kernel == "reference.paged_decode"  # never automatic
+    assert _plan("sm90", "decode", "fp8").kernel == "reference.paged_decode"  # never automatic (all planned)
     _make_available(monkeypatch, "sm90.decode")
     assert _plan("sm90", "decode", "fp8").kernel == "sm90.decode"  # the automatic choice is the BF16-QK one
 
@@ -242,7 +289,8 @@ def test_sm90_decode_chosen_when_available(sm90_decode_available, kv, model):
     (dict(q_len=17), r"GQA ratio x q_len up to 64 \(got 4 x 17\)"),
     (dict(kv="fp16", model="bf16"), r"an FP8 cache or one of the model dtype bf16 \(got fp16\)"),
 ])
-def test_sm90_decode_falls_back_with_reason(sm90_decode_available, change, needle):
+def test_sm90_decode_falls_back_with_reason(sm90_decode_available, change, needle, monkeypatch):
+    _set_status(monkeypatch, "planned", "sm80.decode")  # out of the way: the reference plans these
     p = _plan("sm90", "decode", **{"kv": "fp8", **change})
     assert p.kernel == "reference.paged_decode"
     assert "fallback" in p.reason
@@ -257,10 +305,41 @@ def test_sm90_decode_serves_every_group_times_q_len_up_to_64(sm90_decode_availab
     assert _plan("sm90", "decode", "fp8", **shape).kernel == "sm90.decode"
 
 
+def test_sm90_prefill_refusals_go_to_the_portable_kernel():
+    """What the SM90 prefill kernels refuse and sm80.prefill accepts (an fp16 cache with a bf16
+    query, a GQA group beyond theirs) runs there; on SM90 hardware the reason has no caveat."""
+    p = _plan("sm90", "prefill", "fp16", "bf16")
+    assert p.kernel == "sm80.prefill" and p.q_dtype == "bf16" and not p.applies_q_scale
+    assert p.reason.endswith("; sm80.prefill accepts this request.") and "sm90.prefill" in p.reason
+    p = _plan("sm90", "prefill", "bf16", num_q_heads=256, num_kv_heads=1)
+    assert p.kernel == "sm80.prefill" and "GQA ratio (num_q_heads / num_kv_heads) up to 128 (got 256)" in p.reason
+
+
+def test_sm90_decode_refusals_go_to_the_portable_kernel(sm90_decode_available):
+    """What sm90.decode refuses and sm80.decode accepts (an fp16 cache with a bf16 query) runs
+    there, with both reasons; what both refuse falls back to the reference, naming both."""
+    p = _plan("sm90", "decode", "fp16", "bf16")
+    assert p.kernel == "sm80.decode" and p.q_dtype == "bf16"
+    assert p.reason == ("sm90.decode needs an FP8 cache or one of the model dtype bf16 (got fp16); "
+                        "sm80.decode accepts this request.")
+    p = _plan("sm90", "decode", "fp8", head_dim=96)
+    assert p.kernel == "reference.paged_decode"
+    assert p.reason == "reference fallback: sm90.decode and sm80.decode need head_dim 64/128/256 (got 96)."
+
+
+@pytest.mark.parametrize("shape", [dict(num_q_heads=64, num_kv_heads=1), dict(num_q_heads=64, num_kv_heads=4, q_len=4),
+                                   dict(num_q_heads=16, num_kv_heads=1, q_len=4)])
+def test_sm80_decode_serves_every_group_times_q_len_up_to_64(shape):
+    """GQA 64, GQA 16 x q_len 4 and q_len 4 x GQA 16 on an arch without its own decode kernel: the
+    portable kernel takes any group x q_len <= 64 (four 16-row warp rows)."""
+    assert _plan("sm86", "decode", "fp8", **shape).kernel == "sm80.decode"
+    p = _plan("sm86", "decode", "fp8", num_q_heads=128, num_kv_heads=1)
+    assert p.kernel == "reference.paged_decode" and r"GQA ratio x q_len up to 64 (got 128 x 1)" in p.reason
+
 def test_fallback_reason_names_the_planned_kernel(all_planned):
     p = _plan("sm90", "decode", "fp8")
     assert p.kernel == "reference.paged_decode"
-    assert p.reason == "reference fallback: sm90.decode is not built yet."
+    assert p.reason == "reference fallback: sm90.decode and sm80.decode are not built yet."
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,11 +476,12 @@ def test_bad_arguments_name_the_argument(kw, needle):
 
 
 def test_plan_is_frozen_and_serialisable():
-    p = _plan("sm89")
+    p = _plan("sm89", backend="reference")
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.kernel = "sm90.decode"
     d = p.to_dict()
     assert d["kernel"] == p.kernel and d["is_fallback"] is True and d["num_q_heads"] == 32
+    assert _plan("sm89").to_dict()["is_fallback"] is False
     assert p.gqa_ratio == 4
 
 
@@ -416,16 +496,18 @@ def test_dispatch_import_does_not_load_torch_or_cutlass():
 
 @pytest.mark.parametrize("registry", ["as_registered", "all_built"])
 def test_reasons_are_one_short_sentence(registry, monkeypatch):
-    """What ``cute-kernels matrix`` and ``plan`` print: one sentence per plan, each kernel named
-    once, no clause repeated, nothing about how or when the project was built."""
+    """What ``cute-kernels matrix`` and ``plan`` print: one sentence per plan (the refusals of the
+    kernels tried before the chosen one, those refused alike named together), each kernel named
+    once, no clause repeated within a refusal, nothing about how or when the project was built."""
     if registry == "all_built":
         _make_available(monkeypatch, *REAL_KERNELS)
     shapes = [{}, dict(head_dim=96, page_size=8), dict(num_q_heads=64, num_kv_heads=1, q_len=2)]
     for arch, phase, kv, shape in itertools.product(SUPPORTED_ARCHS, PHASES, KV_DTYPES, shapes):
         r = _plan(arch, phase, kv, **shape).reason
-        assert r.endswith(".") and r.count(". ") == 0 and len(r) <= 200, r
-        clauses = [c for part in r.rstrip(".").split("; ") for c in part.split(" and ")]
-        assert len(clauses) == len(set(clauses)), r
+        assert r.endswith(".") and r.count(". ") == 0 and len(r) <= 300, r
+        for part in r.rstrip(".").split("; "):  # one kernel's (or kernels') refusal: no clause twice
+            clauses = part.split(" and ")
+            assert len(clauses) == len(set(clauses)), r
         for kid in KERNELS:
             assert r.count(kid + " ") + r.count(kid + ".") <= 1, r
         assert not re.search(r"\b(issue|session|NOTES)\b", r), r

@@ -158,6 +158,8 @@ def fp8_reference(monkeypatch):
     for kid in ("reference.paged_decode", "reference.paged_prefill"):
         monkeypatch.setitem(KERNELS, kid, dataclasses.replace(KERNELS[kid], qk_dtype="fp8_e4m3",
                                                                 supports_quant_query_input=True))
+    # the portable kernels would serve these phases first: out of the way, the fallbacks plan them
+    _set_status(monkeypatch, "planned", "sm80.decode", "sm80.prefill")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,9 +191,11 @@ def test_layer_arch_matrix(registry, monkeypatch):
             assert p.quantize_query == p.applies_q_scale == fp8_query, p
             if arch == "sm90" and phase == "decode":
                 assert p.kernel == ("sm90.decode" if KERNELS["sm90.decode"].status == "available"
-                                    else "reference.paged_decode")
-            if arch not in ("sm90", *FP8_QK_ARCHS):  # no CuTe attention kernel at all
-                assert p.is_fallback
+                                    else "sm80.decode")
+            elif arch == "sm90":  # the SM90 prefill kernel (compile-verified) takes both caches
+                assert p.kernel == "sm90.prefill", p
+            elif KERNELS[p.kernel].archs != ("sm100", "sm103"):  # the portable kernels everywhere else
+                assert p.kernel == f"sm80.{phase}", p
             if phase == "prefill":
                 assert p.q_len == step.q.shape[0] - step.metadata.num_decode_tokens
             else:

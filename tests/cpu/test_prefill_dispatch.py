@@ -78,13 +78,15 @@ def test_matrix_shows_sm90_prefill_served_by_the_kernel(capsys):
         r = cells[kv]
         assert r["kernel"] == "sm90.prefill" and not r["is_fallback"], r
         assert r["q_dtype"] == "bf16" and not r["quantize_query"] and not r["applies_q_scale"]
-    assert cells["fp16"]["is_fallback"] and "one of the model dtype bf16 (got fp16)" in cells["fp16"]["reason"]
+    fp16 = cells["fp16"]  # an fp16 cache under a bf16 model: the portable kernel (exact in fp16)
+    assert fp16["kernel"] == "sm80.prefill" and "one of the model dtype bf16 (got fp16)" in fp16["reason"]
     assert prefill_plan.FP8_CACHE_REASON in cells["fp8_e4m3"]["reason"]
     assert prefill_plan.FP8_CACHE_REASON not in cells["bf16"]["reason"]
     for kv in ("bf16", "fp8_e4m3"):
         assert "compile-verified only" in cells[kv]["reason"] and "self-check" in cells[kv]["reason"]
     table = {(r["arch"], r["phase"]): r for r in capabilities.capability_table()}
-    assert [k["id"] for k in table["sm90", "prefill"]["kernels"]] == ["sm90.prefill", "reference.paged_prefill"]
+    assert [k["id"] for k in table["sm90", "prefill"]["kernels"]] == ["sm90.prefill", "sm80.prefill",
+                                                                       "reference.paged_prefill"]
     assert [k["id"] for k in table["sm90", "prefill"]["opt_in"]] == ["sm90.prefill_fp8q"]
 
 
@@ -98,10 +100,14 @@ def test_default_plan_keeps_the_model_dtype_query(kv, model):
 def test_limits_fall_back_with_the_reason():
     assert _plan(num_q_heads=prefill_plan.MAX_GROUP, num_kv_heads=1).kernel == "sm90.prefill"
     for change, needle in ((dict(head_dim=96), "head_dim 64/128/256 (got 96)"),
-                           (dict(page_size=8), "page_size 16/32/64/128 (got 8)"),
-                           (dict(kv="fp16", model="bf16"), "one of the model dtype bf16 (got fp16)")):
+                           (dict(page_size=8), "page_size 16/32/64/128 (got 8)")):
         p = _plan(**{"kv": "fp8", **change})
         assert p.kernel == "reference.paged_prefill" and needle in p.reason, p.reason
+    # what only the SM90 kernel refuses goes to the portable kernel, with the reason
+    for change, needle in ((dict(kv="fp16", model="bf16"), "one of the model dtype bf16 (got fp16)"),
+                           (dict(num_q_heads=2 * prefill_plan.MAX_GROUP, num_kv_heads=1), "GQA ratio")):
+        p = _plan(**{"kv": "fp8", **change})
+        assert p.kernel == "sm80.prefill" and needle in p.reason, p.reason
 
 
 def test_the_choice_is_one_constant(fp8_query_chosen):

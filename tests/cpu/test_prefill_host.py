@@ -221,11 +221,25 @@ def test_a_refused_call_is_validated_in_full(fake_gpu, monkeypatch):
         op.paged_prefill(*_args(bad), **_kw(bad))
 
 
-def test_non_sm90_gpu_is_refused_with_the_reason(fake_gpu, monkeypatch):
-    monkeypatch.setattr(op, "compile_target", lambda device: "sm_100a")
-    p = _problem("arch")
-    with pytest.raises(ValueError, match="sm90.prefill runs on sm_90a, this GPU is sm_100a"):
-        op.paged_prefill(*_args(p), **_kw(p))
+@pytest.mark.parametrize("target", ["sm_100a", "sm_86"])
+def test_other_archs_run_the_portable_kernel(fake_gpu, monkeypatch, target):
+    """Off SM90 a 16-bit query runs sm80.prefill built for the GPU's target, its arguments in its
+    signature's order; an FP8 query (only the SM90 kernel takes one) runs the reference."""
+    calls, compiled = fake_gpu
+    monkeypatch.setattr(op, "compile_target", lambda device: target)
+    p = _problem(("arch", target), kv_dtype=FP8)
+    out = op.paged_prefill(*_args(p), **_kw(p), return_lse=True)[0]
+    config, args = calls[-1]
+    assert compiled == [(config, target)] and config.kernel_id == "sm80.prefill" and config.target == target
+    values = dict(q=p["q"], kv_cache=p["kv_cache"], block_table=p["block_table"], seq_lens=p["seq_lens"],
+                  query_start_loc=p["query_start_loc"], out=out, k_scale=p["k_scale"], v_scale=p["v_scale"])
+    for name, arg in zip(config.arg_names(), args):
+        if name in values:
+            assert arg is values[name] or (isinstance(arg, torch.Tensor) and arg.data_ptr() == values[name].data_ptr())
+    p = _problem(("arch8", target), kv_dtype=FP8, q_dtype=FP8)
+    n = len(compiled)
+    want = reference.paged_prefill(*_args(p), **_kw(p))
+    assert torch.equal(op.paged_prefill(*_args(p), **_kw(p)), want) and len(compiled) == n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,7 +265,7 @@ BAD = [
     ("kv 4-D", _set("kv_cache", lambda p: p["kv_cache"][:, 0]), ValueError, "kv_cache must be 5-D"),
     ("kv [P,3]", _set("kv_cache", lambda p: torch.cat([p["kv_cache"], p["kv_cache"][:, :1]], 1)), ValueError,
      r"kv_cache must be \[P, 2, ...\]"),
-    ("kv dtype", _set("kv_cache", lambda p: p["kv_cache"].half()), TypeError, "kv_cache dtype must be"),
+    ("kv dtype", _set("kv_cache", lambda p: p["kv_cache"].float()), TypeError, "kv_cache dtype must be"),
     ("fp8 q 16-bit kv", _set("q", lambda p: p["q"].to(FP8)), TypeError, "an FP8 query needs a float8_e4m3fn kv_cache"),
     ("q_scale on bf16", _set("q_scale", 0.5), ValueError, "q_scale applies only to an FP8 query"),
     ("k_scale <0", _set("k_scale", -1.0), ValueError, "k_scale must be a positive finite"),
@@ -292,7 +306,8 @@ def test_bad_input_names_the_argument(name, mutate, exc, match, path, request):
 
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
 def test_kernel_limits_are_the_plan_limits(path, request):
-    """Page sizes, head dims and GQA ratios outside the plan's limits are refused on the CPU too."""
+    """Page sizes and head dims outside the plans' limits are refused on the CPU too; a GQA ratio
+    beyond the SM90 kernel's goes to the portable kernel."""
     if path == "gpu":
         request.getfixturevalue("fake_gpu")
     assert plan.PAGE_SIZES == (16, 32, 64, 128) and plan.HEAD_DIMS == (64, 128, 256)
@@ -302,10 +317,11 @@ def test_kernel_limits_are_the_plan_limits(path, request):
     p = _problem("d32", D=32)
     with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 128, 256\), got 32"):
         op.paged_prefill(*_args(p), **_kw(p))
-    g = plan.MAX_GROUP * 2
+    g = plan.MAX_GROUP * 2  # beyond the SM90 kernel's group: the portable kernel takes it
     p = _problem("group", Hq=g, Hkv=1, reqs=((0, 1),))
-    with pytest.raises(ValueError, match=f"Hq / Hkv must be <= {plan.MAX_GROUP}"):
-        op.paged_prefill(*_args(p), **_kw(p))
+    op.paged_prefill(*_args(p), **_kw(p))
+    if path == "gpu":
+        assert request.getfixturevalue("fake_gpu")[1][-1][0].kernel_id == "sm80.prefill"
 
 
 def test_fp8_query_scale_rules():

@@ -4,9 +4,10 @@ device and the compiled function stubbed:
 - the self-check's problems fit every registered variant (dtypes, layouts, containers, scale forms,
   LSE or not: the arguments pass TVM-FFI's checks) and pass when the "kernel" is the reference;
 - a kernel that passes is launched after its check, which runs once per process and family;
-- a broken kernel (wrong values, NaN, an error) fails its check: the op serves the reference
-  (the same result as on the CPU), a warning names the family, the record persists for the
-  dispatcher, whose plan then takes the reference and says why (``cute-kernels plan`` too).
+- a broken kernel (wrong values, NaN, an error) fails its check: the op serves the portable
+  ``sm80.prefill`` (the reference for an FP8 query), a warning names the family, the record
+  persists for the dispatcher, whose plan then takes the portable kernel and says why
+  (``cute-kernels plan`` too).
 """
 
 from __future__ import annotations
@@ -60,13 +61,14 @@ def reference_kernel(config, *, damage=None, drop=None):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """CPU tensors take the CUDA path on an sm_90a target; ``kernels`` maps a config to the stub
-    ``get_kernel`` returns (the reference kernel by default); ``compiled`` lists the lookups."""
+    """CPU tensors take the CUDA path on an sm_90a target; ``get_kernel`` returns the reference
+    kernel (``damage`` / ``drop`` break the SM90 kernels' only); ``compiled`` lists the lookups."""
     state = dict(damage=None, drop=None, compiled=[])
 
     def get_kernel(config, target):
         state["compiled"].append(config)
-        return reference_kernel(config, damage=state["damage"], drop=state["drop"])
+        sm90 = config.kernel_id.startswith("sm90.")
+        return reference_kernel(config, damage=state["damage"] if sm90 else None, drop=state["drop"] if sm90 else None)
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(op, "compile_target", lambda device: "sm_90a")
@@ -114,29 +116,40 @@ def test_a_passing_family_is_checked_once_then_launched(fake_gpu):
     (lambda out: out[-1].fill_(float("nan")), "NaN"),
     (lambda out: 1 / 0, "ZeroDivisionError"),
 ])
-def test_a_failing_family_serves_the_reference_and_dispatch_says_so(fake_gpu, damage, why, caplog, capsys):
+def test_a_failing_family_serves_the_portable_kernel_and_dispatch_says_so(fake_gpu, damage, why, caplog, capsys):
     fake_gpu["damage"] = damage
     p = _problem("fail", kv_dtype=FP8)
     want = reference.paged_prefill(*_args(p), **_kw(p))
     out = torch.full(want.shape, float("nan"), dtype=BF16)
     with caplog.at_level(logging.WARNING, logger="cute_kernels"):
         got = op.paged_prefill(*_args(p), **_kw(p), out=out)
-    assert got is out and torch.equal(out, want)  # the reference's result, in out=
+    assert got is out and torch.equal(out, want)  # the portable kernel's (here: the reference's) result
     assert any("sm90.prefill/widen/d64 failed its self-check" in r.getMessage() for r in caplog.records)
     rec = records.lookup("sm90.prefill/widen/d64")
     assert not rec.ok and why in rec.reason
-    n = len(fake_gpu["compiled"])
-    assert torch.equal(op.paged_prefill(*_args(p), **_kw(p)), want)  # later calls: no new check, no kernel
-    assert len(fake_gpu["compiled"]) == n == 1  # the first problem failed: nothing else ran
+    assert torch.equal(op.paged_prefill(*_args(p), **_kw(p)), want)  # later calls: no new check
+    # the first problem of the check failed; the portable kernel serves the family from then on
+    first, *rest = fake_gpu["compiled"]
+    assert first.kernel_id.startswith("sm90.") and rest and all(c.kernel_id == "sm80.prefill" for c in rest)
     # the dispatcher refuses the family on this machine, with the recorded reason; others stay
     shape = dict(arch="sm90", phase="prefill", model_dtype="bf16", head_dim=64, num_q_heads=4, num_kv_heads=2,
                  page_size=16)
     pl = dispatch_plan(kv_cache_dtype="fp8", **shape)
-    assert pl.kernel == "reference.paged_prefill" and "sm90.prefill/widen/d64 failed its runtime self-check" in pl.reason
+    assert pl.kernel == "sm80.prefill" and "sm90.prefill/widen/d64 failed its runtime self-check" in pl.reason
     assert dispatch_plan(kv_cache_dtype="bf16", **shape).kernel == "sm90.prefill"
     assert cli_main(["plan", "--arch", "sm90", "--phase", "prefill", "--kv-cache-dtype", "fp8", "--head-dim", "64",
                      "--num-q-heads", "4", "--num-kv-heads", "2", "--page-size", "16", "--json"]) == 0
     assert "failed its runtime self-check" in json.loads(capsys.readouterr().out)["reason"]
+
+
+def test_a_failing_fp8_query_family_serves_the_reference(fake_gpu):
+    """No other kernel takes an FP8 query: a family of the FP8-query kernel that fails its check is
+    served by the reference."""
+    fake_gpu["damage"] = lambda out: out.mul_(1.5)
+    p = _problem("fail8", kv_dtype=FP8, q_dtype=FP8)
+    want = reference.paged_prefill(*_args(p), **_kw(p))
+    assert torch.equal(op.paged_prefill(*_args(p), **_kw(p)), want)
+    assert fake_gpu["compiled"] and not any(c.kernel_id == "sm80.prefill" for c in fake_gpu["compiled"])
 
 
 def test_plan_reports_the_check_before_and_after(fake_gpu):

@@ -195,6 +195,9 @@ def test_qsa_reference_against_loops(rows, Hkv, group, page, kv, gate, holes, se
     vmax = float(c["v_cache"].float().nan_to_num(0.0).abs().max()) * float(c["v_scale"])
     tol = dict(OUT_TOL[out.dtype])
     tol["atol"] *= max(1.0, vmax)
+    if c.get("output_gate") is not None:
+        # the contract rounds twice (round(attn) * sigmoid(gate), rounded again): up to 2 ulps
+        tol["rtol"] *= 2
     torch.testing.assert_close(out.double(), want.double(), **tol)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
     fin = torch.isfinite(want_lse)

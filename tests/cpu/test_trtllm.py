@@ -238,13 +238,20 @@ def test_pages_outside_every_window_are_never_read():
 
 
 def test_archs_without_a_kernel_are_served_by_the_reference(monkeypatch, caplog):
-    """SM90 (sm90.decode) and SM100/SM103 (sm100.decode) have decode kernels; an arch the registry
-    lists none for gets the reference, with one warning per device."""
+    """SM90 (sm90.decode), SM100/SM103 (sm100.decode) and every other arch (the portable
+    sm80.decode) have decode kernels; an arch the registry lists none for gets the reference, with
+    one warning per device."""
+    import dataclasses
     import logging
+
+    from cute_kernels.registry import KERNELS
 
     targets = {0: "sm_90a", 1: "sm_100a", 2: "sm_103a", 3: "sm_120a"}
     monkeypatch.setattr(trtllm, "compile_target", lambda device: targets[device.index])
     monkeypatch.setattr(trtllm, "_SERVED", {})
+    assert all(trtllm.served("paged_decode", "decode", torch.device("cuda", i)) for i in range(4))
+    monkeypatch.setattr(trtllm, "_SERVED", {})
+    monkeypatch.setitem(KERNELS, "sm80.decode", dataclasses.replace(KERNELS["sm80.decode"], status="planned"))
     with caplog.at_level(logging.WARNING, logger="cute_kernels"):
         assert [trtllm.served("paged_decode", "decode", torch.device("cuda", i)) for i in range(4)] == \
             [True, True, True, False]

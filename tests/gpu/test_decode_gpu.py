@@ -14,7 +14,7 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference
-from cute_kernels.testing import make_paged_decode_case, rel_err
+from cute_kernels.testing import check_graph_replay, make_paged_decode_case, ragged_seq_lens, rel_err
 
 from .conftest import sm90_only
 
@@ -70,14 +70,6 @@ def _ids(c):
     return f"{str(kv)[6:]}-{str(q)[6:]}-d{D}-h{Hq}/{Hkv}-p{page}-q{ql}-{lay}-{cont}-s{s}"
 
 
-def _lens(gen, batch, page):
-    lens = torch.randint(1, 1500, (batch,), generator=gen, device="cuda").tolist()
-    lens[0] = 0  # an empty request: zeros and -inf
-    lens[1] = 3 * page  # page-aligned end
-    lens[2] = 7  # shorter than one page
-    return lens
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _precompile():
     """Compile every variant the module will hit, in parallel processes, before timing out."""
@@ -125,7 +117,7 @@ def test_decode_matches_reference(case, gen):
     kv, q, D, Hq, Hkv, page, q_len, layout, container, splits = case
     B = 6
     c = make_paged_decode_case(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=page,
-                               seq_lens=_lens(gen, B, page), kv_dtype=kv, q_dtype=q, q_len=q_len,
+                               seq_lens=ragged_seq_lens(gen, B, page), kv_dtype=kv, q_dtype=q, q_len=q_len,
                                kv_layout=layout, container=container, generator=gen)
     out, lse = _run(c, splits)
     _check(c, out, lse)
@@ -140,7 +132,7 @@ def test_decode_tuning_variants(case, override, gen):
 
     kv, q, D, Hq, Hkv, page, q_len, layout, container, splits = case
     c = make_paged_decode_case(batch=5, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=page,
-                               seq_lens=_lens(gen, 5, page), kv_dtype=kv, q_dtype=q, q_len=q_len,
+                               seq_lens=ragged_seq_lens(gen, 5, page), kv_dtype=kv, q_dtype=q, q_len=q_len,
                                kv_layout=layout, container=container, generator=gen)
     with tuning_override(**override):
         out, lse = _run(c, splits)
@@ -159,7 +151,7 @@ def test_extreme_query_magnitudes(magnitude, gen):
 
 def test_fused_qkv_view_and_scale_tensors(gen):
     c = make_paged_decode_case(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                               seq_lens=_lens(gen, 4, 16), fused_qkv=True, generator=gen)
+                               seq_lens=ragged_seq_lens(gen, 4, 16), fused_qkv=True, generator=gen)
     assert not c.q.is_contiguous()
     c.k_scale = torch.tensor([0.05], device="cuda")
     c.v_scale = torch.tensor([0.02], device="cuda")
@@ -181,34 +173,11 @@ def test_graph_capture_replay_bitwise_and_live_scales(gen):
     c = make_paged_decode_case(batch=8, num_q_heads=32, num_kv_heads=4, head_dim=128, page_size=16,
                                seq_lens=torch.randint(100, 4000, (8,), generator=gen, device="cuda").tolist(),
                                generator=gen)
-    ks = torch.tensor([0.05], device="cuda")
-    vs = torch.tensor([0.02], device="cuda")
-    c.k_scale, c.v_scale = ks, vs
+    c.k_scale, c.v_scale = torch.tensor([0.05], device="cuda"), torch.tensor([0.02], device="cuda")
     for splits in (1, 4):
-        eager, _ = _run(c, splits)
-        out = torch.empty_like(c.q)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up on the capture stream (workspace, module load)
-            cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, num_splits=splits, **c.kwargs())
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, num_splits=splits, **c.kwargs())
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager), "graph replay differs from eager"
-        ks.fill_(0.11)
-        vs.fill_(0.007)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager2, _ = _run(c, splits)
-        assert torch.equal(out, eager2), "replay did not pick up the new scale values"
-        _check(c, out, _run(c, splits)[1])
-        ks.fill_(0.05)
-        vs.fill_(0.02)
+        check_graph_replay(c, lambda out, s=splits: cute_kernels.paged_decode(
+            c.q, c.kv_cache, c.block_table, c.seq_lens, out=out, num_splits=s, **c.kwargs()),
+            lambda s=splits: _run(c, s), lambda out, lse: _check(c, out, lse), gen.initial_seed())
 
 
 @pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "global"])

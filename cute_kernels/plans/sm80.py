@@ -1,0 +1,480 @@
+"""Plan of the portable SM80-class kernels (``sm80.decode``, ``sm80.prefill``): their configs
+(compile key and call signature), limits, tiling and ring depth per target, the split schedule,
+the warm-up's variants and the compile matrix.
+
+Host-only. The kernels are :mod:`cute_kernels.sm80.decode` and :mod:`cute_kernels.sm80.prefill`;
+the shared-memory capacity of each target comes from :mod:`.hw`. Design: docs/design/sm80.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import product
+from typing import Any
+
+from ..jit.spec import ALL_TARGETS, KernelConfig, ScalarArg, TensorArg
+from . import hw
+from .merge_states import MergeStatesConfig
+from .paged_cache import kv_cache_args, scale_arg
+
+# mma.sync / ldmatrix / cp.async exist on every target from SM80 on
+TARGETS = ALL_TARGETS
+CVT_TARGETS = hw.FP8_CVT_TARGETS  # where the "cvt" FP8 widening exists
+PDL_TARGETS = hw.PDL_TARGETS
+
+# ------------------------------------------------------------------------------------------------
+# Limits: the registry, the dispatcher and the ops state exactly these
+# ------------------------------------------------------------------------------------------------
+Q_DTYPES = ("bf16", "fp16")
+KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+# (query, cache) pairs of different 16-bit types that run exactly (a bf16 query scaled per row
+# into an fp16 MMA); fp16 -> bf16 is not exact, so the reverse pair is refused
+MIXED_16BIT = (("bf16", "fp16"),)
+HEAD_DIMS = (64, 128, 256)
+PAGE_SIZES = (16, 32, 64, 128)
+KV_LAYOUTS = ("HND", "NHD")
+MAX_DECODE_ROWS = 64  # group x q_len: four 16-row MMA tiles, one per warp row
+MAX_SPLITS = 64
+
+EVIDENCE = (
+    ("mma.sync m16n8k16", r"mma\.sync\.aligned\.m16n8k16"),
+    ("ldmatrix", r"ldmatrix\.sync\.aligned"),
+    ("cp.async 16-byte gather", r"cp\.async\.cg\.shared\.global"),
+)
+CVT_EVIDENCE = ("cvt e4m3x2 -> f16x2", r"cvt\.rn\.f16x2\.e4m3x2")
+
+
+def mma_dtype(q_dtype: str, kv_dtype: str) -> str:
+    """The MMA operand type: the cache's for a 16-bit cache of the query's type; fp16 for an FP8
+    cache (exact widening) and for a bf16 query against an fp16 cache (query scaled per row by a
+    power of two). A bf16 cache with an fp16 query is refused (fp16 -> bf16 is not exact)."""
+    if kv_dtype == "fp8_e4m3" or kv_dtype == q_dtype == "fp16" or (q_dtype, kv_dtype) in MIXED_16BIT:
+        return "fp16"
+    if kv_dtype == q_dtype == "bf16":
+        return "bf16"
+    raise ValueError(f"a {kv_dtype} cache with a {q_dtype} query is not supported (no exact common 16-bit type)")
+
+
+@dataclass(frozen=True)
+class _Sm80Common(KernelConfig):
+    """Fields both kernels share. ``warps_m x warps_n`` warps; ``m_tiles`` 16-row MMA tiles per
+    warp; ``tw`` tokens per warp and stage (a stage holds ``warps_n * tw`` tokens); ``stages``
+    cp.async ring depth; ``q_regs`` keeps Q's fragments in registers; ``widen`` ("bits" or "cvt",
+    FP8 caches); ``pdl`` programmatic dependent launch (SM90+ targets only). ``target``: the one
+    compile target the tiling was chosen for (the plan sizes the ring by its shared memory)."""
+
+    target: str = "sm_80"
+    q_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    head_dim: int = 128
+    page_size: int = 16
+    kv_form: str = "single"
+    kv_layout: str = "HND"
+    k_scale_tensor: bool = False
+    v_scale_tensor: bool = False
+    warps_m: int = 1
+    warps_n: int = 4
+    m_tiles: int = 1
+    tw: int = 16
+    stages: int = 3
+    q_regs: bool = True
+    widen: str = "bits"
+    pdl: bool = False
+
+    def _validate(self):
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, got {self.target}")
+        if self.fp8 and self.widen == "cvt" and self.target not in CVT_TARGETS:
+            raise ValueError(f"the cvt widening needs SM89 or newer, not {self.target}")
+        if self.pdl and self.target not in PDL_TARGETS:
+            raise ValueError(f"programmatic dependent launch needs SM90 or newer, not {self.target}")
+        if self.q_dtype not in Q_DTYPES:
+            raise ValueError(f"q dtype must be one of {Q_DTYPES}, got {self.q_dtype}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv dtype must be one of {KV_DTYPES}, got {self.kv_dtype}")
+        mma_dtype(self.q_dtype, self.kv_dtype)
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+        if self.page_size not in PAGE_SIZES:
+            raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {self.page_size}")
+        if self.kv_form not in ("single", "pair") or self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
+        if self.tw % 16 or self.tw < 16 or self.warps_m * self.warps_n > 8 or self.stages < 2:
+            raise ValueError(f"bad tiling: tw {self.tw}, warps {self.warps_m}x{self.warps_n}, stages {self.stages}")
+        if self.widen not in ("bits", "cvt"):
+            raise ValueError(f"widen must be 'bits' or 'cvt', got {self.widen}")
+
+    @property
+    def mma_dtype(self) -> str:
+        return mma_dtype(self.q_dtype, self.kv_dtype)
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype == "fp8_e4m3"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def tile(self) -> int:
+        return self.tw * self.warps_n
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.m_tiles * self.warps_m
+
+    @property
+    def targets(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (self.target,)
+
+    @property
+    def evidence(self) -> dict[str, tuple[tuple[str, str], ...]]:  # type: ignore[override]
+        pairs = EVIDENCE + ((CVT_EVIDENCE,) if self.fp8 and self.widen == "cvt" else ())
+        return {t: pairs for t in self.targets}
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one CTA (see the kernels' storage structs)."""
+        return smem_bytes(self.head_dim, 1 if self.fp8 else 2, self.tile, self.stages, self.rows, self.warps_n)
+
+    def _caches(self):
+        return kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, self.head_dim)
+
+    def _scales(self):
+        return scale_arg("k_scale", self.k_scale_tensor), scale_arg("v_scale", self.v_scale_tensor)
+
+
+def smem_bytes(D: int, kv_bytes: int, tile: int, stages: int, rows: int, warps_n: int) -> int:
+    """Shared memory of a CTA: the K/V ring (which the fp32 merge rows overlay after the main
+    loop), the staged query rows, the per-row statistics and logit scales, alignment padding."""
+    ring = max(stages * 2 * tile * D * kv_bytes, warps_n * rows * (D + 4) * 4)
+    ring = (ring + 1023) // 1024 * 1024
+    q = (rows * D * 2 + 1023) // 1024 * 1024
+    return ring + q + ((2 * warps_n + 1) * rows + rows) * 4
+
+
+@dataclass(frozen=True)
+class Sm80DecodeConfig(_Sm80Common):
+    """Compile key of ``sm80.decode``: the KV group's ``group x q_len`` query rows against one
+    request's pages. ``split``: fp32 partials ``[S, T, Hq, D]`` and their LSE (merged by
+    ``common.merge_states``) instead of the output."""
+
+    group: int = 8
+    q_len: int = 1
+    split: bool = False
+
+    kernel_id = "sm80.decode"
+
+    def __post_init__(self):
+        self._validate()
+        if not 1 <= self.group * self.q_len <= MAX_DECODE_ROWS:
+            raise ValueError(f"group * q_len must be in [1, {MAX_DECODE_ROWS}]")
+        if self.rows < self.group * self.q_len:
+            raise ValueError(f"{self.rows} MMA rows cannot hold {self.group} x {self.q_len} query rows")
+
+    def signature(self):
+        D = self.head_dim
+        ks, vs = self._scales()
+        if self.split:
+            outs = (TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=16),
+                    TensorArg("part_lse", "fp32", ("S", "T", "Hq"), align=4))
+        else:
+            outs = (TensorArg("out", self.q_dtype, ("T", "Hq", D), align=8),
+                    TensorArg("lse", "fp32", ("T", "Hq"), align=4))
+        return (
+            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
+            *self._caches(),
+            TensorArg("block_table", "int32", ("B", "W"), align=4),
+            TensorArg("seq_lens", "int32", ("B",), align=4),
+            *outs,
+            ks, vs,
+            ScalarArg("sm_scale", "fp32"),
+        )
+
+    def merge_config(self) -> MergeStatesConfig:
+        """The merge of a split launch's partials (a programmatic dependent launch where PDL exists)."""
+        return MergeStatesConfig(out_dtype=self.q_dtype, head_dim=self.head_dim, vec=4, pdl=self.pdl)
+
+    def build(self):
+        from ..sm80.decode import Sm80PagedDecode  # the kernel module imports the DSL: only here
+
+        return Sm80PagedDecode(self)
+
+
+# ------------------------------------------------------------------------------------------------
+# decode tuning and schedule
+# ------------------------------------------------------------------------------------------------
+
+DECODE_CTAS_PER_SM = 2  # the split schedule fills one wave of two CTAs per SM
+DECODE_MAX_STAGES = 8
+# FP8 caches: 32 tokens per warp and stage (a 16-token FP8 tile is half the bytes of a BF16 one
+# for the same per-tile softmax and barrier cost); BF16 caches keep 16 (docs/design/sm80.md#measurements)
+DECODE_FP8_TW = 32
+
+
+def default_widen(target: str) -> str:
+    """FP8 widening: the conversion instruction where it exists, the bit trick before SM89."""
+    return "cvt" if target in CVT_TARGETS else "bits"
+
+
+def decode_tiling(target: str, kv_dtype: str, head_dim: int, rows: int) -> dict:
+    """Warp grid and ring of a decode CTA on ``target``: one warp row per 16-row MMA tile, the
+    other warps (of up to four) splitting each stage's tokens, 16 each (``DECODE_FP8_TW`` for an
+    FP8 cache; decode is memory-bound: each K/V byte is read and widened by one warp only).
+    Candidates: 4, 2 or 1 token warps, each sized for 3, 2 or 1 CTAs per SM with the deepest ring
+    that fits; the winner keeps the most warps per SM busy up to 8 (two per scheduler), then the
+    most K/V bytes in flight per SM (``stages - 1`` tiles per CTA). Q stays in registers up to
+    D 128 (at D 256 its 64 registers would crowd out O's 128)."""
+    warps_m = max(1, math.ceil(rows / 16))
+    kvb = 1 if kv_dtype == "fp8_e4m3" else 2
+    tw = DECODE_FP8_TW if kv_dtype == "fp8_e4m3" else 16
+    best = None
+    for warps_n in (4, 2, 1):
+        if warps_m * warps_n > 4:
+            continue
+        fields = dict(kv_dtype=kv_dtype, head_dim=head_dim, warps_m=warps_m, warps_n=warps_n, m_tiles=1, tw=tw)
+        for ctas in (3, 2, 1):
+            stages = fit_stages(target, fields, ctas, DECODE_MAX_STAGES)
+            if stages is None:
+                continue
+            in_flight = ctas * (stages - 1) * 2 * tw * warps_n * head_dim * kvb
+            key = (min(ctas * warps_m * warps_n, 8), in_flight, warps_n)
+            if best is None or key > best[0]:
+                best = (key, dict(warps_m=warps_m, warps_n=warps_n, m_tiles=1, tw=tw, stages=stages))
+    if best is None:
+        raise ValueError(f"no decode tiling of D {head_dim} fits {target}'s shared memory")
+    return dict(best[1], q_regs=head_dim <= 128)
+
+
+def fit_stages(target: str, cfg_fields: dict, ctas_per_sm: int, max_stages: int) -> int | None:
+    """Deepest ring (2 .. max_stages) within the target's per-CTA limit that lets ``ctas_per_sm``
+    CTAs share an SM's shared memory (each with the runtime's reservation); None if none does."""
+    D, kvb = cfg_fields["head_dim"], (1 if cfg_fields["kv_dtype"] == "fp8_e4m3" else 2)
+    tile = cfg_fields["tw"] * cfg_fields["warps_n"]
+    rows = 16 * cfg_fields["m_tiles"] * cfg_fields["warps_m"]
+    budget = min(hw.max_smem_per_cta(target), hw.SMEM_PER_SM_OF[target] // ctas_per_sm - hw.SMEM_RESERVED_PER_CTA)
+    fits = [s for s in range(2, max_stages + 1) if smem_bytes(D, kvb, tile, s, rows, cfg_fields["warps_n"]) <= budget]
+    return max(fits) if fits else None
+
+
+def _scale_fields(kv_dtype: str, target: str) -> dict:
+    return dict(widen=default_widen(target) if kv_dtype == "fp8_e4m3" else "bits", pdl=target in PDL_TARGETS)
+
+
+def make_decode_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int,
+                       page_size: int, split: bool, kv_form: str = "single", kv_layout: str = "HND",
+                       k_scale_tensor: bool = False, v_scale_tensor: bool = False, **override) -> Sm80DecodeConfig:
+    """The config the op, the warm-up and the compile matrix use for a problem on ``target``;
+    ``override`` replaces any tuning field (tests force the bit-trick widening, or, with
+    ``smem_target``, a ring sized for another target's shared memory: a 99 KB build run on an
+    H200)."""
+    fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len,
+                  page_size=page_size, split=split, kv_form=kv_form, kv_layout=kv_layout,
+                  k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
+    override = dict(override)
+    fields.update(decode_tiling(override.pop("smem_target", target), kv_dtype, head_dim, group * q_len))
+    fields.update(override)
+    return Sm80DecodeConfig(**fields)
+
+
+def decode_splits(items: int, max_context: int, num_sms: int, tile: int, ctas_per_sm: int = DECODE_CTAS_PER_SM,
+                  num_splits: int | None = None) -> int:
+    """Split count from shapes only (``items`` = requests x KV heads, ``max_context`` from the
+    block-table width): enough CTAs for one full wave of ``ctas_per_sm`` per SM, never more
+    splits than tiles, at most MAX_SPLITS; a caller's ``num_splits`` wins."""
+    if num_splits is not None:
+        return num_splits
+    slots = num_sms * ctas_per_sm
+    if items >= slots:
+        return 1
+    max_tiles = max(1, math.ceil(max_context / tile))
+    return max(1, min(MAX_SPLITS, max_tiles, slots // max(items, 1)))
+
+
+def plan_decode(config_for, items: int, max_context: int, num_sms: int,
+                num_splits: int | None) -> tuple[int, Sm80DecodeConfig]:
+    """``(splits, config)`` of one decode launch: ``config_for(split)`` builds the config; the
+    unsplit one's tile sizes the split schedule."""
+    probe = config_for(False)
+    splits = decode_splits(items, max_context, num_sms, probe.tile, num_splits=num_splits)
+    return splits, (probe if splits <= 1 else config_for(True))
+
+
+def decode_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
+                    kv_dtypes=("fp8_e4m3",), q_dtype: str = "bf16", q_lens=(1,), scale_tensors=(False, True),
+                    kv_layouts=("HND",), kv_forms=("single",), **override) -> list[KernelConfig]:
+    """The ``sm80.decode`` configs (split and not, with the split's merge) that a model shape
+    reaches on ``target`` (the warm-up's list)."""
+    group = num_q_heads // num_kv_heads
+    out: list[KernelConfig] = []
+    merges: list[KernelConfig] = []
+    for kv, q_len, split, st, layout, form in product(kv_dtypes, q_lens, (False, True), scale_tensors, kv_layouts,
+                                                      kv_forms):
+        cfg = make_decode_config(target=target, q_dtype=q_dtype, kv_dtype={"fp8": "fp8_e4m3"}.get(kv, kv),
+                                 head_dim=head_dim, group=group, q_len=q_len, page_size=page_size, split=split,
+                                 k_scale_tensor=st, v_scale_tensor=st, kv_form=form, kv_layout=layout, **override)
+        out.append(cfg)
+        if split and cfg.merge_config() not in merges:
+            merges.append(cfg.merge_config())
+    return out + merges
+
+
+# ------------------------------------------------------------------------------------------------
+# prefill
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sm80PrefillConfig(_Sm80Common):
+    """Compile key of ``sm80.prefill``: varlen query tiles against paged K/V, FA2-style. A CTA
+    takes ``rows`` packed query rows (row p of a request: token p // group, head p % group) of one
+    request and KV head. ``causal``: query j of a request sees positions < seq_len - q_len + j + 1
+    (else all seq_len). ``write_lse``: the base-2 LSE is an argument and is written."""
+
+    group: int = 4
+    causal: bool = True
+    write_lse: bool = False
+
+    kernel_id = "sm80.prefill"
+
+    def __post_init__(self):
+        self._validate()
+        if self.group < 1:
+            raise ValueError(f"group must be >= 1, got {self.group}")
+
+    def signature(self):
+        D = self.head_dim
+        ks, vs = self._scales()
+        lse = (TensorArg("lse", "fp32", ("T", "Hq"), align=4),) if self.write_lse else ()
+        return (
+            TensorArg("q", self.q_dtype, ("T", "Hq", D)),
+            *self._caches(),
+            TensorArg("block_table", "int32", ("B", "W"), align=4),
+            TensorArg("seq_lens", "int32", ("B",), align=4),
+            TensorArg("query_start_loc", "int32", ("B1",), align=4),
+            TensorArg("out", self.q_dtype, ("T", "Hq", D), align=8),
+            *lse,
+            ks, vs,
+            ScalarArg("sm_scale", "fp32"),
+            ScalarArg("max_query_len", "int32"),
+        )
+
+    def build(self):
+        from ..sm80.prefill import Sm80PagedPrefill  # the kernel module imports the DSL: only here
+
+        return Sm80PagedPrefill(self)
+
+
+def prefill_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
+                     kv_dtypes=("fp8_e4m3",), q_dtype: str = "bf16", scale_tensors=(False, True),
+                     kv_layouts=("HND",), kv_forms=("single",), causal=(True,), return_lse=(False,)) -> list:
+    """The ``sm80.prefill`` configs that a model shape reaches on ``target`` (the warm-up's list):
+    per cache dtype, scale form, layout, container, mask and LSE output."""
+    return [make_prefill_config(target=target, q_dtype=q_dtype, kv_dtype={"fp8": "fp8_e4m3"}.get(kv, kv),
+                                head_dim=head_dim, group=num_q_heads // num_kv_heads, page_size=page_size,
+                                causal=mask, write_lse=lse, kv_form=form, kv_layout=layout, k_scale_tensor=st,
+                                v_scale_tensor=st)
+            for kv, st, layout, form, mask, lse in product(kv_dtypes, scale_tensors, kv_layouts, kv_forms, causal,
+                                                            return_lse)]
+
+
+PREFILL_CTAS_PER_SM = 2
+PREFILL_MAX_STAGES = 3
+
+
+def prefill_tiling(target: str, kv_dtype: str, head_dim: int) -> dict:
+    """FA2-style prefill tiling on ``target``: four warps of 16 query rows each (64 rows per
+    CTA), each reading the whole stage of 32 tokens (16 at D 256, where O alone takes 128
+    registers; 64 spill: ptxas keeps every k-block's K fragments live at once); the deepest ring
+    (2 or 3 stages) that lets two CTAs share an SM, else one. Q stays in registers up to D 128."""
+    tw = 16 if head_dim == 256 else 32
+    fields = dict(kv_dtype=kv_dtype, head_dim=head_dim, warps_m=4, warps_n=1, m_tiles=1, tw=tw)
+    for ctas in (PREFILL_CTAS_PER_SM, 1):
+        stages = fit_stages(target, fields, ctas, PREFILL_MAX_STAGES)
+        if stages is not None:
+            break
+    if stages is None:
+        raise ValueError(f"no prefill tiling of D {head_dim} fits {target}'s shared memory")
+    return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128)
+
+
+def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int,
+                        causal: bool = True, write_lse: bool = False, kv_form: str = "single",
+                        kv_layout: str = "HND", k_scale_tensor: bool = False, v_scale_tensor: bool = False,
+                        **override) -> Sm80PrefillConfig:
+    """The config the prefill op, the warm-up and the compile matrix use on ``target``;
+    ``override`` replaces tuning fields (``smem_target``: size the ring for another target)."""
+    fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group,
+                  page_size=page_size, causal=causal, write_lse=write_lse, kv_form=kv_form, kv_layout=kv_layout,
+                  k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
+    override = dict(override)
+    fields.update(prefill_tiling(override.pop("smem_target", target), kv_dtype, head_dim))
+    fields.update(override)
+    return Sm80PrefillConfig(**fields)
+
+
+# ------------------------------------------------------------------------------------------------
+# compile matrix
+# ------------------------------------------------------------------------------------------------
+
+
+def _q_for(kv: str) -> str:
+    return "fp16" if kv == "fp16" else "bf16"
+
+
+def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
+    """The variants of ``kernel_id`` (both kernels: None) in every target's full set (``cute-kernels compile --arch <target> --kernel sm80.``): decode
+    for each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
+    (four); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
+    a (K, V) pair in NHD with scale tensors; prefill for each cache dtype x head dim, with the LSE
+    and without a causal mask once each. Plus :func:`ci_variants` (on SM90: a 99 KB ring)."""
+    out: list[KernelConfig] = []
+    for t in TARGETS:
+        for kv in KV_DTYPES:
+            for d in HEAD_DIMS:
+                shape: dict[str, Any] = dict(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=d, page_size=16)
+                out += [make_decode_config(group=8, q_len=1, split=s, **shape) for s in (False, True)]
+                out.append(make_prefill_config(group=4, **shape))
+            out.append(make_decode_config(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=128, group=16, q_len=4,
+                                          page_size=16, split=True))
+        out.append(make_decode_config(target=t, q_dtype="bf16", kv_dtype="fp16", head_dim=128, group=8, q_len=1,
+                                      page_size=16, split=False))
+        if t in CVT_TARGETS:
+            out.append(make_decode_config(target=t, q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8,
+                                          q_len=1, page_size=16, split=True, widen="bits"))
+        out.append(make_prefill_config(target=t, q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=8, page_size=64,
+                                       causal=False, write_lse=True, kv_form="pair", kv_layout="NHD"))
+    return [c for c in dict.fromkeys(out + ci_variants()) if kernel_id in (None, c.kernel_id)]
+
+
+def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
+    """The variants of ``kernel_id`` (both: None) in the representative set the CPU test suite
+    compiles per target (the full set is one
+    command away): decode with a BF16 cache (split and not, the second as a (K, V) pair in NHD)
+    and with an FP8 cache (the target's widening, scale tensors), prefill with an FP8 cache and
+    the LSE; on SM80 also the bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90
+    the shapes SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a
+    ring sized for 99 KB (run on the H200 as the SM86 build's stand-in) and an fp16 D 64 prefill."""
+    shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
+    out: list[KernelConfig] = []
+    for t in TARGETS:
+        out += [
+            make_decode_config(target=t, kv_dtype="bf16", group=8, q_len=1, split=False, **shape),
+            make_decode_config(target=t, kv_dtype="bf16", group=4, q_len=2, split=True, kv_form="pair",
+                               kv_layout="NHD", **shape),
+            make_decode_config(target=t, kv_dtype="fp8_e4m3", group=8, q_len=1, split=True, k_scale_tensor=True,
+                               v_scale_tensor=True, **shape),
+            make_prefill_config(target=t, kv_dtype="fp8_e4m3", group=4, write_lse=True, **shape),
+        ]
+    sm80: dict[str, Any] = dict(target="sm_80", q_dtype="bf16", kv_dtype="fp8_e4m3", page_size=16, split=False)
+    out += [make_decode_config(head_dim=64, group=8, q_len=1, **sm80),
+            make_decode_config(head_dim=256, group=16, q_len=4, **sm80),
+            make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,
+                                page_size=64, causal=False)]
+    out += [make_decode_config(target="sm_90a", kv_dtype="fp16", group=4, q_len=1, split=False, **shape),
+            make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, widen="bits",
+                               smem_target="sm_86", **shape),
+            make_prefill_config(target="sm_90a", q_dtype="fp16", kv_dtype="fp16", head_dim=64, group=1,
+                                page_size=32)]
+    return [c for c in out if kernel_id in (None, c.kernel_id)]

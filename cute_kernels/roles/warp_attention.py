@@ -1,0 +1,457 @@
+"""Attention of one CTA's query rows against a stream of K/V tiles on warp-level MMA
+(``mma.sync`` m16n8k16, A and B from ``ldmatrix``): the shared engine of the SM80-class decode and
+prefill kernels (design: docs/design/sm80.md).
+
+Orientation: S = Q·Kᵀ with the query rows on M and the KV tokens on N, O = P·V with P taken
+straight from S's accumulator registers (the m16n8 C fragment of two adjacent token tiles is the
+m16k16 A fragment), so P never goes through shared memory. Warps form a ``warps_m x warps_n``
+grid: ``warps_m`` split the rows (``m_tiles`` 16-row tiles each), ``warps_n`` split each stage's
+tokens (``tw`` each); every warp keeps its own online-softmax state, and the ``warps_n`` states
+of a row merge once, at the end, through shared memory.
+
+MMA operands are 16-bit: the cache's type for a 16-bit cache; fp16 for an FP8 cache (K/V widened
+exactly by the SM90 kernels' helpers, :func:`.fragments.widen_e4m3x4` to fp16 with the bit trick,
+values times 2^-8, or :func:`.fragments.cvt_e4m3x4_f16`) and for a bf16 query against an fp16 cache. A
+bf16 query that enters an fp16 MMA is scaled per row by a power of two into fp16's range (exact;
+the logits divide it out). FP8 K is widened from one ldmatrix register of four consecutive head
+dims per lane group, so the query's columns are staged permuted the same way; FP8 V is read
+transposed by pairs of bytes, which puts O's even and odd head dims in separate MMA tiles (each
+thread then owns four consecutive dims of a 16-dim chunk).
+"""
+
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warp
+
+from ..jit.dtypes import cute_dtype
+from .cp_async_pages import PagedKVGather, swizzle
+from .fragments import (
+    WIDEN_SHIFT_LOG2,
+    cvt_e4m3x4_f16,
+    ldmatrix_x4,
+    q_permutation,
+    store_shared_b32x4,
+    widen_e4m3x4,
+)
+
+LOG2E = math.log2(math.e)
+FP16_TARGET_LOG2 = 14  # a row's largest |q| is scaled to [2^13, 2^16) for an fp16 MMA
+
+
+class WarpTileAttention:
+    """Static configuration of the engine (all trace-time).
+
+    ``q_dtype``/``kv_dtype``/``mma_dtype``: dtype names; ``widen``: "bits" or "cvt" (FP8 caches);
+    ``warps_m``, ``warps_n``, ``m_tiles`` (16-row tiles per warp), ``tw`` (tokens per warp and
+    stage, a multiple of 16); ``q_regs``: Q fragments loaded once into registers (else read from
+    shared memory at every tile)."""
+
+    def __init__(self, *, D: int, q_dtype: str, kv_dtype: str, mma_dtype: str, widen_method: str,
+                 warps_m: int, warps_n: int, m_tiles: int, tw: int, q_regs: bool):
+        self.D = D
+        self.q_name, self.kv_name, self.mma_name = q_dtype, kv_dtype, mma_dtype
+        self.fp8 = kv_dtype == "fp8_e4m3"
+        self.mma_dtype = cute_dtype(mma_dtype)
+        self.widen_method = widen_method
+        self.row_scaled = q_dtype != mma_dtype  # bf16 query into an fp16 MMA
+        self.warps_m, self.warps_n, self.m_tiles, self.tw = warps_m, warps_n, m_tiles, tw
+        self.warps = warps_m * warps_n
+        self.threads = 32 * self.warps
+        self.rows = 16 * m_tiles * warps_m  # query rows of the CTA (padded)
+        self.tile = tw * warps_n  # tokens per stage
+        self.q_regs = q_regs
+        self.kv_bytes = 1 if self.fp8 else 2
+        self.kv_row_bytes = D * self.kv_bytes
+        self.q_row_bytes = D * 2
+        # log2 of the factor the widened values are smaller than the e4m3 values by (bits: 2^-8)
+        self.widen_log2 = WIDEN_SHIFT_LOG2["fp16"] if self.fp8 and widen_method == "bits" else 0
+        self.atom_dtype = self.mma_dtype
+
+    def widen(self, x, pair_tokens: bool):
+        """(Traced.) Four e4m3 bytes of one ``ldmatrix`` register -> two fp16x2 registers. The bit
+        trick pairs ``(b0, b2)``, ``(b1, b3)`` always; ``cvt`` pairs ``(b0, b1)``, ``(b2, b3)``, or
+        ``(b0, b2)``, ``(b1, b3)`` with ``pair_tokens`` (V from ``ldmatrix.trans``: the two tokens
+        of one head dim)."""
+        if self.widen_method == "bits":
+            return widen_e4m3x4(x, "fp16")
+        return cvt_e4m3x4_f16(x, pair_tokens)
+
+    # ---------------------------------------------------------------------------------------
+    # shared-memory footprint (bytes; the kernel's storage struct and the plan use these)
+    # ---------------------------------------------------------------------------------------
+
+    @property
+    def q_bytes(self) -> int:
+        return self.rows * self.q_row_bytes
+
+    @property
+    def stats_bytes(self) -> int:
+        return (self.warps_n * 2 + 1) * self.rows * 4
+
+    @property
+    def merge_bytes(self) -> int:
+        return self.warps_n * self.rows * (self.D + 4) * 4
+
+    # ---------------------------------------------------------------------------------------
+    # Q staging
+    # ---------------------------------------------------------------------------------------
+
+    @cute.jit
+    def stage_q(self, mQ, row_token_head, row_valid, logit_scale, sq_base, sScale, tidx):
+        """Rows of the CTA -> shared memory (swizzled, in the MMA dtype, FP8: columns permuted)
+        and each row's logit multiplier ``logit_scale * 2^-e_row`` (log2 units) -> ``sScale``.
+        ``row_token_head(r)`` gives the (token, head) of row r; ``row_valid(r)`` whether it is a
+        real query row (padding rows are zeros). 16 consecutive elements per work item; the
+        items of a row are held by adjacent lanes, which reduce the row's max |q| by shuffles."""
+        D = self.D
+        blocks = D // 16
+        work = self.rows * blocks
+        iters = (work + self.threads - 1) // self.threads
+        for it in cutlass.range_constexpr(iters):
+            idx = it * self.threads + tidx
+            r = idx // blocks
+            c = idx % blocks
+            vals = cute.make_rmem_tensor((16,), Float32)
+            vals.fill(0.0)
+            if idx < work:
+                if row_valid(r):
+                    token, head = row_token_head(r)
+                    vals.store(cute.local_tile(mQ[token, head, None], (16,), (c,)).load().to(Float32))
+            e_shift = Int32(0)
+            if const_expr(self.row_scaled):
+                amax = Float32(0.0)
+                for k in cutlass.range_constexpr(16):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(vals[k], -vals[k]))
+                off = 1
+                while off < blocks:  # the row's items sit in `blocks` adjacent lanes
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, off))
+                    off *= 2
+                if amax > Float32(0.0):
+                    # within one of floor(log2 amax): the row lands in [2^13, 2^16), inside fp16
+                    e = Int32(cute.math.log2(amax, fastmath=True))
+                    e_shift = cutlass.min(cutlass.max(Int32(FP16_TARGET_LOG2) - e, Int32(-100)), Int32(100))
+            scale = cute.math.exp2(Float32(e_shift), fastmath=False)
+            packed = cute.make_rmem_tensor((16,), self.mma_dtype)
+            for k in cutlass.range_constexpr(16):
+                src = q_permutation(k, self.widen_method) if const_expr(self.fp8) else k
+                packed[k] = (vals[src] * scale).to(self.mma_dtype)
+            if idx < work:
+                words = cute.recast_tensor(packed, Int32)
+                base = r * self.q_row_bytes + c * 32
+                store_shared_b32x4(sq_base + swizzle(base), words[0], words[1], words[2], words[3])
+                store_shared_b32x4(sq_base + swizzle(base + 16), words[4], words[5], words[6], words[7])
+                if c == 0:
+                    sScale[r] = logit_scale * cute.math.exp2(-Float32(e_shift), fastmath=False)
+
+    # ---------------------------------------------------------------------------------------
+    # per-warp state
+    # ---------------------------------------------------------------------------------------
+
+    def make_state(self):
+        """(Traced.) Accumulators and softmax state of one thread: O (zeroed), S, Q fragments,
+        running max (-inf) and sum (0) of its 2 * m_tiles rows."""
+        mt, nt = self.m_tiles, self.tw // 8
+        # O in 16-dim chunks (two n8 tiles each), one tensor per chunk: each P·V MMA then
+        # accumulates into a whole tensor in place (no register copies around a sliced view)
+        acc_o = [cute.make_rmem_tensor(((2, 2), mt, 2), Float32) for _ in range(self.D // 16)]
+        for chunk in acc_o:
+            chunk.fill(0.0)
+        acc_s = cute.make_rmem_tensor(((2, 2), mt, nt), Float32)
+        tSrQ = cute.make_rmem_tensor(((2, 2, 2), mt, self.D // 16 if self.q_regs else 1), self.mma_dtype)
+        row_max = cute.make_rmem_tensor((2 * mt,), Float32)
+        row_sum = cute.make_rmem_tensor((2 * mt,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        return acc_o, acc_s, tSrQ, row_max, row_sum
+
+    @cute.jit
+    def row_setup(self, sScale, wm, lane, row_limit):
+        """This thread's rows' logit multipliers (from :meth:`stage_q`) and visibility limits
+        (``row_limit(r)``: tokens ``< limit`` are visible to CTA row r)."""
+        slots = 2 * self.m_tiles
+        row_scale = cute.make_rmem_tensor((slots,), Float32)
+        limits = cute.make_rmem_tensor((slots,), Int32)
+        for mt in cutlass.range_constexpr(self.m_tiles):
+            for h in cutlass.range_constexpr(2):
+                r = self.thread_row(wm, lane, mt, h)
+                row_scale[2 * mt + h] = sScale[r]
+                limits[2 * mt + h] = row_limit(r)
+        return row_scale, limits
+
+    def storage(self, kv_region: int):
+        """(Traced.) Shared storage: the K/V ring (the fp32 merge rows overlay it), the staged Q
+        rows, per-row statistics and logit scales."""
+
+        @cute.struct
+        class Storage:
+            kv: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, kv_region], 1024]
+            q: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.q_bytes], 1024]
+            stats: cute.struct.MemRange[Float32, (2 * self.warps_n + 1) * self.rows]
+            scale: cute.struct.MemRange[Float32, self.rows]
+
+        return Storage
+
+    def thread_row(self, wm, lane, mt, h):
+        """(Traced.) CTA row of this thread's row slot (m-tile ``mt``, half ``h``)."""
+        return (wm * self.m_tiles + mt) * 16 + lane // 4 + 8 * h
+
+    @cute.jit
+    def load_q_fragment(self, tSrQ, sq_base, wm, lane, kb, slot):
+        """A fragments of k-block ``kb`` for all this warp's m-tiles into ``tSrQ[..., slot]``."""
+        regs = cute.recast_tensor(tSrQ, Int32)
+        mi = lane // 8
+        for mt in cutlass.range_constexpr(self.m_tiles):
+            row = (wm * self.m_tiles + mt) * 16 + (mi % 2) * 8 + lane % 8
+            col = kb * 16 + (mi // 2) * 8
+            r = ldmatrix_x4(sq_base + swizzle(row * self.q_row_bytes + col * 2), False)
+            for j in cutlass.range_constexpr(4):
+                regs[j + 4 * mt + 4 * self.m_tiles * slot] = r[j]
+
+    @cute.jit
+    def load_q_all(self, tSrQ, sq_base, wm, lane):
+        if const_expr(self.q_regs):
+            for kb in cutlass.range_constexpr(self.D // 16):
+                self.load_q_fragment(tSrQ, sq_base, wm, lane, kb, kb)
+
+    @cute.jit
+    def qk(self, acc_s, tSrQ, sq_base, k_base, wm, wn, lane):
+        """S = Q Kᵀ of this warp's rows and its ``tw`` tokens of the stage at ``k_base``."""
+        atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, Float32, (16, 8, 16)))
+        nt = self.tw // 8
+        mi = lane // 8
+        acc_s.fill(0.0)
+        if const_expr(self.fp8):
+            bK = cute.make_rmem_tensor(((2, 2), nt, 2), self.mma_dtype)
+            regs = cute.recast_tensor(bK, Int32)
+            for kb2 in cutlass.range_constexpr(self.D // 32):
+                for n16 in cutlass.range_constexpr(self.tw // 16):
+                    row = wn * self.tw + n16 * 16 + (mi % 2) * 8 + lane % 8
+                    col = kb2 * 32 + (mi // 2) * 16
+                    r = ldmatrix_x4(k_base + swizzle(row * self.kv_row_bytes + col), False)
+                    for j in cutlass.range_constexpr(4):
+                        lo, hi = self.widen(r[j], False)
+                        base = 2 * (2 * n16 + j % 2) + 2 * nt * (j // 2)
+                        regs[base] = lo
+                        regs[base + 1] = hi
+                for kk in cutlass.range_constexpr(2):
+                    kb = 2 * kb2 + kk
+                    self.gemm_qk(atom, acc_s, tSrQ, bK, sq_base, wm, lane, kb, kk)
+        else:
+            bK = cute.make_rmem_tensor(((2, 2), nt, 1), self.mma_dtype)
+            regs = cute.recast_tensor(bK, Int32)
+            for kb in cutlass.range_constexpr(self.D // 16):
+                for n16 in cutlass.range_constexpr(self.tw // 16):
+                    row = wn * self.tw + n16 * 16 + (mi // 2) * 8 + lane % 8
+                    col = kb * 16 + (mi % 2) * 8
+                    r = ldmatrix_x4(k_base + swizzle(row * self.kv_row_bytes + col * 2), False)
+                    for j in cutlass.range_constexpr(4):
+                        regs[2 * (2 * n16 + j // 2) + j % 2] = r[j]
+                self.gemm_qk(atom, acc_s, tSrQ, bK, sq_base, wm, lane, kb, 0)
+
+    @cute.jit
+    def gemm_qk(self, atom, acc_s, tSrQ, bK, sq_base, wm, lane, kb, kk):
+        if const_expr(self.q_regs):
+            cute.gemm(atom, acc_s, tSrQ[None, None, kb], bK[None, None, kk], acc_s)
+        else:
+            self.load_q_fragment(tSrQ, sq_base, wm, lane, kb, 0)
+            cute.gemm(atom, acc_s, tSrQ[None, None, 0], bK[None, None, kk], acc_s)
+
+    @cute.jit
+    def softmax(self, acc_s, acc_o, row_max, row_sum, row_scale, limits, tile_start, masked, wn, lane):
+        """Online softmax of the tile in ``acc_s`` (scaled by each row's ``row_scale`` into log2
+        units, tokens at or past a row's ``limits`` masked to -inf when ``masked``), leaving
+        P = exp2(s - max) in ``acc_s`` and rescaling ``acc_o`` and ``row_sum``. A row whose max
+        is still -inf shifts by 0, so exp2(-inf) = 0 and no inf - inf."""
+        mt_n, nt = self.m_tiles, self.tw // 8
+        col0 = tile_start + wn * self.tw + 2 * (lane % 4)
+        for mt in cutlass.range_constexpr(mt_n):
+            for h in cutlass.range_constexpr(2):
+                slot = 2 * mt + h
+                tmax = -Float32.inf
+                for n in cutlass.range_constexpr(nt):
+                    for e in cutlass.range_constexpr(2):
+                        i = 2 * h + e + 4 * mt + 4 * mt_n * n
+                        s = acc_s[i] * row_scale[slot]
+                        if masked:
+                            if col0 + 8 * n + e >= limits[slot]:
+                                s = -Float32.inf
+                        acc_s[i] = s
+                        tmax = cute.arch.fmax(tmax, s)
+                tmax = cute.arch.fmax(tmax, cute.arch.shuffle_sync_bfly(tmax, 1))
+                tmax = cute.arch.fmax(tmax, cute.arch.shuffle_sync_bfly(tmax, 2))
+                new_max = cute.arch.fmax(row_max[slot], tmax)
+                safe = new_max if new_max != -Float32.inf else Float32(0.0)
+                alpha = cute.math.exp2(row_max[slot] - safe, fastmath=True)
+                row_max[slot] = new_max
+                total = row_sum[slot] * alpha
+                for n in cutlass.range_constexpr(self.D // 8):
+                    for e in cutlass.range_constexpr(2):
+                        i = 2 * h + e + 4 * mt + 4 * mt_n * (n % 2)
+                        acc_o[n // 2][i] = acc_o[n // 2][i] * alpha
+                for n in cutlass.range_constexpr(nt):
+                    for e in cutlass.range_constexpr(2):
+                        i = 2 * h + e + 4 * mt + 4 * mt_n * n
+                        p = cute.math.exp2(acc_s[i] - safe, fastmath=True)
+                        total = total + p
+                        acc_s[i] = p
+                row_sum[slot] = total
+
+    @cute.jit
+    def pv(self, acc_o, acc_s, v_base, wn, lane):
+        """O += P V for this warp's ``tw`` tokens of the stage at ``v_base``."""
+        atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, Float32, (16, 8, 16)))
+        mt_n = self.m_tiles
+        kbs = self.tw // 16
+        mi = lane // 8
+        for kb in cutlass.range_constexpr(kbs):
+            # P of these 16 tokens, converted here so that S's registers die as P's are made
+            tOrP = cute.make_rmem_tensor(((2, 2, 2), mt_n, 1), self.mma_dtype)
+            for mt in cutlass.range_constexpr(mt_n):
+                for e in cutlass.range_constexpr(8):
+                    tOrP[e + 8 * mt] = acc_s[e % 4 + 4 * mt + 4 * mt_n * (2 * kb + e // 4)].to(self.mma_dtype)
+            row = wn * self.tw + kb * 16 + (mi % 2) * 8 + lane % 8
+            if const_expr(self.fp8):
+                for dc2 in cutlass.range_constexpr(self.D // 32):
+                    col = dc2 * 32 + (mi // 2) * 16
+                    r = ldmatrix_x4(v_base + swizzle(row * self.kv_row_bytes + col), True)
+                    for half in cutlass.range_constexpr(2):  # 16-dim chunk 2 dc2 + half
+                        bV = cute.make_rmem_tensor(((2, 2), 2, 1), self.mma_dtype)
+                        regs = cute.recast_tensor(bV, Int32)
+                        for j in cutlass.range_constexpr(2 * half, 2 * half + 2):
+                            lo, hi = self.widen(r[j], True)
+                            regs[j % 2] = lo  # even dims of the chunk
+                            regs[2 + j % 2] = hi  # odd dims
+                        cute.gemm(atom, acc_o[2 * dc2 + half], tOrP[None, None, 0], bV[None, None, 0],
+                                  acc_o[2 * dc2 + half])
+            else:
+                for dc in cutlass.range_constexpr(self.D // 16):
+                    col = dc * 16 + (mi // 2) * 8
+                    r = ldmatrix_x4(v_base + swizzle(row * self.kv_row_bytes + col * 2), True)
+                    bV = cute.make_rmem_tensor(((2, 2), 2, 1), self.mma_dtype)
+                    regs = cute.recast_tensor(bV, Int32)
+                    for j in cutlass.range_constexpr(4):
+                        regs[2 * (j // 2) + j % 2] = r[j]
+                    cute.gemm(atom, acc_o[dc], tOrP[None, None, 0], bV[None, None, 0], acc_o[dc])
+
+    def o_dim(self, n: int, e: int, lane):
+        """(Traced.) Head dim of O accumulator column (n-tile ``n``, element ``e`` of a pair)."""
+        t = lane % 4
+        if self.fp8:
+            return 16 * (n // 2) + 4 * t + 2 * e + n % 2
+        return 8 * n + 2 * t + e
+
+    # ---------------------------------------------------------------------------------------
+    # main loop and epilogue
+    # ---------------------------------------------------------------------------------------
+
+    @cute.jit
+    def mainloop(self, issue, tile_of, n_tiles, stages: cutlass.Constexpr, kv_base, stage_bytes, tile_bytes,
+                 state, sq_base, row_scale, limits, min_limit, wm, wn, lane):
+        """Stream this CTA's ``n_tiles`` tiles (``tile_of(i)``: the i-th tile's index) through a
+        ``stages``-deep cp.async ring: ``issue(tile, stage_address)`` starts a tile's copies;
+        one commit group per tile, one barrier per tile (it also frees the stage that the next
+        copies overwrite)."""
+        acc_o, acc_s, tSrQ, row_max, row_sum = state
+        for s in cutlass.range_constexpr(stages - 1):
+            if s < n_tiles:
+                issue(tile_of(s), kv_base + s * stage_bytes)
+            cute.arch.cp_async_commit_group()
+        for i in cutlass.range(n_tiles, unroll=1):
+            cute.arch.cp_async_wait_group(stages - 2)
+            cute.arch.barrier()
+            nxt = i + stages - 1
+            if nxt < n_tiles:
+                issue(tile_of(nxt), kv_base + (nxt % stages) * stage_bytes)
+            cute.arch.cp_async_commit_group()
+            tile = tile_of(i)
+            stage_base = kv_base + (i % stages) * stage_bytes
+            self.qk(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
+            masked = (tile + 1) * self.tile > min_limit
+            self.softmax(acc_s, acc_o, row_max, row_sum, row_scale, limits, tile * self.tile, masked, wn, lane)
+            self.pv(acc_o, acc_s, stage_base + tile_bytes, wn, lane)
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def finish(self, state, sO, sStats, wm, wn, lane, v_scale):
+        """Merge the ``warps_n`` partial states of every row and leave the normalized output
+        (times ``v_scale`` and the widening factor) in ``sO[wn, row, d]`` (fp32, one slice per
+        ``wn``; :meth:`output_chunk` sums them) and each row's base-2 LSE in
+        ``sStats[2 * warps_n, row]``. ``sO`` overlays the K/V stages: every warp must be past
+        the main loop, which the barrier here ensures."""
+        acc_o, acc_s, tSrQ, row_max, row_sum = state
+        mt_n, WN = self.m_tiles, self.warps_n
+        for s in cutlass.range_constexpr(2 * mt_n):
+            v = row_sum[s]
+            v = v + cute.arch.shuffle_sync_bfly(v, 1)
+            v = v + cute.arch.shuffle_sync_bfly(v, 2)
+            row_sum[s] = v
+        if const_expr(WN > 1):
+            if lane % 4 == 0:
+                for mt in cutlass.range_constexpr(mt_n):
+                    for h in cutlass.range_constexpr(2):
+                        r = self.thread_row(wm, lane, mt, h)
+                        sStats[2 * wn, r] = row_max[2 * mt + h]
+                        sStats[2 * wn + 1, r] = row_sum[2 * mt + h]
+        cute.arch.barrier()
+        out_scale = v_scale * Float32(2.0 ** self.widen_log2)
+        for mt in cutlass.range_constexpr(mt_n):
+            for h in cutlass.range_constexpr(2):
+                slot = 2 * mt + h
+                r = self.thread_row(wm, lane, mt, h)
+                m_all = row_max[slot]
+                total = row_sum[slot]
+                if const_expr(WN > 1):
+                    for w in cutlass.range_constexpr(WN):
+                        m_all = cute.arch.fmax(m_all, sStats[2 * w, r])
+                safe = m_all if m_all != -Float32.inf else Float32(0.0)
+                if const_expr(WN > 1):
+                    total = Float32(0.0)
+                    for w in cutlass.range_constexpr(WN):
+                        total = total + sStats[2 * w + 1, r] * cute.math.exp2(sStats[2 * w, r] - safe, fastmath=True)
+                factor = Float32(0.0)
+                lse = -Float32.inf
+                if total > Float32(0.0):
+                    factor = cute.math.exp2(row_max[slot] - safe, fastmath=True) * out_scale / total
+                    lse = safe + cute.math.log2(total, fastmath=True)
+                if wn == 0:
+                    if lane % 4 == 0:
+                        sStats[2 * WN, r] = lse
+                for n in cutlass.range_constexpr(self.D // 8):
+                    for e in cutlass.range_constexpr(2):
+                        val = acc_o[n // 2][2 * h + e + 4 * mt + 4 * mt_n * (n % 2)]
+                        sO[self.o_dim(n, e, lane), r, wn] = val * factor
+        cute.arch.barrier()
+
+    @cute.jit
+    def output_chunk(self, sO, r, d0):
+        """Four output dims ``d0 .. d0 + 3`` of row ``r``, summed over the ``warps_n`` slices."""
+        acc = cute.make_rmem_tensor((4,), Float32)
+        acc.fill(0.0)
+        for w in cutlass.range_constexpr(self.warps_n):
+            for e in cutlass.range_constexpr(4):
+                acc[e] = acc[e] + sO[d0 + e, r, w]
+        return acc
+
+    def o_layout(self):
+        """(Traced.) Layout of the fp32 merge rows ``(d, row, wn)``: rows padded by 4 floats."""
+        return cute.make_layout((self.D, self.rows, self.warps_n), stride=(1, self.D + 4, (self.D + 4) * self.rows))
+
+    def stats_layout(self):
+        """(Traced.) ``(2 * warps_n + 1, rows)``: per wn slice max and sum, then the LSE."""
+        return cute.make_layout((2 * self.warps_n + 1, self.rows), stride=(self.rows, 1))
+
+
+def engine_for(cfg):
+    """``(engine, gather, ring bytes)`` of a portable kernel's config: the attention engine, the
+    page gather of its stages, and the shared memory of the K/V ring (which the fp32 merge rows
+    overlay after the main loop)."""
+    engine = WarpTileAttention(
+        D=cfg.head_dim, q_dtype=cfg.q_dtype, kv_dtype=cfg.kv_dtype, mma_dtype=cfg.mma_dtype, widen_method=cfg.widen,
+        warps_m=cfg.warps_m, warps_n=cfg.warps_n, m_tiles=cfg.m_tiles, tw=cfg.tw, q_regs=cfg.q_regs,
+    )
+    gather = PagedKVGather(engine.tile, cfg.head_dim, engine.kv_bytes, engine.threads, cfg.page_size)
+    return engine, gather, max(cfg.stages * gather.stage_bytes, engine.merge_bytes)

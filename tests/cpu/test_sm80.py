@@ -1,0 +1,238 @@
+"""The portable SM80-class kernels on the CPU: the FP8 bit-trick widening they share with the SM90
+kernels proven exact for every e4m3 code (numpy emulation of the same shifts and masks), the
+query permutation, the plan's per-target budgets and configs, the op's kernel choice, and
+(compile tier) builds that hold only SM80 instructions."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from cute_kernels.jit.spec import ALL_TARGETS
+from cute_kernels.plans import hw
+from cute_kernels.plans.sm80 import (
+    CVT_TARGETS,
+    PDL_TARGETS,
+    TARGETS,
+    Sm80DecodeConfig,
+    Sm80PrefillConfig,
+    ci_variants,
+    compile_variants,
+    decode_splits,
+    make_decode_config,
+    make_prefill_config,
+    mma_dtype,
+)
+from cute_kernels.roles.fragments import WIDEN_BITS, WIDEN_SHIFT_LOG2, q_permutation
+
+# what the bit trick makes of the two e4m3 NaN codes (0x7F, 0xFF): the finite ±1.875 x 2^8
+NAN_AS = 480.0
+KB = 1024
+
+
+def _emulate_widen(codes: np.ndarray, target: str) -> np.ndarray:
+    """The values :func:`cute_kernels.roles.fragments.widen_e4m3x4` makes of each e4m3 code, as
+    float64 times 2^WIDEN_SHIFT_LOG2 (so directly comparable with the e4m3 values): the same
+    shifts and masks as its PTX on a 32-bit word, each code run through all four byte positions
+    (which must agree)."""
+    sign, em, sh = (np.uint32(v) for v in WIDEN_BITS[target])
+    c = np.asarray(codes, dtype=np.uint32)
+    outs = []
+    for pos in range(4):
+        x = (c << np.uint32(8 * pos)).astype(np.uint32)
+        lo = (((x << np.uint32(8)) & np.uint32(0xFFFFFFFF)) & sign) | (((x << np.uint32(8) - sh) & np.uint32(0xFFFFFFFF)) & em)
+        hi = (x & sign) | ((x >> sh) & em)
+        half = ((lo, hi)[pos % 2] >> np.uint32(16 * (pos // 2))) & np.uint32(0xFFFF)
+        if target == "fp16":
+            val = half.astype(np.uint16).view(np.float16).astype(np.float64)
+        else:  # bf16: the upper half of an fp32
+            val = (half << np.uint32(16)).astype(np.uint32).view(np.float32).astype(np.float64)
+        outs.append(val * 2.0 ** WIDEN_SHIFT_LOG2[target])
+    for other in outs[1:]:
+        assert np.array_equal(other, outs[0], equal_nan=True), "byte position changes the widened value"
+    return outs[0]
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_bit_trick_is_exact_for_every_e4m3_code(target):
+    """The widening both kernel families use (SM80-class: fp16; SM90: the query's type)."""
+    codes = np.arange(256, dtype=np.uint8)
+    got = _emulate_widen(codes, target)
+    want = torch.from_numpy(codes).view(torch.float8_e4m3fn).double().numpy()
+    nan = np.isnan(want)
+    assert nan.sum() == 2 and set(codes[nan]) == {0x7F, 0xFF}
+    np.testing.assert_array_equal(got[~nan], want[~nan])  # subnormals, zeros and both signs included
+    assert list(got[nan]) == [NAN_AS, -NAN_AS]  # the documented NaN policy (docs/design/sm80.md)
+    if target == "fp16":  # the widened values themselves are fp16 numbers (exact products by 2^-8)
+        scaled = got[~nan] * 2.0 ** -WIDEN_SHIFT_LOG2["fp16"]
+        assert np.all(np.float16(scaled).astype(np.float64) == scaled)
+
+
+@pytest.mark.parametrize("method", ["bits", "cvt"])
+def test_query_permutation_is_a_bijection_of_each_block(method):
+    perm = [q_permutation(k, method) for k in range(16)]
+    assert sorted(perm) == list(range(16))
+    # lane group t's two registers hold head dims 4t .. 4t+3 (one ldmatrix register of K)
+    for t in range(4):
+        assert sorted(perm[k] for k in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)) == [4 * t + i for i in range(4)]
+
+
+def test_hardware_facts_per_target():
+    """One table in plans/hw.py: the per-CTA opt-in limit is the SM's capacity less the runtime's
+    1 KB, 163 / 99 / 227 KB; the SM90 numbers are the ones the SM90 plans use."""
+    assert set(hw.SMEM_PER_SM_OF) == set(ALL_TARGETS)
+    limits = {t: hw.max_smem_per_cta(t) // KB for t in ALL_TARGETS}
+    assert limits == {"sm_80": 163, "sm_86": 99, "sm_89": 99, "sm_90a": 227, "sm_100a": 227, "sm_103a": 227,
+                      "sm_120a": 99, "sm_121a": 99}
+    assert hw.max_smem_per_cta("sm_90a") == hw.MAX_SMEM_PER_CTA
+    assert CVT_TARGETS == tuple(t for t in ALL_TARGETS if t not in ("sm_80", "sm_86"))
+    assert PDL_TARGETS == ("sm_90a", "sm_100a", "sm_103a", "sm_120a", "sm_121a")
+
+
+def test_mma_dtype_rules():
+    assert mma_dtype("bf16", "bf16") == "bf16"
+    assert mma_dtype("fp16", "fp16") == "fp16"
+    assert mma_dtype("bf16", "fp8_e4m3") == mma_dtype("fp16", "fp8_e4m3") == "fp16"
+    assert mma_dtype("bf16", "fp16") == "fp16"  # the bf16 query is scaled per row into fp16
+    with pytest.raises(ValueError, match="no exact common 16-bit type"):
+        mma_dtype("fp16", "bf16")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_every_target_gets_configs_within_its_shared_memory(target, kv, D):
+    for group, q_len in ((1, 1), (8, 1), (16, 4), (64, 1)):
+        for split in (False, True):
+            c = make_decode_config(target=target, q_dtype="bf16", kv_dtype=kv, head_dim=D, group=group, q_len=q_len,
+                                   page_size=16, split=split)
+            assert c.smem_bytes() <= hw.max_smem_per_cta(target) and c.targets == (target,)
+            assert c.rows >= group * q_len and c.threads <= 128
+            assert c.widen == ("cvt" if kv == "fp8_e4m3" and target in CVT_TARGETS else "bits")
+            assert c.pdl == (target in PDL_TARGETS)
+    p = make_prefill_config(target=target, q_dtype="bf16", kv_dtype=kv, head_dim=D, group=4, page_size=16)
+    assert p.smem_bytes() <= hw.max_smem_per_cta(target) and p.rows == 64
+
+
+def test_small_smem_sizing_runs_anywhere():
+    """``smem_target`` sizes the ring for a 99 KB arch while compiling for another (the H200
+    tests run the SM86/SM120 tilings this way)."""
+    c = make_decode_config(target="sm_90a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8, q_len=1,
+                           page_size=16, split=False, smem_target="sm_86")
+    assert c.target == "sm_90a" and c.smem_bytes() <= hw.max_smem_per_cta("sm_86")
+
+
+def test_configs_refuse_what_the_kernels_cannot_do():
+    with pytest.raises(ValueError, match="cvt widening needs SM89"):
+        Sm80DecodeConfig(target="sm_86", kv_dtype="fp8_e4m3", widen="cvt")
+    with pytest.raises(ValueError, match="dependent launch needs SM90"):
+        Sm80DecodeConfig(target="sm_80", pdl=True)
+    with pytest.raises(ValueError, match="group \\* q_len"):
+        Sm80DecodeConfig(group=16, q_len=5, warps_m=4, warps_n=1)
+    with pytest.raises(ValueError, match="cannot hold"):
+        Sm80DecodeConfig(group=8, q_len=4)  # 32 rows, one 16-row warp row
+    with pytest.raises(ValueError, match="no exact common"):
+        Sm80PrefillConfig(q_dtype="fp16", kv_dtype="bf16")
+    with pytest.raises(ValueError, match="page_size"):
+        Sm80PrefillConfig(page_size=8)
+
+
+def test_signatures_name_the_contract_arguments_in_order():
+    d = make_decode_config(target="sm_89", q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1,
+                           page_size=16, split=True, kv_form="pair")
+    assert d.arg_names() == ("q", "k_cache", "v_cache", "block_table", "seq_lens", "part_out", "part_lse", "k_scale",
+                             "v_scale", "sm_scale")
+    assert d.merge_config().pdl is False and d.merge_config().head_dim == 128  # no PDL on SM89
+    p = make_prefill_config(target="sm_120a", q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=4, page_size=16)
+    assert p.arg_names() == ("q", "kv_cache", "block_table", "seq_lens", "query_start_loc", "out", "k_scale",
+                             "v_scale", "sm_scale", "max_query_len")
+    p = make_prefill_config(target="sm_120a", q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=4, page_size=16,
+                            write_lse=True)
+    assert "lse" in p.arg_names()
+
+
+def test_split_schedule_from_shapes_only():
+    assert decode_splits(items=8, max_context=32000, num_sms=132, tile=64) == 33  # one wave of 2 CTAs per SM
+    assert decode_splits(items=1024, max_context=32000, num_sms=132, tile=64) == 1
+    assert decode_splits(items=1, max_context=100, num_sms=132, tile=64) == 2  # never more splits than tiles
+    assert decode_splits(items=1, max_context=10 ** 6, num_sms=132, tile=64) == 64  # capped
+    assert decode_splits(items=1, max_context=100, num_sms=132, tile=64, num_splits=5) == 5
+
+
+def test_compile_variants_cover_every_target_and_contain_the_ci_set():
+    full, ci = compile_variants(), ci_variants()
+    assert len(set(full)) == len(full) and set(ci) <= set(full)
+    for t in TARGETS:
+        mine = [c for c in full if c.target == t]
+        kinds = {(c.kernel_id, c.kv_dtype, c.head_dim) for c in mine}
+        assert kinds == {(k, kv, d) for k in ("sm80.decode", "sm80.prefill") for kv in ("bf16", "fp16", "fp8_e4m3")
+                         for d in (64, 128, 256)}, t
+        assert any(c.kernel_id == "sm80.decode" and c.split for c in mine)
+        assert any(c.kernel_id == "sm80.decode" and c.rows == 64 for c in mine)
+        assert any(c.kernel_id == "sm80.decode" and (c.q_dtype, c.kv_dtype) == ("bf16", "fp16") for c in mine)
+        assert {c.widen for c in mine if c.fp8} == ({"bits", "cvt"} if t in CVT_TARGETS else {"bits"})
+        assert any(c.kernel_id == "sm80.decode" for c in ci if c.target == t)
+        assert any(c.kernel_id == "sm80.prefill" for c in ci if c.target == t)
+    assert compile_variants("sm80.prefill") == [c for c in full if c.kernel_id == "sm80.prefill"]
+
+
+@pytest.mark.parametrize("target,q,kv,kernel", [
+    ("sm_90a", "bf16", "fp8_e4m3", "sm90.decode"),
+    ("sm_90a", "fp16", "fp16", "sm90.decode"),
+    ("sm_90a", "bf16", "fp16", "sm80.decode"),  # what sm90.decode refuses
+    ("sm_80", "bf16", "fp8_e4m3", "sm80.decode"),
+    ("sm_86", "bf16", "bf16", "sm80.decode"),
+    ("sm_100a", "bf16", "fp8_e4m3", "sm100.decode"),  # compile-verified: chosen like an available one
+    ("sm_103a", "bf16", "fp16", "sm80.decode"),  # what sm100.decode refuses
+    ("sm_121a", "fp16", "fp8_e4m3", "sm80.decode"),
+])
+def test_paged_decode_runs_the_registry_choice(target, q, kv, kernel):
+    from cute_kernels.ops.paged_decode import decode_kernel
+
+    assert decode_kernel(target, q, kv).id == kernel
+    assert decode_kernel(target, q, kv, "sm80").id == "sm80.decode"  # tuning_override(backend="sm80")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        decode_kernel(target, q, kv, "sm70")
+
+
+@pytest.mark.parametrize("target,q,kv,group,kernel", [
+    ("sm_90a", "bf16", "fp8_e4m3", 4, "sm90.prefill"),
+    ("sm_90a", "bf16", "fp16", 4, "sm80.prefill"),  # what the SM90 kernel refuses: the dtype pair
+    ("sm_90a", "bf16", "bf16", 256, "sm80.prefill"),  # and a GQA group beyond its 128
+    ("sm_86", "fp16", "fp8_e4m3", 8, "sm80.prefill"),
+    ("sm_100a", "bf16", "bf16", 8, "sm80.prefill"),  # sm100.prefill has no op yet
+    ("sm_121a", "bf16", "fp8_e4m3", 64, "sm80.prefill"),
+])
+def test_paged_prefill_runs_the_registry_choice(target, q, kv, group, kernel):
+    from cute_kernels.ops.paged_prefill import prefill_kernel
+
+    assert prefill_kernel(target, q, kv, group).id == kernel
+    assert prefill_kernel(target, q, kv, group, "sm80").id == "sm80.prefill"
+    assert prefill_kernel(target, "fp8_e4m3", "fp8_e4m3", group).id == "sm90.prefill_fp8q"  # the only one
+    with pytest.raises(ValueError, match="takes no FP8 query"):
+        prefill_kernel(target, "fp8_e4m3", "fp8_e4m3", group, "sm80")
+
+
+# ----------------------------------------------------------------------------------------------
+# compile tier: the builds hold only the SM80 instruction set
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_80", "sm_90a"])
+def test_builds_use_only_sm80_instructions(target):
+    from cute_kernels.jit.compiler import compile_config
+
+    cfg = make_decode_config(target=target, q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1,
+                             page_size=16, split=False, widen="bits")
+    ptx = compile_config(cfg, target, artifacts=True).ptx
+    assert f".target {target}" in ptx
+    assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", ptx)
+    # zero-filling copies (the SM90 helper, with zero immediate offsets)
+    assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\+0\], \[%rd\d+\+0\], 16, %r\d+;", ptx)
+    for absent in ("wgmma", "cp.async.bulk", "tcgen05", "mbarrier", "cvt.rn.f16x2.e4m3x2", "setmaxnreg"):
+        assert absent not in ptx, absent
+    assert ("griddepcontrol" in ptx) == (target == "sm_90a")  # PDL only where it exists

@@ -1,0 +1,130 @@
+"""``sm80.prefill`` (warp MMA + cp.async) against the reference on varlen batches: chunked
+requests against cached prefixes, empty requests (q_len 0), causal and not, every cache dtype and
+both FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, a ring sized for 99 KB
+of shared memory, and CUDA-graph replay. Runs on any SM80+ GPU (the H200 included): the op runs the
+portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
+poisoned with NaN; the seed is in every failure message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cute_kernels
+from cute_kernels import reference
+from cute_kernels.ops.paged_prefill import tuning_override
+from cute_kernels.testing import capture_graph, check_attention, make_paged_prefill_case
+
+pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="needs SM80 or newer")
+FP8, BF16, FP16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
+TOL = 5e-3
+
+# (kv, q, D, Hq, Hkv, page, layout, container, causal, override)
+CASES = [
+    (BF16, BF16, 128, 32, 8, 16, "HND", "single", True, {}),
+    (BF16, BF16, 128, 32, 8, 16, "NHD", "tuple", False, {}),
+    (BF16, BF16, 64, 8, 8, 32, "HND", "single", True, {}),
+    (BF16, BF16, 256, 16, 2, 64, "HND", "tuple", True, {}),
+    (BF16, BF16, 128, 16, 1, 128, "NHD", "single", True, {}),
+    (FP16, FP16, 128, 24, 4, 16, "HND", "single", True, {}),
+    (FP16, FP16, 256, 8, 8, 32, "NHD", "tuple", False, {}),
+    (FP16, BF16, 128, 32, 4, 16, "HND", "single", True, {}),
+    (FP8, BF16, 128, 32, 8, 16, "HND", "single", True, {}),
+    (FP8, BF16, 128, 32, 8, 16, "HND", "single", True, dict(widen="bits")),
+    (FP8, BF16, 64, 12, 2, 64, "NHD", "tuple", False, {}),
+    (FP8, BF16, 256, 16, 4, 16, "HND", "single", True, dict(widen="bits")),
+    (FP8, FP16, 128, 16, 16, 32, "HND", "single", True, {}),
+    (FP8, BF16, 128, 64, 4, 16, "HND", "single", True, {}),
+    (BF16, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_86")),
+    (FP8, BF16, 256, 32, 8, 16, "NHD", "single", True, dict(smem_target="sm_120a", widen="bits")),
+]
+
+
+def _ids(c):
+    kv, q, D, Hq, Hkv, page, lay, cont, causal, ov = c
+    extra = "-".join(f"{k}{v}" for k, v in ov.items())
+    return (f"{str(kv)[6:]}-{str(q)[6:]}-d{D}-h{Hq}/{Hkv}-p{page}-{lay}-{cont}-{'causal' if causal else 'full'}"
+            + (f"-{extra}" if extra else ""))
+
+
+def _case(gen, *, q_lens, prefixes, kv, q, D, Hq, Hkv, page, layout, container):
+    """A varlen problem (request b: ``q_lens[b]`` new tokens after a cached ``prefixes[b]``), with
+    non-trivial k/v scales, and its ``query_start_loc``."""
+    c = make_paged_prefill_case(reqs=list(zip(prefixes, q_lens)), num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                                page_size=page, kv_dtype=kv, q_dtype=q, kv_layout=layout, container=container,
+                                k_scale=0.0625, v_scale=0.03125, generator=gen)
+    return c, c.query_start_loc
+
+
+def _check(c, qsl, causal, out, lse, seed):
+    ref, ref_lse = reference.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, kv_layout=c.kv_layout,
+                                           causal=causal, k_scale=c.k_scale, v_scale=c.v_scale, return_lse=True)
+    check_attention(out, lse, ref, ref_lse, seed, TOL)
+
+
+def _call(c, qsl, out, max_query_len, causal=True, **override):
+    with tuning_override(backend="sm80", **override):
+        return cute_kernels.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=max_query_len,
+                                          kv_layout=c.kv_layout, causal=causal, k_scale=c.k_scale, v_scale=c.v_scale,
+                                          out=out, return_lse=True)
+
+
+def _run(c, qsl, causal, **override):
+    out = torch.full_like(c.q, float("nan"))
+    return _call(c, qsl, out, int((qsl[1:] - qsl[:-1]).max()), causal, **override)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_sm80_prefill_matches_reference(case, gen):
+    kv, q, D, Hq, Hkv, page, layout, container, causal, override = case
+    seed = gen.initial_seed()
+    # fresh prompts, chunks against cached prefixes, an empty request, one short and one long
+    q_lens = [37, 0, 1, 130, 64, 300]
+    prefixes = [0, 50, 700, 33, 0, 1000]
+    c, qsl = _case(gen, q_lens=q_lens, prefixes=prefixes, kv=kv, q=q, D=D, Hq=Hq, Hkv=Hkv, page=page,
+                               layout=layout, container=container)
+    out, lse = _run(c, qsl, causal, **override)
+    _check(c, qsl, causal, out, lse, seed)
+
+
+def test_sm80_prefill_long_prompt_and_graph_replay(gen):
+    seed = gen.initial_seed()
+    c, qsl = _case(gen, q_lens=[2048, 513], prefixes=[0, 4000], kv=BF16, q=BF16, D=128, Hq=32, Hkv=8,
+                               page=16, layout="HND", container="single")
+    eager, lse = _run(c, qsl, True)
+    _check(c, qsl, True, eager, lse, seed)
+    out = torch.empty_like(c.q)
+    graph = capture_graph(lambda: _call(c, qsl, out, 2048))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), f"seed {seed}: replay differs from eager"
+
+
+def test_sm90_sends_what_its_kernel_refuses_to_the_portable_one(gen):
+    """Without an override: an fp16 cache with a bf16 query (which the SM90 prefill kernel refuses)
+    runs sm80.prefill on SM90; on every other arch every 16-bit-query prefill does."""
+    from cute_kernels.ops._torch import compile_target
+    from cute_kernels.ops.paged_prefill import prefill_kernel
+
+    seed = gen.initial_seed()
+    assert prefill_kernel(compile_target(torch.device("cuda")), "bf16", "fp16", 4).id == "sm80.prefill"
+    c, qsl = _case(gen, q_lens=[37, 0, 130], prefixes=[0, 50, 33], kv=FP16, q=BF16, D=128, Hq=16, Hkv=4,
+                               page=16, layout="HND", container="single")
+    out = torch.full_like(c.q, float("nan"))
+    out, lse = cute_kernels.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, k_scale=c.k_scale,
+                                          v_scale=c.v_scale, out=out, return_lse=True)
+    _check(c, qsl, True, out, lse, seed)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sm80_prefill_lengths_past_the_block_table(causal, gen):
+    """Lengths beyond the table's capacity (2^31 - 1 too): positions at or past it are not attended,
+    as in the reference (docs/design/inputs.md#lengths)."""
+    seed = gen.initial_seed()
+    c, qsl = _case(gen, q_lens=[37, 5, 20], prefixes=[0, 50, 100], kv=BF16, q=BF16, D=128, Hq=16, Hkv=4, page=16,
+                   layout="HND", container="single")
+    W = c.block_table.shape[1]
+    c.seq_lens.copy_(torch.tensor([W * 16 + 7, 2**31 - 1, 120], dtype=torch.int32, device="cuda"))
+    out, lse = _run(c, qsl, causal)
+    _check(c, qsl, causal, out, lse, seed)
