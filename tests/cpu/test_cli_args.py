@@ -35,7 +35,7 @@ def test_compile_takes_every_arch_spelling_that_plan_takes(spelling, capsys):
     assert '"arch": "sm90"' in capsys.readouterr().out
     # a filter that matches no variant: the arch is parsed, nothing is compiled
     assert main(["compile", "--arch", spelling, "--kernel", "no-such-variant"]) == 0
-    assert capsys.readouterr().out.strip() == "0/0 variants compiled with their evidence for sm_90a"
+    assert capsys.readouterr().out.strip() == "0/0 variants compiled with their evidence and no spills for sm_90a"
 
 
 @pytest.mark.parametrize("spelling,target", [("8.0", "sm_80"), ("100", "sm_100a"), ("sm_103a", "sm_103a"),
