@@ -4,7 +4,9 @@
   equals eager bit for bit (the same kernels run, the default deterministic decode);
 - a decode-only AttentionLayer step compiled with inductor equals eager bit for bit;
 - the same step compiled with ``mode="reduce-overhead"`` is captured in a CUDA graph (no
-  cudagraph skip: an uncapturable graph raises here) and each replay on fresh inputs equals eager.
+  cudagraph skip: an uncapturable graph raises here) and each replay on fresh inputs equals eager;
+- the portable kernels' routes (``sm80.decode`` for an fp16 cache with a bf16 query, split and
+  merged; ``sm80.prefill`` forced with ``backend="sm80"``) compiled equal eager bit for bit.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cute_kernels import paged_decode, paged_prefill
+from cute_kernels.ops import paged_prefill as prefill_op
+from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case
 from dispatch import AttentionLayer
 from tests.cpu.test_layer_dispatch import clone_cache, make_step
 from tests.cpu.test_torch_compile import _bits, assert_same, make_inputs, poisoned_outputs, step
@@ -114,3 +119,33 @@ def test_compiled_layer_step_captures_in_a_cuda_graph():
             assert torch.equal(_bits(kv), _bits(expected_kv))
             assert (got[len(CTX):] == 0).all()  # padding requests
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+
+
+@sm90_only()
+def test_portable_routes_compiled_equal_eager():
+    """The registered ops serve whichever kernel the op picks: on SM90 an fp16 cache with a bf16
+    query runs sm80.decode (a split launch, then merge_states), and backend="sm80" forces
+    sm80.prefill; both traced with fullgraph=True equal eager bit for bit."""
+    g = torch.Generator().manual_seed(95)
+    print("seed=95")
+    c = make_paged_decode_case(batch=3, num_q_heads=32, num_kv_heads=4, head_dim=128, page_size=16,
+                               seq_lens=[3000, 17, 800], kv_dtype=torch.float16, q_dtype=torch.bfloat16, generator=g)
+    p = make_paged_prefill_case(reqs=[(40, 9), (0, 33), (300, 1)], num_q_heads=32, num_kv_heads=4, head_dim=128,
+                                page_size=16, kv_dtype=torch.bfloat16, generator=g)
+
+    def decode(q, kv, bt, sl, out):
+        o, lse = paged_decode(q, kv, bt, sl, k_scale=c.k_scale, v_scale=c.v_scale, num_splits=4, return_lse=True)
+        paged_decode(q, kv, bt, sl, k_scale=c.k_scale, v_scale=c.v_scale, out=out)
+        return o, lse, out
+
+    def prefill(q, kv, bt, sl, qsl):
+        return paged_prefill(q, kv, bt, sl, qsl, return_lse=True)
+
+    poison = lambda: torch.full_like(c.q, float("nan"))  # noqa: E731
+    want = decode(c.q, c.kv_cache, c.block_table, c.seq_lens, poison())
+    got = torch.compile(decode, fullgraph=True)(c.q, c.kv_cache, c.block_table, c.seq_lens, poison())
+    with prefill_op.tuning_override(backend="sm80"):
+        want += prefill(p.q, p.kv_cache, p.block_table, p.seq_lens, p.query_start_loc)
+        got += torch.compile(prefill, fullgraph=True)(p.q, p.kv_cache, p.block_table, p.seq_lens, p.query_start_loc)
+    torch.cuda.synchronize()
+    assert_same(got, want)
