@@ -76,6 +76,16 @@ def no_lse(like: Tensor) -> Tensor:
     return torch.empty((0,), dtype=torch.float32, device=like.device)
 
 
+def attention_out(q: Tensor) -> Tensor:
+    """The output an attention op allocates: the query's dtype, bf16 for an FP8 query."""
+    return torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype, device=q.device)
+
+
+def attention_lse(q: Tensor, return_lse: bool) -> Tensor:
+    """The ``lse`` an attention op returns: ``[T, Hq]`` fp32 when asked for, else empty."""
+    return torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else no_lse(q)
+
+
 def registered_ops() -> dict[str, Any]:
     """Every op this package registers (``name -> torch.ops.cute_kernels.<name>``), importing the
     public op modules first: an op module registers its ops when it is imported. Their

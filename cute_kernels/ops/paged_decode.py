@@ -43,6 +43,7 @@ from ..registry import KERNELS, KernelInfo, arch_of_target, op_kernel
 from . import _caller_workspace as caller_ws
 from . import _check
 from . import _decode_features as features
+from . import _library as library
 from . import _paged_decode_sm100 as sm100
 from ._device import check_devices, current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
@@ -500,15 +501,6 @@ def _empty_result(q, out, shape, return_lse):
 # ---------------------------------------------------------------------------------------------
 
 
-def _new_out(q: Tensor) -> Tensor:
-    """The output the op allocates: the query's dtype, bf16 for an FP8 query."""
-    return torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == FP8 else q.dtype, device=q.device)
-
-
-def _new_lse(q: Tensor, return_lse: bool) -> Tensor:
-    return torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else no_lse(q)
-
-
 def _run(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, k_scale_tensor,
          v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks,
          workspace, out) -> Tensor:
@@ -528,7 +520,7 @@ def _paged_decode_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], bloc
                      return_lse: bool, num_splits: Optional[int], deterministic: bool, q_scale: Optional[float],
                      q_scale_tensor: Optional[Tensor], window_left: int, sinks: Optional[Tensor],
                      workspace: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    out = _new_out(q)
+    out = library.attention_out(q)
     lse = _run(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
                k_scale_tensor, v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale,
                q_scale_tensor, window_left, sinks, workspace, out)
@@ -539,7 +531,7 @@ def _paged_decode_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], bloc
 def _(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, k_scale_tensor,
       v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks,
       workspace):
-    return _new_out(q), _new_lse(q, return_lse)
+    return library.attention_out(q), library.attention_lse(q, return_lse)
 
 
 @custom_op("paged_decode_out", mutates=("workspace", "out"))
@@ -559,7 +551,7 @@ def _paged_decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], 
 def _(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, k_scale_tensor,
       v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks,
       workspace, out):
-    return _new_lse(q, return_lse)
+    return library.attention_lse(q, return_lse)
 
 
 def _traced(q, kv_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,

@@ -50,6 +50,7 @@ from ..plans import sm80
 from ..plans import sm90_prefill as plan
 from ..registry import KERNELS, KernelInfo, op_kernel
 from . import _check
+from . import _library as library
 from ._device import check_devices, current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
@@ -389,15 +390,6 @@ def paged_prefill(
 # ---------------------------------------------------------------------------------------------
 
 
-def _new_out(q: Tensor) -> Tensor:
-    """The output the op allocates: the query's dtype, bf16 for an FP8 query."""
-    return torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == FP8 else q.dtype, device=q.device)
-
-
-def _new_lse(q: Tensor, return_lse: bool) -> Tensor:
-    return torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else no_lse(q)
-
-
 def _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
          q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks,
          out) -> Tensor:
@@ -415,7 +407,7 @@ def _paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], blo
                       sm_scale: Optional[float], q_scale: Optional[float], q_scale_tensor: Optional[Tensor],
                       k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float, v_scale_tensor: Optional[Tensor],
                       return_lse: bool, window_left: int, sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    out = _new_out(q)
+    out = library.attention_out(q)
     lse = _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
                q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left,
                sinks, out)
@@ -425,7 +417,7 @@ def _paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], blo
 @_paged_prefill_op.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
       q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks):
-    return _new_out(q), _new_lse(q, return_lse)
+    return library.attention_out(q), library.attention_lse(q, return_lse)
 
 
 @custom_op("paged_prefill_out", mutates=("out",))
@@ -443,7 +435,7 @@ def _paged_prefill_out_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor],
 @_paged_prefill_out_op.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
       q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks, out):
-    return _new_lse(q, return_lse)
+    return library.attention_lse(q, return_lse)
 
 
 def _traced(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,

@@ -64,6 +64,8 @@ def test_compiled_entry_names_are_readable():
         ("common.merge_states", False): "cute_kernels_merge_states_0",
         ("sm90.decode", False): "cute_kernels_sm90_decode_0",
         ("sm90.decode", True): "cute_kernels_sm90_decode_split_0",
+        ("sm80.decode", True): "cute_kernels_sm80_decode_split_0",  # the portable kernel built for sm_90a
+        ("sm80.prefill", False): "cute_kernels_sm80_prefill_0",
     }
     seen = {}
     for config in variants_for("sm_90a"):
