@@ -242,6 +242,16 @@ _ENTRIES = (
         variants=sm90_decode.feature_variants, family=sm90_decode.request_family,
         **{**_SM90_DECODE, "call_site": None},
     ),
+    # the balanced split schedule of sm90.decode (opt-in: ``tuning_override(balanced=True)``): never run on
+    # a GPU yet, so compile-verified behind a one-time self-check per family (a family that fails it leaves
+    # the call to the default schedule); not on a dispatcher list
+    KernelInfo(
+        id="sm90.decode_balanced", status="compile-verified", kv_dtypes=sm90_decode.KV_DTYPES, op="paged_decode",
+        description="SM90 paged decode's balanced split schedule: equal chunks of a ragged batch's KV tiles per "
+                    "CTA, found from seq_lens on the device (fixed grid), partials merged in chunk order",
+        variants=sm90_decode.balanced_variants, family=sm90_decode.balanced_request_family,
+        **{**_SM90_DECODE, "call_site": None},
+    ),
     KernelInfo(
         id="sm90.decode_fp8q", status="planned", kv_dtypes=("fp8_e4m3",), qk_dtype="fp8_e4m3",
         supports_quant_query_input=True, opt_in=True,
@@ -276,7 +286,9 @@ _ENTRIES = (
                            "sinks, sliding window); QK in FP8 for an FP8 cache",
                variants=sm100.decode_variants, family=_sm100_family("sm100.decode"), **sm100.DECODE_LIMITS,
                **_SM100),
-    KernelInfo(id="sm100.prefill", status="compile-verified", phases=("prefill",),
+    # a 16-bit query on an FP8 cache reaches it quantized by the layer (the plan's q_scale); the op
+    # itself runs the portable kernel for one (ops/_paged_prefill_sm100.py)
+    KernelInfo(id="sm100.prefill", status="compile-verified", phases=("prefill",), op="paged_prefill",
                description="Blackwell tcgen05 paged prefill (ping-pong softmax warpgroups, a correction warpgroup, "
                            "S and P aliased in TMEM, varlen, causal, sinks, sliding window); QK in FP8 for an "
                            "FP8 cache",

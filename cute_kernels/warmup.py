@@ -61,6 +61,8 @@ def warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None 
             raise ValueError(f"{kernel} has no warm-up list: nothing to warm up for {target}")
         if prefill:
             kernel = op_kernel("paged_prefill", "prefill", target, q_dtype, kv).id
+            if kernel not in ("sm80.prefill", "sm90.prefill", "sm90.prefill_fp8q"):
+                raise ValueError(f"{kernel} has no warm-up list: nothing to warm up for {target}")
             (sm80_prefill_kvs if kernel == "sm80.prefill" else sm90_prefill_kvs).append(kv)
     shared = {k: v for k, v in shape.items() if k in _SHARED}
     prefill_configs: list[Sm90PrefillConfig] = []

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cute_kernels.jit.spec import KernelConfig, normalize_target
-from cute_kernels.plans import hw, sm80, sm90_decode
+from cute_kernels.plans import hw, sm80, sm90_decode, sm100
 from cute_kernels.plans import quantize_query as qq_plan
 from cute_kernels.plans import write_kv_cache as kv_plan
 from cute_kernels.plans.merge_states import MergeStatesConfig
@@ -85,8 +85,6 @@ def sm100_decode_launches(layer, p, *, max_num_seqs: int, max_model_len: int, q_
                           kv_form: str = "single", num_sms: int = hw.H200_SMS) -> list[Sm100DecodeConfig]:
     """The SM100 decode configs (split or not) of every batch up to ``max_num_seqs`` and width up
     to ``max_model_len``, for the plan ``p`` (its query dtype: FP8 when the plan quantizes)."""
-    from cute_kernels.plans import sm100
-
     page = layer.page_size
     fields = dict(q_dtype=p.q_dtype, kv_dtype=layer.kv_cache_dtype, head_dim=layer.head_dim,
                   group=layer.num_q_heads // layer.num_kv_heads, q_len=q_len, page_size=page, sinks=False,
@@ -103,6 +101,12 @@ def sm100_decode_launches(layer, p, *, max_num_seqs: int, max_model_len: int, q_
     return list(dict.fromkeys(out))
 
 
+def q_scale_per_head(layer, p) -> bool:
+    """Whether the plan's FP8 query comes with the layer's per-KV-head ``q_scale``."""
+    qs = layer.q_scale
+    return p.q_dtype == "fp8_e4m3" and _is_tensor(qs) and qs.numel() > 1
+
+
 def prefill_config(layer, p, kv_form: str = "single") -> KernelConfig:
     """The prefill config the layer's prefill launch selects for the plan ``p`` (SM90's or the
     portable one; ``out=`` in the model dtype, causal, no LSE, the layer's scales), as
@@ -113,6 +117,12 @@ def prefill_config(layer, p, kv_form: str = "single") -> KernelConfig:
     if p.q_dtype == "fp8_e4m3":
         qs = layer.q_scale
         q_scale = "scalar" if not _is_tensor(qs) else "tensor" if qs.numel() == 1 else "per_head"
+    if p.kernel == "sm100.prefill":  # the query arrives quantized when the cache is FP8 (the plan's q_scale)
+        return sm100.Sm100PrefillConfig(
+            q_dtype=p.q_dtype, kv_dtype=layer.kv_cache_dtype, out_dtype=layer.model_dtype, head_dim=layer.head_dim,
+            group=layer.num_q_heads // layer.num_kv_heads, page_size=layer.page_size, kv_form=kv_form,
+            kv_layout=layer.kv_layout, causal=True, write_lse=False, k_scale_tensor=_is_tensor(layer.k_scale),
+            v_scale_tensor=_is_tensor(layer.v_scale), q_scale_tensor=q_scale == "tensor")
     if p.kernel == "sm80.prefill":  # the portable kernel, built for the plan's arch
         return sm80.make_prefill_config(
             target=normalize_target(p.arch), q_dtype=p.q_dtype, kv_dtype=layer.kv_cache_dtype, head_dim=layer.head_dim,
@@ -163,7 +173,10 @@ def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,),
     for q_len in (1, max_model_len):  # the prefill plan's q_len: the step's prefill token count
         p = layer.plan("prefill", q_len=q_len, arch=a)
         quantize |= p.quantize_query
-        if p.kernel in ("sm90.prefill", "sm90.prefill_fp8q", "sm80.prefill") and p.kernel not in prefill_kernels:
+        if q_scale_per_head(layer, p) and p.kernel == "sm100.prefill":  # no variant: the op runs the reference
+            continue
+        if p.kernel in ("sm90.prefill", "sm90.prefill_fp8q", "sm80.prefill", "sm100.prefill") and \
+                p.kernel not in prefill_kernels:
             prefill_kernels.add(p.kernel)
             out.append(prefill_config(layer, p, kv_form))
     D = layer.head_dim
@@ -247,6 +260,8 @@ def _self_checks(configs: list[KernelConfig], device) -> None:
             from cute_kernels.ops.paged_prefill import self_check_passes as check
         elif config.kernel_id == "sm100.decode":
             from cute_kernels.ops._paged_decode_sm100 import self_check_passes as check
+        elif config.kernel_id == "sm100.prefill":
+            from cute_kernels.ops._paged_prefill_sm100 import self_check_passes as check
         else:
             continue
         check(config, device)

@@ -8,7 +8,9 @@ Shapes include out-of-range page ids, a partial last page, an empty request, len
 block table (and 2^31 - 1), split and no split, HND and NHD, FP8 and BF16 caches, q_len 2, tensor
 scales, the cluster merge (DSMEM; 2, 3 and 16 CTAs, and the one-request FP8 launch the schedule
 merges in a 16-CTA cluster: B 1, context 1000, Hq 32 / Hkv 8, D 128) and the global fused merge
-(3 splits: staged in shared memory; 40: more than the stages hold, merged from L2); then the
+(3 splits: staged in shared memory; 40: more than the stages hold, merged from L2), the
+balanced schedule (a ragged batch in a wide table, 7 chunks per KV head cutting requests into
+merged partials and 1 chunk walking every request; FP8 and BF16, q_len 2); then the
 portable ``sm80.decode`` (forced) with the same bad page ids and lengths past the table, both FP8
 widenings, a ring sized for 99 KB, split and not, and ``sm80.prefill`` on varlen chunks against
 cached prefixes: any out-of-bounds access or barrier misuse fails the run.
@@ -50,6 +52,16 @@ def main():
         kw = dict(c.kwargs(), k_scale=torch.tensor(0.0625, device="cuda"), v_scale=torch.tensor([0.03125], device="cuda"))
         with tuning_override(cluster=cluster):
             cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=4, **kw)
+    # the balanced schedule: chunks cutting requests (partials, merges), one chunk walking them all
+    for kv, q_len in ((torch.float8_e4m3fn, 1), (torch.bfloat16, 2)):
+        c = make_paged_decode_case(batch=9, num_q_heads=32, num_kv_heads=4, head_dim=128, page_size=16,
+                                   seq_lens=[0, 1, 700, 33, 1500, 2, 64, 5000, 17], kv_dtype=kv, q_len=q_len,
+                                   table_tokens=8192, generator=g)
+        c.block_table[2, 3] = 10**6
+        with tuning_override(balanced=True):
+            for chunks in (7, 1):
+                cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=chunks,
+                                          **c.kwargs())
     for kv, layout, splits, extra in ((torch.float8_e4m3fn, "HND", 1, {"widen": "bits"}),
                                       (torch.float8_e4m3fn, "NHD", 5, {}),
                                       (torch.bfloat16, "HND", 3, {"smem_target": "sm_86"})):

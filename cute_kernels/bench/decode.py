@@ -9,6 +9,9 @@ is reported in that shape's row):
 - ``sdpa``: torch SDPA on contiguous BF16 K/V (q_len 1; for an FP8 cache, on its dequantized copy).
 
 Any other ``--peers`` entry is a tuning variant of ours (:data:`VARIANTS`, or ``field=int+...``).
+Every row also times ours under the balanced split schedule (``balanced``, opt-in in the op:
+docs/design/sm90-decode.md#balanced-schedule-opt-in; ``--no-balanced`` skips it), and a ragged
+row times it on its uniform twin as well: the columns the rule deciding its default reads.
 Shapes: uniform batches (:data:`SHAPES`: every request the same context, a block table as wide as
 it) and ragged ones (:data:`RAGGED_SHAPES`: contexts drawn uniformly from [1, max] with a fixed
 seed, a block table :data:`TABLE_TOKENS` wide as a serving engine's; each is reported next to
@@ -32,7 +35,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.testing import make_paged_decode_case, rel_err
 
-from .harness import SM90, NvtxRanges, Peer, bar_chart, parse_variants, runnable, write_json
+from .harness import SM90, NvtxRanges, Peer, bar_chart, parse_variants, runnable, self_check_state, write_json
 from .timing import bench_setup, host_overhead, time_eager, time_graph, time_graph_fresh
 
 NEEDS = SM90
@@ -193,7 +196,7 @@ VARIANTS = {"bits": dict(widen="bits"), "cvt": dict(widen="cvt"), "t128": dict(t
             "occ5": dict(occupancy=5), "occ6": dict(occupancy=6), "t128occ4": dict(tile=128, occupancy=4),
             "occ2": dict(occupancy=2), "t128occ2": dict(tile=128, occupancy=2), "t128occ3": dict(tile=128, occupancy=3),
             "nopdl": dict(pdl=False), "dynamic": dict(dynamic=True), "strided": dict(strided=True),
-            "contiguous": dict(strided=False), "global": dict(cluster=False)}
+            "contiguous": dict(strided=False), "global": dict(cluster=False), "balanced": dict(balanced=True)}
 
 
 def variant_fields(name: str) -> dict:
@@ -243,10 +246,11 @@ def select_shapes(keys: str | None) -> list[tuple]:
 
 
 def run(peers=DEFAULT_PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, out_png=None, quick=False,
-        nvtx=False):
+        nvtx=False, balanced=True):
     ranges = NvtxRanges(nvtx)
     bw, g = bench_setup()
     rows = []
+    columns = [*peers, *(["balanced"] if balanced and "balanced" not in peers else [])]
     for kvn in kv_dtypes:
         kv_dtype = FP8 if kvn == "fp8" else BF16
         for shape in shapes or SHAPES:
@@ -277,9 +281,9 @@ def run(peers=DEFAULT_PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, ou
                                                  **case.kwargs())
 
             ours = ranges.wrap("cute_kernels.paged_decode", ours)
-            makers = {p: peer(p, ranges) if p in PEERS else variant(p, ranges) for p in peers}
+            makers = {p: peer(p, ranges) if p in PEERS else variant(p, ranges) for p in columns}
             entries = [("ours", lambda: (ours, out))] + [(p, (lambda p=p: makers[p](case, sm_scale, q_len)))
-                                                         for p in peers]
+                                                         for p in columns]
             for pname, make in entries:
                 try:
                     fn, o = make()
@@ -300,16 +304,19 @@ def run(peers=DEFAULT_PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, ou
                         row[pname + "_err"] = rel_err(res.reshape(ref.shape).float(), ref.float())
                     if pname == "ours":
                         row["ours_eager_us"] = time_eager(fn) * 1e6
+                    if pname == "balanced":
+                        row["balanced_self_check"] = _balanced_check(case)
                 except Exception as e:  # a peer that cannot run this shape is reported, not fatal
                     row[pname + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                     if pname == "ours":
                         traceback.print_exc()
             if ragged:
-                _time_twin(row, make_case(twin_ctx(lens)), bw, ranges)
-            if "xqa_us" in row and "ours_us" in row:
-                row["speedup_vs_xqa"] = row["xqa_us"] / row["ours_us"]
+                _time_twin(row, make_case(twin_ctx(lens)), bw, ranges, "balanced" in columns)
+            for name in ("ours", "balanced"):
+                if "xqa_us" in row and f"{name}_us" in row:
+                    row["speedup_vs_xqa" if name == "ours" else "balanced_vs_xqa"] = row["xqa_us"] / row[f"{name}_us"]
             rows.append(row)
-            _print_row(row, peers)
+            _print_row(row, columns)
     # host overhead of one eager call on a tiny problem (graph-free serving path)
     small = make_paged_decode_case(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                                    seq_lens=64, generator=g, poison_tail=False)
@@ -321,7 +328,7 @@ def run(peers=DEFAULT_PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, ou
     if out_json:
         write_json(out_json, result)
     if out_png:
-        _plot(rows, peers, out_png, torch.cuda.get_device_name())
+        _plot(rows, columns, out_png, torch.cuda.get_device_name())
     return result
 
 
@@ -330,19 +337,39 @@ def _bytes(case) -> int:
     return case.visible_kv_bytes() + 2 * case.q.numel() * case.q.element_size()
 
 
-def _time_twin(row: dict, twin, bw: float, ranges: NvtxRanges) -> None:
-    """Ours on the ragged row's uniform twin (same B, tokens and table, equal contexts)."""
+def _time_twin(row: dict, twin, bw: float, ranges: NvtxRanges, balanced: bool = False) -> None:
+    """Ours on the ragged row's uniform twin (same B, tokens and table, equal contexts), and with
+    ``balanced`` the balanced schedule on it too (``twin_balanced_*``)."""
+    from cute_kernels.ops.paged_decode import tuning_override
+
     out = torch.empty_like(twin.q)
-    fn = ranges.wrap("cute_kernels.paged_decode", lambda: cute_kernels.paged_decode(
-        twin.q, twin.kv_cache, twin.block_table, twin.seq_lens, out=out, **twin.kwargs()))
-    try:
-        fn()
-        t = time_graph(fn)
-        row.update(twin_ctx=int(twin.seq_lens[0]), twin_us=t * 1e6, twin_roof=100 * _bytes(twin) / bw / t)
-        if "ours_us" in row:
-            row["ours_minus_twin_us"] = row["ours_us"] - row["twin_us"]
-    except Exception as e:  # reported in the row, as a peer's failure
-        row["twin_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    for name, fields in (("twin", {}), *((("twin_balanced", dict(balanced=True)),) if balanced else ())):
+        def call(fields=fields):
+            with tuning_override(**fields):
+                return cute_kernels.paged_decode(twin.q, twin.kv_cache, twin.block_table, twin.seq_lens, out=out,
+                                                 **twin.kwargs())
+
+        fn = ranges.wrap("cute_kernels.paged_decode", call)
+        try:
+            fn()
+            t = time_graph(fn)
+            row.update({"twin_ctx": int(twin.seq_lens[0]), f"{name}_us": t * 1e6,
+                        f"{name}_roof": 100 * _bytes(twin) / bw / t})
+        except Exception as e:  # reported in the row, as a peer's failure
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    for name in ("ours", "balanced"):
+        if f"{name}_us" in row and "twin_us" in row:
+            row[f"{name}_minus_twin_us"] = row[f"{name}_us"] - row["twin_us"]
+
+
+def _balanced_check(case) -> str:
+    """The balanced family's self-check state for ``case``; raises (the column is reported as not
+    run) when it failed: the default schedule served those calls."""
+    kv = "fp8_e4m3" if case.kv_cache.dtype == FP8 else "bf16"
+    ok, text = self_check_state("sm90.decode_balanced", "bf16", kv, case.meta["head_dim"])
+    if not ok:
+        raise RuntimeError(text.replace("the reference served", "the default schedule served"))
+    return text
 
 
 def _print_row(r, peers):
@@ -355,8 +382,9 @@ def _print_row(r, peers):
     sp = f"x{r['speedup_vs_xqa']:.2f}" if "speedup_vs_xqa" in r else ""
     print(f"{r['shape']:<26} {r['kv']:<4} ours {f('ours')} {sp}", flush=True)
     if "twin_us" in r:
+        bal = f", balanced {r['twin_balanced_us']:.1f}us" if "twin_balanced_us" in r else ""
         print(f"{'':<31} twin {r['twin_us']:8.1f}us {r['twin_roof']:5.1f}% (uniform ctx {r['twin_ctx']}, same tokens "
-              f"and table)", flush=True)
+              f"and table{bal})", flush=True)
     for p in peers:
         print(f"{'':<31} {p:<4} {f(p)}", flush=True)
 
@@ -375,6 +403,8 @@ def add_arguments(p) -> None:
     p.add_argument("--shapes", default=None,
                    help="comma-separated substrings selecting shapes by name, e.g. 'ragged' (default: every "
                         "uniform and ragged shape)")
+    p.add_argument("--no-balanced", dest="balanced", action="store_false",
+                   help="skip the balanced split schedule's column (timed on every row by default)")
     p.add_argument("--api", default="ops", choices=("ops", "trtllm"),
                    help="ops: paged_decode against its peers; trtllm: the cute_kernels.trtllm call next to "
                         "FlashInfer's trtllm_batch_decode_with_kv_cache, windows and sinks (default: %(default)s)")
@@ -388,4 +418,4 @@ def main(args) -> None:
         return
     peers, png = runnable([x for x in args.peers.split(",") if x], PEER_LIBS, args.png)
     run(peers=tuple(peers), kv_dtypes=tuple(args.kv.split(",")), shapes=select_shapes(args.shapes),
-        out_json=args.json, out_png=png, quick=args.quick, nvtx=args.nvtx)
+        out_json=args.json, out_png=png, quick=args.quick, nvtx=args.nvtx, balanced=args.balanced)

@@ -78,6 +78,10 @@ class ScalarArg:
 Arg = Union[TensorArg, ScalarArg]
 
 
+# dataclass field metadata: the field enters a config's label only when it is not its default
+LABEL_IF_SET = {"label": "if_set"}
+
+
 class KernelConfig:
     """Base of every kernel's frozen config dataclass (see :mod:`cute_kernels.plans`).
 
@@ -107,8 +111,13 @@ class KernelConfig:
         return tuple(a.name for a in self.signature())
 
     def label(self) -> str:
-        """``kernel_id[field=value,...]`` over the dataclass fields (the compile key)."""
-        names: list[str] = [f.name for f in dataclasses.fields(self)] if dataclasses.is_dataclass(self) else []
+        """``kernel_id[field=value,...]`` over the dataclass fields (the compile key). A field
+        declared with ``metadata=LABEL_IF_SET`` appears only when it differs from its default, so
+        that a flag added to a config later leaves every existing variant's label (and its PTX
+        digest entry) as it was."""
+        fields: tuple[dataclasses.Field, ...] = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        names: list[str] = [f.name for f in fields
+                 if not (f.metadata.get("label") == "if_set" and getattr(self, f.name) == f.default)]
         return self.kernel_id + "[" + ",".join(f"{k}={getattr(self, k)}" for k in names) + "]"
 
 

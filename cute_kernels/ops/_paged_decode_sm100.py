@@ -163,8 +163,8 @@ def launch_now(q, kv_cache, block_table, seq_lens, *, kv_layout="HND", q_len_per
 
 def self_check_passes(config: Sm100DecodeConfig, device) -> bool:
     """The one-time check of ``config``'s MMA family on ``device``: the variant's shape (head dim,
-    group, draft length, page, cache form and layout, sinks) on small random problems, unsplit
-    and split with a window, against the reference."""
+    group, draft length, page, cache form and layout, sinks) on small random problems, unsplit,
+    split with a window, and split with lengths past the block table, against the reference."""
     fam = family("sm100.decode", config.q_dtype, config.kv_dtype)
     return ensure(fam, device, lambda: self_check_cases(config, device))
 
@@ -184,14 +184,18 @@ def self_check_cases(config: Sm100DecodeConfig, device, runner=None) -> list[Cas
     kw: dict[str, Any] = dict(kv_layout=config.kv_layout, q_len_per_req=q_len, k_scale=0.9, v_scale=1.1,
                               q_scale=qs, return_lse=True)
     dev_sinks = None if sinks is None else sinks.to(device)
+    # lengths past the block table's capacity (50 past it, and 2^31 - 1): never attended there
+    past = sl.clone()
+    past[0], past[-1] = bt.shape[1] * config.page_size + 50, 2 ** 31 - 1
     cases = []
-    for splits, window in ((1, -1), (3, 90)):
-        def run_case(splits=splits, window=window):
-            return runner(q, cache, bt.to(device), sl.to(device), sinks=dev_sinks, window_left=window,
+    for splits, window, lens in ((1, -1, sl), (3, 90, sl), (2, -1, past)):
+        def run_case(splits=splits, window=window, lens=lens):
+            return runner(q, cache, bt.to(device), lens.to(device), sinks=dev_sinks, window_left=window,
                           num_splits=splits, **kw)
 
-        def expect(window=window):
-            return reference.paged_decode(q.cpu(), cpu_cache, bt, sl, sinks=sinks, window_left=window, **kw)
+        def expect(window=window, lens=lens):
+            return reference.paged_decode(q.cpu(), cpu_cache, bt, lens, sinks=sinks, window_left=window, **kw)
 
-        cases.append(Case(f"splits={splits},window={window}", run_case, expect, rtol, atol))
+        name = f"splits={splits},window={window}" + (",past the table" if lens is past else "")
+        cases.append(Case(name, run_case, expect, rtol, atol))
     return cases

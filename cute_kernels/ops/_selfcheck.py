@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import reference
+from ..jit.spec import call_arguments
 from ..plans import selfcheck_records as records
 from ._device import capturing
 
@@ -44,16 +46,17 @@ class Case:
 _TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 
 
-def decode_problem(config, generator: torch.Generator, Hkv: int = 2):
+def decode_problem(config, generator: torch.Generator, Hkv: int = 2, lens=None, width: int | None = None):
     """A decode family's problem on the CPU, in a variant's shape (``config``: ``head_dim``,
     ``page_size``, ``group``, ``q_len``, ``q_dtype``, ``kv_dtype``, ``kv_layout``, ``kv_form``):
-    three requests (a partial last page, the shortest, 700 tokens, several tiles) on a permuted
-    block table. Returns ``(q, cache, block_table, seq_lens)``."""
+    three requests (a partial last page, the shortest, 700 tokens, several tiles; or ``lens``) on a
+    permuted block table of ``width`` pages (default: the longest request's). Returns ``(q, cache,
+    block_table, seq_lens)``."""
     g = generator
     D, page, G, q_len = config.head_dim, config.page_size, config.group, config.q_len
-    lens = [3 * page + 5, q_len, 700]
+    lens = [3 * page + 5, q_len, 700] if lens is None else list(lens)
     B = len(lens)
-    max_pages = max(math.ceil(x / page) for x in lens)
+    max_pages = max([math.ceil(x / page) for x in lens] + [width or 1])
     P = B * max_pages + 2
     bt = torch.randperm(P, generator=g)[: B * max_pages].view(B, max_pages).to(torch.int32)
     shape = (P, 2, Hkv, page, D) if config.kv_layout == "HND" else (P, 2, page, Hkv, D)
@@ -61,6 +64,82 @@ def decode_problem(config, generator: torch.Generator, Hkv: int = 2):
     cache = (kv[:, 0], kv[:, 1]) if config.kv_form == "pair" else kv
     q = torch.randn(B * q_len, G * Hkv, D, generator=g).to(_TORCH[config.q_dtype])
     return q, cache, bt, torch.tensor(lens, dtype=torch.int32)
+
+
+def prefill_problem(config, reqs, g: torch.Generator, *, q_scale: str = "none", window: int = -1,
+                    past_table: bool = False) -> dict:
+    """CPU tensors of one prefill problem in a variant's shape (``config``: ``head_dim``,
+    ``page_size``, ``group``, dtypes, ``kv_form``, ``kv_layout``, ``sinks``, scale forms), two KV
+    heads: requests ``reqs`` of ``(cached prefix, new tokens)`` on a permuted block table one
+    column wider than they need, stale NaN bytes past each request's end; ``q_scale`` the form of
+    an FP8 query's scale (``"none"``, ``"scalar"``, ``"tensor"``, ``"per_head"``). ``past_table``:
+    the lengths then grow past the table's capacity (the first by 50, the last to 2^31 - 1), whose
+    positions are never attended (docs/design/inputs.md#lengths); give whole-page requests then, so
+    that every position the table addresses holds finite data."""
+    Hkv, D, page = 2, config.head_dim, config.page_size
+    Hq = Hkv * config.group
+    lens = [p + n for p, n in reqs]
+    pages = [math.ceil(L / page) for L in lens]
+    P = sum(pages) + 3
+    perm = torch.randperm(P, generator=g)
+    table = torch.randint(0, P, (len(reqs), max(pages) + 1), generator=g, dtype=torch.int32)
+    ofs = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[ofs:ofs + n].int()
+        ofs += n
+    shape = (P, 2, Hkv, page, D) if config.kv_layout == "HND" else (P, 2, page, Hkv, D)
+    kv = torch.randn(shape, generator=g).to(_TORCH[config.kv_dtype])
+    nan_byte = 0x7F if config.kv_dtype == "fp8_e4m3" else 0xFF  # a NaN in every byte (pair) of the dtype
+    for b, L in enumerate(lens):  # stale bytes past each request's end: they must never reach the output
+        if L % page:
+            tail = (slice(None), slice(L % page, None)) if config.kv_layout == "HND" else (slice(L % page, None),)
+            kv[(int(table[b, L // page]), slice(None)) + tail].view(torch.uint8).fill_(nan_byte)
+    if past_table:
+        capacity = table.shape[1] * page
+        lens[0] = capacity + 50
+        lens[-1] = 2 ** 31 - 1
+    starts = [0]
+    for _, n in reqs:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], Hq, D, generator=g).to(_TORCH[config.q_dtype])
+
+    def scale(value, tensor):
+        return torch.tensor([value], dtype=torch.float32) if tensor else value
+
+    q_scales = {"none": None, "scalar": 0.5, "tensor": torch.tensor([0.5]), "per_head": torch.tensor([0.5, 0.75])}
+    sinks = torch.randn(Hq, generator=g) * 2 if config.sinks else None  # sinks of either sign
+    return dict(q=q, k=kv[:, 0] if config.kv_form == "pair" else kv, v=kv[:, 1] if config.kv_form == "pair" else kv,
+                block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                query_start_loc=torch.tensor(starts, dtype=torch.int32), q_scale=q_scales[q_scale],
+                k_scale=scale(0.9, config.k_scale_tensor), v_scale=scale(1.1, config.v_scale_tensor),
+                sinks=sinks, window_left=window)
+
+
+def prefill_expected(config, host: dict, max_query_len):
+    """The reference result of a :func:`prefill_problem` (its CPU tensors) for ``config``."""
+    cache = (host["k"], host["v"]) if config.kv_form == "pair" else host["k"]
+    return reference.paged_prefill(
+        host["q"], cache, host["block_table"], host["seq_lens"], host["query_start_loc"], max_query_len=max_query_len,
+        kv_layout=config.kv_layout, causal=config.causal, q_scale=host["q_scale"], k_scale=host["k_scale"],
+        v_scale=host["v_scale"], return_lse=config.write_lse, out_dtype=_TORCH[config.out_dtype],
+        window_left=host["window_left"], sinks=host["sinks"])
+
+
+def launch_prefill_now(fn, config, t: dict, max_query_len):
+    """Call ``fn``, the compiled prefill ``config``, on the device tensors ``t`` (a
+    :func:`prefill_problem` moved to the device) now, past any launch cache and self-check: a
+    self-check's own kernel call. The outputs are NaN-poisoned first."""
+    T, Hq, D = t["q"].shape
+    out = torch.full((T, Hq, D), float("nan"), dtype=_TORCH[config.out_dtype], device=t["q"].device)
+    lse = torch.full((T, Hq), float("nan"), dtype=torch.float32, device=t["q"].device)
+    values = dict(t, kv_cache=t["k"], k_cache=t["k"], v_cache=t["v"], out=out, lse=lse, sm_scale=D ** -0.5,
+                  max_query_len=T if max_query_len is None else min(max_query_len, T))
+    fn(*call_arguments(config.signature(), values))
+    return (out, lse) if config.write_lse else out
+
+
+def to_device(tensors: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
 
 
 def device_name(device) -> str:
@@ -101,8 +180,9 @@ def compare(got, want, rtol: float, atol: float) -> str:
     return ""
 
 
-def run_check(family: str, device, cases: Sequence[Case]) -> records.CheckRecord:
-    """Run ``cases`` now (no cache) and record the outcome."""
+def run_check(family: str, device, cases: Sequence[Case], fallback: str = "the reference") -> records.CheckRecord:
+    """Run ``cases`` now (no cache) and record the outcome (``fallback``: what serves the calls of a
+    family that fails, for the warning)."""
     dev = device_name(device)
     t0 = time.perf_counter()
     reason = ""
@@ -127,12 +207,12 @@ def run_check(family: str, device, cases: Sequence[Case]) -> records.CheckRecord
     if rec.ok:
         log.info("cute_kernels: %s passed its self-check on %s in %.3f s", family, dev, rec.seconds)
     else:
-        log.warning("cute_kernels: %s failed its self-check on %s (%s); the reference runs instead",
-                    family, dev, reason)
+        log.warning("cute_kernels: %s failed its self-check on %s (%s); %s runs instead",
+                    family, dev, reason, fallback)
     return rec
 
 
-def ensure(family: str, device, make_cases: Callable[[], Sequence[Case]]) -> bool:
+def ensure(family: str, device, make_cases: Callable[[], Sequence[Case]], fallback: str = "the reference") -> bool:
     """Whether ``family`` may run on ``device``: its check runs on the first call of the process
     (``make_cases`` builds the problems only then); later calls return the recorded outcome.
     Inside CUDA-graph capture the check cannot run (it synchronizes): a clear error asks for a
@@ -143,7 +223,7 @@ def ensure(family: str, device, make_cases: Callable[[], Sequence[Case]]) -> boo
     if capturing(device):
         raise RuntimeError(f"{family} must pass its one-time self-check before CUDA-graph capture: call the op "
                            "once (or cute_kernels.warmup) outside capture first")
-    return run_check(family, device, make_cases()).ok
+    return run_check(family, device, make_cases(), fallback).ok
 
 
 def guarded(family: str, device, make_cases: Callable[[], Sequence[Case]], kernel: Callable[[], object],

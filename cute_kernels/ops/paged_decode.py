@@ -87,9 +87,13 @@ def tuning_override(**fields: object) -> TuningOverride:
     benchmarks comparing variants). The override is part of the launch-cache key. ``cluster``
     is a launch choice: ``False`` never merges in clusters, ``True`` does whenever the split
     count allows (at most MAX_CLUSTER), absent leaves it to the plan's rule
-    (:func:`cute_kernels.plans.sm90_decode.use_cluster_merge`). ``backend="sm80"`` runs the
-    portable ``sm80.decode`` on any arch (its fields then: ``widen``, ``stages``, ``tw``...,
-    ``smem_target`` for a ring sized for another target's shared memory)."""
+    (:func:`cute_kernels.plans.sm90_decode.use_cluster_merge`). ``balanced=True`` selects the
+    balanced split schedule of the SM90 kernel for ragged batches (opt-in, compile-verified: a
+    one-time self-check per family, the default schedule when it fails; ``num_splits`` then counts
+    chunks per KV head; calls with a window or sinks, and other kernels, keep their schedule):
+    docs/design/sm90-decode.md#balanced-schedule-opt-in. ``backend="sm80"`` runs the portable
+    ``sm80.decode`` on any arch (its fields then: ``widen``, ``stages``, ``tw``..., ``smem_target``
+    for a ring sized for another target's shared memory)."""
     return _launcher.tuning_override(**fields)
 
 
@@ -230,27 +234,32 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         if is_tensor:  # the key holds the type only: a 1-element tensor of any rank is viewed as [1]
             sources[name] = f"{name}.view(1)?"
     if info.id == BACKENDS["sm80"]:
+        # (the balanced schedule is the SM90 kernel's: the portable kernel keeps its own)
         return _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, Hq // Hkv, page, scale, ks_t, vs_t,
-                             return_lse, num_splits, target, override, sources, workspace)
+                             return_lse, num_splits, target, features.without_balanced(override), sources,
+                             workspace)
     # cluster (override): None = the rule (use_cluster_merge), True = whenever the split count allows, False = never
-    num_splits, config = launch_config(
+    plan = dict(
         q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv, q_len=q_len,
         page_size=page, k_scale_tensor=ks_t, v_scale_tensor=vs_t, kv_form="pair" if pair else "single",
-        kv_layout=kv_layout, items=B * Hkv,
+        kv_layout=kv_layout, items=B * Hkv, num_kv_heads=Hkv,
         # a window bounds the keys a request reads: the split count is planned for those
         max_context=window_context(block_table.shape[1] * page, window_left, q_len),
         num_sms=device_sm_count(device.index or 0), num_splits=num_splits, deterministic=deterministic,
-        override=override, window=window_left != -1, sinks=sinks is not None)
-    if features.family_of(config) is not None and not features.self_check_passes(config, device, _check_call):
+        window=window_left != -1, sinks=sinks is not None)
+    planned = guarded_plan(plan, device, override)
+    if planned is None:
         return _REFERENCE  # this window / sink family failed its one-time runtime check here (logged)
+    num_splits, config = planned
     split = num_splits > 1
     fn = get_kernel(config, target)
     stream = stream_id(q)
     part_o = part_lse = scratch = counters = None
     lse_numel = T * Hq
     global_merge = split and not config.cluster  # a cluster merges in shared memory: no workspace
-    part_numel = num_splits * T * Hq * D if global_merge else 0
-    plse_numel = num_splits * lse_numel if global_merge else 0
+    part_tokens = config.partial_tokens(T)  # a balanced launch's partial slot holds one request's tokens
+    part_numel = num_splits * part_tokens * Hq * D if global_merge else 0
+    plse_numel = num_splits * part_tokens * Hq if global_merge else 0
     numel, counters_numel = workspace_numel(config, num_splits, B, Hkv, T, Hq, D, return_lse)
     if workspace is not None:  # the caller's memory (the trtllm API's workspace_buffer): nothing of ours
         ws, counters = caller_ws.carve(workspace, device, numel, counters_numel)
@@ -259,8 +268,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         if global_merge:  # arrival counters, then (dynamic split) the tile-chunk counters
             counters = _counters.get(device, counters_numel, stream)
     if global_merge:
-        part_o = ws[:part_numel].view(num_splits, T, Hq, D)
-        part_lse = ws[part_numel:part_numel + plse_numel].view(num_splits, T, Hq)
+        part_o = ws[:part_numel].view(num_splits, part_tokens, Hq, D)
+        part_lse = ws[part_numel:part_numel + plse_numel].view(num_splits, part_tokens, Hq)
     if not return_lse:
         base = part_numel + plse_numel
         scratch = ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
@@ -309,13 +318,32 @@ def _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, group, page, scale,
     return _Launch(on_device(_launcher.bind(_CALL_PARAMS, *steps), q.device), scratch, (T, Hq, D))
 
 
+def guarded_plan(plan: dict, device, override: dict | None = None):
+    """``(num_splits, config)`` of a call's ``plan`` (:func:`launch_config`'s arguments) under the
+    tuning ``override`` (default: the active one, without its ``backend``), past the one-time
+    self-check of a compile-verified variant's family: None when
+    a window / sink family failed it (the reference serves the call); a balanced family that failed
+    it leaves the call to the default schedule (both logged)."""
+    if override is None:
+        override = {k: v for k, v in _launcher.override.items() if k != "backend"}
+    num_splits, config = launch_config(**plan, override=override)
+    if features.family_of(config) is not None and not features.self_check_passes(config, device, _check_call):
+        if not config.balanced:
+            return None
+        num_splits, config = launch_config(**plan, override=features.without_balanced(override))
+    return num_splits, config
+
+
 def workspace_numel(config, num_splits: int, B: int, Hkv: int, T: int, Hq: int, D: int,
                     return_lse: bool) -> tuple[int, int]:
     """(fp32 elements, int32 counters) of a launch's workspaces: a global merge's partials and
-    LSEs, the LSE target when the caller asks for none; the SM90 kernel's arrival (and dynamic
-    chunk) counters (the portable kernel merges in a second launch: none)."""
+    LSEs (a balanced launch: ``num_splits`` slots of one request's rows), the LSE target when the
+    caller asks for none; the SM90 kernel's arrival (and dynamic chunk) counters (the portable
+    kernel merges in a second launch: none). Shapes only: a balanced launch's size does not depend
+    on the lengths."""
     global_merge = num_splits > 1 and not getattr(config, "cluster", False)
-    numel = (num_splits * T * Hq * (D + 1) if global_merge else 0) + (0 if return_lse else T * Hq)
+    tokens = config.partial_tokens(T) if config.kernel_id == "sm90.decode" else T
+    numel = (num_splits * tokens * Hq * (D + 1) if global_merge else 0) + (0 if return_lse else T * Hq)
     fused = global_merge and config.kernel_id == "sm90.decode"  # its last CTA merges: arrival counters
     counters = (2 * B * Hkv if config.dynamic else B * Hkv) if fused else 0
     return numel, counters

@@ -1,5 +1,6 @@
 """``cute_kernels.paged_prefill``: varlen paged prefill attention (CuTe-DSL kernels: ``sm90.prefill``
-on SM90, the portable ``sm80.prefill`` on every other arch and for what the SM90 kernel refuses).
+on SM90, ``sm100.prefill`` on SM100 / SM103 (:mod:`._paged_prefill_sm100`), the portable
+``sm80.prefill`` on every other arch and for what those refuse).
 
 The host never reads tensor data and never synchronizes: the grid comes from shapes (query
 heads, ``max_query_len`` or T, the batch), the kernel reads ``query_start_loc`` and ``seq_lens``
@@ -16,16 +17,17 @@ ranks, shared extents, devices and alignment itself; when it refuses one, the ca
 full for an error that names the argument. CPU tensors run :func:`cute_kernels.reference.paged_prefill`.
 
 Which kernel runs comes from the registry (:func:`prefill_kernel`): the first prefill kernel of
-the device's arch that takes the dtypes and the GQA group (an FP8 query: the SM90 kernel only, the
-reference elsewhere; a window or sinks: the SM90 kernel's variants, the reference where only the
-portable kernel would take the call);
+the device's arch that takes the dtypes and the GQA group (an FP8 query: the SM90 or SM100 kernel,
+the reference elsewhere; a 16-bit query on an FP8 cache on SM100: the portable kernel, the op never
+quantizes a query itself; a window or sinks: the SM90 kernel's variants or the SM100 kernel, the
+reference where only the portable kernel would take the call);
 ``tuning_override(backend="sm80")`` forces the portable one (its plan: :mod:`cute_kernels.plans.sm80`).
 CPU tensors are validated as on an SM90 GPU.
 
-The SM90 kernel is compile-verified (registry status): before the first launch of a variant family
-in a process, :mod:`._selfcheck` runs that variant on a few small problems against the reference;
-a family that fails is served by ``sm80.prefill`` from then on (the reference for an FP8 query),
-with a logged warning.
+The SM90 and SM100 kernels are compile-verified (registry status): before the first launch of a
+variant family in a process, :mod:`._selfcheck` runs that variant on a few small problems against
+the reference; a family that fails is served by ``sm80.prefill`` from then on (the reference for
+an FP8 query, a window or sinks), with a logged warning.
 
 Checked mode (``CUTE_KERNELS_CHECK=1``, :mod:`cute_kernels.ops._check`) also validates the data
 (``query_start_loc``, ``max_query_len``, ``seq_lens`` within the block table, block-table entries
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, Optional, overload
 
 import torch
@@ -45,16 +48,16 @@ from torch import Tensor
 from .. import reference
 from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
-from ..jit.spec import call_arguments
 from ..plans import sm80
 from ..plans import sm90_prefill as plan
 from ..registry import KERNELS, KernelInfo, op_kernel
 from . import _check
 from . import _library as library
+from . import _paged_prefill_sm100 as sm100
 from ._device import check_devices, current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
-from ._selfcheck import Case, ensure
+from ._selfcheck import Case, ensure, launch_prefill_now, prefill_expected, prefill_problem, to_device
 from ._torch import check_kv_cache, check_tensor, compile_target, dtype_name
 
 FP8 = torch.float8_e4m3fn
@@ -91,8 +94,9 @@ _CPU_TARGET = "sm_90a"  # CPU tensors are validated for the kernel an SM90 GPU w
 
 def prefill_kernel(target: str, q_dtype: str, kv_dtype: str, group: int, backend: str | None = None) -> KernelInfo:
     """The kernel a prefill runs (:func:`cute_kernels.registry.op_kernel`, with the GQA group; an
-    FP8 query: the SM90 FP8-query kernel, the only one that takes it), or the one ``backend``
-    forces."""
+    FP8 query: ``sm100.prefill`` on SM100 / SM103, else the SM90 FP8-query kernel; a 16-bit query
+    on an FP8 cache on SM100 / SM103: the portable kernel, see :mod:`._paged_prefill_sm100`), or
+    the one ``backend`` forces."""
     if backend is not None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {tuple(BACKENDS)} (or absent), got {backend!r}")
@@ -100,8 +104,11 @@ def prefill_kernel(target: str, q_dtype: str, kv_dtype: str, group: int, backend
             raise ValueError(f"backend={backend!r} takes no FP8 query")
         return KERNELS[BACKENDS[backend]]
     if q_dtype == "fp8_e4m3":
-        return KERNELS["sm90.prefill_fp8q"]
-    return op_kernel("paged_prefill", "prefill", target, q_dtype, kv_dtype, group)
+        return KERNELS[sm100.KERNEL_ID if sm100.runs_on(target) else "sm90.prefill_fp8q"]
+    info = op_kernel("paged_prefill", "prefill", target, q_dtype, kv_dtype, group)
+    if info.id == sm100.KERNEL_ID and kv_dtype == "fp8_e4m3":  # QK in FP8 needs the caller's q_scale
+        return KERNELS[_PORTABLE]
+    return info
 
 
 def _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, q_scale, k_scale, v_scale, out,
@@ -193,9 +200,14 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     fields = dict(q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv,
                   page_size=page, kv_form="pair" if pair else "single", kv_layout=kv_layout, causal=causal,
                   write_lse=return_lse, k_scale_tensor=ks_t, v_scale_tensor=vs_t)
-    config: sm80.Sm80PrefillConfig | plan.Sm90PrefillConfig
+    config: sm80.Sm80PrefillConfig | plan.Sm90PrefillConfig | sm100.Sm100PrefillConfig
     if info.id == _PORTABLE:
         config = sm80.make_prefill_config(target=target, **fields, **override)
+    elif info.id == sm100.KERNEL_ID and not sm100.takes(q.dtype, k.dtype, q_scale_kind):
+        return _Launch(None, (T, Hq, D), out_dtype, reference=True)  # a per-KV-head q_scale: no variant takes it
+    elif info.id == sm100.KERNEL_ID:
+        config = sm100.make_config(out_dtype=dtype_name(out_dtype), q_scale=q_scale_kind, sinks=sinks is not None,
+                                   override=override, **fields)
     else:
         config = plan.make_prefill_config(out_dtype=dtype_name(out_dtype), q_scale=q_scale_kind, window=window_left != -1,
                                           sinks=sinks is not None, **fields, **override)
@@ -218,7 +230,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     if target not in config.targets:
         raise ValueError(f"{config.kernel_id} runs on {'/'.join(config.targets)}, this GPU is {target}: "
                          "use cute_kernels.reference.paged_prefill (dispatch.plan picks it)")
-    if isinstance(config, plan.Sm90PrefillConfig) and not self_check_passes(config, device):  # a family that failed it
+    if info.id != _PORTABLE and not _self_check_passes(config, device):  # a family that failed it
         if q.dtype == FP8 or features:  # no other kernel takes them: the reference serves it
             return _Launch(None, shape, out_dtype, reference=True)
         config = sm80.make_prefill_config(target=target, **fields)  # the portable kernel serves it
@@ -333,8 +345,9 @@ def paged_prefill(
     unspecified). ``out``: optional ``[T, Hq, D]`` of q's dtype (bf16 or fp16 for an FP8 query,
     bf16 by default), written in place, on the CPU too.
 
-    Supported here: SM90 (compile-verified: a one-time runtime self-check per variant family
-    guards the first launch, the reference serves a family that fails it), head_dim 64/128/256,
+    Supported here: SM90 and SM100 / SM103 (compile-verified: a one-time runtime self-check per
+    variant family guards the first launch, the portable kernel or the reference serves a family
+    that fails it; SM100 is compile-verified only, no SM100 GPU has run it), head_dim 64/128/256,
     page size 16/32/64/128, Hq / Hkv up to ``plans.sm90_prefill.MAX_GROUP``. Returns ``out`` and,
     with ``return_lse``, the base-2 LSE ``[T, Hq]`` fp32.
 
@@ -461,6 +474,13 @@ SELF_CHECK_TOL = {"16": (2e-2, 2e-2), "widen": (2e-2, 2e-2), "fp8": (1e-1, 1e-1)
 SELF_CHECK_SEED = 2029
 
 
+def _self_check_passes(config, device) -> bool:
+    """The self-check of ``config``'s kernel (SM90's here, SM100's in :mod:`._paged_prefill_sm100`)."""
+    if config.kernel_id == sm100.KERNEL_ID:
+        return sm100.self_check_passes(config, device)
+    return self_check_passes(config, device)
+
+
 def self_check_passes(config: plan.Sm90PrefillConfig, device) -> bool:
     """The one-time runtime check of ``config``'s family (:func:`plans.sm90_prefill.family`) on
     ``device``: the variant itself (same compile key, so no extra compile) on small varlen,
@@ -484,80 +504,15 @@ def self_check_cases(config: plan.Sm90PrefillConfig, device) -> list[Case]:
     g = torch.Generator(device="cpu").manual_seed(SELF_CHECK_SEED)
     cases = []
     for i, (reqs, max_q) in enumerate(problems):
-        host = _self_check_inputs(config, reqs, g)
-        dev = {k: _to(v, device) for k, v in host.items()}
-
-        def run(dev=dev, max_q=max_q):
-            return _launch_now(config, dev, max_q)
-
-        def expect(host=host, max_q=max_q):
-            cache = (host["k"], host["v"]) if config.kv_form == "pair" else host["k"]
-            res = reference.paged_prefill(
-                host["q"], cache, host["block_table"], host["seq_lens"], host["query_start_loc"], max_query_len=max_q,
-                kv_layout=config.kv_layout, causal=config.causal, q_scale=host["q_scale"], k_scale=host["k_scale"],
-                v_scale=host["v_scale"], return_lse=config.write_lse, out_dtype=_TORCH[config.out_dtype],
-                window_left=host["window_left"], sinks=host["sinks"])
-            return res
-
-        cases.append(Case(f"problem {i} (seed {SELF_CHECK_SEED})", run, expect, rtol, atol))
+        # the window / sink variants: a window shorter than the prompts (tiles skipped, pages
+        # zero-filled at its start)
+        host = prefill_problem(config, reqs, g, q_scale=config.q_scale, window=75 if config.window else -1)
+        dev = to_device(host, device)
+        cases.append(Case(f"problem {i} (seed {SELF_CHECK_SEED})", partial(_launch_now, config, dev, max_q),
+                          partial(prefill_expected, config, host, max_q), rtol, atol))
     return cases
 
 
-_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": FP8}
-
-
-def _to(x, device):
-    return x.to(device) if isinstance(x, torch.Tensor) else x
-
-
-def _self_check_inputs(config, reqs, g) -> dict:
-    """CPU tensors of one self-check problem for ``config`` (random, from ``g``)."""
-    Hkv, D, page = 2, config.head_dim, config.page_size
-    Hq = Hkv * config.group
-    lens = [p + n for p, n in reqs]
-    pages = [math.ceil(L / page) for L in lens]
-    P = sum(pages) + 3
-    perm = torch.randperm(P, generator=g)
-    table = torch.randint(0, P, (len(reqs), max(pages) + 1), generator=g, dtype=torch.int32)
-    ofs = 0
-    for b, n in enumerate(pages):
-        table[b, :n] = perm[ofs:ofs + n].int()
-        ofs += n
-    shape = (P, 2, Hkv, page, D) if config.kv_layout == "HND" else (P, 2, page, Hkv, D)
-    kv = torch.randn(shape, generator=g).to(_TORCH[config.kv_dtype])
-    nan_byte = 0x7F if config.kv_dtype == "fp8_e4m3" else 0xFF  # a NaN in every byte (pair) of the dtype
-    for b, L in enumerate(lens):  # stale bytes past each request's end: they must never reach the output
-        if L % page:
-            tail = (slice(None), slice(L % page, None)) if config.kv_layout == "HND" else (slice(L % page, None),)
-            kv[(int(table[b, L // page]), slice(None)) + tail].view(torch.uint8).fill_(nan_byte)
-    starts = [0]
-    for _, n in reqs:
-        starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], Hq, D, generator=g).to(_TORCH[config.q_dtype])
-
-    def scale(value, tensor):
-        return torch.tensor([value], dtype=torch.float32) if tensor else value
-
-    q_scale = {"none": None, "scalar": 0.5, "tensor": torch.tensor([0.5]),
-               "per_head": torch.tensor([0.5, 0.75])}[config.q_scale]
-    # the window / sink variants: a window shorter than the prompts (tiles skipped, pages zero-filled
-    # at its start), sinks of either sign
-    sinks = torch.randn(Hq, generator=g) * 2 if config.sinks else None
-    return dict(q=q, k=kv[:, 0] if config.kv_form == "pair" else kv, v=kv[:, 1] if config.kv_form == "pair" else kv,
-                block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32),
-                query_start_loc=torch.tensor(starts, dtype=torch.int32), q_scale=q_scale,
-                k_scale=scale(0.9, config.k_scale_tensor), v_scale=scale(1.1, config.v_scale_tensor),
-                sinks=sinks, window_left=75 if config.window else -1)
-
-
 def _launch_now(config, t: dict, max_query_len):
-    """Launch ``config`` on the tensors ``t`` now (no launch cache, no self-check): the self-check's
-    own kernel call."""
-    T, Hq, D = t["q"].shape
-    out = torch.full((T, Hq, D), float("nan"), dtype=_TORCH[config.out_dtype], device=t["q"].device)
-    lse = torch.full((T, Hq), float("nan"), dtype=torch.float32, device=t["q"].device)
-    values = dict(t, kv_cache=t["k"], k_cache=t["k"], v_cache=t["v"], out=out, lse=lse, sm_scale=D ** -0.5,
-                  max_query_len=T if max_query_len is None else min(max_query_len, T))
-    fn = get_kernel(config, compile_target(t["q"].device))
-    fn(*call_arguments(config.signature(), values))
-    return (out, lse) if config.write_lse else out
+    """The self-check's own call of ``config`` (compiled for the tensors' device)."""
+    return launch_prefill_now(get_kernel(config, compile_target(t["q"].device)), config, t, max_query_len)

@@ -439,11 +439,13 @@ class Sm100PrefillConfig(_Sm100Config):
     keys up to their own position (the last ``q_len`` of the request's ``seq_len`` tokens);
     ``write_lse``: the base-2 LSE is an output. The window is a runtime argument.
     16-bit or FP8 (e4m3 Q, K, V: kind::f8f6f4, P in e4m3); a 16-bit query on an FP8 cache is
-    refused (the plan quantizes the query for this kernel).
+    refused (the plan quantizes the query for this kernel). ``out_dtype``: the query's dtype for
+    a 16-bit query; bf16 (the default) or fp16 for an FP8 query (the model's dtype).
     """
 
     causal: bool = True
     write_lse: bool = True
+    out_dtype: str = ""  # "" = bf16 for an FP8 query, else the query's dtype (normalized when built)
 
     kernel_id: ClassVar[str] = "sm100.prefill"
 
@@ -452,6 +454,13 @@ class Sm100PrefillConfig(_Sm100Config):
         if self.mode == "cvt":
             raise ValueError(f"{self.kernel_id}: a 16-bit query on an FP8 cache is not supported: quantize the query "
                              "(FP8 Q, K, V run in kind::f8f6f4)")
+        fp8_query = self.q_dtype == "fp8_e4m3"
+        if not self.out_dtype:
+            object.__setattr__(self, "out_dtype", "bf16" if fp8_query else self.q_dtype)
+        allowed = MODEL_DTYPES if fp8_query else (self.q_dtype,)
+        if self.out_dtype not in allowed:
+            raise ValueError(f"{self.kernel_id}: out_dtype must be one of {allowed} for a {self.q_dtype} query, "
+                             f"got {self.out_dtype!r}")
         self.check_budgets()
 
     # -- geometry ------------------------------------------------------------------------------
@@ -575,7 +584,7 @@ def decode_variants() -> list[Sm100DecodeConfig]:
 
 def prefill_variants() -> list[Sm100PrefillConfig]:
     """Every MMA family and head dim (D 256: one Q tile per CTA), causal and not, sinks, no LSE,
-    both cache forms and layouts, pages 16-128."""
+    both cache forms and layouts, pages 16-128, both outputs of an FP8 query."""
     return [
         Sm100PrefillConfig(q_dtype="bf16", kv_dtype="bf16", head_dim=128, page_size=16),
         Sm100PrefillConfig(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", head_dim=128, page_size=16, sinks=True,
@@ -583,5 +592,5 @@ def prefill_variants() -> list[Sm100PrefillConfig]:
         Sm100PrefillConfig(q_dtype="fp16", kv_dtype="fp16", head_dim=64, page_size=32, causal=False,
                            kv_form="pair", kv_layout="NHD", write_lse=False),
         Sm100PrefillConfig(q_dtype="bf16", kv_dtype="bf16", head_dim=256, page_size=128, sinks=True),
-        Sm100PrefillConfig(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", head_dim=256, page_size=64),
+        Sm100PrefillConfig(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", head_dim=256, page_size=64, out_dtype="fp16"),
     ]

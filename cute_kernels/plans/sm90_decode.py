@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 from types import ModuleType
 from typing import Any, ClassVar
 
-from ..jit.spec import Arg, KernelConfig, ScalarArg, TensorArg
+from ..jit.spec import LABEL_IF_SET, Arg, KernelConfig, ScalarArg, TensorArg
 from . import hw
+from . import sm90_decode_balance as balance
 from .paged_cache import kv_cache_args, scale_arg
 from .sm90_attention import (  # noqa: F401 - the limits
     HEAD_DIMS,
@@ -78,7 +79,11 @@ class Sm90DecodeConfig(KernelConfig):
     (:meth:`merge_slots`). ``window``: the variant takes a runtime ``window_left`` (-1: none) and
     walks only the tiles and pages of the keys its rows can see; ``sinks``: it takes fp32 ``[Hq]``
     sink logits folded into each row's softmax (split 0 only): docs/design/sm90-decode.md#sliding-window-and-sinks.
-    These two variants are compile-verified (:func:`feature_family`).
+    These two variants are compile-verified (:func:`feature_family`). ``balanced`` (a split variant
+    without strided, dynamic or cluster schedules, window or sinks, merging from L2): a grid of
+    equal chunks of the batch's tiles per KV head, found from ``seq_lens`` on the device; its
+    partials are per chunk slot (``[2 x chunks, q_len, Hq, D]``) and it is compile-verified too
+    (:func:`balanced_family`; docs/design/sm90-decode.md#balanced-schedule-opt-in).
     """
 
     q_dtype: str = "bf16"
@@ -105,6 +110,8 @@ class Sm90DecodeConfig(KernelConfig):
     smem_merge: bool = True
     window: bool = False
     sinks: bool = False
+    # (in the label only when set: the variants from before the flag keep their labels and digests)
+    balanced: bool = field(default=False, metadata=LABEL_IF_SET)
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -117,6 +124,8 @@ class Sm90DecodeConfig(KernelConfig):
     chunk_tiles_max: ClassVar[int] = DYNAMIC_CHUNK_TILES
     merge_group: ClassVar[int] = MERGE_GROUP
     cluster_group: ClassVar[int] = CLUSTER_GROUP
+    balance_min_chunk: ClassVar[int] = balance.MIN_CHUNK_TILES
+    balance_max_parts: ClassVar[int] = balance.MAX_PARTS
 
     def __post_init__(self):
         check_qkv(self.q_dtype, self.kv_dtype, self.head_dim)
@@ -134,6 +143,11 @@ class Sm90DecodeConfig(KernelConfig):
             raise ValueError("strided tiles are a static split schedule (split=True, dynamic=False)")
         if self.widen not in ("bits", "cvt") or self.tile not in (64, 128):
             raise ValueError(f"bad widen/tile {self.widen}/{self.tile}")
+        if self.balanced and (not self.split or self.dynamic or self.strided or self.cluster or self.window
+                              or self.sinks or self.smem_merge):
+            raise ValueError("the balanced schedule is a split variant of its own: split=True, no dynamic, strided "
+                             "or cluster schedule, no window or sinks, smem_merge=False (its merges run while the "
+                             "stages hold the next request's tiles)")
         if self.cluster:
             if not self.split or self.dynamic:
                 raise ValueError("the cluster merge needs a static split (split=True, dynamic=False)")
@@ -173,16 +187,22 @@ class Sm90DecodeConfig(KernelConfig):
         nothing)."""
         return self.merge_slot_bytes() <= self.kv_stages_bytes()
 
+    def partial_tokens(self, tokens: int) -> int:
+        """Query tokens of one split partial of a launch of ``tokens`` query tokens: all of them
+        (the partial of split s covers the batch), or a balanced slot's ``q_len`` (one request's)."""
+        return self.q_len if self.balanced else tokens
+
     def signature(self):
         D = self.head_dim
         caches = kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, D)
         split: tuple[Arg, ...]
+        tokens = self.q_len if self.balanced else "T"  # partial_tokens
         if self.cluster:  # partials stay in the cluster's shared memory: only the grid's split count
             split = (ScalarArg("num_splits", "int32"),)
         elif self.split:
             split = (
-                TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=16),  # merged with 16-byte loads
-                TensorArg("part_lse", "fp32", ("S", "T", "Hq"), align=4),
+                TensorArg("part_out", "fp32", ("S", tokens, "Hq", D), align=16),  # merged with 16-byte loads
+                TensorArg("part_lse", "fp32", ("S", tokens, "Hq"), align=4),
                 TensorArg("counters", "int32", ("C",), align=4),  # the fused merge's arrival counters
             )
         else:
@@ -270,9 +290,12 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
     """The config the op uses for a problem: tuning (stages, occupancy, tile, widening) filled in
     here, once, for the op, the warm-up and the compile matrix alike. ``override`` replaces any
     tuning field (benchmarks compare variants with it). A ``window`` variant keeps the static
-    split schedule (its first tile depends on the request's length)."""
-    dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split and not window
-    strided = override.pop("strided", DEFAULT_STRIDED) and split and not dynamic
+    split schedule (its first tile depends on the request's length); ``balanced=True`` asks for
+    the balanced schedule (a split variant without window or sinks; it replaces the strided,
+    dynamic and staged-merge choices)."""
+    balanced = override.pop("balanced", False) and split and not window and not sinks
+    dynamic = override.pop("dynamic", DEFAULT_DYNAMIC) and split and not window and not balanced
+    strided = override.pop("strided", DEFAULT_STRIDED) and split and not dynamic and not balanced
     tile = override.get("tile", FP8_D64_TILE if (kv_dtype, head_dim) == ("fp8_e4m3", 64) else TILE)
     n_pad = max(8, (group * q_len + 7) // 8 * 8)
     stages, occupancy = decode_tuning(1 if kv_dtype == "fp8_e4m3" else 2, head_dim, n_pad, tile,
@@ -284,6 +307,8 @@ def make_decode_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int
         widen=DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits", pdl=DEFAULT_PDL, dynamic=dynamic,
         strided=strided, window=window, sinks=sinks,
     )
+    if balanced:
+        fields.update(balanced=True, smem_merge=False)
     fields.update(override)
     return Sm90DecodeConfig(**fields)
 
@@ -373,6 +398,28 @@ def plan_launch(items: int, max_context: int, num_sms: int, max_occupancy: int, 
     return num_splits, tuning, cluster
 
 
+# the most CTAs per SM a balanced kernel is sized for: its walk keeps a few more values live through
+# the consumer's loop and merges, and sized for 4 (96 registers) the 16-bit D 64 kernel spills
+# (docs/design/sm90-decode.md#balanced-schedule-opt-in)
+BALANCED_MAX_CTAS_PER_SM = 3
+
+
+def balanced_launch(config_for, num_kv_heads: int, num_sms: int, chunks: int | None = None):
+    """``(partial slots, config)`` of a balanced launch, from shapes only: a grid of ``chunks``
+    (default: one wave at the FP8 per-head-dim CTA target, or the kernel's occupancy for 16-bit
+    caches, shared by the KV heads) x ``num_kv_heads`` CTAs, the kernel sized as the static
+    schedule sizes it for that many CTAs per SM; two partial slots per chunk
+    (docs/design/sm90-decode.md#balanced-schedule-opt-in)."""
+    probe = config_for(False)
+    fp8 = probe.kv_dtype == "fp8_e4m3"
+    most = min(probe.occupancy, BALANCED_MAX_CTAS_PER_SM)
+    target = min(FP8_CTAS_PER_SM.get(probe.head_dim, most) if fp8 else most, most)
+    sizing = min(max(target, FP8_MIN_SIZING.get(probe.head_dim, 1)) if fp8 else target, most)
+    chunks = chunks or balance.chunks_per_head(num_sms, target, num_kv_heads)
+    tuning = {} if sizing >= probe.occupancy else dict(occupancy=sizing)
+    return 2 * chunks, config_for(True, balanced=True, **tuning)
+
+
 def window_context(table_tokens: int, window_left: int, q_len: int) -> int:
     """The most keys one request reads, which a launch's split count is planned for: the block
     table's capacity, or with a window (``window_left >= 0``) the ``window_left + q_len`` keys its
@@ -436,7 +483,8 @@ def decode_variants(*, head_dim: int, num_q_heads: int, num_kv_heads: int, page_
         for cfg in configs:
             out.append(cfg)
             # the op sizes a cluster-merged launch for at least CLUSTER_MIN_SIZING CTAs per SM
-            if (want_cluster and cfg.split and not cfg.dynamic and cfg.occupancy >= CLUSTER_MIN_SIZING
+            if (want_cluster and cfg.split and not cfg.dynamic and not cfg.balanced
+                    and cfg.occupancy >= CLUSTER_MIN_SIZING
                     and cfg.cluster_fits()):
                 out.append(dataclasses.replace(cfg, cluster=True))
     return out
@@ -470,15 +518,20 @@ def compile_variants() -> list[Sm90DecodeConfig]:
 def launch_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_len: int, page_size: int,
                   k_scale_tensor: bool, v_scale_tensor: bool, kv_form: str, kv_layout: str, items: int,
                   max_context: int, num_sms: int, num_splits: int | None = None, deterministic: bool = True,
-                  override: dict | None = None, window: bool = False,
-                  sinks: bool = False) -> tuple[int, Sm90DecodeConfig]:
+                  override: dict | None = None, window: bool = False, sinks: bool = False,
+                  num_kv_heads: int = 0) -> tuple[int, Sm90DecodeConfig]:
     """``(num_splits, config)`` of a call: ``items`` = requests x KV heads, ``max_context`` = the
     block table's width x page. The op decides with this, and the warm-up enumerates it.
     ``override``: tuning fields (``tuning_override``; ``cluster`` and ``dynamic`` are launch
     choices, see :func:`plan_launch`). ``window`` / ``sinks``: the window / sink variant (a window
-    keeps the static split schedule; pass the window's keys as ``max_context``: :func:`window_context`)."""
+    keeps the static split schedule; pass the window's keys as ``max_context``: :func:`window_context`).
+    ``balanced=True`` in ``override`` (with ``num_kv_heads``): the balanced schedule
+    (:func:`balanced_launch`; ``num_splits`` is then its chunks per KV head and the first value
+    returned its partial slots), unless the call has a window or sinks, or a batch whose unit
+    counts could overflow the kernel's 32-bit sums."""
     override = dict(override or {})
     force_cluster = override.pop("cluster", None)
+    balanced = override.pop("balanced", False)
 
     def config_for(split, **tuning):
         return make_decode_config(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len,
@@ -486,6 +539,9 @@ def launch_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_l
                                   v_scale_tensor=v_scale_tensor, kv_form=kv_form, kv_layout=kv_layout,
                                   window=window, sinks=sinks, **{**tuning, **override})
 
+    if (balanced and not window and not sinks and num_kv_heads
+            and balance.fits_int32(items // num_kv_heads, max_context, config_for(False).tile)):
+        return balanced_launch(config_for, num_kv_heads, num_sms, num_splits)
     return plan_config(config_for, items, max_context, num_sms, num_splits, deterministic or window, force_cluster,
                        bool(override.get("dynamic", False)))
 
@@ -523,15 +579,18 @@ def feature_family(config: Sm90DecodeConfig) -> str | None:
     features = "+".join(name for name, on in (("window", config.window), ("sinks", config.sinks)) if on)
     if not features:
         return None
-    path = f"fp8-{config.widen}" if config.kv_dtype == "fp8_e4m3" else "16bit"
-    return f"sm90.decode/{features}/{path}"
+    return f"sm90.decode/{features}/{_mma_path(config.kv_dtype, config.widen)}"
+
+
+def _mma_path(kv_dtype: str, widen: str = DEFAULT_WIDEN) -> str:
+    """A family's MMA path: 16-bit SS, or FP8 widened by ``cvt`` or ``bits``."""
+    return f"fp8-{widen}" if kv_dtype == "fp8_e4m3" else "16bit"
 
 
 def request_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
     """The registry's family of a request with a window and sinks (the op's default MMA path): what
     ``registry.KernelInfo.family`` asks of a compile-verified kernel."""
-    widen = DEFAULT_WIDEN if kv_dtype == "fp8_e4m3" else "bits"
-    return f"sm90.decode/window+sinks/{f'fp8-{widen}' if kv_dtype == 'fp8_e4m3' else '16bit'}"
+    return f"sm90.decode/window+sinks/{_mma_path(kv_dtype)}"
 
 
 def feature_variants() -> list[Sm90DecodeConfig]:
@@ -554,3 +613,49 @@ def feature_variants() -> list[Sm90DecodeConfig]:
         make_decode_config(**{**base, "head_dim": 256, "group": 4}, split=True, sinks=True),
     ]
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the balanced schedule's variants (compile-verified: docs/design/sm90-decode.md#balanced-schedule-opt-in)
+# ---------------------------------------------------------------------------------------------
+
+
+def balanced_family(config: Sm90DecodeConfig) -> str | None:
+    """The runtime self-check family of a balanced variant (None for the others), by MMA path as
+    :func:`feature_family`."""
+    return f"sm90.decode/balanced/{_mma_path(config.kv_dtype, config.widen)}" if config.balanced else None
+
+
+def balanced_request_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
+    """The registry's family of a balanced request (the op's default MMA path)."""
+    return f"sm90.decode/balanced/{_mma_path(kv_dtype)}"
+
+
+def balanced_config(**fields) -> Sm90DecodeConfig:
+    """The config a balanced call of ``fields`` (:func:`launch_config`'s problem fields, a batch
+    of one request per KV head on the default machine) launches: the compile matrix's variants are
+    the op's own."""
+    fields = dict(dict(k_scale_tensor=False, v_scale_tensor=False, kv_form="single", kv_layout="HND"), **fields)
+    override = dict(fields.pop("override", {}), balanced=True)
+    return launch_config(**fields, items=1, max_context=32768, num_sms=hw.H200_SMS, override=override,
+                         num_kv_heads=1)[1]
+
+
+def balanced_variants() -> list[Sm90DecodeConfig]:
+    """The balanced variants of the compile matrix: every MMA path (FP8 ``cvt`` and ``bits``, BF16,
+    FP16), D 64 (FP8: 128-token tiles) / 128 / 256, GQA 4 and 8 (a 70B model under 8-way tensor
+    parallelism has Hq 8 / Hkv 1), speculative drafts (q_len 2 and 4), scale tensors, both cache
+    forms and layouts."""
+    base = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1, page_size=16)
+    return [
+        balanced_config(**base),
+        balanced_config(**base, override=dict(widen="bits")),
+        balanced_config(**{**base, "q_len": 4}, k_scale_tensor=True, v_scale_tensor=True),
+        balanced_config(**{**base, "group": 4, "q_len": 2}),
+        balanced_config(**{**base, "head_dim": 64}),
+        balanced_config(**{**base, "head_dim": 256, "group": 4}),
+        balanced_config(**{**base, "kv_dtype": "bf16"}),
+        balanced_config(**{**base, "kv_dtype": "bf16", "head_dim": 64, "page_size": 64}, kv_form="pair",
+                        kv_layout="NHD"),
+        balanced_config(**{**base, "q_dtype": "fp16", "kv_dtype": "fp16", "q_len": 3}),
+    ]

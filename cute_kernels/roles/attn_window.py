@@ -2,7 +2,8 @@
 
 Visibility (the package contract, :mod:`cute_kernels.reference`): a query at absolute position
 ``p`` sees keys ``max(0, p - window_left) ... p`` when ``window_left >= 0`` and ``0 ... p``
-otherwise (``window_left = -1``). In decode, query token ``j`` of a request with ``q_len`` new
+otherwise (``window_left = -1``), and no key at or past the block table's capacity ``W x page``
+(docs/design/inputs.md#lengths). In decode, query token ``j`` of a request with ``q_len`` new
 tokens sits at ``p = seq_len - q_len + j``. A window is a runtime value: one compiled kernel
 serves every window, and tiles / pages wholly outside it are never loaded (not merely masked).
 """
@@ -24,19 +25,11 @@ def window_start(q_pos, window_left):
 
 
 @cute.jit
-def key_visible(k_pos, q_pos, window_left):
-    """Whether the key at ``k_pos`` is visible to the query at ``q_pos``: causal and in the window."""
-    ok = k_pos <= q_pos
-    if window_left >= 0:
-        ok = ok and k_pos >= q_pos - window_left
-    return ok
-
-
-@cute.jit
-def decode_key_range(seq_len, q_len, window_left):
+def decode_key_range(seq_len, q_len, window_left, kv_end):
     """``[lo, hi)``: the keys any of a request's ``q_len`` draft queries sees (its oldest query's
-    window start up to the sequence end)."""
-    return window_start(seq_len - q_len, window_left), seq_len
+    window start up to ``kv_end``: the sequence end clamped to the block table's capacity,
+    :func:`cute_kernels.roles.prefill_blocks.kv_cap`)."""
+    return window_start(seq_len - q_len, window_left), kv_end
 
 
 @cute.jit
@@ -61,21 +54,23 @@ def box_visible(start, length: cutlass.Constexpr, lo, hi):
 
 
 @cute.jit
-def prefill_key_range(seq_len, q_len, row_first, row_last, causal: cutlass.Constexpr, window_left):
+def prefill_key_range(seq_len, q_len, row_first, row_last, causal: cutlass.Constexpr, window_left, kv_end):
     """``[lo, hi)``: the keys any of rows ``row_first .. row_last`` (within the request's ``q_len``
     new tokens, the last ``q_len`` of its ``seq_len``) sees. Causal: up to the last row's own
-    position; else the whole sequence. The window trims the start to the first row's window."""
+    position; else the whole sequence; never at or past ``kv_end`` (the sequence end clamped to
+    the block table's capacity). The window trims the start to the first row's window."""
     first_pos = seq_len - q_len + row_first
-    hi = seq_len
+    hi = kv_end
     if causal:
-        hi = cutlass.min(seq_len - q_len + row_last + 1, seq_len)
+        hi = cutlass.min(seq_len - q_len + row_last + 1, kv_end)
     return window_start(first_pos, window_left), hi
 
 
 @cute.jit
-def key_visible_prefill(k_pos, q_pos, seq_len, causal: cutlass.Constexpr, window_left):
-    """Visibility of key ``k_pos`` to the query at ``q_pos`` (a key past the sequence never is)."""
-    ok = k_pos < seq_len
+def key_visible(k_pos, q_pos, kv_end, causal: cutlass.Constexpr, window_left):
+    """Visibility of key ``k_pos`` to the query at ``q_pos``: before ``kv_end`` (a key past the
+    sequence or the block table never is), causal, in the window."""
+    ok = k_pos < kv_end
     if causal:
         ok = ok and k_pos <= q_pos
     if window_left >= 0:

@@ -184,6 +184,15 @@ def load_shared_f32(smem_addr: Int32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def load_shared_i32(smem_addr: Int32, *, loc=None, ip=None) -> Int32:
+    """``ld.volatile.shared.b32`` at a 32-bit shared-window address: read again where it is used
+    (by the compiler and by ptxas) rather than kept live in a register from an earlier read (the
+    balanced decode's walk state)."""
+    return Int32(asm([T.i32()], [Int32(smem_addr)], "ld.volatile.shared.b32 $0, [$1];", "=r,r",
+                     side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
 def load_shared_f32x4(smem_addr: Int32, *, loc=None, ip=None) -> tuple[Float32, Float32, Float32, Float32]:
     """``ld.shared.v4.f32``: four floats at a 16-byte aligned shared-window address."""
     vals = asm([T.f32()] * 4, [Int32(smem_addr)], "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r",

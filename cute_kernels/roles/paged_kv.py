@@ -92,13 +92,18 @@ class PagedKVProducer:
 
     @cute.jit
     def produce(self, tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
-                batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw, key_lo=None):
+                batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw, key_lo=None,
+                states=None):
         """Static split: this CTA's tiles ``tile_begin, tile_begin + tile_step, ... < tile_end``
-        (``key_lo``: the window's first visible key, with ``window``)."""
+        (``key_lo``: the window's first visible key, with ``window``). ``states``: the pipelines'
+        producer states to continue from (a balanced chunk's next request), returned advanced."""
         nb = self.boxes_per_tile
         tKsK, tKgK, tVsV, tVgV = self.partition_tma(tma_k, mK, tma_v, mV, sK, sV, kv_head)
-        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if const_expr(states is None):
+            state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        else:
+            state_k, state_v = states
         # Page ids are fetched 32 boxes at a time, one per lane, well ahead of their TMA. The
         # first batch: with strided splits it was loaded together with seq_len (``first_raw``:
         # one L2 round trip less before the first TMA of every split CTA).
@@ -123,6 +128,7 @@ class PagedKVProducer:
             # cluster merge starts (docs/design/sm90-decode.md#cluster-merge-exit)
             pipe_k.producer_tail(state_k)
             pipe_v.producer_tail(state_v)
+        return state_k, state_v
 
     @cute.jit
     def produce_dynamic(self, tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,

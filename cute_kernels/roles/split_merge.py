@@ -21,6 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from .balanced_chunks import merge_slot
 from .fragments import (
     cp_async_16,
     load_cg_f32x4,
@@ -57,7 +58,7 @@ class SplitMerge:
 
     @cute.jit
     def merge_splits(self, mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx,
-                     kv_bases):
+                     kv_bases, slots=None):
         """The last of the request's split CTAs (per KV head) to finish merges all partials.
 
         Saves a second kernel launch on the critical path of small batches. Each CTA
@@ -70,6 +71,9 @@ class SplitMerge:
         CTA first copies them all there with ``cp.async`` (every copy in flight at once, no
         registers held) and merges from shared memory: one L2 round trip instead of one per
         ``threads`` chunks x ``merge_group`` splits (docs/design/sm90-decode.md#l2-policy-descriptor-prefetch-staged-merge).
+
+        ``slots`` (balanced schedule): ``(slot0, c0)``, the request's partials are in slots ``slot0,
+        c0 + 1, ...`` of ``[slots, q_len, Hq, D]`` partials (:func:`balanced_chunks.merge_slot`).
         """
         G = self.G
         threads = self.warps * 32
@@ -98,11 +102,18 @@ class SplitMerge:
                     if fits:
                         self.merge_row_chunk(mO, mLse, num_splits, token, head, d0, (kv_bases, n), self.merge_group,
                                              "smem")
-                    else:
+                    elif const_expr(slots is None):
                         self.merge_row_chunk(mO, mLse, num_splits, token, head, d0, (mPartO, mPartLse),
                                              self.merge_group, "global")
+                    else:
+                        self.merge_row_chunk(mO, mLse, num_splits, token, head, d0,
+                                             (mPartO, mPartLse, *slots, n // G), self.merge_group, "slots")
             if tidx == 0:
-                counter.store(Int32(0))
+                if const_expr(slots is None):
+                    counter.store(Int32(0))
+                else:  # its address again rather than kept live through the merge (register pressure)
+                    reset = mCounter.iterator + (batch_idx * special_register("nctaid.y") + special_register("ctaid.y"))
+                    reset.store(Int32(0))
                 if const_expr(self.dynamic):
                     # every CTA of the item has arrived, so none takes chunks any more: reset for
                     # the next launch (its counter sits B x Hkv entries behind the arrival counter)
@@ -195,8 +206,9 @@ class SplitMerge:
         """Merge 4 output dims of one query row over all splits, ``group`` splits at a time. The
         partials come from global memory (``source`` "global": ``src = (mPartO, mPartLse)``, the
         fused merge), from this CTA's shared memory ("smem": ``src = ((k_base, v_base), n)``, the
-        fused merge after :meth:`stage_partials`) or from the cluster's shared memory ("dsmem":
-        ``src = (part_base, n)``, the cluster merge).
+        fused merge after :meth:`stage_partials`), from the cluster's shared memory ("dsmem":
+        ``src = (part_base, n)``, the cluster merge) or from a balanced launch's slots ("slots":
+        ``src = (mPartO, mPartLse, slot0, c0, draft token)``).
 
         Every load of a group (its LSEs and 16-byte partials) is issued before any is used, so a
         group costs one L2 round trip instead of one per split (this merge is on the critical
@@ -220,6 +232,14 @@ class SplitMerge:
                     slot = self.merge_slot(s, kv_bases)
                     lse_g[j] = load_shared_f32(slot + self.part_lse_offset(n))
                     o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_shared_f32x4(slot + (n * self.D + d0) * 4)
+                elif const_expr(source == "slots"):
+                    mPartO, mPartLse, slot0, c0, tok = src
+                    slot = c0 + s  # a request merging here has 2+ partials: only the first one's slot differs
+                    if const_expr(j == 0):
+                        slot = merge_slot(s, slot0, c0, cutlass.max)
+                    lse_g[j] = self.load_cg(mPartLse, (slot, tok, head))
+                    addr = (mPartO.iterator + cute.crd2idx((slot, tok, head, d0), mPartO.layout)).toint()
+                    o_g[j, 0], o_g[j, 1], o_g[j, 2], o_g[j, 3] = load_cg_f32x4(addr)
                 else:
                     mPartO, mPartLse = src
                     lse_g[j] = self.load_cg(mPartLse, (s, token, head))

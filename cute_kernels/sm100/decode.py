@@ -31,6 +31,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from ..jit.spec import bind_arguments
 from ..roles.attn_window import box_visible, decode_key_range, key_visible, split_tiles
+from ..roles.prefill_blocks import kv_cap
 from ..roles.sinks import LOG2E, fold_sink
 from .kit import (
     check_smem,
@@ -236,15 +237,17 @@ class Sm100PagedDecode:
         tmem_holder = storage.tmem_ptr.data_ptr()
         if warp < 4:
             set_registers(self.regs, "softmax")
-            seq_len, lo, hi, first, step, count = self.schedule(mSeqLens, b, split, num_splits, window_left)
+            seq_len, lo, hi, first, step, count = self.schedule(mSeqLens, mBlockTable, b, split, num_splits,
+                                                                window_left)
             tCtS, tCtO, tCtC = self.tmem_tensors(qk, pv, tmem_holder)
             self.softmax(mQ, sQ, sP, sV, storage, tCtS, tCtO, pipe_s, pipe_v, p_full, o_done, qk, mO, mLse, mSinks,
-                         k_scale, v_scale, q_scale, sm_scale, window_left, seq_len, lo, first, step, count, split,
-                         b, kv_head, row0)
+                         k_scale, v_scale, q_scale, sm_scale, window_left, seq_len, lo, hi, first, step, count,
+                         split, b, kv_head, row0)
             cute.arch.sync_threads()  # (every role ends in this barrier: then TMEM is free)
         elif warp < 8:
             set_registers(self.regs, "mma_tma")
-            seq_len, lo, hi, first, step, count = self.schedule(mSeqLens, b, split, num_splits, window_left)
+            seq_len, lo, hi, first, step, count = self.schedule(mSeqLens, mBlockTable, b, split, num_splits,
+                                                                window_left)
             w = fresh_warp_index()
             if w == MMA_WARP:
                 tCtS, tCtO, tCtC = self.tmem_tensors(qk, pv, tmem_holder)
@@ -259,16 +262,20 @@ class Sm100PagedDecode:
                 cute.arch.dealloc_tmem(tmem_base(tmem_holder), cfg.tmem_cols)
         elif const_expr(self.cvt):
             set_registers(self.regs, "convert")
-            seq_len, lo, hi, first, step, count = self.schedule(mSeqLens, b, split, num_splits, window_left)
+            seq_len, lo, hi, first, step, count = self.schedule(mSeqLens, mBlockTable, b, split, num_splits,
+                                                                window_left)
             tCtS, tCtO, tCtC = self.tmem_tensors(qk, pv, tmem_holder)
-            ConvertRole(self).run(sK, sV, tCtC, pipe_k, pipe_v, pipe_c, seq_len, first, step, count)
+            ConvertRole(self).run(sK, sV, tCtC, pipe_k, pipe_v, pipe_c, hi, first, step, count)
             cute.arch.sync_threads()
 
     @cute.jit
-    def schedule(self, mSeqLens, b, split, num_splits, window_left):
-        """The request's length, its visible keys ``[lo, hi)`` and this split's tiles."""
+    def schedule(self, mSeqLens, mBlockTable, b, split, num_splits, window_left):
+        """The request's length, its visible keys ``[lo, hi)`` and this split's tiles. Positions at
+        or past the block table's capacity are not attended: ``hi`` is the length clamped to it, so
+        a huge (corrupted) length costs what a full table costs (docs/design/inputs.md#lengths)."""
         seq_len = mSeqLens[b]
-        lo, hi = decode_key_range(seq_len, self.q_len, window_left)
+        kv_end = kv_cap(seq_len, mBlockTable.shape[1], self.page, cutlass.min, cutlass.max)
+        lo, hi = decode_key_range(seq_len, self.q_len, window_left, kv_end)
         first, step, count = split_tiles(lo, hi, KV_TILE, split, num_splits)
         return seq_len, lo, hi, first, step, count
 
@@ -483,8 +490,8 @@ class Sm100PagedDecode:
 
     @cute.jit
     def softmax(self, mQ, sQ, sP, sV, storage, tCtS, tCtO, pipe_s, pipe_v, p_full, o_done, qk, mO, mLse, mSinks,
-                k_scale, v_scale, q_scale, sm_scale, window_left, seq_len, lo, first, step, count, split, b,
-                kv_head, row0):
+                k_scale, v_scale, q_scale, sm_scale, window_left, seq_len, lo, kv_end, first, step, count, split,
+                b, kv_head, row0):
         cfg = self.cfg
         N = self.N
         tidx = cute.arch.thread_idx()[0]
@@ -525,7 +532,8 @@ class Sm100PagedDecode:
 
             # ---- scale, mask, column maxima across the warpgroup ----
             pos = tile * KV_TILE + tidx
-            edge = tile * KV_TILE + KV_TILE > seq_len - self.q_len + 1  # the causal draft (and the sequence end)
+            # the causal draft, the sequence end and the table's capacity (kv_end)
+            edge = tile * KV_TILE + KV_TILE > cutlass.min(seq_len - self.q_len + 1, kv_end)
             if window_left >= 0:
                 if tile * KV_TILE < seq_len - 1 - window_left:  # the window start of the last draft row
                     edge = True
@@ -535,7 +543,7 @@ class Sm100PagedDecode:
                 if edge:
                     # the column's query position (padding columns repeat the last row's)
                     q_pos = seq_len - self.q_len + cutlass.min(row0 + n, Int32(self.rows - 1)) // self.G
-                    if not key_visible(pos, q_pos, window_left):
+                    if not key_visible(pos, q_pos, kv_end, True, window_left):
                         v = -Float32.inf
                 s[n] = v
                 w = cute.arch.warp_redux_sync(v, kind="fmax")
@@ -570,9 +578,9 @@ class Sm100PagedDecode:
             for n in cutlass.range_constexpr(N):
                 rP[n] = s[n].to(self.mma_dtype)
             cute.autovec_copy(rP, sP_tn[tidx, None])  # the row is n contiguous elements: 16-byte stores
-            if tile * KV_TILE + KV_TILE > seq_len:
+            if tile * KV_TILE + KV_TILE > kv_end:
                 if const_expr(not self.cvt):
-                    self.zero_v_tail(sV, pipe_v, it, seq_len - tile * KV_TILE, tidx)
+                    self.zero_v_tail(sV, pipe_v, it, kv_end - tile * KV_TILE, tidx)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(p_full)
 

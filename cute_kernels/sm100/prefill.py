@@ -31,7 +31,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from ..jit.spec import bind_arguments
-from ..roles.attn_window import box_visible, key_visible_prefill, prefill_key_range
+from ..roles.attn_window import box_visible, key_visible, prefill_key_range
+from ..roles.prefill_blocks import kv_cap
 from ..roles.sinks import LOG2E, fold_sink
 from .kit import (
     check_smem,
@@ -196,23 +197,24 @@ class Sm100PagedPrefill:
         holder = storage.tmem_ptr.data_ptr()
         if warp < 4:
             set_registers(self.regs, "softmax0")
-            self.softmax(0, storage, sV, pipe_v, mSeqLens, mQsl, k_scale, q_scale, sm_scale, window_left, holder)
+            self.softmax(0, storage, sV, pipe_v, mSeqLens, mQsl, mBlockTable, k_scale, q_scale, sm_scale, window_left,
+                         holder)
             cute.arch.sync_threads()
         elif warp < 8:
             set_registers(self.regs, "softmax1")
             if const_expr(self.qs == 2):
-                self.softmax(1, storage, sV, pipe_v, mSeqLens, mQsl, k_scale, q_scale, sm_scale, window_left,
-                             holder)
+                self.softmax(1, storage, sV, pipe_v, mSeqLens, mQsl, mBlockTable, k_scale, q_scale, sm_scale,
+                             window_left, holder)
             cute.arch.sync_threads()
         elif warp < 12:
             set_registers(self.regs, "correction")
-            self.correction(storage, mSeqLens, mQsl, mO, mLse, mSinks, v_scale, window_left, holder)
+            self.correction(storage, mSeqLens, mQsl, mBlockTable, mO, mLse, mSinks, v_scale, window_left, holder)
             cute.arch.sync_threads()
         else:
             set_registers(self.regs, "mma_load")
             w = fresh_warp_index()
             if w == MMA_WARP:
-                self.mma(storage, sQ, sK, sV, pipe_k, pipe_v, mSeqLens, mQsl, window_left, holder)
+                self.mma(storage, sQ, sK, sV, pipe_k, pipe_v, mSeqLens, mQsl, mBlockTable, window_left, holder)
             elif w == LOAD_WARP:
                 self.load(tma_q, mQv, tma_k, mK, tma_v, mVt, sQ, sK, sV, storage, pipe_k, pipe_v, mBlockTable,
                           num_pages, mSeqLens, mQsl, window_left)
@@ -222,22 +224,25 @@ class Sm100PagedPrefill:
                 cute.arch.dealloc_tmem(tmem_base(holder), cfg.tmem_cols)
 
     @cute.jit
-    def work(self, mSeqLens, mQsl, window_left):
-        """This CTA's request geometry: ``(seq_len, q_start, q_len, m0, first_block, blocks)``;
-        no blocks when the CTA's first row is past the request's rows."""
+    def work(self, mSeqLens, mQsl, mBlockTable, window_left):
+        """This CTA's request geometry: ``(seq_len, kv_end, q_start, q_len, m0, first_block,
+        blocks)``; no blocks when the CTA's first row is past the request's rows. ``kv_end``: the
+        length clamped to the block table's capacity, past which nothing is attended (so a huge,
+        corrupted length costs what a full table costs: docs/design/inputs.md#lengths)."""
         b = cute.arch.block_idx()[2]
         q_start = mQsl[b]
         q_len = mQsl[b + 1] - q_start
         seq_len = mSeqLens[b]
+        kv_end = kv_cap(seq_len, mBlockTable.shape[1], self.page, cutlass.min, cutlass.max)
         m0 = cute.arch.block_idx()[0] * (M_TILE * self.qs)
         rows = cutlass.min(q_len - m0, Int32(M_TILE * self.qs))
         first = Int32(0)
         blocks = Int32(0)
         if rows > 0:
-            lo, hi = prefill_key_range(seq_len, q_len, m0, m0 + rows - 1, self.cfg.causal, window_left)
+            lo, hi = prefill_key_range(seq_len, q_len, m0, m0 + rows - 1, self.cfg.causal, window_left, kv_end)
             first = lo // self.n
             blocks = cutlass.max((hi + self.n - 1) // self.n - first, Int32(0))
-        return seq_len, q_start, q_len, m0, first, blocks
+        return seq_len, kv_end, q_start, q_len, m0, first, blocks
 
     # ------------------------------------------------------------------------------------------
     # load warp
@@ -247,7 +252,7 @@ class Sm100PagedPrefill:
     def load(self, tma_q, mQv, tma_k, mK, tma_v, mVt, sQ, sK, sV, storage, pipe_k, pipe_v, mBlockTable, num_pages,
              mSeqLens, mQsl, window_left):
         cfg = self.cfg
-        seq_len, q_start, q_len, m0, first, blocks = self.work(mSeqLens, mQsl, window_left)
+        seq_len, kv_end, q_start, q_len, m0, first, blocks = self.work(mSeqLens, mQsl, mBlockTable, window_left)
         h = cute.arch.block_idx()[1]
         b = cute.arch.block_idx()[2]
         kv_head = h // cfg.group
@@ -275,7 +280,7 @@ class Sm100PagedPrefill:
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV_boxes, 0, 2),
                                            cute.group_modes(gV, 0, 2))
         lo, hi = prefill_key_range(seq_len, q_len, m0, cutlass.min(q_len, m0 + M_TILE * self.qs) - 1, cfg.causal,
-                                   window_left)
+                                   window_left, kv_end)
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
         state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
         boxes = self.n // self.box
@@ -325,8 +330,8 @@ class Sm100PagedPrefill:
         return tStS, tOtO, tOrP
 
     @cute.jit
-    def mma(self, storage, sQ, sK, sV, pipe_k, pipe_v, mSeqLens, mQsl, window_left, holder):
-        seq_len, q_start, q_len, m0, first, blocks = self.work(mSeqLens, mQsl, window_left)
+    def mma(self, storage, sQ, sK, sV, pipe_k, pipe_v, mSeqLens, mQsl, mBlockTable, window_left, holder):
+        seq_len, kv_end, q_start, q_len, m0, first, blocks = self.work(mSeqLens, mQsl, mBlockTable, window_left)
         qk, pv = self.mmas()
         tStS, tOtO, tOrP = self.tmem_tensors(qk, pv, holder)
         tCrQ = qk.get_slice(0).make_fragment_A(sQ)
@@ -386,10 +391,10 @@ class Sm100PagedPrefill:
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
-    def softmax(self, s: cutlass.Constexpr, storage, sV, pipe_v, mSeqLens, mQsl, k_scale, q_scale, sm_scale,
-                window_left, holder):
+    def softmax(self, s: cutlass.Constexpr, storage, sV, pipe_v, mSeqLens, mQsl, mBlockTable, k_scale, q_scale,
+                sm_scale, window_left, holder):
         cfg = self.cfg
-        seq_len, q_start, q_len, m0, first, blocks = self.work(mSeqLens, mQsl, window_left)
+        seq_len, kv_end, q_start, q_len, m0, first, blocks = self.work(mSeqLens, mQsl, mBlockTable, window_left)
         t = cute.arch.thread_idx()[0] % M_TILE
         q_pos = seq_len - q_len + m0 + s * M_TILE + t
         c = sm_scale * scalar(k_scale) * Float32(LOG2E)
@@ -420,12 +425,12 @@ class Sm100PagedPrefill:
             cute.arch.mbarrier_wait(storage.s_full.data_ptr() + s, j % 2)
             cute.copy(t_load, tStS_r, rS)
             cute.arch.fence_view_async_tmem_load()
-            edge = self.block_needs_mask(k0, q_pos, seq_len, window_left)
+            edge = self.block_needs_mask(k0, q_pos, kv_end, window_left)
             tmax = -Float32.inf
             for i in cutlass.range_constexpr(self.n):
                 v = rS[i] * c
                 if edge:
-                    if not key_visible_prefill(k0 + i, q_pos, seq_len, cfg.causal, window_left):
+                    if not key_visible(k0 + i, q_pos, kv_end, cfg.causal, window_left):
                         v = -Float32.inf
                 rS[i] = v
                 tmax = cute.arch.fmax(tmax, v)
@@ -446,8 +451,8 @@ class Sm100PagedPrefill:
                 rS[i] = p
             rP.store(rS.load().to(self.mma_dtype).reshape(rP.shape))  # packed conversions
             if const_expr(s == 0):
-                if k0 + self.n > seq_len:
-                    self.zero_v_tail(sV, pipe_v, j, seq_len - k0, t)
+                if k0 + self.n > kv_end:
+                    self.zero_v_tail(sV, pipe_v, j, kv_end - k0, t)
             cute.copy(t_store, rP32, tStP_r)
             cute.arch.fence_view_async_tmem_store()
             cute.arch.mbarrier_arrive(storage.p_ready.data_ptr() + s)
@@ -456,10 +461,11 @@ class Sm100PagedPrefill:
         cute.arch.mbarrier_arrive(storage.stats_ready.data_ptr() + s)
 
     @cute.jit
-    def block_needs_mask(self, k0, q_pos, seq_len, window_left):
-        """Whether keys ``k0 .. k0 + n_block`` cross the sequence end, the causal diagonal or the
-        window start for the query at ``q_pos`` (other blocks skip the per-key test)."""
-        edge = k0 + self.n > seq_len
+    def block_needs_mask(self, k0, q_pos, kv_end, window_left):
+        """Whether keys ``k0 .. k0 + n_block`` cross ``kv_end`` (the sequence end or the table's
+        capacity), the causal diagonal or the window start for the query at ``q_pos`` (other
+        blocks skip the per-key test)."""
+        edge = k0 + self.n > kv_end
         if const_expr(self.cfg.causal):
             if k0 + self.n - 1 > q_pos:
                 edge = True
@@ -498,9 +504,9 @@ class Sm100PagedPrefill:
         return t_load, t_store
 
     @cute.jit
-    def correction(self, storage, mSeqLens, mQsl, mO, mLse, mSinks, v_scale, window_left, holder):
+    def correction(self, storage, mSeqLens, mQsl, mBlockTable, mO, mLse, mSinks, v_scale, window_left, holder):
         cfg = self.cfg
-        seq_len, q_start, q_len, m0, first, blocks = self.work(mSeqLens, mQsl, window_left)
+        seq_len, kv_end, q_start, q_len, m0, first, blocks = self.work(mSeqLens, mQsl, mBlockTable, window_left)
         t = cute.arch.thread_idx()[0] % M_TILE
         h = cute.arch.block_idx()[1]
         qk, pv = self.mmas()

@@ -51,7 +51,7 @@ class ConvertRole:
         return thr_ld, thr_st, tXsX, tXtX, r8_shape, r16_shape, coords
 
     @cute.jit
-    def run(self, sK, sV, tCtC, pipe_k, pipe_v, pipe_c, seq_len, first, step, count):
+    def run(self, sK, sV, tCtC, pipe_k, pipe_v, pipe_c, kv_end, first, step, count):
         cfg = self.cfg
         wtidx = cute.arch.thread_idx()[0] % 128
         qk, pv = self.kernel.mmas()
@@ -70,7 +70,7 @@ class ConvertRole:
                     state_k.advance()
                     state_c.advance()
             if it > 0:
-                valid = seq_len - (first + (it - 1) * step) * KV_TILE  # tokens of the tile before the end
+                valid = kv_end - (first + (it - 1) * step) * KV_TILE  # tokens of the tile before the end
                 for _ in cutlass.range_constexpr(cfg.m_blocks):
                     for kt in cutlass.range_constexpr(KV_TILE // self.chunk):
                         self.convert(v_copies, pipe_v, state_v, pipe_c, state_c, valid - kt * self.chunk)

@@ -40,7 +40,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..jit.dtypes import cute_dtype
 from ..jit.spec import bind_arguments
 from ..roles.attn_window import window_start
-from ..roles.fragments import WIDEN_SHIFT_LOG2, store_shared_f32
+from ..roles.balanced_chunks import BalancedChunks
+from ..roles.fragments import WIDEN_SHIFT_LOG2, load_shared_i32, special_register, store_shared_f32
 from ..roles.paged_kv import PagedKVProducer
 from ..roles.query import QueryStager
 from ..roles.sinks import fold_sink
@@ -108,6 +109,7 @@ class Sm90PagedDecode:
             dynamic=cfg.dynamic, merge_slots=cfg.merge_slots(), merge_slot_bytes=cfg.merge_slot_bytes(),
             merge_group=cfg.merge_group, cluster_group=cfg.cluster_group, warps=self.warps,
             num_threads=self.num_threads)
+        self.chunks = BalancedChunks(tile=self.tile, min_chunk=cfg.balance_min_chunk, max_parts=cfg.balance_max_parts)
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -128,6 +130,8 @@ class Sm90PagedDecode:
         if const_expr(self.cfg.merge == "global"):
             mPartO, mPartLse, mCounter = a["part_out"], a["part_lse"], a["counters"]
             num_splits = mPartO.shape[0]
+            if const_expr(self.cfg.balanced):
+                num_splits = mPartO.shape[0] // 2  # chunks per KV head: each has two partial slots
         elif const_expr(self.cfg.merge == "cluster"):
             num_splits = a["num_splits"]
         # the window / sink variants' runtime inputs (absent from the other variants' launches)
@@ -183,7 +187,8 @@ class Sm90PagedDecode:
             v_bar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
             red: cute.struct.MemRange[Float32, self.warps * cfg.n_pad]
             flag: cute.struct.MemRange[Int32, 4]
-            tile_id: cute.struct.MemRange[Int32, cfg.stages]  # dynamic: the tile each K stage holds
+            # dynamic: the tile each K stage holds; balanced: the chunk walk's state (6)
+            tile_id: cute.struct.MemRange[Int32, max(cfg.stages, 6) if cfg.balanced else cfg.stages]
             sK: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(k_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, cute.cosize(v_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(q_layout)], 1024]
@@ -192,6 +197,8 @@ class Sm90PagedDecode:
         self.storage = Storage
         num_kv_heads = mK4.shape[head]
         batch = mBlockTable.shape[0]
+        if const_expr(cfg.balanced):
+            batch = 1  # a chunk finds its requests from the lengths
         kernel = self.kernel(
             mQ, tma_k, tma_tK, tma_v, tma_tV, mK4.shape[0], mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse,
             mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, q_layout, p_layout,
@@ -275,74 +282,156 @@ class Sm90PagedDecode:
             # outputs (and overwrite what it may read), which is safe after this wait
             cute.arch.griddepcontrol_wait()
 
-        # this CTA's tiles: split s takes a contiguous chunk of the request's tiles, or (strided)
-        # tiles s, s + S, s + 2 S, ..., whose page-table entries are known before seq_len: the
-        # producer's first lookup is issued ahead of the seq_len load (nothing that waits for
-        # seq_len may come before it, or the two loads are serialized again)
-        first_raw = Int32(-1)
-        if const_expr(self.cfg.strided and not self.cfg.window):
-            # every warp loads (a branch on the role would let ptxas put seq_len's uses first)
-            first_raw = self.kv.load_page_raw(mBlockTable, batch_idx, self.kv.box_of(split, num_splits, Int32(0), lane),
-                                           predicated=True)
-        seq_len = mSeqLens[batch_idx]
-        # positions at or past the block table's capacity are not attended, so the tiles end there
-        # (a seq_len past it, even a corrupted huge one, costs no more than a full table):
-        # docs/design/inputs.md#lengths
-        kv_cap = mBlockTable.shape[1] * self.page
-        num_tiles = (cutlass.min(seq_len, kv_cap) + self.tile - 1) // self.tile
-        tile_step = Int32(1)
-        key_lo = None
-        if const_expr(self.cfg.window):
-            # the oldest draft row's window start: tiles (and pages) wholly before it are never
-            # loaded; the schedule spreads the remaining tiles over the splits
-            key_lo = window_start(seq_len - self.q_len, window_left)
-            first_tile = key_lo // self.tile
-            if const_expr(self.cfg.strided):
-                tile_begin = first_tile + split
+        if const_expr(self.cfg.balanced):
+            # the chunk of the batch's tiles this CTA takes, from the lengths (balanced schedule)
+            self.run_chunk(mQ, tma_k, mK, tma_v, mV, num_pages, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse,
+                           mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout,
+                           (sK, sV, sQ, sP, sRed), storage, pipe_k, pipe_v, kv_head, tidx, warp, lane)
+        else:
+            # this CTA's tiles: split s takes a contiguous chunk of the request's tiles, or (strided)
+            # tiles s, s + S, s + 2 S, ..., whose page-table entries are known before seq_len: the
+            # producer's first lookup is issued ahead of the seq_len load (nothing that waits for
+            # seq_len may come before it, or the two loads are serialized again)
+            first_raw = Int32(-1)
+            if const_expr(self.cfg.strided and not self.cfg.window):
+                # every warp loads (a branch on the role would let ptxas put seq_len's uses first)
+                first_raw = self.kv.load_page_raw(mBlockTable, batch_idx,
+                                                  self.kv.box_of(split, num_splits, Int32(0), lane), predicated=True)
+            seq_len = mSeqLens[batch_idx]
+            # positions at or past the block table's capacity are not attended, so the tiles end there
+            # (a seq_len past it, even a corrupted huge one, costs no more than a full table):
+            # docs/design/inputs.md#lengths
+            kv_cap = mBlockTable.shape[1] * self.page
+            num_tiles = (cutlass.min(seq_len, kv_cap) + self.tile - 1) // self.tile
+            tile_step = Int32(1)
+            key_lo = None
+            if const_expr(self.cfg.window):
+                # the oldest draft row's window start: tiles (and pages) wholly before it are never
+                # loaded; the schedule spreads the remaining tiles over the splits
+                key_lo = window_start(seq_len - self.q_len, window_left)
+                first_tile = key_lo // self.tile
+                if const_expr(self.cfg.strided):
+                    tile_begin = first_tile + split
+                    tile_step = num_splits
+                    tile_end = num_tiles
+                else:
+                    per_split = (num_tiles - first_tile + num_splits - 1) // num_splits
+                    tile_begin = first_tile + split * per_split
+                    tile_end = cutlass.min(tile_begin + per_split, num_tiles)
+            elif const_expr(self.cfg.strided):
+                tile_begin = split
                 tile_step = num_splits
                 tile_end = num_tiles
             else:
-                per_split = (num_tiles - first_tile + num_splits - 1) // num_splits
-                tile_begin = first_tile + split * per_split
+                per_split = (num_tiles + num_splits - 1) // num_splits
+                tile_begin = split * per_split
                 tile_end = cutlass.min(tile_begin + per_split, num_tiles)
-        elif const_expr(self.cfg.strided):
-            tile_begin = split
-            tile_step = num_splits
-            tile_end = num_tiles
-        else:
-            per_split = (num_tiles + num_splits - 1) // num_splits
-            tile_begin = split * per_split
-            tile_end = cutlass.min(tile_begin + per_split, num_tiles)
 
-        sTileId = storage.tile_id.get_tensor(cute.make_layout(self.stages))
-        if warp == self.producer_warp:
-            if const_expr(self.cfg.dynamic):
-                # this item's chunk counter sits behind the B x Hkv arrival counters
-                grab = mCounter.iterator + (cute.arch.grid_dim()[2] * cute.arch.grid_dim()[1]
-                                            + batch_idx * cute.arch.grid_dim()[1] + kv_head)
-                self.kv.produce_dynamic(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
-                                     batch_idx, kv_head, seq_len, num_tiles, grab, sTileId, lane)
+            sTileId = storage.tile_id.get_tensor(cute.make_layout(self.stages))
+            if warp == self.producer_warp:
+                if const_expr(self.cfg.dynamic):
+                    # this item's chunk counter sits behind the B x Hkv arrival counters
+                    grab = mCounter.iterator + (cute.arch.grid_dim()[2] * cute.arch.grid_dim()[1]
+                                                + batch_idx * cute.arch.grid_dim()[1] + kv_head)
+                    self.kv.produce_dynamic(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
+                                         batch_idx, kv_head, seq_len, num_tiles, grab, sTileId, lane)
+                else:
+                    self.kv.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
+                                 batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw, key_lo)
             else:
-                self.kv.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable, num_pages,
-                             batch_idx, kv_head, seq_len, tile_begin, tile_end, tile_step, lane, first_raw, key_lo)
+                k_base = storage.sK.data_ptr().toint()
+                v_base = storage.sV.data_ptr().toint()
+                sFlag = storage.flag.get_tensor(cute.make_layout(4))
+                merge = (mPartO, mPartLse, mCounter, sFlag, num_splits)
+                self.consume(mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
+                             qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
+                             seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId, mSinks,
+                             window_left)
+            if const_expr(self.cfg.cluster):
+                # every thread of the CTA, the producer warp too: the cluster barriers count them all
+                self.split_merge.cluster_merge(mO, mLse, storage.sK.data_ptr().toint())
+
+    @cute.jit
+    def run_chunk(self, mQ, tma_k, mK, tma_v, mV, num_pages, mBlockTable, mSeqLens, mO, mLse, mPartO, mPartLse,
+                  mCounter, k_scale, v_scale, sm_scale, qk_mma, pv_mma, k_layout, v_layout, smem, storage, pipe_k,
+                  pipe_v, kv_head, tidx, warp, lane):
+        """Balanced schedule: this CTA's chunk of the batch's tiles (for its KV head), request segment
+        after request segment, the producer and the consumers walking the same segments with their
+        pipeline states carried across them (docs/design/sm90-decode.md#balanced-schedule-opt-in)."""
+        sK, sV, sQ, sP, sRed = smem
+        chunk = cute.arch.block_idx()[0]
+        chunks = cute.arch.grid_dim()[0]
+        kv_cap = mBlockTable.shape[1] * self.page
+        start, end, request, first, q, r = self.chunks.locate(mSeqLens, kv_cap, chunk, chunks, lane)
+        # the walk: request `request` starts at unit `first`; this chunk is at unit max(first, start)
+        if warp == self.producer_warp:
+            state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            while cutlass.max(first, start) < end:
+                seq_len = mSeqLens[request]
+                units, _, lo, hi, *_ = self.chunks.segment(seq_len, kv_cap, chunk, chunks, start, end, first, q, r)
+                state_k, state_v = self.kv.produce(tma_k, mK, tma_v, mV, sK, sV, pipe_k, pipe_v, mBlockTable,
+                                                   num_pages, request, kv_head, seq_len, lo, hi, Int32(1), lane,
+                                                   Int32(-1), states=(state_k, state_v))
+                first = first + units
+                request = request + 1
         else:
-            k_base = storage.sK.data_ptr().toint()
-            v_base = storage.sV.data_ptr().toint()
+            # The walk's state waits in shared memory (the dynamic schedule's tile ids, unused here):
+            # the chunk's bounds, the partition's quotients, the current request and its first unit,
+            # the tiles consumed so far (the pipelines' position), read with volatile loads where
+            # used; the CTA's indices are read again per segment. Kept in registers through the
+            # consumer's loop and its merges, they made the larger variants spill.
+            sWalk = storage.tile_id.get_tensor(cute.make_layout(7))
+            walk = storage.tile_id.data_ptr().toint()
+            if tidx == 0:
+                sWalk[0], sWalk[1], sWalk[2], sWalk[3], sWalk[4], sWalk[5] = start, end, q, r, first, request
+                sWalk[6] = Int32(0)
+            cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
             sFlag = storage.flag.get_tensor(cute.make_layout(4))
-            merge = (mPartO, mPartLse, mCounter, sFlag, num_splits)
-            self.consume(mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
-                         qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
-                         seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId, mSinks,
-                         window_left)
-        if const_expr(self.cfg.cluster):
-            # every thread of the CTA, the producer warp too: the cluster barriers count them all
-            self.split_merge.cluster_merge(mO, mLse, storage.sK.data_ptr().toint())
+            sTileId = storage.tile_id.get_tensor(cute.make_layout(self.stages))
+            while cutlass.max(load_shared_i32(walk + 16), load_shared_i32(walk)) < load_shared_i32(walk + 4):
+                seq_len = mSeqLens[load_shared_i32(walk + 20)]
+                _, _, lo, hi, *_ = self.walk_segment(seq_len, mBlockTable, walk)
+                self.consume(
+                    mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale, qk_mma, pv_mma,
+                    k_layout, v_layout, storage.sK.data_ptr().toint(), storage.sV.data_ptr().toint(),
+                    load_shared_i32(walk + 20), special_register("ctaid.y"), Int32(0), seq_len,
+                    mBlockTable.shape[1] * self.page, lo, hi, Int32(1), tidx, warp, lane,
+                    (mPartO, mPartLse, mCounter, sFlag, None), sTileId,
+                    segment=(load_shared_i32(walk + 24),
+                             lambda seq_len=seq_len: self.walk_segment(seq_len, mBlockTable, walk)[4:]))
+                # every warp is done with this segment (its reads of the walk, sRed, sFlag): move the walk on
+                cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
+                if tidx == 0:
+                    units, _, lo, hi, *_ = self.walk_segment(mSeqLens[sWalk[5]], mBlockTable, walk)
+                    sWalk[4] = sWalk[4] + units
+                    sWalk[5] = sWalk[5] + 1
+                    sWalk[6] = sWalk[6] + hi - lo
+                cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=self.warps * 32)
+            if const_expr(self.cfg.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def walk_segment(self, seq_len, mBlockTable, walk):
+        """The consumers' current segment (:meth:`BalancedChunks.segment`) from the walk's state in
+        shared memory at ``walk`` (``run_chunk``: start, end, q, r, first unit, request, tiles
+        consumed) and the CTA's indices, read again."""
+        start, end, q, r, first = (load_shared_i32(walk + 4 * i) for i in range(5))
+        return self.chunks.segment(seq_len, mBlockTable.shape[1] * self.page, special_register("ctaid.x"),
+                                   special_register("nctaid.x"), start, end, first, q, r)
 
     @cute.jit
     def consume(self, mQ, sK, sV, sQ, sP, sRed, pipe_k, pipe_v, mO, mLse, k_scale, v_scale, sm_scale,
                 qk_mma, pv_mma, k_layout, v_layout, k_base, v_base, batch_idx, kv_head, split,
                 seq_len, kv_cap, tile_begin, tile_end, tile_step, tidx, warp, lane, merge, sTileId, mSinks=None,
-                window_left=None):
+                window_left=None, segment=None):
+        """One request's tiles ``tile_begin, tile_begin + tile_step, ... < tile_end``: stage Q,
+        the pipelined QK / softmax / PV loop, the epilogue (output, split partial, merges).
+        ``segment`` (balanced schedule): ``(consumed, where)``, the tiles the chunk's earlier
+        segments consumed (the pipelines' position: K and V advance together) and a function giving
+        where the result goes, ``(whole, slot, parts, slot0, c0)``
+        (:func:`cute_kernels.roles.balanced_chunks.segment_of`), called after the main loop so
+        that none of it is live through the loop."""
         cfg = self.cfg
         mPartO, mPartLse, mCounter, sFlag, num_splits = merge
         D, N, G = self.D, self.N, self.G
@@ -390,8 +479,14 @@ class Sm90PagedDecode:
             tSrK = qk_mma.make_fragment_A(thr_qk.partition_A(sK))
             tOrV = pv_mma.make_fragment_A(thr_pv.partition_A(sV))
 
-        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if const_expr(segment is None):
+            state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        else:
+            consumed, where = segment
+            index, phase = consumed % self.stages, (consumed // self.stages) % 2
+            state_k = pipeline.PipelineState(self.stages, consumed, index, phase)
+            state_v = pipeline.PipelineState(self.stages, consumed, index, phase)
         mma = (qk_mma, pv_mma, acc_s, acc_o, tSrK, tSrQ, tOrV, tOrP)
         # Software pipeline: QK(t+1) is issued right behind PV(t), so the widening of K(t+1)
         # runs while PV(t) is in the tensor cores and the two MMAs overlap. The tile sequence is
@@ -455,11 +550,28 @@ class Sm90PagedDecode:
             state_v.advance()
             tile = nxt
 
-        if const_expr(cfg.pdl):
+        if const_expr(cfg.pdl and not cfg.balanced):  # (balanced: once the chunk's last segment is done)
             # only the epilogue is left: the next kernel in the stream may start launching (its
             # CTAs take the SM slots ours free and wait in griddepcontrol.wait for our writes)
             cute.arch.griddepcontrol_launch_dependents()
         # ---------------- epilogue ----------------
+        if const_expr(segment is not None):
+            whole, slot, parts, slot0, c0 = where()
+            if const_expr(self.fp8):
+                # the thread's indices read again: the epilogue's index math, the same in every
+                # segment, is then not hoisted out of the chunk's loop into registers live through
+                # the main loop (the FP8 kernel spilled). Its WGMMAs are serialized anyway
+                # (docs/design/sm90-decode.md#occupancy-against-wgmma-serialization); in the 16-bit
+                # kernels this re-read made ptxas serialize them (C7520)
+                tidx = special_register("tid.x")
+                warp = cute.arch.make_warp_uniform(tidx // 32)
+                lane = tidx % 32
+                thr_pv = pv_mma.get_slice(tidx)
+                n_base = 2 * (lane % 4)
+            else:
+                # nothing is in flight: said where every thread is, so that ptxas does not wait for
+                # the WGMMAs on a divergent path of the chunk's loop and serialize them (C7518)
+                warpgroup.wait_group(0)
         self.softmax.publish_slot_reduction(row_sum, sRed, n_base, warp, lane, lambda a, b: a + b)
         inv = cute.make_rmem_tensor((nslots,), Float32)
         for s in cutlass.range_constexpr(nslots):
@@ -487,6 +599,11 @@ class Sm90PagedDecode:
                         head = kv_head * G + n % G
                         if const_expr(cfg.cluster):
                             store_shared_f32(k_base + self.split_merge.part_lse_offset(n), lse)
+                        elif const_expr(cfg.balanced):
+                            if whole == 1:
+                                mLse[token, head] = lse
+                            else:  # a partial slot holds one request's rows: (slot, draft token, head)
+                                mPartLse[slot, n // G, head] = lse
                         elif const_expr(cfg.split):
                             mPartLse[split, token, head] = lse
                         else:
@@ -502,13 +619,23 @@ class Sm90PagedDecode:
                 if const_expr(cfg.cluster):
                     # the K stages are free now (every tile consumed, no TMA in flight)
                     store_shared_f32(k_base + (n * D + d) * 4, val)
+                elif const_expr(cfg.balanced):
+                    if whole == 1:
+                        mO[token, head, d] = val.to(mO.element_type)
+                    else:
+                        mPartO[slot, n // G, head, d] = val
                 elif const_expr(cfg.split):
                     mPartO[split, token, head, d] = val
                 else:
                     mO[token, head, d] = val.to(mO.element_type)
-        if const_expr(cfg.split and not cfg.cluster):
+        if const_expr(cfg.balanced):
+            if whole == 0:  # the last of the request's chunks to arrive merges its partials in chunk order
+                self.split_merge.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, parts, batch_idx, kv_head,
+                                              tidx, (k_base, v_base), slots=(slot0, c0))
+        elif const_expr(cfg.split and not cfg.cluster):
             self.split_merge.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx, kv_head, tidx,
                               (k_base, v_base))
+        return state_k, state_v
 
     @cute.jit
     def issue_qk(self, mma, pipe_k, state_k, k_base, k_layout, warp, lane):

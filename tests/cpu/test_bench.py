@@ -231,6 +231,9 @@ def test_wide_block_table_and_present_tokens():
 
 
 def test_decode_variants_are_tuning_fields():
+    assert bench_decode.variant_fields("balanced") == {"balanced": True}  # the balanced schedule's column
+    p, _ = build_parser("decode")
+    assert p.parse_args([]).balanced and not p.parse_args(["--no-balanced"]).balanced
     assert bench_decode.variant_fields("occ3") == {"occupancy": 3}
     assert bench_decode.variant_fields("occupancy=3+tile=128") == {"occupancy": 3, "tile": 128}
     assert not set(bench_decode.VARIANTS) & set(bench_decode.PEERS)

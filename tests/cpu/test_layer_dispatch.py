@@ -347,7 +347,9 @@ def test_fp8_query_plan_without_q_scale_is_refused(fp8_reference):
 
 
 def test_plan_without_an_op_is_refused_before_any_work(monkeypatch):
-    _set_status(monkeypatch, "available", *BUILT)  # sm100.prefill "built" but with no op in this build
+    _set_status(monkeypatch, "available", *BUILT)
+    # a kernel "built" but with no op in this build
+    monkeypatch.setitem(KERNELS, "sm100.prefill", dataclasses.replace(KERNELS["sm100.prefill"], op=None))
     step = make_step(**BATCHES["prefill"])
     layer = AttentionLayer(8, 2, 64, kv_cache_dtype=FP8, page_size=16, arch="sm100", q_scale=0.5)
     monkeypatch.setattr(cute_kernels, "quantize_query", lambda *a, **k: pytest.fail("quantized"), raising=False)

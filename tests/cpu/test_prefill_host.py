@@ -126,6 +126,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(op, "compile_target", lambda device: "sm_90a")
     monkeypatch.setattr(op, "get_kernel", get_kernel)
     monkeypatch.setattr(op, "self_check_passes", lambda config, device: True)  # tests/cpu/test_prefill_selfcheck.py
+    monkeypatch.setattr(op.sm100, "self_check_passes", lambda config, device: True)  # tests/cpu/test_prefill_sm100.py
     op._cache.entries.clear()
     yield calls, compiled
     op._cache.entries.clear()
@@ -223,8 +224,10 @@ def test_a_refused_call_is_validated_in_full(fake_gpu, monkeypatch):
 
 @pytest.mark.parametrize("target", ["sm_100a", "sm_86"])
 def test_other_archs_run_the_portable_kernel(fake_gpu, monkeypatch, target):
-    """Off SM90 a 16-bit query runs sm80.prefill built for the GPU's target, its arguments in its
-    signature's order; an FP8 query (only the SM90 kernel takes one) runs the reference."""
+    """Off SM90 a 16-bit query on an FP8 cache runs sm80.prefill built for the GPU's target, its
+    arguments in its signature's order (on SM100 too: sm100.prefill takes it quantized by the
+    layer); an FP8 query runs sm100.prefill on SM100 (tests/cpu/test_prefill_sm100.py), the
+    reference on an arch without an FP8-query kernel."""
     calls, compiled = fake_gpu
     monkeypatch.setattr(op, "compile_target", lambda device: target)
     p = _problem(("arch", target), kv_dtype=FP8)
@@ -236,6 +239,8 @@ def test_other_archs_run_the_portable_kernel(fake_gpu, monkeypatch, target):
     for name, arg in zip(config.arg_names(), args):
         if name in values:
             assert arg is values[name] or (isinstance(arg, torch.Tensor) and arg.data_ptr() == values[name].data_ptr())
+    if target == "sm_100a":
+        return
     p = _problem(("arch8", target), kv_dtype=FP8, q_dtype=FP8)
     n = len(compiled)
     want = reference.paged_prefill(*_args(p), **_kw(p))

@@ -203,7 +203,8 @@ def test_paged_decode_runs_the_registry_choice(target, q, kv, kernel):
     ("sm_90a", "bf16", "fp16", 4, "sm80.prefill"),  # what the SM90 kernel refuses: the dtype pair
     ("sm_90a", "bf16", "bf16", 256, "sm80.prefill"),  # and a GQA group beyond its 128
     ("sm_86", "fp16", "fp8_e4m3", 8, "sm80.prefill"),
-    ("sm_100a", "bf16", "bf16", 8, "sm80.prefill"),  # sm100.prefill has no op yet
+    ("sm_100a", "bf16", "bf16", 8, "sm100.prefill"),  # compile-verified: chosen like an available one
+    ("sm_103a", "bf16", "fp8_e4m3", 8, "sm80.prefill"),  # a 16-bit query on FP8: the layer quantizes for sm100
     ("sm_121a", "bf16", "fp8_e4m3", 64, "sm80.prefill"),
 ])
 def test_paged_prefill_runs_the_registry_choice(target, q, kv, group, kernel):
@@ -211,7 +212,8 @@ def test_paged_prefill_runs_the_registry_choice(target, q, kv, group, kernel):
 
     assert prefill_kernel(target, q, kv, group).id == kernel
     assert prefill_kernel(target, q, kv, group, "sm80").id == "sm80.prefill"
-    assert prefill_kernel(target, "fp8_e4m3", "fp8_e4m3", group).id == "sm90.prefill_fp8q"  # the only one
+    fp8q = "sm100.prefill" if target.startswith("sm_10") else "sm90.prefill_fp8q"  # the FP8-query kernels
+    assert prefill_kernel(target, "fp8_e4m3", "fp8_e4m3", group).id == fp8q
     with pytest.raises(ValueError, match="takes no FP8 query"):
         prefill_kernel(target, "fp8_e4m3", "fp8_e4m3", group, "sm80")
 

@@ -21,14 +21,13 @@ from cute_kernels.roles.attn_window import (  # noqa: E402
     box_visible,
     decode_key_range,
     key_visible,
-    key_visible_prefill,
     prefill_key_range,
     split_tiles,
 )
 from cute_kernels.roles.sinks import LOG2E, fold_sink  # noqa: E402
 
 TILE = 128
-N_INT_IN, N_INT_OUT = 8, 12
+N_INT_IN, N_INT_OUT = 9, 12
 
 
 class RoleProbe:
@@ -47,14 +46,15 @@ class RoleProbe:
         if i < mI.shape[0]:
             seq_len, q_len, window = mI[i, 0], mI[i, 1], mI[i, 2]
             split, num_splits, k_pos, q_pos, row = mI[i, 3], mI[i, 4], mI[i, 5], mI[i, 6], mI[i, 7]
-            lo, hi = decode_key_range(seq_len, q_len, window)
+            kv_end = mI[i, 8]  # the length clamped to the block table's capacity
+            lo, hi = decode_key_range(seq_len, q_len, window, kv_end)
             first, step, count = split_tiles(lo, hi, TILE, split, num_splits)
-            plo, phi = prefill_key_range(seq_len, q_len, row, q_len - 1, True, window)
-            nlo, nhi = prefill_key_range(seq_len, q_len, row, q_len - 1, False, window)
+            plo, phi = prefill_key_range(seq_len, q_len, row, q_len - 1, True, window, kv_end)
+            nlo, nhi = prefill_key_range(seq_len, q_len, row, q_len - 1, False, window, kv_end)
             mO[i, 0], mO[i, 1], mO[i, 2], mO[i, 3], mO[i, 4] = lo, hi, first, step, count
-            mO[i, 5] = Int32(key_visible(k_pos, q_pos, window))
-            mO[i, 6] = Int32(key_visible_prefill(k_pos, q_pos, seq_len, True, window))
-            mO[i, 7] = Int32(key_visible_prefill(k_pos, q_pos, seq_len, False, window))
+            mO[i, 5] = Int32(key_visible(k_pos, q_pos, kv_end, True, window))
+            mO[i, 6] = Int32(key_visible(k_pos, q_pos, kv_end, True, Int32(-1)))
+            mO[i, 7] = Int32(key_visible(k_pos, q_pos, kv_end, False, window))
             mO[i, 8] = Int32(box_visible(k_pos, 16, lo, hi))
             mO[i, 9], mO[i, 10], mO[i, 11] = plo, phi, nhi - nlo
             big, total, keep = fold_sink(mF[i, 0], mF[i, 1], mF[i, 2] * Float32(LOG2E))
@@ -62,20 +62,20 @@ class RoleProbe:
 
 
 def _python(row_i, row_f):
-    seq_len, q_len, w, split, S, k, qp, row = row_i
+    seq_len, q_len, w, split, S, k, qp, row, kv_end = row_i
     def start(p):
         return max(p - w, 0) if w >= 0 else 0
-    lo, hi = start(seq_len - q_len), seq_len
+    lo, hi = start(seq_len - q_len), kv_end
     first_t, end_t = lo // TILE, (hi + TILE - 1) // TILE
     total = max(end_t - first_t, 0)
     count = (total - split + S - 1) // S if split < total else 0
-    vis = k <= qp and (w < 0 or k >= qp - w)
-    vis_c = k < seq_len and vis
-    vis_n = k < seq_len and (w < 0 or k >= qp - w)
+    vis_c = k < kv_end and k <= qp and (w < 0 or k >= qp - w)
+    vis_n = k < kv_end and (w < 0 or k >= qp - w)
     plo = start(seq_len - q_len + row)
-    phi = min(seq_len - q_len + (q_len - 1) + 1, seq_len)
-    out_i = [lo, hi, first_t + split, S, count, int(vis), int(vis_c), int(vis_n), int(k < hi and k + 16 > lo),
-             plo, phi, seq_len - plo]
+    phi = min(seq_len - q_len + (q_len - 1) + 1, kv_end)
+    vis_all = k < kv_end and k <= qp  # no window
+    out_i = [lo, hi, first_t + split, S, count, int(vis_c), int(vis_all), int(vis_n), int(k < hi and k + 16 > lo),
+             plo, phi, kv_end - plo]
     m, row_sum, s = row_f
     sl = s * math.log2(math.e)
     big = max(m, sl)
@@ -97,7 +97,10 @@ def test_roles_match_python():
     k_pos = torch.randint(-5, 5005, (n,), generator=g)
     q_pos = seq - q_len + torch.randint(0, 8, (n,), generator=g) % q_len
     row = torch.randint(0, 8, (n,), generator=g) % q_len
-    ints = torch.stack([seq, q_len, window, split, splits, k_pos, q_pos, row], dim=1).to(torch.int32)
+    # a block table's capacity below the length for a third of the rows (docs/design/inputs.md#lengths)
+    capacity = torch.where(torch.rand(n, generator=g) < 0.33, torch.randint(0, 5000, (n,), generator=g), seq)
+    kv_end = torch.clamp(torch.minimum(seq, capacity), min=0)
+    ints = torch.stack([seq, q_len, window, split, splits, k_pos, q_pos, row, kv_end], dim=1).to(torch.int32)
     m = torch.randn(n, generator=g) * 20
     m[::7] = -math.inf
     s = torch.randn(n, generator=g) * 5

@@ -42,7 +42,8 @@ def test_decode_lengths_past_the_block_table(gen, q_len, splits):
     """Lengths of W * page + k, 2^31 - 1 and exactly W * page: the kernel (unsplit, global merge,
     cluster merge) agrees with the reference, which attends the positions the table addresses."""
     c = make_paged_decode_case(batch=5, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                               seq_lens=[40, 200, 33, 100, 7], q_len=q_len, generator=gen)
+                               seq_lens=[40, 200, 33, 100, 7], q_len=q_len, generator=gen,
+                               poison_tail=False)  # the longer lengths make every page's tail visible
     W = c.block_table.shape[1]
     c.seq_lens.copy_(torch.tensor([W * 16 + 5, 2**31 - 1, W * 16, W * 16 + 1, 7], dtype=torch.int32))
     out = torch.full_like(c.q, float("nan"))
@@ -84,7 +85,8 @@ def test_empty_pool_is_refused_and_the_context_lives(gen):
         cute_kernels.paged_decode(c.q, c.kv_cache[:0], c.block_table, c.seq_lens, **c.kwargs())
     qsl = torch.tensor([0, 1, 1], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match=r"no pages \(P = 0\)"):
-        cute_kernels.paged_prefill(c.q[:1], c.kv_cache[:0], c.block_table, c.seq_lens, qsl, **c.kwargs())
+        kw = {k: v for k, v in c.kwargs().items() if k != "q_len_per_req"}  # a decode-only argument
+        cute_kernels.paged_prefill(c.q[:1], c.kv_cache[:0], c.block_table, c.seq_lens, qsl, **kw)
     q = make_qsa_case(rows=4, num_q_heads=24, num_kv_heads=2, head_dim=256, page=64, ctx=100, device="cuda")
     args = {k: v for k, v in q.items() if k != "meta"}
     with pytest.raises(ValueError, match=r"no blocks \(num_blocks = 0\)"):

@@ -239,8 +239,10 @@ def _random_problem(name, i):
                              page * rng.randint(1, 64) + 1])
         q_len = rng.choice([0, 1, 1, rng.randint(2, 64), rng.randint(64, 600), 128, 129, 127])
         reqs.append((max(prefix, 0), q_len))
-    case = _make(c, reqs, g, invalid_pages=rng.choice([0, 0, 1, 3]), fused_qkv=rng.random() < 0.3)
-    if rng.random() < 0.15 and case.seq_lens.numel():  # a seq_len past the block table: masked past it
+    invalid, fused = rng.choice([0, 0, 1, 3]), rng.random() < 0.3
+    past = rng.random() < 0.15  # a seq_len past the block table: masked past it, the stale tails visible
+    case = _make(c, reqs, g, invalid_pages=invalid, fused_qkv=fused, poison_tail=not past)
+    if past and case.seq_lens.numel():
         b = rng.randrange(case.seq_lens.numel())
         case.seq_lens[b] += case.block_table.shape[1] * page * rng.choice([1, 1000])
     if c[0] == FP8:

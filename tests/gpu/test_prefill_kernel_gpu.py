@@ -5,7 +5,8 @@ Each case is a varlen batch with cached prefixes (chunked prefill), ``q_len = 0`
 request whose new tokens outnumber its KV (rows that see nothing), permuted block tables with
 junk ids past each sequence, stale NaN bytes past each sequence's end, padding rows after the
 last request (never written), and outputs poisoned with NaN. Tolerances: ‖out − ref‖/‖ref‖
-against the reference on the same (dequantized) values; the LSE within 2e-3 absolute (base 2).
+against the reference on the same (dequantized) values; the LSE within 2e-3 absolute (base 2),
+plus 4e-3 |LSE| for an FP8 query (SM90's FP8 MMA accumulates in fewer bits than fp32).
 """
 
 from __future__ import annotations
@@ -189,8 +190,12 @@ def check(cfg, case, layout, label=""):
         assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{label}: LSE -inf rows differ"
         fin = torch.isfinite(want)
         assert torch.isfinite(got[fin]).all()
-        lse_err = (got[fin] - want[fin]).abs().max().item() if fin.any() else 0.0
-        assert lse_err <= 2e-3, f"{label}: LSE err {lse_err:.3e}"
+        # an FP8 QK product accumulates in fewer bits than fp32 on SM90 (docs/design/sm90-prefill.md):
+        # its LSE error grows with the logits, hence a relative term for the FP8 query
+        rtol = 4e-3 if cfg.kind == "fp8" else 0.0
+        excess = (got[fin] - want[fin]).abs() - rtol * want[fin].abs()
+        lse_err = excess.max().item() if fin.any() else 0.0
+        assert lse_err <= 2e-3, f"{label}: LSE err {lse_err:.3e} beyond 2e-3 + {rtol} |lse|"
     return err
 
 

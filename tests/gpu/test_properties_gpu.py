@@ -370,7 +370,8 @@ def test_paged_prefill_properties(name):
     for family in PREFILL_FAMILIES:  # the kernel, not the reference, must serve the cases
         assert self_check_passes(_prefill_config(family), torch.device("cuda")), f"{family} failed its self-check"
 
-    def one(rng, g):
+    def one(rng, _cpu_generator):
+        g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))  # the builder draws on the GPU
         kv, qk, D, Hq, Hkv, page, layout, container, tensors, qs, causal, lse = \
             PREFILL_FAMILIES[int(rng.integers(len(PREFILL_FAMILIES)))]
         B = int(rng.integers(1, 7))

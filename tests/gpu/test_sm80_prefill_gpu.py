@@ -47,12 +47,12 @@ def _ids(c):
             + (f"-{extra}" if extra else ""))
 
 
-def _case(gen, *, q_lens, prefixes, kv, q, D, Hq, Hkv, page, layout, container):
+def _case(gen, *, q_lens, prefixes, kv, q, D, Hq, Hkv, page, layout, container, poison_tail=True):
     """A varlen problem (request b: ``q_lens[b]`` new tokens after a cached ``prefixes[b]``), with
     non-trivial k/v scales, and its ``query_start_loc``."""
     c = make_paged_prefill_case(reqs=list(zip(prefixes, q_lens)), num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
                                 page_size=page, kv_dtype=kv, q_dtype=q, kv_layout=layout, container=container,
-                                k_scale=0.0625, v_scale=0.03125, generator=gen)
+                                k_scale=0.0625, v_scale=0.03125, poison_tail=poison_tail, generator=gen)
     return c, c.query_start_loc
 
 
@@ -123,7 +123,7 @@ def test_sm80_prefill_lengths_past_the_block_table(causal, gen):
     as in the reference (docs/design/inputs.md#lengths)."""
     seed = gen.initial_seed()
     c, qsl = _case(gen, q_lens=[37, 5, 20], prefixes=[0, 50, 100], kv=BF16, q=BF16, D=128, Hq=16, Hkv=4, page=16,
-                   layout="HND", container="single")
+                   layout="HND", container="single", poison_tail=False)  # longer lengths: every tail visible
     W = c.block_table.shape[1]
     c.seq_lens.copy_(torch.tensor([W * 16 + 7, 2**31 - 1, 120], dtype=torch.int32, device="cuda"))
     out, lse = _run(c, qsl, causal)

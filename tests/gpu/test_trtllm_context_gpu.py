@@ -56,14 +56,14 @@ def _reference(case, *, q=None, q_scale=None, window_left=-1, sinks=None, causal
                                    return_lse=True)
 
 
-def _check(got, want, tol):
+def _check(got, want, tol, lse_rtol=1e-4):
     (out, lse), (ref, ref_lse) = got, want
     assert torch.isfinite(out).all(), "NaN/inf in the output (unwritten or poisoned values leaked)"
     err = rel_err(out, ref)
     assert err <= tol, f"relative error {err:.2e} > {tol}"
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     fin = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=5e-3 if tol > 1e-2 else 2e-3, rtol=1e-4)
+    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=5e-3 if tol > 1e-2 else 2e-3, rtol=lse_rtol)
 
 
 # (kv, q, D, Hq, Hkv, page, layout, container, window_left, sinks)
@@ -93,7 +93,8 @@ def test_fp8_query(gen):
     for dt in (BF16, FP16):
         got = _call(c, q=q8, q_scale=0.05, window_left=200, sinks=sinks, out_dtype=dt)
         assert got[0].dtype == dt
-        _check(got, _reference(c, q=q8, q_scale=0.05, window_left=200, sinks=sinks), 5e-2)
+        # SM90's FP8 MMA accumulates QK in fewer bits than fp32: the LSE error grows with the logits
+        _check(got, _reference(c, q=q8, q_scale=0.05, window_left=200, sinks=sinks), 5e-2, lse_rtol=4e-3)
 
 
 def test_pages_outside_every_window_are_never_read(gen):

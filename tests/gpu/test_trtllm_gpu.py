@@ -182,7 +182,7 @@ def test_caller_workspace_is_the_only_scratch(gen):
 
 def test_graph_replay_reads_tensor_scales_and_lengths(gen):
     """A captured API call replays with new bmm scales and lengths (both read on the device)."""
-    c = _case(gen, kv=FP8, lens=(900, 1200, 40))
+    c = _case(gen, kv=FP8, lens=(1200, 1200, 600))  # the replay's lengths stay within these (tails poisoned)
     sinks = torch.randn(32, device="cuda", generator=gen)
     ws = _workspace()
     bmm1 = torch.tensor(_scales(c)[0], device="cuda")
