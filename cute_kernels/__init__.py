@@ -9,8 +9,20 @@ docs/design/architecture.md.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what type checkers see; at run time the ops load on first use (__getattr__)
+    from . import reference as reference
+    from .ops.merge_states import merge_states as merge_states
+    from .ops.paged_decode import paged_decode as paged_decode
+    from .ops.paged_prefill import paged_prefill as paged_prefill
+    from .ops.qsa_sparse_attention import qsa_sparse_attention as qsa_sparse_attention
+    from .ops.quantize_query import quantize_query as quantize_query
+    from .ops.write_kv_cache import write_kv_cache as write_kv_cache
+    from .qsa_warmup import qsa_warmup as qsa_warmup
+    from .warmup import warmup as warmup
 
 
 def _ops() -> dict:
@@ -19,7 +31,8 @@ def _ops() -> dict:
     return OPS
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
+    value: Any
     if name == "__all__":
         value = sorted(_ops()) + ["reference", "__version__"]
     elif name == "reference":

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dispatch import SUPPORTED_ARCHS, UnsupportedConfig, capability_table, plan
+from dispatch import SUPPORTED_ARCHS, UnsupportedConfig, capability_table, parse_arch, plan
 
 from .registry import PHASES
 
@@ -48,12 +49,26 @@ def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentPars
 # ----------------------------------------------------------------------------------------------
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default; unset options (None) and off flags say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) \
+                and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+_ARCH_SPELLINGS = "sm_90a, sm90, 90, 9.0"
+
+
 def _shape_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-dtype", default="bf16", help="bf16 or fp16 (default bf16)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--num-q-heads", type=int, default=32)
-    p.add_argument("--num-kv-heads", type=int, default=8)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--model-dtype", default="bf16", help="the model's activation dtype: bf16 or fp16")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension D")
+    p.add_argument("--num-q-heads", type=int, default=32, help="query heads")
+    p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -114,13 +129,14 @@ def run_matrix(args: argparse.Namespace) -> int:
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", required=True, help=f"one of {' '.join(SUPPORTED_ARCHS)} (or sm_90a, 9.0...)")
+    p.add_argument("--arch", required=True,
+                   help=f"one of {' '.join(SUPPORTED_ARCHS)}, in any spelling ({_ARCH_SPELLINGS})")
     p.add_argument("--phase", required=True, help="prefill or decode")
     p.add_argument("--kv-cache-dtype", required=True, help="auto, bf16, fp16 or fp8")
     _shape_args(p)
-    p.add_argument("--q-len", type=int, default=1, help="query tokens per request (default 1)")
-    p.add_argument("--kv-layout", default="HND", help="HND or NHD (default HND)")
-    p.add_argument("--backend", default=None, help="a kernel id or 'reference' (default: automatic)")
+    p.add_argument("--q-len", type=int, default=1, help="query tokens per request")
+    p.add_argument("--kv-layout", default="HND", help="HND or NHD")
+    p.add_argument("--backend", default=None, help="a kernel id or 'reference' (default: planned automatically)")
 
 
 @command("plan", "plan one attention call and explain the choice", _plan_args)
@@ -148,8 +164,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _compile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", default="sm_90a", help="compile target: sm_80 ... sm_121a (no GPU needed)")
-    p.add_argument("--kernel", default=None, help="only variants whose label contains this text")
+    p.add_argument("--arch", default="sm_90a",
+                   help=f"compile target, no GPU needed, in any spelling `plan` takes: {_ARCH_SPELLINGS}")
+    p.add_argument("--kernel", default=None, help="only variants whose label contains this text (default: all)")
     p.add_argument("--ci", action="store_true", help="only the representative set the CPU test suite compiles")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--digests", default=None, metavar="FILE",
@@ -166,7 +183,8 @@ def run_compile(args: argparse.Namespace) -> int:
     from .jit.spec import normalize_target
     from .registry import compile_matrix
 
-    arch = normalize_target(args.arch)
+    cc = parse_arch(args.arch, argument="--arch")  # the one arch parser, as in `plan`
+    arch = normalize_target((cc.major, cc.minor))
     results, failed = [], 0
     digests: dict[str, str] = {}
     selection = [c for t, c in compile_matrix(ci=args.ci) if t == arch and (not args.kernel or args.kernel in c.label())]
@@ -197,8 +215,6 @@ def run_compile(args: argparse.Namespace) -> int:
     else:
         print(f"{len(results) - failed}/{len(results)} variants compiled with their evidence and no spills for {arch}")
     if args.digests:  # update this arch's entries of an existing file, keep the others
-        import os
-
         kept = read_digests(args.digests) if os.path.exists(args.digests) else {}
         write_digests(args.digests, {**{k: v for k, v in kept.items() if not owned(k)}, **digests})
     if args.check_digests:
@@ -225,16 +241,34 @@ def run_bench(args: argparse.Namespace) -> int:
     return bench_main(args.what, args.rest)
 
 
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    from .bench.ncu import OPS
+
+    p.add_argument("what", choices=list(OPS), help="which op: " + "; ".join(
+        f"{name}: cute_kernels.{op}" for name, op in OPS.items()))
+    p.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="--shape K=V,..., --out STEM, --ncu PATH, --ncu-args ARGS (cute-kernels profile WHAT --help)")
+
+
+@command("profile", "Nsight Compute on one op call selected by its NVTX range, with a short report (needs a GPU "
+                    "and ncu)", _profile_args)
+def run_profile(args: argparse.Namespace) -> int:
+    from .bench.profile import main as profile_main
+
+    return profile_main(args.what, args.rest)
+
+
 # ----------------------------------------------------------------------------------------------
 # entry point
 # ----------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cute-kernels", description="cute-kernels: attention kernels for LLM serving.")
+    parser = argparse.ArgumentParser(prog="cute-kernels", description="cute-kernels: attention kernels for LLM serving.",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, cmd in COMMANDS.items():
-        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help, formatter_class=HelpFormatter))
     return parser
 
 
@@ -246,3 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedConfig as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader left early (`cute-kernels matrix --json | head`): stop quietly; point stdout
+        # at devnull so that the interpreter's final flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1

@@ -8,6 +8,8 @@ them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .jit.parallel import precompile
 from .jit.spec import KernelConfig, normalize_target
 from .plans.sm90_qsa_launch import qsa_variants
@@ -16,7 +18,8 @@ from .registry import KERNELS, arch_of_target
 __all__ = ["qsa_variants", "qsa_warmup"]
 
 
-def qsa_warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, **shape) -> list[KernelConfig]:
+def qsa_warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None = None, progress: bool = True,
+               **shape: Any) -> list[KernelConfig]:
     """Compile (in parallel, into the disk cache) and load every QSA variant for ``shape``.
 
     ``shape`` takes the keyword arguments of :func:`~cute_kernels.plans.sm90_qsa_launch.qsa_variants`, e.g.

@@ -42,6 +42,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
+
+from ._types import KVCache, Rope, Scale
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -53,7 +56,7 @@ _LN2 = math.log(2.0)
 # ----------------------------------------------------------------------------------------------
 
 
-def scale_value(scale, name: str = "scale") -> float | torch.Tensor:
+def scale_value(scale: Scale, name: str = "scale") -> float | torch.Tensor:
     """A float, or a 1-element tensor returned as a 0-d fp32 tensor (no host sync)."""
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
@@ -62,7 +65,7 @@ def scale_value(scale, name: str = "scale") -> float | torch.Tensor:
     return float(scale)
 
 
-def query_scale(q_scale, num_q_heads: int) -> float | torch.Tensor:
+def query_scale(q_scale: Scale, num_q_heads: int) -> float | torch.Tensor:
     """``q_scale`` per tensor (a float or a 0-d fp32 tensor) or per query head (an fp32 ``[Hq]``
     tensor expanded from a per-KV-head ``[Hkv]`` one)."""
     if isinstance(q_scale, torch.Tensor) and q_scale.numel() > 1:
@@ -72,7 +75,7 @@ def query_scale(q_scale, num_q_heads: int) -> float | torch.Tensor:
     return scale_value(q_scale, "q_scale")
 
 
-def split_kv_cache(kv_cache, kv_layout: str = "HND") -> tuple[torch.Tensor, torch.Tensor]:
+def split_kv_cache(kv_cache: KVCache, kv_layout: str = "HND") -> tuple[torch.Tensor, torch.Tensor]:
     """``(k, v)`` as ``[P, Hkv, page, D]`` views (HND order) whatever the input layout."""
     if kv_layout not in ("HND", "NHD"):
         raise ValueError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
@@ -114,21 +117,21 @@ def _gather_request(cache: torch.Tensor, pages: torch.Tensor, length: int, dtype
 
 def paged_decode(
     q: torch.Tensor,
-    kv_cache,
+    kv_cache: KVCache,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
     kv_layout: str = "HND",
     q_len_per_req: int = 1,
     sm_scale: float | None = None,
-    q_scale=None,
-    k_scale=1.0,
-    v_scale=1.0,
+    q_scale: Scale | None = None,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
     return_lse: bool = False,
     window_left: int = -1,
     sinks: torch.Tensor | None = None,
     float64: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged decode attention (see the module docstring for the conventions).
 
     Args:
@@ -259,7 +262,8 @@ def _gather_span(cache: torch.Tensor, pages: torch.Tensor, p0: int, p1: int, dty
     return rows[:, p0 - c0 * page:p1 - c0 * page]
 
 
-def prefill_block(state, rows, k, v, visible, scale):
+def prefill_block(state: tuple[Tensor, Tensor, Tensor], rows: Tensor, k: Tensor, v: Tensor, visible: Tensor,
+                  scale: float | Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One online-softmax step of the prefill reference: ``rows [qc, Hkv, G, D]`` against the KV
     block ``k, v [Hkv, kc, D]``; ``visible [qc, kc]``; ``state = (m, l, o)`` (running max, sum of
     exponentials, unnormalized output), returned updated. Its logits ``[qc, Hkv, G, kc]`` are the
@@ -284,7 +288,7 @@ def _fold_sink(m, total, o, sink):
     return big, total * keep + extra, o * keep.unsqueeze(-1)
 
 
-def prefill_spans(query_start_loc: torch.Tensor, num_tokens: int, max_query_len=None) -> list[int]:
+def prefill_spans(query_start_loc: torch.Tensor, num_tokens: int, max_query_len: int | None = None) -> list[int]:
     """``query_start_loc`` as a host list, checked: ``[0] == 0``, non-decreasing, ``[-1] == T``,
     every request's query length ``<= max_query_len`` when given (raises naming the index)."""
     starts = [int(x) for x in query_start_loc.tolist()]
@@ -301,7 +305,7 @@ def prefill_spans(query_start_loc: torch.Tensor, num_tokens: int, max_query_len=
 
 def paged_prefill(
     q: torch.Tensor,
-    kv_cache,
+    kv_cache: KVCache,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -310,9 +314,9 @@ def paged_prefill(
     kv_layout: str = "HND",
     causal: bool = True,
     sm_scale: float | None = None,
-    q_scale=None,
-    k_scale=1.0,
-    v_scale=1.0,
+    q_scale: Scale | None = None,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
     return_lse: bool = False,
     out_dtype: torch.dtype | None = None,
     float64: bool = False,
@@ -320,7 +324,7 @@ def paged_prefill(
     kv_chunk: int = PREFILL_KV_CHUNK,
     window_left: int = -1,
     sinks: torch.Tensor | None = None,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged prefill attention of a varlen batch (see the module docstring for the conventions).
 
     Args:
@@ -382,8 +386,9 @@ def paged_prefill(
         out_dtype = out_dtype or torch.bfloat16
         qs = query_scale(q_scale, Hq)
         if isinstance(qs, torch.Tensor) and qs.dim():
-            if qs.numel() != Hq or q_scale.numel() != Hkv:
-                raise ValueError(f"per-KV-head q_scale must have Hkv={Hkv} elements, got {tuple(q_scale.shape)}")
+            per_head = q_scale if isinstance(q_scale, torch.Tensor) else qs  # qs has a dim only for a tensor
+            if qs.numel() != Hq or per_head.numel() != Hkv:
+                raise ValueError(f"per-KV-head q_scale must have Hkv={Hkv} elements, got {tuple(per_head.shape)}")
             qs = qs.to(acc).view(1, Hq, 1)
     else:
         if q_scale is not None:
@@ -457,7 +462,7 @@ def paged_prefill(
 # ----------------------------------------------------------------------------------------------
 
 
-def merge_states(partial_out: torch.Tensor, partial_lse: torch.Tensor, *, float64: bool = False):
+def merge_states(partial_out: Tensor, partial_lse: Tensor, *, float64: bool = False) -> tuple[Tensor, Tensor]:
     """Merge split partial states.
 
     Args:
@@ -494,7 +499,7 @@ def merge_states(partial_out: torch.Tensor, partial_lse: torch.Tensor, *, float6
 # ----------------------------------------------------------------------------------------------
 
 
-def _div_fp32(x: torch.Tensor, scale) -> torch.Tensor:
+def _div_fp32(x: torch.Tensor, scale: Scale) -> torch.Tensor:
     """``x / scale`` as a true fp32 division on any device.
 
     The scale is made an fp32 tensor on x's device first: CUDA computes ``tensor / host scalar``
@@ -504,7 +509,7 @@ def _div_fp32(x: torch.Tensor, scale) -> torch.Tensor:
     return x.float() / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
 
 
-def quantize_fp8(x: torch.Tensor, scale) -> torch.Tensor:
+def quantize_fp8(x: torch.Tensor, scale: Scale) -> torch.Tensor:
     """float8_e4m3fn = saturate(round-to-nearest-even(x / scale)), computed in fp32."""
     y = _div_fp32(x, scale)
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -543,7 +548,7 @@ def rope_neox(q: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Ten
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], dim=-1)
 
 
-def quantize_query(q: torch.Tensor, q_scale, *, rope=None) -> torch.Tensor:
+def quantize_query(q: torch.Tensor, q_scale: Scale, *, rope: Rope | None = None) -> torch.Tensor:
     """Quantize a bf16/fp16 query ``[T, Hq, D]`` (any strides) to float8_e4m3fn.
 
     ``q_scale``: a float or 1-element fp32 tensor (per tensor), or an fp32 ``[Hkv]`` tensor (per
@@ -562,12 +567,12 @@ def quantize_query(q: torch.Tensor, q_scale, *, rope=None) -> torch.Tensor:
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache,
+    kv_cache: KVCache,
     slot_mapping: torch.Tensor,
     *,
     kv_layout: str = "HND",
-    k_scale=1.0,
-    v_scale=1.0,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
 ) -> None:
     """Write new keys/values ``[T, Hkv, D]`` into the paged cache, in place.
 
@@ -595,7 +600,7 @@ def write_kv_cache(
 
 
 def qsa_valid_entries(packed_indices: torch.Tensor, block_table: torch.Tensor, token_to_req: torch.Tensor,
-                      page_size: int, num_blocks: int):
+                      page_size: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per entry of a packed QSA index buffer: ``(valid, phys, offset)``, each ``[rows, TOPK]``.
 
     Column ``j`` of row ``r`` is *visited* iff ``j < clamp(valid_count, 0, TOPK)`` (``valid_count``
@@ -636,13 +641,13 @@ def qsa_sparse_attention(
     token_to_req: torch.Tensor,
     *,
     prefill: bool = False,
-    k_scale=1.0,
-    v_scale=1.0,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
     out: torch.Tensor | None = None,
     output_gate: torch.Tensor | None = None,
     return_lse: bool = False,
     float64: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """QSA sparse GQA attention: each query row attends to the KV tokens its indexer selected.
 
     Args:
@@ -734,8 +739,8 @@ def qsa_sparse_attention(
     return (result, lse.float()) if return_lse else result
 
 
-def qsa_union_reference(packed_indices: torch.Tensor, token_to_req: torch.Tensor, block_table_width: int,
-                        page_size: int, rows_per_tile: int, union_cap: int, max_tokens: int):
+def qsa_union_reference(packed_indices: Tensor, token_to_req: Tensor, block_table_width: int, page_size: int,
+                        rows_per_tile: int, union_cap: int, max_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
     """The row-tile union pre-pass of QSA sparse prefill (``sm90/qsa_union.py``).
 
     Rows are grouped in tiles of ``R = rows_per_tile`` consecutive rows (tile ``t`` covers rows

@@ -41,9 +41,10 @@ docs/design/dispatch.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from .jit.spec import ALL_TARGETS, COMPILE_TARGETS, KernelConfig, normalize_target
 from .plans import (
@@ -127,8 +128,8 @@ class KernelInfo:
     kv_layouts: tuple[str, ...] = KV_LAYOUTS
     opt_in: bool = False
     op: str | None = None
-    variants: Callable[[], list[KernelConfig]] | None = None
-    ci_variants: Callable[[], list[KernelConfig]] | None = None
+    variants: Callable[[], Sequence[KernelConfig]] | None = None
+    ci_variants: Callable[[], Sequence[KernelConfig]] | None = None
     mixed_16bit: tuple[tuple[str, str], ...] = ()
     verified: str = ""
     hardware_runs: tuple[str, ...] = ()
@@ -190,14 +191,14 @@ class KernelInfo:
 _ALL_16 = ("bf16", "fp16")
 
 # What the SM90 paged decode kernel accepts: its plan's limits, nothing narrower.
-_SM90_DECODE = dict(
+_SM90_DECODE: dict[str, Any] = dict(
     call_site="attention", archs=("sm90",), phases=("decode",), model_dtypes=sm90_decode.Q_DTYPES,
     head_dims=sm90_decode.HEAD_DIMS, page_sizes=sm90_decode.PAGE_SIZES, max_rows=sm90_decode.MAX_ROWS,
     kv_layouts=sm90_decode.KV_LAYOUTS,
 )
 # What the SM90 paged prefill kernel accepts: its plan's limits. Both query paths are compile-verified
 # (docs/design/sm90-prefill.md#status): the op runs a runtime self-check before their first launch.
-_SM90_PREFILL = dict(
+_SM90_PREFILL: dict[str, Any] = dict(
     status="compile-verified", call_site="attention", archs=("sm90",), phases=("prefill",),
     model_dtypes=sm90_prefill.MODEL_DTYPES, head_dims=sm90_prefill.HEAD_DIMS, max_gqa_ratio=sm90_prefill.MAX_GROUP,
     page_sizes=sm90_prefill.PAGE_SIZES, kv_layouts=sm90_prefill.KV_LAYOUTS, op="paged_prefill",
@@ -205,19 +206,19 @@ _SM90_PREFILL = dict(
 )
 # The Blackwell kernels: QK in FP8 for an FP8 cache (the layer quantizes the query, as for
 # trtllm-gen); what they accept is their plan's (cute_kernels/plans/sm100.py).
-_SM100 = dict(
+_SM100: dict[str, Any] = dict(
     call_site="attention", archs=_archs(sm100.TARGETS), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
     model_dtypes=sm100.MODEL_DTYPES,
 )
 # The portable SM80-class kernels: every arch from SM80 on, exactly their plan's limits; their GPU
 # suite passed on the H200 (the same code: only SM80 instructions inside), nowhere else yet
-_SM80 = dict(
+_SM80: dict[str, Any] = dict(
     status="available", call_site="attention", archs=ARCHS, kv_dtypes=sm80.KV_DTYPES, model_dtypes=sm80.Q_DTYPES,
     head_dims=sm80.HEAD_DIMS, page_sizes=sm80.PAGE_SIZES, kv_layouts=sm80.KV_LAYOUTS, mixed_16bit=sm80.MIXED_16BIT,
     verified="SM80 code on SM90 hardware", hardware_runs=("sm90",),
 )
-_REFERENCE = dict(status="fallback", archs=ARCHS)
-_HELPER = dict(status="available", phases=PHASES)
+_REFERENCE: dict[str, Any] = dict(status="fallback", archs=ARCHS)
+_HELPER: dict[str, Any] = dict(status="available", phases=PHASES)
 
 
 def _sm100_family(kernel_id: str) -> Callable[[str, str, int], str]:

@@ -15,11 +15,13 @@ synchronizes, so it must not first happen inside CUDA-graph capture).
 
 from __future__ import annotations
 
+from typing import Any
+
 from .jit.parallel import precompile
 from .jit.spec import KernelConfig, normalize_target
 from .plans import sm80
 from .plans.sm90_decode import decode_variants
-from .plans.sm90_prefill import prefill_variants
+from .plans.sm90_prefill import Sm90PrefillConfig, prefill_variants
 from .registry import op_kernel
 
 __all__ = ["decode_variants", "prefill_variants", "warmup"]
@@ -31,8 +33,9 @@ _SHARED = ("head_dim", "num_q_heads", "num_kv_heads", "page_size", "q_dtype", "s
 _KV_NAMES = {"fp8": "fp8_e4m3"}
 
 
-def warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, prefill: bool = True,
-           kv_dtypes=("fp8_e4m3",), **shape) -> list[KernelConfig]:
+def warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None = None,
+           progress: bool = True, prefill: bool = True, kv_dtypes: tuple[str, ...] = ("fp8_e4m3",),
+           **shape: Any) -> list[KernelConfig]:
     """Compile (in parallel, into the disk cache) and load every decode variant for ``shape`` and,
     with ``prefill``, every prefill variant the layer can launch for it; on a GPU of ``arch``, run
     the SM90 prefill variants' self-checks.
@@ -46,7 +49,8 @@ def warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, 
     prefill_only = {k: shape.pop(k) for k in _PREFILL_ONLY if k in shape}
     q_dtype = shape.get("q_dtype", "bf16")
     configs: list[KernelConfig] = []
-    sm90_prefill_kvs, sm80_prefill_kvs = [], []
+    sm90_prefill_kvs: list[str] = []
+    sm80_prefill_kvs: list[str] = []
     for kv in (_KV_NAMES.get(kv, kv) for kv in kv_dtypes):
         kernel = op_kernel("paged_decode", "decode", target, q_dtype, kv).id  # raises where none runs
         if kernel == "sm90.decode":
@@ -61,17 +65,18 @@ def warmup(*, arch="sm_90a", workers: int | None = None, progress: bool = True, 
                 raise ValueError(f"{kernel} has no warm-up list: nothing to warm up for {target}")
             (sm80_prefill_kvs if kernel == "sm80.prefill" else sm90_prefill_kvs).append(kv)
     shared = {k: v for k, v in shape.items() if k in _SHARED}
-    prefill_configs = prefill_variants(kv_dtypes=tuple(sm90_prefill_kvs), **shared, **prefill_only) if (
-        sm90_prefill_kvs) else []
+    prefill_configs: list[Sm90PrefillConfig] = []
+    if sm90_prefill_kvs:
+        prefill_configs = prefill_variants(kv_dtypes=tuple(sm90_prefill_kvs), **shared, **prefill_only)
     portable = {k: v for k, v in prefill_only.items() if k in ("causal", "return_lse")}
     if sm80_prefill_kvs:
         configs += sm80.prefill_variants(target=target, kv_dtypes=tuple(sm80_prefill_kvs), **shared, **portable)
-    precompile(configs + prefill_configs, target, workers=workers, progress=progress)
+    precompile([*configs, *prefill_configs], target, workers=workers, progress=progress)
     _self_check(prefill_configs, target)
-    return configs + prefill_configs
+    return [*configs, *prefill_configs]
 
 
-def _self_check(configs: list[KernelConfig], target: str) -> None:
+def _self_check(configs: list[Sm90PrefillConfig], target: str) -> None:
     """The SM90 prefill kernel's runtime self-check of each family, on the current GPU when it is
     one of ``target`` (a CPU-only machine only compiles)."""
     if not configs:

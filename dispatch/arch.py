@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypeAlias, Union
 
 from .errors import UnsupportedConfig
 
@@ -37,12 +38,16 @@ class Arch:
         return self.name
 
 
+#: what :func:`parse_arch` accepts: ``"sm_90a"``, ``"9.0"``, ``90``, ``(9, 0)`` or an :class:`Arch`
+ArchLike: TypeAlias = Union[str, int, tuple[int, int], Arch]
+
+
 def _from_number(n: int) -> tuple[int, int]:
     """``90 -> (9, 0)``, ``121 -> (12, 1)``: the last digit is the minor version."""
     return n // 10, n % 10
 
 
-def parse_arch(arch, *, argument: str = "arch") -> Arch:
+def parse_arch(arch: ArchLike, *, argument: str = "arch") -> Arch:
     """Parse ``"sm_90"``, ``"sm90"``, ``"sm_90a"``, ``90``, ``(9, 0)``, ``"9.0"`` or an ``Arch``.
 
     Raises:

@@ -7,7 +7,15 @@ torch-free. A torch dtype is recognised by its module and ``str()`` without impo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeAlias, Union
+
 from .errors import UnsupportedConfig
+
+if TYPE_CHECKING:
+    import torch
+
+#: a torch dtype or a name (``"bf16"``, ``"bfloat16"``, ``"fp8"``, ``"auto"`` for a cache...)
+DTypeLike: TypeAlias = Union[str, "torch.dtype"]
 
 MODEL_DTYPES = ("bf16", "fp16")
 KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
@@ -39,7 +47,7 @@ def _spelling(x, argument: str) -> str:
     raise UnsupportedConfig(f"{argument} must be a torch dtype or a dtype name, got {type(x).__name__} {x!r}")
 
 
-def model_dtype_name(x) -> str:
+def model_dtype_name(x: DTypeLike) -> str:
     """``torch.bfloat16``, ``"bf16"``, ``"bfloat16"``, ``"fp16"``, ``"half"``... -> ``"bf16"``/``"fp16"``."""
     name = _MODEL_NAMES.get(_spelling(x, "model_dtype"))
     if name is None:
@@ -49,7 +57,7 @@ def model_dtype_name(x) -> str:
     return name
 
 
-def kv_dtype_name(x, model_dtype: str) -> str:
+def kv_dtype_name(x: DTypeLike, model_dtype: str) -> str:
     """A KV-cache dtype as ``"bf16"``/``"fp16"``/``"fp8_e4m3"``; ``"auto"`` means the model dtype."""
     s = _spelling(x, "kv_cache_dtype")
     if s == "auto":
@@ -65,7 +73,7 @@ def kv_dtype_name(x, model_dtype: str) -> str:
     return name
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a canonical name; imports torch lazily (planning never needs it)."""
     import torch
 

@@ -29,16 +29,25 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from cute_kernels import _nvtx
 from cute_kernels.ops._launch import check_scale
 from cute_kernels.registry import KERNELS, KV_LAYOUTS
 
 from . import warmup as _warmup
-from .arch import parse_arch
-from .dtypes import kv_dtype_name, model_dtype_name, torch_dtype
+from .arch import ArchLike, parse_arch
+from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
 from .planner import Plan, plan
+
+if TYPE_CHECKING:  # annotations only: importing this module needs neither torch nor the DSL
+    from collections.abc import Sequence
+
+    import torch
+
+    from cute_kernels._types import KVCache, Scale
+    from cute_kernels.jit.spec import KernelConfig
 
 _MAX_PLANS = 1024  # per layer; plans are cheap to redo, the cache only saves host time
 
@@ -143,9 +152,10 @@ class AttentionLayer:
         sm_scale: softmax scale, default ``head_dim ** -0.5``.
     """
 
-    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, kv_cache_dtype, page_size: int,
-                 kv_layout: str = "HND", q_scale=None, k_scale=1.0, v_scale=1.0, arch=None, model_dtype="bf16",
-                 sm_scale: float | None = None):
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, kv_cache_dtype: DTypeLike,
+                 page_size: int, kv_layout: str = "HND", q_scale: Scale | None = None, k_scale: Scale = 1.0,
+                 v_scale: Scale = 1.0, arch: ArchLike | None = None, model_dtype: DTypeLike = "bf16",
+                 sm_scale: float | None = None) -> None:
         self.num_q_heads = _positive_int("num_q_heads", num_q_heads)
         self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
         if num_q_heads % num_kv_heads:
@@ -189,7 +199,7 @@ class AttentionLayer:
     # planning (pure Python, cached per layer)
     # ------------------------------------------------------------------------------------------
 
-    def resolve_arch(self, device=None, arch=None) -> str:
+    def resolve_arch(self, device: torch.device | None = None, arch: ArchLike | None = None) -> str:
         """``arch`` if given, else the layer's ``arch=``, else the capability of ``device``."""
         if arch is not None:
             return parse_arch(arch).name
@@ -200,7 +210,8 @@ class AttentionLayer:
         raise UnsupportedConfig(f"arch=None and the tensors are on {device}: pass arch= to the layer (or "
                                 "to plan()) to say which GPU to plan for")
 
-    def plan(self, phase: str, *, q_len: int = 1, arch=None, device=None) -> Plan:
+    def plan(self, phase: str, *, q_len: int = 1, arch: ArchLike | None = None,
+             device: torch.device | None = None) -> Plan:
         """The plan of one phase of this layer (``q_len``: new tokens per request; for prefill an
         upper bound on them). Plans are cached per layer: the registry is code, and a test that
         swaps registry entries builds its layers afterwards."""
@@ -216,7 +227,8 @@ class AttentionLayer:
             self._plans[key] = p
         return p
 
-    def plans_for(self, metadata: AttentionMetadata, *, arch=None, device=None) -> dict[str, Plan | None]:
+    def plans_for(self, metadata: AttentionMetadata, *, arch: ArchLike | None = None,
+                  device: torch.device | None = None) -> dict[str, Plan | None]:
         """``{"decode": Plan | None, "prefill": Plan | None}`` for a step (None: no such rows).
 
         The prefill plan uses the number of prefill tokens as ``q_len``: an upper bound on every
@@ -233,9 +245,10 @@ class AttentionLayer:
     # warm-up
     # ------------------------------------------------------------------------------------------
 
-    def warmup(self, max_num_seqs: int, max_model_len: int, *, device=None, arch=None, q_lens=(1,),
-               kv_form: str = "single", slot_dtypes=("int64", "int32"), workers: int | None = None,
-               progress: bool = False):
+    def warmup(self, max_num_seqs: int, max_model_len: int, *, device: torch.device | str | None = None,
+               arch: ArchLike | None = None, q_lens: Sequence[int] = (1,), kv_form: str = "single",
+               slot_dtypes: Sequence[str] = ("int64", "int32"), workers: int | None = None,
+               progress: bool = False) -> list[KernelConfig]:
         """Compile and load every kernel variant a step can reach with decode batches of up to
         ``max_num_seqs`` requests of up to ``max_model_len`` tokens (``q_lens``: the draft lengths
         of decode requests; ``kv_form``: ``"single"`` cache tensor or ``"pair"``; ``slot_dtypes``:
@@ -245,10 +258,12 @@ class AttentionLayer:
         return _warmup.warm_up(self, max_num_seqs, max_model_len, device=device, arch=arch, q_lens=q_lens,
                                kv_form=kv_form, slot_dtypes=slot_dtypes, workers=workers, progress=progress)
 
-    def warmup_variants(self, max_num_seqs: int, max_model_len: int, *, arch=None, q_lens=(1,),
-                        kv_form: str = "single", slot_dtypes=("int64", "int32"), num_sms: int | None = None):
+    def warmup_variants(self, max_num_seqs: int, max_model_len: int, *, arch: ArchLike | None = None,
+                        q_lens: Sequence[int] = (1,), kv_form: str = "single",
+                        slot_dtypes: Sequence[str] = ("int64", "int32"),
+                        num_sms: int | None = None) -> list[KernelConfig]:
         """The configs :meth:`warmup` compiles, without compiling (host-only)."""
-        kw = {} if num_sms is None else dict(num_sms=num_sms)
+        kw: dict[str, Any] = {} if num_sms is None else dict(num_sms=num_sms)
         return _warmup.layer_variants(self, max_num_seqs, max_model_len, arch=arch, q_lens=q_lens,
                                       kv_form=kv_form, slot_dtypes=slot_dtypes, **kw)
 
@@ -256,7 +271,8 @@ class AttentionLayer:
     # forward
     # ------------------------------------------------------------------------------------------
 
-    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
         """One attention step: write ``k``/``v`` at ``metadata.slot_mapping``, then attend.
 
         Args:
@@ -268,7 +284,21 @@ class AttentionLayer:
 
         Returns:
             ``[T, Hq, D]`` in the model dtype.
+
+        With a profiler attached, the step runs inside the NVTX range ``cute_kernels.layer`` (each
+        op's range nested inside it), except while torch.compile traces it.
         """
+        if _nvtx.ENABLED:
+            import torch
+
+            if not torch.compiler.is_compiling():
+                with _nvtx.op_range("layer", q=q, kv_cache=kv_cache[0] if isinstance(kv_cache, tuple) else kv_cache):
+                    return self._step(q, k, v, kv_cache, metadata)
+        return self._step(q, k, v, kv_cache, metadata)
+
+    __call__ = forward
+
+    def _step(self, q, k, v, kv_cache, metadata: AttentionMetadata):
         import torch
 
         import cute_kernels
@@ -289,8 +319,6 @@ class AttentionLayer:
             self._prefill(p, q, kv_cache, metadata, out)
         return out
 
-    __call__ = forward
-
     def _query_for(self, p: Plan, q):
         """The query a phase's kernel takes, and the q_scale it applies (None if it applies none)."""
         if p.quantize_query or p.applies_q_scale:
@@ -299,10 +327,10 @@ class AttentionLayer:
                     f"{p.kernel} computes QK in FP8 for this {p.kv_cache_dtype} layer on {p.arch}, so the "
                     "query must be quantized, but the layer has no q_scale: pass q_scale= to AttentionLayer"
                 )
-        if p.quantize_query:
-            import cute_kernels
+            if p.quantize_query:
+                import cute_kernels
 
-            q = cute_kernels.quantize_query(q, self.q_scale)
+                q = cute_kernels.quantize_query(q, self.q_scale)
         return q, (self.q_scale if p.applies_q_scale else None)
 
     def _decode(self, p: Plan, q, kv_cache, metadata: AttentionMetadata, out):

@@ -15,14 +15,18 @@ Design: docs/design/dispatch.md.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cute_kernels.plans import selfcheck_records
 from cute_kernels.registry import FALLBACKS, KERNELS, KV_LAYOUTS, PHASES, KernelInfo
 
-from .arch import parse_arch
+from .arch import ArchLike, parse_arch
 from .capabilities import choice_note, kernels_for
-from .dtypes import kv_dtype_name, model_dtype_name, torch_dtype
+from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,10 @@ class _Request:
 
 class Decision:
     """What :class:`Plan` and :class:`dispatch.qsa.QsaPlan` share: a kernel id and its dict form."""
+
+    if TYPE_CHECKING:  # provided by the dataclasses that derive it
+        kernel: str
+        __dataclass_fields__: ClassVar[dict[str, Any]]
 
     @property
     def is_fallback(self) -> bool:
@@ -73,7 +81,7 @@ class Plan(Decision, _Request):
     reason: str
     backend: str | None = None
 
-    def torch_q_dtype(self):
+    def torch_q_dtype(self) -> torch.dtype:
         """``q_dtype`` as a torch dtype (imports torch; planning itself never does)."""
         return torch_dtype(self.q_dtype)
 
@@ -165,6 +173,7 @@ def _family(k: KernelInfo, req: _Request) -> str:
     """The self-check family ``k`` runs for ``req`` (the query dtype follows from the cache; the
     registry entry names the family: ``KernelInfo.family``)."""
     q = "fp8_e4m3" if k.computes_qk_in_fp8(req.kv_cache_dtype) else req.model_dtype
+    assert k.family is not None, f"{k.id} names no self-check family"  # only compile-verified kernels get here
     return k.family(q, req.kv_cache_dtype, req.head_dim)
 
 
@@ -233,8 +242,8 @@ def _auto(req: _Request) -> Plan:
     for kid in kernels_for(req.arch, req.phase):
         k = KERNELS[kid]
         if k.is_fallback:
-            why = "; ".join(_joined(rejected)) if rejected else f"no CuTe kernel targets {req.arch} {req.phase}"
-            return _make_plan(k, req, f"reference fallback: {why}", None)
+            reason = "; ".join(_joined(rejected)) if rejected else f"no CuTe kernel targets {req.arch} {req.phase}"
+            return _make_plan(k, req, f"reference fallback: {reason}", None)
         why = refusal(k, _unmet(k, req)) or _runtime_refusal(k, req)
         if why is None:
             # why this kernel over an alternative that could serve it too (the first one tried only)
@@ -260,10 +269,10 @@ def _explicit(req: _Request, backend: str) -> Plan:
 
 def plan(
     *,
-    arch,
+    arch: ArchLike,
     phase: str,
-    kv_cache_dtype,
-    model_dtype,
+    kv_cache_dtype: DTypeLike,
+    model_dtype: DTypeLike,
     head_dim: int,
     num_q_heads: int,
     num_kv_heads: int,

@@ -13,11 +13,12 @@ Pure Python like the rest of ``dispatch`` (no torch, no DSL). Design: docs/desig
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from cute_kernels.registry import KERNELS, QSA_FALLBACK
 
-from .arch import SUPPORTED_ARCHS, parse_arch
-from .dtypes import kv_dtype_name, model_dtype_name
+from .arch import SUPPORTED_ARCHS, ArchLike, parse_arch
+from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name
 from .errors import UnsupportedConfig
 from .planner import Decision, positive_int, refusal, target_mismatch, unmet_limits
 
@@ -60,13 +61,13 @@ def qsa_capability_table() -> list[dict]:
 
 
 def plan_qsa(
-    arch,
-    kv_cache_dtype,
+    arch: ArchLike,
+    kv_cache_dtype: DTypeLike,
     head_dim: int,
     num_q_heads: int,
     num_kv_heads: int,
     *,
-    model_dtype="bf16",
+    model_dtype: DTypeLike = "bf16",
     backend: str | None = None,
 ) -> QsaPlan:
     """Plan one QSA layer: ``"sm90.qsa"`` on SM90 when its limits accept the shape, otherwise
@@ -90,7 +91,7 @@ def plan_qsa(
     hkv = positive_int("num_kv_heads", num_kv_heads)
     if hq % hkv:
         raise UnsupportedConfig(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
-    fields = dict(q_dtype=model, arch=arch_name, kv_cache_dtype=kv, model_dtype=model, head_dim=head_dim,
+    fields: dict[str, Any] = dict(q_dtype=model, arch=arch_name, kv_cache_dtype=kv, model_dtype=model, head_dim=head_dim,
                   num_q_heads=hq, num_kv_heads=hkv)
 
     def why_not(k):

@@ -19,11 +19,15 @@ the DSL.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from cute_kernels.jit.spec import KernelConfig, normalize_target
 from cute_kernels.plans import hw, sm80, sm90_decode, sm100
 from cute_kernels.plans import quantize_query as qq_plan
 from cute_kernels.plans import write_kv_cache as kv_plan
 from cute_kernels.plans.merge_states import MergeStatesConfig
+from cute_kernels.plans.sm100 import Sm100DecodeConfig
 
 from .errors import UnsupportedConfig
 
@@ -78,7 +82,7 @@ def sm80_decode_launches(layer, *, arch: str, max_num_seqs: int, max_model_len: 
 
 
 def sm100_decode_launches(layer, p, *, max_num_seqs: int, max_model_len: int, q_len: int = 1,
-                          kv_form: str = "single", num_sms: int = hw.H200_SMS) -> list[KernelConfig]:
+                          kv_form: str = "single", num_sms: int = hw.H200_SMS) -> list[Sm100DecodeConfig]:
     """The SM100 decode configs (split or not) of every batch up to ``max_num_seqs`` and width up
     to ``max_model_len``, for the plan ``p`` (its query dtype: FP8 when the plan quantizes)."""
     page = layer.page_size
@@ -176,6 +180,7 @@ def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,),
             prefill_kernels.add(p.kernel)
             out.append(prefill_config(layer, p, kv_form))
     D = layer.head_dim
+    cfg: KernelConfig
     if quantize:
         cfg = qq_plan.make_quantize_config(q_dtype=layer.model_dtype, head_dim=D, vec=qq_plan.aligned_vec(D),
                                            scale_tensor=_is_tensor(layer.q_scale), num_q_heads=layer.num_q_heads,
@@ -250,12 +255,13 @@ def _self_checks(configs: list[KernelConfig], device) -> None:
     """The one-time runtime self-checks of the compile-verified kernels among ``configs`` (they
     synchronize: a first step, or a graph capture, must not be where they run)."""
     for config in configs:
+        check: Callable[[Any, Any], bool]
         if config.kernel_id in ("sm90.prefill", "sm90.prefill_fp8q"):
-            from cute_kernels.ops.paged_prefill import self_check_passes
+            from cute_kernels.ops.paged_prefill import self_check_passes as check
         elif config.kernel_id == "sm100.decode":
-            from cute_kernels.ops._paged_decode_sm100 import self_check_passes
+            from cute_kernels.ops._paged_decode_sm100 import self_check_passes as check
         elif config.kernel_id == "sm100.prefill":
-            from cute_kernels.ops._paged_prefill_sm100 import self_check_passes
+            from cute_kernels.ops._paged_prefill_sm100 import self_check_passes as check
         else:
             continue
-        self_check_passes(config, device)
+        check(config, device)

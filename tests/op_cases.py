@@ -109,7 +109,7 @@ def _decode(seed: int, *, pair: bool, kv_dtype, splits: int | None) -> OpCase:
     args = dict(block_table=("block_table", None), seq_lens=("seq_lens", None), out=("out", None),
                 k_scale=("k_scale", None), v_scale=("v_scale", None))
     args.update({"k_cache": ("kv_cache", 0), "v_cache": ("kv_cache", 1)} if pair else {"kv_cache": ("kv_cache", None)})
-    return OpCase(f"paged_decode/{'pair' if pair else 'single'}/{'fp8' if kv_dtype == FP8 else 'bf16'}"
+    return OpCase(f"paged_decode/{'pair' if pair else 'single'}/{str(kv_dtype).removeprefix('torch.')}"
                   f"/splits={splits}", cute_kernels.paged_decode, kw, args, _first)
 
 
@@ -230,6 +230,7 @@ def op_cases(seed: int = 0) -> list[OpCase]:
     return [
         _decode(seed, pair=False, kv_dtype=FP8, splits=None),
         _decode(seed + 1, pair=True, kv_dtype=BF16, splits=3),
+        _decode(seed + 13, pair=False, kv_dtype=torch.float16, splits=3),  # bf16 query: sm80.decode on SM90
         _decode_fp8_query(seed + 10),
         _prefill(seed + 2, pair=False),
         _prefill(seed + 3, pair=True),

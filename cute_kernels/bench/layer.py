@@ -18,6 +18,9 @@ torch, and the layer step at most 10 % slower than the bare decode.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 import cute_kernels
@@ -127,24 +130,50 @@ def bench_write(T: int, bw: float, cbw: float, g: torch.Generator, variants, ran
     return rows
 
 
-def bench_layer_step(g: torch.Generator, ranges: NvtxRanges) -> dict:
-    """Qwen3-30B decode step: the layer (write + attend) vs the bare decode, both in CUDA graphs."""
+@dataclass
+class LayerStep:
+    """One decode step of an AttentionLayer: its inputs, and the bare decode call's."""
+
+    layer: Any
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_cache: torch.Tensor
+    metadata: Any
+    case: Any  # the paged-decode case (cute_kernels.testing) the step reads
+
+    def forward(self) -> torch.Tensor:
+        return self.layer.forward(self.q, self.k, self.v, self.kv_cache, self.metadata)
+
+
+def layer_step(g: torch.Generator, *, Hq: int = 32, Hkv: int = 4, D: int = 128, B: int = 8, ctx: int = 32000,
+               page: int = PAGE, kv: str = "fp8") -> LayerStep:
+    """A decode step of B requests at context ``ctx`` (default: Qwen3-30B B8 ctx32000, FP8 cache):
+    fused-QKV query views, the new token the last of each sequence."""
     from dispatch import AttentionLayer, AttentionMetadata
 
-    Hq, Hkv, Dh, B, ctx = 32, 4, 128, 8, 32000
-    ks, vs = 0.0625, 0.03125
-    case = make_paged_decode_case(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=Dh, page_size=PAGE,
-                                  seq_lens=ctx, kv_dtype=FP8, generator=g, poison_tail=False, k_scale=ks,
+    ks, vs = (0.0625, 0.03125) if kv == "fp8" else (1.0, 1.0)
+    kv_dtype = FP8 if kv == "fp8" else BF16
+    case = make_paged_decode_case(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=page,
+                                  seq_lens=ctx, kv_dtype=kv_dtype, generator=g, poison_tail=False, k_scale=ks,
                                   v_scale=vs, fused_qkv=True)
-    qkv_new = (torch.randn(B, 2 * Hkv, Dh, device="cuda", generator=g) * 8).to(BF16)
+    qkv_new = (torch.randn(B, 2 * Hkv, D, device="cuda", generator=g) * 8).to(BF16)
     k, v = qkv_new[:, :Hkv], qkv_new[:, Hkv:]
     pos = case.seq_lens.long() - 1  # the new token is the last of each sequence
-    slot = case.block_table.long().gather(1, (pos // PAGE).view(B, 1)).view(B) * PAGE + pos % PAGE
+    slot = case.block_table.long().gather(1, (pos // page).view(B, 1)).view(B) * page + pos % page
     md = AttentionMetadata(
         query_start_loc=torch.arange(B + 1, dtype=torch.int32, device="cuda"), seq_lens=case.seq_lens,
         block_table=case.block_table, slot_mapping=slot, num_decode_tokens=B, q_len_per_req=1,
     )
-    layer = AttentionLayer(Hq, Hkv, Dh, kv_cache_dtype=FP8, page_size=PAGE, k_scale=ks, v_scale=vs)
+    layer = AttentionLayer(Hq, Hkv, D, kv_cache_dtype=kv_dtype, page_size=page, k_scale=ks, v_scale=vs)
+    return LayerStep(layer, case.q, k, v, case.kv_cache, md, case)
+
+
+def bench_layer_step(g: torch.Generator, ranges: NvtxRanges) -> dict:
+    """Qwen3-30B decode step: the layer (write + attend) vs the bare decode, both in CUDA graphs."""
+    s = layer_step(g)
+    layer, case, k, v, md = s.layer, s.case, s.k, s.v, s.metadata
+    ks, vs, B, ctx = case.k_scale, case.v_scale, case.q.shape[0], int(case.seq_lens[0])
     p = layer.plans_for(md)["decode"]
     row = dict(shape=f"qwen3-30b B{B} ctx{ctx} fp8", plan=p.kernel)
     out = torch.empty_like(case.q)

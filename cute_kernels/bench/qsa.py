@@ -119,6 +119,15 @@ class Problem:
         return diff
 
 
+def problem_geometry(kind: str, n: int, shared: bool = False) -> dict:
+    """The rows, query positions, requests and context of a ``kind`` ("decode": n rows, one request
+    each unless ``shared``, at DECODE_CTX; "prefill": 1 x n tokens from position 0) problem."""
+    if kind == "prefill":
+        return dict(rows_per_copy=n, positions=torch.arange(n, device="cuda"), reqs_per_copy=1, ctx=n)
+    return dict(rows_per_copy=n, positions=torch.full((n,), DECODE_CTX - 2, device="cuda"),
+                reqs_per_copy=1 if shared else n, ctx=DECODE_CTX)
+
+
 def _time(problem: Problem, prefill: bool, first: bool = False) -> tuple[float, float | None]:
     """(graph-replay seconds per call, the discarded first timing or None); ``first``: the
     problem's first timing, run twice (``timing.time_graph_fresh``)."""
@@ -159,12 +168,8 @@ def run(kinds=("decode", "prefill"), kv_dtypes=("bf16", "fp8"), decode_n=DECODE_
             shapes += [("prefill", t, sel, None) for t in prefill_t for sel in selections]
         for kind, n, sel, cnt in shapes:
             prefill = kind == "prefill"
-            if prefill:
-                positions = torch.arange(n, device="cuda")
-                ctx, reqs, rows = n, 1, n
-            else:
-                positions = torch.full((n,), DECODE_CTX - 2, device="cuda")
-                ctx, reqs, rows = DECODE_CTX, 1 if decode_shared else n, n
+            geometry = problem_geometry(kind, n, shared=decode_shared)
+            positions, ctx, reqs, rows = (geometry[k] for k in ("positions", "ctx", "reqs_per_copy", "rows_per_copy"))
             gen_sel = "independent" if sel == "shared-l2" else sel
             probe = Problem(rows_per_copy=rows, positions=positions, reqs_per_copy=reqs, ctx=ctx, kv_dtype=kv,
                             copies=1, seed=n, selection=gen_sel, same_rows=decode_shared and not prefill,

@@ -32,6 +32,7 @@ from typing import Any
 
 from . import files
 from .fake import fake_arguments
+from .naming import kernel_symbol, named_kernels
 from .spec import KernelConfig, normalize_target
 
 _lock = threading.RLock()
@@ -123,11 +124,10 @@ def compile_config(config: KernelConfig, arch: str, *, artifacts: bool = False) 
         try:
             args = fake_arguments(config.signature())
             stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+            kernel = config.build()
             t0 = time.perf_counter()
-            fn = cute.compile(
-                config.build(), *args, stream,
-                options=_options(arch, dump),
-            )
+            with named_kernels(kernel, kernel_symbol(config)):  # readable names in profiles
+                fn = cute.compile(kernel, *args, stream, options=_options(arch, dump))
             seconds = time.perf_counter() - t0
             if "TVMFFI" not in type(fn).__name__:
                 raise RuntimeError(f"expected a TVM-FFI function, got {type(fn).__name__}")

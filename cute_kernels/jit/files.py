@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None
 
 
-def write_atomic(path: Path, write: Callable[[str], None]) -> None:
+def write_atomic(path: Path, write: Callable[[str], object]) -> None:
     """``write(tmp)`` writes the content to the temporary path ``tmp``; it then replaces ``path``
     in one rename. Raises what ``write`` raised (after removing the temporary file)."""
     path.parent.mkdir(parents=True, exist_ok=True)

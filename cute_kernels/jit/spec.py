@@ -115,8 +115,8 @@ class KernelConfig:
         declared with ``metadata=LABEL_IF_SET`` appears only when it differs from its default, so
         that a flag added to a config later leaves every existing variant's label (and its PTX
         digest entry) as it was."""
-        fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
-        names = [f.name for f in fields
+        fields: tuple[dataclasses.Field, ...] = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        names: list[str] = [f.name for f in fields
                  if not (f.metadata.get("label") == "if_set" and getattr(self, f.name) == f.default)]
         return self.kernel_id + "[" + ",".join(f"{k}={getattr(self, k)}" for k in names) + "]"
 

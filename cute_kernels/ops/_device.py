@@ -16,6 +16,8 @@ and the capture test of a given device's stream (:func:`capturing`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # The current CUDA device as an int: the C function itself (no Python frame); -1 on a torch build
@@ -44,9 +46,10 @@ def _guarded(call, index: int, exchange, maybe_exchange):
         finally:
             maybe_exchange(previous)
 
-    run.__wrapped__ = call
-    run.device_index = index
-    return run
+    guarded: Any = run  # a function carrying what it wraps, for inspection
+    guarded.__wrapped__ = call
+    guarded.device_index = index
+    return guarded
 
 
 def capturing(device) -> bool:

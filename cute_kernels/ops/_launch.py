@@ -13,16 +13,27 @@ every call: no compiled function checks anything there).
 Hot path per call: one tuple key, one dict lookup, one generated caller: no dict or list is built
 (docs/design/architecture.md#launcher). Torch-free: ops pass tensors through, the dispatcher's
 layer uses :func:`check_scale` at construction.
+
+NVTX: a launcher named after its op (``Launcher(..., op="paged_decode")``) opens the range
+``cute_kernels.<op>`` (shapes in a range nested inside, :mod:`cute_kernels._nvtx`) around every
+call when a profiler is attached: the callers it binds carry the range in their generated source,
+and the reference path opens it too. Without a profiler the generated callers are those of an
+unnamed launcher, so the hot path pays nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import keyword
 import math
 import os
 import re
 import weakref
+from collections.abc import Callable
+from typing import Any
 
+from .. import _nvtx
 from ..jit.spec import ScalarArg
 
 # ---------------------------------------------------------------------------------------------
@@ -60,10 +71,10 @@ class LaunchCache:
     which keeps every buffer it handed out (docs/design/inputs.md#workspaces)."""
 
     def __init__(self, max_entries: int = 4096):
-        self.launches: dict[tuple, object] = {}
-        self.entries: dict[tuple, object] = _NO_ENTRIES if _checked else self.launches
+        self.launches: dict[Any, Any] = {}  # launch key -> the op's prepared launch
+        self.entries: dict[Any, Any] = _NO_ENTRIES if _checked else self.launches
         self.max_entries = max_entries
-        self.override: dict = {}
+        self.override: dict[str, Any] = {}
         self.override_key: tuple = ()
         _caches.add(self)
 
@@ -78,14 +89,14 @@ class LaunchCache:
     def clear(self) -> None:
         self.launches.clear()
 
-    def tuning_override(self, **fields) -> _Override:
-        return _Override(self, fields)
+    def tuning_override(self, **fields: object) -> TuningOverride:
+        return TuningOverride(self, fields)
 
 
-class _Override:
+class TuningOverride:
     """Context manager: ``fields`` override the op's tuning while active (nests)."""
 
-    def __init__(self, cache: LaunchCache, fields: dict):
+    def __init__(self, cache: LaunchCache, fields: dict) -> None:
         self.cache, self.fields = cache, fields
 
     def __enter__(self):
@@ -111,10 +122,21 @@ class Launcher(LaunchCache):
     goes through :meth:`lookup` and :meth:`run_reference`, where the argument tuple is built (off
     the hot path)."""
 
-    def __init__(self, prepare, reference, max_entries: int = 4096, check_data=None):
+    def __init__(self, prepare: Callable[..., Any], reference: Callable[..., Any], max_entries: int = 4096,
+                 check_data: Callable[..., Any] | None = None, *, op: str | None = None) -> None:
         super().__init__(max_entries)
-        self.prepare, self.reference = prepare, reference
+        self.prepare, self.reference, self.op = prepare, reference, op
         self.check_data = check_data  # checked mode: the op's data checks, with prepare's arguments
+        self._arg_names = tuple(inspect.signature(prepare).parameters)  # the reference path's NVTX detail
+
+    def bind(self, params: tuple[str, ...], *steps: tuple) -> Callable[..., None]:
+        """:func:`bind` with this launcher's NVTX range."""
+        return bind(params, *steps, op=self.op)
+
+    def range(self, **tensors: Any) -> contextlib.AbstractContextManager:
+        """The op's NVTX ranges around work that no bound caller runs (a null context without a
+        profiler or an op name)."""
+        return _nvtx.op_range(self.op, **tensors) if self.op is not None else _nvtx.NULL_RANGE
 
     def lookup(self, key, args: tuple):
         """The launch of ``key`` (None: arguments that cannot form a key, validated here). In
@@ -130,6 +152,10 @@ class Launcher(LaunchCache):
 
     def run_reference(self, args: tuple):
         """CPU tensors: validate (every call) and compute with the reference."""
+        if self.op is not None and _nvtx.ENABLED:
+            with _nvtx.op_range(self.op, **dict(zip(self._arg_names, args))):
+                self.prepare(*args)
+                return self.reference(*args)
         self.prepare(*args)
         return self.reference(*args)
 
@@ -153,7 +179,7 @@ def _identifier(name: str) -> str:
     return name
 
 
-def bind(params: tuple[str, ...], *steps) -> object:
+def bind(params: tuple[str, ...], *steps: tuple, op: str | None = None) -> Callable[..., None]:
     """One function ``call(*params)`` that calls each step's compiled function with its arguments
     in its signature's order. A step is ``(fn, signature, sources, constants)``: an argument is
     the constant ``constants[name]`` bound now (workspace views, ``sm_scale``...) when there is
@@ -165,9 +191,12 @@ def bind(params: tuple[str, ...], *steps) -> object:
     float or raises naming it).
 
     The caller is generated source compiled once per launch key, so a call builds no dict or list:
-    the launch's per-call host cost is that of a hand-written positional call."""
+    the launch's per-call host cost is that of a hand-written positional call. With ``op`` and a
+    profiler attached (:data:`cute_kernels._nvtx.ENABLED`), the steps run inside the op's NVTX
+    ranges, the parameters described in the nested one."""
     params = tuple(_identifier(p) for p in params)
     env: dict = {"_inf": math.inf, "_scale": _float_scale}
+    ranged = op is not None and _nvtx.ENABLED
     lines = []
     for i, (fn, signature, sources, constants) in enumerate(steps):
         env[f"_fn{i}"] = fn
@@ -191,6 +220,10 @@ def bind(params: tuple[str, ...], *steps) -> object:
                 src = f"({p} if type({p}) is float and 0.0 < {p} < _inf else _scale({p!r}, {p}))"
             args.append(src)
         lines.append(f"    _fn{i}({', '.join(args)})")
+    if ranged:
+        env["_range"], env["_op"] = _nvtx.op_range, op
+        described = ", ".join(f"{p}={p}" for p in params)
+        lines = [f"    with _range(_op, {described}):"] + ["    " + line for line in lines]
     source = f"def call({', '.join(params)}):\n" + "\n".join(lines) + "\n"
     exec(compile(source, "<cute_kernels launch>", "exec"), env)  # noqa: S102 - source built from identifiers
     return env["call"]

@@ -14,6 +14,7 @@ captures in a CUDA graph once its family has been checked (``warmup`` or one eag
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,10 +52,10 @@ class Sm100Decode:
     """One prepared launch: the bound kernel caller, the split workspace (merged after it)."""
 
     config: Sm100DecodeConfig
-    fn: object  # call(*_PARAMS)
+    fn: Any  # call(*_PARAMS)
     num_splits: int
-    part_out: torch.Tensor | None
-    part_lse: torch.Tensor | None
+    part_out: Any  # torch.Tensor when num_splits > 1
+    part_lse: Any
     out_shape: tuple
     out_dtype: torch.dtype
 
@@ -180,8 +181,8 @@ def self_check_cases(config: Sm100DecodeConfig, device, runner=None) -> list[Cas
     cache = tuple(t.to(device) for t in cpu_cache) if isinstance(cpu_cache, tuple) else cpu_cache.to(device)
     sinks = torch.randn(q.shape[1], generator=g) if config.sinks else None
     qs = 0.5 if config.q_dtype == "fp8_e4m3" else None
-    kw = dict(kv_layout=config.kv_layout, q_len_per_req=q_len, k_scale=0.9, v_scale=1.1, q_scale=qs,
-              return_lse=True)
+    kw: dict[str, Any] = dict(kv_layout=config.kv_layout, q_len_per_req=q_len, k_scale=0.9, v_scale=1.1,
+                              q_scale=qs, return_lse=True)
     dev_sinks = None if sinks is None else sinks.to(device)
     # lengths past the block table's capacity (50 past it, and 2^31 - 1): never attended there
     past = sl.clone()

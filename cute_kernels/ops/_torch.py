@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -164,6 +165,7 @@ def widest_vector(tensors_and_bytes, max_bytes: int = 16) -> int:
     return width
 
 
+_raw_stream: Any  # torch's current-raw-stream getter; None in a build without CUDA
 try:  # the current stream of a device as an int, without building a torch.cuda.Stream (~0.1 us)
     _raw_stream = torch._C._cuda_getCurrentRawStream
 except AttributeError:  # pragma: no cover - a torch build without CUDA

@@ -2,21 +2,24 @@
 
 On the shared launcher (:mod:`cute_kernels.ops._launch`): the first call with a new combination of
 shapes, strides, dtypes and alignments validates everything and picks the vector width; later
-calls look the prepared caller up by a tuple of cheap tensor attributes.
+calls look the prepared caller up by a tuple of cheap tensor attributes. Registered as
+``torch.ops.cute_kernels.merge_states`` and ``merge_states_out`` (:mod:`cute_kernels.ops._library`).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from .. import reference
-from .._nvtx import ENABLED as _NVTX
-from .._nvtx import op_range
 from ..jit.compiler import get_kernel
 from ..plans.merge_states import MergeStatesConfig
 from . import _check
 from ._device import current_device, on_device
-from ._launch import Launcher, bind
+from ._launch import Launcher, TuningOverride
+from ._library import compiling, custom_op
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,7 +61,7 @@ def _prepare(partial_out, partial_lse, out_dtype, out, out_lse) -> _Launch:
         return _Launch(None, False, dt, empty=True)
     config = _config(partial_out, out, dt)
     fn = get_kernel(config, compile_target(partial_out.device))
-    return _Launch(on_device(bind(_CALL_PARAMS, (fn, config.signature(), None, None)), partial_out.device), False, dt)
+    return _Launch(on_device(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), None, None)), partial_out.device), False, dt)
 
 
 def _config(partial_out, out, dt) -> MergeStatesConfig:
@@ -95,10 +98,10 @@ def _check_data(partial_out, partial_lse, out_dtype, out, out_lse) -> None:
 
 
 _CALL_PARAMS = ("partial_out", "partial_lse", "out", "lse")
-_launcher = Launcher(_prepare, _reference, check_data=_check_data)
+_launcher = Launcher(_prepare, _reference, check_data=_check_data, op="merge_states")
 
 
-def tuning_override(**fields):
+def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(vec=2): ...`` forces kernel config fields (benchmarks comparing
     variants); the override is part of the launch-cache key."""
     return _launcher.tuning_override(**fields)
@@ -128,6 +131,8 @@ def merge_states(
         ``lse = log2(sum_s 2^lse_s)``; a row with every split empty gets 0 and ``-inf``.
         CPU tensors run the torch reference.
     """
+    if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
+        return _traced(partial_out, partial_lse, out_dtype, out, out_lse)
     try:
         key = _key(partial_out, partial_lse, out_dtype, out, out_lse)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
@@ -148,12 +153,52 @@ def merge_states(
         out_lse.fill_(float("-inf"))
         return out, out_lse
     try:
-        if _NVTX:
-            with op_range("merge_states", partial_out=partial_out, out=out):
-                launch.call(partial_out, partial_lse, out, out_lse)
-        else:
-            launch.call(partial_out, partial_lse, out, out_lse)
+        launch.call(partial_out, partial_lse, out, out_lse)
     except Exception:
         _launcher.refused((partial_out, partial_lse, out_dtype, out, out_lse))  # raises the error that names the argument
         raise
+    return out, out_lse
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: torch.ops.cute_kernels.merge_states / merge_states_out
+# ---------------------------------------------------------------------------------------------
+
+
+def _new_outputs(partial_out: Tensor, out_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
+    _, N, H, D = partial_out.shape
+    return (torch.empty((N, H, D), dtype=out_dtype or torch.float32, device=partial_out.device),
+            torch.empty((N, H), dtype=torch.float32, device=partial_out.device))
+
+
+@custom_op("merge_states")
+def _merge_states_op(partial_out: Tensor, partial_lse: Tensor, out_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
+    out, out_lse = _new_outputs(partial_out, out_dtype)
+    return merge_states(partial_out, partial_lse, out=out, out_lse=out_lse)
+
+
+@_merge_states_op.register_fake
+def _(partial_out: Tensor, partial_lse: Tensor, out_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
+    return _new_outputs(partial_out, out_dtype)
+
+
+@custom_op("merge_states_out", mutates=("out", "out_lse"))
+def _merge_states_out_op(partial_out: Tensor, partial_lse: Tensor, out: Tensor, out_lse: Tensor) -> None:
+    merge_states(partial_out, partial_lse, out=out, out_lse=out_lse)
+
+
+@_merge_states_out_op.register_fake
+def _(partial_out: Tensor, partial_lse: Tensor, out: Tensor, out_lse: Tensor) -> None:
+    return None
+
+
+def _traced(partial_out, partial_lse, out_dtype, out, out_lse):
+    """:func:`merge_states` as torch.compile sees it: the functional op, or the out variant when
+    the caller passed an output (the other one allocated here)."""
+    if out is None and out_lse is None:
+        return _merge_states_op(partial_out, partial_lse, out_dtype)
+    new_out, new_lse = _new_outputs(partial_out, out_dtype if out is None else out.dtype)
+    out = new_out if out is None else out
+    out_lse = new_lse if out_lse is None else out_lse
+    _merge_states_out_op(partial_out, partial_lse, out, out_lse)
     return out, out_lse

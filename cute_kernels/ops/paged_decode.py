@@ -20,19 +20,22 @@ device's arch, available or compile-verified, that takes the dtypes; the portabl
 an SM100 / SM103 family that failed its runtime self-check (not windows or sinks, which it does not
 take: those run on the SM90 and SM100 kernels, else the reference), and
 ``tuning_override(backend="sm80")`` forces it (its plan: :mod:`cute_kernels.plans.sm80`; a split
-launch there is followed by ``common.merge_states``).
+launch there is followed by ``common.merge_states``). Registered as
+``torch.ops.cute_kernels.paged_decode`` and ``paged_decode_out`` (:mod:`cute_kernels.ops._library`),
+whichever kernel serves the call.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Literal, Optional, overload
 
 import torch
+from torch import Tensor
 
-from .. import reference
-from .._nvtx import ENABLED as _NVTX
-from .._nvtx import op_range
+from .. import _nvtx, reference
+from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
 from ..plans import sm80
 from ..plans.sm90_decode import launch_config, window_context
@@ -40,9 +43,11 @@ from ..registry import KERNELS, KernelInfo, arch_of_target, op_kernel
 from . import _caller_workspace as caller_ws
 from . import _check
 from . import _decode_features as features
+from . import _library as library
 from . import _paged_decode_sm100 as sm100
 from ._device import check_devices, current_device, on_device
-from ._launch import Launcher, bind, check_scale
+from ._launch import Launcher, TuningOverride, check_scale
+from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
 from ._torch import (
     DeviceBuffer,
     check_kv_cache,
@@ -69,15 +74,15 @@ _counters = DeviceBuffer("paged_decode", torch.int32, zero=True, min_numel=4096)
 class _Launch:
     """Everything a call needs that depends only on its key (shapes, strides, dtypes...)."""
 
-    fn: object  # the compiled kernel's caller, workspace views bound (ops._launch.bind)
-    scratch_lse: object  # LSE target (a TVM-FFI tensor) when the caller did not ask for it
-    out_shape: tuple
+    fn: Any  # the compiled kernel's caller, workspace views bound (ops._launch.bind)
+    scratch_lse: Any  # LSE target (a TVM-FFI tensor) when the caller did not ask for it
+    out_shape: Any  # (T, Hq, D); None for the reference
     reference: bool = False
-    sm100: object = None  # SM100 / SM103: the tcgen05 launch (an FP8 query, sinks and a window too)
+    sm100: Any = None  # SM100 / SM103: the tcgen05 launch (an FP8 query, sinks and a window too)
     empty: bool = False  # nothing to attend (no rows, or no block-table columns): 0 and LSE -inf
 
 
-def tuning_override(**fields):
+def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(widen="bits", tile=128): ...`` forces kernel tuning fields (for
     benchmarks comparing variants). The override is part of the launch-cache key. ``cluster``
     is a launch choice: ``False`` never merges in clusters, ``True`` does whenever the split
@@ -170,9 +175,9 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
             if backend is not None:
                 raise ValueError(f"backend={backend!r} takes no window or sinks")
             return scale, P, Hkv, page, ks_t, vs_t, None  # the portable kernel has neither
-        if D not in info.head_dims:
+        if info.head_dims is not None and D not in info.head_dims:
             raise ValueError(f"head_dim must be one of {info.head_dims}, got {D}")
-        if page not in info.page_sizes:
+        if info.page_sizes is not None and page not in info.page_sizes:
             raise ValueError(f"page size must be one of {info.page_sizes}, got {page}")
         if Hkv < 1 or Hq % Hkv:
             raise ValueError(f"num q heads ({Hq}) must be a multiple of num kv heads ({Hkv})")
@@ -270,7 +275,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         scratch = ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
     constants = dict(part_out=ffi_tensor(part_o), part_lse=ffi_tensor(part_lse), counters=ffi_tensor(counters),
                      sm_scale=scale, num_splits=num_splits)
-    return _Launch(on_device(bind(_CALL_PARAMS, (fn, config.signature(), sources, constants)), device), scratch,
+    return _Launch(on_device(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, constants)), device), scratch,
                    (T, Hq, D))
 
 
@@ -302,14 +307,15 @@ def _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, group, page, scale,
     scratch = None if return_lse else ffi_tensor(ws[base:base + lse_numel].view(T, Hq))
     fn = get_kernel(config, target)
     if not config.split:
-        return _Launch(on_device(bind(_CALL_PARAMS, (fn, config.signature(), sources, dict(sm_scale=scale))), q.device),
-                       scratch, (T, Hq, D))
+        call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, dict(sm_scale=scale)))
+        return _Launch(on_device(call, q.device), scratch, (T, Hq, D))
     part_o = ffi_tensor(ws[:part_numel].view(splits, T, Hq, D))
     part_lse = ffi_tensor(ws[part_numel:base].view(splits, T, Hq))
     merge = config.merge_config()
     steps = ((fn, config.signature(), sources, dict(part_out=part_o, part_lse=part_lse, sm_scale=scale)),
              (get_kernel(merge, target), merge.signature(), None, dict(partial_out=part_o, partial_lse=part_lse)))
-    return _Launch(on_device(bind(_CALL_PARAMS, *steps), q.device), scratch, (T, Hq, D))
+    # both launches (the kernel, then the merge of its partials) in the op's NVTX range
+    return _Launch(on_device(_launcher.bind(_CALL_PARAMS, *steps), q.device), scratch, (T, Hq, D))
 
 
 def guarded_plan(plan: dict, device, override: dict | None = None):
@@ -384,30 +390,48 @@ def _check_call(override: dict, **kwargs):
 
 _CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "out", "lse", "k_scale", "v_scale", "sinks", "window_left")
 _REFERENCE = _Launch(None, None, None, reference=True)
-_launcher = Launcher(_prepare, _reference, check_data=_check_data)
+_launcher = Launcher(_prepare, _reference, check_data=_check_data, op="paged_decode")
 _cache = _launcher  # the launch cache under the name the lab's host-cost probe reads (profiling/host_costs.py)
 
 
+@overload
+def paged_decode(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, *, kv_layout: str = ...,
+                 q_len_per_req: int = ..., sm_scale: float | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
+                 out: Tensor | None = ..., return_lse: Literal[False] = ..., num_splits: int | None = ...,
+                 deterministic: bool = ..., q_scale: Scale | None = ..., window_left: int = ...,
+                 sinks: Tensor | None = ..., workspace: Tensor | None = ...) -> Tensor: ...
+@overload
+def paged_decode(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, *, kv_layout: str = ...,
+                 q_len_per_req: int = ..., sm_scale: float | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
+                 out: Tensor | None = ..., return_lse: Literal[True], num_splits: int | None = ...,
+                 deterministic: bool = ..., q_scale: Scale | None = ..., window_left: int = ...,
+                 sinks: Tensor | None = ..., workspace: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
+@overload
+def paged_decode(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, *, kv_layout: str = ...,
+                 q_len_per_req: int = ..., sm_scale: float | None = ..., k_scale: Scale = ..., v_scale: Scale = ...,
+                 out: Tensor | None = ..., return_lse: bool, num_splits: int | None = ...,
+                 deterministic: bool = ..., q_scale: Scale | None = ..., window_left: int = ...,
+                 sinks: Tensor | None = ..., workspace: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
 def paged_decode(
-    q: torch.Tensor,
-    kv_cache,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    q: Tensor,
+    kv_cache: KVCache,
+    block_table: Tensor,
+    seq_lens: Tensor,
     *,
     kv_layout: str = "HND",
     q_len_per_req: int = 1,
     sm_scale: float | None = None,
-    k_scale=1.0,
-    v_scale=1.0,
-    out: torch.Tensor | None = None,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
+    out: Tensor | None = None,
     return_lse: bool = False,
     num_splits: int | None = None,
     deterministic: bool = True,
-    q_scale=None,
+    q_scale: Scale | None = None,
     window_left: int = -1,
-    sinks: torch.Tensor | None = None,
-    workspace: torch.Tensor | None = None,
-):
+    sinks: Tensor | None = None,
+    workspace: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Paged decode attention with a BF16/FP16 query and an FP8/BF16/FP16 KV cache.
 
     Semantics are those of :func:`cute_kernels.reference.paged_decode` (read its docstring):
@@ -447,6 +471,9 @@ def paged_decode(
     holds the split partials, the unused LSE target and the merge counters instead of the op's
     own per-stream buffers (the trtllm API's ``workspace_buffer``; docs/design/trtllm.md#workspace).
     """
+    if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
+        return _traced(q, kv_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale,
+                       out, return_lse, num_splits, deterministic, q_scale, window_left, sinks, workspace)
     pair = isinstance(kv_cache, (tuple, list))
     if pair and len(kv_cache) != 2:
         raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
@@ -464,20 +491,20 @@ def paged_decode(
         launch = launch or _launcher.lookup(key, args)
         if launch.reference:
             return _launcher.run_reference(args)
-    if launch.sm100 is not None:
-        return sm100.run(launch.sm100, q, k, v, block_table, seq_lens, out, return_lse, k_scale, v_scale, q_scale,
-                         sinks, window_left)
+    if launch.sm100 is not None:  # the kernel, then the merge of its partials: both in the op's range
+        if not _nvtx.ENABLED:
+            return sm100.run(launch.sm100, q, k, v, block_table, seq_lens, out, return_lse, k_scale, v_scale,
+                             q_scale, sinks, window_left)
+        with _launcher.range(q=q, kv_cache=k, block_table=block_table):
+            return sm100.run(launch.sm100, q, k, v, block_table, seq_lens, out, return_lse, k_scale, v_scale,
+                             q_scale, sinks, window_left)
     if launch.empty:
         return _empty_result(q, out, launch.out_shape, return_lse)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else launch.scratch_lse
     try:
-        if _NVTX:
-            with op_range("paged_decode", q=q, kv_cache=k, block_table=block_table):
-                launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale, sinks, window_left)
-        else:
-            launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale, sinks, window_left)
+        launch.fn(q, k, v, block_table, seq_lens, out, lse, k_scale, v_scale, sinks, window_left)
     except Exception:  # raises the error that names the argument
         _launcher.refused((q, k, v, pair, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
                            v_scale, out, return_lse, num_splits, deterministic, q_scale, window_left, sinks,
@@ -494,4 +521,78 @@ def _empty_result(q, out, shape, return_lse):
     if out.numel():
         out.zero_()
     lse = torch.full(shape[:2], -math.inf, dtype=torch.float32, device=q.device) if return_lse else None
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: torch.ops.cute_kernels.paged_decode / paged_decode_out
+# ---------------------------------------------------------------------------------------------
+
+
+def _run(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, k_scale_tensor,
+         v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks,
+         workspace, out) -> Tensor:
+    q_scale_arg = q_scale_tensor if q_scale_tensor is not None else q_scale
+    res = paged_decode(q, cache_of(k_cache, v_cache), block_table, seq_lens, kv_layout=kv_layout,
+                       q_len_per_req=q_len_per_req, sm_scale=sm_scale, k_scale=scale_of(k_scale, k_scale_tensor),
+                       v_scale=scale_of(v_scale, v_scale_tensor), out=out, return_lse=return_lse,
+                       num_splits=num_splits, deterministic=deterministic, q_scale=q_scale_arg,
+                       window_left=window_left, sinks=sinks, workspace=workspace)
+    return res[1] if return_lse else no_lse(q)
+
+
+@custom_op("paged_decode", mutates=("workspace",))
+def _paged_decode_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], block_table: Tensor, seq_lens: Tensor,
+                     kv_layout: str, q_len_per_req: int, sm_scale: Optional[float], k_scale: float,
+                     k_scale_tensor: Optional[Tensor], v_scale: float, v_scale_tensor: Optional[Tensor],
+                     return_lse: bool, num_splits: Optional[int], deterministic: bool, q_scale: Optional[float],
+                     q_scale_tensor: Optional[Tensor], window_left: int, sinks: Optional[Tensor],
+                     workspace: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    out = library.attention_out(q)
+    lse = _run(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
+               k_scale_tensor, v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale,
+               q_scale_tensor, window_left, sinks, workspace, out)
+    return out, lse
+
+
+@_paged_decode_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, k_scale_tensor,
+      v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks,
+      workspace):
+    return library.attention_out(q), library.attention_lse(q, return_lse)
+
+
+@custom_op("paged_decode_out", mutates=("workspace", "out"))
+def _paged_decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], block_table: Tensor,
+                         seq_lens: Tensor, kv_layout: str, q_len_per_req: int, sm_scale: Optional[float],
+                         k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float,
+                         v_scale_tensor: Optional[Tensor], return_lse: bool, num_splits: Optional[int],
+                         deterministic: bool, q_scale: Optional[float], q_scale_tensor: Optional[Tensor],
+                         window_left: int, sinks: Optional[Tensor], workspace: Optional[Tensor],
+                         out: Tensor) -> Tensor:
+    return _run(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale,
+                k_scale_tensor, v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale,
+                q_scale_tensor, window_left, sinks, workspace, out)
+
+
+@_paged_decode_out_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, k_scale_tensor,
+      v_scale, v_scale_tensor, return_lse, num_splits, deterministic, q_scale, q_scale_tensor, window_left, sinks,
+      workspace, out):
+    return library.attention_lse(q, return_lse)
+
+
+def _traced(q, kv_cache, block_table, seq_lens, kv_layout, q_len_per_req, sm_scale, k_scale, v_scale, out,
+            return_lse, num_splits, deterministic, q_scale, window_left, sinks, workspace):
+    """:func:`paged_decode` as torch.compile sees it: the op returns ``(out, lse)`` (an empty lse
+    unless asked for), or only the lse when it writes the caller's ``out``; ``q_scale`` (None, a
+    float or a tensor) goes as an optional float and an optional tensor."""
+    q_scales = (None, None) if q_scale is None else scale_parts(q_scale)
+    args = (q, *cache_parts(kv_cache), block_table, seq_lens, kv_layout, q_len_per_req, sm_scale,
+            *scale_parts(k_scale), *scale_parts(v_scale), return_lse, num_splits, deterministic, *q_scales,
+            window_left, sinks, workspace)
+    if out is None:
+        out, lse = _paged_decode_op(*args)
+    else:
+        lse = _paged_decode_out_op(*args, out)
     return (out, lse) if return_lse else out

@@ -31,7 +31,8 @@ an FP8 query, a window or sinks), with a logged warning.
 
 Checked mode (``CUTE_KERNELS_CHECK=1``, :mod:`cute_kernels.ops._check`) also validates the data
 (``query_start_loc``, ``max_query_len``, ``seq_lens`` within the block table, block-table entries
-in range, tensor scales) before each launch; it synchronizes, so it is off by default.
+in range, tensor scales) before each launch; it synchronizes, so it is off by default. Registered
+as ``torch.ops.cute_kernels.paged_prefill`` and ``paged_prefill_out`` (:mod:`cute_kernels.ops._library`).
 """
 
 from __future__ import annotations
@@ -39,20 +40,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, Literal, Optional, overload
 
 import torch
+from torch import Tensor
 
 from .. import reference
-from .._nvtx import ENABLED as _NVTX
-from .._nvtx import op_range
+from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
 from ..plans import sm80
 from ..plans import sm90_prefill as plan
 from ..registry import KERNELS, KernelInfo, op_kernel
 from . import _check
+from . import _library as library
 from . import _paged_prefill_sm100 as sm100
 from ._device import check_devices, current_device, on_device
-from ._launch import Launcher, bind, check_scale
+from ._launch import Launcher, TuningOverride, check_scale
+from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
 from ._selfcheck import Case, ensure, launch_prefill_now, prefill_expected, prefill_problem, to_device
 from ._torch import check_kv_cache, check_tensor, compile_target, dtype_name
 
@@ -68,14 +72,14 @@ _SOURCES = {"kv_cache": "k", "k_cache": "k", "v_cache": "v"}
 class _Launch:
     """Everything a call needs that depends only on its key."""
 
-    fn: object  # the compiled kernel's caller (ops._launch.bind); None for the reference
+    fn: Any  # the compiled kernel's caller (ops._launch.bind); None for the reference
     out_shape: tuple
     out_dtype: torch.dtype
     reference: bool = False
     empty: bool = False  # T == 0 or B == 0: nothing to launch
 
 
-def tuning_override(**fields):
+def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(tile_n=64, pingpong=False): ...`` forces kernel tuning fields (for
     benchmarks and tests comparing variants); the override is part of the launch-cache key.
     ``backend="sm80"`` runs the portable ``sm80.prefill`` on any arch (its fields then: ``widen``,
@@ -161,9 +165,9 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     backend = override.pop("backend", None)
     target = compile_target(device) if q.is_cuda else _CPU_TARGET
     info = prefill_kernel(target, dtype_name(q.dtype), dtype_name(k.dtype), Hq // Hkv, backend)
-    if D not in info.head_dims:
+    if info.head_dims is not None and D not in info.head_dims:
         raise ValueError(f"head_dim must be one of {info.head_dims}, got {D}")
-    if page not in info.page_sizes:
+    if info.page_sizes is not None and page not in info.page_sizes:
         raise ValueError(f"page size must be one of {info.page_sizes}, got {page}")
     if info.max_gqa_ratio is not None and Hq // Hkv > info.max_gqa_ratio:
         raise ValueError(f"Hq / Hkv must be <= {info.max_gqa_ratio}, got {Hq // Hkv}")
@@ -196,6 +200,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     fields = dict(q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv,
                   page_size=page, kv_form="pair" if pair else "single", kv_layout=kv_layout, causal=causal,
                   write_lse=return_lse, k_scale_tensor=ks_t, v_scale_tensor=vs_t)
+    config: sm80.Sm80PrefillConfig | plan.Sm90PrefillConfig | sm100.Sm100PrefillConfig
     if info.id == _PORTABLE:
         config = sm80.make_prefill_config(target=target, **fields, **override)
     elif info.id == sm100.KERNEL_ID and not sm100.takes(q.dtype, k.dtype, q_scale_kind):
@@ -236,8 +241,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
             sources[name] = f"{name}.view(1)?"
     if q_scale_kind == "tensor" and q_scale.dim() != 1:  # the key holds the shape
         sources["q_scale"] = "q_scale.view(1)"
-    return _Launch(on_device(bind(_CALL_PARAMS, (fn, config.signature(), sources, dict(sm_scale=float(scale)))),
-                             device), shape, out_dtype)
+    call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, dict(sm_scale=float(scale))))
+    return _Launch(on_device(call, device), shape, out_dtype)
 
 
 def _check_window_sinks(window_left, sinks, Hq: int, device) -> None:
@@ -283,29 +288,46 @@ def _reference(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_
     return (res, lse) if return_lse else res
 
 
-_launcher = Launcher(_prepare, _reference, check_data=_check_data)
+_launcher = Launcher(_prepare, _reference, check_data=_check_data, op="paged_prefill")
 _cache = _launcher  # the launch cache under the name the lab's host-cost probe reads (profiling/host_costs.py)
 
 
+@overload
+def paged_prefill(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
+                  max_query_len: int | None = ..., kv_layout: str = ..., causal: bool = ..., sm_scale: float | None = ...,
+                  q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., out: Tensor | None = ...,
+                  return_lse: Literal[False] = ..., window_left: int = ..., sinks: Tensor | None = ...) -> Tensor: ...
+@overload
+def paged_prefill(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
+                  max_query_len: int | None = ..., kv_layout: str = ..., causal: bool = ..., sm_scale: float | None = ...,
+                  q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., out: Tensor | None = ...,
+                  return_lse: Literal[True], window_left: int = ...,
+                  sinks: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
+@overload
+def paged_prefill(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
+                  max_query_len: int | None = ..., kv_layout: str = ..., causal: bool = ..., sm_scale: float | None = ...,
+                  q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., out: Tensor | None = ...,
+                  return_lse: bool, window_left: int = ...,
+                  sinks: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
 def paged_prefill(
-    q: torch.Tensor,
-    kv_cache,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    q: Tensor,
+    kv_cache: KVCache,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
     *,
     max_query_len: int | None = None,
     kv_layout: str = "HND",
     causal: bool = True,
     sm_scale: float | None = None,
-    q_scale=None,
-    k_scale=1.0,
-    v_scale=1.0,
-    out: torch.Tensor | None = None,
+    q_scale: Scale | None = None,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
+    out: Tensor | None = None,
     return_lse: bool = False,
     window_left: int = -1,
-    sinks: torch.Tensor | None = None,
-):
+    sinks: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Varlen paged prefill attention with a BF16/FP16 or FP8 query and a BF16/FP16/FP8 KV cache.
 
     Semantics are those of :func:`cute_kernels.reference.paged_prefill` (read its docstring for
@@ -335,6 +357,9 @@ def paged_prefill(
     kernel's window / sink variants, compile-verified behind their own self-check families:
     docs/design/sm90-prefill.md#sliding-window-and-sinks.
     """
+    if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
+        return _traced(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
+                       sm_scale, q_scale, k_scale, v_scale, out, return_lse, window_left, sinks)
     pair = isinstance(kv_cache, (tuple, list))
     if pair and len(kv_cache) != 2:
         raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
@@ -361,20 +386,81 @@ def paged_prefill(
         out = torch.empty(launch.out_shape, dtype=launch.out_dtype, device=q.device)
     lse = torch.empty(launch.out_shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     if launch.empty:  # no rows, or no requests (then no rows either): nothing to launch
-        return (out, lse) if return_lse else out
+        return out if lse is None else (out, lse)
     max_q = q.shape[0] if max_query_len is None else min(max_query_len, q.shape[0])
     try:
-        if _NVTX:
-            with op_range("paged_prefill", q=q, kv_cache=k, block_table=block_table):
-                launch.fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q,
-                          sinks, window_left)
-        else:
-            launch.fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q,
-                      sinks, window_left)
+        launch.fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q, sinks,
+                  window_left)
     except Exception:  # raises the error that names the argument
         _launcher.refused((q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
                            sm_scale, q_scale, k_scale, v_scale, out, return_lse, window_left, sinks))
         raise
+    return out if lse is None else (out, lse)  # lse is None unless return_lse
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: torch.ops.cute_kernels.paged_prefill / paged_prefill_out
+# ---------------------------------------------------------------------------------------------
+
+
+def _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
+         q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks,
+         out) -> Tensor:
+    res = paged_prefill(q, cache_of(k_cache, v_cache), block_table, seq_lens, query_start_loc,
+                        max_query_len=max_query_len, kv_layout=kv_layout, causal=causal, sm_scale=sm_scale,
+                        q_scale=q_scale_tensor if q_scale_tensor is not None else q_scale,
+                        k_scale=scale_of(k_scale, k_scale_tensor), v_scale=scale_of(v_scale, v_scale_tensor), out=out,
+                        return_lse=return_lse, window_left=window_left, sinks=sinks)
+    return res[1] if return_lse else no_lse(q)
+
+
+@custom_op("paged_prefill")
+def _paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], block_table: Tensor, seq_lens: Tensor,
+                      query_start_loc: Tensor, max_query_len: Optional[int], kv_layout: str, causal: bool,
+                      sm_scale: Optional[float], q_scale: Optional[float], q_scale_tensor: Optional[Tensor],
+                      k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float, v_scale_tensor: Optional[Tensor],
+                      return_lse: bool, window_left: int, sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    out = library.attention_out(q)
+    lse = _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
+               q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left,
+               sinks, out)
+    return out, lse
+
+
+@_paged_prefill_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
+      q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks):
+    return library.attention_out(q), library.attention_lse(q, return_lse)
+
+
+@custom_op("paged_prefill_out", mutates=("out",))
+def _paged_prefill_out_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], block_table: Tensor,
+                          seq_lens: Tensor, query_start_loc: Tensor, max_query_len: Optional[int], kv_layout: str,
+                          causal: bool, sm_scale: Optional[float], q_scale: Optional[float],
+                          q_scale_tensor: Optional[Tensor], k_scale: float, k_scale_tensor: Optional[Tensor],
+                          v_scale: float, v_scale_tensor: Optional[Tensor], return_lse: bool, window_left: int,
+                          sinks: Optional[Tensor], out: Tensor) -> Tensor:
+    return _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
+                sm_scale, q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse,
+                window_left, sinks, out)
+
+
+@_paged_prefill_out_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
+      q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks, out):
+    return library.attention_lse(q, return_lse)
+
+
+def _traced(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
+            k_scale, v_scale, out, return_lse, window_left, sinks):
+    """:func:`paged_prefill` as torch.compile sees it (as :func:`..paged_decode._traced`)."""
+    q_scales = (None, None) if q_scale is None else scale_parts(q_scale)
+    args = (q, *cache_parts(kv_cache), block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
+            sm_scale, *q_scales, *scale_parts(k_scale), *scale_parts(v_scale), return_lse, window_left, sinks)
+    if out is None:
+        out, lse = _paged_prefill_op(*args)
+    else:
+        lse = _paged_prefill_out_op(*args, out)
     return (out, lse) if return_lse else out
 
 

@@ -21,19 +21,22 @@ workspace views bound as TVM-FFI tensors, one generated caller running its kerne
 calls look it up by a tuple of the attributes that select the kernels (:func:`_key`) and go
 straight to the TVM-FFI calls, which check dtypes, ranks, shared extents, devices and alignment
 themselves; a call they refuse is validated in full for a clear error. Which kernels serve a shape
-is the plans' decision (:mod:`cute_kernels.plans.sm90_qsa_launch`).
+is the plans' decision (:mod:`cute_kernels.plans.sm90_qsa_launch`). Registered as
+``torch.ops.cute_kernels.qsa_sparse_attention`` and ``qsa_sparse_attention_out``
+(:mod:`cute_kernels.ops._library`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from .. import reference
-from .._nvtx import ENABLED as _NVTX
-from .._nvtx import op_range
+from .._types import Scale
 from ..jit.compiler import get_kernel
 from ..plans.sm90_qsa import HEAD_DIMS, MAX_GROUP, Sm90QsaConfig, make_qsa_config, select_config
 from ..plans.sm90_qsa_merge import QsaMergeConfig, merge_shape
@@ -42,7 +45,8 @@ from ..plans.sm90_qsa_union import QsaUnionConfig
 from ..plans.sm90_qsa_widen import QsaWidenConfig, use_widened_cache
 from . import _check
 from ._device import current_device, on_device
-from ._launch import Launcher, bind, check_scale
+from ._launch import Launcher, TuningOverride, check_scale
+from ._library import compiling, custom_op, scale_of, scale_parts
 from ._torch import (
     NAME_TO_TORCH,
     DeviceBuffer,
@@ -88,7 +92,7 @@ class _Launch:
     table: torch.Tensor | None = None
 
 
-def tuning_override(**fields):
+def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(splits=8, stages=2): ...`` forces the split count and/or kernel
     tuning fields (benchmarks and tests comparing variants); part of the launch-cache key.
     ``tile_rows=R`` forces the prefill row-tile kernel's rows per CTA (1 = the per-row kernel),
@@ -220,11 +224,11 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _La
     if split:
         parts = dict(out=ffi_tensor(part_o), lse=ffi_tensor(part_lse))
         merge_gate = {"gate": "gate" if gate is not None else "out"}
-        call = bind(_CALL_PARAMS, (fn, config.signature(), gate_src, parts),
+        call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), gate_src, parts),
                     (merge_fn, merge_cfg.signature(), merge_gate,
                      dict(partial_out=parts["out"], partial_lse=parts["lse"])))
     else:
-        call = bind(_CALL_PARAMS, (fn, config.signature(), gate_src, dict(lse=ffi_tensor(lse))))
+        call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), gate_src, dict(lse=ffi_tensor(lse))))
     return _Launch(on_device(call, device), fn, merge_fn, part_o, part_lse, lse, splits, gate is not None)
 
 
@@ -261,7 +265,7 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
     bound = dict(union=ffi_tensor(union), member=ffi_tensor(member), length=ffi_tensor(length), lse=ffi_tensor(lse))
     gate_src = {"gate": "gate" if gate is not None else "q", **_scale_sources(scale_tensors)}
     if wide is None:
-        call = bind(_CALL_PARAMS, (union_fn, union_cfg.signature(), None, bound),
+        call = _launcher.bind(_CALL_PARAMS, (union_fn, union_cfg.signature(), None, bound),
                     (fn, tile_cfg.signature(), gate_src, bound))
         return _Launch(on_device(call, device), fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn,
                        union=union, member=member, length=length)
@@ -279,7 +283,7 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
     # the copy and its table replace the cache and the caller's table for the union and the tiles
     copy = dict(k_wide=ffi_tensor(wide_k), v_wide=ffi_tensor(wide_v), table=ffi_tensor(table))
     on_copy = {**bound, "k_cache": copy["k_wide"], "v_cache": copy["v_wide"], "block_table": copy["table"]}
-    call = bind(_CALL_PARAMS, (widen_fn, widen_cfg.signature(), None, copy),
+    call = _launcher.bind(_CALL_PARAMS, (widen_fn, widen_cfg.signature(), None, copy),
                 (union_fn, union_cfg.signature(), None, on_copy), (fn, tile_cfg.signature(), gate_src, on_copy))
     return _Launch(on_device(call, device), fn, None, None, None, lse, 1, gate is not None, union_fn=union_fn,
                    union=union, member=member, length=length, widen_fn=widen_fn, wide_k=wide_k, table=table)
@@ -299,7 +303,7 @@ def _check_data(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> 
 # the caller's parameters: the kernels' argument names (a kernel's other arguments are bound)
 _CALL_PARAMS = ("q", "k_cache", "v_cache", "packed_indices", "block_table", "token_to_req", "out", "gate", "k_scale",
                 "v_scale")
-_launcher = Launcher(_prepare, _reference, check_data=_check_data)
+_launcher = Launcher(_prepare, _reference, check_data=_check_data, op="qsa_sparse_attention")
 
 
 def qsa_sparse_attention(
@@ -311,8 +315,8 @@ def qsa_sparse_attention(
     token_to_req: torch.Tensor,
     *,
     prefill: bool,
-    k_scale=1.0,
-    v_scale=1.0,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
     out: torch.Tensor | None = None,
     output_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -334,6 +338,13 @@ def qsa_sparse_attention(
     ``out = round(attn) * sigmoid(gate)``. ``out``: optional output (q's shape and dtype).
     CPU tensors run the reference.
     """
+    if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
+        traced = (q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, *scale_parts(k_scale),
+                  *scale_parts(v_scale), output_gate)
+        if out is None:
+            return _qsa_op(*traced)
+        _qsa_out_op(*traced, out)
+        return out
     try:
         key = _key(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale, out,
                    output_gate)
@@ -351,15 +362,46 @@ def qsa_sparse_attention(
     if launch.empty:
         return out
     try:
-        if _NVTX:
-            with op_range("qsa_sparse_attention", q=q, k_cache=k_cache, packed_indices=packed_indices):
-                launch.call(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, output_gate, k_scale,
-                            v_scale)
-        else:
-            launch.call(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, output_gate, k_scale,
-                        v_scale)
+        launch.call(q, k_cache, v_cache, packed_indices, block_table, token_to_req, out, output_gate, k_scale,
+                    v_scale)
     except Exception:  # raises the error that names the argument
         _launcher.refused((q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, v_scale,
                            out, output_gate))
         raise
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: torch.ops.cute_kernels.qsa_sparse_attention / qsa_sparse_attention_out
+# ---------------------------------------------------------------------------------------------
+
+
+@custom_op("qsa_sparse_attention_out", mutates=("out",))
+def _qsa_out_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, packed_indices: Tensor, block_table: Tensor,
+                token_to_req: Tensor, prefill: bool, k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float,
+                v_scale_tensor: Optional[Tensor], output_gate: Optional[Tensor], out: Tensor) -> None:
+    qsa_sparse_attention(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill=prefill,
+                         k_scale=scale_of(k_scale, k_scale_tensor), v_scale=scale_of(v_scale, v_scale_tensor), out=out,
+                         output_gate=output_gate)
+
+
+@_qsa_out_op.register_fake
+def _(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, k_scale_tensor, v_scale,
+      v_scale_tensor, output_gate, out):
+    return None
+
+
+@custom_op("qsa_sparse_attention")
+def _qsa_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, packed_indices: Tensor, block_table: Tensor,
+            token_to_req: Tensor, prefill: bool, k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float,
+            v_scale_tensor: Optional[Tensor], output_gate: Optional[Tensor]) -> Tensor:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return qsa_sparse_attention(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill=prefill,
+                                k_scale=scale_of(k_scale, k_scale_tensor), v_scale=scale_of(v_scale, v_scale_tensor),
+                                out=out, output_gate=output_gate)
+
+
+@_qsa_op.register_fake
+def _(q, k_cache, v_cache, packed_indices, block_table, token_to_req, prefill, k_scale, k_scale_tensor, v_scale,
+      v_scale_tensor, output_gate):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -5,28 +5,33 @@ The host side looks at shapes, dtypes, strides and pointers only (no data read, 
 call captures in a CUDA graph once its variant is compiled. It runs on the shared launcher
 (:mod:`cute_kernels.ops._launch`): the first call with a new combination of those attributes
 validates everything and prepares the kernel's caller; later calls look it up by a tuple of cheap
-tensor attributes.
+tensor attributes. Registered as ``torch.ops.cute_kernels.quantize_query`` and
+``quantize_query_out`` (:mod:`cute_kernels.ops._library`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from .. import reference
-from .._nvtx import ENABLED as _NVTX
-from .._nvtx import op_range
+from .._types import Rope, Scale
 from ..jit.compiler import get_kernel
 from ..plans.quantize_query import ROPE_MAX_VEC, VECTOR_WIDTHS, QuantizeQueryConfig, make_quantize_config
 from . import _check
 from ._device import current_device, on_device
-from ._launch import Launcher, bind, check_scale
+from ._launch import Launcher, TuningOverride, check_scale
+from ._library import compiling, custom_op, scale_of, scale_parts
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
 FP8 = torch.float8_e4m3fn
 _IN_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def vector_width(head_dim: int, tensors, *, multiple_of: int = 0, widest: int = 16) -> int:
+def vector_width(head_dim: int, tensors: Iterable[Tensor], *, multiple_of: int = 0, widest: int = 16) -> int:
     """Widest elements-per-thread the kernel can use: it divides ``head_dim`` (and ``multiple_of``)
     and every tensor's pointer and strides allow ``min(16, vec * element size)``-byte accesses."""
     for vec in VECTOR_WIDTHS:
@@ -51,7 +56,8 @@ def _check_rope(rope, q: torch.Tensor):
     return cos_sin, positions
 
 
-def make_config(q: torch.Tensor, scale_tensor: bool, out=None, rope=None, target: str = "sm_90a") -> QuantizeQueryConfig:
+def make_config(q: Tensor, scale_tensor: bool, out: Tensor | None = None, rope: Rope | None = None,
+                target: str = "sm_90a") -> QuantizeQueryConfig:
     """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers)."""
     D = q.shape[2]
     tensors = [q] + ([out] if out is not None else []) + ([rope[0]] if rope is not None else [])
@@ -83,7 +89,7 @@ class _Launch:
         self.call, self.reference = call, reference
 
 
-def tuning_override(**fields):
+def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(items=2): ...`` forces kernel config fields (benchmarks comparing
     variants); the override is part of the launch-cache key."""
     return _launcher.tuning_override(**fields)
@@ -109,7 +115,7 @@ def _prepare(q, q_scale, out, rope) -> _Launch:
         return _REFERENCE
     # a tensor scale other than 1-D (a 1-element tensor of any rank) goes as a [1] view
     sources = {"q_scale": "q_scale.view(1)"} if scale_tensor and q_scale.dim() != 1 else None
-    return _Launch(on_device(bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)),
+    return _Launch(on_device(_launcher.bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)),
                              q.device), False)
 
 
@@ -132,16 +138,16 @@ def _check_data(q, q_scale, out, rope) -> None:
 _CALL_PARAMS = ("q", "out", "q_scale", "cos_sin_cache", "positions")
 _REFERENCE = _Launch(None, True)
 _EMPTY = _Launch(None, False)
-_launcher = Launcher(_prepare, _reference, check_data=_check_data)
+_launcher = Launcher(_prepare, _reference, check_data=_check_data, op="quantize_query")
 
 
 def quantize_query(
-    q: torch.Tensor,
-    q_scale,
+    q: Tensor,
+    q_scale: Scale,
     *,
-    out: torch.Tensor | None = None,
-    rope=None,
-) -> torch.Tensor:
+    out: Tensor | None = None,
+    rope: Rope | None = None,
+) -> Tensor:
     """Quantize a query to float8_e4m3fn: ``saturate(RNE(rope(q) / q_scale))``.
 
     Semantics are those of :func:`cute_kernels.reference.quantize_query` (bit-exact codes).
@@ -162,6 +168,8 @@ def quantize_query(
         ``out``. CPU tensors run the reference, and so do SM80/86 GPUs (no FP8 conversion
         instructions; the dispatch layer never quantizes a query there).
     """
+    if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
+        return _traced(q, q_scale, out, rope)
     try:
         key = _key(q, q_scale, out, rope)
     except (AttributeError, TypeError, ValueError):  # not tensors: the validation says what is wrong
@@ -177,12 +185,54 @@ def quantize_query(
     if launch.call is not None:
         cos_sin, positions = rope if rope is not None else (None, None)
         try:
-            if _NVTX:
-                with op_range("quantize_query", q=q, out=out):
-                    launch.call(q, out, q_scale, cos_sin, positions)
-            else:
-                launch.call(q, out, q_scale, cos_sin, positions)
+            launch.call(q, out, q_scale, cos_sin, positions)
         except Exception:
             _launcher.refused((q, q_scale, out, rope))  # raises the error that names the argument
             raise
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: torch.ops.cute_kernels.quantize_query / quantize_query_out
+# ---------------------------------------------------------------------------------------------
+
+
+def _rope_of(cos_sin_cache: Optional[Tensor], positions: Optional[Tensor]) -> Rope | None:
+    if cos_sin_cache is None or positions is None:
+        return None
+    return cos_sin_cache, positions
+
+
+@custom_op("quantize_query_out", mutates=("out",))
+def _quantize_query_out_op(q: Tensor, q_scale: float, q_scale_tensor: Optional[Tensor],
+                           cos_sin_cache: Optional[Tensor], positions: Optional[Tensor], out: Tensor) -> None:
+    quantize_query(q, scale_of(q_scale, q_scale_tensor), out=out, rope=_rope_of(cos_sin_cache, positions))
+
+
+@_quantize_query_out_op.register_fake
+def _(q, q_scale, q_scale_tensor, cos_sin_cache, positions, out):
+    return None
+
+
+@custom_op("quantize_query")
+def _quantize_query_op(q: Tensor, q_scale: float, q_scale_tensor: Optional[Tensor], cos_sin_cache: Optional[Tensor],
+                       positions: Optional[Tensor]) -> Tensor:
+    out = torch.empty(q.shape, dtype=FP8, device=q.device)
+    quantize_query(q, scale_of(q_scale, q_scale_tensor), out=out, rope=_rope_of(cos_sin_cache, positions))
+    return out
+
+
+@_quantize_query_op.register_fake
+def _(q, q_scale, q_scale_tensor, cos_sin_cache, positions):
+    return torch.empty(q.shape, dtype=FP8, device=q.device)
+
+
+def _traced(q, q_scale, out, rope):
+    """:func:`quantize_query` as torch.compile sees it (``rope`` as two optional tensors)."""
+    if rope is not None and (not isinstance(rope, (tuple, list)) or len(rope) != 2):
+        raise TypeError("rope must be a (cos_sin_cache, positions) tuple")
+    cos_sin, positions = rope if rope is not None else (None, None)
+    if out is None:
+        return _quantize_query_op(q, *scale_parts(q_scale), cos_sin, positions)
+    _quantize_query_out_op(q, *scale_parts(q_scale), cos_sin, positions, out)
     return out

@@ -4,21 +4,26 @@ Runs once per attention layer per step, so the host path is short: on the shared
 (:mod:`cute_kernels.ops._launch`) the first call with a new combination of
 shapes/strides/dtypes/alignments validates everything and prepares the kernel's caller; later calls
 look it up by a tuple of cheap tensor attributes. Nothing here reads tensor data or synchronizes,
-so a call captures in a CUDA graph once compiled.
+so a call captures in a CUDA graph once compiled. Registered as
+``torch.ops.cute_kernels.write_kv_cache``, which declares the caches it writes
+(:mod:`cute_kernels.ops._library`).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from .. import reference
-from .._nvtx import ENABLED as _NVTX
-from .._nvtx import op_range
+from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
 from ..plans.write_kv_cache import WriteKVCacheConfig, make_write_config
 from . import _check
 from ._device import current_device, on_device
-from ._launch import Launcher, bind, check_scale
+from ._launch import Launcher, TuningOverride, check_scale
+from ._library import cache_of, cache_parts, compiling, custom_op, scale_of, scale_parts
 from ._torch import check_tensor, compile_target, dtype_name
 from .quantize_query import vector_width
 
@@ -63,8 +68,8 @@ def _cache_geometry(kv_cache, kv_layout: str, device) -> tuple[bool, tuple, list
     return pair, (P, Hkv, page, D), tensors
 
 
-def make_config(key, value, kv_cache, slot_mapping, kv_layout: str, k_scale_tensor: bool,
-                v_scale_tensor: bool) -> WriteKVCacheConfig:
+def make_config(key: Tensor, value: Tensor, kv_cache: KVCache, slot_mapping: Tensor, kv_layout: str,
+                k_scale_tensor: bool, v_scale_tensor: bool) -> WriteKVCacheConfig:
     """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers)."""
     pair, (_, _, page, D), caches = _cache_geometry(kv_cache, kv_layout, key.device)
     return make_write_config(
@@ -94,7 +99,7 @@ class _Launch:
         self.call, self.reference, self.pair, self.empty = call, reference, pair, empty
 
 
-def tuning_override(**fields):
+def tuning_override(**fields: object) -> TuningOverride:
     """``with tuning_override(items=2): ...`` forces kernel config fields (benchmarks comparing
     variants); the override is part of the launch-cache key."""
     return _launcher.tuning_override(**fields)
@@ -128,7 +133,7 @@ def _prepare(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale) ->
     # a tensor scale other than 1-D (a 1-element tensor of any rank) goes as a [1] view
     sources = {name: f"{name}.view(1)" for name, t, is_t in (("k_scale", k_scale, k_tensor), ("v_scale", v_scale, v_tensor))
                if is_t and t.dim() != 1}
-    return _Launch(on_device(bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)),
+    return _Launch(on_device(_launcher.bind(_CALL_PARAMS, (get_kernel(config, target), config.signature(), sources, None)),
                              device), False, pair)
 
 
@@ -144,18 +149,18 @@ def _check_data(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
 
 
 _CALL_PARAMS = ("key", "value", "k_cache", "v_cache", "slot_mapping", "k_scale", "v_scale")
-_launcher = Launcher(_prepare, _reference, check_data=_check_data)
+_launcher = Launcher(_prepare, _reference, check_data=_check_data, op="write_kv_cache")
 
 
 def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache,
-    slot_mapping: torch.Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: KVCache,
+    slot_mapping: Tensor,
     *,
     kv_layout: str = "HND",
-    k_scale=1.0,
-    v_scale=1.0,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
 ) -> None:
     """Write new keys/values into the paged KV cache, in place.
 
@@ -179,6 +184,10 @@ def write_kv_cache(
     CPU tensors run the reference, and so does an FP8 cache on SM80/86 (no FP8 conversion
     instructions there; that torch path reads the slots on the host, so it is not graph-capturable).
     """
+    if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
+        _write_kv_cache_op(key, value, *cache_parts(kv_cache), slot_mapping, kv_layout, *scale_parts(k_scale),
+                           *scale_parts(v_scale))
+        return
     try:
         launch_key = _key(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
     except (AttributeError, TypeError, ValueError):  # not tensors: the validation says what is wrong
@@ -194,11 +203,25 @@ def write_kv_cache(
         return
     k_cache, v_cache = (kv_cache[0], kv_cache[1]) if launch.pair else (kv_cache, kv_cache)
     try:
-        if _NVTX:
-            with op_range("write_kv_cache", key=key, kv_cache=k_cache):
-                launch.call(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        else:
-            launch.call(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        launch.call(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     except Exception:
         _launcher.refused((key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale))  # raises the error that names the argument
         raise
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: torch.ops.cute_kernels.write_kv_cache (it writes the caches)
+# ---------------------------------------------------------------------------------------------
+
+
+@custom_op("write_kv_cache", mutates=("k_cache", "v_cache"))
+def _write_kv_cache_op(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], slot_mapping: Tensor,
+                       kv_layout: str, k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float,
+                       v_scale_tensor: Optional[Tensor]) -> None:
+    write_kv_cache(key, value, cache_of(k_cache, v_cache), slot_mapping, kv_layout=kv_layout,
+                   k_scale=scale_of(k_scale, k_scale_tensor), v_scale=scale_of(v_scale, v_scale_tensor))
+
+
+@_write_kv_cache_op.register_fake
+def _(key, value, k_cache, v_cache, slot_mapping, kv_layout, k_scale, k_scale_tensor, v_scale, v_scale_tensor):
+    return None

@@ -6,9 +6,9 @@ Host-only. The kernel is :mod:`cute_kernels.common.quantize`; design: docs/desig
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from ..jit.spec import DTYPE_BITS, KernelConfig, ScalarArg, TensorArg
+from ..jit.spec import DTYPE_BITS, Arg, KernelConfig, ScalarArg, TensorArg
 from .hw import FP8_CVT_TARGETS
 
 NUM_THREADS = 256
@@ -84,7 +84,7 @@ class QuantizeQueryConfig(KernelConfig):
         D = self.head_dim
         scale = (TensorArg("q_scale", "fp32", ("S",), align=4) if self.scale_tensor
                  else ScalarArg("q_scale", "fp32"))
-        args = (
+        args: tuple[Arg, ...] = (
             TensorArg("q", self.q_dtype, ("T", "Hq", D), align=self._align(self.q_dtype)),
             TensorArg("out", "fp8_e4m3", ("T", "Hq", D), align=self._align("fp8_e4m3")),
             scale,
@@ -113,7 +113,7 @@ def make_quantize_config(*, q_dtype: str, head_dim: int, vec: int, scale_tensor:
                          override: dict | None = None) -> QuantizeQueryConfig:
     """The config the op uses for validated arguments (and the warm-up enumerates): the tuning
     defaults filled in here. ``rope``: ``(rot_dim, cos_sin_dtype, pos_dtype)`` of a fused RoPE."""
-    fields = dict(q_dtype=q_dtype, head_dim=head_dim, vec=vec, scale_tensor=scale_tensor)
+    fields: dict[str, Any] = dict(q_dtype=q_dtype, head_dim=head_dim, vec=vec, scale_tensor=scale_tensor)
     if rope is not None:
         fields.update(rot_dim=rope[0], cos_sin_dtype=rope[1], pos_dtype=rope[2])
     fields = {**fields, "items": DEFAULT_ITEMS_ROPE.get(target, 1) if rope is not None else DEFAULT_ITEMS,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import product
+from typing import Any
 
 from ..jit.spec import ALL_TARGETS, KernelConfig, ScalarArg, TensorArg
 from . import hw
@@ -125,11 +126,11 @@ class _Sm80Common(KernelConfig):
         return 16 * self.m_tiles * self.warps_m
 
     @property
-    def targets(self) -> tuple[str, ...]:
+    def targets(self) -> tuple[str, ...]:  # type: ignore[override]
         return (self.target,)
 
     @property
-    def evidence(self) -> dict:
+    def evidence(self) -> dict[str, tuple[tuple[str, str], ...]]:  # type: ignore[override]
         pairs = EVIDENCE + ((CVT_EVIDENCE,) if self.fp8 and self.widen == "cvt" else ())
         return {t: pairs for t in self.targets}
 
@@ -432,7 +433,7 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     for t in TARGETS:
         for kv in KV_DTYPES:
             for d in HEAD_DIMS:
-                shape = dict(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=d, page_size=16)
+                shape: dict[str, Any] = dict(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=d, page_size=16)
                 out += [make_decode_config(group=8, q_len=1, split=s, **shape) for s in (False, True)]
                 out.append(make_prefill_config(group=4, **shape))
             out.append(make_decode_config(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=128, group=16, q_len=4,
@@ -455,7 +456,7 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     the LSE; on SM80 also the bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90
     the shapes SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a
     ring sized for 99 KB (run on the H200 as the SM86 build's stand-in) and an fp16 D 64 prefill."""
-    shape = dict(q_dtype="bf16", head_dim=128, page_size=16)
+    shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
     out: list[KernelConfig] = []
     for t in TARGETS:
         out += [
@@ -466,7 +467,7 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
                                v_scale_tensor=True, **shape),
             make_prefill_config(target=t, kv_dtype="fp8_e4m3", group=4, write_lse=True, **shape),
         ]
-    sm80 = dict(target="sm_80", q_dtype="bf16", kv_dtype="fp8_e4m3", page_size=16, split=False)
+    sm80: dict[str, Any] = dict(target="sm_80", q_dtype="bf16", kv_dtype="fp8_e4m3", page_size=16, split=False)
     out += [make_decode_config(head_dim=64, group=8, q_len=1, **sm80),
             make_decode_config(head_dim=256, group=16, q_len=4, **sm80),
             make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,

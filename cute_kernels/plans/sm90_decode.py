@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import product
-from typing import ClassVar
+from types import ModuleType
+from typing import Any, ClassVar
 
-from ..jit.spec import LABEL_IF_SET, KernelConfig, ScalarArg, TensorArg
+from ..jit.spec import LABEL_IF_SET, Arg, KernelConfig, ScalarArg, TensorArg
 from . import hw
 from . import sm90_decode_balance as balance
 from .paged_cache import kv_cache_args, scale_arg
@@ -116,7 +118,7 @@ class Sm90DecodeConfig(KernelConfig):
     evidence = {"sm_90a": (("wgmma.mma_async", r"wgmma\.mma_async"), ("TMA load", r"cp\.async\.bulk\.tensor"),
                            ("mbarrier.try_wait", r"mbarrier\.try_wait"))}
     # what the kernel reads from its config (kernels never import plans)
-    hw: ClassVar = hw
+    hw: ClassVar[ModuleType] = hw
     num_threads: ClassVar[int] = NUM_THREADS
     consumer_warps: ClassVar[int] = CONSUMER_WARPS
     chunk_tiles_max: ClassVar[int] = DYNAMIC_CHUNK_TILES
@@ -193,6 +195,7 @@ class Sm90DecodeConfig(KernelConfig):
     def signature(self):
         D = self.head_dim
         caches = kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, D)
+        split: tuple[Arg, ...]
         tokens = self.q_len if self.balanced else "T"  # partial_tokens
         if self.cluster:  # partials stay in the cluster's shared memory: only the grid's split count
             split = (ScalarArg("num_splits", "int32"),)
@@ -453,8 +456,9 @@ _KV_NAMES = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}
 
 
 def decode_variants(*, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
-                    kv_dtypes=("fp8_e4m3",), q_dtype: str = "bf16", q_lens=(1,), scale_tensors=(False, True),
-                    kv_layouts=("HND",), kv_forms=("single",), **override) -> list[Sm90DecodeConfig]:
+                    kv_dtypes: Sequence[str] = ("fp8_e4m3",), q_dtype: str = "bf16", q_lens: Sequence[int] = (1,),
+                    scale_tensors: Sequence[bool] = (False, True), kv_layouts: Sequence[str] = ("HND",),
+                    kv_forms: Sequence[str] = ("single",), **override: Any) -> list[Sm90DecodeConfig]:
     """Every decode config (split and not) that a model shape can reach.
 
     ``kv_forms``: ``"single"`` for one ``[P, 2, ...]`` cache tensor, ``"pair"`` for a (K, V) tuple.
@@ -469,9 +473,9 @@ def decode_variants(*, head_dim: int, num_q_heads: int, num_kv_heads: int, page_
     for kv, q_len, split, st, layout, form in product(kv_dtypes, q_lens, (False, True), scale_tensors,
                                                       kv_layouts, kv_forms):
         kv = _KV_NAMES.get(kv, kv)
-        fields = dict(q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, q_len=q_len,
-                      page_size=page_size, split=split, k_scale_tensor=st, v_scale_tensor=st, kv_form=form,
-                      kv_layout=layout)
+        fields: dict[str, Any] = dict(q_dtype=q_dtype, kv_dtype=kv, head_dim=head_dim, group=group, q_len=q_len,
+                                      page_size=page_size, split=split, k_scale_tensor=st, v_scale_tensor=st,
+                                      kv_form=form, kv_layout=layout)
         base = make_decode_config(**fields, **override)
         configs = [base]
         if "occupancy" not in override:
@@ -489,7 +493,7 @@ def decode_variants(*, head_dim: int, num_q_heads: int, num_kv_heads: int, page_
 def compile_variants() -> list[Sm90DecodeConfig]:
     """The compile matrix: each head dim x KV dtype x (split / no split), GQA 8, page 16; the
     alternative FP8 widening; the cluster merge."""
-    out = []
+    out: list[Sm90DecodeConfig] = []
     for kv in ("fp8_e4m3", "bf16", "fp16"):
         for d in (64, 128, 256):
             for split in (False, True):
@@ -500,8 +504,9 @@ def compile_variants() -> list[Sm90DecodeConfig]:
                                   page_size=16, split=False, widen="bits"))
     # the cluster merge (DSMEM) of splits of up to 16 CTAs: FP8 sized for 3 CTAs per SM, BF16
     for kv, occ in (("fp8_e4m3", 3), ("bf16", None)):
+        sizing: dict[str, Any] = {"occupancy": occ} if occ else {}
         out.append(make_decode_config(q_dtype="bf16", kv_dtype=kv, head_dim=128, group=8, q_len=1, page_size=16,
-                                      split=True, cluster=True, **({"occupancy": occ} if occ else {})))
+                                      split=True, cluster=True, **sizing))
     return out
 
 
@@ -592,8 +597,8 @@ def feature_variants() -> list[Sm90DecodeConfig]:
     """The window / sink variants of the compile matrix: every MMA path (FP8 ``cvt`` and ``bits``,
     BF16, FP16), window and sinks alone and together, unsplit and split (both merges), the
     speculative draft (q_len 4), D 64 / 128 / 256, both cache forms and layouts."""
-    base = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1, page_size=16)
-    both = dict(window=True, sinks=True)
+    base: dict[str, Any] = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1, page_size=16)
+    both: dict[str, Any] = dict(window=True, sinks=True)
     out = [
         make_decode_config(**base, split=False, **both),
         make_decode_config(**base, split=True, **both),

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
-from typing import ClassVar
+from types import ModuleType
+from typing import Any, ClassVar
 
-from ..jit.spec import KernelConfig, ScalarArg, TensorArg
+from ..jit.spec import Arg, KernelConfig, ScalarArg, TensorArg
 from . import hw
 from .paged_cache import kv_cache_args, scale_arg
 from .sm90_attention import HEAD_DIMS, KV_FORMS, KV_LAYOUTS, PAGE_SIZES
@@ -127,7 +128,7 @@ class Sm90PrefillConfig(KernelConfig):
     kernel_id = "sm90.prefill"
     targets = ("sm_90a",)
     # what the kernel reads from its config (kernels never import plans)
-    hw: ClassVar = hw
+    hw: ClassVar[ModuleType] = hw
     tile_m: ClassVar[int] = TILE_M
     num_threads: ClassVar[int] = NUM_THREADS
 
@@ -189,8 +190,8 @@ class Sm90PrefillConfig(KernelConfig):
         """KV tokens per TMA box: one page, or a tile-sized piece of a larger page."""
         return min(self.page_size, self.tile_n)
 
-    @property
-    def evidence(self) -> dict:
+    @property  # per instance (the base: a class constant)
+    def evidence(self) -> dict[str, tuple[tuple[str, str], ...]]:  # type: ignore[override]
         """WGMMA with the operand types this variant claims, the PV one with P from registers (an
         RS WGMMA: a register list for A), TMA loads and mbarrier waits."""
         if self.kind == "fp8":
@@ -207,7 +208,7 @@ class Sm90PrefillConfig(KernelConfig):
         """Call arguments, in order (the op binds them by name)."""
         D = self.head_dim
         caches = kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, D)
-        q_scale = ()
+        q_scale: tuple[Arg, ...] = ()
         if self.q_scale in ("scalar", "tensor"):
             q_scale = (scale_arg("q_scale", self.q_scale == "tensor"),)
         elif self.q_scale == "per_head":
@@ -250,9 +251,9 @@ def smem_bytes(cfg: Sm90PrefillConfig) -> int:
 def _tuning(kind: str, head_dim: int) -> tuple[int, int, int]:
     """(tile_n, stages, staging): the deepest pipeline that fits, consumer stages first."""
     tile_n = _TILE_N[(kind, head_dim)]
-    probe = dict(q_dtype={"16": "bf16", "widen": "bf16", "fp8": "fp8_e4m3"}[kind],
-                 kv_dtype="bf16" if kind == "16" else "fp8_e4m3", out_dtype="bf16", head_dim=head_dim,
-                 q_scale="scalar" if kind == "fp8" else "none", tile_n=tile_n)
+    probe: dict[str, Any] = dict(q_dtype={"16": "bf16", "widen": "bf16", "fp8": "fp8_e4m3"}[kind],
+                                 kv_dtype="bf16" if kind == "16" else "fp8_e4m3", out_dtype="bf16",
+                                 head_dim=head_dim, q_scale="scalar" if kind == "fp8" else "none", tile_n=tile_n)
     best = None
     for stages in (4, 3, 2, 1):
         for staging in ((0,) if kind == "16" else (2, 1)):
@@ -271,7 +272,8 @@ def _tuning(kind: str, head_dim: int) -> tuple[int, int, int]:
 def make_prefill_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int,
                         out_dtype: str | None = None, kv_form: str = "single", kv_layout: str = "HND",
                         causal: bool = True, write_lse: bool = True, k_scale_tensor: bool = False,
-                        v_scale_tensor: bool = False, q_scale: str | None = None, **override) -> Sm90PrefillConfig:
+                        v_scale_tensor: bool = False, q_scale: str | None = None,
+                        **override: Any) -> Sm90PrefillConfig:
     """The config the op, the warm-up and the compile matrix use for a problem: tuning filled in
     here, once. ``out_dtype`` defaults to the query's dtype (bf16 for an FP8 query); ``q_scale``
     to "scalar" for an FP8 query. ``override`` replaces tuning fields (benchmarks, tests)."""
@@ -287,11 +289,11 @@ def make_prefill_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: in
     # the consumers take turns issuing at D <= 128 only (FA3/FA4's choice; at D = 256 the PV of one
     # warpgroup alone fills the tensor cores for long)
     pingpong = head_dim <= 128
-    fields_ = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, head_dim=head_dim, group=group,
-                   page_size=page_size, kv_form=kv_form, kv_layout=kv_layout, causal=causal, write_lse=write_lse,
-                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, q_scale=q_scale, tile_n=tile_n,
-                   stages=stages, staging=staging, producer_regs=producer_regs, consumer_regs=consumer_regs,
-                   pingpong=pingpong)
+    fields_: dict[str, Any] = dict(
+        q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, head_dim=head_dim, group=group,
+        page_size=page_size, kv_form=kv_form, kv_layout=kv_layout, causal=causal, write_lse=write_lse,
+        k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, q_scale=q_scale, tile_n=tile_n,
+        stages=stages, staging=staging, producer_regs=producer_regs, consumer_regs=consumer_regs, pingpong=pingpong)
     fields_.update(override)
     return Sm90PrefillConfig(**fields_)
 

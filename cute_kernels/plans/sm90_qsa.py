@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from types import ModuleType
 from typing import ClassVar
 
 from ..jit.spec import DTYPE_BITS, KernelConfig, ScalarArg, TensorArg
@@ -80,7 +81,7 @@ class Sm90QsaConfig(KernelConfig):
     evidence = {"sm_90a": (("wgmma.mma_async", r"wgmma\.mma_async"), ("cp.async gather", r"cp\.async\.cg\.shared\.global"),
                            ("cp.async.mbarrier.arrive", r"cp\.async\.mbarrier\.arrive"),
                            ("mbarrier.try_wait", r"mbarrier\.try_wait"))}
-    hw: ClassVar = hw  # what the kernel reads from its config (kernels never import plans)
+    hw: ClassVar[ModuleType] = hw  # what the kernel reads from its config (kernels never import plans)
     consumer_warps: ClassVar[int] = CONSUMER_WARPS
 
     def __post_init__(self):

@@ -9,6 +9,9 @@ this to tensors; the warm-up and the compile matrix enumerate it here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from ..jit.spec import KernelConfig
 from . import hw
 from .sm90_qsa import PRODUCTION_TOPK, make_qsa_config, split_table
@@ -21,8 +24,9 @@ _KV = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"
 
 
 def qsa_variants(*, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int, kv_cache_dtype: str = "bf16",
-                 q_dtype: str = "bf16", topk: int = PRODUCTION_TOPK, gates=(True, False), num_sms: int = hw.H200_SMS,
-                 block_table_width: int | None = None, scale_tensors=(False,), **override) -> list[KernelConfig]:
+                 q_dtype: str = "bf16", topk: int = PRODUCTION_TOPK, gates: Sequence[bool] = (True, False),
+                 num_sms: int = hw.H200_SMS, block_table_width: int | None = None,
+                 scale_tensors: Sequence[bool] = (False,), **override: Any) -> list[KernelConfig]:
     """Every SM90 QSA kernel and merge config the table reaches for one layer shape.
 
     The split count is a runtime value (the grid), so the compiled variants are: per tile of the

@@ -75,11 +75,12 @@ class Sm90QsaTileConfig(Sm90QsaConfig):
 
     kernel_id = "sm90.qsa_tile"
 
-    @property
-    def evidence(self):
+    @property  # per instance (the base: a class constant)
+    def evidence(self) -> dict[str, tuple[tuple[str, str], ...]]:  # type: ignore[override]
         """Tensor cores with the query columns on M (m64n256 PV from registers), the mbarrier
         pipeline, and the gather: zero-filling cp.async for 16-bit caches; for FP8, 16-byte
         loads widened exactly to fp16 and stored as 16-byte chunks."""
+        gather: tuple[tuple[str, str], ...]
         if DTYPE_BITS[self.kv_dtype] == 16:
             gather = (("cp.async gather", r"cp\.async\.cg\.shared\.global"),
                       ("cp.async.mbarrier.arrive", r"cp\.async\.mbarrier\.arrive"))

@@ -7,6 +7,7 @@ its CTAs per SM from the hardware facts its config carries); design: docs/design
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import ClassVar
 
 from ..jit.spec import KernelConfig, TensorArg
@@ -37,7 +38,7 @@ class QsaUnionConfig(KernelConfig):
     # shared-memory atomics build the bitmap and the member words; popcounts give the ranks
     evidence = {"sm_90a": (("atom.shared.or", r"atom(\.\w+)*\.shared(::cta)?(\.\w+)*\.or\.b32"),
                            ("popc", r"popc\.b32"))}
-    hw: ClassVar = hw  # what the kernel reads from its config (kernels never import plans)
+    hw: ClassVar[ModuleType] = hw  # what the kernel reads from its config (kernels never import plans)
 
     def __post_init__(self):
         if not 1 <= self.rows_per_tile <= MAX_ROWS:

@@ -65,12 +65,12 @@ class WriteKVCacheConfig(KernelConfig):
         if self.items not in ITEMS:
             raise ValueError(f"items must be 1, 2 or 4, got {self.items}")
 
-    @property
-    def targets(self):  # per instance: FP8 conversion instructions need SM89+
+    @property  # per instance (the base: a class constant): FP8 conversion instructions need SM89+
+    def targets(self) -> tuple[str, ...]:  # type: ignore[override]
         return FP8_TARGETS if self.cache_dtype == "fp8_e4m3" else ALL_TARGETS
 
-    @property
-    def evidence(self):  # per instance: the conversion depends on the cache dtype
+    @property  # per instance (the base: a class constant): the conversion depends on the cache dtype
+    def evidence(self) -> dict[str, tuple[tuple[str, str], ...]]:  # type: ignore[override]
         pats = [("16-byte loads", r"ld\.global(\.\w+)*\.v4\.b32"), ("div.rn.f32", r"div\.rn\.f32")]
         if self.cache_dtype == "fp8_e4m3":
             pats.append(("cvt.rn.satfinite.e4m3x2", r"cvt\.rn\.satfinite\.e4m3x2\.f32"))

@@ -298,11 +298,12 @@ def test_scale_tensors_of_one_element_any_rank(shape):
 def test_warmups_read_the_registry(monkeypatch):
     """The warm-ups build the variants of the kernel the registry runs on the arch (as the op
     chooses it) and refuse an arch where none runs."""
-    # (the functions by their modules: once imported, the module cute_kernels.warmup shadows the
-    # package's lazy attribute of the same name)
+    # (the functions by their modules, from sys.modules: the package attribute cute_kernels.warmup
+    # is the module or the function of the same name, whichever was bound last)
     import dataclasses
+    import importlib
 
-    import cute_kernels.warmup as warmup_module
+    warmup_module = importlib.import_module("cute_kernels.warmup")
     from cute_kernels.qsa_warmup import qsa_warmup
     from cute_kernels.registry import KERNELS
 

@@ -405,7 +405,11 @@ def test_checked_mode_names_the_first_bad_entry(fake_gpu, checked, mutate, match
 def test_warmup_covers_the_layers_prefill_variants(fake_gpu, monkeypatch, qd, scales_as_tensors, layout, container):
     """What ``AttentionLayer`` passes (``out=`` in the model dtype, causal, no LSE, its scales) selects
     a variant that ``cute_kernels.warmup`` lists for the same shape, and the warm-up compiles it."""
-    import cute_kernels.warmup as warm
+    import importlib
+
+    # the module, by name: `import cute_kernels.warmup as warm` gives the package attribute, which is
+    # the warmup function once anything has asked cute_kernels for it
+    warm = importlib.import_module("cute_kernels.warmup")
 
     calls, compiled = fake_gpu
     p = _problem(("warm", str(qd), layout), kv_dtype=FP8, q_dtype=qd, layout=layout, container=container)

@@ -1,0 +1,240 @@
+"""Nsight Compute for ``cute-kernels profile``: the command line, the raw CSV it exports, and the
+short report made from it (host-only: neither torch nor the DSL).
+
+The profiled process (:mod:`cute_kernels.bench.profile`) makes one op call between
+``cudaProfilerStart``/``Stop``, and ncu runs with ``--profile-from-start off`` and the op's NVTX
+range as its only include filter (``--nvtx-include "cute_kernels.<op>/"``: the range is named
+exactly that, shapes ride in a range nested inside it), so the report holds that call's kernels
+and nothing of the warm-up. Before the call, the process runs a device-to-device copy in a range
+``cute_kernels.roofline`` nested inside a ``cute_kernels.<op>`` range of its own, so that the same
+filter selects it: it is the first profiled kernel, and its DRAM bandwidth under the same clocks
+and cache flushes is the roofline each kernel's bandwidth is compared with.
+
+Report per kernel: duration, DRAM and SM throughput (% of peak), DRAM bytes and bandwidth as a
+share of the copy's, achieved occupancy, registers per thread, shared memory per CTA (static +
+dynamic), local-memory traffic (spills) and the three largest warp-stall reasons. Design:
+docs/design/benchmarks.md#profiling-one-op.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Sequence
+from typing import Any
+
+#: what ``cute-kernels profile WHAT`` profiles: WHAT -> the op whose NVTX range selects the call
+OPS = {"decode": "paged_decode", "prefill": "paged_prefill", "qsa": "qsa_sparse_attention",
+       "merge": "merge_states", "layer": "layer"}
+ROOFLINE_RANGE = "cute_kernels.roofline"
+
+#: each WHAT's shape keys and defaults (``--shape k=v,...`` overrides them): the benchmarks' shapes
+SHAPES: dict[str, dict[str, Any]] = {
+    # cute-kernels bench decode's first shape (Qwen3-30B B8 at 32000 tokens, FP8 cache)
+    "decode": dict(B=8, ctx=32000, Hq=32, Hkv=4, D=128, page=16, kv="fp8", q_len=1),
+    # cute-kernels bench prefill's first shape: B requests of `new` tokens after a cached `prefix`
+    "prefill": dict(B=1, prefix=0, new=4096, Hq=32, Hkv=8, D=128, page=16, kv="bf16"),
+    # cute-kernels bench qsa: Hq 24, Hkv 2, D 256, page 1568; decode rows or 1 x n prefill tokens
+    "qsa": dict(kind="decode", n=64, kv="bf16", selection="correlated", gate=1),
+    # cute-kernels bench merge: S splits of N rows x H heads x D
+    "merge": dict(S=8, N=64, H=32, D=128),
+    # cute-kernels bench layer's decode step (Qwen3-30B B8 at 32000 tokens, FP8 cache)
+    "layer": dict(B=8, ctx=32000, Hq=32, Hkv=4, D=128, page=16, kv="fp8"),
+}
+
+
+def parse_shape(what: str, text: str | None) -> dict[str, Any]:
+    """``"B=8,ctx=4096"`` over WHAT's defaults; a value takes its default's type. Raises
+    ``ValueError`` naming an unknown key or a bad value."""
+    shape = dict(SHAPES[what])
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in shape:
+            raise ValueError(f"--shape: {item!r} is not KEY=VALUE with KEY one of {', '.join(shape)}")
+        if isinstance(shape[key], int):
+            try:
+                shape[key] = int(value)
+            except ValueError:
+                raise ValueError(f"--shape: {key} must be an integer, got {value!r}") from None
+        else:
+            shape[key] = value.strip()
+    return shape
+
+
+def shape_text(shape: dict[str, Any]) -> str:
+    """The inverse of :func:`parse_shape`: ``"B=8,ctx=4096,..."``."""
+    return ",".join(f"{k}={v}" for k, v in shape.items())
+
+# the sections behind the report (and the GUI's pages of the .ncu-rep)
+SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis")
+DURATION = "gpu__time_duration.sum"
+DRAM_PCT = "dram__throughput.avg.pct_of_peak_sustained_elapsed"
+SM_PCT = "sm__throughput.avg.pct_of_peak_sustained_elapsed"
+DRAM_READ, DRAM_WRITE = "dram__bytes_read.sum", "dram__bytes_write.sum"
+OCCUPANCY = "sm__warps_active.avg.pct_of_peak_sustained_active"
+REGISTERS = "launch__registers_per_thread"
+SMEM_STATIC, SMEM_DYNAMIC = "launch__shared_mem_per_block_static", "launch__shared_mem_per_block_dynamic"
+LOCAL_LD, LOCAL_ST = "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum", "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"
+METRICS = (DURATION, DRAM_PCT, SM_PCT, DRAM_READ, DRAM_WRITE, OCCUPANCY, REGISTERS, SMEM_STATIC, SMEM_DYNAMIC,
+           LOCAL_LD, LOCAL_ST)
+# warp-state metrics of the WarpStateStats section: cycles per issued instruction spent stalled
+# for each reason ("selected" is the issuing warp itself, not a stall)
+_STALL = re.compile(r"^smsp__average_warps?_(?:latency_)?issue_stalled_(?P<reason>[a-z0-9_]+?)"
+                    r"(?:_per_issue_active)?\.ratio$")
+_NOT_STALLS = {"selected"}
+
+_SCALE = {"": 1.0, "n": 1e-9, "u": 1e-6, "m": 1e-3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_UNIT = re.compile(r"^(?P<prefix>[numKMGT]?)(?P<base>second|byte|byte/second)$")
+
+
+def ncu_command(what: str, shape: str, stem: str, *, ncu: str = "ncu", python: str = "python3",
+                extra: Sequence[str] = ()) -> list[str]:
+    """The ncu command line that profiles one ``WHAT`` call of ``shape`` into ``stem.ncu-rep``."""
+    op = OPS[what]
+    argv = [ncu, "--nvtx", "--nvtx-include", f"cute_kernels.{op}/", "--profile-from-start", "off",
+            "--target-processes", "all"]
+    for section in SECTIONS:
+        argv += ["--section", section]
+    argv += ["--metrics", ",".join(METRICS), "--export", stem, "--force-overwrite", *extra]
+    return argv + [python, "-m", "cute_kernels.bench.profile", "target", what, "--shape", shape]
+
+
+def import_command(report: str, *, ncu: str = "ncu") -> list[str]:
+    """The ncu command line that prints a report's raw page as CSV, values in base units."""
+    return [ncu, "--import", report, "--csv", "--page", "raw", "--print-units", "base"]
+
+
+def _number(text: str, unit: str) -> float | None:
+    text = text.strip().replace(",", "")
+    if text in ("", "n/a", "N/A"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    m = _UNIT.match(unit.strip())
+    return value * _SCALE[m.group("prefix")] if m else value
+
+
+def parse_raw_csv(text: str) -> list[dict[str, Any]]:
+    """The rows of ``ncu --import R --csv --page raw``: one dict per profiled kernel, in profiling
+    order, holding ``ID``, ``Kernel Name``, ``Block Size``, ``Grid Size`` and every metric column
+    as a number in base units (seconds, bytes; percentages stay percentages). The header row names
+    the columns and the row after it gives their units."""
+    rows = list(csv.reader(io.StringIO(text)))
+    start = next((i for i, r in enumerate(rows) if "Kernel Name" in r and "ID" in r), None)
+    if start is None:
+        raise ValueError("not an ncu raw-page CSV: no header row with 'ID' and 'Kernel Name'")
+    header = rows[start]
+    body = rows[start + 1:]
+    units = [""] * len(header)
+    if body and body[0] and body[0][header.index("ID")] == "":
+        units, body = body[0], body[1:]
+    text_columns = {"ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
+                    "Block Size", "Grid Size", "Device", "CC"}
+    out = []
+    for r in body:
+        if len(r) != len(header):
+            continue  # ncu's trailing notes, a truncated line
+        kernel: dict[str, Any] = {}
+        for name, unit, cell in zip(header, units, r):
+            kernel[name] = cell if name in text_columns else _number(cell, unit)
+        out.append(kernel)
+    return out
+
+
+def _stalls(kernel: dict[str, Any], top: int = 3) -> list[dict[str, Any]]:
+    found = []
+    for name, value in kernel.items():
+        m = _STALL.match(name)
+        if m and value is not None and m.group("reason") not in _NOT_STALLS:
+            found.append(dict(reason=m.group("reason"), cycles_per_instruction=round(value, 3)))
+    return sorted(found, key=lambda s: -s["cycles_per_instruction"])[:top]
+
+
+def _bytes(kernel: dict[str, Any], *names: str) -> float | None:
+    values = [kernel.get(n) for n in names]
+    return None if any(v is None for v in values) else float(sum(v for v in values if v is not None))
+
+
+def kernel_summary(kernel: dict[str, Any], roofline_bw: float | None) -> dict[str, Any]:
+    """The report's line for one profiled kernel (``roofline_bw``: the copy's bytes/second)."""
+    seconds = kernel.get(DURATION)
+    dram = _bytes(kernel, DRAM_READ, DRAM_WRITE)
+    bw = dram / seconds if dram is not None and seconds else None
+    smem = _bytes(kernel, SMEM_STATIC, SMEM_DYNAMIC)
+    spills = _bytes(kernel, LOCAL_LD, LOCAL_ST)
+    return dict(
+        id=kernel.get("ID"), name=kernel.get("Kernel Name"), grid=kernel.get("Grid Size"),
+        block=kernel.get("Block Size"),
+        duration_us=None if seconds is None else seconds * 1e6,
+        dram_bytes=dram, dram_gbps=None if bw is None else bw / 1e9,
+        roofline_pct=None if bw is None or not roofline_bw else 100 * bw / roofline_bw,
+        dram_throughput_pct=kernel.get(DRAM_PCT), sm_throughput_pct=kernel.get(SM_PCT),
+        achieved_occupancy_pct=kernel.get(OCCUPANCY), registers_per_thread=kernel.get(REGISTERS),
+        smem_per_cta_bytes=smem, smem_static_bytes=kernel.get(SMEM_STATIC),
+        smem_dynamic_bytes=kernel.get(SMEM_DYNAMIC), local_memory_bytes=spills, top_stalls=_stalls(kernel),
+    )
+
+
+def build_report(rows: list[dict[str, Any]], *, what: str, shape: dict[str, Any], device: str = "",
+                 ncu_report: str = "") -> dict[str, Any]:
+    """The report of one profiled call: the first row is the roofline copy, the others the op's
+    kernels in launch order, with their total."""
+    if len(rows) < 2:
+        raise ValueError(f"the profile holds {len(rows)} kernel(s): expected the roofline copy and the "
+                         f"kernels of one cute_kernels.{OPS[what]} call (is the op's NVTX range open?)")
+    copy, kernels = rows[0], rows[1:]
+    copy_s, copy_bytes = copy.get(DURATION), _bytes(copy, DRAM_READ, DRAM_WRITE)
+    roofline_bw = copy_bytes / copy_s if copy_bytes and copy_s else None
+    lines = [kernel_summary(k, roofline_bw) for k in kernels]
+    seconds = sum(k.get(DURATION) or 0.0 for k in kernels)
+    dram = sum(line["dram_bytes"] or 0.0 for line in lines)
+    total_bw = dram / seconds if seconds else None
+    return dict(
+        what=what, op=OPS[what], shape=shape, device=device, ncu_report=ncu_report,
+        roofline=dict(kernel=copy.get("Kernel Name"), duration_us=None if copy_s is None else copy_s * 1e6,
+                      dram_bytes=copy_bytes, dram_gbps=None if roofline_bw is None else roofline_bw / 1e9),
+        kernels=lines,
+        total=dict(duration_us=seconds * 1e6, dram_bytes=dram,
+                   dram_gbps=None if total_bw is None else total_bw / 1e9,
+                   roofline_pct=None if total_bw is None or not roofline_bw else 100 * total_bw / roofline_bw),
+    )
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The report as a short markdown page."""
+    shape = ", ".join(f"{k}={v}" for k, v in report["shape"].items())
+    roof = report["roofline"]
+    out = [f"# cute-kernels profile {report['what']} (`cute_kernels.{report['op']}`)", "",
+           f"shape: {shape}  ", f"device: {report['device'] or 'unknown'}  ",
+           f"Nsight Compute report: `{report['ncu_report']}`  ",
+           f"roofline: device-to-device copy `{roof['kernel']}`, {_fmt(roof['dram_bytes'], 0)} DRAM bytes in "
+           f"{_fmt(roof['duration_us'], 2)} µs = {_fmt(roof['dram_gbps'], 0)} GB/s (same run, same clocks)", "",
+           "| kernel | µs | DRAM GB/s | % roofline | DRAM % peak | SM % peak | occupancy % | regs/thread | "
+           "smem/CTA KiB | local B (spills) | top stalls (cycles/instr) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for k in report["kernels"]:
+        stalls = ", ".join(f"{s['reason']} {s['cycles_per_instruction']:.2f}" for s in k["top_stalls"]) or "–"
+        smem = None if k["smem_per_cta_bytes"] is None else k["smem_per_cta_bytes"] / 1024
+        out.append(f"| `{k['name']}` | {_fmt(k['duration_us'], 2)} | {_fmt(k['dram_gbps'], 0)} | "
+                   f"{_fmt(k['roofline_pct'])} | {_fmt(k['dram_throughput_pct'])} | {_fmt(k['sm_throughput_pct'])} | "
+                   f"{_fmt(k['achieved_occupancy_pct'])} | {_fmt(k['registers_per_thread'], 0)} | {_fmt(smem)} | "
+                   f"{_fmt(k['local_memory_bytes'], 0)} | {stalls} |")
+    t = report["total"]
+    out.append(f"| **total** | {_fmt(t['duration_us'], 2)} | {_fmt(t['dram_gbps'], 0)} | {_fmt(t['roofline_pct'])} "
+               "| | | | | | | |")
+    out += ["", "Durations are Nsight Compute's (locked clocks, caches flushed before each kernel), so they are "
+            "longer than the CUDA-graph times of `cute-kernels bench`; the roofline copy runs under the same "
+            "conditions.", ""]
+    return "\n".join(out)

@@ -1,0 +1,217 @@
+"""``cute-kernels profile decode|prefill|qsa|merge|layer [--shape k=v,...]``: Nsight Compute on one
+op call, selected by its NVTX range, with a short report (markdown and JSON) next to the
+``.ncu-rep``.
+
+Two halves: :func:`main` (the command) checks the machine, runs ncu on this module's ``target``
+sub-command and turns the raw page of the report into the summary (:mod:`cute_kernels.bench.ncu`);
+:func:`target` (the profiled process) builds the shape with the benchmarks' builders, warms the op
+up (compiles, sizes its workspaces), then between ``cudaProfilerStart``/``Stop`` runs the roofline
+copy and one call. Design: docs/design/benchmarks.md#profiling-one-op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from . import ncu
+from .harness import SM80_PLUS, SM90, GpuNeed, gpu_problem
+
+NEEDS: dict[str, GpuNeed] = {"decode": SM90, "prefill": SM90, "qsa": SM90, "merge": SM80_PLUS, "layer": SM90}
+WARMUP_CALLS = 3  # before the profiled call: compiles, sizes workspaces, loads modules
+COPY_BYTES = 256 << 20  # the roofline copy: 256 MiB read, 256 MiB written
+
+
+# ---------------------------------------------------------------------------------------------
+# the profiled process
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode(shape: dict, g) -> Callable[[], Any]:
+    import torch
+
+    import cute_kernels
+    from cute_kernels.testing import make_paged_decode_case
+
+    kv = torch.float8_e4m3fn if shape["kv"] == "fp8" else torch.bfloat16
+    scales = dict(k_scale=0.0625, v_scale=0.03125) if shape["kv"] == "fp8" else {}
+    case = make_paged_decode_case(batch=shape["B"], num_q_heads=shape["Hq"], num_kv_heads=shape["Hkv"],
+                                  head_dim=shape["D"], page_size=shape["page"], seq_lens=shape["ctx"], kv_dtype=kv,
+                                  q_len=shape["q_len"], generator=g, poison_tail=False, **scales)
+    out = torch.empty_like(case.q)
+    return lambda: cute_kernels.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, out=out,
+                                             **case.kwargs())
+
+
+def _qsa(shape: dict, g) -> Callable[[], Any]:
+    import torch
+
+    from .qsa import Problem, problem_geometry
+
+    kv = torch.float8_e4m3fn if shape["kv"] == "fp8" else torch.bfloat16
+    prefill = shape["kind"] == "prefill"
+    if shape["kind"] not in ("decode", "prefill"):
+        raise ValueError(f"--shape: kind must be decode or prefill, got {shape['kind']!r}")
+    problem = Problem(**problem_geometry(shape["kind"], shape["n"]), kv_dtype=kv, copies=1, seed=shape["n"],
+                      selection=shape["selection"] if prefill else "independent", use_gate=bool(shape["gate"]))
+    return lambda: problem.call(0, prefill)
+
+
+def _merge(shape: dict, g) -> Callable[[], Any]:
+    import torch
+
+    import cute_kernels
+
+    S, N, H, D = shape["S"], shape["N"], shape["H"], shape["D"]
+    po = torch.randn(S, N, H, D, device="cuda", generator=g)
+    pl = torch.randn(S, N, H, device="cuda", generator=g) * 4
+    out = torch.empty(N, H, D, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(N, H, device="cuda")
+    return lambda: cute_kernels.merge_states(po, pl, out=out, out_lse=lse)
+
+
+def _layer(shape: dict, g) -> Callable[[], Any]:
+    from .layer import layer_step
+
+    step = layer_step(g, Hq=shape["Hq"], Hkv=shape["Hkv"], D=shape["D"], B=shape["B"], ctx=shape["ctx"],
+                      page=shape["page"], kv=shape["kv"])
+    return step.forward
+
+
+def _prefill(shape: dict, g) -> Callable[[], Any]:
+    import torch
+
+    import cute_kernels
+    from cute_kernels.testing import make_paged_prefill_case
+
+    kv = torch.float8_e4m3fn if shape["kv"] == "fp8" else torch.bfloat16
+    scales = dict(k_scale=0.0625, v_scale=0.03125) if shape["kv"] == "fp8" else {}
+    case = make_paged_prefill_case(reqs=[(shape["prefix"], shape["new"])] * shape["B"], num_q_heads=shape["Hq"],
+                                   num_kv_heads=shape["Hkv"], head_dim=shape["D"], page_size=shape["page"],
+                                   kv_dtype=kv, generator=g, poison_tail=False, **scales)
+    out = torch.empty_like(case.q)
+    return lambda: cute_kernels.paged_prefill(case.q, case.kv_cache, case.block_table, case.seq_lens,
+                                              case.query_start_loc, max_query_len=case.max_query_len, out=out,
+                                              **case.kwargs())
+
+
+BUILDERS: dict[str, Callable[[dict, Any], Callable[[], Any]]] = {
+    "decode": _decode, "prefill": _prefill, "qsa": _qsa, "merge": _merge, "layer": _layer}
+
+
+def target(what: str, shape: dict) -> None:
+    """Build ``what`` at ``shape``, warm it up, then profile the roofline copy and one call."""
+    import nvtx
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    call = BUILDERS[what](shape, g)
+    src = torch.randn(COPY_BYTES // 2, device="cuda", generator=g).to(torch.bfloat16)
+    dst = torch.empty(src.shape, dtype=torch.float16, device="cuda")  # a cast: a copy kernel, not a memcpy
+    for _ in range(WARMUP_CALLS):
+        call()
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    # the copy inside a range of the op's name, so that the op's one include filter selects it too
+    nvtx.push_range(message=f"cute_kernels.{ncu.OPS[what]}")
+    nvtx.push_range(message=ncu.ROOFLINE_RANGE)
+    dst.copy_(src)
+    nvtx.pop_range()
+    nvtx.pop_range()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser(what: str) -> argparse.ArgumentParser:
+    defaults = ncu.shape_text(ncu.SHAPES[what])
+    p = argparse.ArgumentParser(prog=f"cute-kernels profile {what}",
+                                description=f"Nsight Compute on one cute_kernels.{ncu.OPS[what]} call")
+    p.add_argument("--shape", default="", metavar="K=V,...",
+                   help=f"shape keys over the defaults {defaults} (default: the defaults)")
+    p.add_argument("--out", default=f"cute-kernels-profile-{what}", metavar="STEM",
+                   help="writes STEM.ncu-rep, STEM.csv (ncu's raw page), STEM.json and STEM.md "
+                        "(default: %(default)s)")
+    p.add_argument("--ncu", default="ncu", help="the Nsight Compute command (default: %(default)s)")
+    p.add_argument("--ncu-args", default="", metavar="ARGS",
+                   help="more ncu arguments, e.g. '--set full' or '--import-source yes' (default: none)")
+    return p
+
+
+def _refuse(what: str, why: str) -> int:
+    print(f"error: cute-kernels profile {what} {why}", file=sys.stderr)
+    return 2
+
+
+def main(what: str, argv: list[str], *, run: Callable[..., Any] = subprocess.run) -> int:
+    """``cute-kernels profile WHAT ...``: 0 with the report written, 2 when this machine cannot
+    profile (one line on stderr), 1 when ncu fails."""
+    args = build_parser(what).parse_args(argv)
+    try:
+        shape = ncu.parse_shape(what, args.shape)
+    except ValueError as e:
+        return _refuse(what, str(e))
+    problem = gpu_problem(NEEDS[what])
+    if problem is not None:
+        return _refuse(what, problem)
+    if what == "prefill":
+        from cute_kernels.registry import OPS
+
+        if "paged_prefill" not in OPS:
+            return _refuse(what, "needs the paged_prefill op, which this build does not have")
+    exe = shutil.which(args.ncu)
+    if exe is None:
+        return _refuse(what, f"needs Nsight Compute: {args.ncu!r} is not on PATH (install it, or pass --ncu PATH)")
+    stem = args.out
+    cmd = ncu.ncu_command(what, ncu.shape_text(shape), stem, ncu=exe, python=sys.executable,
+                          extra=args.ncu_args.split())
+    print(" ".join(cmd), file=sys.stderr, flush=True)
+    if run(cmd).returncode != 0:
+        print("error: ncu failed: its command and output are above", file=sys.stderr)
+        return 1
+    raw = run(ncu.import_command(f"{stem}.ncu-rep", ncu=exe), capture_output=True, text=True)
+    if raw.returncode != 0:
+        print(f"error: ncu --import failed: {raw.stderr.strip()[-500:]}", file=sys.stderr)
+        return 1
+    with open(f"{stem}.csv", "w") as f:
+        f.write(raw.stdout)
+    import torch
+
+    report = ncu.build_report(ncu.parse_raw_csv(raw.stdout), what=what, shape=shape,
+                              device=torch.cuda.get_device_name(), ncu_report=f"{stem}.ncu-rep")
+    with open(f"{stem}.json", "w") as f:
+        json.dump(report, f, indent=1)
+    text = ncu.render_markdown(report)
+    with open(f"{stem}.md", "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+def _target_main(argv: list[str]) -> None:
+    import os
+
+    os.environ.setdefault("CUTE_KERNELS_NVTX", "1")  # the op ranges, whatever way ncu injects itself
+    p = argparse.ArgumentParser(prog="python -m cute_kernels.bench.profile target")
+    p.add_argument("what", choices=sorted(ncu.OPS))
+    p.add_argument("--shape", default="")
+    a = p.parse_args(argv)
+    target(a.what, ncu.parse_shape(a.what, a.shape))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["target"]:
+        sys.exit("usage: python -m cute_kernels.bench.profile target WHAT --shape K=V,... (run by cute-kernels "
+                 "profile under ncu)")
+    _target_main(sys.argv[2:])

@@ -1,0 +1,214 @@
+"""``cute-kernels profile``: the exact ncu command lines, the parsing of ncu's raw CSV page (a
+fixture written in the format ``ncu --import R --csv --page raw --print-units base`` prints: a
+header row, a units row, one row per profiled kernel), the report made from it, and the one-line
+refusals on a machine without a GPU or without ncu."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cute_kernels.bench import ncu
+from cute_kernels.bench import profile as prof
+from cute_kernels.cli import main as cli_main
+
+FIXTURE = Path(__file__).parent / "data" / "ncu_raw_qsa.csv"
+COPY_BYTES = 268_435_456 + 268_509_184
+COPY_SECONDS = 131_072e-9
+
+
+def test_ncu_command_is_exact():
+    cmd = ncu.ncu_command("decode", "B=8,ctx=4096", "out/p", ncu="/opt/ncu", python="/venv/bin/python")
+    assert cmd == [
+        "/opt/ncu", "--nvtx", "--nvtx-include", "cute_kernels.paged_decode/", "--profile-from-start", "off",
+        "--target-processes", "all",
+        "--section", "SpeedOfLight", "--section", "LaunchStats", "--section", "Occupancy",
+        "--section", "WarpStateStats", "--section", "MemoryWorkloadAnalysis",
+        "--metrics", "gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,"
+                     "sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,dram__bytes_write.sum,"
+                     "sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,"
+                     "launch__shared_mem_per_block_static,launch__shared_mem_per_block_dynamic,"
+                     "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum",
+        "--export", "out/p", "--force-overwrite",
+        "/venv/bin/python", "-m", "cute_kernels.bench.profile", "target", "decode", "--shape", "B=8,ctx=4096",
+    ]
+    assert ncu.import_command("out/p.ncu-rep", ncu="/opt/ncu") == [
+        "/opt/ncu", "--import", "out/p.ncu-rep", "--csv", "--page", "raw", "--print-units", "base"]
+
+
+@pytest.mark.parametrize("what,range_name", [
+    ("decode", "cute_kernels.paged_decode/"), ("prefill", "cute_kernels.paged_prefill/"),
+    ("qsa", "cute_kernels.qsa_sparse_attention/"), ("merge", "cute_kernels.merge_states/"),
+    ("layer", "cute_kernels.layer/"),
+])
+def test_each_op_is_selected_by_its_range(what, range_name):
+    cmd = ncu.ncu_command(what, "", "p", extra=["--set", "full"])
+    assert cmd[cmd.index("--nvtx-include") + 1] == range_name
+    assert cmd.count("--nvtx-include") == 1
+    assert cmd[cmd.index("--force-overwrite") + 1:][:2] == ["--set", "full"]
+
+
+def test_parse_raw_csv_fixture():
+    rows = ncu.parse_raw_csv(FIXTURE.read_text())
+    assert [r["ID"] for r in rows] == ["0", "1", "2"]
+    copy, split, merge = rows
+    assert "direct_copy_kernel_cuda" in copy["Kernel Name"]
+    assert split["Kernel Name"] == "cute_kernels_sm90_qsa_split_gate_0"
+    assert split["Grid Size"] == "(132, 2, 4)" and split["Block Size"] == "(256, 1, 1)"
+    # thousands separators go, base units are applied (nanoseconds -> seconds), n/a is None
+    assert split[ncu.DRAM_READ] == 98_566_144.0
+    assert split[ncu.DURATION] == pytest.approx(29_184.5e-9)
+    assert split[ncu.SMEM_DYNAMIC] == 196_608.0 and split[ncu.REGISTERS] == 168.0
+    assert split["smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio"] is None
+    assert copy[ncu.DURATION] == pytest.approx(COPY_SECONDS)
+
+
+def test_units_other_than_base_are_scaled():
+    text = ('"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","dram__throughput.avg.pct"\n'
+            '"","","usecond","Mbyte","%"\n'
+            '"0","k","1.5","2,000","93.1"\n')
+    (row,) = ncu.parse_raw_csv(text)
+    assert row[ncu.DURATION] == pytest.approx(1.5e-6)
+    assert row[ncu.DRAM_READ] == pytest.approx(2e9)
+    assert row["dram__throughput.avg.pct"] == pytest.approx(93.1)
+
+
+def test_not_a_raw_page_is_refused():
+    with pytest.raises(ValueError, match="no header row"):
+        ncu.parse_raw_csv("==ERROR== the application returned an error\n")
+
+
+def test_report_from_the_fixture():
+    rows = ncu.parse_raw_csv(FIXTURE.read_text())
+    report = ncu.build_report(rows, what="qsa", shape=ncu.SHAPES["qsa"], device="NVIDIA H200",
+                              ncu_report="p.ncu-rep")
+    roof_bw = COPY_BYTES / COPY_SECONDS
+    assert report["roofline"]["dram_gbps"] == pytest.approx(roof_bw / 1e9)
+    split, merge = report["kernels"]
+    assert split["name"] == "cute_kernels_sm90_qsa_split_gate_0"
+    split_bytes = 98_566_144 + 1_310_720
+    assert split["duration_us"] == pytest.approx(29.1845)
+    assert split["dram_bytes"] == split_bytes
+    assert split["roofline_pct"] == pytest.approx(100 * split_bytes / 29_184.5e-9 / roof_bw)
+    assert split["dram_throughput_pct"] == 78.3 and split["sm_throughput_pct"] == 34.5
+    assert split["achieved_occupancy_pct"] == 24.9 and split["registers_per_thread"] == 168
+    assert split["smem_per_cta_bytes"] == 196_608 + 1_024
+    assert split["local_memory_bytes"] == 0
+    # the three largest stall reasons, "selected" (the issuing warp) and n/a left out
+    assert split["top_stalls"] == [dict(reason="long_scoreboard", cycles_per_instruction=11.36),
+                                   dict(reason="barrier", cycles_per_instruction=2.05),
+                                   dict(reason="wait", cycles_per_instruction=0.93)]
+    assert [s["reason"] for s in merge["top_stalls"]] == ["long_scoreboard", "wait", "lg_throttle"]
+    total_s = (29_184.5 + 3_712) * 1e-9
+    total_bytes = split_bytes + 1_703_936 + 393_216
+    assert report["total"]["duration_us"] == pytest.approx(total_s * 1e6)
+    assert report["total"]["roofline_pct"] == pytest.approx(100 * total_bytes / total_s / roof_bw)
+    json.dumps(report)  # the JSON file holds it as is
+    md = ncu.render_markdown(report)
+    assert md.startswith("# cute-kernels profile qsa (`cute_kernels.qsa_sparse_attention`)")
+    assert "| `cute_kernels_sm90_qsa_split_gate_0` | 29.18 |" in md
+    assert "long_scoreboard 11.36, barrier 2.05, wait 0.93" in md
+    assert "| **total** |" in md and "NVIDIA H200" in md and "`p.ncu-rep`" in md
+
+
+def test_a_profile_without_the_op_kernels_says_why():
+    rows = ncu.parse_raw_csv(FIXTURE.read_text())[:1]
+    with pytest.raises(ValueError, match=r"1 kernel\(s\).*cute_kernels.merge_states"):
+        ncu.build_report(rows, what="merge", shape={})
+
+
+def test_parse_shape():
+    assert ncu.parse_shape("decode", "B=2,kv=bf16") == {**ncu.SHAPES["decode"], "B": 2, "kv": "bf16"}
+    assert ncu.parse_shape("merge", None) == ncu.SHAPES["merge"]
+    assert ncu.shape_text(ncu.parse_shape("merge", "S=4")) == "S=4,N=64,H=32,D=128"
+    with pytest.raises(ValueError, match="KEY one of S, N, H, D"):
+        ncu.parse_shape("merge", "X=1")
+    with pytest.raises(ValueError, match="N must be an integer"):
+        ncu.parse_shape("merge", "N=lots")
+    assert set(ncu.SHAPES) == set(ncu.OPS) == set(prof.NEEDS) == set(prof.BUILDERS)
+
+
+def _one_line(capsys) -> str:
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("what", sorted(ncu.OPS))
+def test_no_gpu_is_one_line_and_exit_code_2(what, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli_main(["profile", what]) == 2
+    line = _one_line(capsys)
+    assert line.startswith(f"error: cute-kernels profile {what} needs ") and "no CUDA GPU" in line
+
+
+def test_missing_ncu_is_one_line_and_exit_code_2(capsys, monkeypatch):
+    monkeypatch.setattr(prof, "gpu_problem", lambda need: None)
+    monkeypatch.setattr(prof.shutil, "which", lambda name: None)
+    assert cli_main(["profile", "merge", "--ncu", "/nowhere/ncu"]) == 2
+    line = _one_line(capsys)
+    assert line == ("error: cute-kernels profile merge needs Nsight Compute: '/nowhere/ncu' is not on PATH "
+                    "(install it, or pass --ncu PATH)")
+
+
+def test_bad_shape_is_one_line_and_exit_code_2(capsys):
+    assert cli_main(["profile", "decode", "--shape", "B=8,batch=2"]) == 2
+    assert "'batch=2' is not KEY=VALUE" in _one_line(capsys)
+
+
+def test_prefill_without_its_op_is_refused(capsys, monkeypatch):
+    from cute_kernels import registry
+
+    monkeypatch.setattr(prof, "gpu_problem", lambda need: None)
+    monkeypatch.delitem(registry.OPS, "paged_prefill", raising=False)
+    assert cli_main(["profile", "prefill"]) == 2
+    assert "needs the paged_prefill op" in _one_line(capsys)
+
+
+def test_profile_runs_ncu_then_writes_the_report(tmp_path, monkeypatch, capsys):
+    """The whole command with ncu replaced: the profile command line, then the import, then the
+    four files next to the report."""
+    import torch
+
+    monkeypatch.setattr(prof, "gpu_problem", lambda need: None)
+    monkeypatch.setattr(prof.shutil, "which", lambda name: "/opt/nsight/ncu")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append((cmd, kw))
+        if "--import" in cmd:
+            return subprocess.CompletedProcess(cmd, 0, stdout=FIXTURE.read_text(), stderr="")
+        Path(f"{stem}.ncu-rep").write_bytes(b"report")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    stem = str(tmp_path / "qsa")
+    assert prof.main("qsa", ["--shape", "n=16", "--out", stem, "--ncu-args", "--set full"], run=run) == 0
+    (profile_cmd, _), (import_cmd, import_kw) = calls
+    shape = ncu.shape_text({**ncu.SHAPES["qsa"], "n": 16})
+    assert profile_cmd == ncu.ncu_command("qsa", shape, stem, ncu="/opt/nsight/ncu", python=prof.sys.executable,
+                                          extra=["--set", "full"])
+    assert import_cmd == ncu.import_command(f"{stem}.ncu-rep", ncu="/opt/nsight/ncu")
+    assert import_kw == dict(capture_output=True, text=True)
+    report = json.loads(Path(f"{stem}.json").read_text())
+    assert report["shape"]["n"] == 16 and report["device"] == "NVIDIA H200"
+    assert [k["name"] for k in report["kernels"]] == ["cute_kernels_sm90_qsa_split_gate_0",
+                                                      "cute_kernels_sm90_qsa_merge_gate_0"]
+    assert Path(f"{stem}.csv").read_text() == FIXTURE.read_text()
+    assert Path(f"{stem}.md").read_text() in capsys.readouterr().out
+
+
+def test_a_failing_ncu_returns_1(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prof, "gpu_problem", lambda need: None)
+    monkeypatch.setattr(prof.shutil, "which", lambda name: "/opt/ncu")
+    assert prof.main("merge", ["--out", str(tmp_path / "m")],
+                     run=lambda cmd, **kw: subprocess.CompletedProcess(cmd, 9)) == 1
+    assert "ncu failed" in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()
