@@ -196,13 +196,12 @@ _SM90_DECODE: dict[str, Any] = dict(
     head_dims=sm90_decode.HEAD_DIMS, page_sizes=sm90_decode.PAGE_SIZES, max_rows=sm90_decode.MAX_ROWS,
     kv_layouts=sm90_decode.KV_LAYOUTS,
 )
-# What the SM90 paged prefill kernel accepts: its plan's limits. Both query paths are compile-verified
-# (docs/design/sm90-prefill.md#status): the op runs a runtime self-check before their first launch.
+# What the SM90 paged prefill kernel accepts: its plan's limits. Both query paths and the window /
+# sink variants are available: verified by the GPU suite on the H200 (docs/design/sm90-prefill.md#status).
 _SM90_PREFILL: dict[str, Any] = dict(
-    status="compile-verified", call_site="attention", archs=("sm90",), phases=("prefill",),
+    status="available", call_site="attention", archs=("sm90",), phases=("prefill",),
     model_dtypes=sm90_prefill.MODEL_DTYPES, head_dims=sm90_prefill.HEAD_DIMS, max_gqa_ratio=sm90_prefill.MAX_GROUP,
     page_sizes=sm90_prefill.PAGE_SIZES, kv_layouts=sm90_prefill.KV_LAYOUTS, op="paged_prefill",
-    family=sm90_prefill.family,
 )
 # The Blackwell kernels: QK in FP8 for an FP8 cache (the layer quantizes the query, as for
 # trtllm-gen); what they accept is their plan's (cute_kernels/plans/sm100.py).
@@ -232,21 +231,20 @@ _ENTRIES = (
         description="SM90 paged decode: WGMMA and TMA, FP8 K/V widened exactly on chip, never an FP8 query",
         variants=sm90_decode.compile_variants, **_SM90_DECODE,
     ),
-    # the window / sink variants of sm90.decode: never run on a GPU yet, so compile-verified (the op
-    # runs a one-time self-check per family before their first launch); not on a dispatcher list:
-    # paged_decode picks them for window_left >= 0 or sinks
+    # the window / sink variants of sm90.decode: available, verified by the GPU suite on the H200
+    # (docs/design/sm90-prefill.md#status); not on a dispatcher list: paged_decode picks them for
+    # window_left >= 0 or sinks
     KernelInfo(
-        id="sm90.decode_window_sinks", status="compile-verified", kv_dtypes=sm90_decode.KV_DTYPES, op="paged_decode",
+        id=sm90_decode.FEATURES_ID, status="available", kv_dtypes=sm90_decode.KV_DTYPES, op="paged_decode",
         description="SM90 paged decode's sliding-window (runtime window_left, pages outside skipped) and "
                     "attention-sink variants",
-        variants=sm90_decode.feature_variants, family=sm90_decode.request_family,
-        **{**_SM90_DECODE, "call_site": None},
+        variants=sm90_decode.feature_variants, **{**_SM90_DECODE, "call_site": None},
     ),
     # the balanced split schedule of sm90.decode (opt-in: ``tuning_override(balanced=True)``): never run on
     # a GPU yet, so compile-verified behind a one-time self-check per family (a family that fails it leaves
     # the call to the default schedule); not on a dispatcher list
     KernelInfo(
-        id="sm90.decode_balanced", status="compile-verified", kv_dtypes=sm90_decode.KV_DTYPES, op="paged_decode",
+        id=sm90_decode.BALANCED_ID, status="compile-verified", kv_dtypes=sm90_decode.KV_DTYPES, op="paged_decode",
         description="SM90 paged decode's balanced split schedule: equal chunks of a ragged batch's KV tiles per "
                     "CTA, found from seq_lens on the device (fixed grid), partials merged in chunk order",
         variants=sm90_decode.balanced_variants, family=sm90_decode.balanced_request_family,
@@ -267,14 +265,13 @@ _ENTRIES = (
                     "(V transposed on chip, P rounded to e4m3)",
         variants=sm90_prefill.fp8_query_compile_variants, **_SM90_PREFILL,
     ),
-    # the window / sink variants of the prefill: compile-verified, picked by paged_prefill for
-    # window_left >= 0 or sinks (not on a dispatcher list)
+    # the window / sink variants of the prefill: picked by paged_prefill for window_left >= 0 or
+    # sinks (not on a dispatcher list)
     KernelInfo(
         id=sm90_prefill.FEATURES_ID, kv_dtypes=sm90_prefill.KV_DTYPES,
         description="SM90 varlen paged prefill's sliding-window (runtime window_left, tiles and pages outside "
                     "skipped) and attention-sink variants",
-        variants=sm90_prefill.feature_variants, **{**_SM90_PREFILL, "call_site": None,
-                                                    "family": sm90_prefill.feature_family}),
+        variants=sm90_prefill.feature_variants, **{**_SM90_PREFILL, "call_site": None}),
     KernelInfo(
         id="sm90.prefill", kv_dtypes=sm90_prefill.KV_DTYPES,
         description="SM90 varlen paged prefill with WGMMA and TMA (warp-specialized, causal blocks skipped); FP8 "

@@ -9,8 +9,9 @@ has no list, its first call compiles) and the prefill variants ``AttentionLayer`
 them (:func:`cute_kernels.plans.sm90_prefill.prefill_variants`,
 :func:`cute_kernels.plans.sm80.prefill_variants`), compiles the missing ones in parallel processes
 into the on-disk cache, with a progress bar, then loads them into memory. On a GPU of the target
-arch it also runs the SM90 prefill kernel's one-time runtime self-check of each variant family (it
-synchronizes, so it must not first happen inside CUDA-graph capture).
+arch it also runs the SM90 prefill kernel's one-time runtime self-check of each variant family
+while the registry lists that kernel as compile-verified (it synchronizes, so it must not first
+happen inside CUDA-graph capture; an available kernel needs none).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None 
            **shape: Any) -> list[KernelConfig]:
     """Compile (in parallel, into the disk cache) and load every decode variant for ``shape`` and,
     with ``prefill``, every prefill variant the layer can launch for it; on a GPU of ``arch``, run
-    the SM90 prefill variants' self-checks.
+    the SM90 prefill variants' self-checks (those the registry still lists as compile-verified).
 
     ``shape`` takes the keyword arguments of :func:`~cute_kernels.plans.sm90_decode.decode_variants`
     and the prefill-only ones of :func:`~cute_kernels.plans.sm90_prefill.prefill_variants`
@@ -77,8 +78,9 @@ def warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None 
 
 
 def _self_check(configs: list[Sm90PrefillConfig], target: str) -> None:
-    """The SM90 prefill kernel's runtime self-check of each family, on the current GPU when it is
-    one of ``target`` (a CPU-only machine only compiles)."""
+    """The SM90 prefill kernel's runtime self-check of each family (none while the registry lists
+    it as available), on the current GPU when it is one of ``target`` (a CPU-only machine only
+    compiles)."""
     if not configs:
         return
     import torch

@@ -27,8 +27,7 @@ ARCH_SUMMARY = {
     "sm86": "Ampere (consumer): as SM80 with 99 KB of shared memory.",
     "sm89": "Ada: the portable sm80.* kernels, FP8 K/V widened by the cvt instruction, a model-dtype query.",
     "sm90": "Hopper: sm90.decode and sm90.prefill widen FP8 K/V on chip, so the query stays in the model "
-            "dtype (sm90.decode_fp8q and sm90.prefill_fp8q are opt-in; the prefill kernels are compile-verified: "
-            "a runtime self-check before first use); sm80.* serve what they refuse.",
+            "dtype (sm90.decode_fp8q and sm90.prefill_fp8q are opt-in); sm80.* serve what they refuse.",
     "sm100": "Blackwell: the tcgen05 kernels (compile-verified: a runtime self-check before first use) compute QK "
              "in FP8 for an FP8 cache, with a query the layer quantizes; sm80.* serve what they refuse.",
     "sm103": "Blackwell Ultra: as SM100.",

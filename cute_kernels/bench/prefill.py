@@ -250,7 +250,7 @@ def run(peers=PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, out_png=No
                     fn = ranges.wrap("cute_kernels.paged_prefill" if name.startswith("ours") else f"bench.{name}", fn)
                     res = fn()
                     torch.cuda.synchronize()
-                    if name.startswith("ours"):  # compile-verified: its first call ran the self-check
+                    if name.startswith("ours"):  # a compile-verified kernel's first call ran its self-check
                         row[name + "_self_check"] = _self_check(pb, name)
                     res = o if o is not None else (res[0] if isinstance(res, tuple) else res)
                     t, how = _time(fn)

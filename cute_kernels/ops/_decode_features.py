@@ -1,17 +1,19 @@
-"""The SM90 paged decode's compile-verified variants behind their runtime self-check: the
-sliding-window and sink variants, and the balanced split schedule.
+"""The SM90 paged decode's variants behind a runtime self-check: the sliding-window and sink
+variants, and the balanced split schedule.
 
 ``sm90.decode`` compiles a window variant (a runtime ``window_left``; tiles and pages outside the
 window are skipped) and a sink variant (fp32 ``[Hq]`` sink logits) as config flags
-(:mod:`cute_kernels.plans.sm90_decode`). They were compiled and read on a CPU but never run on a
-GPU, so the registry marks them compile-verified (``sm90.decode_window_sinks``) and
-``paged_decode`` runs :func:`self_check_passes` before the first launch of each family in a
-process: the variant's own shape on a few small problems against the reference, unsplit and
-split (cluster and global merges). A family that fails is logged, recorded, and served by the
-reference from then on (:mod:`._selfcheck`). Design: docs/design/sm90-decode.md#sliding-window-and-sinks.
+(:mod:`cute_kernels.plans.sm90_decode`). They passed their GPU suite on the H200, so the registry
+lists them as available (``sm90.decode_window_sinks``) and :func:`self_check_passes` lets them
+run at once. Their check stays (:func:`self_check_cases`: the variant's own shape on a few small
+problems against the reference, unsplit and split, cluster and global merges): it runs before the
+first launch of each family in a process whenever the registry lists the entry as
+compile-verified, and the GPU suite runs its cases directly. A family that fails is logged,
+recorded, and served by the reference from then on (:mod:`._selfcheck`).
+Design: docs/design/sm90-decode.md#sliding-window-and-sinks.
 
 The balanced schedule (``tuning_override(balanced=True)``; registry id ``sm90.decode_balanced``) is
-guarded the same way, by its own family per MMA path: ragged problems whose chunks cut requests
+compile-verified, guarded by its own family per MMA path: ragged problems whose chunks cut requests
 (merges), walk many requests in one chunk, or none, and a bitwise repeat. A family that fails
 leaves its calls to the default schedule, not the reference
 (docs/design/sm90-decode.md#balanced-schedule-opt-in).
@@ -25,7 +27,8 @@ from functools import partial
 import torch
 
 from .. import reference
-from ..plans.sm90_decode import Sm90DecodeConfig, balanced_family, feature_family
+from ..plans.sm90_decode import Sm90DecodeConfig, balanced_family, check_registry_id, feature_family
+from ..registry import KERNELS
 from ._selfcheck import Case, decode_problem, ensure
 
 # (rtol, atol) against the fp32 reference: one 16-bit rounding of P and of the output
@@ -62,9 +65,13 @@ def unguarded(launcher):
 
 def self_check_passes(config: Sm90DecodeConfig, device, runner) -> bool:
     """Whether ``config``'s family may run on ``device`` (its check runs on the first call of the
-    process). ``runner(override, **kwargs)``: the op's unguarded call (``paged_decode``'s)."""
+    process). ``runner(override, **kwargs)``: the op's unguarded call (``paged_decode``'s). True
+    at once when the registry no longer lists the variant's kernel as compile-verified (verified
+    on the GPU: ``available``)."""
     family = family_of(config)
     if _checking or family is None:  # a variant without a window or sinks needs no check
+        return True
+    if KERNELS[check_registry_id(config)].status != "compile-verified":
         return True
     if config.balanced:
         return ensure(family, device, lambda: balanced_cases(config, device, runner), fallback="the default schedule")

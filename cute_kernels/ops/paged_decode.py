@@ -463,9 +463,9 @@ def paged_decode(
     FP8 query (``q_scale`` then required, float or 1-element fp32 tensor; the output is bf16),
     ``window_left`` (a query at position p sees keys p - window_left ... p; -1: no window) and
     ``sinks`` (fp32 ``[Hq]`` sink logits): see :func:`cute_kernels.reference.paged_decode`; on
-    other archs but SM90 those three run the reference. On SM90, ``window_left`` and ``sinks`` select the kernel's window / sink variants (compile-verified:
-    a one-time runtime self-check per variant family guards their first launch, the reference
-    serves a family that fails it); an FP8 query runs the reference there.
+    other archs but SM90 those three run the reference. On SM90, ``window_left`` and ``sinks``
+    select the kernel's window / sink variants (available: verified by the GPU suite on the
+    H200); an FP8 query runs the reference there.
 
     ``workspace``: optional caller-owned CUDA buffer (any dtype, contiguous, 16-byte aligned) that
     holds the split partials, the unused LSE target and the merge counters instead of the op's

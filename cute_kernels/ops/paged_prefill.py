@@ -24,10 +24,13 @@ reference where only the portable kernel would take the call);
 ``tuning_override(backend="sm80")`` forces the portable one (its plan: :mod:`cute_kernels.plans.sm80`).
 CPU tensors are validated as on an SM90 GPU.
 
-The SM90 and SM100 kernels are compile-verified (registry status): before the first launch of a
-variant family in a process, :mod:`._selfcheck` runs that variant on a few small problems against
-the reference; a family that fails is served by ``sm80.prefill`` from then on (the reference for
-an FP8 query, a window or sinks), with a logged warning.
+The SM90 kernels (both query paths, the window / sink variants) are available: verified by the
+GPU suite on the H200 (docs/design/sm90-prefill.md#status). The SM100 kernel is compile-verified
+(registry status): before the first launch of a variant family in a process, :mod:`._selfcheck`
+runs that variant on a few small problems against the reference; a family that fails is served by
+``sm80.prefill`` from then on (the reference for an FP8 query, a window or sinks), with a logged
+warning. The SM90 kernels keep their check (:func:`self_check_cases`), which runs whenever the
+registry lists one as compile-verified.
 
 Checked mode (``CUTE_KERNELS_CHECK=1``, :mod:`cute_kernels.ops._check`) also validates the data
 (``query_start_loc``, ``max_query_len``, ``seq_lens`` within the block table, block-table entries
@@ -345,16 +348,17 @@ def paged_prefill(
     unspecified). ``out``: optional ``[T, Hq, D]`` of q's dtype (bf16 or fp16 for an FP8 query,
     bf16 by default), written in place, on the CPU too.
 
-    Supported here: SM90 and SM100 / SM103 (compile-verified: a one-time runtime self-check per
-    variant family guards the first launch, the portable kernel or the reference serves a family
-    that fails it; SM100 is compile-verified only, no SM100 GPU has run it), head_dim 64/128/256,
+    Supported here: SM90 (verified by the GPU suite on the H200) and SM100 / SM103
+    (compile-verified only, no SM100 GPU has run it: a one-time runtime self-check per variant
+    family guards the first launch, the portable kernel or the reference serves a family that
+    fails it), head_dim 64/128/256,
     page size 16/32/64/128, Hq / Hkv up to ``plans.sm90_prefill.MAX_GROUP``. Returns ``out`` and,
     with ``return_lse``, the base-2 LSE ``[T, Hq]`` fp32.
 
     ``window_left`` (row j of a request at ``p = seq_len - q_len + j`` sees keys ``>= p -
     window_left``; -1: none; KV tiles and pages outside every row's window are never read) and
     ``sinks`` (fp32 ``[Hq]`` natural-log sink logits in each row's denominator) select the
-    kernel's window / sink variants, compile-verified behind their own self-check families:
+    kernel's window / sink variants (available, verified on the H200 like the rest):
     docs/design/sm90-prefill.md#sliding-window-and-sinks.
     """
     if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
@@ -465,7 +469,7 @@ def _traced(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, 
 
 
 # ---------------------------------------------------------------------------------------------
-# the runtime self-check of the compile-verified kernel
+# the runtime self-check (it runs while the registry lists the kernel as compile-verified)
 # ---------------------------------------------------------------------------------------------
 
 # (rtol, atol) per kind: outputs of V ~ N(0, 1); P rounded to 16 bits, or to e4m3 for an FP8 query.

@@ -79,7 +79,8 @@ class Sm90DecodeConfig(KernelConfig):
     (:meth:`merge_slots`). ``window``: the variant takes a runtime ``window_left`` (-1: none) and
     walks only the tiles and pages of the keys its rows can see; ``sinks``: it takes fp32 ``[Hq]``
     sink logits folded into each row's softmax (split 0 only): docs/design/sm90-decode.md#sliding-window-and-sinks.
-    These two variants are compile-verified (:func:`feature_family`). ``balanced`` (a split variant
+    These two variants are available (verified by the GPU suite on the H200; their self-check
+    family: :func:`feature_family`). ``balanced`` (a split variant
     without strided, dynamic or cluster schedules, window or sinks, merging from L2): a grid of
     equal chunks of the batch's tiles per KV head, found from ``seq_lens`` on the device; its
     partials are per chunk slot (``[2 x chunks, q_len, Hq, D]``) and it is compile-verified too
@@ -568,8 +569,18 @@ def launch_widths(max_pages: int, page_size: int, tile: int, deterministic: bool
 
 
 # ---------------------------------------------------------------------------------------------
-# the sliding-window and sink variants (compile-verified: docs/design/sm90-decode.md#sliding-window-and-sinks)
+# the sliding-window and sink variants (docs/design/sm90-decode.md#sliding-window-and-sinks)
 # ---------------------------------------------------------------------------------------------
+
+
+FEATURES_ID = "sm90.decode_window_sinks"
+BALANCED_ID = "sm90.decode_balanced"
+
+
+def check_registry_id(config: Sm90DecodeConfig) -> str:
+    """The registry entry whose status says whether a window / sink or balanced ``config`` still
+    needs its self-check."""
+    return BALANCED_ID if config.balanced else FEATURES_ID
 
 
 def feature_family(config: Sm90DecodeConfig) -> str | None:
@@ -585,12 +596,6 @@ def feature_family(config: Sm90DecodeConfig) -> str | None:
 def _mma_path(kv_dtype: str, widen: str = DEFAULT_WIDEN) -> str:
     """A family's MMA path: 16-bit SS, or FP8 widened by ``cvt`` or ``bits``."""
     return f"fp8-{widen}" if kv_dtype == "fp8_e4m3" else "16bit"
-
-
-def request_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
-    """The registry's family of a request with a window and sinks (the op's default MMA path): what
-    ``registry.KernelInfo.family`` asks of a compile-verified kernel."""
-    return f"sm90.decode/window+sinks/{_mma_path(kv_dtype)}"
 
 
 def feature_variants() -> list[Sm90DecodeConfig]:

@@ -97,7 +97,7 @@ class Sm90PrefillConfig(KernelConfig):
     take turns issuing their WGMMAs (named barriers), so one's softmax overlaps the other's MMAs;
     ``producer_regs`` / ``consumer_regs``: ``setmaxnreg`` targets (three warpgroups share 64K).
 
-    Features (compile-verified: :func:`feature_variants`): ``window`` takes a runtime
+    Features (:func:`feature_variants`): ``window`` takes a runtime
     ``window_left`` (-1: none) and walks only the KV tiles a block's rows see; ``sinks`` takes fp32
     ``[Hq]`` sink logits: docs/design/sm90-prefill.md#sliding-window-and-sinks.
     """
@@ -332,11 +332,6 @@ def check_registry_id(config: Sm90PrefillConfig) -> str:
 
 
 FEATURES_ID = "sm90.prefill_window_sinks"
-
-
-def feature_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
-    """The registry's family of a request with a window and sinks."""
-    return f"{family(q_dtype, kv_dtype, head_dim)}/window+sinks"
 
 
 def family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
