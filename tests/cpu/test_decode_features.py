@@ -1,9 +1,10 @@
 """CPU tests of the SM90 decode's window / sink variants on the host side: their configs,
 signatures and self-check families (plans/sm90_decode.py), the registry entry that marks them
-compile-verified, the split planning of a window, and the runtime self-check that guards them
-(ops/_decode_features.py) run with fake kernels: a correct one passes, broken ones fail and
-leave the reference serving, with a warning. The kernels themselves: the compile matrix (CPU)
-and tests/gpu/test_trtllm_gpu.py (H200)."""
+available (verified by the GPU suite on the H200: the op runs them without a check), the split
+planning of a window, and the runtime self-check that guards them while the registry lists them
+compile-verified (ops/_decode_features.py; ``sm90_compile_verified`` lists them so again) run with
+fake kernels: a correct one passes, broken ones fail and leave the reference serving, with a
+warning. The kernels themselves: the compile matrix (CPU) and tests/gpu/test_trtllm_gpu.py (H200)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from cute_kernels.ops.paged_decode import _launcher
 from cute_kernels.plans import selfcheck_records as records
 from cute_kernels.plans.sm90_decode import (
     Sm90DecodeConfig,
+    check_registry_id,
     compile_variants,
     feature_family,
     feature_variants,
@@ -79,9 +81,9 @@ def test_window_bounds_the_planned_context():
     assert window_context(32768, 0, 4) == 4 + 128
 
 
-def test_registry_marks_the_feature_variants_compile_verified():
+def test_registry_marks_the_feature_variants_available():
     info = registry.KERNELS["sm90.decode_window_sinks"]
-    assert info.status == "compile-verified" and info.call_site is None and info.op == "paged_decode"
+    assert info.status == "available" and info.call_site is None and info.op == "paged_decode"
     assert info.archs == ("sm90",) and info.phases == ("decode",)
     variants = info.variants()
     assert variants == feature_variants()
@@ -96,10 +98,13 @@ def test_registry_marks_the_feature_variants_compile_verified():
     assert {v.head_dim for v in variants} == {64, 128, 256}
     assert {(v.kv_form, v.kv_layout) for v in variants} >= {("single", "HND"), ("pair", "NHD")}
     assert all(v in registry.variants_for("sm_90a") for v in variants)
-    # the registry's family of a (query, cache, head dim) request: the window + sinks family of the op's path
-    cfg = make_decode_config(**BASE, split=False, window=True, sinks=True)
-    assert info.family("bf16", "fp8_e4m3", 128) == feature_family(cfg)
-    assert info.family("bf16", "bf16", 64) == "sm90.decode/window+sinks/16bit"
+    assert all(check_registry_id(v) == info.id for v in variants)
+
+
+def test_the_available_variants_run_no_check():
+    cfg = make_decode_config(**BASE, split=True, window=True, sinks=True)
+    assert features.self_check_passes(cfg, "cpu", lambda o, **kw: 1 / 0)  # a check would fail: none runs
+    assert records.lookup(feature_family(cfg)) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +123,7 @@ def _good(override, **kw):
     make_decode_config(**{**BASE, "q_dtype": "fp16", "kv_dtype": "fp16", "head_dim": 64}, split=True, sinks=True,
                        k_scale_tensor=True, v_scale_tensor=True),
 ], ids=feature_family)
-def test_cases_follow_the_variant_and_pass_a_correct_kernel(cfg):
+def test_cases_follow_the_variant_and_pass_a_correct_kernel(sm90_compile_verified, cfg):
     seen = []
 
     def runner(override, **kw):
@@ -148,7 +153,7 @@ def test_cases_follow_the_variant_and_pass_a_correct_kernel(cfg):
     (lambda o, **kw: tuple(x * float("nan") for x in _good(o, **kw)), "NaN"),
     (lambda o, **kw: 1 / 0, "ZeroDivisionError"),
 ])
-def test_a_broken_kernel_fails_its_family_and_the_reference_serves(broken, expect, caplog):
+def test_a_broken_kernel_fails_its_family_and_the_reference_serves(sm90_compile_verified, broken, expect, caplog):
     cfg = make_decode_config(**BASE, split=True, window=True, sinks=True)
     fam = feature_family(cfg)
     with caplog.at_level(logging.WARNING, logger="cute_kernels"):
@@ -161,7 +166,7 @@ def test_a_broken_kernel_fails_its_family_and_the_reference_serves(broken, expec
     assert calls == []
 
 
-def test_the_checks_own_calls_pass_the_guard_and_leave_no_launch_cached():
+def test_the_checks_own_calls_pass_the_guard_and_leave_no_launch_cached(sm90_compile_verified):
     cfg = make_decode_config(**BASE, split=True, window=True)
     before = set(_launcher.entries)
 

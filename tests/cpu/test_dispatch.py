@@ -82,6 +82,8 @@ def _check_invariants(p: Plan, model: str):
         assert k.status in ("available", "compile-verified"), p
         if k.status == "compile-verified":  # the reason says so, and what the self-check found
             assert "compile-verified only" in p.reason and "self-check" in p.reason
+        else:  # verified on the GPU: the reason does not call it compile-verified
+            assert "compile-verified" not in p.reason, p
     if p.quantize_query:
         assert p.q_dtype == "fp8_e4m3" and p.applies_q_scale
     if p.q_dtype != "fp8_e4m3":

@@ -192,7 +192,7 @@ def test_layer_arch_matrix(registry, monkeypatch):
             if arch == "sm90" and phase == "decode":
                 assert p.kernel == ("sm90.decode" if KERNELS["sm90.decode"].status == "available"
                                     else "sm80.decode")
-            elif arch == "sm90":  # the SM90 prefill kernel (compile-verified) takes both caches
+            elif arch == "sm90":  # the SM90 prefill kernel takes both caches
                 assert p.kernel == "sm90.prefill", p
             elif KERNELS[p.kernel].archs != ("sm100", "sm103"):  # the portable kernels everywhere else
                 assert p.kernel == f"sm80.{phase}", p

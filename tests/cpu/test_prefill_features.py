@@ -1,10 +1,12 @@
 """The prefill's window / sink variants on the host, on the CPU with the device and the compiled
 function stubbed (``test_prefill_selfcheck``'s ``fake_gpu``: the reference with the variant's
-inputs, or without one of them): their configs and signatures, their self-check
-families (problems that fit every registered variant, a 75-key window and sinks that a stub
-computing the reference passes), the op picking them for ``window_left`` / ``sinks`` with a check
-of their own family, a stub that drops the sink or the window failing it (the reference serves,
-with a warning), and the refusals. The kernels: the compile matrix and tests/gpu/test_trtllm_gpu.py."""
+inputs, or without one of them): their configs and signatures, the op picking them for
+``window_left`` / ``sinks``, and the refusals. They are available (verified by the GPU suite on
+the H200), so the op launches them without a check; their self-check families stay, and with the
+registry listing them compile-verified again (``sm90_compile_verified``): problems that fit every
+registered variant (a 75-key window and sinks) that a stub computing the reference passes, the op
+checking their own family first, a stub that drops the sink or the window failing it (the
+reference serves, with a warning). The kernels: the compile matrix and tests/gpu/test_trtllm_gpu.py."""
 
 from __future__ import annotations
 
@@ -40,15 +42,14 @@ def test_configs_signatures_and_families():
     assert plan.config_family(cfg) == "sm90.prefill/widen/d128/window+sinks"
     assert plan.check_registry_id(cfg) == plan.FEATURES_ID and plan.check_registry_id(plain) == "sm90.prefill"
     info = KERNELS[plan.FEATURES_ID]
-    assert info.status == "compile-verified" and info.call_site is None and info.op == "paged_prefill"
-    assert info.family("bf16", "bf16", 64) == "sm90.prefill/16/d64/window+sinks"
+    assert info.status == "available" and info.call_site is None and info.op == "paged_prefill"
     assert all(v.window or v.sinks for v in FEATURES)
     assert {v.kind for v in FEATURES} == {"16", "widen", "fp8"} and {v.causal for v in FEATURES} == {True, False}
     assert not any(v.window or v.sinks for kid in ("sm90.prefill", "sm90.prefill_fp8q") for v in KERNELS[kid].variants())
 
 
 @pytest.mark.parametrize("config", FEATURES, ids=[plan.config_family(c) for c in FEATURES])
-def test_problems_fit_every_feature_variant_and_pass_with_the_reference(fake_gpu, config):
+def test_problems_fit_every_feature_variant_and_pass_with_the_reference(fake_gpu, sm90_compile_verified, config):
     cases = op.self_check_cases(config, "cpu")
     for case in cases:
         got, want = case.run(), case.expect()
@@ -59,7 +60,18 @@ def test_problems_fit_every_feature_variant_and_pass_with_the_reference(fake_gpu
     assert records.lookup(plan.config_family(config), "cpu").ok
 
 
-def test_the_op_picks_the_feature_variant_with_its_own_check(fake_gpu):
+def test_the_available_feature_variant_runs_without_a_check(fake_gpu):
+    p = _problem("feat", kv_dtype=FP8, reqs=((0, 70), (200, 9), (0, 0), (130, 1)))
+    sinks = torch.randn(4)
+    want = reference.paged_prefill(*_args(p), **_kw(p), window_left=40, sinks=sinks)
+    got = op.paged_prefill(*_args(p), **_kw(p), window_left=40, sinks=sinks)
+    assert torch.equal(got, want)
+    [config] = fake_gpu["compiled"]  # the launch alone
+    assert config.window and config.sinks
+    assert records.lookup("sm90.prefill/widen/d64/window+sinks") is None
+
+
+def test_the_op_picks_the_feature_variant_with_its_own_check(fake_gpu, sm90_compile_verified):
     p = _problem("feat", kv_dtype=FP8, reqs=((0, 70), (200, 9), (0, 0), (130, 1)))
     sinks = torch.randn(4)
     want = reference.paged_prefill(*_args(p), **_kw(p), window_left=40, sinks=sinks)
@@ -79,7 +91,7 @@ def test_the_op_picks_the_feature_variant_with_its_own_check(fake_gpu):
 
 
 @pytest.mark.parametrize("drop", ["sinks", "window"])
-def test_a_kernel_that_drops_a_feature_fails_and_the_reference_serves(fake_gpu, drop, caplog):
+def test_a_kernel_that_drops_a_feature_fails_and_the_reference_serves(fake_gpu, sm90_compile_verified, drop, caplog):
     fake_gpu["drop"] = drop
     p = _problem("drop", reqs=((0, 90), (150, 20)))
     sinks = torch.randn(4) * 3

@@ -1,5 +1,7 @@
-"""The runtime self-check that guards the compile-verified SM90 prefill kernel, on the CPU with the
-device and the compiled function stubbed:
+"""The runtime self-check of the SM90 prefill kernel, on the CPU with the device and the compiled
+function stubbed. The kernel is available (verified by the GPU suite on the H200), so its op runs
+no check; the check stays for a kernel the registry lists as compile-verified, and these tests
+list it so again (``sm90_compile_verified``) to run the machinery:
 
 - the self-check's problems fit every registered variant (dtypes, layouts, containers, scale forms,
   LSE or not: the arguments pass TVM-FFI's checks) and pass when the "kernel" is the reference;
@@ -78,8 +80,14 @@ def fake_gpu(monkeypatch):
     op._launcher.entries.clear()
 
 
+@pytest.fixture
+def checked_gpu(fake_gpu, sm90_compile_verified):
+    """``fake_gpu`` with the SM90 prefill kernels listed as compile-verified: the op checks first."""
+    return fake_gpu
+
+
 @pytest.mark.parametrize("config", VARIANTS, ids=[c.label() for c in VARIANTS])
-def test_problems_fit_every_variant_and_pass_with_the_reference(fake_gpu, config):
+def test_problems_fit_every_variant_and_pass_with_the_reference(checked_gpu, config):
     cases = op.self_check_cases(config, "cpu")
     assert len(cases) == 2
     for case in cases:
@@ -95,7 +103,8 @@ def test_problems_fit_every_variant_and_pass_with_the_reference(fake_gpu, config
     assert rec.ok and rec.family == fam and fam.startswith(("sm90.prefill/", "sm90.prefill_fp8q/"))
 
 
-def test_a_passing_family_is_checked_once_then_launched(fake_gpu):
+def test_a_passing_family_is_checked_once_then_launched(checked_gpu):
+    fake_gpu = checked_gpu
     p = _problem("pass", kv_dtype=FP8)
     want = reference.paged_prefill(*_args(p), **_kw(p))
     got = op.paged_prefill(*_args(p), **_kw(p))
@@ -116,7 +125,8 @@ def test_a_passing_family_is_checked_once_then_launched(fake_gpu):
     (lambda out: out[-1].fill_(float("nan")), "NaN"),
     (lambda out: 1 / 0, "ZeroDivisionError"),
 ])
-def test_a_failing_family_serves_the_portable_kernel_and_dispatch_says_so(fake_gpu, damage, why, caplog, capsys):
+def test_a_failing_family_serves_the_portable_kernel_and_dispatch_says_so(checked_gpu, damage, why, caplog, capsys):
+    fake_gpu = checked_gpu
     fake_gpu["damage"] = damage
     p = _problem("fail", kv_dtype=FP8)
     want = reference.paged_prefill(*_args(p), **_kw(p))
@@ -142,9 +152,10 @@ def test_a_failing_family_serves_the_portable_kernel_and_dispatch_says_so(fake_g
     assert "failed its runtime self-check" in json.loads(capsys.readouterr().out)["reason"]
 
 
-def test_a_failing_fp8_query_family_serves_the_reference(fake_gpu):
+def test_a_failing_fp8_query_family_serves_the_reference(checked_gpu):
     """No other kernel takes an FP8 query: a family of the FP8-query kernel that fails its check is
     served by the reference."""
+    fake_gpu = checked_gpu
     fake_gpu["damage"] = lambda out: out.mul_(1.5)
     p = _problem("fail8", kv_dtype=FP8, q_dtype=FP8)
     want = reference.paged_prefill(*_args(p), **_kw(p))
@@ -152,7 +163,7 @@ def test_a_failing_fp8_query_family_serves_the_reference(fake_gpu):
     assert fake_gpu["compiled"] and not any(c.kernel_id == "sm80.prefill" for c in fake_gpu["compiled"])
 
 
-def test_plan_reports_the_check_before_and_after(fake_gpu):
+def test_plan_reports_the_check_before_and_after(checked_gpu):
     shape = dict(arch="sm90", phase="prefill", kv_cache_dtype="fp8", model_dtype="bf16", head_dim=64, num_q_heads=4,
                  num_kv_heads=2, page_size=16)
     before = dispatch_plan(**shape)
@@ -164,12 +175,16 @@ def test_plan_reports_the_check_before_and_after(fake_gpu):
     assert after.kernel == "sm90.prefill" and "it passed its runtime self-check on cpu" in after.reason
 
 
-def test_an_available_kernel_runs_no_check(fake_gpu, monkeypatch):
-    """Once the GPU has verified it, the registry's status is ``available`` and the op launches
-    without the self-check: flipping the status is the whole change."""
-    for kid in ("sm90.prefill", "sm90.prefill_fp8q"):
-        monkeypatch.setitem(KERNELS, kid, dataclasses.replace(KERNELS[kid], status="available"))
+@pytest.mark.parametrize("q_dtype", [BF16, FP8], ids=["sm90.prefill", "sm90.prefill_fp8q"])
+def test_the_available_kernel_runs_no_check(fake_gpu, q_dtype):
+    """The GPU suite verified both query paths: the registry lists them ``available`` and the op
+    launches without the self-check (a broken kernel's output comes back as it is)."""
+    assert KERNELS["sm90.prefill"].status == KERNELS["sm90.prefill_fp8q"].status == "available"
     fake_gpu["damage"] = lambda out: out.mul_(2)  # a check would fail: none runs
-    p = _problem("available", kv_dtype=FP8)
-    op.paged_prefill(*_args(p), **_kw(p))
-    assert len(fake_gpu["compiled"]) == 1 and records.lookup("sm90.prefill/widen/d64") is None
+    p = _problem("available", kv_dtype=FP8, q_dtype=q_dtype)
+    want = reference.paged_prefill(*_args(p), **_kw(p))
+    got = op.paged_prefill(*_args(p), **_kw(p))
+    assert len(fake_gpu["compiled"]) == 1 and fake_gpu["compiled"][0].kernel_id.startswith("sm90.")
+    assert torch.equal(got, want * 2)  # the (damaged) kernel's own output: no check, no fallback
+    fam = plan.family("fp8_e4m3" if q_dtype == FP8 else "bf16", "fp8_e4m3", 64)
+    assert records.lookup(fam) is None

@@ -182,8 +182,8 @@ def test_compiled_step_equals_eager(backend, seed):
 def test_layer_step_compiles_whole(batch):
     """An AttentionLayer step (write, then attend) is one graph, equal to eager: a decode-only step
     from the first call; a step with prefill rows once an eager step has made the layer's plans
-    (planning a compile-verified kernel reads the self-check records, host work Dynamo does not
-    trace)."""
+    (planning is host work Dynamo does not trace: a compile-verified kernel's plan reads the
+    self-check records)."""
     rows = dict(decode_ctx=(20, 33, 1, 16)) if batch == "decode" else dict(decode_ctx=(20, 40),
                                                                            prefill=((0, 6), (9, 4)))
     st = make_step(**rows, generator=torch.Generator().manual_seed(31))
