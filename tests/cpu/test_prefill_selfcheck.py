@@ -14,7 +14,6 @@ list it so again (``sm90_compile_verified``) to run the machinery:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 

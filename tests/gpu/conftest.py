@@ -65,8 +65,9 @@ def rel_err(out, ref):
 
 @pytest.fixture
 def prefill_kernel_only(monkeypatch):
-    """``paged_prefill`` still runs its one-time runtime self-check, but a family that fails it fails
-    the test instead of being served by the reference: the prefill GPU tests verify the kernel."""
+    """Where ``paged_prefill`` runs its one-time runtime self-check (a kernel the registry lists as
+    compile-verified), a family that fails it fails the test instead of being served by the
+    reference: the prefill GPU tests verify the kernel."""
     from cute_kernels.ops import paged_prefill as op
     from cute_kernels.plans import selfcheck_records, sm90_prefill
 
@@ -74,7 +75,7 @@ def prefill_kernel_only(monkeypatch):
 
     def strict(config, device):
         if not checked(config, device):
-            fam = sm90_prefill.family(config.q_dtype, config.kv_dtype, config.head_dim)
+            fam = sm90_prefill.config_family(config)
             pytest.fail(f"the kernel, not the reference, is under test: {selfcheck_records.describe(fam)}")
         return True
 

@@ -2,10 +2,10 @@
 
 Each step mixes decode requests (first) with prefill requests, with fused-QKV views for q, k and
 v. Tolerance: ‖out − ref‖/‖ref‖ ≤ 5e-3 against the fp32 reference on the same cache (the decode
-rows may run the SM90 decode kernel, the prefill rows the compile-verified SM90 prefill kernel;
+rows may run the SM90 decode kernel, the prefill rows the SM90 prefill kernel;
 rows served by a reference fallback must match it to float noise). The written cache must equal
-the reference's byte for byte. Which kernel serves each phase follows the registry (and, for the
-prefill, its runtime self-check), so the tests hold either way; the CUDA-graph test makes the
+the reference's byte for byte. Which kernel serves each phase follows the registry (and, for a
+compile-verified kernel, its runtime self-check), so the tests hold either way; the CUDA-graph test makes the
 decode kernel available (it needs a capturable decode path).
 """
 

@@ -259,7 +259,7 @@ def test_prefill_random(name, i):
 
 
 # ----------------------------------------------------------------------------------------------
-# the runtime self-check that guards the compile-verified kernel
+# the runtime self-check's cases (they guard the kernel whenever the registry lists it compile-verified)
 # ----------------------------------------------------------------------------------------------
 
 

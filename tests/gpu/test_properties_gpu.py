@@ -364,11 +364,16 @@ def _prefill_config(family):
 
 @pytest.mark.parametrize("name", ["paged_prefill"])
 def test_paged_prefill_properties(name):
-    from cute_kernels.ops.paged_prefill import self_check_passes
+    from cute_kernels.ops import _selfcheck
+    from cute_kernels.ops.paged_prefill import self_check_cases
+    from cute_kernels.plans.sm90_prefill import config_family
     from cute_kernels.testing import make_paged_prefill_case
 
-    for family in PREFILL_FAMILIES:  # the kernel, not the reference, must serve the cases
-        assert self_check_passes(_prefill_config(family), torch.device("cuda")), f"{family} failed its self-check"
+    for family in PREFILL_FAMILIES:  # each family's self-check cases, run now on the kernel
+        config = _prefill_config(family)
+        rec = _selfcheck.run_check(config_family(config), torch.device("cuda"),
+                                   self_check_cases(config, torch.device("cuda")))
+        assert rec.ok, f"{family}: {rec.reason}"
 
     def one(rng, _cpu_generator):
         g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))  # the builder draws on the GPU

@@ -39,7 +39,7 @@ def _isolated_records(tmp_path, monkeypatch):
 
 def sm90_runner(k_scale_error: float = 1.0):
     """The SM90 op in the signature the SM100 cases call (a window or sinks run its window / sink
-    variants, behind their own self-check: ops/_decode_features.py)."""
+    variants: ops/_decode_features.py)."""
 
     def run(q, cache, bt, sl, *, sinks, window_left, num_splits, k_scale, **kw):
         return cute_kernels.paged_decode(q, cache, bt, sl, sinks=sinks, window_left=window_left,

@@ -1,7 +1,7 @@
 """``cute_kernels.trtllm.batch_context_with_kv_cache`` on the H200: the SM90 prefill (its window /
-sink variants behind their self-check families) against the reference; windows across pages,
-inside a request's new tokens and after a cached prefix; sinks; pages outside every window never
-read; an FP8 query; every window / sink family's self-check on real kernels; FlashInfer's own
+sink variants) against the reference; windows across pages, inside a request's new tokens and
+after a cached prefix; sinks; pages outside every window never read; an FP8 query; every window /
+sink family's self-check cases on real kernels; FlashInfer's own
 trtllm context call where it runs (trtllm-gen: SM100 only, skipped here with its reason).
 
 Tolerance: ‖out − ref‖/‖ref‖ ≤ 1e-2 (16-bit and FP8-widened: one rounding of P and of O; the FP8
@@ -15,6 +15,7 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference, trtllm
+from cute_kernels.ops import _selfcheck
 from cute_kernels.ops import paged_prefill as prefill_op
 from cute_kernels.plans import selfcheck_records as records
 from cute_kernels.plans.sm90_prefill import config_family, feature_variants
@@ -117,9 +118,13 @@ def test_pages_outside_every_window_are_never_read(gen):
 
 @pytest.mark.parametrize("cfg", feature_variants(), ids=config_family)
 def test_every_feature_family_passes_its_self_check(cfg, tmp_path, monkeypatch):
+    """The runtime self-check's cases of each window / sink family, run now on real kernels (the op
+    no longer runs them: the variants are available)."""
     monkeypatch.setattr(records, "records_path", lambda: tmp_path / "selfcheck.json")
-    records.forget(config_family(cfg))
-    assert prefill_op.self_check_passes(cfg, "cuda"), records.lookup(config_family(cfg)).reason
+    cases = prefill_op.self_check_cases(cfg, "cuda")
+    assert len(cases) == 2
+    rec = _selfcheck.run_check(config_family(cfg), "cuda", cases)
+    assert rec.ok, rec.reason
 
 
 def test_against_flashinfer_trtllm_context(gen):
