@@ -4,6 +4,7 @@
 #
 #   bash profiling/run.sh TIER...            e.g. bash profiling/run.sh test bench
 #
+#   test-all    the whole GPU suite in parallel (pytest-xdist, 12 processes; pytest_all.log, pytest_all.xml)
 #   test        the GPU test suite except QSA and the prefill  (log pytest.log)
 #   test-qsa    the QSA GPU tests                             (log pytest_qsa.log)
 #   test-hardening  the property tier, bad inputs, concurrent streams, the layer warm-up (pytest_hardening.log)
@@ -20,6 +21,8 @@
 #   bench-qsa   cute-kernels bench qsa --check (decode rows and prefill row tiles)
 #   bench-serve  cute-kernels bench decode on the ragged and Hkv 1 shapes, then bench serve --quick
 #   ncu         Nsight Compute sections of the decode (three shapes) and QSA kernels (two shapes)
+#   ncu-prefill  Nsight Compute on the SM90 prefill through `cute-kernels profile prefill`: 16-bit, FP8-cache,
+#               D 64 and short-batch shapes (what limits it: docs/design/sm90-prefill.md#measured--not-measured)
 #   ncu-source  per-instruction stall samples of the QSA row-tile kernel, summarized
 #   gather      the memory system's ceiling for QSA's scattered row reads
 #   schedule    static against dynamic split scheduling of the paged decode
@@ -60,6 +63,8 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAM
 for tier in "$@"; do
   echo "=== $tier $(date +%T)"
   case $tier in
+    test-all) step 900 pytest_all "$PY" -m pytest tests/gpu -q -rfE -p no:cacheprovider -n "${WORKERS:-12}" \
+                --ignore=tests/gpu/test_multi_gpu.py --junitxml="$OUT/pytest_all.xml" ;;
     test) step 420 pytest "$PY" -m pytest tests/gpu -q -p no:cacheprovider \
             --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py \
             --ignore=tests/gpu/test_prefill_gpu.py --ignore=tests/gpu/test_prefill_kernel_gpu.py \
@@ -110,6 +115,11 @@ for tier in "$@"; do
            step 120 merge "${CK[@]}" bench merge --json "$OUT/merge.json"
            step 200 layer "${CK[@]}" bench layer --json "$OUT/layer.json"
            step 200 latency "${CK[@]}" bench latency --json "$OUT/latency.json" ;;
+    ncu-prefill) for sh in B=1,new=16384 B=1,new=16384,kv=fp8 B=1,new=8192,D=64 B=16,new=512; do
+                   name="ncu_prefill_$(echo "$sh" | tr -c 'a-zA-Z0-9_\n-' _)"
+                   TAIL=60 step 300 "$name" "${CK[@]}" profile prefill --shape "$sh" --out "$OUT/$name" \
+                     --ncu-args "--clock-control none"
+                 done ;;
     bench-qsa) TAIL=40 step 400 qsa "${CK[@]}" bench qsa --check --json "$OUT/qsa.json" ;;
     bench-serve) TAIL=60 step 500 decode_ragged "${CK[@]}" bench decode --shapes ragged,70b --kv fp8,bf16 \
                    --peers xqa,fi,fa4 --json "$OUT/decode_ragged.json" --png "$OUT/decode_ragged.png"
