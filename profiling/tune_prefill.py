@@ -9,7 +9,10 @@ each is then checked on a small varlen case against the float64 reference of
 ``--shapes`` with CUDA-graph replay medians (:mod:`cute_kernels.bench.timing`); its output on each
 timed shape is also compared with the default config's. TFLOP/s count the causal work (as
 ``cute-kernels bench prefill``). Prints per (kind, D) a table sorted by speed, the default marked,
-and writes ``--json`` after every (kind, D).
+and writes ``--json`` after every (kind, D): the sweep's size, the compile's wall seconds, the shapes,
+and per (kind, D) ``rows`` (tag, default, status, tuning fields, shared memory, compile seconds,
+the check's error, per shape ``us`` / ``tflops`` / ``finite`` / ``diff_vs_default``, the default's
+``first_us`` and ``again_us`` for drift, ``geomean_tflops``), ``best`` and ``default_over_best``.
 
     python -m profiling.tune_prefill [--kinds 16,widen,fp8] [--dims 64,128,256] [--shapes SUBSTR,...]
         [--wide] [--match TAG,...] [--json PATH]
@@ -289,7 +292,7 @@ def run_group(entries: list[Entry], shapes, gen, dog: Watchdog) -> None:
         for i, e in enumerate(timed):
             if "failed" in e.result:
                 continue
-            out = torch.full(pb.q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+            out = torch.full(pb.q.shape, float("nan"), dtype=torch.bfloat16, device=pb.q.device)
             dog.arm(f"time {kind} D{D} {e.tag} on {shape[0]}")
             try:
                 row = _time_one(e, pb, out, ref_out, fresh=i == 0)
@@ -381,12 +384,14 @@ def summarize(entries: list[Entry], shape_names) -> dict:
 def print_group(g: dict, shape_names) -> None:
     name = {"16": "16-bit cache", "widen": "FP8 cache, bf16 query (widen)", "fp8": "FP8 query"}[g["kind"]]
     print(f"\n== {name}, D {g['head_dim']} (default {g['default']}; * marks it) ==", flush=True)
-    print(f"  {'config':<24}" + "".join(f"{s[:24]:>34}" for s in shape_names) + f"{'geomean':>10}{'err':>10}")
+    print(f"  {'config':<24}" + "".join(f"{s[:34]:>36}" for s in shape_names) + f"{'geomean':>10}{'err':>10}")
+    print(f"  {'':<24}" + f"{'TFLOP/s':>10}{'us':>13}{'vs default':>13}" * len(shape_names))
     for r in g["rows"]:
         if not r["geomean_tflops"]:
             continue
-        cells = "".join(f"{r['shapes'][s]['tflops']:10.1f} TF/s {r['shapes'][s]['us']:9.1f} us"
-                        f"{r['shapes'][s].get('diff_vs_default', 0):9.1e}" for s in shape_names)
+        cells = "".join(f"{r['shapes'][s]['tflops']:10.1f}{r['shapes'][s]['us']:13.1f}"
+                        + (f"{r['shapes'][s]['diff_vs_default']:13.1e}" if 'diff_vs_default' in r['shapes'][s]
+                           else f"{'-':>13}") for s in shape_names)
         mark = "*" if r["default"] else " "
         print(f"{mark} {r['tag']:<24}{cells}{r['geomean_tflops']:10.1f}{r['check_err'] or 0:10.1e}"
               + ("" if r["status"] == "ok" else f"  [{r['status']}]"))
