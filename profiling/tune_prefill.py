@@ -1,7 +1,8 @@
 """Sweep the SM90 paged prefill's tuning fields (``tile_n``, ``stages``, ``staging``, ``overlap``,
 ``pingpong``) around the defaults of :func:`cute_kernels.plans.sm90_prefill.make_prefill_config`,
 per kind (16-bit cache; FP8 cache with a 16-bit query, "widen"; FP8 query, "fp8") and head dim:
-docs/design/sm90-prefill.md#budgets and #measured--not-measured.
+docs/design/sm90-prefill.md#budgets-defaults-of-make_prefill_config-gqa-8-page-16,
+docs/design/sm90-prefill.md#measured--not-measured.
 
 Every config of the sweep is compiled first, in parallel processes (the disk cache is shared);
 each is then checked on a small varlen case against the float64 reference of
