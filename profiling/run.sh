@@ -15,6 +15,8 @@
 #               registered variant (logs smoke_prefill.log, pytest_prefill.log)
 #   sanitize-prefill  compute-sanitizer memcheck, racecheck, synccheck and initcheck of the prefill smoke cases
 #   bench-prefill  cute-kernels bench prefill (ours, both FP8 query paths, and every installed peer)
+#   tune-prefill  the SM90 prefill's tuning sweep: schedules, stages, tiles, FP8 staging per kind and head dim,
+#               each checked against the reference, then timed (log tune_prefill.log, tune_prefill.json)
 #   smoke       a few decode split counts against the reference, in seconds
 #   sanitize    compute-sanitizer memcheck, racecheck, synccheck, initcheck of the decode/merge, QSA, glue drivers
 #   bench       cute-kernels bench decode (uniform shapes, FP8 and BF16 with every installed peer), merge, layer, latency
@@ -97,6 +99,7 @@ for tier in "$@"; do
                         done
                       done ;;
     bench-prefill) TAIL=60 step 580 prefill "${CK[@]}" bench prefill --json "$OUT/prefill.json" --png "$OUT/prefill.png" ;;
+    tune-prefill) TAIL=150 step 500 tune_prefill "$PY" -m profiling.tune_prefill --json "$OUT/tune_prefill.json" ;;
     smoke) step 120 smoke "$PY" -m profiling.smoke_decode ;;
     sanitize) for d in sanitize_decode sanitize_qsa sanitize_glue; do  # compile outside the sanitizer first
                 step 600 "${d}_plain" "$PY" -m "profiling.$d"
@@ -115,11 +118,6 @@ for tier in "$@"; do
            step 120 merge "${CK[@]}" bench merge --json "$OUT/merge.json"
            step 200 layer "${CK[@]}" bench layer --json "$OUT/layer.json"
            step 200 latency "${CK[@]}" bench latency --json "$OUT/latency.json" ;;
-    ncu-prefill) for sh in B=1,new=16384 B=1,new=16384,kv=fp8 B=1,new=8192,D=64 B=16,new=512; do
-                   name="ncu_prefill_$(echo "$sh" | tr -c 'a-zA-Z0-9_\n-' _)"
-                   TAIL=60 step 300 "$name" "${CK[@]}" profile prefill --shape "$sh" --out "$OUT/$name" \
-                     --ncu-args "--clock-control none"
-                 done ;;
     bench-qsa) TAIL=40 step 400 qsa "${CK[@]}" bench qsa --check --json "$OUT/qsa.json" ;;
     bench-serve) TAIL=60 step 500 decode_ragged "${CK[@]}" bench decode --shapes ragged,70b --kv fp8,bf16 \
                    --peers xqa,fi,fa4 --json "$OUT/decode_ragged.json" --png "$OUT/decode_ragged.png"
@@ -138,6 +136,11 @@ for tier in "$@"; do
              --launch-count "$3" "${NCU_SECTIONS[@]}" --section ComputeWorkloadAnalysis \
              "$PY" -m profiling.ncu_qsa --shape "$1"
          done ;;
+    ncu-prefill) for sh in B=1,new=16384 B=1,new=16384,kv=fp8 B=1,new=8192,D=64 B=16,new=512; do
+                   name="ncu_prefill_$(echo "$sh" | tr -c 'a-zA-Z0-9_\n-' _)"
+                   TAIL=60 step 300 "$name" "${CK[@]}" profile prefill --shape "$sh" --out "$OUT/$name" \
+                     --ncu-args "--clock-control none"
+                 done ;;
     ncu-source) for sh in prefill-bf16-4096 prefill-fp8-4096; do
                   "$PY" -m profiling.ncu_qsa --shape "$sh" > /dev/null 2>&1
                   step 150 "ncu_source_$sh" ncu --clock-control none --kernel-name regex:tile_kernel --launch-skip 3 \
