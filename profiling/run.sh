@@ -4,6 +4,7 @@
 #
 #   bash profiling/run.sh TIER...            e.g. bash profiling/run.sh test bench
 #
+#   test-all    the whole GPU suite in parallel (pytest-xdist, 12 processes; pytest_all.log, pytest_all.xml)
 #   test        the GPU test suite except QSA and the prefill  (log pytest.log)
 #   test-qsa    the QSA GPU tests                             (log pytest_qsa.log)
 #   test-hardening  the property tier, bad inputs, concurrent streams, the layer warm-up (pytest_hardening.log)
@@ -14,12 +15,16 @@
 #               registered variant (logs smoke_prefill.log, pytest_prefill.log)
 #   sanitize-prefill  compute-sanitizer memcheck, racecheck, synccheck and initcheck of the prefill smoke cases
 #   bench-prefill  cute-kernels bench prefill (ours, both FP8 query paths, and every installed peer)
+#   tune-prefill  the SM90 prefill's tuning sweep: schedules, stages, tiles, FP8 staging per kind and head dim,
+#               each checked against the reference, then timed (log tune_prefill.log, tune_prefill.json)
 #   smoke       a few decode split counts against the reference, in seconds
 #   sanitize    compute-sanitizer memcheck, racecheck, synccheck, initcheck of the decode/merge, QSA, glue drivers
 #   bench       cute-kernels bench decode (uniform shapes, FP8 and BF16 with every installed peer), merge, layer, latency
 #   bench-qsa   cute-kernels bench qsa --check (decode rows and prefill row tiles)
 #   bench-serve  cute-kernels bench decode on the ragged and Hkv 1 shapes, then bench serve --quick
 #   ncu         Nsight Compute sections of the decode (three shapes) and QSA kernels (two shapes)
+#   ncu-prefill  Nsight Compute on the SM90 prefill through `cute-kernels profile prefill`: 16-bit, FP8-cache,
+#               D 64 and short-batch shapes (what limits it: docs/design/sm90-prefill.md#measured--not-measured)
 #   ncu-source  per-instruction stall samples of the QSA row-tile kernel, summarized
 #   gather      the memory system's ceiling for QSA's scattered row reads
 #   schedule    static against dynamic split scheduling of the paged decode
@@ -60,6 +65,8 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAM
 for tier in "$@"; do
   echo "=== $tier $(date +%T)"
   case $tier in
+    test-all) step 900 pytest_all "$PY" -m pytest tests/gpu -q -rfE -p no:cacheprovider -n "${WORKERS:-12}" \
+                --ignore=tests/gpu/test_multi_gpu.py --junitxml="$OUT/pytest_all.xml" ;;
     test) step 420 pytest "$PY" -m pytest tests/gpu -q -p no:cacheprovider \
             --ignore=tests/gpu/test_qsa_gpu.py --ignore=tests/gpu/test_qsa_union_gpu.py \
             --ignore=tests/gpu/test_prefill_gpu.py --ignore=tests/gpu/test_prefill_kernel_gpu.py \
@@ -92,6 +99,7 @@ for tier in "$@"; do
                         done
                       done ;;
     bench-prefill) TAIL=60 step 580 prefill "${CK[@]}" bench prefill --json "$OUT/prefill.json" --png "$OUT/prefill.png" ;;
+    tune-prefill) TAIL=150 step 500 tune_prefill "$PY" -m profiling.tune_prefill --json "$OUT/tune_prefill.json" ;;
     smoke) step 120 smoke "$PY" -m profiling.smoke_decode ;;
     sanitize) for d in sanitize_decode sanitize_qsa sanitize_glue; do  # compile outside the sanitizer first
                 step 600 "${d}_plain" "$PY" -m "profiling.$d"
@@ -128,6 +136,11 @@ for tier in "$@"; do
              --launch-count "$3" "${NCU_SECTIONS[@]}" --section ComputeWorkloadAnalysis \
              "$PY" -m profiling.ncu_qsa --shape "$1"
          done ;;
+    ncu-prefill) for sh in B=1,new=16384 B=1,new=16384,kv=fp8 B=1,new=8192,D=64 B=16,new=512; do
+                   name="ncu_prefill_$(echo "$sh" | tr -c 'a-zA-Z0-9_\n-' _)"
+                   TAIL=60 step 300 "$name" "${CK[@]}" profile prefill --shape "$sh" --out "$OUT/$name" \
+                     --ncu-args "--clock-control none"
+                 done ;;
     ncu-source) for sh in prefill-bf16-4096 prefill-fp8-4096; do
                   "$PY" -m profiling.ncu_qsa --shape "$sh" > /dev/null 2>&1
                   step 150 "ncu_source_$sh" ncu --clock-control none --kernel-name regex:tile_kernel --launch-skip 3 \

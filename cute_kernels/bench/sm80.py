@@ -46,7 +46,7 @@ def parse_named_variants(text: str | None) -> dict[str, dict]:
             out[name] = {k: int(v) for k, v in (f.split("=") for f in fields.split("+") if f)}
     return out
 
-# name, Hq, Hkv, D, B, q_len, prefix (issue 23's shapes)
+# name, Hq, Hkv, D, B, q_len, prefix (the SM90 prefill benchmark's shapes)
 PREFILL_SHAPES = [
     ("B1 S4096", 32, 8, 128, 1, 4096, 0),
     ("B1 S16384", 32, 8, 128, 1, 16384, 0),

@@ -364,11 +364,8 @@ def paged_prefill(
     if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
         return _traced(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
                        sm_scale, q_scale, k_scale, v_scale, out, return_lse, window_left, sinks)
-    pair = isinstance(kv_cache, (tuple, list))
-    if pair and len(kv_cache) != 2:
-        raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
-    k = kv_cache[0] if pair else kv_cache
-    v = kv_cache[1] if pair else kv_cache
+    k, v_part = cache_parts(kv_cache)
+    pair, v = v_part is not None, k if v_part is None else v_part
     try:
         key = _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, q_scale, k_scale, v_scale,
                    out, return_lse, window_left, sinks)
