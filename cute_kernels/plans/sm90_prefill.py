@@ -9,12 +9,13 @@ built with. Design: docs/design/sm90-prefill.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 from types import ModuleType
 from typing import Any, ClassVar
 
-from ..jit.spec import Arg, KernelConfig, ScalarArg, TensorArg
+from ..jit.spec import LABEL_IF_SET, Arg, KernelConfig, ScalarArg, TensorArg
+from ..roles.prefill_blocks import persistent_tile
 from . import hw
 from .paged_cache import kv_cache_args, scale_arg
 from .sm90_attention import HEAD_DIMS, KV_FORMS, KV_LAYOUTS, PAGE_SIZES
@@ -23,7 +24,8 @@ __all__ = [
     "HEAD_DIMS", "PAGE_SIZES", "MAX_GROUP", "MODEL_DTYPES", "Q_DTYPES", "KV_DTYPES", "OUT_DTYPES", "KV_LAYOUTS",
     "KV_FORMS", "Q_SCALE_KINDS", "TILE_M", "SMEM_BUDGET", "MAX_BATCH", "FP8_CACHE_KERNEL", "FP8_CACHE_REASON",
     "Sm90PrefillConfig", "make_prefill_config", "grid", "smem_bytes", "registry_id", "family", "compile_variants",
-    "fp8_query_compile_variants", "prefill_variants",
+    "fp8_query_compile_variants", "prefill_variants", "CTAS_PER_SM", "persistent_ctas", "persistent_grid",
+    "persistent_tile", "cta_walk", "persistent_variants",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +99,10 @@ class Sm90PrefillConfig(KernelConfig):
     take turns issuing their WGMMAs (named barriers), so one's softmax overlaps the other's MMAs;
     ``producer_regs`` / ``consumer_regs``: ``setmaxnreg`` targets (three warpgroups share 64K).
 
+    Schedule: ``persistent`` launches a fixed grid (the runtime ``num_ctas``: SMs x
+    :data:`CTAS_PER_SM`) whose CTAs walk the (query block, request, head) tiles longest first
+    (:func:`cta_walk`; opt-in, compile-verified: docs/design/sm90-prefill.md#scheduling).
+
     Features (:func:`feature_variants`): ``window`` takes a runtime
     ``window_left`` (-1: none) and walks only the KV tiles a block's rows see; ``sinks`` takes fp32
     ``[Hq]`` sink logits: docs/design/sm90-prefill.md#sliding-window-and-sinks.
@@ -124,6 +130,7 @@ class Sm90PrefillConfig(KernelConfig):
     consumer_regs: int = 232
     window: bool = False
     sinks: bool = False
+    persistent: bool = field(default=False, metadata=LABEL_IF_SET)
 
     kernel_id = "sm90.prefill"
     targets = ("sm_90a",)
@@ -229,6 +236,8 @@ class Sm90PrefillConfig(KernelConfig):
             ScalarArg("max_query_len", "int32"),
             *((TensorArg("sinks", "fp32", ("Hq",), align=4),) if self.sinks else ()),
             *((ScalarArg("window_left", "int32"),) if self.window else ()),
+            # the persistent grid's CTAs (persistent_ctas of the device's SM count)
+            *((ScalarArg("num_ctas", "int32"),) if self.persistent else ()),
         )
 
     def build(self):
@@ -309,6 +318,41 @@ def grid(num_q_heads: int, batch: int, max_query_len: int) -> tuple[int, int, in
     return num_q_heads, num_m_blocks(max_query_len), batch
 
 
+# ---- the persistent schedule (docs/design/sm90-prefill.md#scheduling) ----
+# 384 threads x REGS_PER_THREAD registers take the SM's whole register file: one CTA per SM
+CTAS_PER_SM = hw.REGISTERS_PER_SM // (NUM_THREADS * REGS_PER_THREAD)
+
+
+def persistent_ctas(num_sms: int) -> int:
+    """The ``num_ctas`` argument of a persistent launch: one wave of resident CTAs."""
+    if num_sms < 1:
+        raise ValueError(f"num_sms must be positive, got {num_sms}")
+    return num_sms * CTAS_PER_SM
+
+
+def persistent_grid(num_ctas: int, num_q_heads: int, batch: int, max_query_len: int) -> int:
+    """The persistent launch's grid x (computed inside the kernel's host function from the same
+    values): ``num_ctas``, no more than there are tiles, at least one."""
+    tiles = num_q_heads * max(num_m_blocks(max_query_len), 1) * batch
+    return max(min(num_ctas, tiles), 1)
+
+
+def cta_walk(cta: int, num_ctas: int, num_q_heads: int, q_lens, max_query_len: int):
+    """The ``(m_block, request, head)`` tiles CTA ``cta`` of a persistent launch works on, in
+    order: tiles ``cta, cta + grid, ...`` of the longest-first order (:func:`persistent_tile`),
+    without those past their request's rows (which the kernel skips after reading
+    ``query_start_loc``). ``q_lens``: each request's new tokens, as the kernel reads them."""
+    batch = len(q_lens)
+    m_blocks = max(num_m_blocks(max_query_len), 1)
+    step = persistent_grid(num_ctas, num_q_heads, batch, max_query_len)
+    out = []
+    for t in range(cta, num_q_heads * m_blocks * batch, step):
+        m_block, b, head = persistent_tile(t, num_q_heads, batch, m_blocks)
+        if m_block * TILE_M < q_lens[b]:
+            out.append((m_block, b, head))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # runtime self-check families, compile variants, the variants a model shape reaches
 # ---------------------------------------------------------------------------------------------
@@ -357,6 +401,19 @@ def compile_variants() -> list[Sm90PrefillConfig]:
         _variant("bf16", "fp8_e4m3", 128, 8, 16),
         _variant("fp16", "fp8_e4m3", 64, 16, 64, kv_layout="NHD", k_scale_tensor=True, v_scale_tensor=True),
         _variant("bf16", "fp8_e4m3", 256, 4, 32, kv_form="pair", causal=False),
+    ]
+
+
+def persistent_variants() -> list[Sm90PrefillConfig]:
+    """The persistent schedule's compile matrix (registry id ``sm90.prefill_persistent``) at the
+    default tiling: 16-bit, FP8 widened and FP8 query at D 128, 16-bit D 64 and widened D 256."""
+    on = dict(persistent=True)
+    return [
+        _variant("bf16", "bf16", 128, 8, 16, **on),
+        _variant("bf16", "fp8_e4m3", 128, 8, 16, **on),
+        _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar", **on),
+        _variant("fp16", "fp16", 64, 4, 32, kv_form="pair", kv_layout="NHD", causal=False, **on),
+        _variant("bf16", "fp8_e4m3", 256, 4, 32, kv_form="pair", write_lse=False, **on),
     ]
 
 

@@ -68,6 +68,15 @@ def m_block_of(grid_y, num_m_blocks):
     return num_m_blocks - 1 - grid_y
 
 
+def persistent_tile(t, num_q_heads, batch, m_blocks):
+    """``(m_block, request, head)`` of work tile ``t`` of the persistent order: query blocks from
+    the last (the longest causal work) down, outermost; then the request; then the query head,
+    innermost, so the heads of one KV group are neighbours and share each K/V tile in L2
+    (docs/design/sm90-prefill.md#scheduling)."""
+    rest = t // num_q_heads
+    return m_blocks - 1 - rest // batch, rest % batch, t - rest * num_q_heads
+
+
 def box_source(tile, box_index, tile_n: int, box: int, page_size: int):
     """``(token, logical_page, box_in_page)`` of box ``box_index`` of KV tile ``tile``: its first
     KV position, the block-table column that holds it and which ``box``-token piece of that page

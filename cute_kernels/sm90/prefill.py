@@ -29,7 +29,7 @@ from ..jit.spec import bind_arguments
 from ..roles import online_softmax as softmax
 from ..roles.fragments import store_shared_b32x4
 from ..roles.paged_kv_tma import PagedTiles, box_atom, cache_views, transposed
-from ..roles.prefill_blocks import kv_cap, m_block_of, n_block_range, request_rows, window_tiles
+from ..roles.prefill_blocks import kv_cap, m_block_of, n_block_range, persistent_tile, request_rows, window_tiles
 from ..roles.smem_fp8 import (
     P_SHIFT,
     narrow_q_rows,
@@ -46,6 +46,13 @@ BAR_Q_READY = 1  # producer warpgroup -> consumers: the narrowed query is in pla
 BAR_SCHED = 2  # 2, 3: the consumer warpgroups' turns (pingpong)
 BAR_PRODUCER = 4  # the producer warpgroup's four warps
 BAR_CONSUMER = 5  # 5, 6: one consumer warpgroup
+BAR_TILE = 7  # persistent + pingpong: both consumer warpgroups end a tile together
+
+
+def _at(i, base):
+    """The pipeline index of a tile's i-th K/V step: ``i`` in a one-tile CTA, ``base + i`` in a
+    persistent CTA, whose stages and phases run on across its tiles."""
+    return i if base is None else base + i
 
 
 class Sm90PagedPrefill:
@@ -111,12 +118,20 @@ class Sm90PagedPrefill:
         batch = arg["block_table"].shape[0]
         # at least one query block: a launch with max_query_len 0 exits at once instead of failing
         m_blocks = cutlass.max((arg["max_query_len"] + self.tile_m - 1) // self.tile_m, 1)
+        grid = [num_q_heads, m_blocks, batch]
+        sched = (None, None)
+        if const_expr(cfg.persistent):
+            # a fixed grid of num_ctas CTAs (SMs x CTAs per SM, from the op) walks every (query block,
+            # request, head) tile: docs/design/sm90-prefill.md#scheduling
+            grid = [cutlass.max(cutlass.min(arg["num_ctas"], num_q_heads * m_blocks * batch), 1), 1, 1]
+            sched = (m_blocks, num_q_heads)
         self.kernel(
             tma_q, tma_tQ, tma_k, tma_tK, tma_v, tma_tV, num_pages, arg["block_table"], arg["seq_lens"],
             arg["query_start_loc"], mQ.shape[0], arg["out"], arg.get("lse"), arg["k_scale"], arg["v_scale"],
             arg.get("q_scale"), arg["sm_scale"], qk_mma, pv_mma, L["q"], L["k"], L["v"], L.get("ks"), L.get("vs"),
             arg.get("sinks"), arg.get("window_left"),  # the window / sink variants' inputs (else None)
-        ).launch(grid=[num_q_heads, m_blocks, batch], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+            *sched,  # the persistent variant's tile count (else None)
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def mmas(self):
         """QK: SS, both K-major. PV: P from registers; V an MN-major B (16-bit) or, for e4m3
@@ -185,32 +200,24 @@ class Sm90PagedPrefill:
     def kernel(self, tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages: Int32, mBlockTable: cute.Tensor,
                mSeqLens: cute.Tensor, mQsl: cute.Tensor, total_rows: Int32, mO: cute.Tensor, mLse, k_scale, v_scale,
                q_scale, sm_scale: Float32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, lq, lk, lv, lks, lvs,
-               mSinks, window_left):
+               mSinks, window_left, m_blocks, num_q_heads):
         cfg = self.cfg
         L = dict(q=lq, k=lk, v=lv, ks=lks, vs=lvs)
         scales = (k_scale, v_scale, q_scale, sm_scale)
         tidx, _, _ = cute.arch.thread_idx()
-        head, grid_y, batch = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        m_block = m_block_of(grid_y, cute.arch.grid_dim()[1])
-        q_start, q_len = request_rows(mQsl[batch], mQsl[batch + 1], total_rows, cutlass.min, cutlass.max)
-        seq_len = mSeqLens[batch]
-        cap = kv_cap(seq_len, mBlockTable.shape[1], cfg.page_size, cutlass.min, cutlass.max)
-        n_max, n_unmasked = n_block_range(m_block, self.tile_m, self.tile_n, q_len, seq_len, cap, cfg.causal,
-                                          cutlass.min, cutlass.max)
-        kv_head = head // cfg.group
-        req = (batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head)
-        # a sliding window: the block walks tiles [n_min, n_max) only (docs/design/sm90-prefill.md#sliding-window-and-sinks)
-        count, win = n_max, None
-        if const_expr(cfg.window):
-            n_min, lo_first, lo_last = window_tiles(m_block, self.tile_m, self.tile_n, q_len, seq_len, window_left,
-                                                    n_max, cutlass.min, cutlass.max)
-            win = (n_max - n_min, lo_first, lo_last, window_left)
-            count = win[0]
+        rows = (mQsl, mSeqLens, mBlockTable, total_rows, window_left)
+        kv = (tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable)
+        if const_expr(not cfg.persistent):
+            head, grid_y, batch = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            m_block = m_block_of(grid_y, cute.arch.grid_dim()[1])
+            req, count, win = self.tile_work(m_block, batch, head, rows)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         if tidx == 0:
             cute.arch.mbarrier_init(storage.q_full.data_ptr(), 1)
+            if const_expr(cfg.persistent):  # the second slot: the query buffer is free again
+                cute.arch.mbarrier_init(storage.q_full.data_ptr() + 1, 8)
             # full: one TMA arrival (with its bytes), or one per rewriting thread; empty: one per consumer warp
             k_count = self.wg_threads if const_expr(self.kind == "widen") else 1
             v_count = 1 if const_expr(self.kind == "16") else self.wg_threads
@@ -224,29 +231,98 @@ class Sm90PagedPrefill:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        if m_block * self.tile_m < q_len:  # a block past the request's rows has nothing to do
-            if warp < 4:
-                cute.arch.setmaxregister_decrease(cfg.producer_regs)
-                if count > 0:
-                    if const_expr(self.kind == "16"):
-                        if warp == 0:
-                            self.produce_direct(tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable,
-                                                storage, L, req, win)
-                    else:
-                        self.produce_rewrite(tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable,
-                                             storage, L, req, tidx, warp, win)
-            else:
-                cute.arch.setmaxregister_increase(cfg.consumer_regs)
-                self.consume(storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tidx % self.wg_threads, warp // 4 - 1,
-                             win, mSinks)
+        if const_expr(cfg.persistent):
+            self.persistent_ctas(kv, rows, storage, L, scales, qk_mma, pv_mma, mO, mLse, mSinks, tidx, m_blocks,
+                                 num_q_heads)
+        else:
+            if m_block * self.tile_m < req[2]:  # a block past the request's rows has nothing to do
+                if warp < 4:
+                    cute.arch.setmaxregister_decrease(cfg.producer_regs)
+                    if count > 0:
+                        self.produce(kv, storage, L, req, tidx, warp, win)
+                else:
+                    cute.arch.setmaxregister_increase(cfg.consumer_regs)
+                    self.consume(storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tidx % self.wg_threads,
+                                 warp // 4 - 1, win, mSinks)
+
+    def tile_work(self, m_block, batch, head, rows):
+        """``(req, count, win)`` of one (query block, request, head) tile: the request's rows and
+        KV extent, the KV tiles walked and a sliding window's bounds (None without one)."""
+        cfg = self.cfg
+        mQsl, mSeqLens, mBlockTable, total_rows, window_left = rows
+        q_start, q_len = request_rows(mQsl[batch], mQsl[batch + 1], total_rows, cutlass.min, cutlass.max)
+        seq_len = mSeqLens[batch]
+        cap = kv_cap(seq_len, mBlockTable.shape[1], cfg.page_size, cutlass.min, cutlass.max)
+        n_max, n_unmasked = n_block_range(m_block, self.tile_m, self.tile_n, q_len, seq_len, cap, cfg.causal,
+                                          cutlass.min, cutlass.max)
+        kv_head = head // cfg.group
+        req = (batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head)
+        # a sliding window: the block walks tiles [n_min, n_max) only (docs/design/sm90-prefill.md#sliding-window-and-sinks)
+        count, win = n_max, None
+        if cfg.window:
+            n_min, lo_first, lo_last = window_tiles(m_block, self.tile_m, self.tile_n, q_len, seq_len, window_left,
+                                                    n_max, cutlass.min, cutlass.max)
+            win = (n_max - n_min, lo_first, lo_last, window_left)
+            count = win[0]
+        return req, count, win
+
+    @cute.jit
+    def produce(self, kv, storage, L, req, tidx, warp, win, sched=None):
+        """The producer warpgroup's work on one tile (warp 0 alone for a 16-bit cache)."""
+        tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable = kv
+        if const_expr(self.kind == "16"):
+            if warp == 0:
+                self.produce_direct(tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable, storage, L, req, win,
+                                    sched)
+        else:
+            self.produce_rewrite(tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable, storage, L, req, tidx,
+                                 warp, win, sched)
+
+    @cute.jit
+    def persistent_ctas(self, kv, rows, storage, L, scales, qk_mma, pv_mma, mO, mLse, mSinks, tidx, m_blocks,
+                        num_q_heads):
+        """A fixed grid: CTA c takes tiles c, c + gridDim.x, ... of the longest-first order
+        (``persistent_tile``). The producer and both consumer warpgroups walk the same sequence;
+        ``kv_it`` (K/V steps so far) and ``q_it`` (query blocks loaded so far) carry the stages'
+        and the query buffer's phases from one tile to the next (docs/design/sm90-prefill.md#scheduling)."""
+        cfg = self.cfg
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        cta, _, _ = cute.arch.block_idx()
+        step = cute.arch.grid_dim()[0]
+        batch_size = rows[2].shape[0]
+        tiles = num_q_heads * m_blocks * batch_size
+        kv_it = Int32(0)
+        q_it = Int32(0)
+        if warp < 4:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            for t in cutlass.range(cta, tiles, step, unroll=1):
+                m_block, batch, head = persistent_tile(t, num_q_heads, batch_size, m_blocks)
+                req, count, win = self.tile_work(m_block, batch, head, rows)
+                if count > 0:  # 0 for a block past the request's rows too
+                    self.produce(kv, storage, L, req, tidx, warp, win, (kv_it, q_it))
+                kv_it = kv_it + count
+                q_it = q_it + cutlass.min(count, 1)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            for t in cutlass.range(cta, tiles, step, unroll=1):
+                m_block, batch, head = persistent_tile(t, num_q_heads, batch_size, m_blocks)
+                req, count, win = self.tile_work(m_block, batch, head, rows)
+                if m_block * self.tile_m < req[2]:
+                    self.consume(storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tidx % self.wg_threads,
+                                 warp // 4 - 1, win, mSinks, (kv_it, q_it))
+                kv_it = kv_it + count
+                q_it = q_it + cutlass.min(count, 1)
 
     # ---- producer ------------------------------------------------------------------------------
 
     @cute.jit
-    def load_q(self, tma_q, mQt, sQ, bar, req):
+    def load_q(self, tma_q, mQt, sQ, bar, req, q_it=None):
         """Both 64-row halves of the query block (rows past the tensor are zero-filled; rows of the
-        next request are loaded and never stored)."""
+        next request are loaded and never stored). ``q_it``: a persistent CTA's query blocks so far
+        (the buffer is reused once both consumers release it: ``bar + 1``)."""
         batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head = req
+        if const_expr(q_it is not None):
+            cute.arch.mbarrier_wait(bar + 1, (q_it % 2) ^ 1)
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tile_m * self.D * self.q_dtype.width // 8)
         gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQt[None, None, head]), (self.mma_m, self.D), (None, 0))
@@ -256,11 +332,14 @@ class Sm90PagedPrefill:
             cute.copy(tma_q, tQgQ[None, 2 * m_block + h], tQsQ[None, h], tma_bar_ptr=bar)
 
     @cute.jit
-    def produce_direct(self, tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable, storage, L, req, win=None):
+    def produce_direct(self, tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable, storage, L, req, win=None,
+                       sched=None):
         """16-bit cache, one warp: the query, then K(i) ahead of V(i-1) (the consumer needs K(i)
         first), each into its stage once the consumers have released it (``count`` tiles from
-        ``n_max - 1`` down: all of them, or a window's)."""
+        ``n_max - 1`` down: all of them, or a window's). ``sched``: a persistent CTA's
+        ``(kv_it, q_it)``."""
         batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head = req
+        base, q_it = (None, None) if const_expr(sched is None) else sched
         count, lo = n_max, None
         if const_expr(win is not None):
             count, lo = win[0], win[1]
@@ -268,7 +347,7 @@ class Sm90PagedPrefill:
         sQ = storage.sQ.get_tensor(L["q"].outer, swizzle=L["q"].inner)
         sK = storage.sK.get_tensor(L["k"].outer, swizzle=L["k"].inner)
         sV = storage.sV.get_tensor(L["v"].outer, swizzle=L["v"].inner)
-        self.load_q(tma_q, mQt, sQ, storage.q_full.data_ptr(), req)
+        self.load_q(tma_q, mQt, sQ, storage.q_full.data_ptr(), req, q_it)
         tKsK, tKgK = self.k_tiles.partition(tma_k, mKt, sK, kv_head)
         tVsV, tVgV = self.v_tiles.partition(tma_v, mVt, sV, kv_head)
         k_full, k_empty = storage.k_full.data_ptr(), storage.k_empty.data_ptr()
@@ -281,14 +360,14 @@ class Sm90PagedPrefill:
             if i + 1 < count:  # the next tile's page ids, loaded one tile ahead
                 ids_next = self.k_tiles.lookup(mBlockTable, batch, n_max - 2 - i, cap, num_pages, lane, lo)
             if i < count:
-                stage, phase = i % self.stages, (i // self.stages) % 2
+                stage, phase = _at(i, base) % self.stages, (_at(i, base) // self.stages) % 2
                 cute.arch.mbarrier_wait(k_empty + stage, phase ^ 1)
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(k_full + stage, tile_bytes)
                 self.k_tiles.issue(tma_k, tKgK, tKsK, ids, n_max - 1 - i, stage, k_full + stage)
             if i > 0:
                 j = i - 1
-                stage, phase = j % self.stages, (j // self.stages) % 2
+                stage, phase = _at(j, base) % self.stages, (_at(j, base) // self.stages) % 2
                 cute.arch.mbarrier_wait(v_empty + stage, phase ^ 1)
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(v_full + stage, tile_bytes)
@@ -297,12 +376,14 @@ class Sm90PagedPrefill:
 
     @cute.jit
     def produce_rewrite(self, tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable, storage, L, req, tidx,
-                        warp, win=None):
+                        warp, win=None, sched=None):
         """FP8 cache, the whole warpgroup: warp 0 TMAs the query and each tile's FP8 K and V (FP8
         query: K straight into its consumer stage, V into staging) ``staging`` tiles ahead; all
         four warps then rewrite each staged tile into the consumers' stage (widen K and V, or
-        transpose V), publish it (proxy fence + arrival) and free the staging slot."""
+        transpose V), publish it (proxy fence + arrival) and free the staging slot. ``sched``: a
+        persistent CTA's ``(kv_it, q_it)``."""
         batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head = req
+        base, q_it = (None, None) if const_expr(sched is None) else sched
         count, lo = n_max, None
         if const_expr(win is not None):
             count, lo = win[0], win[1]
@@ -323,12 +404,12 @@ class Sm90PagedPrefill:
             tKs, tKg = self.k_tiles.partition(tma_k, mKt, sK, kv_head)
         tVs, tVg = self.v_tiles.partition(tma_v, mVt, sVs, kv_head)
         if warp == 0:
-            self.load_q(tma_q, mQt, sQ, storage.q_full.data_ptr(), req)
+            self.load_q(tma_q, mQt, sQ, storage.q_full.data_ptr(), req, q_it)
             for i in cutlass.range(cutlass.min(self.staging, count), unroll=1):
-                self.issue_staged(tma_k, tKg, tKs, tma_v, tVg, tVs, mBlockTable, batch, n_max - 1 - i, i, cap,
+                self.issue_staged(tma_k, tKg, tKs, tma_v, tVg, tVs, mBlockTable, batch, n_max - 1 - i, _at(i, base), cap,
                                   num_pages, lane, s_full, k_full, k_empty, tile_bytes, lo)
         if const_expr(self.narrow_q):
-            cute.arch.mbarrier_wait(storage.q_full.data_ptr(), 0)
+            cute.arch.mbarrier_wait(storage.q_full.data_ptr(), 0 if const_expr(q_it is None) else q_it % 2)
             narrow_q_rows(storage.sQ.data_ptr().toint(), L["q"], D,
                           storage.q_shift.get_tensor(cute.make_layout(self.tile_m)), tidx)
             cute.arch.fence_proxy("async.shared", space="cta")  # read by WGMMA
@@ -337,8 +418,9 @@ class Sm90PagedPrefill:
         dst_v = storage.sV.data_ptr().toint()
         for i in cutlass.range(count, unroll=1):
             tile = n_max - 1 - i
-            slot, s_phase = i % self.staging, (i // self.staging) % 2
-            stage, phase = i % self.stages, (i // self.stages) % 2
+            g = _at(i, base)
+            slot, s_phase = g % self.staging, (g // self.staging) % 2
+            stage, phase = g % self.stages, (g // self.stages) % 2
             valid = cap - tile * n  # tokens of the tile inside the sequence
             cute.arch.mbarrier_wait(s_full + slot, s_phase)
             if const_expr(widen):
@@ -359,7 +441,7 @@ class Sm90PagedPrefill:
             if warp == 0:
                 if i + self.staging < count:
                     self.issue_staged(tma_k, tKg, tKs, tma_v, tVg, tVs, mBlockTable, batch,
-                                      n_max - 1 - i - self.staging, i + self.staging, cap, num_pages, lane, s_full,
+                                      n_max - 1 - i - self.staging, _at(i, base) + self.staging, cap, num_pages, lane, s_full,
                                       k_full, k_empty, tile_bytes, lo)
 
     @cute.jit
@@ -386,12 +468,13 @@ class Sm90PagedPrefill:
     # ---- consumers -----------------------------------------------------------------------------
 
     @cute.jit
-    def consume(self, storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tid, wg, win=None, mSinks=None):
+    def consume(self, storage, L, qk_mma, pv_mma, mO, mLse, scales, req, tid, wg, win=None, mSinks=None, sched=None):
         """One consumer warpgroup: rows ``64 wg ..`` of the query block; ``tid`` is the thread's
         index inside its warpgroup (the MMA slices and the shared work loops count from it).
         ``win``: a sliding window's ``(count, lo_first, lo_last, window_left)``; ``mSinks``: the
-        fp32 [Hq] sink logits."""
+        fp32 [Hq] sink logits; ``sched``: a persistent CTA's ``(kv_it, q_it)``."""
         cfg = self.cfg
+        base, q_it = (None, None) if const_expr(sched is None) else sched
         batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head = req
         D, n = self.D, self.tile_n
         fp8 = self.kind == "fp8"
@@ -450,9 +533,16 @@ class Sm90PagedPrefill:
                 for h in cutlass.range_constexpr(softmax.ROWS):
                     scale[h] = c * cute.math.exp2(-sShift[self.mma_m * wg + m_off + 8 * h], fastmath=False)
             else:
-                cute.arch.mbarrier_wait(storage.q_full.data_ptr(), 0)
+                cute.arch.mbarrier_wait(storage.q_full.data_ptr(), 0 if const_expr(q_it is None) else q_it % 2)
                 scale.fill(c)
-            self.mainloop(st, storage, n_max, n_unmasked, cap, count)
+            self.mainloop(st, storage, n_max, n_unmasked, cap, count, base)
+            if const_expr(sched is not None):
+                # the query buffer is free for the CTA's next tile; with pingpong both warpgroups
+                # finish this tile's turns before either takes the next tile's
+                if cute.arch.lane_idx() == 0:
+                    cute.arch.mbarrier_arrive(storage.q_full.data_ptr() + 1)
+                if const_expr(cfg.pingpong):
+                    cute.arch.barrier(barrier_id=BAR_TILE, number_of_threads=2 * self.wg_threads)
         sink_log2 = None
         if const_expr(cfg.sinks):
             sink_log2 = mSinks[head] * Float32(LOG2E)
@@ -460,9 +550,9 @@ class Sm90PagedPrefill:
                       head, tid, sink_log2)
 
     @cute.jit
-    def mainloop(self, st, storage, n_max, n_unmasked, cap, count=None):
+    def mainloop(self, st, storage, n_max, n_unmasked, cap, count=None, base=None):
         """The KV tiles from ``n_max - 1`` down: ``count`` of them (all ``n_max``, or a window's;
-        see the module docstring)."""
+        see the module docstring); ``base``: a persistent CTA's K/V steps before this tile."""
         if const_expr(count is None):
             count = n_max
         k_full, k_empty = storage.k_full.data_ptr(), storage.k_empty.data_ptr()
@@ -471,57 +561,57 @@ class Sm90PagedPrefill:
         zero_tail = self.kind == "16"  # FP8 rewrites zero the tail themselves
         if const_expr(self.cfg.overlap):
             # tile 0: scores only; its PV goes out with tile 1's QK
-            self.wait(k_full, 0)
-            self.issue_qk(st, 0)
+            self.wait(k_full, _at(0, base))
+            self.issue_qk(st, _at(0, base))
             warpgroup.wait_group(0)
-            self.release(k_empty, 0)
+            self.release(k_empty, _at(0, base))
             self.softmax(st, n_max - 1, n_unmasked)
             pack_p(st["acc_s"], st["tOrP"], st["pmap"], st["p_kind"])
             for i in cutlass.range(1, count, unroll=1):
-                self.wait(k_full, i)
+                self.wait(k_full, _at(i, base))
                 if const_expr(self.cfg.pingpong):
                     if wg == 1 or i > 1:  # balanced: wg 0 goes first, wg 1 skips its last turn's handoff
                         cute.arch.barrier(barrier_id=BAR_SCHED + wg, number_of_threads=2 * self.wg_threads)
-                self.issue_qk(st, i)
-                self.wait(v_full, i - 1)
+                self.issue_qk(st, _at(i, base))
+                self.wait(v_full, _at(i - 1, base))
                 if const_expr(zero_tail):
                     if i == 1:
-                        self.zero_v_tail(st, (i - 1) % self.stages, n_max, cap)
-                self.issue_pv(st, i - 1)
+                        self.zero_v_tail(st, _at(i - 1, base) % self.stages, n_max, cap)
+                self.issue_pv(st, _at(i - 1, base))
                 if const_expr(self.cfg.pingpong):
                     if wg == 0 or i < count - 1:
                         cute.arch.barrier_arrive(barrier_id=BAR_SCHED + 1 - wg, number_of_threads=2 * self.wg_threads)
                 warpgroup.wait_group(1)  # QK(i) done (groups retire in order); PV(i-1) may run on
-                self.release(k_empty, i)
+                self.release(k_empty, _at(i, base))
                 alpha = self.softmax(st, n_max - 1 - i, n_unmasked)
                 warpgroup.wait_group(0)
-                self.release(v_empty, i - 1)
+                self.release(v_empty, _at(i - 1, base))
                 pack_p(st["acc_s"], st["tOrP"], st["pmap"], st["p_kind"])
                 softmax.rescale_rows(st["acc_o"], st["cO0"], alpha)
             last = count - 1
-            self.wait(v_full, last)
+            self.wait(v_full, _at(last, base))
             if const_expr(zero_tail):
                 if last == 0:
-                    self.zero_v_tail(st, 0, n_max, cap)
-            self.issue_pv(st, last)
+                    self.zero_v_tail(st, _at(0, base) % self.stages, n_max, cap)
+            self.issue_pv(st, _at(last, base))
             warpgroup.wait_group(0)
-            self.release(v_empty, last)
+            self.release(v_empty, _at(last, base))
         else:
             for i in cutlass.range(count, unroll=1):
-                self.wait(k_full, i)
-                self.issue_qk(st, i)
+                self.wait(k_full, _at(i, base))
+                self.issue_qk(st, _at(i, base))
                 warpgroup.wait_group(0)
-                self.release(k_empty, i)
+                self.release(k_empty, _at(i, base))
                 alpha = self.softmax(st, n_max - 1 - i, n_unmasked)
                 pack_p(st["acc_s"], st["tOrP"], st["pmap"], st["p_kind"])
                 softmax.rescale_rows(st["acc_o"], st["cO0"], alpha)
-                self.wait(v_full, i)
+                self.wait(v_full, _at(i, base))
                 if const_expr(zero_tail):
                     if i == 0:
-                        self.zero_v_tail(st, 0, n_max, cap)
-                self.issue_pv(st, i)
+                        self.zero_v_tail(st, _at(0, base) % self.stages, n_max, cap)
+                self.issue_pv(st, _at(i, base))
                 warpgroup.wait_group(0)
-                self.release(v_empty, i)
+                self.release(v_empty, _at(i, base))
 
     @cute.jit
     def wait(self, full, i):
@@ -535,7 +625,7 @@ class Sm90PagedPrefill:
 
     @cute.jit
     def issue_qk(self, st, i):
-        """S = Q K^T of the i-th tile walked, committed as one group."""
+        """S = Q K^T of the i-th tile walked (a pipeline index), committed as one group."""
         qk_mma = st["qk_mma"]
         first = cute.make_mma_atom(qk_mma.op)
         first.set(warpgroup.Field.ACCUMULATE, False)
