@@ -272,6 +272,16 @@ _ENTRIES = (
         description="SM90 varlen paged prefill's sliding-window (runtime window_left, tiles and pages outside "
                     "skipped) and attention-sink variants",
         variants=sm90_prefill.feature_variants, **{**_SM90_PREFILL, "call_site": None}),
+    # the persistent schedule of the prefill (opt-in: ``tuning_override(persistent=True)``): never run on a
+    # GPU yet, so compile-verified behind a one-time self-check per family (a family that fails it leaves
+    # the call to the default grid); not on a dispatcher list
+    KernelInfo(
+        id=sm90_prefill.PERSISTENT_ID, kv_dtypes=sm90_prefill.KV_DTYPES,
+        description="SM90 varlen paged prefill's persistent schedule: a fixed grid of one CTA per SM walks the "
+                    "(query block, request, head) tiles longest first, the TMA/mbarrier pipeline carried "
+                    "across tiles",
+        variants=sm90_prefill.persistent_variants, family=sm90_prefill.persistent_family,
+        **{**_SM90_PREFILL, "call_site": None, "status": "compile-verified"}),
     KernelInfo(
         id="sm90.prefill", kv_dtypes=sm90_prefill.KV_DTYPES,
         description="SM90 varlen paged prefill with WGMMA and TMA (warp-specialized, causal blocks skipped); FP8 "

@@ -41,7 +41,7 @@ as ``torch.ops.cute_kernels.paged_prefill`` and ``paged_prefill_out`` (:mod:`cut
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal, Optional, overload
 
@@ -61,7 +61,7 @@ from ._device import check_devices, current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
 from ._selfcheck import Case, ensure, launch_prefill_now, prefill_expected, prefill_problem, to_device
-from ._torch import check_kv_cache, check_tensor, compile_target, dtype_name
+from ._torch import check_kv_cache, check_tensor, compile_target, device_sm_count, dtype_name
 
 FP8 = torch.float8_e4m3fn
 
@@ -233,6 +233,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     if target not in config.targets:
         raise ValueError(f"{config.kernel_id} runs on {'/'.join(config.targets)}, this GPU is {target}: "
                          "use cute_kernels.reference.paged_prefill (dispatch.plan picks it)")
+    if getattr(config, "persistent", False) and not _self_check_passes(config, device):
+        config = replace(config, persistent=False)  # a persistent family that failed it keeps the default grid
     if info.id != _PORTABLE and not _self_check_passes(config, device):  # a family that failed it
         if q.dtype == FP8 or features:  # no other kernel takes them: the reference serves it
             return _Launch(None, shape, out_dtype, reference=True)
@@ -244,7 +246,10 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
             sources[name] = f"{name}.view(1)?"
     if q_scale_kind == "tensor" and q_scale.dim() != 1:  # the key holds the shape
         sources["q_scale"] = "q_scale.view(1)"
-    call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, dict(sm_scale=float(scale))))
+    constants: dict[str, Any] = dict(sm_scale=float(scale))
+    if getattr(config, "persistent", False):  # one wave of resident CTAs on this device (no sync: a property)
+        constants["num_ctas"] = plan.persistent_ctas(device_sm_count(device.index or 0))
+    call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, constants))
     return _Launch(on_device(call, device), shape, out_dtype)
 
 
@@ -502,15 +507,23 @@ def self_check_cases(config: plan.Sm90PrefillConfig, device) -> list[Case]:
     rtol, atol = SELF_CHECK_TOL[config.kind]
     page = config.page_size
     problems = (([(0, 130), (40, 0), (3 * page + 5, 20), (300, 1)], None), ([(0, 256)], 256))
+    # the persistent schedule: one wave of CTAs, and 3 CTAs that each walk many tiles (the pipeline's
+    # stages and the query buffer carried from tile to tile)
+    grids = (plan.persistent_ctas(device_sm_count(torch.device(device).index or 0)), 3) if config.persistent \
+        else (None,)
     g = torch.Generator(device="cpu").manual_seed(SELF_CHECK_SEED)
     cases = []
     for i, (reqs, max_q) in enumerate(problems):
         # the window / sink variants: a window shorter than the prompts (tiles skipped, pages
         # zero-filled at its start)
         host = prefill_problem(config, reqs, g, q_scale=config.q_scale, window=75 if config.window else -1)
-        dev = to_device(host, device)
-        cases.append(Case(f"problem {i} (seed {SELF_CHECK_SEED})", partial(_launch_now, config, dev, max_q),
-                          partial(prefill_expected, config, host, max_q), rtol, atol))
+        for ctas in grids:
+            dev = to_device(host, device)
+            if ctas is not None:
+                dev["num_ctas"] = ctas
+            name = f"problem {i} (seed {SELF_CHECK_SEED})" + ("" if ctas is None else f", {ctas} CTAs")
+            cases.append(Case(name, partial(_launch_now, config, dev, max_q),
+                              partial(prefill_expected, config, host, max_q), rtol, atol))
     return cases
 
 

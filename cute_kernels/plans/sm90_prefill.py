@@ -25,7 +25,7 @@ __all__ = [
     "KV_FORMS", "Q_SCALE_KINDS", "TILE_M", "SMEM_BUDGET", "MAX_BATCH", "FP8_CACHE_KERNEL", "FP8_CACHE_REASON",
     "Sm90PrefillConfig", "make_prefill_config", "grid", "smem_bytes", "registry_id", "family", "compile_variants",
     "fp8_query_compile_variants", "prefill_variants", "CTAS_PER_SM", "persistent_ctas", "persistent_grid",
-    "persistent_tile", "cta_walk", "persistent_variants",
+    "persistent_tile", "cta_walk", "persistent_variants", "PERSISTENT_ID", "persistent_family",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -180,6 +180,8 @@ class Sm90PrefillConfig(KernelConfig):
             bad("pingpong takes turns between overlapped consumers (overlap=True)")
         if smem_bytes(self) > SMEM_BUDGET:
             bad(f"{smem_bytes(self)} bytes of shared memory exceed {SMEM_BUDGET}")
+        if self.persistent and (self.window or self.sinks):
+            bad("the persistent schedule takes no window or sinks (not compiled with them)")
 
     # ---- derived ----
     @property
@@ -303,6 +305,8 @@ def make_prefill_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: in
         page_size=page_size, kv_form=kv_form, kv_layout=kv_layout, causal=causal, write_lse=write_lse,
         k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, q_scale=q_scale, tile_n=tile_n,
         stages=stages, staging=staging, producer_regs=producer_regs, consumer_regs=consumer_regs, pingpong=pingpong)
+    if override.get("window") or override.get("sinks"):
+        override.pop("persistent", None)  # not with a window or sinks: those calls keep the default grid
     fields_.update(override)
     return Sm90PrefillConfig(**fields_)
 
@@ -364,18 +368,28 @@ def registry_id(q_dtype: str, kv_dtype: str) -> str:
 
 
 def config_family(config: Sm90PrefillConfig) -> str:
-    """A variant's self-check family: :func:`family`, and its window / sink features if any."""
-    features = "+".join(name for name, on in (("window", config.window), ("sinks", config.sinks)) if on)
+    """A variant's self-check family: :func:`family`, and its window / sink features or its
+    persistent schedule if any."""
+    features = "+".join(name for name, on in (("window", config.window), ("sinks", config.sinks),
+                                              ("persistent", config.persistent)) if on)
     base = family(config.q_dtype, config.kv_dtype, config.head_dim)
     return f"{base}/{features}" if features else base
 
 
 def check_registry_id(config: Sm90PrefillConfig) -> str:
     """The registry entry whose status says whether ``config`` still needs its self-check."""
+    if config.persistent:
+        return PERSISTENT_ID
     return FEATURES_ID if config.window or config.sinks else registry_id(config.q_dtype, config.kv_dtype)
 
 
 FEATURES_ID = "sm90.prefill_window_sinks"
+PERSISTENT_ID = "sm90.prefill_persistent"
+
+
+def persistent_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
+    """The registry's self-check family of a persistent request: :func:`config_family` of its variant."""
+    return f"{family(q_dtype, kv_dtype, head_dim)}/persistent"
 
 
 def family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
