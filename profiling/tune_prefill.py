@@ -1,5 +1,6 @@
 """Sweep the SM90 paged prefill's tuning fields (``tile_n``, ``stages``, ``staging``, ``overlap``,
-``pingpong``) around the defaults of :func:`cute_kernels.plans.sm90_prefill.make_prefill_config`,
+``pingpong``, and the opt-in ``persistent`` schedule once per group at the default tiling:
+docs/design/sm90-prefill.md#scheduling) around the defaults of :func:`cute_kernels.plans.sm90_prefill.make_prefill_config`,
 per kind (16-bit cache; FP8 cache with a 16-bit query, "widen"; FP8 query, "fp8") and head dim:
 docs/design/sm90-prefill.md#budgets-defaults-of-make_prefill_config-gqa-8-page-16,
 docs/design/sm90-prefill.md#measured--not-measured.
@@ -54,7 +55,7 @@ SHAPES = [
     ("short B16 S512", 16, 0, 512),
 ]
 DEFAULT_SHAPES = "causal B1 S16384,chunked B8"
-TUNING = ("tile_n", "stages", "staging", "overlap", "pingpong", "producer_regs", "consumer_regs")
+TUNING = ("tile_n", "stages", "staging", "overlap", "pingpong", "producer_regs", "consumer_regs", "persistent")
 SCHEDULES = {"pingpong": dict(overlap=True, pingpong=True), "overlap": dict(overlap=True, pingpong=False),
              "serial": dict(overlap=False, pingpong=False)}
 # CUDA-graph medians: 5 replays of 10 calls each (a long prefill is milliseconds a call, and ~60
@@ -102,7 +103,8 @@ class Entry:
     def tag(self) -> str:
         t = self.tuning
         staging = f" g{t['staging']}" if t.get("staging") else ""
-        return f"n{t['tile_n']} s{t['stages']}{staging} {schedule_name(t['overlap'], t['pingpong'])}"
+        grid = " persistent" if t.get("persistent") else ""
+        return f"n{t['tile_n']} s{t['stages']}{staging} {schedule_name(t['overlap'], t['pingpong'])}{grid}"
 
 
 def _tuning_of(cfg: Sm90PrefillConfig) -> dict:
@@ -136,7 +138,8 @@ def group_sweep(kind: str, D: int, wide: bool = False) -> list[Entry]:
     d = _tuning_of(problem_config(kind, D))
     k_step = 32 if kind == "fp8" else 16
     tiles = [d["tile_n"]] + [-(-t // k_step) * k_step for t in ALT_TILES[D]]
-    wanted: list[dict] = [d]
+    # the persistent schedule at the default tiling (a fixed grid of one CTA per SM, longest tiles first)
+    wanted: list[dict] = [d, dict(d, persistent=True)]
     if wide:
         stagings = (0,) if kind == "16" else (d["staging"] - 1, d["staging"], d["staging"] + 1)
         for sched, tile, ds, staging in product(SCHEDULES.values(), tiles, (-1, 0, 1), stagings):

@@ -13,6 +13,8 @@ or not, on WGMMA with K/V pages loaded by TMA. Config, limits and grid:
   or past the sequence are never loaded.
 - ``overlap``: each consumer issues tile n's QK together with tile n-1's PV and computes the
   softmax while PV runs; ``pingpong``: the two consumers take turns issuing WGMMAs.
+- ``persistent`` (opt-in): a fixed grid of ``num_ctas`` CTAs walks the (query block, request,
+  head) tiles longest first; the pipeline's stages and phases run on from tile to tile.
 """
 
 import math

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cute_kernels.plans.sm90_prefill import make_prefill_config
+from cute_kernels.plans.sm90_prefill import make_prefill_config, persistent_ctas
 
 from .conftest import sm90_only
 
@@ -154,7 +154,8 @@ def reference(case: PrefillCase, layout: str, causal: bool):
     return out, lse
 
 
-def run_kernel(cfg, case: PrefillCase, max_query_len=None, out=None, lse=None):
+def run_kernel(cfg, case: PrefillCase, max_query_len=None, out=None, lse=None, num_ctas=None):
+    """``num_ctas``: a persistent variant's grid (default: one CTA per SM of this GPU)."""
     from cute_kernels.jit.compiler import get_kernel
 
     fn = get_kernel(cfg, "sm_90a")
@@ -170,12 +171,15 @@ def run_kernel(cfg, case: PrefillCase, max_query_len=None, out=None, lse=None):
     if cfg.q_scale != "none":
         args.append(case.q_scale)
     args += [case.sm_scale, max(case.q_lens) if max_query_len is None else max_query_len]
+    if cfg.persistent:
+        args.append(persistent_ctas(torch.cuda.get_device_properties(0).multi_processor_count)
+                    if num_ctas is None else num_ctas)
     fn(*args)
     return out, lse
 
 
-def check(cfg, case, layout, label=""):
-    out, lse = run_kernel(cfg, case)
+def check(cfg, case, layout, label="", num_ctas=None):
+    out, lse = run_kernel(cfg, case, num_ctas=num_ctas)
     torch.cuda.synchronize()
     ref_out, ref_lse = reference(case, layout, cfg.causal)
     real = ~torch.isnan(ref_lse[:, 0])  # rows of some request
@@ -280,3 +284,48 @@ def test_cuda_graph_replay_reads_lengths_on_the_device(gen):
     ref_out, _ = reference(case, "HND", True)
     err = ((out.double() - ref_out).norm() / ref_out.norm()).item()
     assert err <= TOL["widen"], err
+
+
+# the persistent schedule (opt-in): the same cases on one wave of CTAs, and on a few CTAs that each
+# walk many tiles (the pipeline's stages and the query buffer carried from tile to tile)
+@pytest.mark.parametrize("num_ctas", [None, 1, 5])
+@pytest.mark.parametrize("c", CASES, ids=[f"{c[0]}-{c[1]}-d{c[2]}-g{c[3] // c[4]}-p{c[5]}-{c[6]}-{c[7]}"
+                                          f"-{'causal' if c[8] else 'full'}" for c in CASES])
+def test_persistent_matches_reference(c, num_ctas, gen):
+    q, kv, D, Hq, Hkv, page, layout, form, causal, lse, qs = c
+    cfg = case_config(c, persistent=True)
+    case = make_case(q_lens=Q_LENS, prefixes=PREFIXES, Hq=Hq, Hkv=Hkv, D=D, page=page, q_dtype=q, kv_dtype=kv,
+                     layout=layout, form=form, q_scale_kind=qs, gen=gen)
+    check(cfg, case, layout, f"{cfg.label()} ctas={num_ctas}", num_ctas=num_ctas)
+
+
+@pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False)])
+def test_persistent_consumer_schedules(overlap, pingpong, gen):
+    c = ("bf16", "fp8_e4m3", 128, 8, 2, 16, "HND", "single", True, True, "none")
+    cfg = case_config(c, overlap=overlap, pingpong=pingpong, persistent=True)
+    case = make_case(q_lens=Q_LENS, prefixes=PREFIXES, Hq=8, Hkv=2, D=128, page=16, q_dtype="bf16",
+                     kv_dtype="fp8_e4m3", gen=gen)
+    check(cfg, case, "HND", cfg.label(), num_ctas=3)
+
+
+def test_persistent_graph_replay_reads_lengths_on_the_device(gen):
+    """A persistent launch captured once and replayed with other lengths equals the reference."""
+    c = CASES[0]
+    cfg = case_config(c, persistent=True)
+    case = make_case(q_lens=[100, 200, 50], prefixes=[10, 400, 0], Hq=8, Hkv=2, D=128, page=16, q_dtype="bf16",
+                     kv_dtype="bf16", gen=gen, pad_rows=0)
+    out = torch.full(case.q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32, device="cuda")
+    run_kernel(cfg, case, max_query_len=256, out=out, lse=lse)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_kernel(cfg, case, max_query_len=256, out=out, lse=lse)
+    case.qsl.copy_(torch.tensor([0, 150, 300, 350], dtype=torch.int32))
+    case.seq_lens.copy_(torch.tensor([100, 580, 50], dtype=torch.int32))
+    case.q_lens = [150, 150, 50]
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, _ = reference(case, "HND", True)
+    err = ((out.double() - ref_out).norm() / ref_out.norm()).item()
+    assert err <= TOL["16"], err
