@@ -31,7 +31,14 @@ from ..jit.spec import bind_arguments
 from ..roles import online_softmax as softmax
 from ..roles.fragments import store_shared_b32x4
 from ..roles.paged_kv_tma import PagedTiles, box_atom, cache_views, transposed
-from ..roles.prefill_blocks import kv_cap, m_block_of, n_block_range, persistent_tile, request_rows, window_tiles
+from ..roles.prefill_blocks import (
+    kv_cap,
+    m_block_of,
+    n_block_range,
+    persistent_tile,
+    request_rows,
+    window_tiles,
+)
 from ..roles.smem_fp8 import (
     P_SHIFT,
     narrow_q_rows,
