@@ -233,7 +233,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     if target not in config.targets:
         raise ValueError(f"{config.kernel_id} runs on {'/'.join(config.targets)}, this GPU is {target}: "
                          "use cute_kernels.reference.paged_prefill (dispatch.plan picks it)")
-    if getattr(config, "persistent", False) and not _self_check_passes(config, device):
+    if isinstance(config, plan.Sm90PrefillConfig) and config.persistent and not _self_check_passes(config, device):
         config = replace(config, persistent=False)  # a persistent family that failed it keeps the default grid
     if info.id != _PORTABLE and not _self_check_passes(config, device):  # a family that failed it
         if q.dtype == FP8 or features:  # no other kernel takes them: the reference serves it
