@@ -9,11 +9,11 @@ the shared-memory capacity of each target comes from :mod:`.hw`. Design: docs/de
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 from typing import Any
 
-from ..jit.spec import ALL_TARGETS, KernelConfig, ScalarArg, TensorArg
+from ..jit.spec import ALL_TARGETS, LABEL_IF_SET, KernelConfig, ScalarArg, TensorArg
 from . import hw
 from .merge_states import MergeStatesConfig
 from .paged_cache import kv_cache_args, scale_arg
@@ -61,7 +61,9 @@ class _Sm80Common(KernelConfig):
     """Fields both kernels share. ``warps_m x warps_n`` warps; ``m_tiles`` 16-row MMA tiles per
     warp; ``tw`` tokens per warp and stage (a stage holds ``warps_n * tw`` tokens); ``stages``
     cp.async ring depth; ``q_regs`` keeps Q's fragments in registers; ``widen`` ("bits" or "cvt",
-    FP8 caches); ``pdl`` programmatic dependent launch (SM90+ targets only). ``target``: the one
+    FP8 caches); ``pdl`` programmatic dependent launch (SM90+ targets only); ``ldsm_xor``: each
+    operand's ``ldmatrix`` addresses as one base register XOR a constant per k-step (the 128-row
+    prefill's, docs/design/sm80.md#128-row-ctas). ``target``: the one
     compile target the tiling was chosen for (the plan sizes the ring by its shared memory)."""
 
     target: str = "sm_80"
@@ -81,6 +83,7 @@ class _Sm80Common(KernelConfig):
     q_regs: bool = True
     widen: str = "bits"
     pdl: bool = False
+    ldsm_xor: bool = field(default=False, metadata=LABEL_IF_SET)
 
     def _validate(self):
         if self.target not in TARGETS:
@@ -136,7 +139,8 @@ class _Sm80Common(KernelConfig):
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA (see the kernels' storage structs)."""
-        return smem_bytes(self.head_dim, 1 if self.fp8 else 2, self.tile, self.stages, self.rows, self.warps_n)
+        return smem_bytes(self.head_dim, 1 if self.fp8 else 2, self.tile, self.stages, self.rows, self.warps_n,
+                          self.m_tiles)
 
     def _caches(self):
         return kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, self.head_dim)
@@ -145,12 +149,15 @@ class _Sm80Common(KernelConfig):
         return scale_arg("k_scale", self.k_scale_tensor), scale_arg("v_scale", self.v_scale_tensor)
 
 
-def smem_bytes(D: int, kv_bytes: int, tile: int, stages: int, rows: int, warps_n: int) -> int:
+def smem_bytes(D: int, kv_bytes: int, tile: int, stages: int, rows: int, warps_n: int, m_tiles: int = 1) -> int:
     """Shared memory of a CTA: the K/V ring (which the fp32 merge rows overlay after the main
-    loop), the staged query rows, the per-row statistics and logit scales, alignment padding."""
-    ring = max(stages * 2 * tile * D * kv_bytes, warps_n * rows * (D + 4) * 4)
-    ring = (ring + 1023) // 1024 * 1024
+    loop; with two or more tiles per warp they overlay the staged query rows as well, as
+    ``roles.warp_attention.engine_for`` lays them out), the staged query rows, the per-row
+    statistics and logit scales, alignment padding."""
     q = (rows * D * 2 + 1023) // 1024 * 1024
+    merge = warps_n * rows * (D + 4) * 4 - (rows * D * 2 if m_tiles > 1 else 0)
+    ring = max(stages * 2 * tile * D * kv_bytes, merge)
+    ring = (ring + 1023) // 1024 * 1024
     return ring + q + ((2 * warps_n + 1) * rows + rows) * 4
 
 
@@ -254,7 +261,8 @@ def fit_stages(target: str, cfg_fields: dict, ctas_per_sm: int, max_stages: int)
     tile = cfg_fields["tw"] * cfg_fields["warps_n"]
     rows = 16 * cfg_fields["m_tiles"] * cfg_fields["warps_m"]
     budget = min(hw.max_smem_per_cta(target), hw.SMEM_PER_SM_OF[target] // ctas_per_sm - hw.SMEM_RESERVED_PER_CTA)
-    fits = [s for s in range(2, max_stages + 1) if smem_bytes(D, kvb, tile, s, rows, cfg_fields["warps_n"]) <= budget]
+    fits = [s for s in range(2, max_stages + 1)
+            if smem_bytes(D, kvb, tile, s, rows, cfg_fields["warps_n"], cfg_fields["m_tiles"]) <= budget]
     return max(fits) if fits else None
 
 
@@ -381,21 +389,35 @@ def prefill_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_hea
 
 PREFILL_CTAS_PER_SM = 2
 PREFILL_MAX_STAGES = 3
+# where ptxas keeps the 128-row D 128 CTA's 32-token stages without spills (bf16 and FP8); the
+# other targets take 16-token stages there (docs/design/sm80.md#128-row-ctas)
+PREFILL_M2_TW32_TARGETS = ("sm_80", "sm_86", "sm_90a")
 
 
-def prefill_tiling(target: str, kv_dtype: str, head_dim: int) -> dict:
+def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int = 1) -> dict:
     """FA2-style prefill tiling on ``target``: four warps of 16 query rows each (64 rows per
     CTA), each reading the whole stage of 32 tokens (16 at D 256, where O alone takes 128
     registers; 64 spill: ptxas keeps every k-block's K fragments live at once); the deepest ring
-    (2 or 3 stages) that lets two CTAs share an SM, else one. Q stays in registers up to D 128."""
+    (2 or 3 stages) that lets two CTAs share an SM, else one. Q stays in registers up to D 128.
+
+    ``m_tiles=2`` (up to D 128): two 16-row tiles per warp, 128 rows per CTA. O takes 128
+    registers at D 128, so Q is read from shared memory at every tile and the ``ldmatrix``
+    addresses are immediate or XOR steps from one base per operand; 16-token stages at D 128
+    outside ``PREFILL_M2_TW32_TARGETS`` (docs/design/sm80.md#128-row-ctas)."""
+    if m_tiles not in (1, 2) or (m_tiles == 2 and head_dim > 128):
+        raise ValueError(f"prefill m_tiles must be 1, or 2 up to head_dim 128; got {m_tiles} at {head_dim}")
     tw = 16 if head_dim == 256 else 32
-    fields = dict(kv_dtype=kv_dtype, head_dim=head_dim, warps_m=4, warps_n=1, m_tiles=1, tw=tw)
+    if m_tiles == 2 and head_dim == 128 and target not in PREFILL_M2_TW32_TARGETS:
+        tw = 16
+    fields = dict(kv_dtype=kv_dtype, head_dim=head_dim, warps_m=4, warps_n=1, m_tiles=m_tiles, tw=tw)
     for ctas in (PREFILL_CTAS_PER_SM, 1):
         stages = fit_stages(target, fields, ctas, PREFILL_MAX_STAGES)
         if stages is not None:
             break
     if stages is None:
         raise ValueError(f"no prefill tiling of D {head_dim} fits {target}'s shared memory")
+    if m_tiles == 2:
+        return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True)
     return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128)
 
 
@@ -404,12 +426,13 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
                         kv_layout: str = "HND", k_scale_tensor: bool = False, v_scale_tensor: bool = False,
                         **override) -> Sm80PrefillConfig:
     """The config the prefill op, the warm-up and the compile matrix use on ``target``;
-    ``override`` replaces tuning fields (``smem_target``: size the ring for another target)."""
+    ``override`` replaces tuning fields (``smem_target``: size the ring for another target;
+    ``m_tiles=2``: the 128-row tiling of :func:`prefill_tiling`)."""
     fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group,
                   page_size=page_size, causal=causal, write_lse=write_lse, kv_form=kv_form, kv_layout=kv_layout,
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
     override = dict(override)
-    fields.update(prefill_tiling(override.pop("smem_target", target), kv_dtype, head_dim))
+    fields.update(prefill_tiling(override.pop("smem_target", target), kv_dtype, head_dim, override.get("m_tiles", 1)))
     fields.update(override)
     return Sm80PrefillConfig(**fields)
 
@@ -428,7 +451,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     for each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
     a (K, V) pair in NHD with scale tensors; prefill for each cache dtype x head dim, with the LSE
-    and without a causal mask once each. Plus :func:`ci_variants` (on SM90: a 99 KB ring)."""
+    and without a causal mask once each; the 128-row prefill (``m_tiles=2``) at D 64 / 128 with a
+    BF16 and an FP8 cache. Plus :func:`ci_variants` (on SM90: a 99 KB ring)."""
     out: list[KernelConfig] = []
     for t in TARGETS:
         for kv in KV_DTYPES:
@@ -445,6 +469,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
                                           q_len=1, page_size=16, split=True, widen="bits"))
         out.append(make_prefill_config(target=t, q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=8, page_size=64,
                                        causal=False, write_lse=True, kv_form="pair", kv_layout="NHD"))
+        out += [make_prefill_config(target=t, q_dtype="bf16", kv_dtype=kv, head_dim=d, group=4, page_size=16, m_tiles=2)
+                for kv in ("bf16", "fp8_e4m3") for d in (64, 128)]
     return [c for c in dict.fromkeys(out + ci_variants()) if kernel_id in (None, c.kernel_id)]
 
 
@@ -455,7 +481,8 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     and with an FP8 cache (the target's widening, scale tensors), prefill with an FP8 cache and
     the LSE; on SM80 also the bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90
     the shapes SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a
-    ring sized for 99 KB (run on the H200 as the SM86 build's stand-in) and an fp16 D 64 prefill."""
+    ring sized for 99 KB (run on the H200 as the SM86 build's stand-in) and an fp16 D 64 prefill;
+    the 128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86."""
     shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
     out: list[KernelConfig] = []
     for t in TARGETS:
@@ -472,6 +499,8 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
             make_decode_config(head_dim=256, group=16, q_len=4, **sm80),
             make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,
                                 page_size=64, causal=False)]
+    out += [make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, m_tiles=2, **shape),
+            make_prefill_config(target="sm_86", kv_dtype="fp8_e4m3", group=4, m_tiles=2, **shape)]
     out += [make_decode_config(target="sm_90a", kv_dtype="fp16", group=4, q_len=1, split=False, **shape),
             make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, widen="bits",
                                smem_target="sm_86", **shape),

@@ -42,16 +42,28 @@ LOG2E = math.log2(math.e)
 FP16_TARGET_LOG2 = 14  # a row's largest |q| is scaled to [2^13, 2^16) for an fp16 MMA
 
 
+class RowsOnDemand:
+    """Per-row values computed when read (``get(slot)``), where holding them in registers across
+    the main loop would crowd the accumulators."""
+
+    def __init__(self, get):
+        self.get = get
+
+    def __getitem__(self, slot):
+        return self.get(slot)
+
+
 class WarpTileAttention:
     """Static configuration of the engine (all trace-time).
 
     ``q_dtype``/``kv_dtype``/``mma_dtype``: dtype names; ``widen``: "bits" or "cvt" (FP8 caches);
     ``warps_m``, ``warps_n``, ``m_tiles`` (16-row tiles per warp), ``tw`` (tokens per warp and
     stage, a multiple of 16); ``q_regs``: Q fragments loaded once into registers (else read from
-    shared memory at every tile)."""
+    shared memory at every tile); ``ldsm_xor``: every ``ldmatrix`` address of an operand is one
+    per-thread base XOR a constant (see :meth:`ldsm_address`)."""
 
     def __init__(self, *, D: int, q_dtype: str, kv_dtype: str, mma_dtype: str, widen_method: str,
-                 warps_m: int, warps_n: int, m_tiles: int, tw: int, q_regs: bool):
+                 warps_m: int, warps_n: int, m_tiles: int, tw: int, q_regs: bool, ldsm_xor: bool = False):
         self.D = D
         self.q_name, self.kv_name, self.mma_name = q_dtype, kv_dtype, mma_dtype
         self.fp8 = kv_dtype == "fp8_e4m3"
@@ -64,6 +76,7 @@ class WarpTileAttention:
         self.rows = 16 * m_tiles * warps_m  # query rows of the CTA (padded)
         self.tile = tw * warps_n  # tokens per stage
         self.q_regs = q_regs
+        self.ldsm_xor = ldsm_xor
         self.kv_bytes = 1 if self.fp8 else 2
         self.kv_row_bytes = D * self.kv_bytes
         self.q_row_bytes = D * 2
@@ -141,9 +154,13 @@ class WarpTileAttention:
                 packed[k] = (vals[src] * scale).to(self.mma_dtype)
             if idx < work:
                 words = cute.recast_tensor(packed, Int32)
-                base = r * self.q_row_bytes + c * 32
-                store_shared_b32x4(sq_base + swizzle(base), words[0], words[1], words[2], words[3])
-                store_shared_b32x4(sq_base + swizzle(base + 16), words[4], words[5], words[6], words[7])
+                if const_expr(self.ldsm_xor):
+                    store_shared_b32x4(sq_base + self.q_blocked(r, c, 0), words[0], words[1], words[2], words[3])
+                    store_shared_b32x4(sq_base + self.q_blocked(r, c, 1), words[4], words[5], words[6], words[7])
+                else:
+                    base = r * self.q_row_bytes + c * 32
+                    store_shared_b32x4(sq_base + swizzle(base), words[0], words[1], words[2], words[3])
+                    store_shared_b32x4(sq_base + swizzle(base + 16), words[4], words[5], words[6], words[7])
                 if c == 0:
                     sScale[r] = logit_scale * cute.math.exp2(-Float32(e_shift), fastmath=False)
 
@@ -172,6 +189,10 @@ class WarpTileAttention:
     def row_setup(self, sScale, wm, lane, row_limit):
         """This thread's rows' logit multipliers (from :meth:`stage_q`) and visibility limits
         (``row_limit(r)``: tokens ``< limit`` are visible to CTA row r)."""
+        if const_expr(self.m_tiles > 1):
+            # two tiles per warp: read per tile, not 4 m_tiles registers held across the main loop
+            return (RowsOnDemand(lambda slot: sScale[self.thread_row(wm, lane, slot // 2, slot % 2)]),
+                    RowsOnDemand(lambda slot: row_limit(self.thread_row(wm, lane, slot // 2, slot % 2))))
         slots = 2 * self.m_tiles
         row_scale = cute.make_rmem_tensor((slots,), Float32)
         limits = cute.make_rmem_tensor((slots,), Int32)
@@ -199,15 +220,52 @@ class WarpTileAttention:
         """(Traced.) CTA row of this thread's row slot (m-tile ``mt``, half ``h``)."""
         return (wm * self.m_tiles + mt) * 16 + lane // 4 + 8 * h
 
+    def ldsm_lane(self, lane, row_bytes: int, rows_by_mi_low: bool):
+        """(Traced.) Swizzled offset of this lane's ``ldmatrix`` row within a 16-row block at
+        column block 0: row ``lane % 8`` of matrix ``mi = lane // 8``, whose row half (8 rows) and
+        column half (16 bytes) come from ``mi % 2`` and ``mi // 2`` (``rows_by_mi_low``) or the
+        other way round."""
+        mi = lane // 8
+        rh, ch = (mi % 2, mi // 2) if rows_by_mi_low else (mi // 2, mi % 2)
+        return swizzle((rh * 8 + lane % 8) * row_bytes + ch * 16)
+
+    def ldsm_address(self, base, row_bytes: int, rows16: int, col_bytes: int):
+        """(Traced.) ``base`` (a 1024-byte aligned region plus :meth:`ldsm_lane`, plus whole
+        16-row blocks) moved by ``rows16`` 16-row blocks and ``col_bytes`` (a multiple of 32,
+        below ``row_bytes``). The swizzle is linear over XOR, and neither a 16-row block (a
+        multiple of 8 lines of 128 bytes) nor the region base touches the bits it mixes, so the
+        column step is one XOR with a constant and the row step an immediate: an operand needs
+        one live register, not one per address (docs/design/sm80.md#128-row-ctas)."""
+        assert (16 * row_bytes) % 1024 == 0 and col_bytes % 32 == 0 and col_bytes < row_bytes
+        return (base ^ swizzle(col_bytes)) + rows16 * 16 * row_bytes
+
+    def q_blocked(self, r, kb, half):
+        """(Traced or int.) Byte offset of the 16-byte half ``half`` of row ``r``'s 16 columns of
+        k-block ``kb`` in the k-blocked Q layout of ``ldsm_xor``: each k-block's 32-byte row
+        pieces contiguous (so a k-step, like a 16-row step, is an immediate offset), the halves
+        swapped in rows with bit 2 set (the 8 rows an ``ldmatrix`` reads then cover all 8
+        16-byte bank groups)."""
+        return kb * (self.rows * 32) + r * 32 + (half ^ ((r >> 2) & 1)) * 16
+
+    def kv_lane(self, stage_base, wn, lane, rows_by_mi_low: bool):
+        """(Traced.) :meth:`ldsm_address` base of this lane in the K or V tile at ``stage_base``
+        (this warp's ``tw`` tokens)."""
+        return stage_base + wn * (self.tw * self.kv_row_bytes) + self.ldsm_lane(lane, self.kv_row_bytes,
+                                                                                 rows_by_mi_low)
+
     @cute.jit
     def load_q_fragment(self, tSrQ, sq_base, wm, lane, kb, slot):
         """A fragments of k-block ``kb`` for all this warp's m-tiles into ``tSrQ[..., slot]``."""
         regs = cute.recast_tensor(tSrQ, Int32)
         mi = lane // 8
         for mt in cutlass.range_constexpr(self.m_tiles):
-            row = (wm * self.m_tiles + mt) * 16 + (mi % 2) * 8 + lane % 8
-            col = kb * 16 + (mi // 2) * 8
-            r = ldmatrix_x4(sq_base + swizzle(row * self.q_row_bytes + col * 2), False)
+            if const_expr(self.ldsm_xor):
+                q_lane = sq_base + self.q_blocked((wm * self.m_tiles) * 16 + (mi % 2) * 8 + lane % 8, 0, mi // 2)
+                r = ldmatrix_x4(q_lane + self.q_blocked(mt * 16, kb, 0), False)
+            else:
+                row = (wm * self.m_tiles + mt) * 16 + (mi % 2) * 8 + lane % 8
+                col = kb * 16 + (mi // 2) * 8
+                r = ldmatrix_x4(sq_base + swizzle(row * self.q_row_bytes + col * 2), False)
             for j in cutlass.range_constexpr(4):
                 regs[j + 4 * mt + 4 * self.m_tiles * slot] = r[j]
 
@@ -229,9 +287,13 @@ class WarpTileAttention:
             regs = cute.recast_tensor(bK, Int32)
             for kb2 in cutlass.range_constexpr(self.D // 32):
                 for n16 in cutlass.range_constexpr(self.tw // 16):
-                    row = wn * self.tw + n16 * 16 + (mi % 2) * 8 + lane % 8
-                    col = kb2 * 32 + (mi // 2) * 16
-                    r = ldmatrix_x4(k_base + swizzle(row * self.kv_row_bytes + col), False)
+                    if const_expr(self.ldsm_xor):
+                        r = ldmatrix_x4(self.ldsm_address(self.kv_lane(k_base, wn, lane, True), self.kv_row_bytes,
+                                                          n16, kb2 * 32), False)
+                    else:
+                        row = wn * self.tw + n16 * 16 + (mi % 2) * 8 + lane % 8
+                        col = kb2 * 32 + (mi // 2) * 16
+                        r = ldmatrix_x4(k_base + swizzle(row * self.kv_row_bytes + col), False)
                     for j in cutlass.range_constexpr(4):
                         lo, hi = self.widen(r[j], False)
                         base = 2 * (2 * n16 + j % 2) + 2 * nt * (j // 2)
@@ -245,9 +307,13 @@ class WarpTileAttention:
             regs = cute.recast_tensor(bK, Int32)
             for kb in cutlass.range_constexpr(self.D // 16):
                 for n16 in cutlass.range_constexpr(self.tw // 16):
-                    row = wn * self.tw + n16 * 16 + (mi // 2) * 8 + lane % 8
-                    col = kb * 16 + (mi % 2) * 8
-                    r = ldmatrix_x4(k_base + swizzle(row * self.kv_row_bytes + col * 2), False)
+                    if const_expr(self.ldsm_xor):
+                        r = ldmatrix_x4(self.ldsm_address(self.kv_lane(k_base, wn, lane, False), self.kv_row_bytes,
+                                                          n16, kb * 32), False)
+                    else:
+                        row = wn * self.tw + n16 * 16 + (mi // 2) * 8 + lane % 8
+                        col = kb * 16 + (mi % 2) * 8
+                        r = ldmatrix_x4(k_base + swizzle(row * self.kv_row_bytes + col * 2), False)
                     for j in cutlass.range_constexpr(4):
                         regs[2 * (2 * n16 + j // 2) + j % 2] = r[j]
                 self.gemm_qk(atom, acc_s, tSrQ, bK, sq_base, wm, lane, kb, 0)
@@ -271,13 +337,14 @@ class WarpTileAttention:
         for mt in cutlass.range_constexpr(mt_n):
             for h in cutlass.range_constexpr(2):
                 slot = 2 * mt + h
+                scale, limit = row_scale[slot], limits[slot]
                 tmax = -Float32.inf
                 for n in cutlass.range_constexpr(nt):
                     for e in cutlass.range_constexpr(2):
                         i = 2 * h + e + 4 * mt + 4 * mt_n * n
-                        s = acc_s[i] * row_scale[slot]
+                        s = acc_s[i] * scale
                         if masked:
-                            if col0 + 8 * n + e >= limits[slot]:
+                            if col0 + 8 * n + e >= limit:
                                 s = -Float32.inf
                         acc_s[i] = s
                         tmax = cute.arch.fmax(tmax, s)
@@ -316,8 +383,12 @@ class WarpTileAttention:
             row = wn * self.tw + kb * 16 + (mi % 2) * 8 + lane % 8
             if const_expr(self.fp8):
                 for dc2 in cutlass.range_constexpr(self.D // 32):
-                    col = dc2 * 32 + (mi // 2) * 16
-                    r = ldmatrix_x4(v_base + swizzle(row * self.kv_row_bytes + col), True)
+                    if const_expr(self.ldsm_xor):
+                        r = ldmatrix_x4(self.ldsm_address(self.kv_lane(v_base, wn, lane, True), self.kv_row_bytes,
+                                                          kb, dc2 * 32), True)
+                    else:
+                        col = dc2 * 32 + (mi // 2) * 16
+                        r = ldmatrix_x4(v_base + swizzle(row * self.kv_row_bytes + col), True)
                     for half in cutlass.range_constexpr(2):  # 16-dim chunk 2 dc2 + half
                         bV = cute.make_rmem_tensor(((2, 2), 2, 1), self.mma_dtype)
                         regs = cute.recast_tensor(bV, Int32)
@@ -329,8 +400,12 @@ class WarpTileAttention:
                                   acc_o[2 * dc2 + half])
             else:
                 for dc in cutlass.range_constexpr(self.D // 16):
-                    col = dc * 16 + (mi // 2) * 8
-                    r = ldmatrix_x4(v_base + swizzle(row * self.kv_row_bytes + col * 2), True)
+                    if const_expr(self.ldsm_xor):
+                        r = ldmatrix_x4(self.ldsm_address(self.kv_lane(v_base, wn, lane, True), self.kv_row_bytes,
+                                                          kb, dc * 32), True)
+                    else:
+                        col = dc * 16 + (mi // 2) * 8
+                        r = ldmatrix_x4(v_base + swizzle(row * self.kv_row_bytes + col * 2), True)
                     bV = cute.make_rmem_tensor(((2, 2), 2, 1), self.mma_dtype)
                     regs = cute.recast_tensor(bV, Int32)
                     for j in cutlass.range_constexpr(4):
@@ -452,6 +527,12 @@ def engine_for(cfg):
     engine = WarpTileAttention(
         D=cfg.head_dim, q_dtype=cfg.q_dtype, kv_dtype=cfg.kv_dtype, mma_dtype=cfg.mma_dtype, widen_method=cfg.widen,
         warps_m=cfg.warps_m, warps_n=cfg.warps_n, m_tiles=cfg.m_tiles, tw=cfg.tw, q_regs=cfg.q_regs,
+        ldsm_xor=cfg.ldsm_xor,
     )
     gather = PagedKVGather(engine.tile, cfg.head_dim, engine.kv_bytes, engine.threads, cfg.page_size)
-    return engine, gather, max(cfg.stages * gather.stage_bytes, engine.merge_bytes)
+    ring = cfg.stages * gather.stage_bytes
+    if cfg.m_tiles > 1:
+        # two tiles per warp double the merge rows; Q, dead after the main loop, lies right after
+        # the ring (both 1024-byte aligned), so the merge rows overlay both (the plan's smem_bytes)
+        return engine, gather, (max(ring, engine.merge_bytes - engine.q_bytes) + 1023) // 1024 * 1024
+    return engine, gather, max(ring, engine.merge_bytes)
