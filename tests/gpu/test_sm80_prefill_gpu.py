@@ -1,7 +1,7 @@
 """``sm80.prefill`` (warp MMA + cp.async) against the reference on varlen batches: chunked
 requests against cached prefixes, empty requests (q_len 0), causal and not, every cache dtype and
 both FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, a ring sized for 99 KB
-of shared memory, and CUDA-graph replay. Runs on any SM80+ GPU (the H200 included): the op runs the
+of shared memory, and CUDA-graph replay; the 64-row tiling (the plan's) and the 128-row one. Runs on any SM80+ GPU (the H200 included): the op runs the
 portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
 
@@ -38,6 +38,11 @@ CASES = [
     (BF16, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_86")),
     (FP8, BF16, 256, 32, 8, 16, "NHD", "single", True, dict(smem_target="sm_120a", widen="bits")),
 ]
+# the 128-row tiling (two 16-row tiles per warp, docs/design/sm80.md#128-row-ctas) on the same
+# cases, up to D 128; under smem_target="sm_120a" it takes that target's 16-token stages
+M2 = dict(m_tiles=2)
+CASES += [(*c[:-1], {**c[-1], **M2}) for c in CASES if c[2] <= 128]
+CASES.append((FP8, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_120a", **M2)))
 
 
 def _ids(c):
@@ -87,14 +92,15 @@ def test_sm80_prefill_matches_reference(case, gen):
     _check(c, qsl, causal, out, lse, seed)
 
 
-def test_sm80_prefill_long_prompt_and_graph_replay(gen):
+@pytest.mark.parametrize("override", [{}, M2], ids=["rows64", "rows128"])
+def test_sm80_prefill_long_prompt_and_graph_replay(override, gen):
     seed = gen.initial_seed()
     c, qsl = _case(gen, q_lens=[2048, 513], prefixes=[0, 4000], kv=BF16, q=BF16, D=128, Hq=32, Hkv=8,
                                page=16, layout="HND", container="single")
-    eager, lse = _run(c, qsl, True)
+    eager, lse = _run(c, qsl, True, **override)
     _check(c, qsl, True, eager, lse, seed)
     out = torch.empty_like(c.q)
-    graph = capture_graph(lambda: _call(c, qsl, out, 2048))
+    graph = capture_graph(lambda: _call(c, qsl, out, 2048, **override))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -117,8 +123,9 @@ def test_sm90_sends_what_its_kernel_refuses_to_the_portable_one(gen):
     _check(c, qsl, True, out, lse, seed)
 
 
+@pytest.mark.parametrize("override", [{}, M2], ids=["rows64", "rows128"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_sm80_prefill_lengths_past_the_block_table(causal, gen):
+def test_sm80_prefill_lengths_past_the_block_table(causal, override, gen):
     """Lengths beyond the table's capacity (2^31 - 1 too): positions at or past it are not attended,
     as in the reference (docs/design/inputs.md#lengths)."""
     seed = gen.initial_seed()
@@ -126,5 +133,5 @@ def test_sm80_prefill_lengths_past_the_block_table(causal, gen):
                    layout="HND", container="single", poison_tail=False)  # longer lengths: every tail visible
     W = c.block_table.shape[1]
     c.seq_lens.copy_(torch.tensor([W * 16 + 7, 2**31 - 1, 120], dtype=torch.int32, device="cuda"))
-    out, lse = _run(c, qsl, causal)
+    out, lse = _run(c, qsl, causal, **override)
     _check(c, qsl, causal, out, lse, seed)
