@@ -282,6 +282,16 @@ _ENTRIES = (
                     "across tiles",
         variants=sm90_prefill.persistent_variants, family=sm90_prefill.persistent_family,
         **{**_SM90_PREFILL, "call_site": None, "status": "compile-verified"}),
+    # the shared-memory epilogue of the prefill (opt-in: ``tuning_override(epilogue="smem")``): never run on
+    # a GPU yet, so compile-verified behind a one-time self-check per family (a family that fails it leaves
+    # the call to the register epilogue); not on a dispatcher list
+    KernelInfo(
+        id=sm90_prefill.EPILOGUE_ID, kv_dtypes=sm90_prefill.KV_DTYPES,
+        description="SM90 varlen paged prefill's shared-memory epilogue: each consumer warpgroup stages its O "
+                    "rows in a free swizzled shared-memory tile and writes them in 16-byte row chunks, rows past "
+                    "the request masked",
+        variants=sm90_prefill.epilogue_variants, family=sm90_prefill.epilogue_family,
+        **{**_SM90_PREFILL, "call_site": None, "status": "compile-verified"}),
     KernelInfo(
         id="sm90.prefill", kv_dtypes=sm90_prefill.KV_DTYPES,
         description="SM90 varlen paged prefill with WGMMA and TMA (warp-specialized, causal blocks skipped); FP8 "
