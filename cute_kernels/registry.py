@@ -220,6 +220,14 @@ _REFERENCE: dict[str, Any] = dict(status="fallback", archs=ARCHS)
 _HELPER: dict[str, Any] = dict(status="available", phases=PHASES)
 
 
+def _sm90_prefill_opt_in(kernel_id: str, description: str, variants, family) -> KernelInfo:
+    """An opt-in schedule or epilogue of the SM90 prefill (``tuning_override``): never run on a GPU yet,
+    so compile-verified behind a one-time self-check per family (a family that fails it leaves the
+    call to the default); not on a dispatcher list."""
+    return KernelInfo(id=kernel_id, kv_dtypes=sm90_prefill.KV_DTYPES, description=description, variants=variants,
+                      family=family, **{**_SM90_PREFILL, "call_site": None, "status": "compile-verified"})
+
+
 def _sm100_family(kernel_id: str) -> Callable[[str, str, int], str]:
     """A Blackwell kernel's self-check family: its MMA family (the head dim does not enter)."""
     return lambda q_dtype, kv_dtype, head_dim: sm100.family(kernel_id, q_dtype, kv_dtype)
@@ -272,16 +280,20 @@ _ENTRIES = (
         description="SM90 varlen paged prefill's sliding-window (runtime window_left, tiles and pages outside "
                     "skipped) and attention-sink variants",
         variants=sm90_prefill.feature_variants, **{**_SM90_PREFILL, "call_site": None}),
-    # the persistent schedule of the prefill (opt-in: ``tuning_override(persistent=True)``): never run on a
-    # GPU yet, so compile-verified behind a one-time self-check per family (a family that fails it leaves
-    # the call to the default grid); not on a dispatcher list
-    KernelInfo(
-        id=sm90_prefill.PERSISTENT_ID, kv_dtypes=sm90_prefill.KV_DTYPES,
-        description="SM90 varlen paged prefill's persistent schedule: a fixed grid of one CTA per SM walks the "
-                    "(query block, request, head) tiles longest first, the TMA/mbarrier pipeline carried "
-                    "across tiles",
-        variants=sm90_prefill.persistent_variants, family=sm90_prefill.persistent_family,
-        **{**_SM90_PREFILL, "call_site": None, "status": "compile-verified"}),
+    # the persistent schedule of the prefill (``tuning_override(persistent=True)``; a failed family keeps
+    # the default grid)
+    _sm90_prefill_opt_in(
+        sm90_prefill.PERSISTENT_ID,
+        "SM90 varlen paged prefill's persistent schedule: a fixed grid of one CTA per SM walks the (query block, "
+        "request, head) tiles longest first, the TMA/mbarrier pipeline carried across tiles",
+        sm90_prefill.persistent_variants, sm90_prefill.persistent_family),
+    # the shared-memory epilogue of the prefill (``tuning_override(epilogue="smem")``; a failed family
+    # keeps the register epilogue)
+    _sm90_prefill_opt_in(
+        sm90_prefill.EPILOGUE_ID,
+        "SM90 varlen paged prefill's shared-memory epilogue: each consumer warpgroup stages its O rows in a "
+        "free swizzled shared-memory tile and writes them in 16-byte row chunks, rows past the request masked",
+        sm90_prefill.epilogue_variants, sm90_prefill.epilogue_family),
     KernelInfo(
         id="sm90.prefill", kv_dtypes=sm90_prefill.KV_DTYPES,
         description="SM90 varlen paged prefill with WGMMA and TMA (warp-specialized, causal blocks skipped); FP8 "

@@ -1,6 +1,7 @@
 """Sweep the SM90 paged prefill's tuning fields (``tile_n``, ``stages``, ``staging``, ``overlap``,
-``pingpong``, and the opt-in ``persistent`` schedule once per group at the default tiling:
-docs/design/sm90-prefill.md#scheduling) around the defaults of :func:`cute_kernels.plans.sm90_prefill.make_prefill_config`,
+``pingpong``, and the opt-in ``persistent`` schedule and shared-memory ``epilogue`` once per group
+at the default tiling: docs/design/sm90-prefill.md#scheduling,
+docs/design/sm90-prefill.md#epilogue-through-shared-memory-opt-in-epiloguesmem) around the defaults of :func:`cute_kernels.plans.sm90_prefill.make_prefill_config`,
 per kind (16-bit cache; FP8 cache with a 16-bit query, "widen"; FP8 query, "fp8") and head dim:
 docs/design/sm90-prefill.md#budgets-defaults-of-make_prefill_config-gqa-8-page-16,
 docs/design/sm90-prefill.md#measured--not-measured.
@@ -55,7 +56,8 @@ SHAPES = [
     ("short B16 S512", 16, 0, 512),
 ]
 DEFAULT_SHAPES = "causal B1 S16384,chunked B8"
-TUNING = ("tile_n", "stages", "staging", "overlap", "pingpong", "producer_regs", "consumer_regs", "persistent")
+TUNING = ("tile_n", "stages", "staging", "overlap", "pingpong", "producer_regs", "consumer_regs", "persistent",
+          "epilogue")
 SCHEDULES = {"pingpong": dict(overlap=True, pingpong=True), "overlap": dict(overlap=True, pingpong=False),
              "serial": dict(overlap=False, pingpong=False)}
 # CUDA-graph medians: 5 replays of 10 calls each (a long prefill is milliseconds a call, and ~60
@@ -104,7 +106,8 @@ class Entry:
         t = self.tuning
         staging = f" g{t['staging']}" if t.get("staging") else ""
         grid = " persistent" if t.get("persistent") else ""
-        return f"n{t['tile_n']} s{t['stages']}{staging} {schedule_name(t['overlap'], t['pingpong'])}{grid}"
+        epi = " smem-epilogue" if t.get("epilogue") == "smem" else ""
+        return f"n{t['tile_n']} s{t['stages']}{staging} {schedule_name(t['overlap'], t['pingpong'])}{grid}{epi}"
 
 
 def _tuning_of(cfg: Sm90PrefillConfig) -> dict:
@@ -130,16 +133,18 @@ def _fitting(kind: str, D: int, tuning: dict) -> dict:
 
 
 def group_sweep(kind: str, D: int, wide: bool = False) -> list[Entry]:
-    """The sweep of one (kind, head dim), the default first. Default sweep: each consumer schedule at
-    the default tiling, one stage more (fewer where more does not fit: the refusal is recorded), one
-    FP8 staging buffer more and fewer, and each :data:`ALT_TILES` tile with the deepest stages that
+    """The sweep of one (kind, head dim), the default first, then the persistent schedule and the
+    shared-memory epilogue at the default tiling. Default sweep: each consumer schedule at the
+    default tiling, one stage more (fewer where more does not fit: the refusal is recorded), one
+    FP8 staging buffer fewer (and more at D >= 128), and each :data:`ALT_TILES` tile with the deepest stages that
     fit (but the tiles that spill, :data:`SPILLS`). ``wide``: schedules x tiles x stages +-1 (x
     staging +-1), spilling tiles included."""
     d = _tuning_of(problem_config(kind, D))
     k_step = 32 if kind == "fp8" else 16
     tiles = [d["tile_n"]] + [-(-t // k_step) * k_step for t in ALT_TILES[D]]
-    # the persistent schedule at the default tiling (a fixed grid of one CTA per SM, longest tiles first)
-    wanted: list[dict] = [d, dict(d, persistent=True)]
+    # the persistent schedule at the default tiling (a fixed grid of one CTA per SM, longest tiles first),
+    # and the O tile written through shared memory in 16-byte chunks
+    wanted: list[dict] = [d, dict(d, persistent=True), dict(d, epilogue="smem")]
     if wide:
         stagings = (0,) if kind == "16" else (d["staging"] - 1, d["staging"], d["staging"] + 1)
         for sched, tile, ds, staging in product(SCHEDULES.values(), tiles, (-1, 0, 1), stagings):
@@ -149,7 +154,9 @@ def group_sweep(kind: str, D: int, wide: bool = False) -> list[Entry]:
         deeper = dict(d, stages=d["stages"] + 1)
         wanted += [deeper] if _entry(kind, D, deeper).config is not None else [deeper, dict(d, stages=d["stages"] - 1)]
         if kind != "16":
-            wanted += [dict(d, staging=d["staging"] + ds) for ds in (-1, 1)]
+            # one staging buffer fewer; one more only at D >= 128 (at D 64 four consumer stages
+            # already buffer the producer's rewrite)
+            wanted += [dict(d, staging=d["staging"] + ds) for ds in ((-1, 1) if D >= 128 else (-1,))]
         wanted += [_fitting(kind, D, dict(d, tile_n=t)) for t in tiles[1:] if (kind, D, t) not in SPILLS]
     entries: list[Entry] = []
     seen: set = set()

@@ -235,6 +235,9 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
                          "use cute_kernels.reference.paged_prefill (dispatch.plan picks it)")
     if isinstance(config, plan.Sm90PrefillConfig) and config.persistent and not _self_check_passes(config, device):
         config = replace(config, persistent=False)  # a persistent family that failed it keeps the default grid
+    if isinstance(config, plan.Sm90PrefillConfig) and config.epilogue != "registers" and \
+            not _self_check_passes(config, device):
+        config = replace(config, epilogue="registers")  # a family that failed it keeps the register epilogue
     if info.id != _PORTABLE and not _self_check_passes(config, device):  # a family that failed it
         if q.dtype == FP8 or features:  # no other kernel takes them: the reference serves it
             return _Launch(None, shape, out_dtype, reference=True)

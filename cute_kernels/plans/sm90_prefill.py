@@ -25,7 +25,8 @@ __all__ = [
     "KV_FORMS", "Q_SCALE_KINDS", "TILE_M", "SMEM_BUDGET", "MAX_BATCH", "FP8_CACHE_KERNEL", "FP8_CACHE_REASON",
     "Sm90PrefillConfig", "make_prefill_config", "grid", "smem_bytes", "registry_id", "family", "compile_variants",
     "fp8_query_compile_variants", "prefill_variants", "CTAS_PER_SM", "persistent_ctas", "persistent_grid",
-    "persistent_tile", "cta_walk", "persistent_variants", "PERSISTENT_ID", "persistent_family",
+    "persistent_tile", "cta_walk", "persistent_variants", "PERSISTENT_ID", "persistent_family", "EPILOGUES",
+    "EPILOGUE_ID", "epilogue_variants", "epilogue_family",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -41,6 +42,9 @@ OUT_DTYPES = MODEL_DTYPES
 # q_scale of an FP8 query: a Float32 argument, a 1-element fp32 tensor, or fp32 [Hkv]
 Q_SCALE_KINDS = ("none", "scalar", "tensor", "per_head")
 MAX_BATCH = hw.MAX_GRID_Y  # requests: the grid's z extent
+# how O leaves the consumers: 4-byte pairs from registers, or through a shared-memory tile in
+# 16-byte row chunks (opt-in: docs/design/sm90-prefill.md#epilogue-through-shared-memory-opt-in-epiloguesmem)
+EPILOGUES = ("registers", "smem")
 
 # SM90 prefill with an FP8 cache: the exact BF16-query kernel (FP8 K/V widened on chip: the error of
 # the cache's quantization only) or the FP8-query kernel (e4m3 QK and PV; the layer quantizes the
@@ -103,6 +107,7 @@ class Sm90PrefillConfig(KernelConfig):
     Schedule: ``persistent`` launches a fixed grid (the runtime ``num_ctas``: SMs x
     :data:`CTAS_PER_SM`) whose CTAs walk the (query block, request, head) tiles longest first
     (:func:`cta_walk`; opt-in, compile-verified: docs/design/sm90-prefill.md#scheduling).
+    ``epilogue``: how O is written (:data:`EPILOGUES`; ``"smem"`` opt-in, compile-verified).
 
     Features (:func:`feature_variants`): ``window`` takes a runtime
     ``window_left`` (-1: none) and walks only the KV tiles a block's rows see; ``sinks`` takes fp32
@@ -132,6 +137,7 @@ class Sm90PrefillConfig(KernelConfig):
     window: bool = False
     sinks: bool = False
     persistent: bool = field(default=False, metadata=LABEL_IF_SET)
+    epilogue: str = field(default="registers", metadata=LABEL_IF_SET)
 
     kernel_id = "sm90.prefill"
     targets = ("sm_90a",)
@@ -183,6 +189,15 @@ class Sm90PrefillConfig(KernelConfig):
             bad(f"{smem_bytes(self)} bytes of shared memory exceed {SMEM_BUDGET}")
         if self.persistent and (self.window or self.sinks):
             bad("the persistent schedule takes no window or sinks (not compiled with them)")
+        if self.epilogue not in EPILOGUES:
+            bad(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
+        if self.epilogue == "smem":
+            if self.persistent:
+                # the next tile's query and K/V loads reuse every buffer the O tile could take
+                bad("the persistent schedule keeps the register epilogue (epilogue='registers')")
+            if self.kind == "fp8" and self.stages * self.tile_n < 2 * hw.WGMMA_M:
+                # an FP8 query's O tile (64 x D, 2 bytes) takes a K or a V stage buffer (1 byte per element)
+                bad(f"epilogue='smem' with an FP8 query needs stages * tile_n >= {2 * hw.WGMMA_M}")
 
     # ---- derived ----
     @property
@@ -210,9 +225,11 @@ class Sm90PrefillConfig(KernelConfig):
             name = {"bf16": "bf16", "fp16": "f16"}[self.mma_dtype]
             ops = r"k16\.f32\." + {"bf16": r"bf16\.bf16", "fp16": r"f16\.f16"}[self.mma_dtype]
         wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+" + ops
+        smem_epilogue = ((("O in 16-byte stores", r"st\.global\.v4\.b32"),) if self.epilogue == "smem" else ())
         return {"sm_90a": ((f"wgmma.mma_async {name}", wgmma), (f"wgmma {name} with P from registers",
                                                                  wgmma + r" +\{[^}]*\}, *\{"),
-                           ("TMA load", r"cp\.async\.bulk\.tensor"), ("mbarrier.try_wait", r"mbarrier\.try_wait"))}
+                           ("TMA load", r"cp\.async\.bulk\.tensor"), ("mbarrier.try_wait", r"mbarrier\.try_wait"),
+                           *smem_epilogue)}
 
     def signature(self):
         """Call arguments, in order (the op binds them by name)."""
@@ -369,10 +386,11 @@ def registry_id(q_dtype: str, kv_dtype: str) -> str:
 
 
 def config_family(config: Sm90PrefillConfig) -> str:
-    """A variant's self-check family: :func:`family`, and its window / sink features or its
-    persistent schedule if any."""
+    """A variant's self-check family: :func:`family`, and its window / sink features, its
+    persistent schedule or its shared-memory epilogue if any."""
     features = "+".join(name for name, on in (("window", config.window), ("sinks", config.sinks),
-                                              ("persistent", config.persistent)) if on)
+                                              ("persistent", config.persistent),
+                                              ("smem_epilogue", config.epilogue == "smem")) if on)
     base = family(config.q_dtype, config.kv_dtype, config.head_dim)
     return f"{base}/{features}" if features else base
 
@@ -381,16 +399,24 @@ def check_registry_id(config: Sm90PrefillConfig) -> str:
     """The registry entry whose status says whether ``config`` still needs its self-check."""
     if config.persistent:
         return PERSISTENT_ID
+    if config.epilogue == "smem":
+        return EPILOGUE_ID
     return FEATURES_ID if config.window or config.sinks else registry_id(config.q_dtype, config.kv_dtype)
 
 
 FEATURES_ID = "sm90.prefill_window_sinks"
 PERSISTENT_ID = "sm90.prefill_persistent"
+EPILOGUE_ID = "sm90.prefill_smem_epilogue"
 
 
 def persistent_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
     """The registry's self-check family of a persistent request: :func:`config_family` of its variant."""
     return f"{family(q_dtype, kv_dtype, head_dim)}/persistent"
+
+
+def epilogue_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
+    """The registry's self-check family of a request with the shared-memory epilogue."""
+    return f"{family(q_dtype, kv_dtype, head_dim)}/smem_epilogue"
 
 
 def family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
@@ -423,6 +449,19 @@ def persistent_variants() -> list[Sm90PrefillConfig]:
     """The persistent schedule's compile matrix (registry id ``sm90.prefill_persistent``) at the
     default tiling: 16-bit, FP8 widened and FP8 query at D 128, 16-bit D 64 and widened D 256."""
     on = dict(persistent=True)
+    return [
+        _variant("bf16", "bf16", 128, 8, 16, **on),
+        _variant("bf16", "fp8_e4m3", 128, 8, 16, **on),
+        _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar", **on),
+        _variant("fp16", "fp16", 64, 4, 32, kv_form="pair", kv_layout="NHD", causal=False, **on),
+        _variant("bf16", "fp8_e4m3", 256, 4, 32, kv_form="pair", write_lse=False, **on),
+    ]
+
+
+def epilogue_variants() -> list[Sm90PrefillConfig]:
+    """The shared-memory epilogue's compile matrix (registry id ``sm90.prefill_smem_epilogue``) at the
+    default tiling: 16-bit, FP8 widened and FP8 query at D 128, 16-bit D 64 and widened D 256."""
+    on = dict(epilogue="smem")
     return [
         _variant("bf16", "bf16", 128, 8, 16, **on),
         _variant("bf16", "fp8_e4m3", 128, 8, 16, **on),

@@ -15,6 +15,8 @@ or not, on WGMMA with K/V pages loaded by TMA. Config, limits and grid:
   softmax while PV runs; ``pingpong``: the two consumers take turns issuing WGMMAs.
 - ``persistent`` (opt-in): a fixed grid of ``num_ctas`` CTAs walks the (query block, request,
   head) tiles longest first; the pipeline's stages and phases run on from tile to tile.
+- ``epilogue="smem"`` (opt-in): O goes to global memory through a shared-memory tile that is free
+  by then, in 16-byte row chunks (:mod:`..roles.o_tile_store`).
 """
 
 import math
@@ -30,6 +32,7 @@ from ..jit.dtypes import cute_dtype
 from ..jit.spec import bind_arguments
 from ..roles import online_softmax as softmax
 from ..roles.fragments import store_shared_b32x4
+from ..roles.o_tile_store import o_tile_layout, store_o_tile
 from ..roles.paged_kv_tma import PagedTiles, box_atom, cache_views, transposed
 from ..roles.prefill_blocks import (
     kv_cap,
@@ -55,7 +58,8 @@ BAR_Q_READY = 1  # producer warpgroup -> consumers: the narrowed query is in pla
 BAR_SCHED = 2  # 2, 3: the consumer warpgroups' turns (pingpong)
 BAR_PRODUCER = 4  # the producer warpgroup's four warps
 BAR_CONSUMER = 5  # 5, 6: one consumer warpgroup
-BAR_TILE = 7  # persistent + pingpong: both consumer warpgroups end a tile together
+BAR_TILE = 7  # persistent + pingpong: both consumer warpgroups end a tile together (also: the
+# FP8 query's shared-memory epilogue, whose O tiles take K/V stages both warpgroups read)
 
 
 def _at(i, base):
@@ -556,7 +560,7 @@ class Sm90PagedPrefill:
         if const_expr(cfg.sinks):
             sink_log2 = mSinks[head] * Float32(LOG2E)
         self.epilogue(acc_o, row_max, row_sum, cO0, m_off, n_off, out_scale, mO, mLse, q_start, q_len, j_first,
-                      head, tid, sink_log2)
+                      head, tid, sink_log2, (storage, wg))
 
     @cute.jit
     def mainloop(self, st, storage, n_max, n_unmasked, cap, count=None, base=None):
@@ -697,13 +701,47 @@ class Sm90PagedPrefill:
 
     @cute.jit
     def epilogue(self, acc_o, row_max, row_sum, cO0, m_off, n_off, out_scale, mO, mLse, q_start, q_len, j_first,
-                 head, tid, sink_log2=None):
+                 head, tid, sink_log2=None, smem=None):
         """Normalize (with the head's sink in the denominator, ``sink_log2``), write the rows of
-        this request (4-byte pairs; rows past ``q_len`` belong to the next request and are
-        skipped) and, when asked, their base-2 LSE."""
+        this request (rows past ``q_len`` belong to the next request and are skipped) and, when
+        asked, their base-2 LSE. O goes out in 4-byte pairs from registers, or (``epilogue="smem"``,
+        ``smem``: the storage and this warpgroup's index) through shared memory."""
         if const_expr(sink_log2 is not None):
             softmax.rescale_rows(acc_o, cO0, softmax.add_sink(row_max, row_sum, sink_log2, tid % 4 == 0))
         inv, lse = softmax.finalize(row_max, row_sum, out_scale)
+        if const_expr(self.cfg.epilogue == "smem"):
+            self.store_o_smem(acc_o, inv, cO0, m_off, n_off, mO, q_start, q_len, j_first, head, tid, *smem)
+        else:
+            self.store_o_registers(acc_o, inv, cO0, m_off, n_off, mO, q_start, q_len, j_first, head)
+        if const_expr(self.cfg.write_lse):
+            if tid % 4 == 0:
+                for h in cutlass.range_constexpr(softmax.ROWS):
+                    j = j_first + m_off + 8 * h
+                    if j < q_len:
+                        mLse[q_start + j, head] = lse[h]
+
+    @cute.jit
+    def store_o_smem(self, acc_o, inv, cO0, m_off, n_off, mO, q_start, q_len, j_first, head, tid, storage, wg):
+        """The O tile through shared memory that is free by now: this warpgroup's half of the query
+        buffer (its own QK WGMMAs have retired; a 16-bit or narrowed query has the output's 2-byte
+        width), or for an FP8 query (1-byte sQ) a K/V stage buffer (K for warpgroup 0, V for 1)
+        once both warpgroups are past their last WGMMA (the producer loads nothing more in a
+        one-tile CTA). docs/design/sm90-prefill.md#epilogue-through-shared-memory-opt-in-epiloguesmem"""
+        o_bytes = self.mma_m * self.D * 2
+        if const_expr(self.kind == "fp8"):
+            k_base = storage.sK.data_ptr().toint()
+            base = k_base + wg * (storage.sV.data_ptr().toint() - k_base)
+            cute.arch.barrier(barrier_id=BAR_TILE, number_of_threads=2 * self.wg_threads)
+        else:
+            base = storage.sQ.data_ptr().toint() + wg * o_bytes
+            cute.arch.barrier(barrier_id=BAR_CONSUMER + wg, number_of_threads=self.wg_threads)
+        store_o_tile(acc_o, inv, cO0, m_off, n_off, base, o_tile_layout(self.mma_m, self.D, self.out_dtype),
+                     self.cfg.out_dtype, mO, q_start, q_len, j_first, head, tid, self.mma_m, self.D, self.wg_threads,
+                     BAR_CONSUMER + wg)
+
+    @cute.jit
+    def store_o_registers(self, acc_o, inv, cO0, m_off, n_off, mO, q_start, q_len, j_first, head):
+        """O straight from the accumulator, one 4-byte pair per store."""
         for e in cutlass.range_constexpr(0, cute.size(acc_o), 2):
             h = cO0[e][0] // 8
             j = j_first + m_off + cO0[e][0]
@@ -714,9 +752,3 @@ class Sm90PagedPrefill:
                 col = cO0[e][1] + n_off
                 dst = cute.local_tile(mO[q_start + j, head, None], (2,), (col // 2,))
                 dst.store(pair.load().to(self.out_dtype))
-        if const_expr(self.cfg.write_lse):
-            if tid % 4 == 0:
-                for h in cutlass.range_constexpr(softmax.ROWS):
-                    j = j_first + m_off + 8 * h
-                    if j < q_len:
-                        mLse[q_start + j, head] = lse[h]

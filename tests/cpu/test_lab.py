@@ -71,7 +71,7 @@ def test_tune_prefill_sweep_is_valid():
 
     entries = sweep()
     configs = [e.config for e in entries if e.config is not None]
-    assert 30 <= len(configs) <= 70 and len(set(configs)) == len(configs)
+    assert 30 <= len(configs) <= 75 and len(set(configs)) == len(configs)
     for kind, D in product(KINDS, DIMS):
         group = [e for e in entries if (e.kind, e.head_dim) == (kind, D)]
         assert group[0].default and not any(e.default for e in group[1:])
@@ -81,6 +81,8 @@ def test_tune_prefill_sweep_is_valid():
         assert len({(c.tile_n, c.stages, c.staging) for c in ok}) >= 3, (kind, D)
         # the persistent schedule: one row, at the default tiling
         assert [c for c in ok if c.persistent] == [problem_config(kind, D, persistent=True)], (kind, D)
+        # the shared-memory epilogue: one row, at the default tiling
+        assert [c for c in ok if c.epilogue == "smem"] == [problem_config(kind, D, epilogue="smem")], (kind, D)
     for e in entries:
         base = problem_config(e.kind, e.head_dim)
         if e.config is None:

@@ -229,21 +229,28 @@ def case_config(c, **override):
                                kv_layout=layout, causal=causal, write_lse=lse, q_scale=qs, **override)
 
 
-@pytest.mark.parametrize("c", CASES, ids=[f"{c[0]}-{c[1]}-d{c[2]}-g{c[3] // c[4]}-p{c[5]}-{c[6]}-{c[7]}"
-                                          f"-{'causal' if c[8] else 'full'}" for c in CASES])
-def test_prefill_kernel_matches_reference(c, gen):
+CASE_IDS = [f"{c[0]}-{c[1]}-d{c[2]}-g{c[3] // c[4]}-p{c[5]}-{c[6]}-{c[7]}-{'causal' if c[8] else 'full'}"
+            for c in CASES]
+# how O leaves the consumers: the default, and the opt-in tile through shared memory in 16-byte chunks
+EPILOGUES = ["registers", "smem"]
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
+def test_prefill_kernel_matches_reference(c, epilogue, gen):
     q, kv, D, Hq, Hkv, page, layout, form, causal, lse, qs = c
-    cfg = case_config(c)
+    cfg = case_config(c, epilogue=epilogue)
     case = make_case(q_lens=Q_LENS, prefixes=PREFIXES, Hq=Hq, Hkv=Hkv, D=D, page=page, q_dtype=q, kv_dtype=kv,
                      layout=layout, form=form, q_scale_kind=qs, gen=gen)
     check(cfg, case, layout, cfg.label())
 
 
+@pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False)])
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
-def test_consumer_schedules(overlap, pingpong, kv, gen):
+def test_consumer_schedules(overlap, pingpong, kv, epilogue, gen):
     c = ("bf16", kv, 128, 8, 2, 16, "HND", "single", True, True, "none")
-    cfg = case_config(c, overlap=overlap, pingpong=pingpong)
+    cfg = case_config(c, overlap=overlap, pingpong=pingpong, epilogue=epilogue)
     case = make_case(q_lens=Q_LENS, prefixes=PREFIXES, Hq=8, Hkv=2, D=128, page=16, q_dtype="bf16", kv_dtype=kv,
                      gen=gen)
     check(cfg, case, "HND", cfg.label())
@@ -261,13 +268,14 @@ def test_lying_max_query_len_leaves_rows_unwritten(gen):
     assert torch.isfinite(out[300:310].float()).all()
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_cuda_graph_replay_reads_lengths_on_the_device(persistent, gen):
+@pytest.mark.parametrize("override", [{}, {"persistent": True}, {"epilogue": "smem"}],
+                         ids=["default", "persistent", "smem_epilogue"])
+def test_cuda_graph_replay_reads_lengths_on_the_device(override, gen):
     """Captured once, replayed with other lengths and start offsets in the same tensors: the
     kernel reads them on the device, so the replay equals an eager call on the new values (the
     persistent schedule too: its grid is fixed by the SM count)."""
     c = CASES[4]
-    cfg = case_config(c, persistent=persistent)
+    cfg = case_config(c, **override)
     case = make_case(q_lens=[100, 200, 50], prefixes=[10, 400, 0], Hq=8, Hkv=2, D=128, page=16, q_dtype="bf16",
                      kv_dtype="fp8_e4m3", gen=gen, pad_rows=0)
     out = torch.full(case.q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -288,11 +296,28 @@ def test_cuda_graph_replay_reads_lengths_on_the_device(persistent, gen):
     assert err <= TOL["widen"], err
 
 
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("c", [CASES[i] for i in (0, 1, 6, 7)], ids=[CASE_IDS[i] for i in (0, 1, 6, 7)])
+def test_neighbour_rows_stay_untouched(c, epilogue, gen):
+    """A launch over the first four requests of a packed batch: the 300-row request's last query
+    block (rows 256..383 of it) reaches 84 rows into the next requests' rows, which this launch
+    does not own; they, like the padding, must stay NaN while its own rows match the reference."""
+    q, kv, D, Hq, Hkv, page, layout, form, causal, lse, qs = c
+    cfg = case_config(c, epilogue=epilogue)
+    case = make_case(q_lens=Q_LENS, prefixes=PREFIXES, Hq=Hq, Hkv=Hkv, D=D, page=page, q_dtype=q, kv_dtype=kv,
+                     layout=layout, form=form, q_scale_kind=qs, gen=gen)
+    n = 4
+    assert sum(Q_LENS[:n]) % 128 and Q_LENS[n - 1] % 128  # the last owned block is partial
+    head = PrefillCase(case.q, case.kv, case.block_table[:n].contiguous(), case.seq_lens[:n].contiguous(),
+                       case.qsl[:n + 1].contiguous(), case.q_lens[:n], case.k_scale, case.v_scale, case.q_scale,
+                       case.sm_scale)
+    check(cfg, head, layout, f"{cfg.label()} first {n} requests")
+
+
 # the persistent schedule (opt-in): the same cases on one wave of CTAs, and on a few CTAs that each
 # walk many tiles (the pipeline's stages and the query buffer carried from tile to tile)
 @pytest.mark.parametrize("num_ctas", [None, 1, 5])
-@pytest.mark.parametrize("c", CASES, ids=[f"{c[0]}-{c[1]}-d{c[2]}-g{c[3] // c[4]}-p{c[5]}-{c[6]}-{c[7]}"
-                                          f"-{'causal' if c[8] else 'full'}" for c in CASES])
+@pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
 def test_persistent_matches_reference(c, num_ctas, gen):
     q, kv, D, Hq, Hkv, page, layout, form, causal, lse, qs = c
     cfg = case_config(c, persistent=True)
