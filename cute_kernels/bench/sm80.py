@@ -32,19 +32,25 @@ NEEDS = SM80_PLUS
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 PAGE = 16
-# tilings compared with the plan's (``sm80`` column); ``--variants name:field=int+field=int;...``
+# tilings compared with the plan's (``sm80`` column); ``--variants name:field=value+field=value;...``
 PREFILL_VARIANTS = {"tw64": dict(tw=64, q_regs=False)}
 DECODE_VARIANTS: dict[str, dict] = {}
 
 
 def parse_named_variants(text: str | None) -> dict[str, dict]:
-    """``"a:tw=32+stages=4;b:m_tiles=2"`` -> ``{"a": {"tw": 32, "stages": 4}, "b": {"m_tiles": 2}}``."""
+    """``"a:tw=32+stages=4;b:ldsm_xor=true"`` -> ``{"a": {"tw": 32, "stages": 4}, "b": {"ldsm_xor": True}}``
+    (values: integers, or ``true`` / ``false``)."""
     out = {}
     for spec in (text or "").split(";"):
         if spec:
             name, _, fields = spec.partition(":")
-            out[name] = {k: int(v) for k, v in (f.split("=") for f in fields.split("+") if f)}
+            out[name] = {k: _field_value(v) for k, v in (f.split("=") for f in fields.split("+") if f)}
     return out
+
+
+def _field_value(text: str) -> int | bool:
+    flags = {"true": True, "false": False}
+    return flags[text.lower()] if text.lower() in flags else int(text)
 
 # name, Hq, Hkv, D, B, q_len, prefix (the SM90 prefill benchmark's shapes)
 PREFILL_SHAPES = [
@@ -200,7 +206,8 @@ def add_arguments(p) -> None:
     p.add_argument("what", nargs="?", default="decode", choices=["decode", "prefill"], help="decode (default) or prefill")
     p.add_argument("--kv", default="bf16,fp8", help="decode: cache dtypes")
     p.add_argument("--shapes", default=None, help="comma-separated substrings selecting shapes by name")
-    p.add_argument("--variants", default=None, help="extra tilings: name:field=int+field=int;...")
+    p.add_argument("--variants", default=None,
+                   help="extra tilings: name:field=value+field=value;... (value: an integer, true or false)")
 
 
 def main(args) -> None:

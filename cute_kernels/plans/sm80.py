@@ -63,7 +63,8 @@ class _Sm80Common(KernelConfig):
     cp.async ring depth; ``q_regs`` keeps Q's fragments in registers; ``widen`` ("bits" or "cvt",
     FP8 caches); ``pdl`` programmatic dependent launch (SM90+ targets only); ``ldsm_xor``: each
     operand's ``ldmatrix`` addresses as one base register XOR a constant per k-step (the 128-row
-    prefill's, docs/design/sm80.md#128-row-ctas). ``target``: the one
+    prefill's, docs/design/sm80.md#128-row-ctas; the head-dim-256 decode's without spills,
+    docs/design/sm80.md#head-dim-256-decode). ``target``: the one
     compile target the tiling was chosen for (the plan sizes the ring by its shared memory)."""
 
     target: str = "sm_80"
@@ -450,9 +451,10 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     """The variants of ``kernel_id`` (both kernels: None) in every target's full set (``cute-kernels compile --arch <target> --kernel sm80.``): decode
     for each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
-    a (K, V) pair in NHD with scale tensors; prefill for each cache dtype x head dim, with the LSE
-    and without a causal mask once each; the 128-row prefill (``m_tiles=2``) at D 64 / 128 with a
-    BF16 and an FP8 cache. Plus :func:`ci_variants` (on SM90: a 99 KB ring)."""
+    a (K, V) pair in NHD with scale tensors; the head-dim-256 decode with one ``ldmatrix`` base per
+    operand (``ldsm_xor``) for each cache dtype, split and not; prefill for each cache dtype x head
+    dim, with the LSE and without a causal mask once each; the 128-row prefill (``m_tiles=2``) at
+    D 64 / 128 with a BF16 and an FP8 cache. Plus :func:`ci_variants` (on SM90: a 99 KB ring)."""
     out: list[KernelConfig] = []
     for t in TARGETS:
         for kv in KV_DTYPES:
@@ -462,6 +464,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
                 out.append(make_prefill_config(group=4, **shape))
             out.append(make_decode_config(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=128, group=16, q_len=4,
                                           page_size=16, split=True))
+            out += [make_decode_config(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=256, group=8, q_len=1,
+                                       page_size=16, split=s, ldsm_xor=True) for s in (False, True)]
         out.append(make_decode_config(target=t, q_dtype="bf16", kv_dtype="fp16", head_dim=128, group=8, q_len=1,
                                       page_size=16, split=False))
         if t in CVT_TARGETS:
@@ -482,7 +486,8 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     the LSE; on SM80 also the bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90
     the shapes SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a
     ring sized for 99 KB (run on the H200 as the SM86 build's stand-in) and an fp16 D 64 prefill;
-    the 128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86."""
+    the 128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86; the head-dim-256
+    decode with ``ldsm_xor`` on SM120 (a BF16 split: 28 ``STL`` without it)."""
     shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
     out: list[KernelConfig] = []
     for t in TARGETS:
@@ -501,6 +506,8 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
                                 page_size=64, causal=False)]
     out += [make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, m_tiles=2, **shape),
             make_prefill_config(target="sm_86", kv_dtype="fp8_e4m3", group=4, m_tiles=2, **shape)]
+    out.append(make_decode_config(target="sm_120a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8, q_len=1,
+                                  page_size=16, split=True, ldsm_xor=True))
     out += [make_decode_config(target="sm_90a", kv_dtype="fp16", group=4, q_len=1, split=False, **shape),
             make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, widen="bits",
                                smem_target="sm_86", **shape),

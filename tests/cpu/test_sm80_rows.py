@@ -1,60 +1,79 @@
-"""The 128-row ``sm80.prefill`` tiling (two 16-row tiles per warp) on the CPU: its ``ldmatrix``
-addresses (one base per operand, XOR or immediate steps) proven equal, lane by lane, to the
-swizzled addresses of the 64-row kernel; the k-blocked Q layout a bijection whose reads are the
-same elements and free of bank conflicts; the plan's tiling per target (design:
-docs/design/sm80.md#128-row-ctas). The builds themselves are in the compile matrix."""
+"""One ``ldmatrix`` base per operand (``ldsm_xor``) on the CPU, for the 128-row ``sm80.prefill``
+tiling (two 16-row tiles per warp) and the head-dim-256 ``sm80.decode`` (one tile per warp, up to
+four token warps): the addresses (XOR or immediate steps) proven equal, lane by lane and warp by
+warp, to the swizzled addresses of the default build; the k-blocked Q layout a bijection whose
+reads are the same elements and free of bank conflicts; the plan's tilings per target (design:
+docs/design/sm80.md#128-row-ctas, docs/design/sm80.md#head-dim-256-decode). The builds
+themselves are in the compile matrix."""
 
 from __future__ import annotations
+
+from dataclasses import replace
+from itertools import product
 
 import pytest
 
 from cute_kernels.plans import hw
-from cute_kernels.plans.sm80 import PREFILL_M2_TW32_TARGETS, TARGETS, compile_variants, make_prefill_config
+from cute_kernels.plans.sm80 import (
+    KV_DTYPES,
+    PREFILL_M2_TW32_TARGETS,
+    TARGETS,
+    compile_variants,
+    make_decode_config,
+    make_prefill_config,
+)
 from cute_kernels.roles.cp_async_pages import swizzle
 from cute_kernels.roles.warp_attention import WarpTileAttention, engine_for
 
 LANES = range(32)
+# (warps_m, warps_n, m_tiles): the 128-row prefill, then the decode grids the plan builds
+TILINGS = [(4, 1, 2), (1, 4, 1), (1, 2, 1), (2, 2, 1), (2, 1, 1), (4, 1, 1)]
 
 
-def _engine(D: int, kv: str, tw: int, m_tiles: int = 2) -> WarpTileAttention:
+def _engine(D: int, kv: str, tw: int, m_tiles: int = 2, warps_m: int = 4, warps_n: int = 1) -> WarpTileAttention:
     return WarpTileAttention(D=D, q_dtype="bf16", kv_dtype=kv, mma_dtype="fp16" if kv == "fp8_e4m3" else "bf16",
-                             widen_method="bits", warps_m=4, warps_n=1, m_tiles=m_tiles, tw=tw, q_regs=False,
-                             ldsm_xor=True)
+                             widen_method="bits", warps_m=warps_m, warps_n=warps_n, m_tiles=m_tiles, tw=tw,
+                             q_regs=False, ldsm_xor=True)
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("tw", [16, 32])
-def test_kv_addresses_equal_the_swizzled_ones(D, kv, tw):
+@pytest.mark.parametrize("tiling", TILINGS, ids=[f"{m}x{n}m{t}" for m, n, t in TILINGS])
+def test_kv_addresses_equal_the_swizzled_ones(D, kv, tw, tiling):
     """K (both element sizes) and V (``ldmatrix.trans``): base XOR a column constant plus a
-    16-row immediate is the swizzled address of the same (row, column), for every lane, k-step,
-    token block and stage base (1024-byte aligned stages, V a tile after K)."""
-    eng = _engine(D, kv, tw)
-    rb, wn = eng.kv_row_bytes, 0
+    16-row immediate is the swizzled address of the same (row, column), for every lane, token
+    warp, k-step, token block and stage base (1024-byte aligned, the ring's own stage bases
+    among them; V a tile after K)."""
+    warps_m, warps_n, m_tiles = tiling
+    eng = _engine(D, kv, tw, m_tiles, warps_m, warps_n)
+    rb = eng.kv_row_bytes
     fp8 = kv == "fp8_e4m3"
-    for stage in (0, 1024 * 16, 1024 * 48):
-        for lane in LANES:
-            mi = lane // 8
-            k_lane = eng.kv_lane(stage, wn, lane, fp8)
-            v_lane = eng.kv_lane(stage + eng.tile * rb, wn, lane, True)
-            for n16 in range(tw // 16):
-                for cb in range(rb // 32):  # 32-byte column steps: k-blocks (16-bit) or pairs of them (FP8)
-                    if fp8:
-                        row, col = wn * tw + n16 * 16 + (mi % 2) * 8 + lane % 8, cb * 32 + (mi // 2) * 16
-                    else:
-                        row, col = wn * tw + n16 * 16 + (mi // 2) * 8 + lane % 8, cb * 32 + (mi % 2) * 16
-                    assert eng.ldsm_address(k_lane, rb, n16, cb * 32) == stage + swizzle(row * rb + col)
-                    v_row, v_col = wn * tw + n16 * 16 + (mi % 2) * 8 + lane % 8, cb * 32 + (mi // 2) * 16
-                    assert (eng.ldsm_address(v_lane, rb, n16, cb * 32)
-                            == stage + eng.tile * rb + swizzle(v_row * rb + v_col))
+    ring = [s * 2 * eng.tile * rb for s in range(3)]  # PagedKVGather's stages: K then V, a tile each
+    for stage, wn, lane in product(sorted({0, 1024 * 16, 1024 * 48, *ring}), range(warps_n), LANES):
+        mi = lane // 8
+        k_lane = eng.kv_lane(stage, wn, lane, fp8)
+        v_lane = eng.kv_lane(stage + eng.tile * rb, wn, lane, True)
+        for n16 in range(tw // 16):
+            for cb in range(rb // 32):  # 32-byte column steps: k-blocks (16-bit) or pairs of them (FP8)
+                if fp8:
+                    row, col = wn * tw + n16 * 16 + (mi % 2) * 8 + lane % 8, cb * 32 + (mi // 2) * 16
+                else:
+                    row, col = wn * tw + n16 * 16 + (mi // 2) * 8 + lane % 8, cb * 32 + (mi % 2) * 16
+                assert eng.ldsm_address(k_lane, rb, n16, cb * 32) == stage + swizzle(row * rb + col)
+                v_row, v_col = wn * tw + n16 * 16 + (mi % 2) * 8 + lane % 8, cb * 32 + (mi // 2) * 16
+                assert (eng.ldsm_address(v_lane, rb, n16, cb * 32)
+                        == stage + eng.tile * rb + swizzle(v_row * rb + v_col))
 
 
-@pytest.mark.parametrize("D", [64, 128])
-def test_blocked_q_layout_reads_what_the_swizzled_one_did(D):
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("tiling", TILINGS, ids=[f"{m}x{n}m{t}" for m, n, t in TILINGS])
+def test_blocked_q_layout_reads_what_the_swizzled_one_did(D, tiling):
     """Q staged k-blocked: every 16-byte piece (row, k-block, half) has its own place; the
     ``ldmatrix`` of (warp, lane, m-tile, k-block) reads the piece the swizzled layout's read
     (row, 8 columns), and the 8 rows of each of its matrices cover the 8 16-byte bank groups."""
-    eng = _engine(D, "bf16", 32)
+    warps_m, warps_n, m_tiles = tiling
+    eng = _engine(D, "bf16", 32, m_tiles, warps_m, warps_n)
     pieces = [eng.q_blocked(r, c, h) for r in range(eng.rows) for c in range(D // 16) for h in range(2)]
     assert sorted(pieces) == list(range(0, eng.q_bytes, 16))
     for wm in range(eng.warps_m):
@@ -96,3 +115,34 @@ def test_default_tiling_is_untouched_and_256_is_refused():
     with pytest.raises(ValueError, match="m_tiles"):
         make_prefill_config(target="sm_90a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=4, page_size=16,
                             m_tiles=2)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kv", KV_DTYPES)
+@pytest.mark.parametrize("rows", [(8, 1), (2, 2), (16, 2), (16, 4)], ids=lambda r: f"g{r[0]}q{r[1]}")
+def test_decode_ldsm_xor_changes_nothing_but_the_addressing(target, kv, rows):
+    """The head-dim-256 decode with ``ldsm_xor``: the plan's tiling, ring and shared memory are
+    the default's (only the ``ldmatrix`` addressing and the staged Q's order differ); the default
+    stays off; GQA 8 at q_len 1, split and not, is in every target's compile list."""
+    group, q_len = rows
+    shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=256, group=group,
+                 q_len=q_len, page_size=16)
+    for split in (False, True):
+        base = make_decode_config(split=split, **shape)
+        xor = make_decode_config(split=split, ldsm_xor=True, **shape)
+        assert not base.ldsm_xor and "ldsm_xor" not in base.label()
+        assert xor == replace(base, ldsm_xor=True) and xor.smem_bytes() == base.smem_bytes()
+        assert engine_for(xor)[2] == engine_for(base)[2]
+        assert (xor in compile_variants("sm80.decode")) == (rows == (8, 1))
+
+
+@pytest.mark.parametrize("text,fields", [
+    ("x:ldsm_xor=true", {"x": {"ldsm_xor": True}}),
+    ("a:tw=32+stages=4;b:ldsm_xor=False+m_tiles=2", {"a": {"tw": 32, "stages": 4},
+                                                     "b": {"ldsm_xor": False, "m_tiles": 2}}),
+])
+def test_bench_variants_take_flags(text, fields):
+    from cute_kernels.bench.sm80 import parse_named_variants
+
+    got = parse_named_variants(text)
+    assert got == fields and all(type(v) is type(fields[n][k]) for n in got for k, v in got[n].items())
