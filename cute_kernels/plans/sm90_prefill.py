@@ -445,10 +445,9 @@ def compile_variants() -> list[Sm90PrefillConfig]:
     ]
 
 
-def persistent_variants() -> list[Sm90PrefillConfig]:
-    """The persistent schedule's compile matrix (registry id ``sm90.prefill_persistent``) at the
-    default tiling: 16-bit, FP8 widened and FP8 query at D 128, 16-bit D 64 and widened D 256."""
-    on = dict(persistent=True)
+def _opt_in_variants(**on: Any) -> list[Sm90PrefillConfig]:
+    """An opt-in field's compile matrix at the default tiling: 16-bit, FP8 widened and FP8 query at
+    D 128, 16-bit D 64 and widened D 256."""
     return [
         _variant("bf16", "bf16", 128, 8, 16, **on),
         _variant("bf16", "fp8_e4m3", 128, 8, 16, **on),
@@ -456,19 +455,16 @@ def persistent_variants() -> list[Sm90PrefillConfig]:
         _variant("fp16", "fp16", 64, 4, 32, kv_form="pair", kv_layout="NHD", causal=False, **on),
         _variant("bf16", "fp8_e4m3", 256, 4, 32, kv_form="pair", write_lse=False, **on),
     ]
+
+
+def persistent_variants() -> list[Sm90PrefillConfig]:
+    """The persistent schedule's compile matrix (registry id ``sm90.prefill_persistent``)."""
+    return _opt_in_variants(persistent=True)
 
 
 def epilogue_variants() -> list[Sm90PrefillConfig]:
-    """The shared-memory epilogue's compile matrix (registry id ``sm90.prefill_smem_epilogue``) at the
-    default tiling: 16-bit, FP8 widened and FP8 query at D 128, 16-bit D 64 and widened D 256."""
-    on = dict(epilogue="smem")
-    return [
-        _variant("bf16", "bf16", 128, 8, 16, **on),
-        _variant("bf16", "fp8_e4m3", 128, 8, 16, **on),
-        _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar", **on),
-        _variant("fp16", "fp16", 64, 4, 32, kv_form="pair", kv_layout="NHD", causal=False, **on),
-        _variant("bf16", "fp8_e4m3", 256, 4, 32, kv_form="pair", write_lse=False, **on),
-    ]
+    """The shared-memory epilogue's compile matrix (registry id ``sm90.prefill_smem_epilogue``)."""
+    return _opt_in_variants(epilogue="smem")
 
 
 def fp8_query_compile_variants() -> list[Sm90PrefillConfig]:
