@@ -227,15 +227,18 @@ def ragged_seq_lens(gen, batch: int, page: int) -> list[int]:
     return lens
 
 
-def check_attention(out, lse, ref, ref_lse, seed, tol: float = 5e-3):
+def check_attention(out, lse, ref, ref_lse, seed=None, tol: float = 5e-3, lse_atol: float = 2e-3,
+                    lse_rtol: float = 1e-4):
     """The GPU tests' verdict on one call: no NaN/inf in ``out``, relative error <= ``tol``, the
-    same empty (-inf LSE) rows as the reference, LSEs close elsewhere; ``seed`` in every message."""
-    assert torch.isfinite(out).all(), f"seed {seed}: NaN/inf in output"
+    same empty (-inf LSE) rows as the reference, LSEs close elsewhere; ``seed`` (when given) in
+    every message."""
+    at = "" if seed is None else f"seed {seed}: "
+    assert torch.isfinite(out).all(), f"{at}NaN/inf in output (unwritten or poisoned values leaked)"
     err = rel_err(out, ref)
-    assert err <= tol, f"seed {seed}: relative error {err:.2e} > {tol}"
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"seed {seed}: -inf LSE rows differ"
+    assert err <= tol, f"{at}relative error {err:.2e} > {tol}"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"{at}-inf LSE rows differ"
     fin = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-3, rtol=1e-4, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=lse_atol, rtol=lse_rtol, msg=lambda m: f"{at}{m}")
 
 
 def capture_graph(fn):

@@ -19,7 +19,7 @@ from cute_kernels.ops import _selfcheck
 from cute_kernels.ops import paged_prefill as prefill_op
 from cute_kernels.plans import selfcheck_records as records
 from cute_kernels.plans.sm90_prefill import config_family, feature_variants
-from cute_kernels.testing import make_paged_prefill_case, rel_err
+from cute_kernels.testing import check_attention, make_paged_prefill_case, rel_err
 
 from .conftest import sm90_only
 
@@ -58,13 +58,7 @@ def _reference(case, *, q=None, q_scale=None, window_left=-1, sinks=None, causal
 
 
 def _check(got, want, tol, lse_rtol=1e-4):
-    (out, lse), (ref, ref_lse) = got, want
-    assert torch.isfinite(out).all(), "NaN/inf in the output (unwritten or poisoned values leaked)"
-    err = rel_err(out, ref)
-    assert err <= tol, f"relative error {err:.2e} > {tol}"
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
-    fin = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=5e-3 if tol > 1e-2 else 2e-3, rtol=lse_rtol)
+    check_attention(*got, *want, tol=tol, lse_atol=5e-3 if tol > 1e-2 else 2e-3, lse_rtol=lse_rtol)
 
 
 # (kv, q, D, Hq, Hkv, page, layout, container, window_left, sinks)
