@@ -33,8 +33,10 @@ NEEDS = SM80_PLUS
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 PAGE = 16
 # tilings compared with the plan's (``sm80`` column); ``--variants name:field=value+field=value;...``
-PREFILL_VARIANTS = {"tw64": dict(tw=64, q_regs=False)}
-DECODE_VARIANTS: dict[str, dict] = {}
+# adds more. ``m1`` / ``noxor``: the forms the plan chose before its measured defaults (at D 256 the
+# old prefill is ``--variants tw16:m_tiles=1+tw=16``), docs/design/sm80.md#defaults
+PREFILL_VARIANTS = {"m1": dict(m_tiles=1), "tw64": dict(m_tiles=1, tw=64, q_regs=False)}
+DECODE_VARIANTS: dict[str, dict] = {"noxor": dict(ldsm_xor=False)}
 
 
 def parse_named_variants(text: str | None) -> dict[str, dict]:

@@ -9,7 +9,7 @@ the shared-memory capacity of each target comes from :mod:`.hw`. Design: docs/de
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Any
 
@@ -219,6 +219,11 @@ DECODE_MAX_STAGES = 8
 # FP8 caches: 32 tokens per warp and stage (a 16-token FP8 tile is half the bytes of a BF16 one
 # for the same per-tile softmax and barrier cost); BF16 caches keep 16 (docs/design/sm80.md#measurements)
 DECODE_FP8_TW = 32
+# one ldmatrix base per operand from head dim 128 on: D 256 reaches the read roofline with it, FP8 at
+# D 128 is as fast or faster, at D 64 it was slower (docs/design/sm80.md#defaults)
+DECODE_XOR_MIN_HEAD_DIM = 128
+# but not for 16-bit caches at D 128 here: ptxas spills their split build (20 STL) with it
+DECODE_XOR_16BIT_D128_SPILL_TARGETS = ("sm_100a", "sm_103a")
 
 
 def default_widen(target: str) -> str:
@@ -255,6 +260,14 @@ def decode_tiling(target: str, kv_dtype: str, head_dim: int, rows: int) -> dict:
     return dict(best[1], q_regs=head_dim <= 128)
 
 
+def decode_ldsm_xor(target: str, kv_dtype: str, head_dim: int) -> bool:
+    """The decode's default ``ldmatrix`` addressing on compile target ``target`` (a spill is a
+    fact of the target's ptxas, not of the ring's shared memory)."""
+    if head_dim < DECODE_XOR_MIN_HEAD_DIM:
+        return False
+    return not (head_dim == 128 and kv_dtype != "fp8_e4m3" and target in DECODE_XOR_16BIT_D128_SPILL_TARGETS)
+
+
 def fit_stages(target: str, cfg_fields: dict, ctas_per_sm: int, max_stages: int) -> int | None:
     """Deepest ring (2 .. max_stages) within the target's per-CTA limit that lets ``ctas_per_sm``
     CTAs share an SM's shared memory (each with the runtime's reservation); None if none does."""
@@ -277,12 +290,13 @@ def make_decode_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: in
     """The config the op, the warm-up and the compile matrix use for a problem on ``target``;
     ``override`` replaces any tuning field (tests force the bit-trick widening, or, with
     ``smem_target``, a ring sized for another target's shared memory: a 99 KB build run on an
-    H200)."""
+    H200; ``ldsm_xor=False``: the per-address ``ldmatrix`` form, the default below D 128)."""
     fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len,
                   page_size=page_size, split=split, kv_form=kv_form, kv_layout=kv_layout,
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
     override = dict(override)
     fields.update(decode_tiling(override.pop("smem_target", target), kv_dtype, head_dim, group * q_len))
+    fields["ldsm_xor"] = decode_ldsm_xor(target, kv_dtype, head_dim)
     fields.update(override)
     return Sm80DecodeConfig(**fields)
 
@@ -390,33 +404,50 @@ def prefill_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_hea
 
 PREFILL_CTAS_PER_SM = 2
 PREFILL_MAX_STAGES = 3
-# where ptxas keeps the 128-row D 128 CTA's 32-token stages without spills (bf16 and FP8); the
-# other targets take 16-token stages there (docs/design/sm80.md#128-row-ctas)
+# 128-row CTAs (two 16-row tiles per warp) up to D 128: 1.1-1.5x the 64-row CTA's TFLOP/s on the
+# H200 (docs/design/sm80.md#defaults); D 256 cannot hold two tiles' O (256 registers)
+PREFILL_M2_MAX_HEAD_DIM = 128
+# where ptxas keeps the 128-row D 128 CTA's 32-token stages without spills (bf16 and FP8), for
+# lean variants only (causal, one cache tensor, no LSE, no scale tensors: each of the others adds
+# 2-31 STL there); the other targets and variants take 16-token stages (docs/design/sm80.md#128-row-ctas)
 PREFILL_M2_TW32_TARGETS = ("sm_80", "sm_86", "sm_90a")
+# 64-token stages at D 256 (one CTA of three 64 KB stages per SM: 1.15x the 16-token ring on the
+# H200) for lean variants with 16-bit caches where they fit and ptxas keeps them: not sm_100a /
+# sm_103a (35-89 STL), not FP8 caches or the other variants (4-17 STL) (docs/design/sm80.md#defaults)
+PREFILL_D256_TW64_TARGETS = ("sm_90a",)
 
 
-def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int = 1) -> dict:
-    """FA2-style prefill tiling on ``target``: four warps of 16 query rows each (64 rows per
-    CTA), each reading the whole stage of 32 tokens (16 at D 256, where O alone takes 128
-    registers; 64 spill: ptxas keeps every k-block's K fragments live at once); the deepest ring
-    (2 or 3 stages) that lets two CTAs share an SM, else one. Q stays in registers up to D 128.
+def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | None = None, tw: int | None = None,
+                   lean: bool = True) -> dict:
+    """FA2-style prefill tiling on ``target``: four warps of ``m_tiles`` 16-row tiles each, each
+    warp reading the whole stage; the deepest ring (2 or 3 stages) that lets two CTAs share an
+    SM, else one. ``m_tiles``, ``tw``: the plan's unless given (the fit is for the given ones).
 
-    ``m_tiles=2`` (up to D 128): two 16-row tiles per warp, 128 rows per CTA. O takes 128
-    registers at D 128, so Q is read from shared memory at every tile and the ``ldmatrix``
-    addresses are immediate or XOR steps from one base per operand; 16-token stages at D 128
-    outside ``PREFILL_M2_TW32_TARGETS`` (docs/design/sm80.md#128-row-ctas)."""
-    if m_tiles not in (1, 2) or (m_tiles == 2 and head_dim > 128):
-        raise ValueError(f"prefill m_tiles must be 1, or 2 up to head_dim 128; got {m_tiles} at {head_dim}")
-    tw = 16 if head_dim == 256 else 32
-    if m_tiles == 2 and head_dim == 128 and target not in PREFILL_M2_TW32_TARGETS:
-        tw = 16
+    ``m_tiles=2`` (the default up to D 128): 128 rows per CTA. O takes 128 registers at D 128, so
+    Q is read from shared memory at every tile and the ``ldmatrix`` addresses are immediate or XOR
+    steps from one base per operand; 32-token stages, at D 128 only for ``lean`` variants on
+    ``PREFILL_M2_TW32_TARGETS`` (else 16). ``m_tiles=1``: 64 rows per CTA, Q in registers up to
+    D 128, 32-token stages (16 at D 256, where O alone takes 128 registers; 64 at D 256 for lean
+    variants with 16-bit caches on ``PREFILL_D256_TW64_TARGETS``). ``lean``: causal, one cache
+    tensor, neither the LSE nor scale tensors (docs/design/sm80.md#128-row-ctas)."""
+    if m_tiles is None:
+        m_tiles = 2 if head_dim <= PREFILL_M2_MAX_HEAD_DIM else 1
+    if m_tiles not in (1, 2) or (m_tiles == 2 and head_dim > PREFILL_M2_MAX_HEAD_DIM):
+        raise ValueError(f"prefill m_tiles must be 1, or 2 up to head_dim {PREFILL_M2_MAX_HEAD_DIM}; "
+                         f"got {m_tiles} at {head_dim}")
+    if tw is None:
+        tw = 16 if head_dim == 256 else 32
+        if m_tiles == 2 and head_dim == 128 and not (lean and target in PREFILL_M2_TW32_TARGETS):
+            tw = 16
+        if head_dim == 256 and lean and kv_dtype != "fp8_e4m3" and target in PREFILL_D256_TW64_TARGETS:
+            tw = 64
     fields = dict(kv_dtype=kv_dtype, head_dim=head_dim, warps_m=4, warps_n=1, m_tiles=m_tiles, tw=tw)
     for ctas in (PREFILL_CTAS_PER_SM, 1):
         stages = fit_stages(target, fields, ctas, PREFILL_MAX_STAGES)
         if stages is not None:
             break
     if stages is None:
-        raise ValueError(f"no prefill tiling of D {head_dim} fits {target}'s shared memory")
+        raise ValueError(f"no prefill tiling of D {head_dim} with {tw}-token stages fits {target}'s shared memory")
     if m_tiles == 2:
         return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True)
     return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128)
@@ -428,12 +459,15 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
                         **override) -> Sm80PrefillConfig:
     """The config the prefill op, the warm-up and the compile matrix use on ``target``;
     ``override`` replaces tuning fields (``smem_target``: size the ring for another target;
-    ``m_tiles=2``: the 128-row tiling of :func:`prefill_tiling`)."""
+    ``m_tiles=1``: the 64-row tiling of :func:`prefill_tiling`, ``tw``: its stage, the ring fitted
+    to them)."""
     fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group,
                   page_size=page_size, causal=causal, write_lse=write_lse, kv_form=kv_form, kv_layout=kv_layout,
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
     override = dict(override)
-    fields.update(prefill_tiling(override.pop("smem_target", target), kv_dtype, head_dim, override.get("m_tiles", 1)))
+    lean = causal and not (write_lse or k_scale_tensor or v_scale_tensor or kv_form == "pair")
+    fields.update(prefill_tiling(override.pop("smem_target", target), kv_dtype, head_dim, override.get("m_tiles"),
+                                 override.get("tw"), lean))
     fields.update(override)
     return Sm80PrefillConfig(**fields)
 
@@ -447,14 +481,26 @@ def _q_for(kv: str) -> str:
     return "fp16" if kv == "fp16" else "bf16"
 
 
+def old_form(config: KernelConfig) -> KernelConfig:
+    """The form an explicit override still selects where the plan's default moved on
+    (docs/design/sm80.md#defaults): the decode with per-address ``ldmatrix`` (``ldsm_xor=False``),
+    the prefill's 64-row CTA with its 32-token stages, 16 at D 256 (``m_tiles=1, tw=...``)."""
+    if isinstance(config, Sm80DecodeConfig):
+        return replace(config, ldsm_xor=False)
+    assert isinstance(config, Sm80PrefillConfig)
+    old = prefill_tiling(config.target, config.kv_dtype, config.head_dim, 1, 16 if config.head_dim == 256 else 32)
+    return replace(config, ldsm_xor=False, **old)
+
+
 def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
-    """The variants of ``kernel_id`` (both kernels: None) in every target's full set (``cute-kernels compile --arch <target> --kernel sm80.``): decode
-    for each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
-    (four); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
-    a (K, V) pair in NHD with scale tensors; the head-dim-256 decode with one ``ldmatrix`` base per
-    operand (``ldsm_xor``) for each cache dtype, split and not; prefill for each cache dtype x head
-    dim, with the LSE and without a causal mask once each; the 128-row prefill (``m_tiles=2``) at
-    D 64 / 128 with a BF16 and an FP8 cache. Plus :func:`ci_variants` (on SM90: a 99 KB ring)."""
+    """The variants of ``kernel_id`` (both kernels: None) in every target's full set
+    (``cute-kernels compile --arch <target> --kernel sm80.``), each in the plan's default form and,
+    where that moved on, in the form the overrides ``ldsm_xor=False`` (decode) and ``m_tiles=1``
+    with the old stage (prefill) select: decode for each cache dtype x head dim, split and not, at
+    GQA 8 (one warp row) and at 64 query rows (four); an fp16 cache with a bf16 query; the
+    bit-trick widening where ``cvt`` is the default; prefill for each cache dtype x head dim, and
+    a (K, V) pair in NHD with the LSE and no causal mask. Plus :func:`ci_variants` (on SM90: a
+    99 KB ring)."""
     out: list[KernelConfig] = []
     for t in TARGETS:
         for kv in KV_DTYPES:
@@ -464,8 +510,6 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
                 out.append(make_prefill_config(group=4, **shape))
             out.append(make_decode_config(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=128, group=16, q_len=4,
                                           page_size=16, split=True))
-            out += [make_decode_config(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=256, group=8, q_len=1,
-                                       page_size=16, split=s, ldsm_xor=True) for s in (False, True)]
         out.append(make_decode_config(target=t, q_dtype="bf16", kv_dtype="fp16", head_dim=128, group=8, q_len=1,
                                       page_size=16, split=False))
         if t in CVT_TARGETS:
@@ -473,21 +517,21 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
                                           q_len=1, page_size=16, split=True, widen="bits"))
         out.append(make_prefill_config(target=t, q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=8, page_size=64,
                                        causal=False, write_lse=True, kv_form="pair", kv_layout="NHD"))
-        out += [make_prefill_config(target=t, q_dtype="bf16", kv_dtype=kv, head_dim=d, group=4, page_size=16, m_tiles=2)
-                for kv in ("bf16", "fp8_e4m3") for d in (64, 128)]
-    return [c for c in dict.fromkeys(out + ci_variants()) if kernel_id in (None, c.kernel_id)]
+    out += ci_variants()
+    return [c for c in dict.fromkeys(out + [old_form(c) for c in out]) if kernel_id in (None, c.kernel_id)]
 
 
 def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     """The variants of ``kernel_id`` (both: None) in the representative set the CPU test suite
-    compiles per target (the full set is one
-    command away): decode with a BF16 cache (split and not, the second as a (K, V) pair in NHD)
-    and with an FP8 cache (the target's widening, scale tensors), prefill with an FP8 cache and
-    the LSE; on SM80 also the bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90
-    the shapes SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a
-    ring sized for 99 KB (run on the H200 as the SM86 build's stand-in) and an fp16 D 64 prefill;
-    the 128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86; the head-dim-256
-    decode with ``ldsm_xor`` on SM120 (a BF16 split: 28 ``STL`` without it)."""
+    compiles per target (the full set is one command away), in the plan's default forms: decode
+    with a BF16 cache (split and not, the second as a (K, V) pair in NHD) and with an FP8 cache (the
+    target's widening, scale tensors), prefill with an FP8 cache and the LSE; on SM80 also the
+    bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90 the shapes SM90 sends here (an
+    fp16 cache with a bf16 query), the bit-trick widening with a ring sized for 99 KB (run on the
+    H200 as the SM86 build's stand-in), an fp16 D 64 prefill, the 64-token D 256 prefill and one
+    old form per kernel (the FP8 decode without ``ldsm_xor``, the 64-row BF16 prefill); the lean
+    128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86; the head-dim-256 decode on
+    SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``)."""
     shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
     out: list[KernelConfig] = []
     for t in TARGETS:
@@ -504,13 +548,18 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
             make_decode_config(head_dim=256, group=16, q_len=4, **sm80),
             make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,
                                 page_size=64, causal=False)]
-    out += [make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, m_tiles=2, **shape),
-            make_prefill_config(target="sm_86", kv_dtype="fp8_e4m3", group=4, m_tiles=2, **shape)]
+    out += [make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, **shape),
+            make_prefill_config(target="sm_86", kv_dtype="fp8_e4m3", group=4, **shape)]
     out.append(make_decode_config(target="sm_120a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8, q_len=1,
-                                  page_size=16, split=True, ldsm_xor=True))
+                                  page_size=16, split=True))
     out += [make_decode_config(target="sm_90a", kv_dtype="fp16", group=4, q_len=1, split=False, **shape),
             make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, widen="bits",
                                smem_target="sm_86", **shape),
             make_prefill_config(target="sm_90a", q_dtype="fp16", kv_dtype="fp16", head_dim=64, group=1,
-                                page_size=32)]
+                                page_size=32),
+            make_prefill_config(target="sm_90a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,
+                                page_size=16),
+            make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, ldsm_xor=False,
+                               **shape),
+            make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, m_tiles=1, **shape)]
     return [c for c in out if kernel_id in (None, c.kernel_id)]

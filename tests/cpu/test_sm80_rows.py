@@ -16,11 +16,14 @@ import pytest
 from cute_kernels.plans import hw
 from cute_kernels.plans.sm80 import (
     KV_DTYPES,
+    PREFILL_D256_TW64_TARGETS,
     PREFILL_M2_TW32_TARGETS,
     TARGETS,
     compile_variants,
     make_decode_config,
     make_prefill_config,
+    mma_dtype,
+    old_form,
 )
 from cute_kernels.roles.cp_async_pages import swizzle
 from cute_kernels.roles.warp_attention import WarpTileAttention, engine_for
@@ -95,45 +98,88 @@ def test_blocked_q_layout_reads_what_the_swizzled_one_did(D, tiling):
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_128_row_tiling_per_target(target, kv, D):
-    cfg = make_prefill_config(target=target, q_dtype="bf16", kv_dtype=kv, head_dim=D, group=4, page_size=16,
-                              m_tiles=2)
-    assert (cfg.rows, cfg.q_regs, cfg.ldsm_xor) == (128, False, True)
-    assert cfg.tw == (32 if D == 64 or target in PREFILL_M2_TW32_TARGETS else 16)
-    assert cfg.smem_bytes() <= hw.max_smem_per_cta(target)
-    eng, gather, ring = engine_for(cfg)
-    # the merge rows overlay the ring and the staged Q right after it (both 1024-byte aligned)
-    assert ring % 1024 == 0 and ring >= cfg.stages * gather.stage_bytes
-    assert ring + eng.q_bytes >= eng.merge_bytes
-    assert cfg.smem_bytes() == ring + eng.q_bytes + eng.stats_bytes + eng.rows * 4
-    assert cfg in compile_variants("sm80.prefill")
+    """The plan's default up to D 128: 32-token stages but for D 128 outside the targets whose
+    ptxas keeps them, and for the variants that are not causal or carry the LSE, scale tensors or
+    two cache tensors."""
+    shape = dict(target=target, q_dtype="bf16", kv_dtype=kv, head_dim=D, group=4, page_size=16)
+    for extra in ({}, dict(write_lse=True), dict(k_scale_tensor=True, v_scale_tensor=True), dict(kv_form="pair"),
+                  dict(causal=False)):
+        cfg = make_prefill_config(**shape, **extra)
+        assert cfg == make_prefill_config(**shape, **extra, m_tiles=2)
+        assert (cfg.rows, cfg.q_regs, cfg.ldsm_xor) == (128, False, True)
+        assert cfg.tw == (32 if D == 64 or (target in PREFILL_M2_TW32_TARGETS and not extra) else 16), extra
+        assert cfg.smem_bytes() <= hw.max_smem_per_cta(target)
+        eng, gather, ring = engine_for(cfg)
+        # the merge rows overlay the ring and the staged Q right after it (both 1024-byte aligned)
+        assert ring % 1024 == 0 and ring >= cfg.stages * gather.stage_bytes
+        assert ring + eng.q_bytes >= eng.merge_bytes
+        assert cfg.smem_bytes() == ring + eng.q_bytes + eng.stats_bytes + eng.rows * 4
+    assert make_prefill_config(**shape) in compile_variants("sm80.prefill")
 
 
-def test_default_tiling_is_untouched_and_256_is_refused():
-    cfg = make_prefill_config(target="sm_90a", q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=4, page_size=16)
-    assert (cfg.m_tiles, cfg.ldsm_xor, cfg.q_regs) == (1, False, True)
-    assert "ldsm_xor" not in cfg.label()
-    with pytest.raises(ValueError, match="m_tiles"):
-        make_prefill_config(target="sm_90a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=4, page_size=16,
-                            m_tiles=2)
+OLD_PREFILL = [  # the 64-row forms the plan chose before 128-row CTAs became the default (m_tiles=1 selects them)
+    ("sm_90a", "bf16", 128, 32, 3), ("sm_80", "fp8_e4m3", 64, 32, 3), ("sm_86", "bf16", 128, 32, 3),
+    ("sm_120a", "fp8_e4m3", 128, 32, 3), ("sm_90a", "bf16", 256, 16, 3), ("sm_80", "bf16", 256, 16, 3),
+]
+
+
+@pytest.mark.parametrize("target,kv,D,tw,stages", OLD_PREFILL)
+def test_prefill_overrides_reach_the_64_row_forms(target, kv, D, tw, stages):
+    shape = dict(target=target, q_dtype="bf16", kv_dtype=kv, head_dim=D, group=4, page_size=16)
+    cfg = make_prefill_config(**shape, m_tiles=1, tw=tw)
+    assert (cfg.m_tiles, cfg.rows, cfg.tw, cfg.stages, cfg.q_regs, cfg.ldsm_xor) == (1, 64, tw, stages, D <= 128, False)
+    assert "ldsm_xor" not in cfg.label() and cfg.smem_bytes() <= hw.max_smem_per_cta(target)
+    assert cfg == old_form(make_prefill_config(**shape)) and cfg in compile_variants("sm80.prefill")
 
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kv", KV_DTYPES)
+def test_head_dim_256_prefill_default(target, kv):
+    """64-token stages (three, one CTA per SM) for lean variants with 16-bit caches where they fit and ptxas keeps
+    them, else the 16-token ring; 128-row CTAs are refused at D 256."""
+    shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=256, group=4,
+                 page_size=16)
+    cfg = make_prefill_config(**shape)
+    tw64 = target in PREFILL_D256_TW64_TARGETS and kv != "fp8_e4m3"
+    for extra in (dict(write_lse=True), dict(causal=False), dict(kv_form="pair")):  # not lean: 16-token stages
+        assert make_prefill_config(**shape, **extra).tw == 16
+    assert (cfg.m_tiles, cfg.tw, cfg.q_regs, cfg.ldsm_xor) == (1, 64 if tw64 else 16, False, False)
+    assert cfg.smem_bytes() <= hw.max_smem_per_cta(target)
+    if tw64:
+        assert cfg.stages == 3 and 2 * cfg.smem_bytes() > hw.SMEM_PER_SM_OF[target]
+    assert make_prefill_config(**shape, tw=16) == old_form(cfg)
+    with pytest.raises(ValueError, match="m_tiles"):
+        make_prefill_config(**shape, m_tiles=2)
+    if kv != "fp8_e4m3":  # two 64 KB stages and Q exceed 99 KB: a clear refusal, not an oversized ring
+        with pytest.raises(ValueError, match="64-token stages fits sm_86"):
+            make_prefill_config(**dict(shape, target="sm_86"), tw=64)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kv", KV_DTYPES)
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("rows", [(8, 1), (2, 2), (16, 2), (16, 4)], ids=lambda r: f"g{r[0]}q{r[1]}")
-def test_decode_ldsm_xor_changes_nothing_but_the_addressing(target, kv, rows):
-    """The head-dim-256 decode with ``ldsm_xor``: the plan's tiling, ring and shared memory are
-    the default's (only the ``ldmatrix`` addressing and the staged Q's order differ); the default
-    stays off; GQA 8 at q_len 1, split and not, is in every target's compile list."""
+def test_decode_ldsm_xor_default_changes_nothing_but_the_addressing(target, kv, D, rows):
+    """The decode's default addressing: one ``ldmatrix`` base per operand from D 128 on (not for
+    16-bit caches at D 128 where ptxas spills it), per address below; ``ldsm_xor`` either way
+    selects the other form with the same tiling, ring and shared memory; both forms of GQA 8 at
+    q_len 1 are in every target's compile list."""
     group, q_len = rows
-    shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=256, group=group,
+    shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=D, group=group,
                  q_len=q_len, page_size=16)
+    xor_default = D >= 128 and not (D == 128 and kv != "fp8_e4m3" and target in ("sm_100a", "sm_103a"))
     for split in (False, True):
-        base = make_decode_config(split=split, **shape)
-        xor = make_decode_config(split=split, ldsm_xor=True, **shape)
-        assert not base.ldsm_xor and "ldsm_xor" not in base.label()
-        assert xor == replace(base, ldsm_xor=True) and xor.smem_bytes() == base.smem_bytes()
-        assert engine_for(xor)[2] == engine_for(base)[2]
-        assert (xor in compile_variants("sm80.decode")) == (rows == (8, 1))
+        cfg = make_decode_config(split=split, **shape)
+        assert cfg.ldsm_xor == xor_default and ("ldsm_xor" in cfg.label()) == xor_default
+        for other in (make_decode_config(split=split, ldsm_xor=not xor_default, **shape), old_form(cfg)):
+            assert replace(other, ldsm_xor=cfg.ldsm_xor) == cfg and other.smem_bytes() == cfg.smem_bytes()
+            assert engine_for(other)[2] == engine_for(cfg)[2]
+        if rows == (8, 1):
+            assert {cfg, replace(cfg, ldsm_xor=False)} <= set(compile_variants("sm80.decode"))
+        # a ring sized for a 99 KB target keeps the compile target's addressing
+        assert make_decode_config(split=split, smem_target="sm_86", **shape).ldsm_xor == xor_default
+    with pytest.raises(ValueError, match="no exact common 16-bit type"):
+        mma_dtype("fp16", "bf16")
 
 
 @pytest.mark.parametrize("text,fields", [

@@ -2,7 +2,7 @@
 ``tuning_override(backend="sm80")`` so that it runs on the H200 too: every cache dtype and both
 FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, draft lengths, split-KV,
 an fp16 cache with a bf16 query, a ring sized for 99 KB of shared memory (SM86/89/120/121),
-CUDA-graph replay, the head-dim-256 cases again with ``ldsm_xor``. Outputs are poisoned with NaN;
+CUDA-graph replay, the cases from head dim 128 on again without ``ldsm_xor``. Outputs are poisoned with NaN;
 the seed is in every failure message."""
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ CASES = [
     (FP8, BF16, 256, 32, 8, 16, 1, "HND", "single", 1, dict(smem_target="sm_120a", widen="bits")),
     (BF16, BF16, 256, 16, 2, 32, 2, "NHD", "tuple", 1, dict(smem_target="sm_89")),
 ]
-# head dim 256 with one ldmatrix base per operand (opt-in, spill-free on every target):
-# the default's head-dim-256 cases (docs/design/sm80.md#head-dim-256-decode)
-CASES += [(*c[:-1], dict(c[-1], ldsm_xor=True)) for c in CASES if c[2] == 256]
+# one ldmatrix base per operand is the default from head dim 128 on; the per-address form that
+# ldsm_xor=False selects, on the same cases (docs/design/sm80.md#defaults)
+CASES += [(*c[:-1], dict(c[-1], ldsm_xor=False)) for c in CASES if c[2] >= 128]
 
 
 def _ids(c):

@@ -1,7 +1,8 @@
 """``sm80.prefill`` (warp MMA + cp.async) against the reference on varlen batches: chunked
 requests against cached prefixes, empty requests (q_len 0), causal and not, every cache dtype and
 both FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, a ring sized for 99 KB
-of shared memory, and CUDA-graph replay; the 64-row tiling (the plan's) and the 128-row one. Runs on any SM80+ GPU (the H200 included): the op runs the
+of shared memory, and CUDA-graph replay; the plan's tilings (128-row CTAs up to D 128) and the 64-row one, with and
+without the LSE. Runs on any SM80+ GPU (the H200 included): the op runs the
 portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
 
@@ -13,7 +14,7 @@ import torch
 import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.paged_prefill import tuning_override
-from cute_kernels.testing import capture_graph, check_attention, make_paged_prefill_case
+from cute_kernels.testing import capture_graph, check_attention, make_paged_prefill_case, rel_err
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="needs SM80 or newer")
 FP8, BF16, FP16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
@@ -38,11 +39,23 @@ CASES = [
     (BF16, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_86")),
     (FP8, BF16, 256, 32, 8, 16, "NHD", "single", True, dict(smem_target="sm_120a", widen="bits")),
 ]
-# the 128-row tiling (two 16-row tiles per warp, docs/design/sm80.md#128-row-ctas) on the same
-# cases, up to D 128; under smem_target="sm_120a" it takes that target's 16-token stages
-M2 = dict(m_tiles=2)
-CASES += [(*c[:-1], {**c[-1], **M2}) for c in CASES if c[2] <= 128]
-CASES.append((FP8, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_120a", **M2)))
+# the 64-row tiling (the plan's before its measured default, docs/design/sm80.md#defaults) on the
+# same cases, up to D 128; the 128-row default under smem_target="sm_120a" takes 16-token stages
+M1 = dict(m_tiles=1)
+CASES += [(*c[:-1], {**c[-1], **M1}) for c in CASES if c[2] <= 128]
+CASES.append((FP8, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_120a")))
+# lean variants (causal, one cache tensor, no LSE, no scale tensors): the defaults with 32-token
+# stages at D 128 and, on SM90, 64-token stages at D 256; then the old forms of the same shapes
+LEAN = [
+    (BF16, BF16, 128, 32, 8, 16, "HND", "single", True, {}),
+    (FP8, BF16, 128, 32, 8, 16, "NHD", "single", True, {}),
+    (FP16, BF16, 128, 32, 4, 64, "HND", "single", True, {}),
+    (FP16, FP16, 64, 16, 2, 32, "HND", "single", True, {}),
+    (BF16, BF16, 256, 16, 8, 16, "HND", "single", True, {}),
+    (FP16, FP16, 256, 8, 1, 128, "NHD", "single", True, {}),
+    (BF16, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_86")),
+]
+LEAN += [(*c[:-1], {**c[-1], **M1, "tw": 16 if c[2] == 256 else 32}) for c in LEAN]
 
 
 def _ids(c):
@@ -67,16 +80,16 @@ def _check(c, qsl, causal, out, lse, seed):
     check_attention(out, lse, ref, ref_lse, seed, TOL)
 
 
-def _call(c, qsl, out, max_query_len, causal=True, **override):
+def _call(c, qsl, out, max_query_len, causal=True, return_lse=True, **override):
     with tuning_override(backend="sm80", **override):
         return cute_kernels.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=max_query_len,
                                           kv_layout=c.kv_layout, causal=causal, k_scale=c.k_scale, v_scale=c.v_scale,
-                                          out=out, return_lse=True)
+                                          out=out, return_lse=return_lse)
 
 
-def _run(c, qsl, causal, **override):
+def _run(c, qsl, causal, return_lse=True, **override):
     out = torch.full_like(c.q, float("nan"))
-    return _call(c, qsl, out, int((qsl[1:] - qsl[:-1]).max()), causal, **override)
+    return _call(c, qsl, out, int((qsl[1:] - qsl[:-1]).max()), causal, return_lse, **override)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
@@ -92,15 +105,36 @@ def test_sm80_prefill_matches_reference(case, gen):
     _check(c, qsl, causal, out, lse, seed)
 
 
-@pytest.mark.parametrize("override", [{}, M2], ids=["rows64", "rows128"])
-def test_sm80_prefill_long_prompt_and_graph_replay(override, gen):
+@pytest.mark.parametrize("case", LEAN, ids=[_ids(c) for c in LEAN])
+def test_sm80_prefill_lean_variants_match_reference(case, gen):
+    """Without the LSE (the variants whose default stages are longest): the output alone."""
+    kv, q, D, Hq, Hkv, page, layout, container, causal, override = case
+    seed = gen.initial_seed()
+    c, qsl = _case(gen, q_lens=[37, 0, 1, 130, 64, 300], prefixes=[0, 50, 700, 33, 0, 1000], kv=kv, q=q, D=D, Hq=Hq,
+                   Hkv=Hkv, page=page, layout=layout, container=container)
+    out = _run(c, qsl, causal, False, **override)
+    ref = reference.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, kv_layout=c.kv_layout,
+                                  causal=causal, k_scale=c.k_scale, v_scale=c.v_scale)
+    assert torch.isfinite(out).all(), f"seed {seed}: NaN/inf in output (unwritten or poisoned values leaked)"
+    assert rel_err(out, ref) <= TOL, f"seed {seed}: relative error {rel_err(out, ref):.2e} > {TOL}"
+
+
+@pytest.mark.parametrize("override", [{}, M1], ids=["default", "rows64"])
+@pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "lean"])
+def test_sm80_prefill_long_prompt_and_graph_replay(override, return_lse, gen):
     seed = gen.initial_seed()
     c, qsl = _case(gen, q_lens=[2048, 513], prefixes=[0, 4000], kv=BF16, q=BF16, D=128, Hq=32, Hkv=8,
                                page=16, layout="HND", container="single")
-    eager, lse = _run(c, qsl, True, **override)
-    _check(c, qsl, True, eager, lse, seed)
+    res = _run(c, qsl, True, return_lse, **override)
+    eager = res[0] if return_lse else res
+    if return_lse:
+        _check(c, qsl, True, eager, res[1], seed)
+    else:
+        ref = reference.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, kv_layout=c.kv_layout,
+                                      k_scale=c.k_scale, v_scale=c.v_scale)
+        assert torch.isfinite(eager).all() and rel_err(eager, ref) <= TOL, f"seed {seed}"
     out = torch.empty_like(c.q)
-    graph = capture_graph(lambda: _call(c, qsl, out, 2048, **override))
+    graph = capture_graph(lambda: _call(c, qsl, out, 2048, True, return_lse, **override))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -123,7 +157,7 @@ def test_sm90_sends_what_its_kernel_refuses_to_the_portable_one(gen):
     _check(c, qsl, True, out, lse, seed)
 
 
-@pytest.mark.parametrize("override", [{}, M2], ids=["rows64", "rows128"])
+@pytest.mark.parametrize("override", [{}, M1], ids=["default", "rows64"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_sm80_prefill_lengths_past_the_block_table(causal, override, gen):
     """Lengths beyond the table's capacity (2^31 - 1 too): positions at or past it are not attended,
