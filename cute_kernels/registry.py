@@ -196,8 +196,9 @@ _SM90_DECODE: dict[str, Any] = dict(
     head_dims=sm90_decode.HEAD_DIMS, page_sizes=sm90_decode.PAGE_SIZES, max_rows=sm90_decode.MAX_ROWS,
     kv_layouts=sm90_decode.KV_LAYOUTS,
 )
-# What the SM90 paged prefill kernel accepts: its plan's limits. Both query paths and the window /
-# sink variants are available: verified by the GPU suite on the H200 (docs/design/sm90-prefill.md#status).
+# What the SM90 paged prefill kernel accepts: its plan's limits. Both query paths, the window / sink
+# variants, the persistent schedule and the shared-memory epilogue are available: verified by the GPU
+# suite on the H200 (docs/design/sm90-prefill.md#status).
 _SM90_PREFILL: dict[str, Any] = dict(
     status="available", call_site="attention", archs=("sm90",), phases=("prefill",),
     model_dtypes=sm90_prefill.MODEL_DTYPES, head_dims=sm90_prefill.HEAD_DIMS, max_gqa_ratio=sm90_prefill.MAX_GROUP,
@@ -220,12 +221,11 @@ _REFERENCE: dict[str, Any] = dict(status="fallback", archs=ARCHS)
 _HELPER: dict[str, Any] = dict(status="available", phases=PHASES)
 
 
-def _sm90_prefill_opt_in(kernel_id: str, description: str, variants, family) -> KernelInfo:
-    """An opt-in schedule or epilogue of the SM90 prefill (``tuning_override``): never run on a GPU yet,
-    so compile-verified behind a one-time self-check per family (a family that fails it leaves the
-    call to the default); not on a dispatcher list."""
+def _sm90_prefill_opt_in(kernel_id: str, description: str, variants) -> KernelInfo:
+    """An opt-in schedule or epilogue of the SM90 prefill (``tuning_override``): available, verified by
+    the GPU suite on the H200 like the default; not on a dispatcher list."""
     return KernelInfo(id=kernel_id, kv_dtypes=sm90_prefill.KV_DTYPES, description=description, variants=variants,
-                      family=family, **{**_SM90_PREFILL, "call_site": None, "status": "compile-verified"})
+                      **{**_SM90_PREFILL, "call_site": None})
 
 
 def _sm100_family(kernel_id: str) -> Callable[[str, str, int], str]:
@@ -248,15 +248,14 @@ _ENTRIES = (
                     "attention-sink variants",
         variants=sm90_decode.feature_variants, **{**_SM90_DECODE, "call_site": None},
     ),
-    # the balanced split schedule of sm90.decode (opt-in: ``tuning_override(balanced=True)``): never run on
-    # a GPU yet, so compile-verified behind a one-time self-check per family (a family that fails it leaves
-    # the call to the default schedule); not on a dispatcher list
+    # the balanced split schedule of sm90.decode (opt-in: ``tuning_override(balanced=True)``): available,
+    # verified by the GPU suite on the H200 (docs/design/sm90-decode.md#balanced-schedule-opt-in); not on a
+    # dispatcher list
     KernelInfo(
-        id=sm90_decode.BALANCED_ID, status="compile-verified", kv_dtypes=sm90_decode.KV_DTYPES, op="paged_decode",
+        id=sm90_decode.BALANCED_ID, status="available", kv_dtypes=sm90_decode.KV_DTYPES, op="paged_decode",
         description="SM90 paged decode's balanced split schedule: equal chunks of a ragged batch's KV tiles per "
                     "CTA, found from seq_lens on the device (fixed grid), partials merged in chunk order",
-        variants=sm90_decode.balanced_variants, family=sm90_decode.balanced_request_family,
-        **{**_SM90_DECODE, "call_site": None},
+        variants=sm90_decode.balanced_variants, **{**_SM90_DECODE, "call_site": None},
     ),
     KernelInfo(
         id="sm90.decode_fp8q", status="planned", kv_dtypes=("fp8_e4m3",), qk_dtype="fp8_e4m3",
@@ -280,20 +279,18 @@ _ENTRIES = (
         description="SM90 varlen paged prefill's sliding-window (runtime window_left, tiles and pages outside "
                     "skipped) and attention-sink variants",
         variants=sm90_prefill.feature_variants, **{**_SM90_PREFILL, "call_site": None}),
-    # the persistent schedule of the prefill (``tuning_override(persistent=True)``; a failed family keeps
-    # the default grid)
+    # the persistent schedule of the prefill (``tuning_override(persistent=True)``)
     _sm90_prefill_opt_in(
         sm90_prefill.PERSISTENT_ID,
         "SM90 varlen paged prefill's persistent schedule: a fixed grid of one CTA per SM walks the (query block, "
         "request, head) tiles longest first, the TMA/mbarrier pipeline carried across tiles",
-        sm90_prefill.persistent_variants, sm90_prefill.persistent_family),
-    # the shared-memory epilogue of the prefill (``tuning_override(epilogue="smem")``; a failed family
-    # keeps the register epilogue)
+        sm90_prefill.persistent_variants),
+    # the shared-memory epilogue of the prefill (``tuning_override(epilogue="smem")``)
     _sm90_prefill_opt_in(
         sm90_prefill.EPILOGUE_ID,
         "SM90 varlen paged prefill's shared-memory epilogue: each consumer warpgroup stages its O rows in a "
         "free swizzled shared-memory tile and writes them in 16-byte row chunks, rows past the request masked",
-        sm90_prefill.epilogue_variants, sm90_prefill.epilogue_family),
+        sm90_prefill.epilogue_variants),
     KernelInfo(
         id="sm90.prefill", kv_dtypes=sm90_prefill.KV_DTYPES,
         description="SM90 varlen paged prefill with WGMMA and TMA (warp-specialized, causal blocks skipped); FP8 "

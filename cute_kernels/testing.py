@@ -79,6 +79,12 @@ def make_paged_decode_case(
     )
 
 
+def _draw(fn, *args, g, device, **kw):
+    """``fn(*args)`` drawn on the generator's device, then moved to ``device``: a CPU generator gives
+    the same case on any GPU (and keeps torch's random kernels off the GPU)."""
+    return fn(*args, **kw, generator=g, device=device if g is None else g.device).to(device)
+
+
 def _block_table(lens, page_size, spare_pages, g, device, width=None):
     """``(table, P)``: a randomly permuted block table over a pool of ``P = sum(pages) +
     spare_pages`` pages, ``width`` columns (default: one column of junk ids past the longest
@@ -89,9 +95,8 @@ def _block_table(lens, page_size, spare_pages, g, device, width=None):
     elif width < max(pages_per + [1]):
         raise ValueError(f"a block table of {width} pages cannot hold a request of {max(pages_per)} pages")
     P = sum(pages_per) + spare_pages
-    perm = torch.randperm(P, generator=g, device="cpu" if g is None or g.device.type == "cpu" else device)
-    perm = perm.to(device)
-    table = torch.randint(0, P, (len(lens), width), dtype=torch.int32, device=device, generator=g)
+    perm = _draw(torch.randperm, P, g=g, device=device if g is not None else "cpu").to(device)
+    table = _draw(torch.randint, 0, P, (len(lens), width), dtype=torch.int32, g=g, device=device)
     ofs = 0
     for b, n in enumerate(pages_per):
         table[b, :n] = perm[ofs:ofs + n].int()
@@ -103,16 +108,16 @@ def _query(T, Hq, Hkv, D, q_dtype, fused_qkv, g, device):
     """``[T, Hq, D]``, or with ``fused_qkv`` a view of a fused QKV projection (token stride
     ``(Hq + 2 Hkv) D``)."""
     if fused_qkv:
-        qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=device, generator=g).to(q_dtype)
+        qkv = _draw(torch.randn, T, (Hq + 2 * Hkv) * D, g=g, device=device).to(q_dtype)
         return qkv[:, : Hq * D].view(T, Hq, D)
-    return torch.randn(T, Hq, D, device=device, generator=g).to(q_dtype)
+    return _draw(torch.randn, T, Hq, D, g=g, device=device).to(q_dtype)
 
 
 def _kv_pool(P, Hkv, D, page_size, kv_dtype, kv_layout, g, device):
     shape = (P, 2, Hkv, page_size, D) if kv_layout == "HND" else (P, 2, page_size, Hkv, D)
     if kv_dtype == FP8:
-        return (torch.randn(shape, device=device, generator=g) * 64).clamp(-448, 448).to(FP8)
-    return torch.randn(shape, device=device, generator=g).to(kv_dtype)
+        return (_draw(torch.randn, shape, g=g, device=device) * 64).clamp(-448, 448).to(FP8)
+    return _draw(torch.randn, shape, g=g, device=device).to(kv_dtype)
 
 
 def _poison_tails(kv, table, lens, page_size, kv_layout):
@@ -195,7 +200,7 @@ def make_paged_prefill_case(
         _poison_tails(kv, table, lens, page_size, kv_layout)
     used = [(b, c) for b, L in enumerate(lens) for c in range(math.ceil(L / page_size))]
     for i in range(min(invalid_pages, len(used))):
-        b, c = used[int(torch.randint(0, len(used), (1,), generator=g, device=table.device))]
+        b, c = used[int(_draw(torch.randint, 0, len(used), (1,), g=g, device=table.device))]
         table[b, c] = -1 if i % 2 == 0 else P + 3
     kv_cache = (kv[:, 0].clone(), kv[:, 1].clone()) if container == "tuple" else kv
     D, Hkv = head_dim, num_kv_heads

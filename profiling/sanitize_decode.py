@@ -26,7 +26,10 @@ from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case
 
 
 def main():
-    g = torch.Generator(device="cuda")
+    # inputs drawn on the CPU: under synccheck the run failed inside the case construction, before any
+    # kernel of the package launched (docs/design/testing.md#sanitizer), so only copies and the package's
+    # kernels run on the GPU here
+    g = torch.Generator()
     g.manual_seed(1)
     from cute_kernels.ops.paged_decode import tuning_override
 
@@ -81,8 +84,8 @@ def main():
         with prefill_override(backend="sm80"):
             cute_kernels.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=130,
                                        k_scale=c.k_scale, v_scale=c.v_scale, return_lse=True)
-    po = torch.randn(3, 5, 4, 128, device="cuda")
-    pl = torch.randn(3, 5, 4, device="cuda")
+    po = torch.randn(3, 5, 4, 128, generator=g).cuda()
+    pl = torch.randn(3, 5, 4, generator=g).cuda()
     cute_kernels.merge_states(po, pl, out_dtype=torch.bfloat16)
     torch.cuda.synchronize()
     print("sanitize run finished")

@@ -363,8 +363,9 @@ def _time_twin(row: dict, twin, bw: float, ranges: NvtxRanges, balanced: bool = 
 
 
 def _balanced_check(case) -> str:
-    """The balanced family's self-check state for ``case``; raises (the column is reported as not
-    run) when it failed: the default schedule served those calls."""
+    """The balanced family's self-check state for ``case`` (empty while the registry lists the
+    schedule as available: no check runs); raises (the column is reported as not run) when it
+    failed: the default schedule served those calls."""
     kv = "fp8_e4m3" if case.kv_cache.dtype == FP8 else "bf16"
     ok, text = self_check_state("sm90.decode_balanced", "bf16", kv, case.meta["head_dim"])
     if not ok:

@@ -86,7 +86,9 @@ _STALL = re.compile(r"^smsp__average_warps?_(?:latency_)?issue_stalled_(?P<reaso
 _NOT_STALLS = {"selected"}
 
 _SCALE = {"": 1.0, "n": 1e-9, "u": 1e-6, "m": 1e-3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-_UNIT = re.compile(r"^(?P<prefix>[numKMGT]?)(?P<base>second|byte|byte/second)$")
+# ncu spells units long ("nsecond", "Kbyte") or short ("ns", "KB"), depending on its version
+_UNIT = re.compile(r"^(?P<prefix>[numKMGT]?)(?P<base>seconds?|sec|s|bytes?|B|bytes?/seconds?|B/s)$")
+_TIME = re.compile(r"^[num]?(?:seconds?|sec|s)$")
 
 
 def ncu_command(what: str, shape: str, stem: str, *, ncu: str = "ncu", python: str = "python3",
@@ -106,7 +108,7 @@ def import_command(report: str, *, ncu: str = "ncu") -> list[str]:
     return [ncu, "--import", report, "--csv", "--page", "raw", "--print-units", "base"]
 
 
-def _number(text: str, unit: str) -> float | None:
+def _number(text: str, unit: str, column: str = "") -> float | None:
     text = text.strip().replace(",", "")
     if text in ("", "n/a", "N/A"):
         return None
@@ -114,7 +116,10 @@ def _number(text: str, unit: str) -> float | None:
         value = float(text)
     except ValueError:
         return None
-    m = _UNIT.match(unit.strip())
+    unit = unit.strip()
+    if column == DURATION and not _TIME.match(unit):
+        return value * 1e-9  # no (readable) unit: ncu's base unit of time is the nanosecond
+    m = _UNIT.match(unit)
     return value * _SCALE[m.group("prefix")] if m else value
 
 
@@ -122,7 +127,8 @@ def parse_raw_csv(text: str) -> list[dict[str, Any]]:
     """The rows of ``ncu --import R --csv --page raw``: one dict per profiled kernel, in profiling
     order, holding ``ID``, ``Kernel Name``, ``Block Size``, ``Grid Size`` and every metric column
     as a number in base units (seconds, bytes; percentages stay percentages). The header row names
-    the columns and the row after it gives their units."""
+    the columns and the row after it, when there is one, gives their units; durations without a
+    readable unit are nanoseconds (ncu's base unit)."""
     rows = list(csv.reader(io.StringIO(text)))
     start = next((i for i, r in enumerate(rows) if "Kernel Name" in r and "ID" in r), None)
     if start is None:
@@ -130,7 +136,7 @@ def parse_raw_csv(text: str) -> list[dict[str, Any]]:
     header = rows[start]
     body = rows[start + 1:]
     units = [""] * len(header)
-    if body and body[0] and body[0][header.index("ID")] == "":
+    if body and body[0] and not body[0][header.index("ID")].strip().isdigit():  # a kernel row's ID is a number
         units, body = body[0], body[1:]
     text_columns = {"ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
                     "Block Size", "Grid Size", "Device", "CC"}
@@ -140,7 +146,7 @@ def parse_raw_csv(text: str) -> list[dict[str, Any]]:
             continue  # ncu's trailing notes, a truncated line
         kernel: dict[str, Any] = {}
         for name, unit, cell in zip(header, units, r):
-            kernel[name] = cell if name in text_columns else _number(cell, unit)
+            kernel[name] = cell if name in text_columns else _number(cell, unit, name)
         out.append(kernel)
     return out
 

@@ -12,11 +12,12 @@ compile-verified, and the GPU suite runs its cases directly. A family that fails
 recorded, and served by the reference from then on (:mod:`._selfcheck`).
 Design: docs/design/sm90-decode.md#sliding-window-and-sinks.
 
-The balanced schedule (``tuning_override(balanced=True)``; registry id ``sm90.decode_balanced``) is
-compile-verified, guarded by its own family per MMA path: ragged problems whose chunks cut requests
-(merges), walk many requests in one chunk, or none, and a bitwise repeat. A family that fails
-leaves its calls to the default schedule, not the reference
-(docs/design/sm90-decode.md#balanced-schedule-opt-in).
+The balanced schedule (``tuning_override(balanced=True)``; registry id ``sm90.decode_balanced``)
+passed its GPU suite on the H200 too, so it is available and runs at once. Its check stays, a
+family per MMA path (:func:`balanced_cases`: ragged problems whose chunks cut requests (merges),
+walk many requests in one chunk, or none, and a bitwise repeat), run whenever the registry lists
+the entry as compile-verified; a family that fails then leaves its calls to the default schedule,
+not the reference (docs/design/sm90-decode.md#balanced-schedule-opt-in).
 """
 
 from __future__ import annotations

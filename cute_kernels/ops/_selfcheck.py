@@ -1,8 +1,7 @@
 """One-time runtime self-check of a kernel family that was never run on its own hardware.
 
-The Blackwell kernels and the SM90 decode's balanced schedule are compile-verified only
-(registry status ``compile-verified``): their PTX/SASS is checked on a CPU, but no GPU of their
-arch has run them. On such a machine an op calls
+The Blackwell kernels are compile-verified only (registry status ``compile-verified``): their
+PTX/SASS is checked on a CPU, but no GPU of their arch has run them. On such a machine an op calls
 :func:`ensure` before its first launch of a variant family: a few small problems run through the
 kernel and through the reference (tens of milliseconds), once per process and family. A family
 that fails (an error, a non-finite value where the reference is finite, or a deviation beyond the

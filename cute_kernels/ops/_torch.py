@@ -192,6 +192,31 @@ _ARENA_NUMEL = 1 << 16  # elements of one zeroed chunk (16 streams' arrival coun
 _ARENA_LOCK = threading.Lock()  # two threads (two streams of a device) never get the same zeros
 
 
+_SIDE_STREAMS: dict[int, Any] = {}  # device index -> the stream persistent buffers are allocated on
+
+
+def _outside_pools(device: torch.device, make):
+    """``make()``, a buffer kept across calls, allocated so that no CUDA-graph memory pool owns it.
+    torch.compile's CUDA-graph trees route the allocations of a warm-up run on their stream to the
+    graph's pool and refuse a pool tensor that outlives the call; allocating on a side stream
+    escapes that routing. The host waits for the side stream (a zeroed chunk's memset: every
+    stream that gets a part of it sees zeros) and the buffer is recorded on the current stream, so
+    releasing it waits for the work that used it. Only growth allocates, so the wait is rare.
+    Inside a capture the buffer comes from the graph's pool as before (docs/design/inputs.md#workspaces)."""
+    if device.type != "cuda" or capturing(device):
+        return make()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        side = _SIDE_STREAMS.get(index)
+        if side is None:
+            side = _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(index))
+        with torch.cuda.stream(side):
+            buf = make()
+        side.synchronize()
+        buf.record_stream(torch.cuda.current_stream(index))
+    return buf
+
+
 def _zeroed(device: torch.device, numel: int, dtype: torch.dtype, owner: str) -> torch.Tensor:
     """``numel`` zeros that no other caller gets, carved from a chunk zeroed when it was allocated.
     A new chunk is allocated (and zeroed) only outside a CUDA-graph capture: a buffer allocated
@@ -205,7 +230,8 @@ def _zeroed(device: torch.device, numel: int, dtype: torch.dtype, owner: str) ->
                     f"{owner} needs {numel} zeroed workspace elements for a new stream or a larger shape while a "
                     "CUDA graph is being captured, more than were reserved: run one eager call with this shape "
                     "first (or AttentionLayer.warmup on the capturing stream)")
-            arena = [torch.zeros(max(numel, _ARENA_NUMEL), dtype=dtype, device=device), 0]
+            chunk = max(numel, _ARENA_NUMEL)
+            arena = [_outside_pools(device, lambda: torch.zeros(chunk, dtype=dtype, device=device)), 0]
             _ARENAS[(device, dtype)] = arena  # a replaced chunk stays alive through the views handed out
         view = arena[0][arena[1]:arena[1] + numel]
         arena[1] += numel
@@ -242,7 +268,7 @@ class DeviceBuffer:
             if self.zero:
                 new = _zeroed(device, size, self.dtype, self.owner)
             else:
-                new = torch.empty(size, dtype=self.dtype, device=device)
+                new = _outside_pools(device, lambda: torch.empty(size, dtype=self.dtype, device=device))
             if buf is not None:
                 self.retired.append(buf)
             buf = self.buffers[key] = new

@@ -88,9 +88,8 @@ def tuning_override(**fields: object) -> TuningOverride:
     is a launch choice: ``False`` never merges in clusters, ``True`` does whenever the split
     count allows (at most MAX_CLUSTER), absent leaves it to the plan's rule
     (:func:`cute_kernels.plans.sm90_decode.use_cluster_merge`). ``balanced=True`` selects the
-    balanced split schedule of the SM90 kernel for ragged batches (opt-in, compile-verified: a
-    one-time self-check per family, the default schedule when it fails; ``num_splits`` then counts
-    chunks per KV head; calls with a window or sinks, and other kernels, keep their schedule):
+    balanced split schedule of the SM90 kernel for ragged batches (opt-in, available: verified by
+    the GPU suite on the H200; ``num_splits`` then counts chunks per KV head; calls with a window or sinks, and other kernels, keep their schedule):
     docs/design/sm90-decode.md#balanced-schedule-opt-in. ``backend="sm80"`` runs the portable
     ``sm80.decode`` on any arch (its fields then: ``widen``, ``stages``, ``tw``..., ``smem_target``
     for a ring sized for another target's shared memory)."""

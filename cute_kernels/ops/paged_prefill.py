@@ -24,8 +24,9 @@ reference where only the portable kernel would take the call);
 ``tuning_override(backend="sm80")`` forces the portable one (its plan: :mod:`cute_kernels.plans.sm80`).
 CPU tensors are validated as on an SM90 GPU.
 
-The SM90 kernels (both query paths, the window / sink variants) are available: verified by the
-GPU suite on the H200 (docs/design/sm90-prefill.md#status). The SM100 kernel is compile-verified
+The SM90 kernels (both query paths, the window / sink variants, the opt-in persistent schedule
+and shared-memory epilogue) are available: verified by the GPU suite on the H200
+(docs/design/sm90-prefill.md#status). The SM100 kernel is compile-verified
 (registry status): before the first launch of a variant family in a process, :mod:`._selfcheck`
 runs that variant on a few small problems against the reference; a family that fails is served by
 ``sm80.prefill`` from then on (the reference for an FP8 query, a window or sinks), with a logged

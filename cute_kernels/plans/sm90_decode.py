@@ -83,8 +83,8 @@ class Sm90DecodeConfig(KernelConfig):
     family: :func:`feature_family`). ``balanced`` (a split variant
     without strided, dynamic or cluster schedules, window or sinks, merging from L2): a grid of
     equal chunks of the batch's tiles per KV head, found from ``seq_lens`` on the device; its
-    partials are per chunk slot (``[2 x chunks, q_len, Hq, D]``) and it is compile-verified too
-    (:func:`balanced_family`; docs/design/sm90-decode.md#balanced-schedule-opt-in).
+    partials are per chunk slot (``[2 x chunks, q_len, Hq, D]``); it is available too (its
+    self-check family: :func:`balanced_family`; docs/design/sm90-decode.md#balanced-schedule-opt-in).
     """
 
     q_dtype: str = "bf16"
@@ -621,7 +621,7 @@ def feature_variants() -> list[Sm90DecodeConfig]:
 
 
 # ---------------------------------------------------------------------------------------------
-# the balanced schedule's variants (compile-verified: docs/design/sm90-decode.md#balanced-schedule-opt-in)
+# the balanced schedule's variants (docs/design/sm90-decode.md#balanced-schedule-opt-in)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -629,11 +629,6 @@ def balanced_family(config: Sm90DecodeConfig) -> str | None:
     """The runtime self-check family of a balanced variant (None for the others), by MMA path as
     :func:`feature_family`."""
     return f"sm90.decode/balanced/{_mma_path(config.kv_dtype, config.widen)}" if config.balanced else None
-
-
-def balanced_request_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
-    """The registry's family of a balanced request (the op's default MMA path)."""
-    return f"sm90.decode/balanced/{_mma_path(kv_dtype)}"
 
 
 def balanced_config(**fields) -> Sm90DecodeConfig:

@@ -25,8 +25,8 @@ __all__ = [
     "KV_FORMS", "Q_SCALE_KINDS", "TILE_M", "SMEM_BUDGET", "MAX_BATCH", "FP8_CACHE_KERNEL", "FP8_CACHE_REASON",
     "Sm90PrefillConfig", "make_prefill_config", "grid", "smem_bytes", "registry_id", "family", "compile_variants",
     "fp8_query_compile_variants", "prefill_variants", "CTAS_PER_SM", "persistent_ctas", "persistent_grid",
-    "persistent_tile", "cta_walk", "persistent_variants", "PERSISTENT_ID", "persistent_family", "EPILOGUES",
-    "EPILOGUE_ID", "epilogue_variants", "epilogue_family",
+    "persistent_tile", "cta_walk", "persistent_variants", "PERSISTENT_ID", "EPILOGUES",
+    "EPILOGUE_ID", "epilogue_variants",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -106,8 +106,9 @@ class Sm90PrefillConfig(KernelConfig):
 
     Schedule: ``persistent`` launches a fixed grid (the runtime ``num_ctas``: SMs x
     :data:`CTAS_PER_SM`) whose CTAs walk the (query block, request, head) tiles longest first
-    (:func:`cta_walk`; opt-in, compile-verified: docs/design/sm90-prefill.md#scheduling).
-    ``epilogue``: how O is written (:data:`EPILOGUES`; ``"smem"`` opt-in, compile-verified).
+    (:func:`cta_walk`; opt-in: docs/design/sm90-prefill.md#scheduling).
+    ``epilogue``: how O is written (:data:`EPILOGUES`; ``"smem"`` opt-in). Both are available,
+    verified by the GPU suite on the H200 like the default.
 
     Features (:func:`feature_variants`): ``window`` takes a runtime
     ``window_left`` (-1: none) and walks only the KV tiles a block's rows see; ``sinks`` takes fp32
@@ -407,16 +408,6 @@ def check_registry_id(config: Sm90PrefillConfig) -> str:
 FEATURES_ID = "sm90.prefill_window_sinks"
 PERSISTENT_ID = "sm90.prefill_persistent"
 EPILOGUE_ID = "sm90.prefill_smem_epilogue"
-
-
-def persistent_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
-    """The registry's self-check family of a persistent request: :func:`config_family` of its variant."""
-    return f"{family(q_dtype, kv_dtype, head_dim)}/persistent"
-
-
-def epilogue_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
-    """The registry's self-check family of a request with the shared-memory epilogue."""
-    return f"{family(q_dtype, kv_dtype, head_dim)}/smem_epilogue"
 
 
 def family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:

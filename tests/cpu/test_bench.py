@@ -279,13 +279,14 @@ def test_self_check_state_of_compile_verified_kernels():
     from cute_kernels.bench.harness import self_check_state
     from cute_kernels.plans import selfcheck_records as records
 
-    for kid, q in (("sm90.decode", "bf16"), ("sm90.prefill", "bf16"), ("sm90.prefill_fp8q", "fp8_e4m3")):
+    for kid, q in (("sm90.decode", "bf16"), ("sm90.decode_balanced", "bf16"), ("sm90.prefill", "bf16"),
+                   ("sm90.prefill_fp8q", "fp8_e4m3")):
         assert self_check_state(kid, q, "fp8_e4m3", 128) == (True, "")  # available: nothing to say
-    assert self_check_state("sm90.decode_balanced", "bf16", "fp8_e4m3", 128) == (
-        True, "sm90.decode/balanced/fp8-cvt: self-check not run")
-    records.store(records.CheckRecord("sm90.decode/balanced/fp8-cvt", "gpu0", True, "", 0.1, time.time()))
-    assert self_check_state("sm90.decode_balanced", "bf16", "fp8_e4m3", 128) == (
-        True, "sm90.decode/balanced/fp8-cvt: self-check passed on gpu0")
+    assert self_check_state("sm100.decode", "fp8_e4m3", "fp8_e4m3", 128) == (
+        True, "sm100.decode/f8: self-check not run")
+    records.store(records.CheckRecord("sm100.decode/f8", "gpu0", True, "", 0.1, time.time()))
+    assert self_check_state("sm100.decode", "fp8_e4m3", "fp8_e4m3", 128) == (
+        True, "sm100.decode/f8: self-check passed on gpu0")
     records.store(records.CheckRecord("sm100.prefill/f8", "gpu0", False, "case 0: NaN", 0.1, time.time()))
     ok, text = self_check_state("sm100.prefill", "fp8_e4m3", "fp8_e4m3", 64)
     assert not ok and "FAILED its self-check (case 0: NaN): the reference served its calls" in text

@@ -12,7 +12,9 @@
 3. The dataflow in float64: per-chunk partials (fp32-free, exact softmax states) merged in slot
    order equal the reference's attention, and the same partition gives the same bits twice.
 4. Host plumbing: config flag and label, signature, launch plan, workspace size from shapes only,
-   registry entry, the self-check cases and the fallback to the default schedule.
+   registry entry (available: verified by the GPU suite on the H200, so the op runs no check),
+   the self-check cases and the fallback to the default schedule while the registry lists the
+   schedule compile-verified (``sm90_compile_verified`` lists it so again).
 """
 
 from __future__ import annotations
@@ -352,9 +354,10 @@ def test_workspace_from_shapes_only():
     assert op.workspace_numel(static_cfg, static_splits, 8, 4, T, Hq, D, True)[0] == static_splits * T * Hq * (D + 1)
 
 
-def test_registry_marks_the_balanced_variants_compile_verified():
+def test_registry_marks_the_balanced_variants_available():
     info = registry.KERNELS["sm90.decode_balanced"]
-    assert info.status == "compile-verified" and info.call_site is None and info.op == "paged_decode"
+    assert info.status == "available" and info.call_site is None and info.op == "paged_decode"
+    assert info.family is None and not info.verified  # run on its own hardware: no self-check family, no note
     variants = info.variants()
     assert variants == plan.balanced_variants() and all(v.balanced for v in variants)
     assert not any(v.balanced for v in plan.compile_variants() + plan.feature_variants())
@@ -362,11 +365,25 @@ def test_registry_marks_the_balanced_variants_compile_verified():
     assert {v.head_dim for v in variants} == {64, 128, 256} and {v.q_len for v in variants} >= {1, 2, 4}
     assert {(v.kv_form, v.kv_layout) for v in variants} >= {("single", "HND"), ("pair", "NHD")}
     assert all(v in registry.variants_for("sm_90a") for v in variants)
-    assert info.family("bf16", "fp8_e4m3", 128) == "sm90.decode/balanced/fp8-cvt"
+    assert all(plan.check_registry_id(v) == info.id for v in variants)
     assert plan.balanced_family(plan.make_decode_config(**BASE, split=True)) is None
     # the warm-up's enumeration never pairs a balanced config with a cluster
     assert all(not (c.balanced and c.cluster) for c in plan.decode_variants(
         head_dim=128, num_q_heads=32, num_kv_heads=4, page_size=16, balanced=True))
+
+
+def test_the_available_schedule_runs_no_check():
+    """No check before a balanced launch: a runner that would fail one is never called, no record
+    is written, and the call plan keeps the balanced schedule."""
+    cfg = plan.make_decode_config(**BASE, split=True, balanced=True)
+    assert features.self_check_passes(cfg, "cpu", lambda o, **kw: 1 / 0)
+    assert records.lookup(plan.balanced_family(cfg)) is None
+    call = dict(BASE, k_scale_tensor=False, v_scale_tensor=False, kv_form="single", kv_layout="HND", items=32,
+                max_context=32768, num_sms=132, num_kv_heads=4, num_splits=None, deterministic=True, window=False,
+                sinks=False)
+    with op.tuning_override(balanced=True):
+        splits, config = op.guarded_plan(call, "cpu")
+    assert config.balanced and (splits, config) == plan.launch_config(**call, override={"balanced": True})
 
 
 def test_cpu_tensors_run_the_reference_under_the_option():
@@ -379,7 +396,7 @@ def test_cpu_tensors_run_the_reference_under_the_option():
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
 
 
-def test_self_check_cases_follow_the_variant_and_pass_a_correct_kernel():
+def test_self_check_cases_follow_the_variant_and_pass_a_correct_kernel(sm90_compile_verified):
     cfg = plan.make_decode_config(**{**BASE, "q_len": 2}, split=True, balanced=True, k_scale_tensor=True,
                                   v_scale_tensor=True)
     seen = []
@@ -399,7 +416,8 @@ def test_self_check_cases_follow_the_variant_and_pass_a_correct_kernel():
     (lambda o, **kw: tuple(x * 1.5 for x in cute_kernels.paged_decode(**kw)), "beyond tolerance"),
     (lambda o, **kw: tuple(x * float("nan") for x in cute_kernels.paged_decode(**kw)), "NaN"),
 ])
-def test_a_failing_balanced_family_leaves_calls_to_the_default_schedule(broken, expect, caplog, monkeypatch):
+def test_a_failing_balanced_family_leaves_calls_to_the_default_schedule(sm90_compile_verified, broken, expect,
+                                                                        caplog):
     cfg = plan.make_decode_config(**BASE, split=True, balanced=True)
     fam = plan.balanced_family(cfg)
     with caplog.at_level(logging.WARNING, logger="cute_kernels"):
@@ -415,7 +433,7 @@ def test_a_failing_balanced_family_leaves_calls_to_the_default_schedule(broken, 
     assert not config.balanced and (splits, config) == plan.launch_config(**call)
 
 
-def test_the_bitwise_repeat_case_catches_a_nondeterministic_kernel():
+def test_the_bitwise_repeat_case_catches_a_nondeterministic_kernel(sm90_compile_verified):
     cfg = plan.make_decode_config(**BASE, split=True, balanced=True)
     calls = []
 

@@ -68,7 +68,7 @@ def test_cited_result_files_exist(doc):
             continue
         for pattern in _expand(token):
             found = fnmatch.filter(files, pattern) or fnmatch.filter(names, pattern.rsplit("/", 1)[-1])
-            if "/" in pattern and not pattern.startswith(("decode/", "qsa/", "merge/", "layer/", "benchmarks/", "sm80/",
+            if "/" in pattern and not pattern.startswith(("decode/", "qsa/", "merge/", "layer/", "benchmarks/", "sm80/", "trtllm/",
                                                           "multigpu/", "testing/")):
                 continue  # a path outside the results (e.g. a source file)
             assert found, f"{doc.name} cites {token}, which is not under profiling/results/"

@@ -2,7 +2,8 @@
 the (query block, request, head) tiles, emulated CTA by CTA exactly as the kernel does it
 (``plan.cta_walk`` over ``prefill_blocks.persistent_tile``), for random varlen batches: every live
 tile exactly once, the longest causal blocks first, the heads of one KV group together; the config
-field, its signature and the op's launch values. Design: docs/design/sm90-prefill.md#scheduling."""
+field, its signature, its registry entry (available: verified by the GPU suite on the H200) and
+the op's launch values. Design: docs/design/sm90-prefill.md#scheduling."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from hypothesis import strategies as st
 
 from cute_kernels.plans import sm90_prefill as plan
 from cute_kernels.roles import prefill_blocks as blocks
+
+from .conftest import SM90_FAMILIES
 
 TILE_M = plan.TILE_M
 
@@ -120,18 +123,21 @@ def test_persistent_field_signature_and_label():
     names = [a.name for a in on.signature()]
     assert names[-1] == "num_ctas" and "num_ctas" not in [a.name for a in default.signature()]
     assert plan.check_registry_id(on) == plan.PERSISTENT_ID
-    assert plan.config_family(on) == plan.persistent_family("bf16", "bf16", 128) == "sm90.prefill/16/d128/persistent"
+    assert plan.config_family(on) == SM90_FAMILIES[plan.PERSISTENT_ID]("bf16", "bf16", 128) == \
+        "sm90.prefill/16/d128/persistent"
     # a window or sinks keep the default grid (the persistent variants are compiled without them)
     assert not plan.make_prefill_config(**kw, persistent=True, window=True).persistent
     with pytest.raises(ValueError, match="persistent"):
         plan.Sm90PrefillConfig(persistent=True, sinks=True)
 
 
-def test_registry_lists_the_persistent_variants_compile_verified():
+def test_registry_lists_the_persistent_variants_available():
     from cute_kernels.registry import KERNELS
 
     info = KERNELS[plan.PERSISTENT_ID]
-    assert info.status == "compile-verified" and info.call_site is None
+    assert info.status == "available" and info.call_site is None and info.op == "paged_prefill"
+    assert info.family is None and not info.verified  # run on its own hardware: no self-check family, no note
+    assert all(plan.check_registry_id(v) == info.id for v in info.variants())
     variants = info.variants()
     assert variants and all(v.persistent for v in variants)
     assert {v.kind for v in variants} == {"16", "widen", "fp8"}

@@ -9,11 +9,15 @@ list it so again (``sm90_compile_verified``) to run the machinery:
 - a broken kernel (wrong values, NaN, an error) fails its check: the op serves the portable
   ``sm80.prefill`` (the reference for an FP8 query), a warning names the family, the record
   persists for the dispatcher, whose plan then takes the portable kernel and says why
-  (``cute-kernels plan`` too).
+  (``cute-kernels plan`` too);
+- the opt-in persistent schedule and shared-memory epilogue (available too) launch without a
+  check; listed compile-verified, a family of theirs that fails its check leaves the call to the
+  default grid / the register epilogue.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -62,17 +66,19 @@ def reference_kernel(config, *, damage=None, drop=None):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """CPU tensors take the CUDA path on an sm_90a target; ``get_kernel`` returns the reference
-    kernel (``damage`` / ``drop`` break the SM90 kernels' only); ``compiled`` lists the lookups."""
-    state = dict(damage=None, drop=None, compiled=[])
+    """CPU tensors take the CUDA path on an sm_90a target of 132 SMs; ``get_kernel`` returns the
+    reference kernel (``damage`` / ``drop`` break the variants ``broken`` selects, by default the
+    SM90 kernels'); ``compiled`` lists the lookups."""
+    state = dict(damage=None, drop=None, compiled=[], broken=lambda config: config.kernel_id.startswith("sm90."))
 
     def get_kernel(config, target):
         state["compiled"].append(config)
-        sm90 = config.kernel_id.startswith("sm90.")
-        return reference_kernel(config, damage=state["damage"] if sm90 else None, drop=state["drop"] if sm90 else None)
+        bad = state["broken"](config)
+        return reference_kernel(config, damage=state["damage"] if bad else None, drop=state["drop"] if bad else None)
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(op, "compile_target", lambda device: "sm_90a")
+    monkeypatch.setattr(op, "device_sm_count", lambda index: 132)
     monkeypatch.setattr(op, "get_kernel", get_kernel)
     op._launcher.entries.clear()
     yield state
@@ -187,3 +193,54 @@ def test_the_available_kernel_runs_no_check(fake_gpu, q_dtype):
     assert torch.equal(got, want * 2)  # the (damaged) kernel's own output: no check, no fallback
     fam = plan.family("fp8_e4m3" if q_dtype == FP8 else "bf16", "fp8_e4m3", 64)
     assert records.lookup(fam) is None
+
+
+# the opt-in schedule and epilogue: (tuning override, whether a config has it, what a failed family keeps)
+OPT_INS = {
+    plan.PERSISTENT_ID: (dict(persistent=True), lambda c: c.persistent, dict(persistent=False)),
+    plan.EPILOGUE_ID: (dict(epilogue="smem"), lambda c: c.epilogue == "smem", dict(epilogue="registers")),
+}
+
+
+@pytest.mark.parametrize("kid", list(OPT_INS))
+def test_the_available_opt_ins_run_no_check(fake_gpu, kid):
+    """The GPU suite verified the persistent schedule and the shared-memory epilogue: the registry
+    lists them ``available`` and the op launches them at once (a broken variant's output comes back
+    as it is)."""
+    override, has, _ = OPT_INS[kid]
+    assert KERNELS[kid].status == "available"
+    fake_gpu["broken"] = has
+    fake_gpu["damage"] = lambda out: out.mul_(2)  # a check would fail: none runs
+    p = _problem(("available", kid), kv_dtype=FP8)
+    want = reference.paged_prefill(*_args(p), **_kw(p))
+    with op.tuning_override(**override):
+        got = op.paged_prefill(*_args(p), **_kw(p))
+    assert len(fake_gpu["compiled"]) == 1 and has(fake_gpu["compiled"][0])
+    assert torch.equal(got, want * 2)  # the (damaged) variant's own output: no check, no fallback
+    assert records.lookup(plan.config_family(fake_gpu["compiled"][0])) is None
+
+
+@pytest.mark.parametrize("kid", list(OPT_INS))
+def test_a_failing_opt_in_family_keeps_the_default(checked_gpu, kid, caplog):
+    """Listed compile-verified again, the opt-in's family runs its check first (the persistent one
+    on a full wave and on 3 CTAs); one that fails it leaves the call to the default grid or the
+    register epilogue, which serves it."""
+    override, has, default = OPT_INS[kid]
+    fake_gpu = checked_gpu
+    fake_gpu["broken"] = has
+    fake_gpu["damage"] = lambda out: out.mul_(1.5)
+    p = _problem(("opt-in", kid), kv_dtype=FP8)
+    want = reference.paged_prefill(*_args(p), **_kw(p))
+    with caplog.at_level(logging.WARNING, logger="cute_kernels"):
+        with op.tuning_override(**override):
+            got = op.paged_prefill(*_args(p), **_kw(p))
+    assert torch.equal(got, want)  # the default's (here: the reference's) result
+    first, *rest = fake_gpu["compiled"]
+    fam = plan.config_family(first)
+    assert has(first) and fam.endswith(("/persistent", "/smem_epilogue"))
+    assert any(f"{fam} failed its self-check" in r.getMessage() for r in caplog.records)
+    rec = records.lookup(fam)
+    assert not rec.ok and "beyond tolerance" in rec.reason
+    # the default's family passed its own check, then the same config without the opt-in launched
+    assert rest and not any(has(c) for c in rest) and rest[-1] == dataclasses.replace(first, **default)
+    assert records.lookup(plan.config_family(rest[-1])).ok

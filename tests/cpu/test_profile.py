@@ -76,6 +76,24 @@ def test_units_other_than_base_are_scaled():
     assert row["dram__throughput.avg.pct"] == pytest.approx(93.1)
 
 
+@pytest.mark.parametrize("units_row", [
+    None,  # no units row: base units
+    '"-","","ns","B","%"',  # short spellings, a units row whose ID cell is not empty
+    '"","","nsecond","byte","%"',
+])
+def test_durations_are_seconds_whatever_the_units_row(units_row):
+    """A merge of 13.28 us must not read as 13,280 s (a units row missed or spelled short)."""
+    text = '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","dram__throughput.avg.pct"\n'
+    if units_row is not None:
+        text += units_row + "\n"
+    text += '"0","k","13,280","33,554,432","68.3"\n'
+    (row,) = ncu.parse_raw_csv(text)
+    assert row["ID"] == "0"
+    assert row[ncu.DURATION] == pytest.approx(13_280e-9)
+    assert row[ncu.DRAM_READ] == pytest.approx(33_554_432)
+    assert row["dram__throughput.avg.pct"] == pytest.approx(68.3)
+
+
 def test_not_a_raw_page_is_refused():
     with pytest.raises(ValueError, match="no header row"):
         ncu.parse_raw_csv("==ERROR== the application returned an error\n")

@@ -50,10 +50,11 @@ def test_bench_decode_ragged_row_with_its_twin(tmp_path):
     assert row["ours_us"] > 0 and row["ours_err"] < 5e-3, row
     assert row["twin_ctx"] == twin_ctx(lens) and row["twin_us"] > 0 and "ours_minus_twin_us" in row
     assert "equal contexts" in row["sdpa_error"]
-    # the balanced schedule's column, on the row and on its twin, its family's self-check recorded
+    # the balanced schedule's column, on the row and on its twin; available, it runs no self-check,
+    # so its state has nothing to say
     assert row["balanced_us"] > 0 and row["balanced_err"] < 5e-3, row
     assert row["twin_balanced_us"] > 0 and "balanced_minus_twin_us" in row
-    assert "self-check passed" in row["balanced_self_check"], row
+    assert row["balanced_self_check"] == "", row
 
 
 @sm90_only()

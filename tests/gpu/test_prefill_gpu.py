@@ -264,19 +264,26 @@ def test_prefill_random(name, i):
 
 
 def _registered_variants():
+    from cute_kernels.plans import sm90_prefill as plan
     from cute_kernels.registry import KERNELS
 
-    return [c for kid in ("sm90.prefill", "sm90.prefill_fp8q") for c in KERNELS[kid].variants()]
+    kids = ("sm90.prefill", "sm90.prefill_fp8q", plan.PERSISTENT_ID, plan.EPILOGUE_ID)
+    # the shared-memory epilogue also takes a window and sinks (no compiled variant has them both)
+    both = make_prefill_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=4, page_size=16,
+                               epilogue="smem", window=True, sinks=True)
+    return [c for kid in kids for c in KERNELS[kid].variants()] + [both]
 
 
 @pytest.mark.parametrize("config", _registered_variants(), ids=lambda c: c.label())
 def test_self_check_passes_for_every_registered_variant(config):
     """The op's own self-check problems, run now (not the process's cached outcome) on each
-    registered variant: what guards the kernel on a machine must pass on the H200."""
+    registered variant, the persistent schedule's (a full wave and 3 CTAs) and the shared-memory
+    epilogue's too: what guards the kernel on a machine must pass on the H200."""
     from cute_kernels.ops import _selfcheck
     from cute_kernels.ops import paged_prefill as op
-    from cute_kernels.plans.sm90_prefill import family
+    from cute_kernels.plans.sm90_prefill import config_family
 
-    fam = family(config.q_dtype, config.kv_dtype, config.head_dim)
-    rec = _selfcheck.run_check(fam, torch.device(DEVICE), op.self_check_cases(config, torch.device(DEVICE)))
+    cases = op.self_check_cases(config, torch.device(DEVICE))
+    assert len(cases) == (4 if config.persistent else 2)
+    rec = _selfcheck.run_check(config_family(config), torch.device(DEVICE), cases)
     assert rec.ok, rec.reason

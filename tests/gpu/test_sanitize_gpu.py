@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from profiling.sanitizer_reports import benign_union_races
+
 from .conftest import sm90_only
 
 pytestmark = [sm90_only(), pytest.mark.sanitize]
@@ -53,21 +55,6 @@ def command(tool: str, driver: str, sanitizer: str = "compute-sanitizer") -> lis
     # the DSL probes driver entry points; those expected CUDA_ERROR_INVALID_VALUE returns are no errors
     return [sanitizer, "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "9", "--print-limit", "100",
             *extra, sys.executable, "-m", f"profiling.{module}", *args]
-
-
-def benign_union_races(log: str) -> bool:
-    """Every race racecheck reports is a write-write hazard in the QSA union pre-pass: each report
-    (from its "Race reported between" line to the next report) names two write accesses and the
-    union kernel."""
-    reports = re.split(r"(?i)=+ (?:error|warning): (?=race reported between)", log)[1:]
-    if not reports:
-        return False
-    for rep in reports:
-        block = rep.split("\n========= \n")[0]
-        kinds = re.findall(r"(\w+) access", block)
-        if kinds[:2] != ["Write", "Write"] or not re.search(r"qsa_?union", block, re.I):
-            return False
-    return True
 
 
 @pytest.fixture(scope="module")
