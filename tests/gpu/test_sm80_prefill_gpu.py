@@ -44,17 +44,11 @@ CASES = [
 M1 = dict(m_tiles=1)
 CASES += [(*c[:-1], {**c[-1], **M1}) for c in CASES if c[2] <= 128]
 CASES.append((FP8, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_120a")))
-# lean variants (causal, one cache tensor, no LSE, no scale tensors): the defaults with 32-token
-# stages at D 128 and, on SM90, 64-token stages at D 256; then the old forms of the same shapes
-LEAN = [
-    (BF16, BF16, 128, 32, 8, 16, "HND", "single", True, {}),
-    (FP8, BF16, 128, 32, 8, 16, "NHD", "single", True, {}),
-    (FP16, BF16, 128, 32, 4, 64, "HND", "single", True, {}),
-    (FP16, FP16, 64, 16, 2, 32, "HND", "single", True, {}),
-    (BF16, BF16, 256, 16, 8, 16, "HND", "single", True, {}),
-    (FP16, FP16, 256, 8, 1, 128, "NHD", "single", True, {}),
-    (BF16, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_86")),
-]
+# lean variants (causal, one cache tensor, no LSE, no scale tensors) of the cases above and at
+# D 256: the defaults with 32-token stages at D 128 and, on SM90, 64-token stages at D 256; then the
+# old forms of the same shapes
+LEAN = [c for c in CASES if c[7] == "single" and c[8] and set(c[-1]) <= {"smem_target"}]
+LEAN += [(BF16, BF16, 256, 16, 8, 16, "HND", "single", True, {}), (FP16, FP16, 256, 8, 1, 128, "NHD", "single", True, {})]
 LEAN += [(*c[:-1], {**c[-1], **M1, "tw": 16 if c[2] == 256 else 32}) for c in LEAN]
 
 
