@@ -237,8 +237,10 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     if isinstance(config, plan.Sm90PrefillConfig) and config.persistent and not _self_check_passes(config, device):
         config = replace(config, persistent=False)  # a persistent family that failed it keeps the default grid
     if isinstance(config, plan.Sm90PrefillConfig) and config.epilogue != "registers" and \
-            not _self_check_passes(config, device):
-        config = replace(config, epilogue="registers")  # a family that failed it keeps the register epilogue
+            (features or not _self_check_passes(config, device)):
+        # with a window or sinks the shared-memory epilogue has not run on a GPU (compiled only), and a
+        # family that failed its check keeps the register epilogue: docs/design/sm90-prefill.md#epilogue-through-shared-memory-opt-in-epiloguesmem
+        config = replace(config, epilogue="registers")
     if info.id != _PORTABLE and not _self_check_passes(config, device):  # a family that failed it
         if q.dtype == FP8 or features:  # no other kernel takes them: the reference serves it
             return _Launch(None, shape, out_dtype, reference=True)

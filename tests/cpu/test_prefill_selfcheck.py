@@ -220,6 +220,26 @@ def test_the_available_opt_ins_run_no_check(fake_gpu, kid):
     assert records.lookup(plan.config_family(fake_gpu["compiled"][0])) is None
 
 
+@pytest.mark.parametrize("features", [dict(window_left=20), dict(sinks="per-head"), dict(window_left=7, sinks="per-head")])
+def test_the_smem_epilogue_with_a_window_or_sinks_uses_the_register_epilogue(fake_gpu, features):
+    """The shared-memory epilogue ran on the H200 without a window or sinks only: with either, the op
+    launches the register epilogue (a config that never ran on a GPU is not launched unchecked)."""
+    p = _problem(("epilogue", tuple(features)), kv_dtype=FP8)
+    kw = dict(features)
+    if kw.get("sinks") == "per-head":
+        kw["sinks"] = torch.linspace(-1.0, 2.0, p["q"].shape[1])
+    want = reference.paged_prefill(*_args(p), **_kw(p, **kw))
+    with op.tuning_override(epilogue="smem"):
+        got = op.paged_prefill(*_args(p), **_kw(p, **kw))
+    assert torch.equal(got, want)
+    (config,) = fake_gpu["compiled"]
+    assert config.epilogue == "registers" and (config.window or config.sinks)
+    fake_gpu["compiled"].clear()
+    with op.tuning_override(epilogue="smem"):  # without them the override holds
+        op.paged_prefill(*_args(p), **_kw(p))
+    assert [c.epilogue for c in fake_gpu["compiled"]] == ["smem"]
+
+
 @pytest.mark.parametrize("kid", list(OPT_INS))
 def test_a_failing_opt_in_family_keeps_the_default(checked_gpu, kid, caplog):
     """Listed compile-verified again, the opt-in's family runs its check first (the persistent one
