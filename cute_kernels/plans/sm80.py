@@ -404,17 +404,24 @@ def prefill_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_hea
 
 PREFILL_CTAS_PER_SM = 2
 PREFILL_MAX_STAGES = 3
-# 128-row CTAs (two 16-row tiles per warp) up to D 128: 1.1-1.5x the 64-row CTA's TFLOP/s on the
-# H200 (docs/design/sm80.md#defaults); D 256 cannot hold two tiles' O (256 registers)
+# 128-row CTAs (two 16-row tiles per warp) reach up to D 128 (D 256 cannot hold two tiles' O: 256 registers)
 PREFILL_M2_MAX_HEAD_DIM = 128
-# where ptxas keeps the 128-row D 128 CTA's 32-token stages without spills (bf16 and FP8), for
-# lean variants only (causal, one cache tensor, no LSE, no scale tensors: each of the others adds
-# 2-31 STL there); the other targets and variants take 16-token stages (docs/design/sm80.md#128-row-ctas)
+# where ptxas keeps the 128-row CTA's 32-token stages without spills for lean variants (causal, one
+# cache tensor, no LSE, no scale tensors; each of the others adds 2-31 STL at D 128 there): the
+# only 128-row form measured (1.09-1.45x the 64-row CTA on the H200), so the only one the plan
+# chooses; everything else keeps the 64-row CTA, the 128-row one with 16-token stages at D 128 is
+# an unmeasured override (docs/design/sm80.md#defaults)
 PREFILL_M2_TW32_TARGETS = ("sm_80", "sm_86", "sm_90a")
 # 64-token stages at D 256 (one CTA of three 64 KB stages per SM: 1.15x the 16-token ring on the
 # H200) for lean variants with 16-bit caches where they fit and ptxas keeps them: not sm_100a /
 # sm_103a (35-89 STL), not FP8 caches or the other variants (4-17 STL) (docs/design/sm80.md#defaults)
 PREFILL_D256_TW64_TARGETS = ("sm_90a",)
+
+
+def prefill_lean(*, causal: bool, write_lse: bool, k_scale_tensor: bool, v_scale_tensor: bool, kv_form: str) -> bool:
+    """A variant with the fewest live registers: causal, one cache tensor, neither the LSE nor scale
+    tensors (the one the measured defaults were measured on, docs/design/sm80.md#defaults)."""
+    return causal and not (write_lse or k_scale_tensor or v_scale_tensor or kv_form == "pair")
 
 
 def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | None = None, tw: int | None = None,
@@ -423,21 +430,22 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
     warp reading the whole stage; the deepest ring (2 or 3 stages) that lets two CTAs share an
     SM, else one. ``m_tiles``, ``tw``: the plan's unless given (the fit is for the given ones).
 
-    ``m_tiles=2`` (the default up to D 128): 128 rows per CTA. O takes 128 registers at D 128, so
-    Q is read from shared memory at every tile and the ``ldmatrix`` addresses are immediate or XOR
-    steps from one base per operand; 32-token stages, at D 128 only for ``lean`` variants on
-    ``PREFILL_M2_TW32_TARGETS`` (else 16). ``m_tiles=1``: 64 rows per CTA, Q in registers up to
-    D 128, 32-token stages (16 at D 256, where O alone takes 128 registers; 64 at D 256 for lean
-    variants with 16-bit caches on ``PREFILL_D256_TW64_TARGETS``). ``lean``: causal, one cache
-    tensor, neither the LSE nor scale tensors (docs/design/sm80.md#128-row-ctas)."""
+    ``m_tiles=2`` (the default up to D 128 for ``lean`` variants on ``PREFILL_M2_TW32_TARGETS``):
+    128 rows per CTA. O takes 128 registers at D 128, so Q is read from shared memory at every
+    tile and the ``ldmatrix`` addresses are immediate or XOR steps from one base per operand;
+    32-token stages, 16 at D 128 off those (an override only). ``m_tiles=1`` (the default
+    elsewhere): 64 rows per CTA, Q in registers up to D 128, 32-token stages (16 at D 256, where
+    O alone takes 128 registers; 64 at D 256 for lean variants with 16-bit caches on
+    ``PREFILL_D256_TW64_TARGETS``). ``lean``: :func:`prefill_lean` (docs/design/sm80.md#128-row-ctas)."""
+    m2_tw32 = lean and target in PREFILL_M2_TW32_TARGETS
     if m_tiles is None:
-        m_tiles = 2 if head_dim <= PREFILL_M2_MAX_HEAD_DIM else 1
+        m_tiles = 2 if head_dim <= PREFILL_M2_MAX_HEAD_DIM and m2_tw32 else 1
     if m_tiles not in (1, 2) or (m_tiles == 2 and head_dim > PREFILL_M2_MAX_HEAD_DIM):
         raise ValueError(f"prefill m_tiles must be 1, or 2 up to head_dim {PREFILL_M2_MAX_HEAD_DIM}; "
                          f"got {m_tiles} at {head_dim}")
     if tw is None:
         tw = 16 if head_dim == 256 else 32
-        if m_tiles == 2 and head_dim == 128 and not (lean and target in PREFILL_M2_TW32_TARGETS):
+        if m_tiles == 2 and head_dim == 128 and not m2_tw32:
             tw = 16
         if head_dim == 256 and lean and kv_dtype != "fp8_e4m3" and target in PREFILL_D256_TW64_TARGETS:
             tw = 64
@@ -459,13 +467,14 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
                         **override) -> Sm80PrefillConfig:
     """The config the prefill op, the warm-up and the compile matrix use on ``target``;
     ``override`` replaces tuning fields (``smem_target``: size the ring for another target;
-    ``m_tiles=1``: the 64-row tiling of :func:`prefill_tiling`, ``tw``: its stage, the ring fitted
-    to them)."""
+    ``m_tiles``: the 64- or 128-row tiling of :func:`prefill_tiling`, ``tw``: its stage, the ring
+    fitted to them)."""
     fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group,
                   page_size=page_size, causal=causal, write_lse=write_lse, kv_form=kv_form, kv_layout=kv_layout,
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
     override = dict(override)
-    lean = causal and not (write_lse or k_scale_tensor or v_scale_tensor or kv_form == "pair")
+    lean = prefill_lean(causal=causal, write_lse=write_lse, k_scale_tensor=k_scale_tensor,
+                        v_scale_tensor=v_scale_tensor, kv_form=kv_form)
     fields.update(prefill_tiling(override.pop("smem_target", target), kv_dtype, head_dim, override.get("m_tiles"),
                                  override.get("tw"), lean))
     fields.update(override)
@@ -492,15 +501,23 @@ def old_form(config: KernelConfig) -> KernelConfig:
     return replace(config, ldsm_xor=False, **old)
 
 
+def rows128_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
+    """The 128-row prefill that ``m_tiles=2`` selects for ``config``'s variant (up to D 128): the
+    default where measured, else an override with 16-token stages at D 128 (docs/design/sm80.md#defaults)."""
+    lean = prefill_lean(causal=config.causal, write_lse=config.write_lse, k_scale_tensor=config.k_scale_tensor,
+                        v_scale_tensor=config.v_scale_tensor, kv_form=config.kv_form)
+    return replace(config, **prefill_tiling(config.target, config.kv_dtype, config.head_dim, 2, None, lean))
+
+
 def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     """The variants of ``kernel_id`` (both kernels: None) in every target's full set
-    (``cute-kernels compile --arch <target> --kernel sm80.``), each in the plan's default form and,
-    where that moved on, in the form the overrides ``ldsm_xor=False`` (decode) and ``m_tiles=1``
-    with the old stage (prefill) select: decode for each cache dtype x head dim, split and not, at
-    GQA 8 (one warp row) and at 64 query rows (four); an fp16 cache with a bf16 query; the
-    bit-trick widening where ``cvt`` is the default; prefill for each cache dtype x head dim, and
-    a (K, V) pair in NHD with the LSE and no causal mask. Plus :func:`ci_variants` (on SM90: a
-    99 KB ring)."""
+    (``cute-kernels compile --arch <target> --kernel sm80.``), each in the plan's default form and
+    in the forms the overrides select where they differ from it (``ldsm_xor=False`` for the decode
+    from D 128 on; ``m_tiles=1`` with the old stage and ``m_tiles=2`` for the prefill): decode for
+    each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
+    (four); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
+    prefill for each cache dtype x head dim, and a (K, V) pair in NHD with the LSE and no causal
+    mask. Plus :func:`ci_variants` (on SM90: a 99 KB ring)."""
     out: list[KernelConfig] = []
     for t in TARGETS:
         for kv in KV_DTYPES:
@@ -518,20 +535,23 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
         out.append(make_prefill_config(target=t, q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=8, page_size=64,
                                        causal=False, write_lse=True, kv_form="pair", kv_layout="NHD"))
     out += ci_variants()
-    return [c for c in dict.fromkeys(out + [old_form(c) for c in out]) if kernel_id in (None, c.kernel_id)]
+    rows128 = [rows128_form(c) for c in out
+               if isinstance(c, Sm80PrefillConfig) and c.head_dim <= PREFILL_M2_MAX_HEAD_DIM]
+    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128) if kernel_id in (None, c.kernel_id)]
 
 
 def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     """The variants of ``kernel_id`` (both: None) in the representative set the CPU test suite
     compiles per target (the full set is one command away), in the plan's default forms: decode
     with a BF16 cache (split and not, the second as a (K, V) pair in NHD) and with an FP8 cache (the
-    target's widening, scale tensors), prefill with an FP8 cache and the LSE; on SM80 also the
-    bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90 the shapes SM90 sends here (an
-    fp16 cache with a bf16 query), the bit-trick widening with a ring sized for 99 KB (run on the
-    H200 as the SM86 build's stand-in), an fp16 D 64 prefill, the 64-token D 256 prefill and one
-    old form per kernel (the FP8 decode without ``ldsm_xor``, the 64-row BF16 prefill); the lean
-    128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86; the head-dim-256 decode on
-    SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``)."""
+    target's widening, scale tensors), prefill with an FP8 cache and the LSE (the 64-row default)
+    and its 128-row override (16-token stages, unmeasured: asserted spill-free on every target);
+    on SM80 also the bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90 the shapes
+    SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a ring sized for
+    99 KB (run on the H200 as the SM86 build's stand-in), an fp16 D 64 prefill, the 64-token D 256
+    prefill and one old form per kernel (the FP8 decode without ``ldsm_xor``, the 64-row BF16
+    prefill); the lean 128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86; the
+    head-dim-256 decode on SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``)."""
     shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
     out: list[KernelConfig] = []
     for t in TARGETS:
@@ -542,6 +562,7 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
             make_decode_config(target=t, kv_dtype="fp8_e4m3", group=8, q_len=1, split=True, k_scale_tensor=True,
                                v_scale_tensor=True, **shape),
             make_prefill_config(target=t, kv_dtype="fp8_e4m3", group=4, write_lse=True, **shape),
+            make_prefill_config(target=t, kv_dtype="fp8_e4m3", group=4, write_lse=True, m_tiles=2, **shape),
         ]
     sm80: dict[str, Any] = dict(target="sm_80", q_dtype="bf16", kv_dtype="fp8_e4m3", page_size=16, split=False)
     out += [make_decode_config(head_dim=64, group=8, q_len=1, **sm80),

@@ -19,11 +19,13 @@ from cute_kernels.plans.sm80 import (
     PREFILL_D256_TW64_TARGETS,
     PREFILL_M2_TW32_TARGETS,
     TARGETS,
+    ci_variants,
     compile_variants,
     make_decode_config,
     make_prefill_config,
     mma_dtype,
     old_form,
+    rows128_form,
 )
 from cute_kernels.roles.cp_async_pages import swizzle
 from cute_kernels.roles.warp_attention import WarpTileAttention, engine_for
@@ -94,30 +96,54 @@ def test_blocked_q_layout_reads_what_the_swizzled_one_did(D, tiling):
                 assert all(len(g) == 8 for g in groups.values())
 
 
+NOT_LEAN = (dict(write_lse=True), dict(k_scale_tensor=True, v_scale_tensor=True), dict(kv_form="pair"),
+            dict(causal=False))
+
+
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("kv", KV_DTYPES)
 @pytest.mark.parametrize("D", [64, 128])
 def test_128_row_tiling_per_target(target, kv, D):
-    """The plan's default up to D 128: 32-token stages but for D 128 outside the targets whose
-    ptxas keeps them, and for the variants that are not causal or carry the LSE, scale tensors or
-    two cache tensors."""
-    shape = dict(target=target, q_dtype="bf16", kv_dtype=kv, head_dim=D, group=4, page_size=16)
-    for extra in ({}, dict(write_lse=True), dict(k_scale_tensor=True, v_scale_tensor=True), dict(kv_form="pair"),
-                  dict(causal=False)):
+    """The 128-row CTA with 32-token stages is the default only where it was measured: lean
+    variants on PREFILL_M2_TW32_TARGETS; every other variant and target keeps the 64-row CTA
+    (the old form), and ``m_tiles=2`` reaches the 128-row one there too (16-token stages at D 128)."""
+    shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=D, group=4,
+                 page_size=16)
+    for extra in ({}, *NOT_LEAN):
+        measured = target in PREFILL_M2_TW32_TARGETS and not extra
         cfg = make_prefill_config(**shape, **extra)
-        assert cfg == make_prefill_config(**shape, **extra, m_tiles=2)
-        assert (cfg.rows, cfg.q_regs, cfg.ldsm_xor) == (128, False, True)
-        assert cfg.tw == (32 if D == 64 or (target in PREFILL_M2_TW32_TARGETS and not extra) else 16), extra
-        assert cfg.smem_bytes() <= hw.max_smem_per_cta(target)
-        eng, gather, ring = engine_for(cfg)
+        m2 = make_prefill_config(**shape, **extra, m_tiles=2)
+        assert m2 == rows128_form(cfg) and (m2 == cfg) == measured, extra
+        assert (m2.rows, m2.q_regs, m2.ldsm_xor) == (128, False, True)
+        assert m2.tw == (32 if D == 64 or measured else 16), extra
+        if not measured:  # the 64-row form, as before the measured defaults
+            assert cfg == old_form(cfg) == make_prefill_config(**shape, **extra, m_tiles=1, tw=32)
+            assert (cfg.rows, cfg.tw, cfg.q_regs, cfg.ldsm_xor) == (64, 32, True, False)
+            assert "ldsm_xor" not in cfg.label()
+        for c in (cfg, m2):
+            assert c.smem_bytes() <= hw.max_smem_per_cta(target)
+        eng, gather, ring = engine_for(m2)
         # the merge rows overlay the ring and the staged Q right after it (both 1024-byte aligned)
-        assert ring % 1024 == 0 and ring >= cfg.stages * gather.stage_bytes
+        assert ring % 1024 == 0 and ring >= m2.stages * gather.stage_bytes
         assert ring + eng.q_bytes >= eng.merge_bytes
-        assert cfg.smem_bytes() == ring + eng.q_bytes + eng.stats_bytes + eng.rows * 4
-    assert make_prefill_config(**shape) in compile_variants("sm80.prefill")
+        assert m2.smem_bytes() == ring + eng.q_bytes + eng.stats_bytes + eng.rows * 4
+    lean = make_prefill_config(**shape)
+    assert {lean, old_form(lean), rows128_form(lean)} <= set(compile_variants("sm80.prefill"))
 
 
-OLD_PREFILL = [  # the 64-row forms the plan chose before 128-row CTAs became the default (m_tiles=1 selects them)
+def test_128_row_overrides_in_the_ci_set():
+    """The unmeasured 16-token 128-row form stays an override whose spill-free build the CI set asserts
+    on every target, next to the 64-row default of the same variant."""
+    ci = set(ci_variants("sm80.prefill"))
+    for target in TARGETS:
+        shape = dict(target=target, q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=4, page_size=16,
+                     write_lse=True)
+        default, m2 = make_prefill_config(**shape), make_prefill_config(**shape, m_tiles=2)
+        assert (default.m_tiles, default.tw, m2.m_tiles, m2.tw) == (1, 32, 2, 16)
+        assert {default, m2} <= ci
+
+
+OLD_PREFILL = [  # 64-row forms m_tiles=1 selects (the old form where the 128-row CTA is the default)
     ("sm_90a", "bf16", 128, 32, 3), ("sm_80", "fp8_e4m3", 64, 32, 3), ("sm_86", "bf16", 128, 32, 3),
     ("sm_120a", "fp8_e4m3", 128, 32, 3), ("sm_90a", "bf16", 256, 16, 3), ("sm_80", "bf16", 256, 16, 3),
 ]
