@@ -535,8 +535,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
         out.append(make_prefill_config(target=t, q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=8, page_size=64,
                                        causal=False, write_lse=True, kv_form="pair", kv_layout="NHD"))
     out += ci_variants()
-    rows128 = [rows128_form(c) for c in out
-               if isinstance(c, Sm80PrefillConfig) and c.head_dim <= PREFILL_M2_MAX_HEAD_DIM]
+    rows128: list[KernelConfig] = [rows128_form(c) for c in out
+                                   if isinstance(c, Sm80PrefillConfig) and c.head_dim <= PREFILL_M2_MAX_HEAD_DIM]
     return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128) if kernel_id in (None, c.kernel_id)]
 
 

@@ -1,8 +1,8 @@
 """``sm80.prefill`` (warp MMA + cp.async) against the reference on varlen batches: chunked
 requests against cached prefixes, empty requests (q_len 0), causal and not, every cache dtype and
 both FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, a ring sized for 99 KB
-of shared memory, and CUDA-graph replay; the plan's tilings (128-row CTAs up to D 128) and the 64-row one, with and
-without the LSE. Runs on any SM80+ GPU (the H200 included): the op runs the
+of shared memory, and CUDA-graph replay; the plan's tilings (128-row CTAs up to D 128 for lean variants, else
+64-row ones) and the other one, with and without the LSE. Runs on any SM80+ GPU (the H200 included): the op runs the
 portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
 
@@ -39,14 +39,14 @@ CASES = [
     (BF16, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_86")),
     (FP8, BF16, 256, 32, 8, 16, "NHD", "single", True, dict(smem_target="sm_120a", widen="bits")),
 ]
-# the 64-row tiling (the plan's before its measured default, docs/design/sm80.md#defaults) on the
-# same cases, up to D 128; the 128-row default under smem_target="sm_120a" takes 16-token stages
-M1 = dict(m_tiles=1)
-CASES += [(*c[:-1], {**c[-1], **M1}) for c in CASES if c[2] <= 128]
-CASES.append((FP8, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_120a")))
+# the 128-row tiling on the same cases up to D 128: with the LSE (and under smem_target="sm_120a")
+# an override with 16-token stages at D 128, not a default (docs/design/sm80.md#defaults)
+M1, M2 = dict(m_tiles=1), dict(m_tiles=2)
+CASES += [(*c[:-1], {**c[-1], **M2}) for c in CASES if c[2] <= 128]
+CASES.append((FP8, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_120a", **M2)))
 # lean variants (causal, one cache tensor, no LSE, no scale tensors) of the cases above and at
-# D 256: the defaults with 32-token stages at D 128 and, on SM90, 64-token stages at D 256; then the
-# old forms of the same shapes
+# D 256: the defaults, 128-row CTAs with 32-token stages up to D 128 and, on SM90, 64-token stages
+# at D 256 for 16-bit caches; then the old 64-row forms of the same shapes
 LEAN = [c for c in CASES if c[7] == "single" and c[8] and set(c[-1]) <= {"smem_target"}]
 LEAN += [(BF16, BF16, 256, 16, 8, 16, "HND", "single", True, {}), (FP16, FP16, 256, 8, 1, 128, "NHD", "single", True, {})]
 LEAN += [(*c[:-1], {**c[-1], **M1, "tw": 16 if c[2] == 256 else 32}) for c in LEAN]
@@ -113,9 +113,10 @@ def test_sm80_prefill_lean_variants_match_reference(case, gen):
     assert rel_err(out, ref) <= TOL, f"seed {seed}: relative error {rel_err(out, ref):.2e} > {TOL}"
 
 
-@pytest.mark.parametrize("override", [{}, M1], ids=["default", "rows64"])
-@pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "lean"])
-def test_sm80_prefill_long_prompt_and_graph_replay(override, return_lse, gen):
+# with the LSE the default is the 64-row CTA, without it (lean) the 128-row one on the H200
+@pytest.mark.parametrize("return_lse,override", [(True, {}), (True, M2), (False, {}), (False, M1)],
+                         ids=["lse-default", "lse-rows128", "lean-default", "lean-rows64"])
+def test_sm80_prefill_long_prompt_and_graph_replay(return_lse, override, gen):
     seed = gen.initial_seed()
     c, qsl = _case(gen, q_lens=[2048, 513], prefixes=[0, 4000], kv=BF16, q=BF16, D=128, Hq=32, Hkv=8,
                                page=16, layout="HND", container="single")
@@ -151,7 +152,7 @@ def test_sm90_sends_what_its_kernel_refuses_to_the_portable_one(gen):
     _check(c, qsl, True, out, lse, seed)
 
 
-@pytest.mark.parametrize("override", [{}, M1], ids=["default", "rows64"])
+@pytest.mark.parametrize("override", [{}, M2], ids=["default", "rows128"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_sm80_prefill_lengths_past_the_block_table(causal, override, gen):
     """Lengths beyond the table's capacity (2^31 - 1 too): positions at or past it are not attended,
