@@ -195,13 +195,13 @@ _ARENA_LOCK = threading.Lock()  # two threads (two streams of a device) never ge
 _SIDE_STREAMS: dict[int, Any] = {}  # device index -> the stream persistent buffers are allocated on
 
 
-def _outside_pools(device: torch.device, make):
+def _outside_pools(device: torch.device, make, *, wait: bool = False):
     """``make()``, a buffer kept across calls, allocated so that no CUDA-graph memory pool owns it.
     torch.compile's CUDA-graph trees route the allocations of a warm-up run on their stream to the
     graph's pool and refuse a pool tensor that outlives the call; allocating on a side stream
-    escapes that routing. The host waits for the side stream (a zeroed chunk's memset: every
-    stream that gets a part of it sees zeros) and the buffer is recorded on the current stream, so
-    releasing it waits for the work that used it. Only growth allocates, so the wait is rare.
+    escapes that routing. With ``wait`` the host waits for the side stream (a zeroed chunk's
+    memset: every stream that gets a part of it sees zeros); the buffer is recorded on the current
+    stream, so releasing it waits for the work that used it. Only growth allocates.
     Inside a capture the buffer comes from the graph's pool as before (docs/design/inputs.md#workspaces)."""
     if device.type != "cuda" or capturing(device):
         return make()
@@ -212,7 +212,8 @@ def _outside_pools(device: torch.device, make):
             side = _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(index))
         with torch.cuda.stream(side):
             buf = make()
-        side.synchronize()
+        if wait:
+            side.synchronize()
         buf.record_stream(torch.cuda.current_stream(index))
     return buf
 
@@ -231,7 +232,7 @@ def _zeroed(device: torch.device, numel: int, dtype: torch.dtype, owner: str) ->
                     "CUDA graph is being captured, more than were reserved: run one eager call with this shape "
                     "first (or AttentionLayer.warmup on the capturing stream)")
             chunk = max(numel, _ARENA_NUMEL)
-            arena = [_outside_pools(device, lambda: torch.zeros(chunk, dtype=dtype, device=device)), 0]
+            arena = [_outside_pools(device, lambda: torch.zeros(chunk, dtype=dtype, device=device), wait=True), 0]
             _ARENAS[(device, dtype)] = arena  # a replaced chunk stays alive through the views handed out
         view = arena[0][arena[1]:arena[1] + numel]
         arena[1] += numel
