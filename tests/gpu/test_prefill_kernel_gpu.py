@@ -229,6 +229,13 @@ def case_config(c, **override):
                                kv_layout=layout, causal=causal, write_lse=lse, q_scale=qs, **override)
 
 
+def case_problem(c, gen):
+    """The packed batch (Q_LENS new tokens after PREFIXES) in the shapes and dtypes of case ``c``."""
+    q, kv, D, Hq, Hkv, page, layout, form, causal, lse, qs = c
+    return make_case(q_lens=Q_LENS, prefixes=PREFIXES, Hq=Hq, Hkv=Hkv, D=D, page=page, q_dtype=q, kv_dtype=kv,
+                     layout=layout, form=form, q_scale_kind=qs, gen=gen)
+
+
 CASE_IDS = [f"{c[0]}-{c[1]}-d{c[2]}-g{c[3] // c[4]}-p{c[5]}-{c[6]}-{c[7]}-{'causal' if c[8] else 'full'}"
             for c in CASES]
 # how O leaves the consumers: the default, and the opt-in tile through shared memory in 16-byte chunks
@@ -238,10 +245,9 @@ EPILOGUES = ["registers", "smem"]
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
 def test_prefill_kernel_matches_reference(c, epilogue, gen):
-    q, kv, D, Hq, Hkv, page, layout, form, causal, lse, qs = c
+    layout = c[6]
     cfg = case_config(c, epilogue=epilogue)
-    case = make_case(q_lens=Q_LENS, prefixes=PREFIXES, Hq=Hq, Hkv=Hkv, D=D, page=page, q_dtype=q, kv_dtype=kv,
-                     layout=layout, form=form, q_scale_kind=qs, gen=gen)
+    case = case_problem(c, gen)
     check(cfg, case, layout, cfg.label())
 
 
@@ -302,10 +308,9 @@ def test_neighbour_rows_stay_untouched(c, epilogue, gen):
     """A launch over the first four requests of a packed batch: the 300-row request's last query
     block (rows 256..383 of it) reaches 84 rows into the next requests' rows, which this launch
     does not own; they, like the padding, must stay NaN while its own rows match the reference."""
-    q, kv, D, Hq, Hkv, page, layout, form, causal, lse, qs = c
+    layout = c[6]
     cfg = case_config(c, epilogue=epilogue)
-    case = make_case(q_lens=Q_LENS, prefixes=PREFIXES, Hq=Hq, Hkv=Hkv, D=D, page=page, q_dtype=q, kv_dtype=kv,
-                     layout=layout, form=form, q_scale_kind=qs, gen=gen)
+    case = case_problem(c, gen)
     n = 4
     assert sum(Q_LENS[:n]) % 128 and Q_LENS[n - 1] % 128  # the last owned block is partial
     head = PrefillCase(case.q, case.kv, case.block_table[:n].contiguous(), case.seq_lens[:n].contiguous(),
@@ -319,10 +324,9 @@ def test_neighbour_rows_stay_untouched(c, epilogue, gen):
 @pytest.mark.parametrize("num_ctas", [None, 1, 5])
 @pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
 def test_persistent_matches_reference(c, num_ctas, gen):
-    q, kv, D, Hq, Hkv, page, layout, form, causal, lse, qs = c
+    layout = c[6]
     cfg = case_config(c, persistent=True)
-    case = make_case(q_lens=Q_LENS, prefixes=PREFIXES, Hq=Hq, Hkv=Hkv, D=D, page=page, q_dtype=q, kv_dtype=kv,
-                     layout=layout, form=form, q_scale_kind=qs, gen=gen)
+    case = case_problem(c, gen)
     check(cfg, case, layout, f"{cfg.label()} ctas={num_ctas}", num_ctas=num_ctas)
 
 
