@@ -137,12 +137,14 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--q-len", type=int, default=1, help="query tokens per request")
     p.add_argument("--kv-layout", default="HND", help="HND or NHD")
     p.add_argument("--backend", default=None, help="a kernel id or 'reference' (default: planned automatically)")
+    p.add_argument("--query-dtype", default="auto",
+                   help="auto, or fp8: a kernel that computes QK in FP8, opt-in ones included (default: auto)")
 
 
 @command("plan", "plan one attention call and explain the choice", _plan_args)
 def run_plan(args: argparse.Namespace) -> int:
     p = plan(arch=args.arch, phase=args.phase, kv_cache_dtype=args.kv_cache_dtype, q_len=args.q_len,
-             kv_layout=args.kv_layout, backend=args.backend, **_shape_kwargs(args))
+             kv_layout=args.kv_layout, backend=args.backend, query_dtype=args.query_dtype, **_shape_kwargs(args))
     if args.json:
         print(json.dumps(p.to_dict(), indent=2))
         return 0

@@ -73,6 +73,17 @@ def kv_dtype_name(x: DTypeLike, model_dtype: str) -> str:
     return name
 
 
+def query_dtype_name(x: DTypeLike, argument: str = "query_dtype") -> str:
+    """A requested query dtype: ``"auto"`` (the one the chosen kernel takes) or ``"fp8_e4m3"``
+    (``"fp8"``, ``torch.float8_e4m3fn``...: a kernel that computes QK in FP8)."""
+    s = _spelling(x, argument)
+    if s == "auto":
+        return "auto"
+    if _KV_NAMES.get(s) == "fp8_e4m3":
+        return "fp8_e4m3"
+    raise UnsupportedConfig(f"{argument}={x!r} is not supported; expected 'auto' or 'fp8' (float8_e4m3fn)")
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a canonical name; imports torch lazily (planning never needs it)."""
     import torch

@@ -37,7 +37,7 @@ from cute_kernels.registry import KERNELS, KV_LAYOUTS
 
 from . import warmup as _warmup
 from .arch import ArchLike, parse_arch
-from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, torch_dtype
+from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, query_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
 from .planner import Plan, plan
 
@@ -150,12 +150,21 @@ class AttentionLayer:
             capability of q's device (required for CPU tensors).
         model_dtype: dtype of q, k, v and of the output (bf16 or fp16).
         sm_scale: softmax scale, default ``head_dim ** -0.5``.
+        prefill_query_dtype: ``"auto"`` (default): the prefill rows take the query dtype of the
+            automatically planned kernel (on SM90 with an FP8 cache: the exact model-dtype query,
+            ``sm90.prefill``). ``"fp8"``: the prefill rows of this FP8-cache layer run a kernel that
+            computes QK in FP8 (on SM90 the opt-in ``sm90.prefill_fp8q``) on the query quantized
+            with ``q_scale``, while the decode rows keep the plan of ``"auto"``. Needs an FP8 cache
+            and ``q_scale``; refused (``UnsupportedConfig``) where no FP8-QK prefill kernel
+            accepts the layer: at construction when ``arch`` is given, else at the first plan.
+            Faster prefill at the error of an FP8 query:
+            docs/design/layer.md#fp8-query-prefill-opt-in.
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, kv_cache_dtype: DTypeLike,
                  page_size: int, kv_layout: str = "HND", q_scale: Scale | None = None, k_scale: Scale = 1.0,
                  v_scale: Scale = 1.0, arch: ArchLike | None = None, model_dtype: DTypeLike = "bf16",
-                 sm_scale: float | None = None) -> None:
+                 sm_scale: float | None = None, prefill_query_dtype: DTypeLike = "auto") -> None:
         self.num_q_heads = _positive_int("num_q_heads", num_q_heads)
         self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
         if num_q_heads % num_kv_heads:
@@ -175,7 +184,22 @@ class AttentionLayer:
         self.sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
         if not math.isfinite(self.sm_scale) or self.sm_scale <= 0:
             raise UnsupportedConfig(f"sm_scale must be a positive finite float, got {sm_scale!r}")
+        self.prefill_query_dtype = query_dtype_name(prefill_query_dtype, "prefill_query_dtype")
         self._plans: dict[tuple, Plan] = {}
+        if self.prefill_query_dtype == "fp8_e4m3":
+            self._check_fp8_prefill()
+
+    def _check_fp8_prefill(self) -> None:
+        """What ``prefill_query_dtype="fp8"`` needs that the constructor knows: an FP8 cache, a
+        ``q_scale``, and (when ``arch`` is given) an FP8-QK prefill kernel that accepts the layer."""
+        if self.kv_cache_dtype != "fp8_e4m3":
+            raise UnsupportedConfig(f"prefill_query_dtype='fp8' needs an FP8 KV cache (QK runs in FP8 only "
+                                    f"against FP8 K); this layer's kv_cache_dtype is {self.kv_cache_dtype}")
+        if self.q_scale is None:
+            raise UnsupportedConfig("prefill_query_dtype='fp8' quantizes the prefill rows' query with q_scale: "
+                                    "pass q_scale= to AttentionLayer")
+        if self.arch is not None:  # planned, not cached: the step's own plans come later
+            self._plan_uncached(self.arch, "prefill", 1)
 
     def _check_host_scale(self, name: str, value, per_head: bool = False):
         """Host-side checks of a scale, with the ops' validator (device placement is checked by the
@@ -193,7 +217,8 @@ class AttentionLayer:
     def __repr__(self) -> str:
         return (f"AttentionLayer(Hq={self.num_q_heads}, Hkv={self.num_kv_heads}, D={self.head_dim}, "
                 f"kv={self.kv_cache_dtype}, model={self.model_dtype}, page={self.page_size}, {self.kv_layout}, "
-                f"arch={self.arch})")
+                f"arch={self.arch}" + (", prefill_query_dtype=fp8" if self.prefill_query_dtype != "auto" else "")
+                + ")")
 
     # ------------------------------------------------------------------------------------------
     # planning (pure Python, cached per layer)
@@ -219,13 +244,23 @@ class AttentionLayer:
         key = (a, phase, q_len)
         p = self._plans.get(key)
         if p is None:
-            p = plan(arch=a, phase=phase, kv_cache_dtype=self.kv_cache_dtype, model_dtype=self.model_dtype,
-                     head_dim=self.head_dim, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                     page_size=self.page_size, q_len=q_len, kv_layout=self.kv_layout)
+            p = self._plan_uncached(a, phase, q_len)
             if len(self._plans) >= _MAX_PLANS:  # prefill token counts vary step to step
                 self._plans.clear()
             self._plans[key] = p
         return p
+
+    def _plan_uncached(self, arch: str, phase: str, q_len: int) -> Plan:
+        # prefill_query_dtype applies to the prefill phase only: decode keeps its automatic plan
+        query = self.prefill_query_dtype if phase == "prefill" else "auto"
+        try:
+            return plan(arch=arch, phase=phase, kv_cache_dtype=self.kv_cache_dtype, model_dtype=self.model_dtype,
+                        head_dim=self.head_dim, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                        page_size=self.page_size, q_len=q_len, kv_layout=self.kv_layout, query_dtype=query)
+        except UnsupportedConfig as e:
+            if query == "auto":
+                raise
+            raise UnsupportedConfig(f"prefill_query_dtype='fp8': {e}") from None
 
     def plans_for(self, metadata: AttentionMetadata, *, arch: ArchLike | None = None,
                   device: torch.device | None = None) -> dict[str, Plan | None]:

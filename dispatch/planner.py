@@ -21,8 +21,8 @@ from cute_kernels.plans import selfcheck_records
 from cute_kernels.registry import FALLBACKS, KERNELS, KV_LAYOUTS, PHASES, KernelInfo
 
 from .arch import ArchLike, parse_arch
-from .capabilities import choice_note, kernels_for
-from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, torch_dtype
+from .capabilities import choice_note, kernels_for, opt_in_kernels
+from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, query_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
 
 if TYPE_CHECKING:
@@ -267,6 +267,36 @@ def _explicit(req: _Request, backend: str) -> Plan:
     return _make_plan(k, req, f"{label} requested with backend={backend!r}", backend)
 
 
+def _fp8_query(req: _Request, backend: str | None) -> Plan:
+    """``query_dtype="fp8"``: the first kernel of the (arch, phase) row, then of its opt-in kernels,
+    that computes QK in FP8 for this cache and accepts the request (an opt-in FP8-query kernel such
+    as ``sm90.prefill_fp8q`` included: asking for an FP8 query is the opt-in). Never a kernel that
+    keeps the model-dtype query, never the reference: refused with each candidate's reason."""
+    if req.kv_cache_dtype != "fp8_e4m3":
+        raise UnsupportedConfig(f"query_dtype='fp8' needs an FP8 KV cache (QK runs in FP8 only against FP8 K), "
+                                f"got kv_cache_dtype {req.kv_cache_dtype}")
+    if backend is not None and backend != "auto":
+        p = _explicit(req, backend)
+        if p.q_dtype != "fp8_e4m3":
+            raise UnsupportedConfig(f"query_dtype='fp8' asks for a kernel that computes QK in FP8, but "
+                                    f"backend={backend!r} takes a {p.q_dtype} query")
+        return p
+    rejected: list[tuple[str, str]] = []
+    for kid in kernels_for(req.arch, req.phase)[:-1] + opt_in_kernels(req.arch, req.phase):
+        k = KERNELS[kid]
+        if not k.computes_qk_in_fp8(req.kv_cache_dtype):
+            continue
+        why = refusal(k, _unmet(k, req)) or _runtime_refusal(k, req)
+        if why is None:
+            how = "an opt-in kernel; " if k.opt_in else ""
+            accepts = f"{k.id} accepts this request ({how}an FP8 query requested with query_dtype='fp8')"
+            return _make_plan(k, req, "; ".join(_joined(rejected) + [accepts]), None)
+        rejected.append((k.id, why))
+    why = "; ".join(_joined(rejected)) if rejected else \
+        f"no {req.phase} kernel computes QK in FP8 on {req.arch}"
+    raise UnsupportedConfig(f"query_dtype='fp8' cannot be served on {req.arch} {req.phase}: {why}")
+
+
 def plan(
     *,
     arch: ArchLike,
@@ -280,6 +310,7 @@ def plan(
     q_len: int = 1,
     kv_layout: str = "HND",
     backend: str | None = None,
+    query_dtype: DTypeLike = "auto",
 ) -> Plan:
     """Plan one attention call for one KV-cache group.
 
@@ -295,12 +326,21 @@ def plan(
         kv_layout: ``"HND"`` or ``"NHD"``.
         backend: None/``"auto"`` for automatic choice, a kernel id to force one, or
             ``"reference"`` for the phase's reference fallback.
+        query_dtype: ``"auto"`` (the query dtype the chosen kernel takes) or ``"fp8"``: a kernel
+            that computes QK in FP8 on a query quantized with ``q_scale``, opt-in kernels included
+            (``sm90.prefill_fp8q``); only for an FP8 cache, refused where no such kernel accepts
+            the request (never served by a model-dtype-query kernel or the reference instead).
 
     Raises:
-        UnsupportedConfig: a bad argument, or an explicit backend that cannot serve the request.
+        UnsupportedConfig: a bad argument, an explicit backend that cannot serve the request, or
+            ``query_dtype="fp8"`` where no FP8-QK kernel serves it.
     """
     req = _request(arch, phase, kv_cache_dtype, model_dtype, head_dim, num_q_heads, num_kv_heads, page_size,
                    q_len, kv_layout)
+    if query_dtype_name(query_dtype) == "fp8_e4m3":
+        if backend is not None and not isinstance(backend, str):
+            raise UnsupportedConfig(f"backend must be a kernel id string or None, got {backend!r}")
+        return _fp8_query(req, backend)
     if backend is None or backend == "auto":
         return _auto(req)
     if not isinstance(backend, str):

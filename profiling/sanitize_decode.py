@@ -31,6 +31,12 @@ def main():
     # kernels run on the GPU here
     g = torch.Generator()
     g.manual_seed(1)
+    # the first CUDA work of the process, alone: a failure here is the tool's or torch's, not a kernel's
+    torch.ones(1, device="cuda").add_(1)
+    torch.cuda.synchronize()
+    print("CUDA context ready", flush=True)
+    assert int(torch.randperm(50, generator=g).to("cuda").sum()) == 1225  # a pageable host-to-device copy
+    print("host-to-device copy done", flush=True)
     from cute_kernels.ops.paged_decode import tuning_override
 
     for kv, layout, splits, cluster in ((torch.float8_e4m3fn, "HND", 1, None), (torch.float8_e4m3fn, "NHD", 3, None),

@@ -11,6 +11,9 @@ replays); a step with prefill rows is timed eagerly with CUDA events after one w
 
 Configurations (a peer whose library is missing is skipped with one line):
 - ``ours``: :class:`dispatch.AttentionLayer` (write, then one decode launch and one prefill launch);
+- ``ours_fp8q``: the same layer with ``prefill_query_dtype="fp8"``: the prefill rows of an FP8
+  cache quantized with ``q_scale`` and run by ``sm90.prefill_fp8q``, the decode rows unchanged (FP8
+  workloads only);
 - ``fi_xqa``: FlashInfer ``trtllm_batch_decode_with_kv_cache(backend="xqa")`` for the decode rows
   and ``BatchPrefillWithPagedKVCacheWrapper(backend="fa3")`` for the prefill rows (vLLM's
   "FlashInfer + XQA" on SM90); with an FP8 cache the prefill query is quantized to FP8 first, as
@@ -61,10 +64,12 @@ from .timing import bench_setup
 
 NEEDS = SM90
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
-CONFIGS = ("ours", "fi_xqa", "fi_native", "fa4")
+CONFIGS = ("ours", "ours_fp8q", "fi_xqa", "fi_native", "fa4")
 _FLASHINFER = Peer("flashinfer", "flashinfer-python")
 PEER_LIBS = {"fi_xqa": _FLASHINFER, "fi_native": _FLASHINFER, "fa4": Peer("flash_attn", "flash-attn-4")}
-FA4_NO_FP8 = "fa4 skipped on {name}: FA4 has no FP8 KV cache on SM90 (it runs on the BF16 workloads only)"
+# configurations that run on one cache dtype only: (that dtype, why), reported as the row's error
+ONLY_ON = {"fa4": ("bf16", "FA4 has no FP8 KV cache on SM90"),
+           "ours_fp8q": ("fp8", "an FP8 prefill query needs an FP8 KV cache")}
 SCALES = dict(fp8=(0.0625, 0.03125), bf16=(1.0, 1.0))  # (k_scale, v_scale): FP8 codes stay O(16)
 
 
@@ -160,6 +165,7 @@ class StepInputs:
 
 class Ours:
     layout = "HND"
+    prefill_query_dtype = "auto"  # the layer's default plans
 
     def __init__(self, rp: Replay, args):
         w = rp.w
@@ -168,7 +174,8 @@ class Ours:
         self.layer_ = AttentionLayer(w.num_q_heads, w.num_kv_heads, w.head_dim, kv_cache_dtype=rp.kv_dtype,
                                      page_size=w.page_size, kv_layout="HND", q_scale=rp.q_scale,
                                      k_scale=rp.k_scale, v_scale=rp.v_scale,
-                                     arch="sm90" if rp.device == "cpu" else None)
+                                     arch="sm90" if rp.device == "cpu" else None,
+                                     prefill_query_dtype=self.prefill_query_dtype)
         self.plans = {}  # (phase, kernel) -> the plan, of every step's plans
 
     def prepare(self, st: StepInputs):
@@ -179,6 +186,12 @@ class Ours:
 
     def layer(self, i: int, st: StepInputs):
         return self.layer_.forward(st.q, st.k, st.v, self.rp.caches[i], self.md)
+
+
+class OursFp8q(Ours):
+    """Our layer with the FP8-query prefill (docs/design/layer.md#fp8-query-prefill-opt-in)."""
+
+    prefill_query_dtype = "fp8"
 
 
 class _FlashInferBase:
@@ -315,7 +328,7 @@ class Fa4:
         return out.reshape(st.T, *st.q.shape[1:])
 
 
-MAKERS = {"ours": Ours, "fi_xqa": FiXqa, "fi_native": FiNative, "fa4": Fa4}
+MAKERS = {"ours": Ours, "ours_fp8q": OursFp8q, "fi_xqa": FiXqa, "fi_native": FiNative, "fa4": Fa4}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,7 +422,7 @@ def replay_config(name: str, rp: Replay, args, ranges: NvtxRanges) -> dict:
     times = fill_untimed(times, timed, sched)
     summ = latency_summary(sched, times, w.output_len)
     res = dict(step_s=times, timed=timed, how=how, summary=summ, **checks)
-    if name == "ours":
+    if isinstance(cfg, Ours):
         res["plans"] = sorted(f"{phase}: {kernel}" for phase, kernel in cfg.plans)
         # a compile-verified kernel whose family failed its self-check ran as the reference
         states = [self_check_state(p.kernel, p.q_dtype, p.kv_cache_dtype, p.head_dim) for p in cfg.plans.values()]
@@ -450,9 +463,10 @@ def run(workloads, configs, args) -> dict:
         rp = Replay(w, sched, g)
         entry = dict(workload=info, configs={})
         for name in sorted(configs, key=lambda c: MAKERS[c].layout):  # HND configs share the caches
-            if name == "fa4" and w.kv_dtype != "bf16":
-                print(FA4_NO_FP8.format(name=w.name), flush=True)
-                entry["configs"][name] = dict(error="FA4 has no FP8 KV cache on SM90")
+            only, why = ONLY_ON.get(name, (w.kv_dtype, ""))
+            if w.kv_dtype != only:
+                print(f"{name} skipped on {w.name}: {why} (it runs on the {only.upper()} workloads only)", flush=True)
+                entry["configs"][name] = dict(error=why)
                 continue
             try:
                 entry["configs"][name] = replay_config(name, rp, args, ranges)

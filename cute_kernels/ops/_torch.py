@@ -197,24 +197,44 @@ _SIDE_STREAMS: dict[int, Any] = {}  # device index -> the stream persistent buff
 
 def _outside_pools(device: torch.device, make, *, wait: bool = False):
     """``make()``, a buffer kept across calls, allocated so that no CUDA-graph memory pool owns it.
-    torch.compile's CUDA-graph trees route the allocations of a warm-up run on their stream to the
-    graph's pool and refuse a pool tensor that outlives the call; allocating on a side stream
-    escapes that routing. With ``wait`` the host waits for the side stream (a zeroed chunk's
-    memset: every stream that gets a part of it sees zeros); the buffer is recorded on the current
-    stream, so releasing it waits for the work that used it. Only growth allocates.
-    Inside a capture the buffer comes from the graph's pool as before (docs/design/inputs.md#workspaces)."""
+    torch.compile's CUDA-graph trees route every allocation of the thread that runs a warm-up to the
+    graph's pool (whatever the stream) and refuse a pool tensor that outlives the call; so the
+    buffer is allocated by a worker thread, on a side stream. With ``wait`` the host waits for the
+    side stream (a zeroed chunk's memset: every stream that gets a part of it sees zeros); the
+    buffer is recorded on the caller's stream, so releasing it waits for the work that used it.
+    Only growth allocates. Inside a capture the buffer comes from the graph's pool as before
+    (docs/design/inputs.md#workspaces)."""
     if device.type != "cuda" or capturing(device):
         return make()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    with torch.cuda.device(index):
-        side = _SIDE_STREAMS.get(index)
-        if side is None:
-            side = _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(index))
-        with torch.cuda.stream(side):
-            buf = make()
-        if wait:
-            side.synchronize()
-        buf.record_stream(torch.cuda.current_stream(index))
+    caller = torch.cuda.current_stream(index)
+
+    def allocate():
+        with torch.cuda.device(index):
+            side = _SIDE_STREAMS.get(index)
+            if side is None:
+                side = _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(index))
+            with torch.cuda.stream(side):
+                buf = make()
+            if wait:
+                side.synchronize()
+            return buf
+
+    made: list = []
+
+    def run():
+        try:
+            made.append(allocate())
+        except BaseException as e:  # re-raised on the caller's thread
+            made.append(e)
+
+    worker = threading.Thread(target=run, name="cute_kernels_alloc")  # growth only: a thread per growth
+    worker.start()
+    worker.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    buf = made[0]
+    buf.record_stream(caller)
     return buf
 
 

@@ -16,7 +16,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from ..jit.asm import asm

@@ -11,8 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cute_kernels import reference
 from cute_kernels.bench import build_parser
 from cute_kernels.bench import serve_schedule as ss
+from dispatch import UnsupportedConfig
 
 # ----------------------------------------------------------------------------------------------
 # workloads
@@ -257,7 +259,7 @@ def test_runnable_reports_what_it_skips(capsys):
 def test_serve_flags():
     p, module = build_parser("serve")
     a = p.parse_args([])
-    assert a.workloads == "long-fp8,long-bf16,short-fp8" and a.configs == "ours,fi_xqa,fi_native,fa4"
+    assert a.workloads == "long-fp8,long-bf16,short-fp8" and a.configs == "ours,ours_fp8q,fi_xqa,fi_native,fa4"
     assert (a.quick, a.decode_stride, a.graph_reps, a.eager_reps, a.check, a.fi_prefill_query) == \
         (False, 1, 3, 1, True, "fp8")
     a = p.parse_args(["--quick", "--workloads", "short-bf16", "--configs", "ours,fa4", "--decode-stride", "8",
@@ -281,10 +283,60 @@ def test_every_configuration_is_known_and_its_library_in_the_bench_extra():
     extra = " ".join(tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
                      ["project"]["optional-dependencies"]["bench"])
     assert set(serve.CONFIGS) == set(serve.MAKERS)
-    assert set(serve.MAKERS) - set(serve.PEER_LIBS) == {"ours"}
+    assert set(serve.MAKERS) - set(serve.PEER_LIBS) == {"ours", "ours_fp8q"}
     for peer in serve.PEER_LIBS.values():
         assert peer.distribution in extra, peer
     assert {serve.MAKERS[c].layout for c in serve.CONFIGS} == {"HND", "NHD"}
+    # a configuration of one cache dtype names a workload dtype and why
+    assert {c: kv for c, (kv, _) in serve.ONLY_ON.items()} == {"fa4": "bf16", "ours_fp8q": "fp8"}
+    assert set(serve.ONLY_ON) <= set(serve.CONFIGS)
+
+
+def test_ours_fp8q_is_our_layer_with_the_fp8_prefill_query():
+    """``ours_fp8q`` builds the layer ``ours`` builds, with ``prefill_query_dtype="fp8"``: the prefill
+    rows of the FP8 workloads plan ``sm90.prefill_fp8q``, the decode rows the same plan as ``ours``."""
+    from cute_kernels.bench import serve
+
+    w = ss.Workload("cpu", 2, 40, 3, 2, "fp8", token_budget=24, layers=1, num_q_heads=4, num_kv_heads=2,
+                    head_dim=64, page_size=16, table_tokens=64)
+    sched = ss.schedule(w)
+    rp = serve.Replay(w, sched, torch.Generator().manual_seed(0), device="cpu")
+    ours, fp8q = serve.Ours(rp, None), serve.OursFp8q(rp, None)
+    assert (ours.layer_.prefill_query_dtype, fp8q.layer_.prefill_query_dtype) == ("auto", "fp8_e4m3")
+    assert fp8q.layer_.q_scale == ours.layer_.q_scale == rp.q_scale > 0
+    mixed = next(s for s in sched.steps if s.decodes and s.prefills)
+    st = rp.step_inputs(mixed)
+    ours.prepare(st)
+    fp8q.prepare(st)
+    assert sorted(ours.plans) == [("decode", "sm90.decode"), ("prefill", "sm90.prefill")]
+    assert sorted(fp8q.plans) == [("decode", "sm90.decode"), ("prefill", "sm90.prefill_fp8q")]
+    assert fp8q.plans[("prefill", "sm90.prefill_fp8q")].quantize_query
+    bf16 = serve.Replay(ss.Workload(**{**w.__dict__, "kv_dtype": "bf16"}), sched, torch.Generator(), device="cpu")
+    with pytest.raises(UnsupportedConfig, match="needs an FP8 KV cache"):
+        serve.OursFp8q(bf16, None)
+
+
+def test_run_skips_a_configuration_on_the_other_cache_dtype(monkeypatch, capsys):
+    """``run`` reports ``ours_fp8q`` on a BF16 workload and ``fa4`` on an FP8 one as skipped rows
+    (the error says why), without building them; the other configurations replay."""
+    from cute_kernels.bench import serve
+
+    replayed = []
+    monkeypatch.setattr(serve, "bench_setup", lambda: (1.0, None))
+    monkeypatch.setattr(serve, "Replay", lambda w, sched, g: type("R", (), {"release": lambda self: None})())
+    monkeypatch.setattr(serve, "replay_config", lambda name, rp, args, ranges: replayed.append(name) or dict(
+        error="stub"))
+    monkeypatch.setattr(serve.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(serve.torch.cuda, "get_device_name", lambda: "cpu")
+    args = build_parser("serve")[0].parse_args(["--workloads", "short-fp8,short-bf16"])
+    result = serve.run(serve.select_workloads(args), ["ours", "ours_fp8q", "fa4"], args)
+    fp8, bf16 = (e["configs"] for e in result["workloads"])
+    assert replayed == ["ours", "ours_fp8q", "ours", "fa4"]
+    assert fp8["fa4"] == dict(error="FA4 has no FP8 KV cache on SM90")
+    assert bf16["ours_fp8q"] == dict(error="an FP8 prefill query needs an FP8 KV cache")
+    out = capsys.readouterr().out
+    assert "ours_fp8q skipped on" in out and "it runs on the FP8 workloads only" in out
+    assert "fa4 skipped on" in out and "it runs on the BF16 workloads only" in out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,11 +350,13 @@ def _dense_attention(q, keys, values, sm_scale):
     return torch.softmax(s, dim=-1) @ values.double()
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_replayed_steps_attend_to_each_requests_own_history(kv):
+@pytest.mark.parametrize("kv, config", [("bf16", "ours"), ("fp8", "ours"), ("fp8", "ours_fp8q")])
+def test_replayed_steps_attend_to_each_requests_own_history(kv, config):
     """Every step of a small workload through ``ours`` (write + attention) matches attention over a
     dense K/V history kept independently per request: the slots, block tables, slot mapping, query
-    offsets, the decode-first order and the reuse of a finished request's pages are right."""
+    offsets, the decode-first order and the reuse of a finished request's pages are right. With
+    ``ours_fp8q`` the prefill rows attend with the query as quantized with q_scale, the decode rows
+    with the bf16 query."""
     from cute_kernels.bench import serve
 
     w = ss.Workload("cpu", 3, 37, 4, 2, kv, token_budget=24, layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
@@ -314,7 +368,7 @@ def test_replayed_steps_attend_to_each_requests_own_history(kv):
     print(f"seed {seed}")
     rp = serve.Replay(w, sched, torch.Generator().manual_seed(seed), device="cpu")
     rp.allocate("HND")
-    cfg = serve.Ours(rp, None)
+    cfg = serve.MAKERS[config](rp, None)
     G = w.num_q_heads // w.num_kv_heads
     checked = set()
     history = {}  # (layer, request) -> list of (k, v) rows [Hkv, D] as the cache holds them
@@ -322,6 +376,11 @@ def test_replayed_steps_attend_to_each_requests_own_history(kv):
 
     def stored(x, which):  # what the cache returns for x: x / scale rounded to the cache dtype, times scale
         return (x.float() / scale[which]).to(rp.kv_dtype).double() * scale[which]
+
+    def query(st, row):  # what the layer's kernels multiply K with: the prefill rows' FP8 query, dequantized
+        if config == "ours" or row < st.nd:
+            return st.q[row]
+        return reference.quantize_query(st.q[row:row + 1], rp.q_scale)[0].double() * rp.q_scale
 
     for s, step in enumerate(sched.steps):
         st = rp.step_inputs(step)
@@ -340,8 +399,8 @@ def test_replayed_steps_attend_to_each_requests_own_history(kv):
                 for j in range(c.length):
                     visible = c.start + j + 1  # causal within the chunk
                     for h in range(w.num_q_heads):
-                        want = _dense_attention(st.q[row + j, h], keys[:visible, h // G], vals[:visible, h // G],
-                                                rp.sm_scale)
+                        want = _dense_attention(query(st, row + j)[h], keys[:visible, h // G],
+                                                vals[:visible, h // G], rp.sm_scale)
                         got = out[row + j, h]
                         assert torch.isfinite(got).all()
                         err = ((got - want).norm() / want.norm()).item()
@@ -349,8 +408,12 @@ def test_replayed_steps_attend_to_each_requests_own_history(kv):
                 row += c.length
         if serve.step_kind(step) == "mixed" and "mixed" not in checked:  # the benchmark's own check
             checked.add("mixed")
-            errs = serve.check_step(cfg, rp, st)
-            assert set(errs) == {"decode_err", "prefill_err"} and max(errs.values()) < 1e-6, errs
+            errs = serve.check_step(cfg, rp, st)  # against the bf16-query reference
+            assert set(errs) == {"decode_err", "prefill_err"} and errs["decode_err"] < 1e-6, errs
+            if config == "ours":
+                assert errs["prefill_err"] < 1e-6, errs
+            else:  # the FP8 query's own error, and only that
+                assert 1e-4 < errs["prefill_err"] < 6e-2, errs
         for r in step.finished:
             for layer in range(w.layers):
                 history.pop((layer, r))

@@ -109,6 +109,17 @@ def test_plan_unsupported_backend_exits_2(capsys):
     assert "runs on sm90, not sm89" in captured.err
 
 
+def test_plan_fp8_query(capsys):
+    base = ["plan", "--arch", "sm90", "--phase", "prefill", "--kv-cache-dtype", "fp8", "--query-dtype"]
+    assert main(base + ["fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel           sm90.prefill_fp8q\n" in out and "quantize query   yes" in out
+    assert main(base + ["auto"]) == 0
+    assert "kernel           sm90.prefill\n" in capsys.readouterr().out
+    assert main(["plan", "--arch", "sm89", "--phase", "prefill", "--kv-cache-dtype", "fp8", "--query-dtype", "fp8"]) == 2
+    assert "no prefill kernel computes QK in FP8 on sm89" in capsys.readouterr().err
+
+
 def test_plan_uint8_cache_exits_2(capsys):
     assert main(["plan", "--arch", "sm90", "--phase", "decode", "--kv-cache-dtype", "uint8"]) == 2
     assert "float8_e4m3fn" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cute_kernels.plans import sm80, sm90_decode
+from cute_kernels.plans import sm80, sm90_decode, sm90_prefill
 from cute_kernels.registry import kernels_on
 from dispatch import (
     KERNELS,
@@ -399,6 +399,77 @@ def test_reference_backend_always_works(arch, phase):
 
 def test_auto_backend_is_automatic():
     assert _plan(backend="auto") == _plan()
+
+
+# ----------------------------------------------------------------------------------------------
+# query_dtype="fp8": an FP8-QK kernel, opt-in ones included, or a refusal
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("registry", ["as_registered", "all_built"])
+def test_fp8_query_matrix(registry, monkeypatch):
+    """Every (arch, phase, cache): ``query_dtype="fp8"`` plans a kernel that computes QK in FP8 on a
+    quantized query, or is refused with UnsupportedConfig; never a model-dtype-query kernel, never
+    the reference. SM90 prefill takes the opt-in ``sm90.prefill_fp8q``, the automatic plan keeps
+    ``sm90.prefill``."""
+    if registry == "all_built":
+        _make_available(monkeypatch, *[k for k in REAL_KERNELS if k != "sm90.decode_fp8q"])
+    served = set()
+    for arch, phase, kv, model in itertools.product(SUPPORTED_ARCHS, PHASES, KV_DTYPES, MODEL_DTYPES):
+        try:
+            p = _plan(arch, phase, kv, model, query_dtype="fp8")
+        except UnsupportedConfig as e:
+            if kv != "fp8":
+                assert "needs an FP8 KV cache" in str(e), e
+            else:
+                assert f"cannot be served on {parse_arch(arch).name} {phase}" in str(e), e
+            continue
+        _check_invariants(p, model)
+        assert kv == "fp8" and not p.is_fallback, p
+        assert KERNELS[p.kernel].computes_qk_in_fp8("fp8_e4m3"), p
+        assert (p.q_dtype, p.quantize_query, p.applies_q_scale) == ("fp8_e4m3", True, True), p
+        assert "query_dtype='fp8'" in p.reason, p.reason
+        served.add((p.arch, p.phase, p.kernel))
+    assert ("sm90", "prefill", "sm90.prefill_fp8q") in served
+    assert not {a for a, *_ in served} & set(NO_FP8_QUERY_ARCHS)
+    assert not any(ph == "decode" and a == "sm90" for a, ph, _ in served)  # sm90.decode_fp8q is not built
+    assert _plan("sm90", "prefill", "fp8").kernel == "sm90.prefill"  # the automatic plan is unchanged
+    assert _plan("sm90", "prefill", "fp8", query_dtype="auto") == _plan("sm90", "prefill", "fp8")
+
+
+def test_fp8_query_refusals_name_the_kernel_and_the_limit():
+    _raises(r"query_dtype='fp8' cannot be served on sm90 prefill: sm90\.prefill_fp8q needs head_dim "
+            r"64/128/256 \(got 96\)", phase="prefill", head_dim=96, query_dtype="fp8")
+    _raises(r"cannot be served on sm90 decode: sm90\.decode_fp8q is not built yet", query_dtype="fp8")
+    _raises(r"no prefill kernel computes QK in FP8 on sm89", arch="sm89", phase="prefill", query_dtype="fp8")
+    _raises(r"needs an FP8 KV cache .* got kv_cache_dtype bf16", phase="prefill", kv="bf16", query_dtype="fp8")
+    for bad in ("bf16", "int8", 3):
+        _raises("query_dtype=.* is not supported; expected 'auto' or 'fp8'|must be a torch dtype or a dtype name",
+                phase="prefill", query_dtype=bad)
+
+
+def test_fp8_query_with_an_explicit_backend():
+    p = _plan("sm90", "prefill", "fp8", query_dtype="float8_e4m3fn", backend="sm90.prefill_fp8q")
+    assert (p.kernel, p.q_dtype, p.backend) == ("sm90.prefill_fp8q", "fp8_e4m3", "sm90.prefill_fp8q")
+    assert _plan("sm90", "prefill", "fp8", query_dtype="fp8", backend="auto").kernel == "sm90.prefill_fp8q"
+    _raises(r"backend='sm90\.prefill' takes a bf16 query", phase="prefill", query_dtype="fp8",
+            backend="sm90.prefill")
+    _raises(r"backend='reference' takes a bf16 query", phase="prefill", query_dtype="fp8", backend="reference")
+    _raises("backend must be a kernel id string", phase="prefill", query_dtype="fp8", backend=7)
+
+
+def test_fp8_query_skips_a_kernel_whose_self_check_failed(monkeypatch):
+    """A compile-verified FP8-QK kernel whose family failed its self-check here is refused with the
+    recorded reason: the request is refused, not served by a model-dtype-query kernel."""
+    from cute_kernels.plans import selfcheck_records
+
+    kid = "sm90.prefill_fp8q"
+    monkeypatch.setitem(KERNELS, kid, dataclasses.replace(KERNELS[kid], status="compile-verified",
+                                                          family=sm90_prefill.family))
+    rec = selfcheck_records.CheckRecord(f"{kid}/fp8/d128", "H200", False, "mismatch 0.5", 0.1, 0.0)
+    monkeypatch.setattr(selfcheck_records, "lookup", lambda family: rec if family == rec.family else None)
+    _raises(r"sm90 prefill: sm90\.prefill_fp8q/fp8/d128 failed its runtime self-check on this machine \(mismatch 0\.5\)", phase="prefill",
+            query_dtype="fp8")
 
 
 # ----------------------------------------------------------------------------------------------

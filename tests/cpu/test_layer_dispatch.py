@@ -390,6 +390,95 @@ def test_decode_only_forward_does_no_host_sync(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
+# prefill_query_dtype="fp8": the prefill rows of an FP8 cache on an FP8-QK kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def test_fp8_prefill_query_changes_the_prefill_plan_only():
+    step = make_step(**BATCHES["mixed"])
+    exact = AttentionLayer(8, 2, 64, kv_cache_dtype=FP8, page_size=16, arch="sm90", q_scale=0.5)
+    fp8q = AttentionLayer(8, 2, 64, kv_cache_dtype=FP8, page_size=16, arch="sm90", q_scale=0.5,
+                          prefill_query_dtype="fp8")
+    assert exact.prefill_query_dtype == "auto" and fp8q.prefill_query_dtype == "fp8_e4m3"
+    a, b = exact.plans_for(step.metadata), fp8q.plans_for(step.metadata)
+    assert a["decode"] == b["decode"] and not b["decode"].quantize_query  # decode keeps the bf16 query
+    assert (a["prefill"].kernel, a["prefill"].q_dtype) == ("sm90.prefill", "bf16")
+    p = b["prefill"]
+    assert (p.kernel, p.q_dtype, p.quantize_query, p.applies_q_scale) == ("sm90.prefill_fp8q", "fp8_e4m3", True, True)
+    assert "query_dtype='fp8'" in p.reason and "prefill_query_dtype=fp8" in repr(fp8q)
+    # the spellings of an FP8 dtype all mean the same option
+    for spelling in ("fp8_e4m3", "float8_e4m3fn", FP8):
+        layer = AttentionLayer(8, 2, 64, kv_cache_dtype=FP8, page_size=16, arch="sm90", q_scale=0.5,
+                               prefill_query_dtype=spelling)
+        assert layer.plans_for(step.metadata) == b
+
+
+@pytest.mark.parametrize("q_scale", [0.03125, torch.tensor([0.0625]), torch.tensor([0.03125, 0.0625])],
+                         ids=["float", "tensor1", "per_kv_head"])
+def test_fp8_prefill_query_forward_quantizes_the_prefill_rows_only(q_scale, monkeypatch):
+    """On the CPU (the ops run the reference): the prefill rows are quantized once with q_scale and
+    attend with it, the decode rows keep the bf16 query; the output equals the direct reference of
+    that step bit for bit."""
+    calls = []
+    real = cute_kernels.quantize_query
+
+    def spy(q, qs, **kw):
+        calls.append((q.shape[0], qs))
+        return real(q, qs, **kw)
+
+    monkeypatch.setattr(cute_kernels, "quantize_query", spy, raising=False)
+    seed = 21
+    print(f"seed {seed}")
+    step = make_step(**BATCHES["mixed"], generator=torch.Generator().manual_seed(seed))
+    ks, vs = 0.0625, 0.03125
+    layer = AttentionLayer(8, 2, 64, kv_cache_dtype=FP8, page_size=16, arch="sm90", q_scale=q_scale, k_scale=ks,
+                           v_scale=vs, prefill_query_dtype="fp8")
+    expected = reference_step(step, clone_cache(step.kv_cache), k_scale=ks, v_scale=vs, q_scale=layer.q_scale,
+                              quantize=(False, True))
+    out = torch.full_like(step.q, float("nan"))
+    out.copy_(layer.forward(step.q, step.k, step.v, step.kv_cache, step.metadata))
+    nd = step.metadata.num_decode_tokens
+    assert [n for n, _ in calls] == [step.q.shape[0] - nd] and calls[0][1] is layer.q_scale
+    assert torch.isfinite(out).all() and torch.equal(out, expected)
+    exact = reference_step(step, clone_cache(step.kv_cache), k_scale=ks, v_scale=vs)
+    assert torch.equal(out[:nd], exact[:nd])  # decode rows: the exact bf16-query result
+    err = ((out[nd:].double() - exact[nd:].double()).norm() / exact[nd:].double().norm()).item()
+    assert 0 < err < 6e-2, err  # the prefill rows carry the FP8 query's error, and only that
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(kv_cache_dtype=BF16), "prefill_query_dtype='fp8' needs an FP8 KV cache.*kv_cache_dtype is bf16"),
+    (dict(kv_cache_dtype="auto"), "needs an FP8 KV cache"),
+    (dict(q_scale=None), "prefill_query_dtype='fp8' quantizes .* pass q_scale="),
+    (dict(arch="sm89"), "prefill_query_dtype='fp8': .*no prefill kernel computes QK in FP8 on sm89"),
+    (dict(arch="sm80"), "no prefill kernel computes QK in FP8 on sm80"),
+    (dict(arch="sm120"), "no prefill kernel computes QK in FP8 on sm120"),
+    (dict(head_dim=96), r"sm90\.prefill_fp8q needs head_dim 64/128/256 \(got 96\)"),
+    (dict(prefill_query_dtype="bf16"), "prefill_query_dtype='bf16' is not supported; expected 'auto' or 'fp8'"),
+    (dict(prefill_query_dtype=1), "prefill_query_dtype must be a torch dtype or a dtype name"),
+])
+def test_fp8_prefill_query_constructor_errors(kwargs, match):
+    base = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, kv_cache_dtype=FP8, page_size=16, arch="sm90",
+                q_scale=0.5, prefill_query_dtype="fp8")
+    base.update(kwargs)
+    Hq, Hkv, D = base.pop("num_q_heads"), base.pop("num_kv_heads"), base.pop("head_dim")
+    with pytest.raises(UnsupportedConfig, match=match):
+        AttentionLayer(Hq, Hkv, D, **base)
+
+
+def test_fp8_prefill_query_without_arch_is_checked_at_the_first_plan():
+    """With the arch taken from the device, the refusal comes at the first plan of a prefill (a
+    decode-only step still plans and runs)."""
+    layer = AttentionLayer(8, 2, 64, kv_cache_dtype=FP8, page_size=16, q_scale=0.5, prefill_query_dtype="fp8")
+    decode = make_step(**BATCHES["decode"])
+    assert layer.plans_for(decode.metadata, arch="sm89")["decode"].kernel == "sm80.decode"
+    with pytest.raises(UnsupportedConfig, match="prefill_query_dtype='fp8': .*on sm89 prefill"):
+        layer.plans_for(make_step(**BATCHES["mixed"]).metadata, arch="sm89")
+    assert layer.plans_for(make_step(**BATCHES["prefill"]).metadata, arch="sm90")["prefill"].kernel == \
+        "sm90.prefill_fp8q"
+
+
+# ----------------------------------------------------------------------------------------------
 # bad inputs: the layer
 # ----------------------------------------------------------------------------------------------
 

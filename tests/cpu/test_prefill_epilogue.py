@@ -79,7 +79,7 @@ def test_registry_lists_the_epilogue_variants_available():
     assert all(plan.check_registry_id(v) == info.id for v in variants)
 
 
-def test_the_op_reaches_it_through_tuning_override(fake_gpu, monkeypatch):
+def test_the_op_reaches_it_through_tuning_override(fake_gpu, monkeypatch):  # noqa: F811  (the fixture)
     """``tuning_override(epilogue="smem")`` launches the variant past the op's self-check gate
     (stubbed here; the gate itself: tests/cpu/test_prefill_selfcheck.py); a family that fails the
     check keeps the register epilogue."""

@@ -147,11 +147,13 @@ def fake_sm90(monkeypatch):
         mod._launcher.launches.clear()
 
 
-@pytest.mark.parametrize("cache, tensors, q_len", [("fp8", False, 1), ("bf16", True, 2)])
-def test_layer_steps_ask_only_for_listed_variants(fake_sm90, cache, tensors, q_len):
+@pytest.mark.parametrize("cache, tensors, q_len, prefill_query", [
+    ("fp8", False, 1, "auto"), ("bf16", True, 2, "auto"), ("fp8", True, 1, "fp8"), ("fp8", False, 1, "fp8")])
+def test_layer_steps_ask_only_for_listed_variants(fake_sm90, cache, tensors, q_len, prefill_query):
     """Random mixed steps of AttentionLayer (decode rows of every batch size and context up to the
     limits, prefill rows after them) through the ops' own code paths: every config the ops ask
-    the compiler for is in the warm-up's list."""
+    the compiler for is in the warm-up's list (with ``prefill_query_dtype="fp8"``: the FP8-query
+    prefill and the query quantization too)."""
     import random
 
     from tests.cpu.test_layer_dispatch import make_step
@@ -159,7 +161,7 @@ def test_layer_steps_ask_only_for_listed_variants(fake_sm90, cache, tensors, q_l
     Hq, Hkv, D, page = 16, 4, 64, 16
     scale = (lambda v: torch.tensor(v)) if tensors else float  # noqa: E731
     layer = AttentionLayer(Hq, Hkv, D, kv_cache_dtype=cache, page_size=page, arch="sm90", k_scale=scale(0.5),
-                           v_scale=scale(0.25))
+                           v_scale=scale(0.25), q_scale=scale(0.125), prefill_query_dtype=prefill_query)
     listed = set(layer.warmup_variants(MAX_SEQS, MAX_LEN, q_lens=(q_len,)))
     rng = random.Random(7)
     kv = torch.float8_e4m3fn if cache == "fp8" else torch.bfloat16
@@ -173,6 +175,10 @@ def test_layer_steps_ask_only_for_listed_variants(fake_sm90, cache, tensors, q_l
         layer.forward(step.q, step.k, step.v, step.kv_cache, step.metadata)
     asked = set(fake_sm90)
     assert {c.kernel_id for c in asked} >= {"sm90.decode", "common.write_kv_cache", "sm90.prefill"}
+    # the prefill configs' query: bf16, or (the FP8-query kernel's config, kind "fp8") FP8 after quantization
+    prefill_q = {c.q_dtype for c in asked if c.kernel_id == "sm90.prefill"}
+    assert prefill_q == ({"fp8_e4m3"} if prefill_query == "fp8" else {"bf16"})
+    assert any(c.kernel_id == "common.quantize_query" for c in asked) == (prefill_query == "fp8")
     assert asked <= listed, sorted(c.label() for c in asked - listed)
 
 

@@ -61,7 +61,7 @@ def test_bench_decode_ragged_row_with_its_twin(tmp_path):
 def test_bench_serve_quick_writes_json(tmp_path):
     """``bench serve --quick``, cut further (one workload per cache dtype, 2 layers, 8 output tokens):
     every step timed, the latencies summarized, and each configuration's layer 0 checked against the
-    reference on its first prefill, mixed and decode step."""
+    reference on its first prefill, mixed and decode step (``ours_fp8q`` on the FP8 workload only)."""
     from cute_kernels.bench.serve_schedule import WORKLOADS, quick, schedule
 
     path = tmp_path / "serve.json"
@@ -90,5 +90,16 @@ def test_bench_serve_quick_writes_json(tmp_path):
             for k, v in r.items():
                 if k.endswith("_err"):
                     assert v < 5e-2, (name, peer, k, v)
-    fp8 = result["workloads"][0]["configs"]
+    fp8, bf16 = (e["configs"] for e in result["workloads"])
     assert fp8["fa4"]["error"].startswith("FA4 has no FP8 KV")
+    # ours_fp8q: the FP8-query prefill on the FP8 workload (its error is the FP8 query's, about 6e-2
+    # against the unquantized one: docs/design/sm90-prefill.md), the decode rows as ours; skipped on BF16
+    fp8q = fp8["ours_fp8q"]
+    assert "error" not in fp8q, fp8q
+    assert "prefill: sm90.prefill_fp8q" in fp8q["plans"] and "decode: sm90.decode" in fp8q["plans"], fp8q["plans"]
+    assert all(t > 0 for t in fp8q["step_s"]) and fp8q["summary"]["total"] > 0
+    for kind in ("mixed_decode", "decode_decode"):
+        assert fp8q[f"{kind}_err"] < 5e-3, (kind, fp8q[f"{kind}_err"])
+    for kind in ("prefill_prefill", "mixed_prefill"):
+        assert fp8q[f"{kind}_err"] < 1e-1, (kind, fp8q[f"{kind}_err"])
+    assert bf16["ours_fp8q"]["error"].startswith("an FP8 prefill query needs an FP8 KV cache")

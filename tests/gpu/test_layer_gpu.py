@@ -127,6 +127,47 @@ def test_skip_layer_next_to_fp8_layer():
     assert skip_layer.plans_for(bf16_step.metadata)["decode"].kv_cache_dtype == "bf16"
 
 
+# prefill_query_dtype="fp8" (sm90.prefill_fp8q): ‖out − ref‖/‖ref‖ of the prefill rows against the
+# reference on the same quantized query, the FP8-query kernel's tolerance in the prefill kernel tests
+# (e4m3 P: test_prefill_kernel_gpu.py TOL["fp8"]); against the unquantized query its measured error is
+# about 6e-2 (docs/design/sm90-prefill.md#measured--not-measured), bounded here by 1e-1
+FP8_QUERY_TOL, FP8_QUERY_EXACT_TOL = 4e-2, 1e-1
+
+
+@sm90_only()
+@pytest.mark.parametrize("case, per_head", [(CASES[0], False), (CASES[1], True)], ids=["hnd-float", "nhd-per_head"])
+def test_layer_fp8_prefill_query_step(case, per_head):
+    """``prefill_query_dtype="fp8"``: a mixed step's prefill rows run ``sm90.prefill_fp8q`` on the
+    query quantized with q_scale (a float, or per KV head), its decode rows the bf16-query decode;
+    each part against its reference, the cache written byte for byte as the reference writes it."""
+    seed = 8
+    print(f"seed {seed}")
+    step = _step(case, seed)
+    Hkv = case[5]
+    amax = float(step.q.float().abs().amax())
+    q_scale = torch.full((Hkv,), amax / 448, device="cuda") if per_head else amax / 448
+    layer = _layer(case, q_scale=q_scale, prefill_query_dtype="fp8")
+    plans = layer.plans_for(step.metadata)
+    assert plans["prefill"].kernel == "sm90.prefill_fp8q" and plans["prefill"].quantize_query
+    assert plans["decode"].q_dtype == "bf16" and not plans["decode"].quantize_query
+    ks, vs = layer.k_scale, layer.v_scale
+    expected_cache = clone_cache(step.kv_cache)
+    expected = reference_step(step, expected_cache, k_scale=ks, v_scale=vs, q_scale=q_scale, quantize=(False, True))
+    exact = reference_step(step, clone_cache(step.kv_cache), k_scale=ks, v_scale=vs)
+    out = torch.full_like(step.q, float("nan"))
+    out.copy_(layer.forward(step.q, step.k, step.v, step.kv_cache, step.metadata))
+    torch.cuda.synchronize()
+    assert torch.equal(_cache_bytes(step.kv_cache), _cache_bytes(expected_cache))
+    assert torch.isfinite(out).all()
+    nd = step.metadata.num_decode_tokens
+    decode_err, prefill_err = rel_err(out[:nd], expected[:nd]), rel_err(out[nd:], expected[nd:])
+    exact_err = rel_err(out[nd:], exact[nd:])
+    print(f"decode {decode_err:.2e}, prefill {prefill_err:.2e} (against the unquantized query {exact_err:.2e})")
+    assert decode_err <= TOL, f"seed {seed}: decode rows {decode_err:.2e} > {TOL}"
+    assert prefill_err <= FP8_QUERY_TOL, f"seed {seed}: prefill rows {prefill_err:.2e} > {FP8_QUERY_TOL}"
+    assert exact_err <= FP8_QUERY_EXACT_TOL, f"seed {seed}: {exact_err:.2e} against the unquantized query"
+
+
 GRAPH_CASE = (FP8, "HND", "single", 1, 32, 4, 128, 16)
 
 

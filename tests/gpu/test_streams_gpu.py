@@ -176,3 +176,25 @@ def test_graphs_captured_on_a_fresh_stream_replay_in_any_order(gen):
         graphs[k].replay()
         torch.cuda.synchronize()
         assert torch.equal(outs[k], expected[k]), f"graph {k}"
+
+
+def test_workspace_growth_escapes_a_thread_routed_pool(gen):
+    """torch.compile's CUDA-graph trees (and ``torch.cuda.use_mem_pool``) route every allocation of
+    the current thread to a private pool. A split launch on a new stream grows that stream's
+    workspace and arrival counters there; they outlive the call, so they must not come from the
+    pool: once the call's output is freed the pool holds no live block."""
+    if not hasattr(torch.cuda, "MemPool") or not hasattr(torch.cuda.MemPool, "snapshot"):
+        pytest.skip("this torch has no MemPool.snapshot")
+    c = make_paged_decode_case(batch=3, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                               seq_lens=[2900, 31, 700], generator=gen)
+    want = cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=8, **c.kwargs())
+    pool, stream = torch.cuda.MemPool(), torch.cuda.Stream()  # a new stream: its workspaces do not exist yet
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.use_mem_pool(pool):
+        out = cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=8, **c.kwargs())
+    stream.synchronize()
+    assert torch.equal(out, want)
+    del out
+    torch.cuda.synchronize()
+    live = [b for seg in pool.snapshot() for b in seg["blocks"] if b["state"] == "active_allocated"]
+    assert not live, f"{len(live)} block(s) of the call stayed live in the caller's pool: {live[:3]}"

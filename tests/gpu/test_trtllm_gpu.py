@@ -40,11 +40,11 @@ def _workspace():
 
 
 def _case(gen, *, kv=BF16, q=BF16, D=128, Hq=32, Hkv=8, page=16, q_len=1, lens=(700, 33, 1500, 16, 5),
-          layout="HND", container="single"):
+          layout="HND", container="single", poison_tail=True):
     return make_paged_decode_case(batch=len(lens), num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=page,
                                   seq_lens=list(lens), kv_dtype=kv, q_dtype=q, q_len=q_len, kv_layout=layout,
                                   container=container, k_scale=0.5 if kv == FP8 else 1.0,
-                                  v_scale=0.25 if kv == FP8 else 1.0, generator=gen)
+                                  v_scale=0.25 if kv == FP8 else 1.0, poison_tail=poison_tail, generator=gen)
 
 
 def _scales(case):
@@ -228,9 +228,11 @@ FI_CASES = [(BF16, -1, False), (BF16, 127, True), (FP8, -1, True), (FP8, 1000, F
 def test_against_flashinfer_trtllm(kv, window, with_sinks, gen):
     """The same call through FlashInfer (XQA on SM90) and through this package, both against the
     fp32 reference: ours within the tolerance, and no worse than XQA's error (which quantizes the
-    query for an FP8 cache). Both errors are printed."""
+    query for an FP8 cache). Both errors are printed. The page tails past each length are finite
+    here: with NaN bytes there (the other tests' poison) XQA's output on an FP8 cache was NaN on the
+    H200 while ours was not; the contract only promises that positions past a length are ignored."""
     fi_decode = pytest.importorskip("flashinfer.decode")
-    c = _case(gen, kv=kv, lens=(5000, 300, 64, 2049, 17))
+    c = _case(gen, kv=kv, lens=(5000, 300, 64, 2049, 17), poison_tail=False)
     sinks = torch.randn(32, device="cuda", generator=gen) * 2 if with_sinks else None
     ref, _ = _reference(c, window_left=window, sinks=sinks)
     ours, _ = _api(c, _workspace(), window_left=window, sinks=sinks)
