@@ -416,6 +416,11 @@ PREFILL_M2_TW32_TARGETS = ("sm_80", "sm_86", "sm_90a")
 # H200) for lean variants with 16-bit caches where they fit and ptxas keeps them: not sm_100a /
 # sm_103a (35-89 STL), not FP8 caches or the other variants (4-17 STL) (docs/design/sm80.md#defaults)
 PREFILL_D256_TW64_TARGETS = ("sm_90a",)
+# head dim 256, an override (unmeasured): 32-token stages with one ldmatrix base per operand. Two
+# stages take 97 KB, so two CTAs (eight warps) share a 227 KB SM, FA2's H100 occupancy at this head
+# dim, where the 64-token ring holds one CTA of four warps; the one-base addressing keeps the build
+# spill-free where the per-address one needs 254 registers (docs/design/sm80.md#head-dim-256-prefill)
+PREFILL_D256_TW32X = dict(m_tiles=1, tw=32, ldsm_xor=True)
 
 
 def prefill_lean(*, causal: bool, write_lse: bool, k_scale_tensor: bool, v_scale_tensor: bool, kv_form: str) -> bool:
@@ -509,11 +514,21 @@ def rows128_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
     return replace(config, **prefill_tiling(config.target, config.kv_dtype, config.head_dim, 2, None, lean))
 
 
+def d256_tw32x_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
+    """The head-dim-256 prefill that the ``PREFILL_D256_TW32X`` override selects for ``config``'s
+    variant (its ring the deepest that fits, two CTAs per SM where they fit)."""
+    assert config.head_dim == 256
+    tiling = prefill_tiling(config.target, config.kv_dtype, 256, PREFILL_D256_TW32X["m_tiles"],
+                            PREFILL_D256_TW32X["tw"])
+    return replace(config, **tiling, ldsm_xor=PREFILL_D256_TW32X["ldsm_xor"])
+
+
 def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     """The variants of ``kernel_id`` (both kernels: None) in every target's full set
     (``cute-kernels compile --arch <target> --kernel sm80.``), each in the plan's default form and
     in the forms the overrides select where they differ from it (``ldsm_xor=False`` for the decode
-    from D 128 on; ``m_tiles=1`` with the old stage and ``m_tiles=2`` for the prefill): decode for
+    from D 128 on; ``m_tiles=1`` with the old stage and ``m_tiles=2`` for the prefill, and
+    :func:`d256_tw32x_form` for each prefill at D 256): decode for
     each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
     prefill for each cache dtype x head dim, and a (K, V) pair in NHD with the LSE and no causal
@@ -537,7 +552,9 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     out += ci_variants()
     rows128: list[KernelConfig] = [rows128_form(c) for c in out
                                    if isinstance(c, Sm80PrefillConfig) and c.head_dim <= PREFILL_M2_MAX_HEAD_DIM]
-    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128) if kernel_id in (None, c.kernel_id)]
+    d256 = [d256_tw32x_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.head_dim == 256]
+    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256)
+            if kernel_id in (None, c.kernel_id)]
 
 
 def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
@@ -551,7 +568,9 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     99 KB (run on the H200 as the SM86 build's stand-in), an fp16 D 64 prefill, the 64-token D 256
     prefill and one old form per kernel (the FP8 decode without ``ldsm_xor``, the 64-row BF16
     prefill); the lean 128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86; the
-    head-dim-256 decode on SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``)."""
+    head-dim-256 decode on SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``); the
+    ``PREFILL_D256_TW32X`` override of the lean BF16 D 256 prefill on SM90 (two CTAs per SM) and SM86
+    (99 KB)."""
     shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
     out: list[KernelConfig] = []
     for t in TARGETS:
@@ -583,4 +602,6 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
             make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, ldsm_xor=False,
                                **shape),
             make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, m_tiles=1, **shape)]
+    d256: dict[str, Any] = dict(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=2, page_size=16)
+    out += [make_prefill_config(target=t, **d256, **PREFILL_D256_TW32X) for t in ("sm_90a", "sm_86")]
     return [c for c in out if kernel_id in (None, c.kernel_id)]

@@ -16,11 +16,13 @@ import pytest
 from cute_kernels.plans import hw
 from cute_kernels.plans.sm80 import (
     KV_DTYPES,
+    PREFILL_D256_TW32X,
     PREFILL_D256_TW64_TARGETS,
     PREFILL_M2_TW32_TARGETS,
     TARGETS,
     ci_variants,
     compile_variants,
+    d256_tw32x_form,
     make_decode_config,
     make_prefill_config,
     mma_dtype,
@@ -179,6 +181,26 @@ def test_head_dim_256_prefill_default(target, kv):
     if kv != "fp8_e4m3":  # two 64 KB stages and Q exceed 99 KB: a clear refusal, not an oversized ring
         with pytest.raises(ValueError, match="64-token stages fits sm_86"):
             make_prefill_config(**dict(shape, target="sm_86"), tw=64)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_head_dim_256_tw32x_override(target, kv):
+    """The override reaches 32-token stages with one ldmatrix base per operand, its ring the deepest
+    that fits: two CTAs per SM on the 227 KB targets (16-bit caches: two stages), one elsewhere
+    (sm_80: three stages); registered for every target; the defaults stay as they are."""
+    shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=256, group=4,
+                 page_size=16)
+    default = make_prefill_config(**shape)
+    cfg = make_prefill_config(**shape, **PREFILL_D256_TW32X)
+    assert cfg == d256_tw32x_form(default) != default and cfg in compile_variants("sm80.prefill")
+    assert (cfg.m_tiles, cfg.rows, cfg.tw, cfg.q_regs, cfg.ldsm_xor) == (1, 64, 32, False, True)
+    assert cfg.smem_bytes() <= hw.max_smem_per_cta(target)
+    ctas = 2 if hw.SMEM_PER_SM_OF[target] >= 2 * (cfg.smem_bytes() + hw.SMEM_RESERVED_PER_CTA) else 1
+    assert ctas == (2 if hw.SMEM_PER_SM_OF[target] == hw.SMEM_PER_SM else 1)
+    if ctas == 2 and kv != "fp8_e4m3":
+        assert cfg.stages == 2
+    assert "ldsm_xor=True" in cfg.label() and "ldsm_xor" not in default.label()
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -14,6 +14,7 @@ import torch
 import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.paged_prefill import tuning_override
+from cute_kernels.plans.sm80 import PREFILL_D256_TW32X
 from cute_kernels.testing import capture_graph, check_attention, make_paged_prefill_case, rel_err
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="needs SM80 or newer")
@@ -44,12 +45,19 @@ CASES = [
 M1, M2 = dict(m_tiles=1), dict(m_tiles=2)
 CASES += [(*c[:-1], {**c[-1], **M2}) for c in CASES if c[2] <= 128]
 CASES.append((FP8, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_120a", **M2)))
+# the head-dim-256 override (32-token stages, one ldmatrix base; unmeasured) on the D 256 cases:
+# (K, V) pairs, both layouts, a non-causal mask, FP8 with the bit widening, a ring sized for 99 KB
+# (docs/design/sm80.md#head-dim-256-prefill)
+D256X = PREFILL_D256_TW32X
+CASES += [(*c[:-1], {**c[-1], **D256X}) for c in CASES if c[2] == 256 and "m_tiles" not in c[-1]]
 # lean variants (causal, one cache tensor, no LSE, no scale tensors) of the cases above and at
 # D 256: the defaults, 128-row CTAs with 32-token stages up to D 128 and, on SM90, 64-token stages
 # at D 256 for 16-bit caches; then the old 64-row forms of the same shapes
 LEAN = [c for c in CASES if c[7] == "single" and c[8] and set(c[-1]) <= {"smem_target"}]
 LEAN += [(BF16, BF16, 256, 16, 8, 16, "HND", "single", True, {}), (FP16, FP16, 256, 8, 1, 128, "NHD", "single", True, {})]
+LEAN_D256 = [c for c in LEAN if c[2] == 256]
 LEAN += [(*c[:-1], {**c[-1], **M1, "tw": 16 if c[2] == 256 else 32}) for c in LEAN]
+LEAN += [(*c[:-1], {**c[-1], **D256X}) for c in LEAN_D256]
 
 
 def _ids(c):
