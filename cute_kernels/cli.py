@@ -138,7 +138,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layout", default="HND", help="HND or NHD")
     p.add_argument("--backend", default=None, help="a kernel id or 'reference' (default: planned automatically)")
     p.add_argument("--query-dtype", default="auto",
-                   help="auto, or fp8: a kernel that computes QK in FP8, opt-in ones included (default: auto)")
+                   help="auto, fp8: a kernel that computes QK in FP8, opt-in ones included, or fp8x2: the same on a "
+                        "two-term query (codes and residual) (default: auto)")
 
 
 @command("plan", "plan one attention call and explain the choice", _plan_args)

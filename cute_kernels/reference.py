@@ -35,6 +35,8 @@ Conventions shared by all ops
 - **LSE.** Base 2: ``lse = log2(sum_j 2^(logits_j · log2 e)) = logsumexp(logits) / ln 2`` of the
   scaled logits, fp32. A row that sees no KV has output 0 and lse ``-inf``.
 - **FP8 conversion.** ``saturate(round_to_nearest_even(x / scale))`` to float8_e4m3fn (±448).
+  A two-term FP8 query adds the residual ``lo = e4m3(x / scale - hi)`` of the codes ``hi``
+  (:func:`quantize_query` with ``residual=True``); the query is then ``(hi + lo) · q_scale``.
 """
 
 from __future__ import annotations
@@ -288,6 +290,22 @@ def _fold_sink(m, total, o, sink):
     return big, total * keep + extra, o * keep.unsqueeze(-1)
 
 
+def check_q_residual(q: Tensor, q_residual: Tensor | None, q_scale) -> None:
+    """``q_residual``: None, or float8_e4m3fn shaped like an FP8 ``q`` that has a ``q_scale``."""
+    if q_residual is None:
+        return
+    if not isinstance(q_residual, torch.Tensor):
+        raise TypeError(f"q_residual must be a float8_e4m3fn tensor or None, got {type(q_residual).__name__}")
+    if q.dtype != FP8 or q_scale is None:
+        raise ValueError("q_residual is the second term of an FP8 query: it needs a float8_e4m3fn q and its q_scale")
+    if q_residual.dtype != FP8:
+        raise TypeError(f"q_residual must be float8_e4m3fn, got {q_residual.dtype}")
+    if q_residual.shape != q.shape:
+        raise ValueError(f"q_residual must have q's shape {tuple(q.shape)}, got {tuple(q_residual.shape)}")
+    if q_residual.device != q.device:
+        raise ValueError(f"q_residual must be on q's device {q.device}, got {q_residual.device}")
+
+
 def prefill_spans(query_start_loc: torch.Tensor, num_tokens: int, max_query_len: int | None = None) -> list[int]:
     """``query_start_loc`` as a host list, checked: ``[0] == 0``, non-decreasing, ``[-1] == T``,
     every request's query length ``<= max_query_len`` when given (raises naming the index)."""
@@ -324,6 +342,7 @@ def paged_prefill(
     kv_chunk: int = PREFILL_KV_CHUNK,
     window_left: int = -1,
     sinks: torch.Tensor | None = None,
+    q_residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged prefill attention of a varlen batch (see the module docstring for the conventions).
 
@@ -345,6 +364,9 @@ def paged_prefill(
             ``p = seq_lens[b] - q_len_b + j``, sees only keys ``>= p - window_left`` (causal or not).
         sinks: fp32 ``[Hq]`` sink logits (natural log), as :func:`paged_decode`; a row that sees
             no key then gives 0 and LSE ``sinks[h] / ln 2``.
+        q_residual: a two-term FP8 query's second term (float8_e4m3fn shaped like ``q``, from
+            :func:`quantize_query` with ``residual=True``; an FP8 ``q`` and ``q_scale`` only): the
+            query is ``(q + q_residual) · q_scale``.
 
     Defined results for data a kernel cannot refuse without synchronizing: KV positions at or
     past the block table's capacity (``max_pages * page``) are not attended; an invalid page id
@@ -380,6 +402,7 @@ def paged_prefill(
     for name, n in (("q_chunk", q_chunk), ("kv_chunk", kv_chunk)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name} must be a positive int, got {n!r}")
+    check_q_residual(q, q_residual, q_scale)
     if q.dtype == FP8:
         if q_scale is None:
             raise ValueError("an FP8 query needs q_scale")
@@ -428,7 +451,10 @@ def paged_prefill(
             lo = max(0, L - n + j0 - window_left) if window_left >= 0 else 0
             if hi <= lo:
                 continue  # these rows see no KV: 0 and -inf (or the sink's LSE)
-            rows = (q[s + j0:s + j1].to(acc) * qs).view(j1 - j0, Hkv, group, D)
+            rows = q[s + j0:s + j1].to(acc)
+            if q_residual is not None:
+                rows = rows + q_residual[s + j0:s + j1].to(acc)
+            rows = (rows * qs).view(j1 - j0, Hkv, group, D)
             state = (torch.full((j1 - j0, Hkv, group), float("-inf"), dtype=acc, device=dev),
                      torch.zeros((j1 - j0, Hkv, group), dtype=acc, device=dev),
                      torch.zeros((j1 - j0, Hkv, group, D), dtype=acc, device=dev))
@@ -548,20 +574,43 @@ def rope_neox(q: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Ten
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], dim=-1)
 
 
-def quantize_query(q: torch.Tensor, q_scale: Scale, *, rope: Rope | None = None) -> torch.Tensor:
+def quantize_query(q: torch.Tensor, q_scale: Scale, *, rope: Rope | None = None,
+                   residual: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Quantize a bf16/fp16 query ``[T, Hq, D]`` (any strides) to float8_e4m3fn.
 
     ``q_scale``: a float or 1-element fp32 tensor (per tensor), or an fp32 ``[Hkv]`` tensor (per
     KV head: query head h uses ``q_scale[h // (Hq // Hkv)]``). ``rope``: optional
     ``(cos_sin_cache, positions)``; the query is first rotated in fp32 by :func:`rope_neox`, then
     quantized (the rotated fp32 values are divided by the scale, never rounded to q's dtype).
+    ``residual``: also return the second term ``lo = saturate(RNE(x - hi))`` of ``x = rope(q) /
+    q_scale`` (fp32; ``x - hi`` is exact), so that ``(hi + lo) · q_scale`` is the two-term query.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
     if rope is not None:
         q = rope_neox(q, *rope)
-    s = query_scale(q_scale, q.shape[1])
-    return quantize_fp8(q, s.view(1, -1, 1) if isinstance(s, torch.Tensor) and s.dim() else s)
+    x = _div_fp32(q, _per_head(query_scale(q_scale, q.shape[1])))
+    hi = x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return (hi, _residual_of(x, hi)) if residual else hi
+
+
+def _per_head(s: float | Tensor) -> float | Tensor:
+    return s.view(1, -1, 1) if isinstance(s, torch.Tensor) and s.dim() else s
+
+
+def _residual_of(x: Tensor, hi: Tensor) -> Tensor:
+    return (x - hi.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def query_residual(q: torch.Tensor, q_scale: Scale, hi: torch.Tensor, *, rope: Rope | None = None) -> torch.Tensor:
+    """The residual term of :func:`quantize_query` for given codes ``hi`` (on any device, in torch
+    ops without a host sync: the op's two-term path after the quantization kernel)."""
+    if rope is not None:
+        q = rope_neox(q, *rope)
+    s = _per_head(query_scale(q_scale, q.shape[1]))
+    if not isinstance(s, torch.Tensor):  # a fill on the device (a host copy would not capture)
+        s = torch.full((), s, dtype=torch.float32, device=q.device)
+    return _residual_of(_div_fp32(q, s), hi)
 
 
 def write_kv_cache(

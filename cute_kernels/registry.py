@@ -134,6 +134,7 @@ class KernelInfo:
     verified: str = ""
     hardware_runs: tuple[str, ...] = ()
     family: Callable[[str, str, int], str] | None = None
+    query_terms: int = 1  # 2: an FP8 query in two terms (codes and residual; query_dtype "fp8x2")
 
     def __post_init__(self):
         # Registry entries are code, so an inconsistent one is a bug caught at import time.
@@ -271,6 +272,16 @@ _ENTRIES = (
         description="SM90 varlen paged prefill with e4m3 WGMMA for QK and PV on a q_scale-quantized query "
                     "(V transposed on chip, P rounded to e4m3)",
         variants=sm90_prefill.fp8_query_compile_variants, **_SM90_PREFILL,
+    ),
+    # the two-term FP8 query of the prefill (paged_prefill(..., q_residual=); planned for query_dtype "fp8x2"):
+    # compile-verified, so the op self-checks each family before its first launch (docs/design/sm90-prefill.md#two-term-fp8-query-opt-in-q_terms2)
+    KernelInfo(
+        id=sm90_prefill.TWO_TERM_ID, kv_dtypes=("fp8_e4m3",), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
+        opt_in=True, query_terms=2,
+        description="SM90 varlen paged prefill with a two-term FP8 query (e4m3 codes and their e4m3 residual, "
+                    "both TMA'd; QK issued per term into one fp32 accumulator), otherwise sm90.prefill_fp8q",
+        variants=sm90_prefill.two_term_variants, family=lambda q, kv, d: f"{sm90_prefill.family(q, kv, d)}/two_term",
+        **{**_SM90_PREFILL, "status": "compile-verified"},
     ),
     # the window / sink variants of the prefill: picked by paged_prefill for window_left >= 0 or
     # sinks (not on a dispatcher list)

@@ -73,15 +73,22 @@ def kv_dtype_name(x: DTypeLike, model_dtype: str) -> str:
     return name
 
 
+FP8_TWO_TERMS = "fp8_e4m3x2"  # a two-term FP8 query: its e4m3 codes and their e4m3 residual
+
+
 def query_dtype_name(x: DTypeLike, argument: str = "query_dtype") -> str:
-    """A requested query dtype: ``"auto"`` (the one the chosen kernel takes) or ``"fp8_e4m3"``
-    (``"fp8"``, ``torch.float8_e4m3fn``...: a kernel that computes QK in FP8)."""
+    """A requested query dtype: ``"auto"`` (the one the chosen kernel takes), ``"fp8_e4m3"``
+    (``"fp8"``, ``torch.float8_e4m3fn``...: a kernel that computes QK in FP8) or
+    :data:`FP8_TWO_TERMS` (``"fp8x2"``: QK in FP8 on the query's codes and their residual)."""
     s = _spelling(x, argument)
     if s == "auto":
         return "auto"
+    if s in ("fp8x2", FP8_TWO_TERMS):
+        return FP8_TWO_TERMS
     if _KV_NAMES.get(s) == "fp8_e4m3":
         return "fp8_e4m3"
-    raise UnsupportedConfig(f"{argument}={x!r} is not supported; expected 'auto' or 'fp8' (float8_e4m3fn)")
+    raise UnsupportedConfig(f"{argument}={x!r} is not supported; expected 'auto', 'fp8' (float8_e4m3fn) or 'fp8x2' "
+                            "(a two-term FP8 query)")
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -37,7 +37,7 @@ from cute_kernels.registry import KERNELS, KV_LAYOUTS
 
 from . import warmup as _warmup
 from .arch import ArchLike, parse_arch
-from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, query_dtype_name, torch_dtype
+from .dtypes import FP8_TWO_TERMS, DTypeLike, kv_dtype_name, model_dtype_name, query_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
 from .planner import Plan, plan
 
@@ -158,7 +158,10 @@ class AttentionLayer:
             and ``q_scale``; refused (``UnsupportedConfig``) where no FP8-QK prefill kernel
             accepts the layer: at construction when ``arch`` is given, else at the first plan.
             Faster prefill at the error of an FP8 query:
-            docs/design/layer.md#fp8-query-prefill-opt-in.
+            docs/design/layer.md#fp8-query-prefill-opt-in. ``"fp8x2"``: the same with a two-term
+            query (the e4m3 codes and their e4m3 residual, ``quantize_query(..., residual=True)``;
+            on SM90 the opt-in ``sm90.prefill_fp8x2``, compile-verified only): about 1.5x the FP8
+            MMA work of ``"fp8"`` for an error near the BF16 query's in CPU emulation.
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, kv_cache_dtype: DTypeLike,
@@ -186,17 +189,21 @@ class AttentionLayer:
             raise UnsupportedConfig(f"sm_scale must be a positive finite float, got {sm_scale!r}")
         self.prefill_query_dtype = query_dtype_name(prefill_query_dtype, "prefill_query_dtype")
         self._plans: dict[tuple, Plan] = {}
-        if self.prefill_query_dtype == "fp8_e4m3":
+        if self.prefill_query_dtype != "auto":
             self._check_fp8_prefill()
 
+    @property
+    def _asked(self) -> str:
+        return "prefill_query_dtype='" + ("fp8x2" if self.prefill_query_dtype == FP8_TWO_TERMS else "fp8") + "'"
+
     def _check_fp8_prefill(self) -> None:
-        """What ``prefill_query_dtype="fp8"`` needs that the constructor knows: an FP8 cache, a
-        ``q_scale``, and (when ``arch`` is given) an FP8-QK prefill kernel that accepts the layer."""
+        """What ``prefill_query_dtype="fp8"`` / ``"fp8x2"`` needs that the constructor knows: an FP8
+        cache, a ``q_scale``, and (when ``arch`` is given) an FP8-QK prefill kernel that accepts the layer."""
         if self.kv_cache_dtype != "fp8_e4m3":
-            raise UnsupportedConfig(f"prefill_query_dtype='fp8' needs an FP8 KV cache (QK runs in FP8 only "
+            raise UnsupportedConfig(f"{self._asked} needs an FP8 KV cache (QK runs in FP8 only "
                                     f"against FP8 K); this layer's kv_cache_dtype is {self.kv_cache_dtype}")
         if self.q_scale is None:
-            raise UnsupportedConfig("prefill_query_dtype='fp8' quantizes the prefill rows' query with q_scale: "
+            raise UnsupportedConfig(f"{self._asked} quantizes the prefill rows' query with q_scale: "
                                     "pass q_scale= to AttentionLayer")
         if self.arch is not None:  # planned, not cached: the step's own plans come later
             self._plan_uncached(self.arch, "prefill", 1)
@@ -217,7 +224,7 @@ class AttentionLayer:
     def __repr__(self) -> str:
         return (f"AttentionLayer(Hq={self.num_q_heads}, Hkv={self.num_kv_heads}, D={self.head_dim}, "
                 f"kv={self.kv_cache_dtype}, model={self.model_dtype}, page={self.page_size}, {self.kv_layout}, "
-                f"arch={self.arch}" + (", prefill_query_dtype=fp8" if self.prefill_query_dtype != "auto" else "")
+                f"arch={self.arch}" + (", " + self._asked.replace("'", "") if self.prefill_query_dtype != "auto" else "")
                 + ")")
 
     # ------------------------------------------------------------------------------------------
@@ -260,7 +267,7 @@ class AttentionLayer:
         except UnsupportedConfig as e:
             if query == "auto":
                 raise
-            raise UnsupportedConfig(f"prefill_query_dtype='fp8': {e}") from None
+            raise UnsupportedConfig(f"{self._asked}: {e}") from None
 
     def plans_for(self, metadata: AttentionMetadata, *, arch: ArchLike | None = None,
                   device: torch.device | None = None) -> dict[str, Plan | None]:
@@ -355,7 +362,8 @@ class AttentionLayer:
         return out
 
     def _query_for(self, p: Plan, q):
-        """The query a phase's kernel takes, and the q_scale it applies (None if it applies none)."""
+        """The query a phase's kernel takes, the q_scale it applies (None if it applies none) and
+        the query's second term (None unless the kernel takes a two-term FP8 query)."""
         if p.quantize_query or p.applies_q_scale:
             if self.q_scale is None:
                 raise UnsupportedConfig(
@@ -365,8 +373,11 @@ class AttentionLayer:
             if p.quantize_query:
                 import cute_kernels
 
+                if KERNELS[p.kernel].query_terms == 2:
+                    q, lo = cute_kernels.quantize_query(q, self.q_scale, residual=True)
+                    return q, self.q_scale, lo
                 q = cute_kernels.quantize_query(q, self.q_scale)
-        return q, (self.q_scale if p.applies_q_scale else None)
+        return q, (self.q_scale if p.applies_q_scale else None), None
 
     def _decode(self, p: Plan, q, kv_cache, metadata: AttentionMetadata, out):
         import cute_kernels
@@ -379,7 +390,7 @@ class AttentionLayer:
         bt, sl = metadata.block_table, metadata.seq_lens
         if B != metadata.num_reqs:
             bt, sl = bt[:B], sl[:B]
-        q_in, q_scale = self._query_for(p, q)
+        q_in, q_scale, _ = self._query_for(p, q)  # no decode kernel takes a two-term query
         common = dict(kv_layout=self.kv_layout, q_len_per_req=metadata.q_len_per_req, sm_scale=self.sm_scale,
                       k_scale=self.k_scale, v_scale=self.v_scale)
         if op == "paged_decode":
@@ -413,9 +424,10 @@ class AttentionLayer:
         if not whole:
             q, out = q[nd:], out[nd:]
             bt, sl, qsl = bt[first:], sl[first:], qsl[first:] - nd
-        q_in, q_scale = self._query_for(p, q)  # the prefill rows only: decode rows keep their own query
+        q_in, q_scale, q_lo = self._query_for(p, q)  # the prefill rows only: decode rows keep their own query
         common = dict(max_query_len=metadata.max_query_len, kv_layout=self.kv_layout, sm_scale=self.sm_scale,
-                      q_scale=q_scale, k_scale=self.k_scale, v_scale=self.v_scale)
+                      q_scale=q_scale, k_scale=self.k_scale, v_scale=self.v_scale,
+                      **({} if q_lo is None else {"q_residual": q_lo}))
         if op == "reference.paged_prefill":
             out.copy_(reference.paged_prefill(q_in, kv_cache, bt, sl, qsl, out_dtype=out.dtype, **common))
         else:

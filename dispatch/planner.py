@@ -22,7 +22,7 @@ from cute_kernels.registry import FALLBACKS, KERNELS, KV_LAYOUTS, PHASES, Kernel
 
 from .arch import ArchLike, parse_arch
 from .capabilities import choice_note, kernels_for, opt_in_kernels
-from .dtypes import DTypeLike, kv_dtype_name, model_dtype_name, query_dtype_name, torch_dtype
+from .dtypes import FP8_TWO_TERMS, DTypeLike, kv_dtype_name, model_dtype_name, query_dtype_name, torch_dtype
 from .errors import UnsupportedConfig
 
 if TYPE_CHECKING:
@@ -267,34 +267,39 @@ def _explicit(req: _Request, backend: str) -> Plan:
     return _make_plan(k, req, f"{label} requested with backend={backend!r}", backend)
 
 
-def _fp8_query(req: _Request, backend: str | None) -> Plan:
-    """``query_dtype="fp8"``: the first kernel of the (arch, phase) row, then of its opt-in kernels,
-    that computes QK in FP8 for this cache and accepts the request (an opt-in FP8-query kernel such
-    as ``sm90.prefill_fp8q`` included: asking for an FP8 query is the opt-in). Never a kernel that
-    keeps the model-dtype query, never the reference: refused with each candidate's reason."""
+def _fp8_query(req: _Request, backend: str | None, terms: int = 1) -> Plan:
+    """``query_dtype="fp8"`` (``terms`` 1) or ``"fp8x2"`` (2: the query's e4m3 codes and their
+    residual): the first kernel of the (arch, phase) row, then of its opt-in kernels, that computes
+    QK in FP8 for this cache on a query of that many terms and accepts the request (an opt-in
+    FP8-query kernel such as ``sm90.prefill_fp8q`` included: asking for an FP8 query is the
+    opt-in). Never a kernel that keeps the model-dtype query, never the reference: refused with
+    each candidate's reason."""
+    asked = "query_dtype='fp8'" if terms == 1 else "query_dtype='fp8x2'"
     if req.kv_cache_dtype != "fp8_e4m3":
-        raise UnsupportedConfig(f"query_dtype='fp8' needs an FP8 KV cache (QK runs in FP8 only against FP8 K), "
+        raise UnsupportedConfig(f"{asked} needs an FP8 KV cache (QK runs in FP8 only against FP8 K), "
                                 f"got kv_cache_dtype {req.kv_cache_dtype}")
     if backend is not None and backend != "auto":
         p = _explicit(req, backend)
-        if p.q_dtype != "fp8_e4m3":
-            raise UnsupportedConfig(f"query_dtype='fp8' asks for a kernel that computes QK in FP8, but "
-                                    f"backend={backend!r} takes a {p.q_dtype} query")
+        if p.q_dtype != "fp8_e4m3" or KERNELS[p.kernel].query_terms != terms:
+            what = f"a {p.q_dtype} query" if p.q_dtype != "fp8_e4m3" else \
+                f"an FP8 query of {KERNELS[p.kernel].query_terms} term(s)"
+            raise UnsupportedConfig(f"{asked} asks for a kernel that computes QK in FP8 on a query of {terms} "
+                                    f"term(s), but backend={backend!r} takes {what}")
         return p
     rejected: list[tuple[str, str]] = []
     for kid in kernels_for(req.arch, req.phase)[:-1] + opt_in_kernels(req.arch, req.phase):
         k = KERNELS[kid]
-        if not k.computes_qk_in_fp8(req.kv_cache_dtype):
+        if not k.computes_qk_in_fp8(req.kv_cache_dtype) or k.query_terms != terms:
             continue
         why = refusal(k, _unmet(k, req)) or _runtime_refusal(k, req)
         if why is None:
             how = "an opt-in kernel; " if k.opt_in else ""
-            accepts = f"{k.id} accepts this request ({how}an FP8 query requested with query_dtype='fp8')"
+            accepts = f"{k.id} accepts this request ({how}an FP8 query requested with {asked})"
             return _make_plan(k, req, "; ".join(_joined(rejected) + [accepts]), None)
         rejected.append((k.id, why))
     why = "; ".join(_joined(rejected)) if rejected else \
-        f"no {req.phase} kernel computes QK in FP8 on {req.arch}"
-    raise UnsupportedConfig(f"query_dtype='fp8' cannot be served on {req.arch} {req.phase}: {why}")
+        f"no {req.phase} kernel computes QK in FP8 on {req.arch}" + (" with a two-term query" if terms == 2 else "")
+    raise UnsupportedConfig(f"{asked} cannot be served on {req.arch} {req.phase}: {why}")
 
 
 def plan(
@@ -330,6 +335,7 @@ def plan(
             that computes QK in FP8 on a query quantized with ``q_scale``, opt-in kernels included
             (``sm90.prefill_fp8q``); only for an FP8 cache, refused where no such kernel accepts
             the request (never served by a model-dtype-query kernel or the reference instead).
+            ``"fp8x2"``: the same with a two-term query (codes and residual, ``sm90.prefill_fp8x2``).
 
     Raises:
         UnsupportedConfig: a bad argument, an explicit backend that cannot serve the request, or
@@ -337,10 +343,11 @@ def plan(
     """
     req = _request(arch, phase, kv_cache_dtype, model_dtype, head_dim, num_q_heads, num_kv_heads, page_size,
                    q_len, kv_layout)
-    if query_dtype_name(query_dtype) == "fp8_e4m3":
+    query = query_dtype_name(query_dtype)
+    if query in ("fp8_e4m3", FP8_TWO_TERMS):
         if backend is not None and not isinstance(backend, str):
             raise UnsupportedConfig(f"backend must be a kernel id string or None, got {backend!r}")
-        return _fp8_query(req, backend)
+        return _fp8_query(req, backend, 2 if query == FP8_TWO_TERMS else 1)
     if backend is None or backend == "auto":
         return _auto(req)
     if not isinstance(backend, str):

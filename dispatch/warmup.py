@@ -28,6 +28,7 @@ from cute_kernels.plans import quantize_query as qq_plan
 from cute_kernels.plans import write_kv_cache as kv_plan
 from cute_kernels.plans.merge_states import MergeStatesConfig
 from cute_kernels.plans.sm100 import Sm100DecodeConfig
+from cute_kernels.plans.sm90_prefill import TWO_TERM_ID
 
 from .errors import UnsupportedConfig
 
@@ -133,7 +134,8 @@ def prefill_config(layer, p, kv_form: str = "single") -> KernelConfig:
                                head_dim=layer.head_dim, group=layer.num_q_heads // layer.num_kv_heads,
                                page_size=layer.page_size, kv_form=kv_form, kv_layout=layer.kv_layout, causal=True,
                                write_lse=False, k_scale_tensor=_is_tensor(layer.k_scale),
-                               v_scale_tensor=_is_tensor(layer.v_scale), q_scale=q_scale)
+                               v_scale_tensor=_is_tensor(layer.v_scale), q_scale=q_scale,
+                               **({"q_terms": 2} if p.kernel == TWO_TERM_ID else {}))
 
 
 def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,), kv_form: str = "single",
@@ -175,7 +177,7 @@ def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,),
         quantize |= p.quantize_query
         if q_scale_per_head(layer, p) and p.kernel == "sm100.prefill":  # no variant: the op runs the reference
             continue
-        if p.kernel in ("sm90.prefill", "sm90.prefill_fp8q", "sm80.prefill", "sm100.prefill") and \
+        if p.kernel in ("sm90.prefill", "sm90.prefill_fp8q", TWO_TERM_ID, "sm80.prefill", "sm100.prefill") and \
                 p.kernel not in prefill_kernels:
             prefill_kernels.add(p.kernel)
             out.append(prefill_config(layer, p, kv_form))

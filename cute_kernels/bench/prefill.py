@@ -5,6 +5,8 @@ skipped):
 - ``ours``: :func:`cute_kernels.paged_prefill` with the model-dtype query (FP8 caches: widened on
   chip); ``ours_fp8q``: the FP8-query kernel on a query quantized with a per-tensor ``q_scale``
   (FP8 caches only; the quantization is outside the timing, as a layer does it once per step);
+  ``ours_fp8x2``: the two-term FP8 query (``q_residual``: the residual of the same quantization,
+  ``sm90.prefill_fp8x2``), likewise;
 - ``fa4``: ``flash_attn.cute.flash_attn_varlen_func`` on contiguous K/V (non-paged); ``fa4_paged``:
   the same with a page table over a page-128 NHD copy of the cache (16-bit caches only: FA4 has no
   FP8 K/V on SM90);
@@ -50,7 +52,7 @@ SHAPES = [
     ("d64 B1 S8192", 1, 0, 8192, 32, 8, 64),
     ("d256 B1 S8192", 1, 0, 8192, 32, 8, 256),
 ]
-PEERS = ("ours_fp8q", "fa4", "fa4_paged", "fi", "sdpa")
+PEERS = ("ours_fp8q", "ours_fp8x2", "fa4", "fa4_paged", "fi", "sdpa")
 _FA4 = Peer("flash_attn", "flash-attn-4")
 # the library each peer needs (SDPA is torch's own; ours_fp8q is ours)
 PEER_LIBS = {"fa4": _FA4, "fa4_paged": _FA4, "fi": Peer("flashinfer", "flashinfer-python")}
@@ -77,7 +79,7 @@ class Problem:
         self.B, self.prefix, self.n, self.L = B, prefix, n, prefix + n
         self.sm_scale = D ** -0.5
         self.q_scale = float(c.q.float().abs().amax()) / 448
-        self.q8 = cute_kernels.quantize_query(c.q, self.q_scale) if fp8 else None
+        self.q8, self.q8_lo = cute_kernels.quantize_query(c.q, self.q_scale, residual=True) if fp8 else (None, None)
         self.ref = None if quick else reference.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens,
                                                               c.query_start_loc, **c.kwargs())
         self._dense = None
@@ -123,6 +125,20 @@ def ours_fp8q(pb: Problem):
     def fn():
         return cute_kernels.paged_prefill(pb.q8, c.kv_cache, c.block_table, c.seq_lens, c.query_start_loc,
                                           max_query_len=pb.n, q_scale=pb.q_scale, out=out, **c.kwargs())
+
+    return fn, out
+
+
+def ours_fp8x2(pb: Problem):
+    if pb.q8 is None:
+        raise NotImplementedError("the two-term FP8-query path needs an FP8 cache")
+    c = pb.case
+    out = torch.empty_like(c.q)
+
+    def fn():
+        return cute_kernels.paged_prefill(pb.q8, c.kv_cache, c.block_table, c.seq_lens, c.query_start_loc,
+                                          max_query_len=pb.n, q_scale=pb.q_scale, q_residual=pb.q8_lo, out=out,
+                                          **c.kwargs())
 
     return fn, out
 
@@ -207,7 +223,7 @@ def peer_sdpa(pb: Problem):
     return fn, None
 
 
-ENTRIES = {"ours": ours, "ours_fp8q": ours_fp8q, "fa4": peer_fa4, "fa4_paged": peer_fa4_paged, "fi": peer_fi,
+ENTRIES = {"ours": ours, "ours_fp8q": ours_fp8q, "ours_fp8x2": ours_fp8x2, "fa4": peer_fa4, "fa4_paged": peer_fa4_paged, "fi": peer_fi,
            "sdpa": peer_sdpa}
 
 
@@ -217,9 +233,10 @@ ENTRIES = {"ours": ours, "ours_fp8q": ours_fp8q, "fa4": peer_fa4, "fa4_paged": p
 
 
 def _self_check(pb: Problem, name: str) -> str:
-    """The self-check state of the kernel behind ``ours`` / ``ours_fp8q``; raises (the entry is
-    reported as skipped) when its family failed it: the reference served the call."""
-    kernel, q = ("sm90.prefill_fp8q", "fp8_e4m3") if name == "ours_fp8q" else ("sm90.prefill", "bf16")
+    """The self-check state of the kernel behind ``ours`` / ``ours_fp8q`` / ``ours_fp8x2``; raises
+    (the entry is reported as skipped) when its family failed it: the reference served the call."""
+    kernel, q = {"ours_fp8q": ("sm90.prefill_fp8q", "fp8_e4m3"), "ours_fp8x2": ("sm90.prefill_fp8x2", "fp8_e4m3")
+                 }.get(name, ("sm90.prefill", "bf16"))
     ok, text = self_check_state(kernel, q, "fp8_e4m3" if pb.kvn == "fp8" else "bf16", pb.case.meta["head_dim"])
     if not ok:
         raise RuntimeError(text)

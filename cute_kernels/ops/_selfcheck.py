@@ -108,7 +108,11 @@ def prefill_problem(config, reqs, g: torch.Generator, *, q_scale: str = "none", 
 
     q_scales = {"none": None, "scalar": 0.5, "tensor": torch.tensor([0.5]), "per_head": torch.tensor([0.5, 0.75])}
     sinks = torch.randn(Hq, generator=g) * 2 if config.sinks else None  # sinks of either sign
-    return dict(q=q, k=kv[:, 0] if config.kv_form == "pair" else kv, v=kv[:, 1] if config.kv_form == "pair" else kv,
+    # a two-term FP8 query's second term: e4m3 values a residual's size (drawn last: the other
+    # variants' problems stay as they were)
+    q_residual = ((torch.randn(q.shape, generator=g) / 16).to(q.dtype) if getattr(config, "q_terms", 1) == 2
+                  else None)
+    return dict(q_residual=q_residual, q=q, k=kv[:, 0] if config.kv_form == "pair" else kv, v=kv[:, 1] if config.kv_form == "pair" else kv,
                 block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32),
                 query_start_loc=torch.tensor(starts, dtype=torch.int32), q_scale=q_scales[q_scale],
                 k_scale=scale(0.9, config.k_scale_tensor), v_scale=scale(1.1, config.v_scale_tensor),
@@ -122,7 +126,7 @@ def prefill_expected(config, host: dict, max_query_len):
         host["q"], cache, host["block_table"], host["seq_lens"], host["query_start_loc"], max_query_len=max_query_len,
         kv_layout=config.kv_layout, causal=config.causal, q_scale=host["q_scale"], k_scale=host["k_scale"],
         v_scale=host["v_scale"], return_lse=config.write_lse, out_dtype=_TORCH[config.out_dtype],
-        window_left=host["window_left"], sinks=host["sinks"])
+        window_left=host["window_left"], sinks=host["sinks"], q_residual=host.get("q_residual"))
 
 
 def launch_prefill_now(fn, config, t: dict, max_query_len):

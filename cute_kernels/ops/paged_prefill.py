@@ -68,7 +68,7 @@ FP8 = torch.float8_e4m3fn
 
 # the caller's per-call parameters (ops._launch.bind), and where each signature name comes from
 _CALL_PARAMS = ("q", "k", "v", "block_table", "seq_lens", "query_start_loc", "out", "lse", "k_scale", "v_scale",
-                "q_scale", "max_query_len", "sinks", "window_left")
+                "q_scale", "max_query_len", "sinks", "window_left", "q_residual")
 _SOURCES = {"kv_cache": "k", "k_cache": "k", "v_cache": "v"}
 
 
@@ -116,7 +116,7 @@ def prefill_kernel(target: str, q_dtype: str, kv_dtype: str, group: int, backend
 
 
 def _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, q_scale, k_scale, v_scale, out,
-         return_lse, window_left=-1, sinks=None):
+         return_lse, window_left=-1, sinks=None, q_residual=None):
     """What selects the kernel: the query and cache geometry, the batch, the options (with their
     types: ``causal=1`` must reach the validation), the types of the k/v scales (a 1-element
     tensor of any rank goes to the kernel as a ``[1]`` view) and the shape of a tensor ``q_scale``
@@ -129,7 +129,8 @@ def _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, 
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             query_start_loc.shape, kv_layout, causal, type(causal), sm_scale, qs, type(k_scale), type(v_scale),
             None if out is None else out.dtype, return_lse, type(return_lse), _launcher.override_key,
-            window_left == -1, type(window_left), sinks is None, current_device() if q.is_cuda else -1)
+            window_left == -1, type(window_left), sinks is None, q_residual is None,
+            current_device() if q.is_cuda else -1)
 
 
 def _q_scale_kind(q, Hkv, q_scale) -> str:
@@ -146,7 +147,7 @@ def _q_scale_kind(q, Hkv, q_scale) -> str:
 
 
 def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-             q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None) -> _Launch:
+             q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None, q_residual=None) -> _Launch:
     """Full validation (clear errors naming the argument, the same for CPU and CUDA tensors) and
     kernel selection for one key."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
@@ -178,6 +179,10 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     ks_t = check_scale("k_scale", k_scale, device=device)
     vs_t = check_scale("v_scale", v_scale, device=device)
     q_scale_kind = _q_scale_kind(q, Hkv, q_scale)
+    reference.check_q_residual(q, q_residual, q_scale)
+    if q_residual is not None:
+        check_tensor("q_residual", q_residual, dtype=FP8, shape=(T, Hq, D), device=device)
+    two_term = q_residual is not None and info.id == "sm90.prefill_fp8q"  # no other kernel takes a second term
     scale = D ** -0.5 if sm_scale is None else sm_scale
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
@@ -207,6 +212,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     config: sm80.Sm80PrefillConfig | plan.Sm90PrefillConfig | sm100.Sm100PrefillConfig
     if info.id == _PORTABLE:
         config = sm80.make_prefill_config(target=target, **fields, **override)
+    elif q_residual is not None and not two_term:
+        return _Launch(None, (T, Hq, D), out_dtype, reference=True)  # e.g. SM100: no two-term variant
     elif info.id == sm100.KERNEL_ID and not sm100.takes(q.dtype, k.dtype, q_scale_kind):
         return _Launch(None, (T, Hq, D), out_dtype, reference=True)  # a per-KV-head q_scale: no variant takes it
     elif info.id == sm100.KERNEL_ID:
@@ -214,10 +221,11 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
                                    override=override, **fields)
     else:
         config = plan.make_prefill_config(out_dtype=dtype_name(out_dtype), q_scale=q_scale_kind, window=window_left != -1,
-                                          sinks=sinks is not None, **fields, **override)
+                                          sinks=sinks is not None, **fields, **override,
+                                          **({"q_terms": 2} if two_term else {}))
     # pointer and stride alignment, from the signature the kernel is compiled with (TMA wants 16 bytes)
     tensors = dict(q=q, kv_cache=k, k_cache=k, v_cache=v, block_table=block_table, seq_lens=seq_lens,
-                   query_start_loc=query_start_loc, out=out)
+                   query_start_loc=query_start_loc, out=out, q_residual=q_residual)
     for arg in config.signature():
         t = tensors.get(arg.name)
         if t is not None and getattr(arg, "align", 0) > t.element_size():
@@ -278,7 +286,7 @@ def _check_max_query_len(max_query_len, T: int, B: int) -> None:
 
 
 def _check_data(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-                q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None) -> None:
+                q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None, q_residual=None) -> None:
     """Checked mode (``CUTE_KERNELS_CHECK=1``): the data rules the kernel cannot refuse without
     synchronizing (docs/design/inputs.md#checked-mode)."""
     P, _, page = check_kv_cache(k, v, pair, kv_layout, q.shape[2])
@@ -289,12 +297,12 @@ def _check_data(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query
 
 
 def _reference(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-               q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None):
+               q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None, q_residual=None):
     out_dtype = (out.dtype if out is not None else torch.bfloat16) if q.dtype == FP8 else q.dtype
     res = reference.paged_prefill(q, (k, v) if pair else k, block_table, seq_lens, query_start_loc,
                                   max_query_len=max_query_len, kv_layout=kv_layout, causal=causal, sm_scale=sm_scale,
                                   q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
-                                  out_dtype=out_dtype, window_left=window_left, sinks=sinks)
+                                  out_dtype=out_dtype, window_left=window_left, sinks=sinks, q_residual=q_residual)
     res, lse = res if return_lse else (res, None)
     if out is not None:
         out.copy_(res)
@@ -310,19 +318,20 @@ _cache = _launcher  # the launch cache under the name the lab's host-cost probe 
 def paged_prefill(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
                   max_query_len: int | None = ..., kv_layout: str = ..., causal: bool = ..., sm_scale: float | None = ...,
                   q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., out: Tensor | None = ...,
-                  return_lse: Literal[False] = ..., window_left: int = ..., sinks: Tensor | None = ...) -> Tensor: ...
+                  return_lse: Literal[False] = ..., window_left: int = ..., sinks: Tensor | None = ...,
+                  q_residual: Tensor | None = ...) -> Tensor: ...
 @overload
 def paged_prefill(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
                   max_query_len: int | None = ..., kv_layout: str = ..., causal: bool = ..., sm_scale: float | None = ...,
                   q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., out: Tensor | None = ...,
                   return_lse: Literal[True], window_left: int = ...,
-                  sinks: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
+                  sinks: Tensor | None = ..., q_residual: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
 @overload
 def paged_prefill(q: Tensor, kv_cache: KVCache, block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
                   max_query_len: int | None = ..., kv_layout: str = ..., causal: bool = ..., sm_scale: float | None = ...,
                   q_scale: Scale | None = ..., k_scale: Scale = ..., v_scale: Scale = ..., out: Tensor | None = ...,
                   return_lse: bool, window_left: int = ...,
-                  sinks: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
+                  sinks: Tensor | None = ..., q_residual: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
 def paged_prefill(
     q: Tensor,
     kv_cache: KVCache,
@@ -341,6 +350,7 @@ def paged_prefill(
     return_lse: bool = False,
     window_left: int = -1,
     sinks: Tensor | None = None,
+    q_residual: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Varlen paged prefill attention with a BF16/FP16 or FP8 query and a BF16/FP16/FP8 KV cache.
 
@@ -371,21 +381,26 @@ def paged_prefill(
     ``sinks`` (fp32 ``[Hq]`` natural-log sink logits in each row's denominator) select the
     kernel's window / sink variants (available, verified on the H200 like the rest):
     docs/design/sm90-prefill.md#sliding-window-and-sinks.
+
+    ``q_residual`` (opt-in): the second term of a two-term FP8 query, float8_e4m3fn shaped like
+    ``q`` (``quantize_query(..., residual=True)``); the query is ``(q + q_residual) · q_scale``.
+    SM90 runs it on ``sm90.prefill_fp8x2`` (compile-verified: self-checked before its first
+    launch), other archs on the reference: docs/design/sm90-prefill.md#two-term-fp8-query-opt-in-q_terms2.
     """
     if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
         return _traced(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
-                       sm_scale, q_scale, k_scale, v_scale, out, return_lse, window_left, sinks)
+                       sm_scale, q_scale, k_scale, v_scale, out, return_lse, window_left, sinks, q_residual)
     k, v_part = cache_parts(kv_cache)
     pair, v = v_part is not None, k if v_part is None else v_part
     try:
         key = _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, q_scale, k_scale, v_scale,
-                   out, return_lse, window_left, sinks)
+                   out, return_lse, window_left, sinks, q_residual)
     except (AttributeError, TypeError):  # not tensors: the validation says what is wrong
         key = None
     launch = _launcher.entries.get(key)
     if launch is None or launch.reference:  # the argument tuple is built off the hot path only
         args = (q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
-                q_scale, k_scale, v_scale, out, return_lse, window_left, sinks)
+                q_scale, k_scale, v_scale, out, return_lse, window_left, sinks, q_residual)
         launch = launch or _launcher.lookup(key, args)
         if launch.reference:
             return _launcher.run_reference(args)
@@ -402,10 +417,10 @@ def paged_prefill(
     max_q = q.shape[0] if max_query_len is None else min(max_query_len, q.shape[0])
     try:
         launch.fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q, sinks,
-                  window_left)
+                  window_left, q_residual)
     except Exception:  # raises the error that names the argument
         _launcher.refused((q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
-                           sm_scale, q_scale, k_scale, v_scale, out, return_lse, window_left, sinks))
+                           sm_scale, q_scale, k_scale, v_scale, out, return_lse, window_left, sinks, q_residual))
         raise
     return out if lse is None else (out, lse)  # lse is None unless return_lse
 
@@ -417,12 +432,12 @@ def paged_prefill(
 
 def _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
          q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks,
-         out) -> Tensor:
+         q_residual, out) -> Tensor:
     res = paged_prefill(q, cache_of(k_cache, v_cache), block_table, seq_lens, query_start_loc,
                         max_query_len=max_query_len, kv_layout=kv_layout, causal=causal, sm_scale=sm_scale,
                         q_scale=q_scale_tensor if q_scale_tensor is not None else q_scale,
                         k_scale=scale_of(k_scale, k_scale_tensor), v_scale=scale_of(v_scale, v_scale_tensor), out=out,
-                        return_lse=return_lse, window_left=window_left, sinks=sinks)
+                        return_lse=return_lse, window_left=window_left, sinks=sinks, q_residual=q_residual)
     return res[1] if return_lse else no_lse(q)
 
 
@@ -431,17 +446,18 @@ def _paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], blo
                       query_start_loc: Tensor, max_query_len: Optional[int], kv_layout: str, causal: bool,
                       sm_scale: Optional[float], q_scale: Optional[float], q_scale_tensor: Optional[Tensor],
                       k_scale: float, k_scale_tensor: Optional[Tensor], v_scale: float, v_scale_tensor: Optional[Tensor],
-                      return_lse: bool, window_left: int, sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                      return_lse: bool, window_left: int, sinks: Optional[Tensor],
+                      q_residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     out = library.attention_out(q)
     lse = _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
                q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left,
-               sinks, out)
+               sinks, q_residual, out)
     return out, lse
 
 
 @_paged_prefill_op.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
-      q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks):
+      q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks, q_residual):
     return library.attention_out(q), library.attention_lse(q, return_lse)
 
 
@@ -451,24 +467,26 @@ def _paged_prefill_out_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor],
                           causal: bool, sm_scale: Optional[float], q_scale: Optional[float],
                           q_scale_tensor: Optional[Tensor], k_scale: float, k_scale_tensor: Optional[Tensor],
                           v_scale: float, v_scale_tensor: Optional[Tensor], return_lse: bool, window_left: int,
-                          sinks: Optional[Tensor], out: Tensor) -> Tensor:
+                          sinks: Optional[Tensor], q_residual: Optional[Tensor], out: Tensor) -> Tensor:
     return _run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
                 sm_scale, q_scale, q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse,
-                window_left, sinks, out)
+                window_left, sinks, q_residual, out)
 
 
 @_paged_prefill_out_op.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
-      q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks, out):
+      q_scale_tensor, k_scale, k_scale_tensor, v_scale, v_scale_tensor, return_lse, window_left, sinks, q_residual,
+      out):
     return library.attention_lse(q, return_lse)
 
 
 def _traced(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale, q_scale,
-            k_scale, v_scale, out, return_lse, window_left, sinks):
+            k_scale, v_scale, out, return_lse, window_left, sinks, q_residual=None):
     """:func:`paged_prefill` as torch.compile sees it (as :func:`..paged_decode._traced`)."""
     q_scales = (None, None) if q_scale is None else scale_parts(q_scale)
     args = (q, *cache_parts(kv_cache), block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
-            sm_scale, *q_scales, *scale_parts(k_scale), *scale_parts(v_scale), return_lse, window_left, sinks)
+            sm_scale, *q_scales, *scale_parts(k_scale), *scale_parts(v_scale), return_lse, window_left, sinks,
+            q_residual)
     if out is None:
         out, lse = _paged_prefill_op(*args)
     else:

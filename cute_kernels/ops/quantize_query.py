@@ -147,7 +147,9 @@ def quantize_query(
     *,
     out: Tensor | None = None,
     rope: Rope | None = None,
-) -> Tensor:
+    residual: bool = False,
+    residual_out: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Quantize a query to float8_e4m3fn: ``saturate(RNE(rope(q) / q_scale))``.
 
     Semantics are those of :func:`cute_kernels.reference.quantize_query` (bit-exact codes).
@@ -163,11 +165,18 @@ def quantize_query(
             ``cos_sin_cache`` ``[max_pos, rot_dim]`` (fp32 or q's dtype) holds cos in its first
             ``rot_dim / 2`` columns and sin in the rest (vLLM's layout); ``positions`` int32/int64
             ``[T]``. Dims ``>= rot_dim`` pass through unrotated.
+        residual: also return the two-term query's second term ``lo = saturate(RNE(x - hi))``
+            of ``x = rope(q) / q_scale`` (``paged_prefill(..., q_residual=lo)``). It is computed
+            with torch ops after the kernel (no host sync, so it captures in a CUDA graph too).
+        residual_out: optional float8_e4m3fn ``[T, Hq, D]`` for ``lo`` (with ``residual=True``).
 
     Returns:
-        ``out``. CPU tensors run the reference, and so do SM80/86 GPUs (no FP8 conversion
-        instructions; the dispatch layer never quantizes a query there).
+        ``out``, or ``(out, lo)`` with ``residual``. CPU tensors run the reference, and so do
+        SM80/86 GPUs (no FP8 conversion instructions; the dispatch layer never quantizes a
+        query there).
     """
+    if residual is not False or residual_out is not None:
+        return _two_terms(q, q_scale, out, rope, residual, residual_out)
     if compiling():  # torch.compile traces the registered op (the eager path never pays for it)
         return _traced(q, q_scale, out, rope)
     try:
@@ -190,6 +199,22 @@ def quantize_query(
             _launcher.refused((q, q_scale, out, rope))  # raises the error that names the argument
             raise
     return out
+
+
+def _two_terms(q, q_scale, out, rope, residual, residual_out) -> tuple[Tensor, Tensor]:
+    """``quantize_query(..., residual=True)``: the codes from the kernel (or the reference), the
+    residual from :func:`cute_kernels.reference.query_residual` (torch ops on q's device)."""
+    if residual is not True:
+        raise ValueError(f"residual must be True or False, got {residual!r}"
+                         + (" (residual_out needs residual=True)" if residual is False else ""))
+    hi = quantize_query(q, q_scale, out=out, rope=rope)  # validates q, q_scale, out and rope
+    if residual_out is not None:
+        check_tensor("residual_out", residual_out, dtype=FP8, shape=tuple(q.shape), device=q.device)
+    lo = reference.query_residual(q, q_scale, hi, rope=rope)
+    if residual_out is None:
+        return hi, lo
+    residual_out.copy_(lo)
+    return hi, residual_out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ __all__ = [
     "Sm90PrefillConfig", "make_prefill_config", "grid", "smem_bytes", "registry_id", "family", "compile_variants",
     "fp8_query_compile_variants", "prefill_variants", "CTAS_PER_SM", "persistent_ctas", "persistent_grid",
     "persistent_tile", "cta_walk", "persistent_variants", "PERSISTENT_ID", "EPILOGUES",
-    "EPILOGUE_ID", "epilogue_variants",
+    "EPILOGUE_ID", "epilogue_variants", "Q_TERMS", "TWO_TERM_ID", "two_term_variants",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -45,6 +45,10 @@ MAX_BATCH = hw.MAX_GRID_Y  # requests: the grid's z extent
 # how O leaves the consumers: 4-byte pairs from registers, or through a shared-memory tile in
 # 16-byte row chunks (opt-in: docs/design/sm90-prefill.md#epilogue-through-shared-memory-opt-in-epiloguesmem)
 EPILOGUES = ("registers", "smem")
+# terms of an FP8 query: its e4m3 codes alone, or those plus the e4m3 residual (q = (hi + lo) q_scale,
+# QK issued once per term into one accumulator; FP8 query only, opt-in:
+# docs/design/sm90-prefill.md#two-term-fp8-query-opt-in-q_terms2)
+Q_TERMS = (1, 2)
 
 # SM90 prefill with an FP8 cache: the exact BF16-query kernel (FP8 K/V widened on chip: the error of
 # the cache's quantization only) or the FP8-query kernel (e4m3 QK and PV; the layer quantizes the
@@ -110,6 +114,10 @@ class Sm90PrefillConfig(KernelConfig):
     ``epilogue``: how O is written (:data:`EPILOGUES`; ``"smem"`` opt-in). Both are available,
     verified by the GPU suite on the H200 like the default.
 
+    ``q_terms`` (FP8 query only, :data:`Q_TERMS`): 2 takes a ``q_residual`` argument (the e4m3
+    residual of the quantized query, same ``q_scale``) loaded by TMA next to the query, and issues
+    QK once per term into one accumulator (opt-in, compile-verified only).
+
     Features (:func:`feature_variants`): ``window`` takes a runtime
     ``window_left`` (-1: none) and walks only the KV tiles a block's rows see; ``sinks`` takes fp32
     ``[Hq]`` sink logits: docs/design/sm90-prefill.md#sliding-window-and-sinks.
@@ -139,6 +147,7 @@ class Sm90PrefillConfig(KernelConfig):
     sinks: bool = False
     persistent: bool = field(default=False, metadata=LABEL_IF_SET)
     epilogue: str = field(default="registers", metadata=LABEL_IF_SET)
+    q_terms: int = field(default=1, metadata=LABEL_IF_SET)
 
     kernel_id = "sm90.prefill"
     targets = ("sm_90a",)
@@ -165,6 +174,8 @@ class Sm90PrefillConfig(KernelConfig):
                 bad(f"a {self.q_dtype} query writes {self.q_dtype} output, got out_dtype={self.out_dtype}")
             if self.kv_dtype != "fp8_e4m3" and self.kv_dtype != self.q_dtype:
                 bad("a 16-bit KV cache must have the query's dtype")
+        if self.q_terms not in Q_TERMS or (self.q_terms > 1 and self.kind != "fp8"):
+            bad(f"q_terms must be one of {Q_TERMS}, and 2 only for an FP8 query, got {self.q_terms}")
         if self.head_dim not in HEAD_DIMS:
             bad(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
         if self.page_size not in PAGE_SIZES:
@@ -230,7 +241,16 @@ class Sm90PrefillConfig(KernelConfig):
         return {"sm_90a": ((f"wgmma.mma_async {name}", wgmma), (f"wgmma {name} with P from registers",
                                                                  wgmma + r" +\{[^}]*\}, *\{"),
                            ("TMA load", r"cp\.async\.bulk\.tensor"), ("mbarrier.try_wait", r"mbarrier\.try_wait"),
-                           *smem_epilogue)}
+                           *smem_epilogue, *self._two_term_evidence(wgmma))}
+
+    def _two_term_evidence(self, wgmma: str) -> tuple[tuple[str, str], ...]:
+        """Two terms: a QK group of both terms' SS WGMMAs (2 x D/32 of N ``tile_n``, shared-memory
+        descriptors for A) with no other WGMMA or commit between them."""
+        if self.q_terms == 1:
+            return ()
+        qk = wgmma.replace(r"m64n\d+", f"m64n{self.tile_n}") + r" +\{[^}]*\}, *%rd"
+        steps = self.q_terms * self.head_dim // 32
+        return (("QK group of both query terms", f"(?:{qk}(?:(?!wgmma\\.)[\\s\\S])*){{{steps}}}wgmma\\.commit_group"),)
 
     def signature(self):
         """Call arguments, in order (the op binds them by name)."""
@@ -242,8 +262,10 @@ class Sm90PrefillConfig(KernelConfig):
         elif self.q_scale == "per_head":
             q_scale = (TensorArg("q_scale", "fp32", ("Hkv",), align=4),)
         lse = (TensorArg("lse", "fp32", ("T", "Hq"), align=4),) if self.write_lse else ()
+        residual = (TensorArg("q_residual", self.q_dtype, ("T", "Hq", D)),) if self.q_terms == 2 else ()
         return (
             TensorArg("q", self.q_dtype, ("T", "Hq", D)),  # TMA: 16-byte aligned base and strides
+            *residual,
             *caches,
             TensorArg("block_table", "int32", ("B", "W"), align=4),
             TensorArg("seq_lens", "int32", ("B",), align=4),
@@ -272,7 +294,7 @@ def smem_bytes(cfg: Sm90PrefillConfig) -> int:
     D, n = cfg.head_dim, cfg.tile_n
     mma_bytes = 1 if cfg.kind == "fp8" else 2
     kv_bytes = 1 if cfg.kv_dtype == "fp8_e4m3" else 2
-    q = TILE_M * D * mma_bytes
+    q = TILE_M * D * mma_bytes * cfg.q_terms
     consumer_stages = cfg.stages * 2 * n * D * mma_bytes  # K and V (or V^T) of each stage
     staging = cfg.staging * (2 if cfg.kind == "widen" else 1) * n * D * kv_bytes  # FP8: K+V, or V only
     return q + consumer_stages + staging + SMEM_RESERVE
@@ -389,7 +411,8 @@ def registry_id(q_dtype: str, kv_dtype: str) -> str:
 def config_family(config: Sm90PrefillConfig) -> str:
     """A variant's self-check family: :func:`family`, and its window / sink features, its
     persistent schedule or its shared-memory epilogue if any."""
-    features = "+".join(name for name, on in (("window", config.window), ("sinks", config.sinks),
+    features = "+".join(name for name, on in (("two_term", config.q_terms == 2),
+                                              ("window", config.window), ("sinks", config.sinks),
                                               ("persistent", config.persistent),
                                               ("smem_epilogue", config.epilogue == "smem")) if on)
     base = family(config.q_dtype, config.kv_dtype, config.head_dim)
@@ -398,6 +421,8 @@ def config_family(config: Sm90PrefillConfig) -> str:
 
 def check_registry_id(config: Sm90PrefillConfig) -> str:
     """The registry entry whose status says whether ``config`` still needs its self-check."""
+    if config.q_terms == 2:  # compile-verified: its check runs whatever else the variant has
+        return TWO_TERM_ID
     if config.persistent:
         return PERSISTENT_ID
     if config.epilogue == "smem":
@@ -408,6 +433,7 @@ def check_registry_id(config: Sm90PrefillConfig) -> str:
 FEATURES_ID = "sm90.prefill_window_sinks"
 PERSISTENT_ID = "sm90.prefill_persistent"
 EPILOGUE_ID = "sm90.prefill_smem_epilogue"
+TWO_TERM_ID = "sm90.prefill_fp8x2"
 
 
 def family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
@@ -464,6 +490,19 @@ def fp8_query_compile_variants() -> list[Sm90PrefillConfig]:
         _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar"),
         _variant("fp8_e4m3", "fp8_e4m3", 64, 8, 128, q_scale="tensor", kv_form="pair", kv_layout="NHD"),
         _variant("fp8_e4m3", "fp8_e4m3", 256, 4, 16, q_scale="per_head", out_dtype="fp16", write_lse=False),
+    ]
+
+
+def two_term_variants() -> list[Sm90PrefillConfig]:
+    """The two-term FP8 query's compile matrix (registry id ``sm90.prefill_fp8x2``): each head dim
+    at its default tiling (every one fits shared memory: Q doubles to 16 / 32 / 64 KB), each
+    ``q_scale`` form, both containers and layouts, causal and not, with and without LSE."""
+    return [
+        _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar", q_terms=2),
+        _variant("fp8_e4m3", "fp8_e4m3", 64, 8, 128, q_scale="tensor", kv_form="pair", kv_layout="NHD",
+                 causal=False, q_terms=2),
+        _variant("fp8_e4m3", "fp8_e4m3", 256, 4, 16, q_scale="per_head", out_dtype="fp16", write_lse=False,
+                 q_terms=2),
     ]
 
 

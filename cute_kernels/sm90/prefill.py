@@ -17,6 +17,8 @@ or not, on WGMMA with K/V pages loaded by TMA. Config, limits and grid:
   head) tiles longest first; the pipeline's stages and phases run on from tile to tile.
 - ``epilogue="smem"`` (opt-in): O goes to global memory through a shared-memory tile that is free
   by then, in 16-byte row chunks (:mod:`..roles.o_tile_store`).
+- ``q_terms=2`` (opt-in, FP8 query): the query's e4m3 residual is TMA'd next to it (the query
+  buffer holds both terms) and each tile's QK group issues both terms into one S accumulator.
 """
 
 import math
@@ -89,6 +91,7 @@ class Sm90PagedPrefill:
         self.mma_dtype = cute_dtype(cfg.mma_dtype)
         self.out_dtype = cute_dtype(cfg.out_dtype)
         self.narrow_q = self.kind == "widen" and cfg.q_dtype == "bf16"
+        self.q_terms = cfg.q_terms
         self.k_tiles = PagedTiles(cfg.tile_n, cfg.box, cfg.page_size, cfg.head_dim, token_major=True)
         self.v_tiles = PagedTiles(cfg.tile_n, cfg.box, cfg.page_size, cfg.head_dim, token_major=self.kind != "16")
 
@@ -116,6 +119,11 @@ class Sm90PagedPrefill:
         q_box = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.mma_m, n, D), self.q_dtype, 1),
                             (None, None, 0))
         tma_q, tma_tQ = box_atom(mQv, q_box, (self.mma_m, D))
+        residual = ()
+        if const_expr(self.q_terms == 2):  # the residual term: the query's layout, its own tensor map
+            mQ2 = arg["q_residual"]
+            residual = box_atom(cute.make_tensor(mQ2.iterator, cute.select(mQ2.layout, mode=[0, 2, 1])), q_box,
+                                (self.mma_m, D))
         k_box = cute.slice_(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.mma_m, box, D), self.kv_dtype, 1),
                             (None, None, 0))
         tma_k, tma_tK = box_atom(mK, k_box, (box, D))
@@ -144,6 +152,7 @@ class Sm90PagedPrefill:
             arg.get("q_scale"), arg["sm_scale"], qk_mma, pv_mma, L["q"], L["k"], L["v"], L.get("ks"), L.get("vs"),
             arg.get("sinks"), arg.get("window_left"),  # the window / sink variants' inputs (else None)
             *sched,  # the persistent variant's tile count (else None)
+            *residual,  # the two-term query's residual (tensor map, coordinates)
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def mmas(self):
@@ -163,7 +172,8 @@ class Sm90PagedPrefill:
         ``ks`` / ``vs`` the FP8 staging tiles (tile_n, D, staging) as TMA writes them."""
         D, n, dt = self.D, self.tile_n, self.mma_dtype
         q_store = self.q_dtype if self.kind != "widen" else cute_dtype("fp16")  # narrowed in place
-        L = dict(q=sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.mma_m, n, D), q_store, 2),
+        # two 64-row halves per query term (q_terms = 2: hi halves, then lo halves)
+        L = dict(q=sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.mma_m, n, D), q_store, 2 * self.q_terms),
                  k=sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.mma_m, n, D), dt, self.stages))
         if const_expr(self.kind == "fp8"):
             L["v"] = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.mma_m, D, n), dt, self.stages)
@@ -213,13 +223,15 @@ class Sm90PagedPrefill:
     def kernel(self, tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages: Int32, mBlockTable: cute.Tensor,
                mSeqLens: cute.Tensor, mQsl: cute.Tensor, total_rows: Int32, mO: cute.Tensor, mLse, k_scale, v_scale,
                q_scale, sm_scale: Float32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, lq, lk, lv, lks, lvs,
-               mSinks, window_left, m_blocks, num_q_heads):
+               mSinks, window_left, m_blocks, num_q_heads, tma_q2=None, mQ2t=None):
         cfg = self.cfg
         L = dict(q=lq, k=lk, v=lv, ks=lks, vs=lvs)
         scales = (k_scale, v_scale, q_scale, sm_scale)
         tidx, _, _ = cute.arch.thread_idx()
         rows = (mQsl, mSeqLens, mBlockTable, total_rows, window_left)
         kv = (tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable)
+        if const_expr(self.q_terms == 2):
+            kv = kv + (tma_q2, mQ2t)
         if const_expr(not cfg.persistent):
             head, grid_y, batch = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -282,14 +294,14 @@ class Sm90PagedPrefill:
     @cute.jit
     def produce(self, kv, storage, L, req, tidx, warp, win, sched=None):
         """The producer warpgroup's work on one tile (warp 0 alone for a 16-bit cache)."""
-        tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable = kv
+        tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable = kv[:8]
         if const_expr(self.kind == "16"):
             if warp == 0:
                 self.produce_direct(tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable, storage, L, req, win,
                                     sched)
         else:
             self.produce_rewrite(tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable, storage, L, req, tidx,
-                                 warp, win, sched)
+                                 warp, win, sched, kv[8:])
 
     @cute.jit
     def persistent_ctas(self, kv, rows, storage, L, scales, qk_mma, pv_mma, mO, mLse, mSinks, tidx, m_blocks,
@@ -329,20 +341,22 @@ class Sm90PagedPrefill:
     # ---- producer ------------------------------------------------------------------------------
 
     @cute.jit
-    def load_q(self, tma_q, mQt, sQ, bar, req, q_it=None):
+    def load_q(self, tma_q, mQt, sQ, bar, req, q_it=None, residual=()):
         """Both 64-row halves of the query block (rows past the tensor are zero-filled; rows of the
         next request are loaded and never stored). ``q_it``: a persistent CTA's query blocks so far
-        (the buffer is reused once both consumers release it: ``bar + 1``)."""
+        (the buffer is reused once both consumers release it: ``bar + 1``). ``residual``: the
+        two-term query's ``(tma, coordinates)``, whose halves follow the query's in the buffer."""
         batch, q_start, q_len, seq_len, cap, m_block, n_max, n_unmasked, head, kv_head = req
         if const_expr(q_it is not None):
             cute.arch.mbarrier_wait(bar + 1, (q_it % 2) ^ 1)
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tile_m * self.D * self.q_dtype.width // 8)
-        gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQt[None, None, head]), (self.mma_m, self.D), (None, 0))
-        tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                                      cute.group_modes(gQ, 0, 2))
-        for h in cutlass.range_constexpr(2):
-            cute.copy(tma_q, tQgQ[None, 2 * m_block + h], tQsQ[None, h], tma_bar_ptr=bar)
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.q_terms * self.tile_m * self.D * self.q_dtype.width // 8)
+        for t, (tma, mt) in enumerate(((tma_q, mQt), *((residual,) if const_expr(len(residual)) else ()))):
+            gQ = cute.local_tile(cute.domain_offset((q_start, 0), mt[None, None, head]), (self.mma_m, self.D), (None, 0))
+            tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                                          cute.group_modes(gQ, 0, 2))
+            for h in cutlass.range_constexpr(2):
+                cute.copy(tma, tQgQ[None, 2 * m_block + h], tQsQ[None, 2 * t + h], tma_bar_ptr=bar)
 
     @cute.jit
     def produce_direct(self, tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable, storage, L, req, win=None,
@@ -389,8 +403,9 @@ class Sm90PagedPrefill:
 
     @cute.jit
     def produce_rewrite(self, tma_q, mQt, tma_k, mKt, tma_v, mVt, num_pages, mBlockTable, storage, L, req, tidx,
-                        warp, win=None, sched=None):
-        """FP8 cache, the whole warpgroup: warp 0 TMAs the query and each tile's FP8 K and V (FP8
+                        warp, win=None, sched=None, residual=()):
+        """FP8 cache, the whole warpgroup: warp 0 TMAs the query (``residual``: and its second
+        term's) and each tile's FP8 K and V (FP8
         query: K straight into its consumer stage, V into staging) ``staging`` tiles ahead; all
         four warps then rewrite each staged tile into the consumers' stage (widen K and V, or
         transpose V), publish it (proxy fence + arrival) and free the staging slot. ``sched``: a
@@ -417,7 +432,7 @@ class Sm90PagedPrefill:
             tKs, tKg = self.k_tiles.partition(tma_k, mKt, sK, kv_head)
         tVs, tVg = self.v_tiles.partition(tma_v, mVt, sVs, kv_head)
         if warp == 0:
-            self.load_q(tma_q, mQt, sQ, storage.q_full.data_ptr(), req, q_it)
+            self.load_q(tma_q, mQt, sQ, storage.q_full.data_ptr(), req, q_it, residual)
             for i in cutlass.range(cutlass.min(self.staging, count), unroll=1):
                 self.issue_staged(tma_k, tKg, tKs, tma_v, tVg, tVs, mBlockTable, batch, n_max - 1 - i, _at(i, base), cap,
                                   num_pages, lane, s_full, k_full, k_empty, tile_bytes, lo)
@@ -533,6 +548,8 @@ class Sm90PagedPrefill:
                   acc_s=acc_s, acc_o=acc_o, cS0=cS0, cO0=cO0, row_max=row_max, row_sum=row_sum, limit=limit,
                   pmap=pmap, p_kind=p_kind, n_off=n_off, v_base=storage.sV.data_ptr().toint(), v_layout=L["v"],
                   tid=tid, wg=wg)
+        if const_expr(self.q_terms == 2):
+            st["tSrQ2"] = tSrQ[None, None, None, 2 + wg]  # the residual term's half
         if const_expr(win is not None):
             st["lower"] = softmax.row_lower(m_off, j_first, q_len, seq_len, win[3])
             st["lo_last"] = win[2]
@@ -638,7 +655,8 @@ class Sm90PagedPrefill:
 
     @cute.jit
     def issue_qk(self, st, i):
-        """S = Q K^T of the i-th tile walked (a pipeline index), committed as one group."""
+        """S = Q K^T of the i-th tile walked (a pipeline index), committed as one group (two query
+        terms: S = hi K^T + lo K^T, both in the group)."""
         qk_mma = st["qk_mma"]
         first = cute.make_mma_atom(qk_mma.op)
         first.set(warpgroup.Field.ACCUMULATE, False)
@@ -649,6 +667,10 @@ class Sm90PagedPrefill:
         for kb in cutlass.range_constexpr(cute.size(st["tSrQ"].shape[2])):
             cute.gemm(first if kb == 0 else rest, st["acc_s"], st["tSrQ"][None, None, kb],
                       st["tSrK"][None, None, kb, stage], st["acc_s"])
+        if const_expr(self.q_terms == 2):
+            for kb in cutlass.range_constexpr(cute.size(st["tSrQ2"].shape[2])):
+                cute.gemm(rest, st["acc_s"], st["tSrQ2"][None, None, kb], st["tSrK"][None, None, kb, stage],
+                          st["acc_s"])
         warpgroup.commit_group()
 
     @cute.jit
