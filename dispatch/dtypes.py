@@ -87,7 +87,7 @@ def query_dtype_name(x: DTypeLike, argument: str = "query_dtype") -> str:
         return FP8_TWO_TERMS
     if _KV_NAMES.get(s) == "fp8_e4m3":
         return "fp8_e4m3"
-    raise UnsupportedConfig(f"{argument}={x!r} is not supported; expected 'auto', 'fp8' (float8_e4m3fn) or 'fp8x2' "
+    raise UnsupportedConfig(f"{argument}={x!r} is not supported; expected 'auto' or 'fp8' (float8_e4m3fn), or 'fp8x2' "
                             "(a two-term FP8 query)")
 
 

@@ -27,8 +27,8 @@ from cute_kernels.plans import hw, sm80, sm90_decode, sm100
 from cute_kernels.plans import quantize_query as qq_plan
 from cute_kernels.plans import write_kv_cache as kv_plan
 from cute_kernels.plans.merge_states import MergeStatesConfig
-from cute_kernels.plans.sm100 import Sm100DecodeConfig
 from cute_kernels.plans.sm90_prefill import TWO_TERM_ID
+from cute_kernels.plans.sm100 import Sm100DecodeConfig
 
 from .errors import UnsupportedConfig
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import traceback
+from functools import partial
 
 import torch
 
@@ -116,29 +117,17 @@ def ours(pb: Problem):
     return fn, out
 
 
-def ours_fp8q(pb: Problem):
+def ours_fp8q(pb: Problem, two_terms: bool = False):
+    """The FP8-query kernel; ``two_terms``: with the query's residual (``sm90.prefill_fp8x2``)."""
     if pb.q8 is None:
         raise NotImplementedError("the FP8-query path needs an FP8 cache")
     c = pb.case
     out = torch.empty_like(c.q)
+    residual = dict(q_residual=pb.q8_lo) if two_terms else {}
 
     def fn():
         return cute_kernels.paged_prefill(pb.q8, c.kv_cache, c.block_table, c.seq_lens, c.query_start_loc,
-                                          max_query_len=pb.n, q_scale=pb.q_scale, out=out, **c.kwargs())
-
-    return fn, out
-
-
-def ours_fp8x2(pb: Problem):
-    if pb.q8 is None:
-        raise NotImplementedError("the two-term FP8-query path needs an FP8 cache")
-    c = pb.case
-    out = torch.empty_like(c.q)
-
-    def fn():
-        return cute_kernels.paged_prefill(pb.q8, c.kv_cache, c.block_table, c.seq_lens, c.query_start_loc,
-                                          max_query_len=pb.n, q_scale=pb.q_scale, q_residual=pb.q8_lo, out=out,
-                                          **c.kwargs())
+                                          max_query_len=pb.n, q_scale=pb.q_scale, out=out, **residual, **c.kwargs())
 
     return fn, out
 
@@ -223,7 +212,7 @@ def peer_sdpa(pb: Problem):
     return fn, None
 
 
-ENTRIES = {"ours": ours, "ours_fp8q": ours_fp8q, "ours_fp8x2": ours_fp8x2, "fa4": peer_fa4, "fa4_paged": peer_fa4_paged, "fi": peer_fi,
+ENTRIES = {"ours": ours, "ours_fp8q": ours_fp8q, "ours_fp8x2": partial(ours_fp8q, two_terms=True), "fa4": peer_fa4, "fa4_paged": peer_fa4_paged, "fi": peer_fi,
            "sdpa": peer_sdpa}
 
 

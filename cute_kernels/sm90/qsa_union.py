@@ -1,7 +1,7 @@
 """Row-tile union pre-pass of the QSA sparse prefill: per tile of R consecutive query rows, the
 sorted union of their selected tokens and, per row, which union entries it selected.
 
-Contract: ``cute_kernels.reference.qsa_union_reference``. A prefill kernel that processes R rows
+Contract: ``cute_kernels.reference_qsa_union.qsa_union_reference``. A prefill kernel that processes R rows
 per CTA gathers this union once instead of R separate lists; a tile it cannot represent gets
 ``length = -1`` (mixed requests, a row listing a token twice, a union larger than the cap) and is
 then served from the rows' own lists.

@@ -35,6 +35,7 @@ LAYER_OF = {
     "cute_kernels": "ops",  # the package facade (public ops resolved lazily through the registry)
     "cute_kernels.ops": "ops",
     "cute_kernels.reference": "ops",
+    "cute_kernels.reference_qsa_union": "ops",
     "cute_kernels.testing": "ops",
     "cute_kernels.warmup": "ops",
     "cute_kernels.qsa_warmup": "ops",

@@ -177,6 +177,7 @@ def test_matrix_names_a_kernel_in_every_cell(arch):
 
 def test_registry_ids_and_statuses():
     assert set(kernels_on("attention")) == {"sm90.decode", "sm90.decode_fp8q", "sm90.prefill", "sm90.prefill_fp8q",
+                                            "sm90.prefill_fp8x2",
                                             "sm100.decode", "sm100.prefill", "sm80.decode", "sm80.prefill",
                                             "reference.paged_decode", "reference.paged_prefill"}
     for kid in ("sm80.decode", "sm80.prefill"):

@@ -87,7 +87,7 @@ def test_matrix_shows_sm90_prefill_served_by_the_kernel(capsys):
     table = {(r["arch"], r["phase"]): r for r in capabilities.capability_table()}
     assert [k["id"] for k in table["sm90", "prefill"]["kernels"]] == ["sm90.prefill", "sm80.prefill",
                                                                        "reference.paged_prefill"]
-    assert [k["id"] for k in table["sm90", "prefill"]["opt_in"]] == ["sm90.prefill_fp8q"]
+    assert [k["id"] for k in table["sm90", "prefill"]["opt_in"]] == ["sm90.prefill_fp8q", "sm90.prefill_fp8x2"]
 
 
 @pytest.mark.parametrize("kv,model", [("bf16", "bf16"), ("fp16", "fp16"), ("fp8", "bf16"), ("fp8", "fp16")])

@@ -1,4 +1,4 @@
-"""The QSA row-tile union pre-pass: its reference (``reference.qsa_union_reference``) on
+"""The QSA row-tile union pre-pass: its reference (``reference_qsa_union.qsa_union_reference``) on
 hand-built known answers and against a plain-Python formula, a plain-Python model of the SM90
 kernel's algorithm (iteration split, sinks, scan, duplicate count) against the reference, and
 the kernel's compile for sm_90a (shared-memory atomics and popcounts in the PTX, no local memory,
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cute_kernels.plans.sm90_qsa_union import QsaUnionConfig
-from cute_kernels.reference import qsa_union_reference
+from cute_kernels.reference_qsa_union import qsa_union_reference
 
 
 def _packed(rows: list[list[int]], width: int, counts: list[int] | None = None) -> torch.Tensor:

@@ -127,7 +127,7 @@ def test_every_op_is_registered_with_its_schema():
     assert schemas["paged_decode"].endswith("-> (Tensor, Tensor)")
     assert "float? q_scale, Tensor? q_scale_tensor, SymInt window_left, Tensor? sinks" in schemas["paged_decode"]
     assert "Tensor(a19!)? workspace, Tensor(a20!) out) -> Tensor" in schemas["paged_decode_out"]
-    assert "SymInt window_left, Tensor? sinks) -> (Tensor, Tensor)" in schemas["paged_prefill"]
+    assert "SymInt window_left, Tensor? sinks, Tensor? q_residual) -> (Tensor, Tensor)" in schemas["paged_prefill"]
     assert "Tensor(a2!) k_cache, Tensor(a3!)? v_cache" in schemas["write_kv_cache"]
     assert "Tensor? cos_sin_cache, Tensor? positions" in schemas["quantize_query"]
     assert "Tensor(a2!) out, Tensor(a3!) out_lse" in schemas["merge_states_out"]
@@ -273,9 +273,9 @@ def _opcheck_cases(x: SimpleNamespace) -> dict:
                              None, True, None, None, 4, x.sinks, None, torch.empty_like(x.q)),
         "paged_decode_fp8_query": (q8, x.kv.clone(), None, x.block_table, x.seq_lens, "HND", 1, None, 1.0, None, 1.0,
                                    None, True, None, True, 1.0, x.q_scale[:1].clone(), -1, x.sinks, None),
-        "paged_prefill": (*pre_args, None, "HND", True, None, None, None, 1.0, None, 1.0, None, True, -1, None),
+        "paged_prefill": (*pre_args, None, "HND", True, None, None, None, 1.0, None, 1.0, None, True, -1, None, None),
         "paged_prefill_out": (*pre_args, 4, "HND", False, 0.2, None, None, 0.5, x.k_scale, 1.0,
-                              None, False, 8, x.sinks, torch.empty_like(pre["q"])),
+                              None, False, 8, x.sinks, None, torch.empty_like(pre["q"])),
         "qsa_sparse_attention": qsa_args,
         "qsa_sparse_attention_out": (*qsa_args, torch.empty_like(qsa["q"])),
         "quantize_query": (x.q, 0.25, None, x.cos_sin, x.positions),

@@ -35,17 +35,34 @@ def _dense(cache, table, L, page):
     ("serve", 0, 1024, 8, 1),       # bench serve's inputs: N(0,1) q, k, v; logits of sigma 1
     ("serve", 3584, 512, 8, 1),
 ])
-def test_fp8_query_error_is_the_emulated_one(dist, prefix, n, Hq, Hkv, prefill_kernel_only, request):
-    seed = stable_seed(request.node.nodeid)
-    g = torch.Generator().manual_seed(seed)  # CPU generator: the same inputs on any GPU
-    D, L = 128, prefix + n
-    k_scale, v_scale = 1 / 16, 1 / 32
+def emulation_case(dist, prefix, n, Hq, Hkv, seed, D=128, k_scale=1 / 16, v_scale=1 / 32):
+    """One request of the bench prefill's inputs (``dist="bench"``) or the serve bench's (N(0,1)
+    keys and values written with the same scales), from a CPU generator (the same on any GPU)."""
+    g = torch.Generator().manual_seed(seed)
     c = make_paged_prefill_case(reqs=[(prefix, n)], num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=PAGE,
                                 kv_dtype=FP8, k_scale=k_scale, v_scale=v_scale, poison_tail=False, generator=g)
     if dist == "serve":  # write_kv_cache of N(0,1) bf16 keys and values
         for i, s in ((0, k_scale), (1, v_scale)):
             x = torch.randn(c.kv_cache[:, i].shape, generator=g).to(torch.bfloat16).double()
             c.kv_cache[:, i] = F.e4m3(x / s).to(FP8).to(c.kv_cache.device)
+    return c
+
+
+def emulate(c, dist, prefix, L, Hkv, variant, k_scale=1 / 16, v_scale=1 / 32):
+    """``(exact, codes, emulated)``: the exact attention of request 0 of :func:`emulation_case`'s
+    ``c`` on its unquantized query, the emulated query codes of ``variant`` and its emulated output."""
+    k8, v8 = _dense(c.kv_cache[:, 0], c.block_table, L, PAGE), _dense(c.kv_cache[:, 1], c.block_table, L, PAGE)
+    pb = F.Problem(dist, [], k_scale, v_scale, c.q.shape[2] ** -0.5, 128)
+    q = c.q.double().cpu()
+    var = F.VARIANTS[variant]
+    ((codes, scale),) = F.quantize_q([q], var, Hkv)
+    return F.exact(q, k8, v8, prefix, pb), codes, F.attend(codes, scale, k8, v8, prefix, pb, var)
+
+
+def test_fp8_query_error_is_the_emulated_one(dist, prefix, n, Hq, Hkv, prefill_kernel_only, request):
+    seed = stable_seed(request.node.nodeid)
+    L = prefix + n
+    c = emulation_case(dist, prefix, n, Hq, Hkv, seed)
     q_scale = float(c.q.float().abs().amax()) / 448
     q8 = cute_kernels.quantize_query(c.q, q_scale)
     out = torch.full_like(c.q, float("nan"))
@@ -54,14 +71,8 @@ def test_fp8_query_error_is_the_emulated_one(dist, prefix, n, Hq, Hkv, prefill_k
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), f"seed {seed}: NaN/inf in output"
 
-    k8, v8 = _dense(c.kv_cache[:, 0], c.block_table, L, PAGE), _dense(c.kv_cache[:, 1], c.block_table, L, PAGE)
-    pb = F.Problem(dist, [], k_scale, v_scale, D ** -0.5, 128)
-    q = c.q.double().cpu()
-    ref = F.exact(q, k8, v8, prefix, pb)
-    var = F.VARIANTS["ours"]
-    ((codes, scale),) = F.quantize_q([q], var, Hkv)
+    ref, codes, emu = emulate(c, dist, prefix, L, Hkv, "ours")
     assert torch.equal(codes, q8.double().cpu()), f"seed {seed}: the emulated query codes differ from quantize_query's"
-    emu = F.attend(codes, scale, k8, v8, prefix, pb, var)
     out = out.double().cpu()
     err, err_emu, gap = rel_err(out, ref), rel_err(emu, ref), rel_err(out, emu)
     print(f"{dist} prefix {prefix} n {n}: kernel {err:.3e}, emulated {err_emu:.3e}, kernel vs emulation {gap:.2e}")

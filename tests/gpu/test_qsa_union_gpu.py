@@ -1,4 +1,4 @@
-"""SM90 QSA row-tile union pre-pass (``sm90/qsa_union.py``) against ``reference.qsa_union_reference``,
+"""SM90 QSA row-tile union pre-pass (``sm90/qsa_union.py``) against ``reference_qsa_union.qsa_union_reference``,
 exactly, on the H200.
 
 Inputs are prefill-like: rows are consecutive positions of requests of random lengths (so some
@@ -20,7 +20,7 @@ import torch
 from cute_kernels.jit.compiler import get_kernel
 from cute_kernels.jit.spec import call_arguments
 from cute_kernels.plans.sm90_qsa_union import QsaUnionConfig
-from cute_kernels.reference import qsa_union_reference
+from cute_kernels.reference_qsa_union import qsa_union_reference
 
 from .conftest import sm90_only
 
