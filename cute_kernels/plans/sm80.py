@@ -420,7 +420,7 @@ PREFILL_D256_TW64_TARGETS = ("sm_90a",)
 # stages take 97 KB, so two CTAs (eight warps) share a 227 KB SM, FA2's H100 occupancy at this head
 # dim, where the 64-token ring holds one CTA of four warps; the one-base addressing keeps the build
 # spill-free where the per-address one needs 254 registers (docs/design/sm80.md#head-dim-256-prefill)
-PREFILL_D256_TW32X = dict(m_tiles=1, tw=32, ldsm_xor=True)
+PREFILL_D256_TW32X: dict[str, Any] = dict(m_tiles=1, tw=32, ldsm_xor=True)
 
 
 def prefill_lean(*, causal: bool, write_lse: bool, k_scale_tensor: bool, v_scale_tensor: bool, kv_form: str) -> bool:
@@ -520,7 +520,7 @@ def d256_tw32x_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
     assert config.head_dim == 256
     tiling = prefill_tiling(config.target, config.kv_dtype, 256, PREFILL_D256_TW32X["m_tiles"],
                             PREFILL_D256_TW32X["tw"])
-    return replace(config, **tiling, ldsm_xor=PREFILL_D256_TW32X["ldsm_xor"])
+    return replace(config, **tiling, ldsm_xor=bool(PREFILL_D256_TW32X["ldsm_xor"]))
 
 
 def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
@@ -552,7 +552,7 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     out += ci_variants()
     rows128: list[KernelConfig] = [rows128_form(c) for c in out
                                    if isinstance(c, Sm80PrefillConfig) and c.head_dim <= PREFILL_M2_MAX_HEAD_DIM]
-    d256 = [d256_tw32x_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.head_dim == 256]
+    d256: list[KernelConfig] = [d256_tw32x_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.head_dim == 256]
     return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256)
             if kernel_id in (None, c.kernel_id)]
 
