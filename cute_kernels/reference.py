@@ -42,6 +42,7 @@ Conventions shared by all ops
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -574,6 +575,11 @@ def rope_neox(q: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Ten
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], dim=-1)
 
 
+@overload
+def quantize_query(q: Tensor, q_scale: Scale, *, rope: Rope | None = ..., residual: Literal[False] = ...) -> Tensor: ...
+@overload
+def quantize_query(q: Tensor, q_scale: Scale, *, rope: Rope | None = ...,
+                   residual: Literal[True]) -> tuple[Tensor, Tensor]: ...
 def quantize_query(q: torch.Tensor, q_scale: Scale, *, rope: Rope | None = None,
                    residual: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Quantize a bf16/fp16 query ``[T, Hq, D]`` (any strides) to float8_e4m3fn.

@@ -222,7 +222,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     else:
         config = plan.make_prefill_config(out_dtype=dtype_name(out_dtype), q_scale=q_scale_kind, window=window_left != -1,
                                           sinks=sinks is not None, **fields, **override,
-                                          **({"q_terms": 2} if two_term else {}))
+                                          **({"q_terms": 2} if two_term else {}))  # type: ignore[arg-type]
     # pointer and stride alignment, from the signature the kernel is compiled with (TMA wants 16 bytes)
     tensors = dict(q=q, kv_cache=k, k_cache=k, v_cache=v, block_table=block_table, seq_lens=seq_lens,
                    query_start_loc=query_start_loc, out=out, q_residual=q_residual)

@@ -12,7 +12,7 @@ tensor attributes. Registered as ``torch.ops.cute_kernels.quantize_query`` and
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Optional
+from typing import Literal, Optional, overload
 
 import torch
 from torch import Tensor
@@ -141,6 +141,12 @@ _EMPTY = _Launch(None, False)
 _launcher = Launcher(_prepare, _reference, check_data=_check_data, op="quantize_query")
 
 
+@overload
+def quantize_query(q: Tensor, q_scale: Scale, *, out: Tensor | None = ..., rope: Rope | None = ...,
+                   residual: Literal[False] = ..., residual_out: None = ...) -> Tensor: ...
+@overload
+def quantize_query(q: Tensor, q_scale: Scale, *, out: Tensor | None = ..., rope: Rope | None = ...,
+                   residual: Literal[True], residual_out: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
 def quantize_query(
     q: Tensor,
     q_scale: Scale,

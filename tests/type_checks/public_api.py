@@ -42,7 +42,8 @@ def glue(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, cache_k: Tensor, slots: Te
          pos: Tensor, part_o: Tensor, part_lse: Tensor) -> None:
     assert_type(cute_kernels.quantize_query(q, 0.25), Tensor)
     assert_type(cute_kernels.quantize_query(q, torch.ones(1), rope=(cos_sin, pos), out=q), Tensor)
-    cute_kernels.quantize_query(q, 0.25, rope=cos_sin)  # type: ignore[arg-type]
+    cute_kernels.quantize_query(q, 0.25, rope=cos_sin)  # type: ignore[call-overload]
+    assert_type(cute_kernels.quantize_query(q, 0.25, residual=True), Pair)
     assert_type(cute_kernels.write_kv_cache(k, v, kv, slots, k_scale=torch.ones(1), v_scale=2.0), None)
     cute_kernels.write_kv_cache(k, v, (cache_k, cache_k), slots, kv_layout="NHD")
     assert_type(cute_kernels.merge_states(part_o, part_lse, out_dtype=torch.bfloat16), Pair)
