@@ -14,6 +14,8 @@ Configurations (a peer whose library is missing is skipped with one line):
 - ``ours_fp8q``: the same layer with ``prefill_query_dtype="fp8"``: the prefill rows of an FP8
   cache quantized with ``q_scale`` and run by ``sm90.prefill_fp8q``, the decode rows unchanged (FP8
   workloads only);
+- ``ours_fp8x2``: the same with ``prefill_query_dtype="fp8x2"``: the two-term FP8 query
+  (``sm90.prefill_fp8x2``; FP8 workloads only);
 - ``fi_xqa``: FlashInfer ``trtllm_batch_decode_with_kv_cache(backend="xqa")`` for the decode rows
   and ``BatchPrefillWithPagedKVCacheWrapper(backend="fa3")`` for the prefill rows (vLLM's
   "FlashInfer + XQA" on SM90); with an FP8 cache the prefill query is quantized to FP8 first, as
@@ -64,12 +66,13 @@ from .timing import bench_setup
 
 NEEDS = SM90
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
-CONFIGS = ("ours", "ours_fp8q", "fi_xqa", "fi_native", "fa4")
+CONFIGS = ("ours", "ours_fp8q", "ours_fp8x2", "fi_xqa", "fi_native", "fa4")
 _FLASHINFER = Peer("flashinfer", "flashinfer-python")
 PEER_LIBS = {"fi_xqa": _FLASHINFER, "fi_native": _FLASHINFER, "fa4": Peer("flash_attn", "flash-attn-4")}
 # configurations that run on one cache dtype only: (that dtype, why), reported as the row's error
 ONLY_ON = {"fa4": ("bf16", "FA4 has no FP8 KV cache on SM90"),
-           "ours_fp8q": ("fp8", "an FP8 prefill query needs an FP8 KV cache")}
+           "ours_fp8q": ("fp8", "an FP8 prefill query needs an FP8 KV cache"),
+           "ours_fp8x2": ("fp8", "an FP8 prefill query needs an FP8 KV cache")}
 SCALES = dict(fp8=(0.0625, 0.03125), bf16=(1.0, 1.0))  # (k_scale, v_scale): FP8 codes stay O(16)
 
 
@@ -192,6 +195,12 @@ class OursFp8q(Ours):
     """Our layer with the FP8-query prefill (docs/design/layer.md#fp8-query-prefill-opt-in)."""
 
     prefill_query_dtype = "fp8"
+
+
+class OursFp8x2(Ours):
+    """Our layer with the two-term FP8-query prefill (docs/design/sm90-prefill.md)."""
+
+    prefill_query_dtype = "fp8x2"
 
 
 class _FlashInferBase:
@@ -328,7 +337,8 @@ class Fa4:
         return out.reshape(st.T, *st.q.shape[1:])
 
 
-MAKERS = {"ours": Ours, "ours_fp8q": OursFp8q, "fi_xqa": FiXqa, "fi_native": FiNative, "fa4": Fa4}
+MAKERS = {"ours": Ours, "ours_fp8q": OursFp8q, "ours_fp8x2": OursFp8x2, "fi_xqa": FiXqa, "fi_native": FiNative,
+          "fa4": Fa4}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -259,7 +259,7 @@ def test_runnable_reports_what_it_skips(capsys):
 def test_serve_flags():
     p, module = build_parser("serve")
     a = p.parse_args([])
-    assert a.workloads == "long-fp8,long-bf16,short-fp8" and a.configs == "ours,ours_fp8q,fi_xqa,fi_native,fa4"
+    assert a.workloads == "long-fp8,long-bf16,short-fp8" and a.configs == "ours,ours_fp8q,ours_fp8x2,fi_xqa,fi_native,fa4"
     assert (a.quick, a.decode_stride, a.graph_reps, a.eager_reps, a.check, a.fi_prefill_query) == \
         (False, 1, 3, 1, True, "fp8")
     a = p.parse_args(["--quick", "--workloads", "short-bf16", "--configs", "ours,fa4", "--decode-stride", "8",
@@ -283,12 +283,12 @@ def test_every_configuration_is_known_and_its_library_in_the_bench_extra():
     extra = " ".join(tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
                      ["project"]["optional-dependencies"]["bench"])
     assert set(serve.CONFIGS) == set(serve.MAKERS)
-    assert set(serve.MAKERS) - set(serve.PEER_LIBS) == {"ours", "ours_fp8q"}
+    assert set(serve.MAKERS) - set(serve.PEER_LIBS) == {"ours", "ours_fp8q", "ours_fp8x2"}
     for peer in serve.PEER_LIBS.values():
         assert peer.distribution in extra, peer
     assert {serve.MAKERS[c].layout for c in serve.CONFIGS} == {"HND", "NHD"}
     # a configuration of one cache dtype names a workload dtype and why
-    assert {c: kv for c, (kv, _) in serve.ONLY_ON.items()} == {"fa4": "bf16", "ours_fp8q": "fp8"}
+    assert {c: kv for c, (kv, _) in serve.ONLY_ON.items()} == {"fa4": "bf16", "ours_fp8q": "fp8", "ours_fp8x2": "fp8"}
     assert set(serve.ONLY_ON) <= set(serve.CONFIGS)
 
 
@@ -314,6 +314,23 @@ def test_ours_fp8q_is_our_layer_with_the_fp8_prefill_query():
     bf16 = serve.Replay(ss.Workload(**{**w.__dict__, "kv_dtype": "bf16"}), sched, torch.Generator(), device="cpu")
     with pytest.raises(UnsupportedConfig, match="needs an FP8 KV cache"):
         serve.OursFp8q(bf16, None)
+
+
+def test_ours_fp8x2_plans_the_two_term_prefill():
+    """``ours_fp8x2``: the same layer with ``prefill_query_dtype="fp8x2"``; its prefill rows plan
+    ``sm90.prefill_fp8x2``, its decode rows the plan ``ours`` has."""
+    from cute_kernels.bench import serve
+
+    w = ss.Workload("cpu", 2, 40, 3, 2, "fp8", token_budget=24, layers=1, num_q_heads=4, num_kv_heads=2,
+                    head_dim=64, page_size=16, table_tokens=64)
+    sched = ss.schedule(w)
+    rp = serve.Replay(w, sched, torch.Generator().manual_seed(0), device="cpu")
+    x2 = serve.OursFp8x2(rp, None)
+    x2.prepare(rp.step_inputs(next(s for s in sched.steps if s.decodes and s.prefills)))
+    assert sorted(x2.plans) == [("decode", "sm90.decode"), ("prefill", "sm90.prefill_fp8x2")]
+    bf16 = serve.Replay(ss.Workload(**{**w.__dict__, "kv_dtype": "bf16"}), sched, torch.Generator(), device="cpu")
+    with pytest.raises(UnsupportedConfig):
+        serve.OursFp8x2(bf16, None)
 
 
 def test_run_skips_a_configuration_on_the_other_cache_dtype(monkeypatch, capsys):
