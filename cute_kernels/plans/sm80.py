@@ -420,12 +420,12 @@ PREFILL_D256_TW64_TARGETS = ("sm_90a",)
 # stages take 97 KB, so two CTAs (eight warps) share a 227 KB SM, FA2's H100 occupancy at this head
 # dim, where the 64-token ring holds one CTA of four warps; the one-base addressing keeps the build
 # spill-free where the per-address one needs 254 registers (docs/design/sm80.md#head-dim-256-prefill)
-PREFILL_D256_TW32X = dict(m_tiles=1, tw=32, ldsm_xor=True)
+PREFILL_D256_TW32X: dict[str, Any] = dict(m_tiles=1, tw=32, ldsm_xor=True)
 # head dim 128, an override (unmeasured): 128-row CTAs with 64-token stages, FA2's 128 x 64 tile of
 # four warps, half the per-token softmax, O-rescale and barrier work of the 32-token default. It sits
 # at 255 registers: spill-free only for BF16 caches at GQA 4, page 16 on sm_90a (the lean variant and
 # the LSE), so only those are registered (docs/design/sm80.md#64-token-stages-at-head-dim-128)
-PREFILL_D128_TW64 = dict(m_tiles=2, tw=64)
+PREFILL_D128_TW64: dict[str, Any] = dict(m_tiles=2, tw=64)
 PREFILL_D128_TW64_TARGETS = ("sm_90a",)
 
 
@@ -526,7 +526,7 @@ def d256_tw32x_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
     assert config.head_dim == 256
     tiling = prefill_tiling(config.target, config.kv_dtype, 256, PREFILL_D256_TW32X["m_tiles"],
                             PREFILL_D256_TW32X["tw"])
-    return replace(config, **tiling, ldsm_xor=PREFILL_D256_TW32X["ldsm_xor"])
+    return replace(config, **tiling, ldsm_xor=bool(PREFILL_D256_TW32X["ldsm_xor"]))
 
 
 def d128_tw64_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
@@ -577,8 +577,10 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     out += ci_variants()
     rows128: list[KernelConfig] = [rows128_form(c) for c in out
                                    if isinstance(c, Sm80PrefillConfig) and c.head_dim <= PREFILL_M2_MAX_HEAD_DIM]
-    d256 = [d256_tw32x_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.head_dim == 256]
-    d128 = [d128_tw64_form(v) for c in out if _d128_tw64_registered(c) for v in (c, replace(c, write_lse=True))]
+    d256: list[KernelConfig] = [d256_tw32x_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.head_dim == 256]
+    d128: list[KernelConfig] = [d128_tw64_form(v) for c in out
+                                if isinstance(c, Sm80PrefillConfig) and _d128_tw64_registered(c)
+                                for v in (c, replace(c, write_lse=True))]
     return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128)
             if kernel_id in (None, c.kernel_id)]
 
