@@ -22,7 +22,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.paged_decode import tuning_override
 from cute_kernels.ops.paged_prefill import tuning_override as prefill_override
-from cute_kernels.plans.sm80 import PREFILL_D256_TW32X
+from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D256_TW32X
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case, rel_err
 
 from .decode import SHAPES as DECODE_SHAPES
@@ -40,6 +40,9 @@ PREFILL_VARIANTS = {"m1": dict(m_tiles=1), "tw64": dict(m_tiles=1, tw=64, q_regs
 # head dim 256 only: 32-token stages with one ldmatrix base (two CTAs per SM on SM90; at D 256 the
 # plan's form on SM90 is already `m1` / `tw64`), docs/design/sm80.md#head-dim-256-prefill
 PREFILL_D256_VARIANTS = {"tw32x": PREFILL_D256_TW32X}
+# head dim 128 only: 128-row CTAs with 64-token stages (FA2's 128 x 64 tile),
+# docs/design/sm80.md#64-token-stages-at-head-dim-128
+PREFILL_D128_VARIANTS = {"m2t64": PREFILL_D128_TW64}
 DECODE_VARIANTS: dict[str, dict] = {"noxor": dict(ldsm_xor=False)}
 
 
@@ -184,7 +187,7 @@ def bench_prefill(shapes=None, out_json=None, check=True):
 
         ref = reference.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl) if (
             check and B * q_len <= 4096) else None
-        variants = {**PREFILL_VARIANTS, **(PREFILL_D256_VARIANTS if D == 256 else {})}
+        variants = {**PREFILL_VARIANTS, **{256: PREFILL_D256_VARIANTS, 128: PREFILL_D128_VARIANTS}.get(D, {})}
         entries = [("sm80", ours)] + [(f"sm80_{k}", lambda f=f: ours(**f)) for k, f in variants.items()]
         entries.append(("fi_fa2", lambda: _fi_prefill(c, qsl, q_lens, Hq, Hkv, D)))
         for pname, made in entries:

@@ -421,6 +421,12 @@ PREFILL_D256_TW64_TARGETS = ("sm_90a",)
 # dim, where the 64-token ring holds one CTA of four warps; the one-base addressing keeps the build
 # spill-free where the per-address one needs 254 registers (docs/design/sm80.md#head-dim-256-prefill)
 PREFILL_D256_TW32X: dict[str, Any] = dict(m_tiles=1, tw=32, ldsm_xor=True)
+# head dim 128, an override (unmeasured): 128-row CTAs with 64-token stages, FA2's 128 x 64 tile of
+# four warps, half the per-token softmax, O-rescale and barrier work of the 32-token default. It sits
+# at 255 registers: spill-free only for BF16 caches at GQA 4, page 16 on sm_90a (the lean variant and
+# the LSE), so only those are registered (docs/design/sm80.md#64-token-stages-at-head-dim-128)
+PREFILL_D128_TW64: dict[str, Any] = dict(m_tiles=2, tw=64)
+PREFILL_D128_TW64_TARGETS = ("sm_90a",)
 
 
 def prefill_lean(*, causal: bool, write_lse: bool, k_scale_tensor: bool, v_scale_tensor: bool, kv_form: str) -> bool:
@@ -523,12 +529,31 @@ def d256_tw32x_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
     return replace(config, **tiling, ldsm_xor=bool(PREFILL_D256_TW32X["ldsm_xor"]))
 
 
+def d128_tw64_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
+    """The head-dim-128 prefill that the ``PREFILL_D128_TW64`` override selects for ``config``'s
+    variant (128-row CTAs, 64-token stages, the deepest ring that fits: two stages and two CTAs per
+    SM on sm_90a)."""
+    assert config.head_dim == 128
+    tiling = prefill_tiling(config.target, config.kv_dtype, 128, PREFILL_D128_TW64["m_tiles"],
+                            PREFILL_D128_TW64["tw"])
+    return replace(config, **tiling)
+
+
+def _d128_tw64_registered(config: KernelConfig) -> bool:
+    """The builds of the ``PREFILL_D128_TW64`` override that ptxas keeps without spills."""
+    return (isinstance(config, Sm80PrefillConfig) and config.head_dim == 128 and config.kv_dtype == "bf16"
+            and config.q_dtype == "bf16" and config.group == 4 and config.page_size == 16
+            and config.target in PREFILL_D128_TW64_TARGETS and config.kv_form == "single"
+            and not (config.k_scale_tensor or config.v_scale_tensor))
+
+
 def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     """The variants of ``kernel_id`` (both kernels: None) in every target's full set
     (``cute-kernels compile --arch <target> --kernel sm80.``), each in the plan's default form and
     in the forms the overrides select where they differ from it (``ldsm_xor=False`` for the decode
-    from D 128 on; ``m_tiles=1`` with the old stage and ``m_tiles=2`` for the prefill, and
-    :func:`d256_tw32x_form` for each prefill at D 256): decode for
+    from D 128 on; ``m_tiles=1`` with the old stage and ``m_tiles=2`` for the prefill,
+    :func:`d256_tw32x_form` for each prefill at D 256, :func:`d128_tw64_form` for the BF16 D 128
+    prefill, lean and with the LSE, where it builds without spills): decode for
     each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
     prefill for each cache dtype x head dim, and a (K, V) pair in NHD with the LSE and no causal
@@ -553,7 +578,10 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     rows128: list[KernelConfig] = [rows128_form(c) for c in out
                                    if isinstance(c, Sm80PrefillConfig) and c.head_dim <= PREFILL_M2_MAX_HEAD_DIM]
     d256: list[KernelConfig] = [d256_tw32x_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.head_dim == 256]
-    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256)
+    d128: list[KernelConfig] = [d128_tw64_form(v) for c in out
+                                if isinstance(c, Sm80PrefillConfig) and _d128_tw64_registered(c)
+                                for v in (c, replace(c, write_lse=True))]
+    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128)
             if kernel_id in (None, c.kernel_id)]
 
 
@@ -570,7 +598,7 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     prefill); the lean 128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86; the
     head-dim-256 decode on SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``); the
     ``PREFILL_D256_TW32X`` override of the lean BF16 D 256 prefill on SM90 (two CTAs per SM) and SM86
-    (99 KB)."""
+    (99 KB); the ``PREFILL_D128_TW64`` override of the lean BF16 D 128 prefill on sm_90a."""
     shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
     out: list[KernelConfig] = []
     for t in TARGETS:
@@ -604,4 +632,6 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
             make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, m_tiles=1, **shape)]
     d256: dict[str, Any] = dict(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=2, page_size=16)
     out += [make_prefill_config(target=t, **d256, **PREFILL_D256_TW32X) for t in ("sm_90a", "sm_86")]
+    out += [make_prefill_config(target=t, kv_dtype="bf16", group=4, **shape, **PREFILL_D128_TW64)
+            for t in PREFILL_D128_TW64_TARGETS]
     return [c for c in out if kernel_id in (None, c.kernel_id)]

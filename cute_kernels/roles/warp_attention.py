@@ -77,6 +77,10 @@ class WarpTileAttention:
         self.tile = tw * warps_n  # tokens per stage
         self.q_regs = q_regs
         self.ldsm_xor = ldsm_xor
+        # 64-token stages in 128-row CTAs: the causal mask compares one per-row limit relative to
+        # the tile (``limit - col0``) with immediates, which keeps that build within 255 registers
+        # where the absolute compare spills it (docs/design/sm80.md#64-token-stages-at-head-dim-128)
+        self.relative_mask = m_tiles > 1 and tw >= 64
         self.kv_bytes = 1 if self.fp8 else 2
         self.kv_row_bytes = D * self.kv_bytes
         self.q_row_bytes = D * 2
@@ -338,13 +342,18 @@ class WarpTileAttention:
             for h in cutlass.range_constexpr(2):
                 slot = 2 * mt + h
                 scale, limit = row_scale[slot], limits[slot]
+                rel = limit - col0 if const_expr(self.relative_mask) else limit
                 tmax = -Float32.inf
                 for n in cutlass.range_constexpr(nt):
                     for e in cutlass.range_constexpr(2):
                         i = 2 * h + e + 4 * mt + 4 * mt_n * n
                         s = acc_s[i] * scale
                         if masked:
-                            if col0 + 8 * n + e >= limit:
+                            if const_expr(self.relative_mask):
+                                hidden = rel <= 8 * n + e
+                            else:
+                                hidden = col0 + 8 * n + e >= limit
+                            if hidden:
                                 s = -Float32.inf
                         acc_s[i] = s
                         tmax = cute.arch.fmax(tmax, s)

@@ -16,12 +16,15 @@ import pytest
 from cute_kernels.plans import hw
 from cute_kernels.plans.sm80 import (
     KV_DTYPES,
+    PREFILL_D128_TW64,
+    PREFILL_D128_TW64_TARGETS,
     PREFILL_D256_TW32X,
     PREFILL_D256_TW64_TARGETS,
     PREFILL_M2_TW32_TARGETS,
     TARGETS,
     ci_variants,
     compile_variants,
+    d128_tw64_form,
     d256_tw32x_form,
     make_decode_config,
     make_prefill_config,
@@ -45,7 +48,7 @@ def _engine(D: int, kv: str, tw: int, m_tiles: int = 2, warps_m: int = 4, warps_
 
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
-@pytest.mark.parametrize("tw", [16, 32])
+@pytest.mark.parametrize("tw", [16, 32, 64])
 @pytest.mark.parametrize("tiling", TILINGS, ids=[f"{m}x{n}m{t}" for m, n, t in TILINGS])
 def test_kv_addresses_equal_the_swizzled_ones(D, kv, tw, tiling):
     """K (both element sizes) and V (``ldmatrix.trans``): base XOR a column constant plus a
@@ -201,6 +204,35 @@ def test_head_dim_256_tw32x_override(target, kv):
     if ctas == 2 and kv != "fp8_e4m3":
         assert cfg.stages == 2
     assert "ldsm_xor=True" in cfg.label() and "ldsm_xor" not in default.label()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kv", KV_DTYPES)
+@pytest.mark.parametrize("extra", [{}, dict(write_lse=True), dict(causal=False, kv_form="pair", kv_layout="NHD")],
+                         ids=["lean", "lse", "pair-full"])
+def test_head_dim_128_tw64_override(target, kv, extra):
+    """The override reaches 128-row CTAs with 64-token stages (the ring the deepest that fits: two
+    16-bit stages and two CTAs per SM on sm_90a, three stages at one CTA on sm_80, two on the 99 KB
+    targets); only that form masks relative to the tile; the defaults stay as they are; registered
+    (and in the CI set) only where ptxas keeps it spill-free."""
+    shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=128, group=4,
+                 page_size=16, **extra)
+    default = make_prefill_config(**shape)
+    cfg = make_prefill_config(**shape, **PREFILL_D128_TW64)
+    assert cfg == d128_tw64_form(default) != default
+    assert (cfg.m_tiles, cfg.rows, cfg.tw, cfg.q_regs, cfg.ldsm_xor) == (2, 128, 64, False, True)
+    assert cfg.smem_bytes() <= hw.max_smem_per_cta(target)
+    ctas = 2 if hw.SMEM_PER_SM_OF[target] >= 2 * (cfg.smem_bytes() + hw.SMEM_RESERVED_PER_CTA) else 1
+    if kv != "fp8_e4m3":
+        assert (ctas, cfg.stages) == {"sm_80": (1, 3)}.get(target, (2 if target in ("sm_90a", "sm_100a", "sm_103a")
+                                                                   else 1, 2))
+    assert engine_for(cfg)[0].relative_mask and not engine_for(default)[0].relative_mask
+    assert not any(engine_for(c)[0].relative_mask for c in (old_form(default), rows128_form(default)))
+    registered = target in PREFILL_D128_TW64_TARGETS and kv == "bf16" and extra in ({}, dict(write_lse=True))
+    assert (cfg in compile_variants("sm80.prefill")) == registered
+    assert (cfg in ci_variants("sm80.prefill")) == (registered and not extra)
+    with pytest.raises(ValueError, match="m_tiles"):  # D 256 holds one tile's O per warp
+        make_prefill_config(**dict(shape, head_dim=256), **PREFILL_D128_TW64)
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -2,7 +2,7 @@
 requests against cached prefixes, empty requests (q_len 0), causal and not, every cache dtype and
 both FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, a ring sized for 99 KB
 of shared memory, and CUDA-graph replay; the plan's tilings (128-row CTAs up to D 128 for lean variants, else
-64-row ones) and the other one, with and without the LSE. Runs on any SM80+ GPU (the H200 included): the op runs the
+64-row ones) and the other one, with and without the LSE, and the 64-token 128-row override at D 128. Runs on any SM80+ GPU (the H200 included): the op runs the
 portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
 
@@ -14,7 +14,7 @@ import torch
 import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.paged_prefill import tuning_override
-from cute_kernels.plans.sm80 import PREFILL_D256_TW32X
+from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D256_TW32X
 from cute_kernels.testing import capture_graph, check_attention, make_paged_prefill_case, rel_err
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="needs SM80 or newer")
@@ -50,14 +50,21 @@ CASES.append((FP8, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target
 # (docs/design/sm80.md#head-dim-256-prefill)
 D256X = PREFILL_D256_TW32X
 CASES += [(*c[:-1], {**c[-1], **D256X}) for c in CASES if c[2] == 256 and "m_tiles" not in c[-1]]
+# the head-dim-128 override (128-row CTAs, 64-token stages; unmeasured) on the D 128 cases: every
+# cache dtype, both widenings, (K, V) pairs, both layouts, a non-causal mask, GQA 1-16, pages
+# 16-128, a ring sized for 99 KB (docs/design/sm80.md#64-token-stages-at-head-dim-128)
+D128X = PREFILL_D128_TW64
+CASES += [(*c[:-1], {**c[-1], **D128X}) for c in CASES if c[2] == 128 and set(c[-1]) <= {"smem_target", "widen"}]
 # lean variants (causal, one cache tensor, no LSE, no scale tensors) of the cases above and at
 # D 256: the defaults, 128-row CTAs with 32-token stages up to D 128 and, on SM90, 64-token stages
 # at D 256 for 16-bit caches; then the old 64-row forms of the same shapes
 LEAN = [c for c in CASES if c[7] == "single" and c[8] and set(c[-1]) <= {"smem_target"}]
+LEAN_D128X = [(*c[:-1], {**c[-1], **D128X}) for c in LEAN if c[2] == 128]
 LEAN += [(BF16, BF16, 256, 16, 8, 16, "HND", "single", True, {}), (FP16, FP16, 256, 8, 1, 128, "NHD", "single", True, {})]
 LEAN_D256 = [c for c in LEAN if c[2] == 256]
 LEAN += [(*c[:-1], {**c[-1], **M1, "tw": 16 if c[2] == 256 else 32}) for c in LEAN]
 LEAN += [(*c[:-1], {**c[-1], **D256X}) for c in LEAN_D256]
+LEAN += LEAN_D128X
 
 
 def _ids(c):
@@ -122,8 +129,9 @@ def test_sm80_prefill_lean_variants_match_reference(case, gen):
 
 
 # with the LSE the default is the 64-row CTA, without it (lean) the 128-row one on the H200
-@pytest.mark.parametrize("return_lse,override", [(True, {}), (True, M2), (False, {}), (False, M1)],
-                         ids=["lse-default", "lse-rows128", "lean-default", "lean-rows64"])
+@pytest.mark.parametrize("return_lse,override", [(True, {}), (True, M2), (False, {}), (False, M1), (True, D128X),
+                                                 (False, D128X)],
+                         ids=["lse-default", "lse-rows128", "lean-default", "lean-rows64", "lse-tw64", "lean-tw64"])
 def test_sm80_prefill_long_prompt_and_graph_replay(return_lse, override, gen):
     seed = gen.initial_seed()
     c, qsl = _case(gen, q_lens=[2048, 513], prefixes=[0, 4000], kv=BF16, q=BF16, D=128, Hq=32, Hkv=8,
@@ -160,7 +168,7 @@ def test_sm90_sends_what_its_kernel_refuses_to_the_portable_one(gen):
     _check(c, qsl, True, out, lse, seed)
 
 
-@pytest.mark.parametrize("override", [{}, M2], ids=["default", "rows128"])
+@pytest.mark.parametrize("override", [{}, M2, D128X], ids=["default", "rows128", "tw64"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_sm80_prefill_lengths_past_the_block_table(causal, override, gen):
     """Lengths beyond the table's capacity (2^31 - 1 too): positions at or past it are not attended,
