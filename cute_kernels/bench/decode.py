@@ -35,7 +35,17 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.testing import make_paged_decode_case, rel_err
 
-from .harness import SM90, NvtxRanges, Peer, bar_chart, parse_variants, runnable, self_check_state, write_json
+from .harness import (
+    SM90,
+    NvtxRanges,
+    Peer,
+    bar_chart,
+    parse_variants,
+    runnable,
+    self_check_state,
+    write_json,
+    write_partial,
+)
 from .timing import bench_setup, host_overhead, time_eager, time_graph, time_graph_fresh
 
 NEEDS = SM90
@@ -316,6 +326,7 @@ def run(peers=DEFAULT_PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, ou
                 if "xqa_us" in row and f"{name}_us" in row:
                     row["speedup_vs_xqa" if name == "ours" else "balanced_vs_xqa"] = row["xqa_us"] / row[f"{name}_us"]
             rows.append(row)
+            write_partial(out_json, read_bw=bw, rows=rows)
             _print_row(row, columns)
     # host overhead of one eager call on a tiny problem (graph-free serving path)
     small = make_paged_decode_case(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,

@@ -163,6 +163,12 @@ def write_json(path: str | None, result) -> None:
             json.dump(result, f, indent=1)
 
 
+def write_partial(path: str | None, **result) -> None:
+    """The rows so far, marked ``"partial": true``, rewritten after each row: a run cut short (a
+    time limit, a crash) keeps what it measured; the final :func:`write_json` replaces it."""
+    write_json(path, dict(result, partial=True))
+
+
 def bar_chart(path: str, rows: list[dict], names, key: str, ylabel: str, title: str, *, row_width: float = 1.2,
               hline: float | None = None) -> None:
     """One group of bars per row (labelled ``shape`` / ``kv``), one bar per entry of ``names`` with the

@@ -35,7 +35,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.testing import make_paged_prefill_case, rel_err
 
-from .harness import SM90, NvtxRanges, Peer, bar_chart, runnable, self_check_state, write_json
+from .harness import SM90, NvtxRanges, Peer, bar_chart, runnable, self_check_state, write_json, write_partial
 from .timing import bench_setup, time_eager, time_graph
 
 NEEDS = SM90
@@ -270,6 +270,7 @@ def run(peers=PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, out_png=No
                     if name == "ours":
                         traceback.print_exc()
             rows.append(row)
+            write_partial(out_json, read_bw=bw, rows=rows)
             _print_row(row, ("ours", *peers))
             del pb
             torch.cuda.empty_cache()

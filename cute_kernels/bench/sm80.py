@@ -26,7 +26,7 @@ from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D256_TW32X
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case, rel_err
 
 from .decode import SHAPES as DECODE_SHAPES
-from .harness import SM80_PLUS, write_json
+from .harness import SM80_PLUS, write_json, write_partial
 from .timing import bench_setup, time_graph
 
 NEEDS = SM80_PLUS
@@ -140,6 +140,7 @@ def bench_decode(kv_dtypes=("bf16", "fp8"), shapes=None, out_json=None):
                     if pname == "sm80":
                         traceback.print_exc()
             rows.append(row)
+            write_partial(out_json, read_bw=bw, rows=rows)
             print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     for r in rows:  # FP8 time over BF16 time of the same shape
         if r["kv"] == "fp8":
@@ -207,6 +208,7 @@ def bench_prefill(shapes=None, out_json=None, check=True):
         if "sm80_us" in row and "fi_fa2_us" in row:
             row["speedup"] = row["fi_fa2_us"] / row["sm80_us"]
         rows.append(row)
+        write_partial(out_json, rows=rows)
         print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     write_json(out_json, dict(rows=rows))
     return rows

@@ -22,7 +22,7 @@ import cute_kernels
 from cute_kernels import reference, trtllm
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case, rel_err
 
-from .harness import NvtxRanges, module_available, write_json
+from .harness import NvtxRanges, module_available, write_json, write_partial
 from .timing import bench_setup, host_overhead, time_graph
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
@@ -131,6 +131,7 @@ def run_decode(kv_dtypes=("fp8", "bf16"), sides=SIDES, shapes=None, out_json=Non
                                              window_left=window, sinks=sinks)
             _measure(row, _callers(case, window, sinks, ranges), sides, ref, nbytes, bw)
             rows.append(row)
+            write_partial(out_json, rows=rows)
             _print_row(row, sides)
             del case
             torch.cuda.empty_cache()
@@ -271,6 +272,7 @@ def run_prefill(kv_dtypes=("bf16", "fp8"), sides=SIDES, shapes=None, out_json=No
                                               window_left=window, sinks=sinks)
             _measure(row, _context_callers(case, window, sinks, ranges), sides, ref)  # compute-bound: no roofline
             rows.append(row)
+            write_partial(out_json, rows=rows)
             _print_row(row, sides)
             del case
             torch.cuda.empty_cache()

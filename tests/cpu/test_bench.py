@@ -26,6 +26,7 @@ from cute_kernels.bench.harness import (
     module_available,
     parse_variants,
     write_json,
+    write_partial,
 )
 from cute_kernels.cli import main as cli_main
 
@@ -269,6 +270,16 @@ def test_write_json(tmp_path):
     write_json(str(path), {"rows": [1.5]})
     assert json.loads(path.read_text()) == {"rows": [1.5]}
     write_json(None, {"rows": []})  # no path: nothing written, no error
+
+
+def test_write_partial_marks_the_rows_so_far(tmp_path):
+    """A run cut short keeps the rows it measured, marked partial; the final write replaces them."""
+    path = tmp_path / "out.json"
+    write_partial(str(path), read_bw=4e12, rows=[{"shape": "a"}])
+    assert json.loads(path.read_text()) == {"read_bw": 4e12, "rows": [{"shape": "a"}], "partial": True}
+    write_json(str(path), {"rows": [{"shape": "a"}, {"shape": "b"}]})
+    assert "partial" not in json.loads(path.read_text())
+    write_partial(None, rows=[])  # no path: nothing written
 
 
 def test_self_check_state_of_compile_verified_kernels():
