@@ -6,7 +6,8 @@ skipped):
   chip); ``ours_fp8q``: the FP8-query kernel on a query quantized with a per-tensor ``q_scale``
   (FP8 caches only; the quantization is outside the timing, as a layer does it once per step);
   ``ours_fp8x2``: the two-term FP8 query (``q_residual``: the residual of the same quantization,
-  ``sm90.prefill_fp8x2``), likewise;
+  ``sm90.prefill_fp8x2``), likewise; ``ours_fp8q_ldsm``: ``ours_fp8q`` with V^T written by
+  ``ldmatrix.trans`` + ``stmatrix`` (``tuning_override(vt_transpose="ldsm")``, ``sm90.prefill_fp8q_ldsm``);
 - ``fa4``: ``flash_attn.cute.flash_attn_varlen_func`` on contiguous K/V (non-paged); ``fa4_paged``:
   the same with a page table over a page-128 NHD copy of the cache (16-bit caches only: FA4 has no
   FP8 K/V on SM90);
@@ -27,12 +28,14 @@ from __future__ import annotations
 import argparse
 import math
 import traceback
+from contextlib import nullcontext
 from functools import partial
 
 import torch
 
 import cute_kernels
 from cute_kernels import reference
+from cute_kernels.ops.paged_prefill import tuning_override
 from cute_kernels.testing import make_paged_prefill_case, rel_err
 
 from .harness import SM90, NvtxRanges, Peer, bar_chart, runnable, self_check_state, write_json, write_partial
@@ -53,7 +56,7 @@ SHAPES = [
     ("d64 B1 S8192", 1, 0, 8192, 32, 8, 64),
     ("d256 B1 S8192", 1, 0, 8192, 32, 8, 256),
 ]
-PEERS = ("ours_fp8q", "ours_fp8x2", "fa4", "fa4_paged", "fi", "sdpa")
+PEERS = ("ours_fp8q", "ours_fp8q_ldsm", "ours_fp8x2", "fa4", "fa4_paged", "fi", "sdpa")
 _FA4 = Peer("flash_attn", "flash-attn-4")
 # the library each peer needs (SDPA is torch's own; ours_fp8q is ours)
 PEER_LIBS = {"fa4": _FA4, "fa4_paged": _FA4, "fi": Peer("flashinfer", "flashinfer-python")}
@@ -117,8 +120,9 @@ def ours(pb: Problem):
     return fn, out
 
 
-def ours_fp8q(pb: Problem, two_terms: bool = False):
-    """The FP8-query kernel; ``two_terms``: with the query's residual (``sm90.prefill_fp8x2``)."""
+def ours_fp8q(pb: Problem, two_terms: bool = False, **tuning):
+    """The FP8-query kernel; ``two_terms``: with the query's residual (``sm90.prefill_fp8x2``);
+    ``tuning``: fields forced with ``tuning_override`` (``vt_transpose="ldsm"``)."""
     if pb.q8 is None:
         raise NotImplementedError("the FP8-query path needs an FP8 cache")
     c = pb.case
@@ -126,8 +130,10 @@ def ours_fp8q(pb: Problem, two_terms: bool = False):
     residual = dict(q_residual=pb.q8_lo) if two_terms else {}
 
     def fn():
-        return cute_kernels.paged_prefill(pb.q8, c.kv_cache, c.block_table, c.seq_lens, c.query_start_loc,
-                                          max_query_len=pb.n, q_scale=pb.q_scale, out=out, **residual, **c.kwargs())
+        with tuning_override(**tuning) if tuning else nullcontext():
+            return cute_kernels.paged_prefill(pb.q8, c.kv_cache, c.block_table, c.seq_lens, c.query_start_loc,
+                                              max_query_len=pb.n, q_scale=pb.q_scale, out=out, **residual,
+                                              **c.kwargs())
 
     return fn, out
 
@@ -212,7 +218,8 @@ def peer_sdpa(pb: Problem):
     return fn, None
 
 
-ENTRIES = {"ours": ours, "ours_fp8q": ours_fp8q, "ours_fp8x2": partial(ours_fp8q, two_terms=True), "fa4": peer_fa4, "fa4_paged": peer_fa4_paged, "fi": peer_fi,
+ENTRIES = {"ours": ours, "ours_fp8q": ours_fp8q, "ours_fp8q_ldsm": partial(ours_fp8q, vt_transpose="ldsm"),
+           "ours_fp8x2": partial(ours_fp8q, two_terms=True), "fa4": peer_fa4, "fa4_paged": peer_fa4_paged, "fi": peer_fi,
            "sdpa": peer_sdpa}
 
 
@@ -222,10 +229,10 @@ ENTRIES = {"ours": ours, "ours_fp8q": ours_fp8q, "ours_fp8x2": partial(ours_fp8q
 
 
 def _self_check(pb: Problem, name: str) -> str:
-    """The self-check state of the kernel behind ``ours`` / ``ours_fp8q`` / ``ours_fp8x2``; raises
+    """The self-check state of the kernel behind an ``ours*`` entry; raises
     (the entry is reported as skipped) when its family failed it: the reference served the call."""
-    kernel, q = {"ours_fp8q": ("sm90.prefill_fp8q", "fp8_e4m3"), "ours_fp8x2": ("sm90.prefill_fp8x2", "fp8_e4m3")
-                 }.get(name, ("sm90.prefill", "bf16"))
+    kernel, q = {"ours_fp8q": ("sm90.prefill_fp8q", "fp8_e4m3"), "ours_fp8x2": ("sm90.prefill_fp8x2", "fp8_e4m3"),
+                 "ours_fp8q_ldsm": ("sm90.prefill_fp8q_ldsm", "fp8_e4m3")}.get(name, ("sm90.prefill", "bf16"))
     ok, text = self_check_state(kernel, q, "fp8_e4m3" if pb.kvn == "fp8" else "bf16", pb.case.meta["head_dim"])
     if not ok:
         raise RuntimeError(text)

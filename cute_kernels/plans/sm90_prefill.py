@@ -27,6 +27,7 @@ __all__ = [
     "fp8_query_compile_variants", "prefill_variants", "CTAS_PER_SM", "persistent_ctas", "persistent_grid",
     "persistent_tile", "cta_walk", "persistent_variants", "PERSISTENT_ID", "EPILOGUES",
     "EPILOGUE_ID", "epilogue_variants", "Q_TERMS", "TWO_TERM_ID", "two_term_variants",
+    "VT_TRANSPOSES", "VT_LDSM_ID", "vt_ldsm_variants",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -49,6 +50,9 @@ EPILOGUES = ("registers", "smem")
 # QK issued once per term into one accumulator; FP8 query only, opt-in:
 # docs/design/sm90-prefill.md#two-term-fp8-query-opt-in-q_terms2)
 Q_TERMS = (1, 2)
+# how the FP8-query kernel's producer transposes V: 4 x 4 byte blocks in 4-byte words, or
+# ldmatrix.trans + stmatrix 16 bytes per lane (opt-in: docs/design/sm90-prefill.md#fp8)
+VT_TRANSPOSES = ("words", "ldsm")
 
 # SM90 prefill with an FP8 cache: the exact BF16-query kernel (FP8 K/V widened on chip: the error of
 # the cache's quantization only) or the FP8-query kernel (e4m3 QK and PV; the layer quantizes the
@@ -118,6 +122,9 @@ class Sm90PrefillConfig(KernelConfig):
     residual of the quantized query, same ``q_scale``) loaded by TMA next to the query, and issues
     QK once per term into one accumulator (opt-in, compile-verified only).
 
+    ``vt_transpose`` (FP8 query only, :data:`VT_TRANSPOSES`): how the producer writes V^T;
+    ``"ldsm"`` by ``ldmatrix.trans`` + ``stmatrix`` (opt-in, compile-verified only).
+
     Features (:func:`feature_variants`): ``window`` takes a runtime
     ``window_left`` (-1: none) and walks only the KV tiles a block's rows see; ``sinks`` takes fp32
     ``[Hq]`` sink logits: docs/design/sm90-prefill.md#sliding-window-and-sinks.
@@ -148,6 +155,7 @@ class Sm90PrefillConfig(KernelConfig):
     persistent: bool = field(default=False, metadata=LABEL_IF_SET)
     epilogue: str = field(default="registers", metadata=LABEL_IF_SET)
     q_terms: int = field(default=1, metadata=LABEL_IF_SET)
+    vt_transpose: str = field(default="words", metadata=LABEL_IF_SET)
 
     kernel_id = "sm90.prefill"
     targets = ("sm_90a",)
@@ -176,6 +184,9 @@ class Sm90PrefillConfig(KernelConfig):
                 bad("a 16-bit KV cache must have the query's dtype")
         if self.q_terms not in Q_TERMS or (self.q_terms > 1 and self.kind != "fp8"):
             bad(f"q_terms must be one of {Q_TERMS}, and 2 only for an FP8 query, got {self.q_terms}")
+        if self.vt_transpose not in VT_TRANSPOSES or (self.vt_transpose != "words" and self.kind != "fp8"):
+            bad(f"vt_transpose must be one of {VT_TRANSPOSES}, and 'ldsm' only for an FP8 query, "
+                f"got {self.vt_transpose!r}")
         if self.head_dim not in HEAD_DIMS:
             bad(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
         if self.page_size not in PAGE_SIZES:
@@ -238,10 +249,13 @@ class Sm90PrefillConfig(KernelConfig):
             ops = r"k16\.f32\." + {"bf16": r"bf16\.bf16", "fp16": r"f16\.f16"}[self.mma_dtype]
         wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+" + ops
         smem_epilogue = ((("O in 16-byte stores", r"st\.global\.v4\.b32"),) if self.epilogue == "smem" else ())
+        vt_ldsm = ((("V^T ldmatrix.trans", r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16"),
+                    ("V^T stmatrix", r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16"))
+                   if self.vt_transpose == "ldsm" else ())
         return {"sm_90a": ((f"wgmma.mma_async {name}", wgmma), (f"wgmma {name} with P from registers",
                                                                  wgmma + r" +\{[^}]*\}, *\{"),
                            ("TMA load", r"cp\.async\.bulk\.tensor"), ("mbarrier.try_wait", r"mbarrier\.try_wait"),
-                           *smem_epilogue, *self._two_term_evidence(wgmma))}
+                           *smem_epilogue, *self._two_term_evidence(wgmma), *vt_ldsm)}
 
     def _two_term_evidence(self, wgmma: str) -> tuple[tuple[str, str], ...]:
         """Two terms: a QK group of both terms' SS WGMMAs (2 x D/32 of N ``tile_n``, shared-memory
@@ -412,6 +426,7 @@ def config_family(config: Sm90PrefillConfig) -> str:
     """A variant's self-check family: :func:`family`, and its window / sink features, its
     persistent schedule or its shared-memory epilogue if any."""
     features = "+".join(name for name, on in (("two_term", config.q_terms == 2),
+                                              ("vt_ldsm", config.vt_transpose == "ldsm"),
                                               ("window", config.window), ("sinks", config.sinks),
                                               ("persistent", config.persistent),
                                               ("smem_epilogue", config.epilogue == "smem")) if on)
@@ -421,7 +436,9 @@ def config_family(config: Sm90PrefillConfig) -> str:
 
 def check_registry_id(config: Sm90PrefillConfig) -> str:
     """The registry entry whose status says whether ``config`` still needs its self-check."""
-    if config.q_terms == 2:  # compile-verified: its check runs whatever else the variant has
+    if config.vt_transpose == "ldsm":  # compile-verified: its check runs whatever else the variant has
+        return VT_LDSM_ID
+    if config.q_terms == 2:  # likewise
         return TWO_TERM_ID
     if config.persistent:
         return PERSISTENT_ID
@@ -434,6 +451,7 @@ FEATURES_ID = "sm90.prefill_window_sinks"
 PERSISTENT_ID = "sm90.prefill_persistent"
 EPILOGUE_ID = "sm90.prefill_smem_epilogue"
 TWO_TERM_ID = "sm90.prefill_fp8x2"
+VT_LDSM_ID = "sm90.prefill_fp8q_ldsm"
 
 
 def family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
@@ -503,6 +521,21 @@ def two_term_variants() -> list[Sm90PrefillConfig]:
                  causal=False, q_terms=2),
         _variant("fp8_e4m3", "fp8_e4m3", 256, 4, 16, q_scale="per_head", out_dtype="fp16", write_lse=False,
                  q_terms=2),
+    ]
+
+
+def vt_ldsm_variants() -> list[Sm90PrefillConfig]:
+    """The ldmatrix V^T transpose's compile matrix (registry id ``sm90.prefill_fp8q_ldsm``): the FP8
+    query at each head dim (tile_n 128 / 128 / 64: both V^T swizzles), each ``q_scale`` form, both
+    containers and layouts, causal and not, with and without LSE, and with the two-term query."""
+    on = dict(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", vt_transpose="ldsm")
+    return [
+        make_prefill_config(**on, head_dim=128, group=8, page_size=16, q_scale="scalar"),
+        make_prefill_config(**on, head_dim=64, group=8, page_size=128, q_scale="tensor", kv_form="pair",
+                            kv_layout="NHD", causal=False),
+        make_prefill_config(**on, head_dim=256, group=4, page_size=16, q_scale="per_head", out_dtype="fp16",
+                            write_lse=False),
+        make_prefill_config(**on, head_dim=128, group=8, page_size=16, q_scale="scalar", q_terms=2),
     ]
 
 

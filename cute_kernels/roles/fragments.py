@@ -1,6 +1,6 @@
-"""Inline-PTX primitives of the SM90 kernels (device role helpers): ldmatrix, exact FP8 -> 16-bit
-widening, DSMEM / ``.cg`` / shared loads and stores, zero-filling ``cp.async``, the output gate's
-sigmoid.
+"""Inline-PTX primitives of the SM90 kernels (device role helpers): ldmatrix / stmatrix, exact
+FP8 -> 16-bit widening, DSMEM / ``.cg`` / shared loads and stores, zero-filling ``cp.async``, the output
+gate's sigmoid.
 
 **Why bit tricks.** WGMMA has no BF16 x E4M3 form, so FP8 K/V must be widened before the MMA.
 The DSL's generic conversion goes e4m3 -> f16 -> f32 -> bf16 (four SASS ops per pair), which is
@@ -94,6 +94,15 @@ def ldmatrix_x4(smem_addr: Int32, transpose: bool, *, loc=None, ip=None) -> tupl
                # it reads shared memory written by TMA: it must stay behind the mbarrier wait
                side_effects=True, loc=loc, ip=ip)
     return tuple(Int32(r) for r in regs)
+
+
+@dsl_user_op
+def stmatrix_x4(smem_addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
+    """``stmatrix.sync.aligned.m8n8.x4.shared.b16``: lane l addresses row l % 8 of matrix l // 8;
+    register j of lane l goes to row l // 4 of matrix j, bytes 4 (l % 4)..4 (l % 4) + 3."""
+    asm([], [Int32(smem_addr), Int32(a), Int32(b), Int32(c), Int32(d)],
+        "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", side_effects=True,
+        loc=loc, ip=ip)
 
 
 def q_permutation(k: int, widen: str) -> int:

@@ -11,6 +11,10 @@ and P packed into WGMMA A fragments.
 - **Narrowing** (bf16 query with widened K/V): each query row is scaled by a power of two that
   puts its largest element in [2^14, 2^15) and rounded to fp16 in place; the exponent goes to
   shared memory and divides the row's logits back out.
+- **Transposing by matrices** (opt-in ``vt_transpose="ldsm"``): ``ldmatrix.trans`` moves 16-bit
+  elements, so it transposes (token, dim-pair) and a lane gets two tokens x two dims per register;
+  one ``prmt`` per output word splits the dims and joins two registers' tokens (:func:`ldsm_unit`),
+  and ``stmatrix`` writes the words: 16 bytes per lane per instruction instead of 4.
 - Positions at or past the request's KV (``valid`` rows of a tile) are written as zeros: their
   cache bytes are stale, and 0 x NaN would reach the output through P·V.
 
@@ -25,7 +29,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..jit.asm import asm
-from .fragments import store_shared_b32x4
+from .fragments import ldmatrix_x4, stmatrix_x4, store_shared_b32x4
 
 # the query rows' fp16 exponent shift is clamped to this range (an all-zero row gets 0)
 Q_SHIFT_MIN, Q_SHIFT_MAX = -100, 100
@@ -246,6 +250,84 @@ def transpose_tile(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_
         o = transpose_bytes_4x4(w[0], w[1], w[2], w[3])
         for i in cutlass.range_constexpr(4):
             st_shared_b32(dst_base + smem_offset((d0 + i, 4 * q, dst_stage), dst_layout, 1), o[i])
+
+
+# ---- V^T by ldmatrix.trans + stmatrix (vt_transpose="ldsm"): docs/design/sm90-prefill.md#fp8 ----
+# ldmatrix.trans of an 8 x 8 b16 matrix whose rows are 8 tokens of 16 bytes (8 dim pairs): lane l
+# gets dim pair l // 4 of tokens 2 (l % 4) and 2 (l % 4) + 1, bytes (a, 2p) (a, 2p+1) (a+1, 2p)
+# (a+1, 2p+1). With the matrix of the 8 tokens after (a+8, a+9, prmt bytes 4..7), the bytes of dim
+# 2p are 0, 2, 4, 6 and of dim 2p+1 are 1, 3, 5, 7: tokens a, a+1, a+8, a+9, which are exactly the
+# K indices 4 (l % 4)..+3 of the 16-token block (p_token), so a prmt gives the finished V^T word.
+PRMT_DIM_EVEN, PRMT_DIM_ODD = 0x6420, 0x7531
+
+
+def ldsm_unit(b, tokens_16: int):
+    """Unit ``b`` of the ldmatrix transpose (one x4 load and store of a warp): ``(h, c)``, the
+    16-token block ``h`` (K indices ``16 h..16 h + 15`` of V^T) and the 32-dim block ``c``, ``h``
+    fastest. ``tokens_16 = tile_n // 16``. Pure arithmetic (traced or Python ints)."""
+    return b % tokens_16, b // tokens_16
+
+
+def ldsm_rows(lane):
+    """(Pure arithmetic.) The rows lane ``lane`` addresses in a unit: its ldmatrix row (token
+    offset in the 16-token block, dim offset in the 32-dim block) and its stmatrix row (dim offset
+    in the 32-dim block). stmatrix matrix ``m`` takes the words of dim ``2r + s`` of the 16-dim
+    half ``m // 2`` in row ``r``, ``s = (r // 4) ^ (m % 2)``: the rows of one matrix then cover 8
+    distinct dims mod 8 (0 2 4 6 9 11 13 15), one 16-byte bank group each under the 64- and
+    128-byte swizzles (even dims alone would put two rows on one group)."""
+    m, r = lane // 8, lane % 8
+    ld = (8 * (m % 2) + r, 16 * (m // 2))
+    st = 16 * (m // 2) + 2 * r + ((r // 4) ^ (m % 2))
+    return ld, st
+
+
+@dsl_user_op
+def prmt_b32(a: Int32, b: Int32, sel: Int32, *, loc=None, ip=None) -> Int32:
+    """``prmt.b32`` with a register selector: byte ``i`` is byte ``sel[4i+3:4i]`` of ``b:a``."""
+    return Int32(asm([T.i32()], [Int32(a), Int32(b), Int32(sel)], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                     loc=loc, ip=ip))
+
+
+@dsl_user_op
+def token_keep_mask(v: Int32, *, loc=None, ip=None) -> Int32:
+    """The bytes of a V^T word with tokens ``a, a+1, a+8, a+9`` that are inside the sequence, for
+    ``v = valid - a``: 0xFF where the token is ``< valid``, else 0."""
+    text = ("{\n\t.reg .pred p;\n\t.reg .b32 m;\n\t"
+            "setp.gt.s32 p, $1, 0;\n\tselp.b32 m, 0xFF, 0, p;\n\t"
+            "setp.gt.s32 p, $1, 1;\n\t@p or.b32 m, m, 0xFF00;\n\t"
+            "setp.gt.s32 p, $1, 8;\n\t@p or.b32 m, m, 0xFF0000;\n\t"
+            "setp.gt.s32 p, $1, 9;\n\t@p or.b32 m, m, 0xFF000000;\n\t"
+            "mov.b32 $0, m;\n\t}")
+    return Int32(asm([T.i32()], [Int32(v)], text, "=r,r", loc=loc, ip=ip))
+
+
+@cute.jit
+def transpose_tile_ldsm(src_base: Int32, src_layout, src_stage, dst_base: Int32, dst_layout, dst_stage,
+                        tile_n: cutlass.Constexpr, D: cutlass.Constexpr, valid, tid, nthreads: cutlass.Constexpr):
+    """:func:`transpose_tile`'s result (V^T in the same K order, tokens ``>= valid`` zero) by
+    ``ldmatrix.x4.trans`` + 4 ``prmt`` + ``stmatrix.x4`` per 16 tokens x 32 dims of a warp."""
+    warps = nthreads // 32
+    warp, lane = tid // 32, tid % 32
+    (ld_tok, ld_dim), st_dim = ldsm_rows(lane)
+    # lanes of stmatrix rows 4..7 hold the odd dim in matrices 0 / 2 (ldsm_rows)
+    odd = (lane // 16) % 2
+    sel_0 = Int32(PRMT_DIM_EVEN) + odd * Int32(PRMT_DIM_ODD - PRMT_DIM_EVEN)
+    sel_1 = Int32(PRMT_DIM_ODD) - odd * Int32(PRMT_DIM_ODD - PRMT_DIM_EVEN)
+    tokens_16 = tile_n // 16
+    for it in cutlass.range(tokens_16 * (D // 32) // warps, unroll=2):
+        h, c = ldsm_unit(it * warps + warp, tokens_16)
+        r = ldmatrix_x4(src_base + smem_offset((16 * h + ld_tok, 32 * c + ld_dim, src_stage), src_layout, 1), True)
+        w = cute.make_rmem_tensor((4,), Int32)
+        w[0] = prmt_b32(r[0], r[1], sel_0)
+        w[1] = prmt_b32(r[0], r[1], sel_1)
+        w[2] = prmt_b32(r[2], r[3], sel_0)
+        w[3] = prmt_b32(r[2], r[3], sel_1)
+        if valid < tile_n:  # the sequence's last tile: its stale cache bytes become zeros
+            keep = token_keep_mask(valid - (16 * h + 2 * (lane % 4)))
+            for j in cutlass.range_constexpr(4):
+                w[j] = w[j] & keep
+        stmatrix_x4(dst_base + smem_offset((32 * c + st_dim, 16 * h, dst_stage), dst_layout, 1), w[0], w[1], w[2],
+                    w[3])
 
 
 @cute.jit

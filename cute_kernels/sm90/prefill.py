@@ -51,6 +51,7 @@ from ..roles.smem_fp8 import (
     pack_p,
     smem_offset,
     transpose_tile,
+    transpose_tile_ldsm,
     widen_tile,
 )
 
@@ -460,6 +461,8 @@ class Sm90PagedPrefill:
             cute.arch.mbarrier_wait(v_empty + stage, phase ^ 1)
             if const_expr(widen):
                 widen_tile(src_v, L["vs"], slot, dst_v, L["v"], stage, False, n, D, valid, tidx, self.wg_threads)
+            elif const_expr(self.cfg.vt_transpose == "ldsm"):
+                transpose_tile_ldsm(src_v, L["vs"], slot, dst_v, L["v"], stage, n, D, valid, tidx, self.wg_threads)
             else:
                 transpose_tile(src_v, L["vs"], slot, dst_v, L["v"], stage, n, D, valid, tidx, self.wg_threads)
             cute.arch.fence_proxy("async.shared", space="cta")
