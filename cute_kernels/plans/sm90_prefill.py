@@ -528,7 +528,7 @@ def vt_ldsm_variants() -> list[Sm90PrefillConfig]:
     """The ldmatrix V^T transpose's compile matrix (registry id ``sm90.prefill_fp8q_ldsm``): the FP8
     query at each head dim (tile_n 128 / 128 / 64: both V^T swizzles), each ``q_scale`` form, both
     containers and layouts, causal and not, with and without LSE, and with the two-term query."""
-    on = dict(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", vt_transpose="ldsm")
+    on: dict[str, Any] = dict(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", vt_transpose="ldsm")
     return [
         make_prefill_config(**on, head_dim=128, group=8, page_size=16, q_scale="scalar"),
         make_prefill_config(**on, head_dim=64, group=8, page_size=128, q_scale="tensor", kv_form="pair",
