@@ -161,7 +161,7 @@ class AttentionLayer:
             docs/design/layer.md#fp8-query-prefill-opt-in. ``"fp8x2"``: the same with a two-term
             query (the e4m3 codes and their e4m3 residual, ``quantize_query(..., residual=True)``;
             on SM90 the opt-in ``sm90.prefill_fp8x2``, compile-verified only): about 1.5x the FP8
-            MMA work of ``"fp8"`` for an error near the BF16 query's in CPU emulation.
+            MMA work of ``"fp8"`` for about a sixth of its error in CPU emulation.
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, kv_cache_dtype: DTypeLike,

@@ -183,6 +183,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     if q_residual is not None:
         check_tensor("q_residual", q_residual, dtype=FP8, shape=(T, Hq, D), device=device)
     two_term = q_residual is not None and info.id == "sm90.prefill_fp8q"  # no other kernel takes a second term
+    terms: dict[str, Any] = {"q_terms": 2} if two_term else {}
     scale = D ** -0.5 if sm_scale is None else sm_scale
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
@@ -221,8 +222,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
                                    override=override, **fields)
     else:
         config = plan.make_prefill_config(out_dtype=dtype_name(out_dtype), q_scale=q_scale_kind, window=window_left != -1,
-                                          sinks=sinks is not None, **fields, **override,
-                                          **({"q_terms": 2} if two_term else {}))  # type: ignore[arg-type]
+                                          sinks=sinks is not None, **fields, **override, **terms)
     # pointer and stride alignment, from the signature the kernel is compiled with (TMA wants 16 bytes)
     tensors = dict(q=q, kv_cache=k, k_cache=k, v_cache=v, block_table=block_table, seq_lens=seq_lens,
                    query_start_loc=query_start_loc, out=out, q_residual=q_residual)
