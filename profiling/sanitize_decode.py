@@ -95,25 +95,29 @@ def _four_requests(ctx: Ctx, g: torch.Generator, kv, layout: str):
     return c
 
 
-def driver_first(ctx: Ctx, *, early_import: bool = True, preamble: bool = True, override: bool = True) -> None:
+def driver_first(ctx: Ctx, *, early_import: bool = True, preamble: bool = True, override: bool = True,
+                 fresh_draws: bool = False) -> None:
     """The earlier driver's first call as it ran: the prefill op module (and the DSL) loaded before
     any CUDA work, one trivial CUDA op and a pageable copy of ``randperm(50)`` drawn from the
     generator seeded 1, the decode op module loaded, then FP8 HND, num_splits 1 under
     ``tuning_override()`` (no fields) with the next draws of that generator. Each keyword leaves one
-    of those out (``early_import=False``: no op module loads before the inputs are built)."""
+    of those out (``early_import=False``: no op module loads before the inputs are built;
+    ``fresh_draws``: the ``randperm(50)`` comes from a second generator seeded 1, so the case's
+    inputs are those of a generator seeded 1 with no draw before, as in stand-alone runs)."""
     if early_import:
         importlib.import_module("cute_kernels.ops.paged_prefill")
     g = ctx.g
     g.manual_seed(1)
     ctx.call("inputs from the generator reseeded 1 (the earlier driver's), not the name's")
+    g_perm = torch.Generator().manual_seed(1) if fresh_draws else g
     if preamble:
         ctx.call("first CUDA work: ones(1).add_(1), synchronize")
         torch.ones(1, device=ctx.device).add_(1)
         ctx.sync()
         ctx.call("pageable host-to-device copy of randperm(50)")
-        assert int(torch.randperm(50, generator=g).to(ctx.device).sum()) == 1225
+        assert int(torch.randperm(50, generator=g_perm).to(ctx.device).sum()) == 1225
     else:
-        torch.randperm(50, generator=g)  # the same generator state, no CUDA work
+        torch.randperm(50, generator=g_perm)  # the same generator state, no CUDA work
     if early_import:
         importlib.import_module("cute_kernels.ops.paged_decode")  # where the earlier driver loaded it
     c = _four_requests(ctx, g, FP8, "HND")
@@ -198,6 +202,7 @@ CASES: dict[str, Callable[[Ctx], None]] = {
     "driver-first-no-override": partial(driver_first, override=False),
     "driver-first-late-import": partial(driver_first, early_import=False),
     "driver-first-no-preamble": partial(driver_first, preamble=False),
+    "driver-first-fresh-draws": partial(driver_first, fresh_draws=True),
     "fp8-hnd-split1": partial(bad_pages, kv=FP8, layout="HND", splits=1, cluster=None),
     "fp8-nhd-split3": partial(bad_pages, kv=FP8, layout="NHD", splits=3, cluster=None),
     "bf16-hnd-split2": partial(bad_pages, kv=BF16, layout="HND", splits=2, cluster=None),

@@ -40,7 +40,7 @@ def test_list_prints_every_case_once():
     assert all(re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", n) for n in names)  # safe in file names and -k
     # the earlier driver's first call and its variants, and the launch the cluster-merge concern was about
     assert {"driver-first", "driver-first-no-override", "driver-first-late-import", "driver-first-no-preamble",
-            "fp8-b1-ctx1000-schedule"} <= set(names)
+            "driver-first-fresh-draws", "fp8-b1-ctx1000-schedule"} <= set(names)
     assert names[0] == "driver-first"  # a full run begins as the earlier driver did
     assert len({sd.seed_of(n) for n in names}) == len(names)
 
@@ -84,6 +84,20 @@ def test_a_case_draws_the_same_inputs_alone_or_after_others(monkeypatch, capsys)
     backward = _recorded(monkeypatch, names[::-1])
     assert forward == backward and all(forward[n] for n in names)
     assert _recorded(monkeypatch, ["fp8-nhd-split3"]) != _recorded(monkeypatch, ["fp8-global3"])
+
+
+def test_driver_first_variants_draw_what_they_say(monkeypatch, capsys):
+    """The variants without the override, the early import or the preamble draw the first call's
+    inputs exactly; the fresh-draws one draws those of a generator seeded 1 with no draw before."""
+    variants = ["driver-first", "driver-first-no-override", "driver-first-late-import", "driver-first-no-preamble",
+                "driver-first-fresh-draws"]
+    seen = _recorded(monkeypatch, variants)
+    assert all(seen[v] == seen["driver-first"] for v in variants[1:4])
+    g = torch.Generator().manual_seed(1)
+    c = sd._four_requests(sd.Ctx("stand-alone", "cpu", g), g, sd.FP8, "HND")
+    # the recorder's sums of the call's leading tensor arguments (the cache is one tensor here)
+    sums = [float(t.double().nan_to_num().sum()) for t in (c.q, c.kv_cache, c.block_table, c.seq_lens)]
+    assert seen["driver-first-fresh-draws"][:4] == sums != seen["driver-first"][:4]
 
 
 def test_every_case_runs_through_the_reference(capsys):
