@@ -503,10 +503,13 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
             break
     if stages is None:
         raise ValueError(f"no prefill tiling of D {head_dim} with {tw}-token stages fits {target}'s shared memory")
+    # the PREFILL_D128_TW64S fields are an override's: a tiling (and so every form derived from a
+    # variant) leaves them off
+    off = dict(stats_smem=False, gather_one_base=False)
     if m_tiles == 2:
-        return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True)
+        return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True, **off)
     return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128,
-                ldsm_xor=head_dim == 256 and tw == 32 and d256_x)
+                ldsm_xor=head_dim == 256 and tw == 32 and d256_x, **off)
 
 
 def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int,
@@ -652,7 +655,7 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     d128: list[KernelConfig] = [d128_tw64_form(v) for c in out
                                 if isinstance(c, Sm80PrefillConfig) and _d128_tw64_registered(c)
                                 for v in (c, replace(c, write_lse=True))]
-    d128 += [d128_tw64s_form(c) for c in out if _d128_tw64s_registered(c)]
+    d128 += [d128_tw64s_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and _d128_tw64s_registered(c)]
     return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128)
             if kernel_id in (None, c.kernel_id)]
 
