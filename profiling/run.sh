@@ -19,6 +19,8 @@
 #               each checked against the reference, then timed (log tune_prefill.log, tune_prefill.json)
 #   smoke       a few decode split counts against the reference, in seconds
 #   sanitize    compute-sanitizer memcheck, racecheck, synccheck, initcheck of the decode/merge, QSA, glue drivers
+#   sanitize-cases  synccheck of the decode/merge driver one named case per process after a plain run
+#               (profiling/sanitize_cases.sh; a line per case, logs synccheck_sanitize_decode_CASE.log)
 #   bench       cute-kernels bench decode (uniform shapes, FP8 and BF16 with every installed peer), merge, layer, latency
 #   bench-qsa   cute-kernels bench qsa --check (decode rows and prefill row tiles)
 #   bench-serve  cute-kernels bench decode on the ragged and Hkv 1 shapes, then bench serve --quick
@@ -37,17 +39,8 @@
 # What each tier's script measures: profiling/README.md.
 set -o pipefail
 cd "$(dirname "$0")/.."
-if ls -d .wheelhouse/part* > /dev/null 2>&1; then
-  # shellcheck source=offline/install.sh
-  source profiling/offline/install.sh || exit 2
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONUNBUFFERED=1
-export CUTE_KERNELS_CACHE_DIR=${CUTE_KERNELS_CACHE_DIR:-/tmp/ck_cache}
-OUT=${OUT:-profiling/out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+# shellcheck source=env.sh
+source profiling/env.sh || exit 2
 CK=("$PY" -m cute_kernels)
 MEMCHECK=(compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9)
 SANITIZE=(compute-sanitizer --report-api-errors no --error-exitcode 9 --print-limit 100)
@@ -111,6 +104,8 @@ for tier in "$@"; do
                   step 900 "${d}_$tool" "${SANITIZE[@]}" --tool "$tool" "${extra[@]}" "$PY" -m "profiling.$d"
                 done
               done ;;
+    sanitize-cases) TAIL=40 step 1800 sanitize_cases env OUT="$OUT" PYTHON="$PY" bash profiling/sanitize_cases.sh \
+                      synccheck profiling.sanitize_decode ;;
     bench) TAIL=40 step 420 decode_fp8 "${CK[@]}" bench decode --shapes ctx --kv fp8 --peers xqa,xqa_nopdl,fi,sdpa \
              --json "$OUT/decode_fp8.json" --png "$OUT/decode_fp8.png"
            TAIL=40 step 500 decode_bf16 "${CK[@]}" bench decode --shapes ctx --kv bf16 --peers xqa,fi,fa4,sdpa \

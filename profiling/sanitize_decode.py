@@ -1,101 +1,264 @@
-"""A few decode and merge calls for compute-sanitizer's memcheck, racecheck, synccheck and
-initcheck (``profiling/run.sh sanitize``, tests/gpu/test_sanitize_gpu.py;
-docs/design/testing.md#sanitizer):
+"""Decode and merge calls for compute-sanitizer's memcheck, racecheck, synccheck and initcheck
+(``profiling/run.sh sanitize``, ``profiling/sanitize_cases.sh``, tests/gpu/test_sanitize_gpu.py;
+docs/design/testing.md#sanitizer), as named cases:
 
+    python3 -m profiling.sanitize_decode --list
     compute-sanitizer --tool synccheck --report-api-errors no --error-exitcode 9 python3 -m profiling.sanitize_decode
+    compute-sanitizer --tool synccheck ... python3 -m profiling.sanitize_decode --case fp8-b1-ctx1000-schedule
 
-Shapes include out-of-range page ids, a partial last page, an empty request, lengths past the
-block table (and 2^31 - 1), split and no split, HND and NHD, FP8 and BF16 caches, q_len 2, tensor
-scales, the cluster merge (DSMEM; 2, 3 and 16 CTAs, and the one-request FP8 launch the schedule
-merges in a 16-CTA cluster: B 1, context 1000, Hq 32 / Hkv 8, D 128) and the global fused merge
-(3 splits: staged in shared memory; 40: more than the stages hold, merged from L2), the
-balanced schedule (a ragged batch in a wide table, 7 chunks per KV head cutting requests into
-merged partials and 1 chunk walking every request; FP8 and BF16, q_len 2); then the
-portable ``sm80.decode`` (forced) with the same bad page ids and lengths past the table, both FP8
-widenings, a ring sized for 99 KB, split and not, and ``sm80.prefill`` on varlen chunks against
-cached prefixes: any out-of-bounds access or barrier misuse fails the run.
+Without ``--case`` every case runs, in the table's order. Shapes include out-of-range page ids, a
+partial last page, an empty request, lengths past the block table (and 2^31 - 1), split and no
+split, HND and NHD, FP8 and BF16 caches, q_len 2, tensor scales, the cluster merge (DSMEM; 2, 3 and
+16 CTAs, and the one-request FP8 launch the schedule merges in a 16-CTA cluster: B 1, context 1000,
+Hq 32 / Hkv 8, D 128) and the global fused merge (3 splits: staged in shared memory; 40: more than
+the stages hold, merged from L2), the balanced schedule (a ragged batch in a wide table, 7 chunks
+per KV head cutting requests into merged partials and 1 chunk walking every request; FP8 and BF16,
+q_len 2); then the portable ``sm80.decode`` (forced) with the same bad page ids and lengths past
+the table, both FP8 widenings, a ring sized for 99 KB, split and not, ``sm80.prefill`` on varlen
+chunks against cached prefixes, and ``merge_states``: any out-of-bounds access or barrier misuse
+fails the run.
+
+Inputs are drawn on the CPU (only copies and the package's kernels run on the GPU), each case from
+its own generator seeded from its name (printed), so a case draws the same inputs alone or after
+others. The ``driver-first*`` cases replay the first call of the earlier single-function driver
+exactly (its generator, its first CUDA work, the op modules loaded before it, the override around
+the call), each variant leaving out one of those: run one per process, as a case's import order and
+first CUDA work are what they vary. Every launch is announced on its own line first
+(``case NAME: CALL``), so a sanitizer's log places a failure. ``--device cpu`` runs every call on
+CPU tensors, through the float64 reference: it checks the cases themselves without a GPU.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import importlib
+import sys
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
 import torch
 
 import cute_kernels
-from cute_kernels.ops.paged_prefill import tuning_override as prefill_override
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case
 
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+DTYPE = {FP8: "FP8", BF16: "BF16"}
 
-def main():
-    # inputs drawn on the CPU: under synccheck the run failed inside the case construction, before any
-    # kernel of the package launched (docs/design/testing.md#sanitizer), so only copies and the package's
-    # kernels run on the GPU here
-    g = torch.Generator()
+
+@dataclass
+class Ctx:
+    """What a case runs with: its name (each launch line names it), the device of its tensors and
+    its generator (CPU, seeded from the name)."""
+
+    name: str
+    device: str
+    g: torch.Generator
+
+    def call(self, what: str) -> None:
+        print(f"case {self.name}: {what}", flush=True)
+
+    def sync(self) -> None:
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+
+
+def seed_of(name: str) -> int:
+    return zlib.crc32(name.encode())  # stable across processes (str hashes are salted)
+
+
+def _override(op: str, **fields: object) -> Any:
+    # loaded here, not at the top: when the op modules (and the DSL with them) load relative to the
+    # first CUDA work is one of the things the driver-first cases vary
+    return importlib.import_module(f"cute_kernels.ops.{op}").tuning_override(**fields)
+
+
+def _decode(ctx: Ctx, c, what: str, **kw) -> None:
+    ctx.call(f"paged_decode {what}")
+    cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, **dict(c.kwargs(), **kw))
+
+
+def _bad_pages(c) -> None:
+    c.block_table[2, 3] = 10**6  # out-of-range page ids must be zero-filled, never read
+    c.block_table[3, 5] = -5
+
+
+def _four_requests(ctx: Ctx, g: torch.Generator, kv, layout: str):
+    """B 4 (an empty request, a partial page, 300, 1000), Hq 32 / Hkv 8, D 128, page 16, two bad ids."""
+    c = make_paged_decode_case(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                               seq_lens=[0, 17, 300, 1000], kv_dtype=kv, kv_layout=layout, generator=g,
+                               device=ctx.device)
+    _bad_pages(c)
+    return c
+
+
+def driver_first(ctx: Ctx, *, early_import: bool = True, preamble: bool = True, override: bool = True,
+                 fresh_draws: bool = False) -> None:
+    """The earlier driver's first call as it ran: the prefill op module (and the DSL) loaded before
+    any CUDA work, one trivial CUDA op and a pageable copy of ``randperm(50)`` drawn from the
+    generator seeded 1, the decode op module loaded, then FP8 HND, num_splits 1 under
+    ``tuning_override()`` (no fields) with the next draws of that generator. Each keyword leaves one
+    of those out (``early_import=False``: no op module loads before the inputs are built;
+    ``fresh_draws``: the ``randperm(50)`` comes from a second generator seeded 1, so the case's
+    inputs are those of a generator seeded 1 with no draw before, as in stand-alone runs)."""
+    if early_import:
+        importlib.import_module("cute_kernels.ops.paged_prefill")
+    g = ctx.g
     g.manual_seed(1)
-    # the first CUDA work of the process, alone: a failure here is the tool's or torch's, not a kernel's
-    torch.ones(1, device="cuda").add_(1)
-    torch.cuda.synchronize()
-    print("CUDA context ready", flush=True)
-    assert int(torch.randperm(50, generator=g).to("cuda").sum()) == 1225  # a pageable host-to-device copy
-    print("host-to-device copy done", flush=True)
-    from cute_kernels.ops.paged_decode import tuning_override
+    ctx.call("inputs from the generator reseeded 1 (the earlier driver's), not the name's")
+    g_perm = torch.Generator().manual_seed(1) if fresh_draws else g
+    if preamble:
+        ctx.call("first CUDA work: ones(1).add_(1), synchronize")
+        torch.ones(1, device=ctx.device).add_(1)
+        ctx.sync()
+        ctx.call("pageable host-to-device copy of randperm(50)")
+        assert int(torch.randperm(50, generator=g_perm).to(ctx.device).sum()) == 1225
+    else:
+        torch.randperm(50, generator=g_perm)  # the same generator state, no CUDA work
+    if early_import:
+        importlib.import_module("cute_kernels.ops.paged_decode")  # where the earlier driver loaded it
+    c = _four_requests(ctx, g, FP8, "HND")
+    with _override("paged_decode") if override else contextlib.nullcontext():
+        _decode(ctx, c, f"FP8 HND num_splits=1{' under tuning_override()' if override else ''}", num_splits=1)
 
-    for kv, layout, splits, cluster in ((torch.float8_e4m3fn, "HND", 1, None), (torch.float8_e4m3fn, "NHD", 3, None),
-                                        (torch.bfloat16, "HND", 2, None), (torch.float8_e4m3fn, "HND", 16, True),
-                                        (torch.float8_e4m3fn, "HND", 3, False), (torch.float8_e4m3fn, "HND", 40, False)):
-        c = make_paged_decode_case(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                                   seq_lens=[0, 17, 300, 1000], kv_dtype=kv, kv_layout=layout, generator=g)
-        c.block_table[2, 3] = 10**6  # out-of-range page ids must be zero-filled, never read
-        c.block_table[3, 5] = -5
-        with tuning_override(**({} if cluster is None else {"cluster": cluster})):
-            cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=splits, **c.kwargs())
-    # the schedule's own choice for one request of 1000 tokens: a cluster merge of 16 CTAs
+
+def bad_pages(ctx: Ctx, kv, layout: str, splits: int, cluster: bool | None) -> None:
+    """The four requests with bad page ids; ``cluster`` None leaves the merge to the plan."""
+    c = _four_requests(ctx, ctx.g, kv, layout)
+    with _override("paged_decode", **({} if cluster is None else {"cluster": cluster})):
+        _decode(ctx, c, f"{DTYPE[kv]} {layout} num_splits={splits} cluster={cluster}", num_splits=splits)
+
+
+def schedule_b1(ctx: Ctx) -> None:
+    """The schedule's own choice for one FP8 request of 1000 tokens (Hq 32 / Hkv 8, D 128): a
+    cluster merge of 16 CTAs."""
     c = make_paged_decode_case(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, seq_lens=1000,
-                               generator=g)
-    cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, **c.kwargs())
-    # lengths past the block table (a huge one too), q_len 2, tensor scales, cluster and global merges
-    for cluster in (True, False):
-        c = make_paged_decode_case(batch=3, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=16,
-                                   seq_lens=[200, 40, 90], q_len=2, generator=g)
-        W = c.block_table.shape[1]
-        c.seq_lens.copy_(torch.tensor([W * 16 + 3, 2**31 - 1, 90], dtype=torch.int32))
-        kw = dict(c.kwargs(), k_scale=torch.tensor(0.0625, device="cuda"), v_scale=torch.tensor([0.03125], device="cuda"))
-        with tuning_override(cluster=cluster):
-            cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=4, **kw)
-    # the balanced schedule: chunks cutting requests (partials, merges), one chunk walking them all
-    for kv, q_len in ((torch.float8_e4m3fn, 1), (torch.bfloat16, 2)):
-        c = make_paged_decode_case(batch=9, num_q_heads=32, num_kv_heads=4, head_dim=128, page_size=16,
-                                   seq_lens=[0, 1, 700, 33, 1500, 2, 64, 5000, 17], kv_dtype=kv, q_len=q_len,
-                                   table_tokens=8192, generator=g)
-        c.block_table[2, 3] = 10**6
-        with tuning_override(balanced=True):
-            for chunks in (7, 1):
-                cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=chunks,
-                                          **c.kwargs())
-    for kv, layout, splits, extra in ((torch.float8_e4m3fn, "HND", 1, {"widen": "bits"}),
-                                      (torch.float8_e4m3fn, "NHD", 5, {}),
-                                      (torch.bfloat16, "HND", 3, {"smem_target": "sm_86"})):
-        c = make_paged_decode_case(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                                   seq_lens=[0, 17, 300, 1000], kv_dtype=kv, kv_layout=layout, generator=g)
-        c.block_table[2, 3] = 10**6
-        c.block_table[3, 5] = -5
-        c.seq_lens[0] = 2**31 - 1  # past the table: the positions past its capacity are not attended
-        with tuning_override(backend="sm80", **extra):
-            cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, num_splits=splits, **c.kwargs())
-    for kv in (torch.float8_e4m3fn, torch.bfloat16):
-        c = make_paged_prefill_case(reqs=[(0, 37), (50, 0), (33, 130), (1000, 5)], num_q_heads=32, num_kv_heads=8,
-                                    head_dim=128, page_size=16, kv_dtype=kv, k_scale=0.5, v_scale=0.25, generator=g)
-        qsl = c.query_start_loc
-        c.block_table[2, 3] = 10**6
-        c.block_table[3, 5] = -5
-        with prefill_override(backend="sm80"):
-            cute_kernels.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=130,
-                                       k_scale=c.k_scale, v_scale=c.v_scale, return_lse=True)
-    po = torch.randn(3, 5, 4, 128, generator=g).cuda()
-    pl = torch.randn(3, 5, 4, generator=g).cuda()
-    cute_kernels.merge_states(po, pl, out_dtype=torch.bfloat16)
-    torch.cuda.synchronize()
+                               generator=ctx.g, device=ctx.device)
+    _decode(ctx, c, "FP8 B1 ctx1000, the schedule's split and merge")
+
+
+def past_table(ctx: Ctx, cluster: bool) -> None:
+    """Lengths past the block table (2^31 - 1 too), q_len 2, tensor scales, 4 splits merged in a
+    cluster or globally."""
+    c = make_paged_decode_case(batch=3, num_q_heads=16, num_kv_heads=8, head_dim=128, page_size=16,
+                               seq_lens=[200, 40, 90], q_len=2, generator=ctx.g, device=ctx.device)
+    W = c.block_table.shape[1]
+    c.seq_lens.copy_(torch.tensor([W * 16 + 3, 2**31 - 1, 90], dtype=torch.int32))
+    scales = dict(k_scale=torch.tensor(0.0625, device=ctx.device), v_scale=torch.tensor([0.03125], device=ctx.device))
+    with _override("paged_decode", cluster=cluster):
+        _decode(ctx, c, f"lengths past the table, q_len 2, tensor scales, num_splits=4 cluster={cluster}",
+                num_splits=4, **scales)
+
+
+def balanced(ctx: Ctx, kv, q_len: int) -> None:
+    """The balanced schedule on a ragged batch in a wide table: 7 chunks per KV head (requests cut
+    and merged), then 1 chunk walking every request."""
+    c = make_paged_decode_case(batch=9, num_q_heads=32, num_kv_heads=4, head_dim=128, page_size=16,
+                               seq_lens=[0, 1, 700, 33, 1500, 2, 64, 5000, 17], kv_dtype=kv, q_len=q_len,
+                               table_tokens=8192, generator=ctx.g, device=ctx.device)
+    c.block_table[2, 3] = 10**6
+    with _override("paged_decode", balanced=True):
+        for chunks in (7, 1):
+            _decode(ctx, c, f"balanced {DTYPE[kv]} q_len {q_len} chunks={chunks}", num_splits=chunks)
+
+
+def sm80_decode(ctx: Ctx, kv, layout: str, splits: int, extra: dict) -> None:
+    """The portable decode, forced, on the four requests with bad page ids and the empty one's
+    length past the table."""
+    c = _four_requests(ctx, ctx.g, kv, layout)
+    c.seq_lens[0] = 2**31 - 1  # past the table: the positions past its capacity are not attended
+    with _override("paged_decode", backend="sm80", **extra):
+        _decode(ctx, c, f"sm80 {DTYPE[kv]} {layout} num_splits={splits} {extra}", num_splits=splits)
+
+
+def sm80_prefill(ctx: Ctx, kv) -> None:
+    """The portable prefill, forced, on varlen chunks against cached prefixes (an empty chunk
+    included) with bad page ids."""
+    c = make_paged_prefill_case(reqs=[(0, 37), (50, 0), (33, 130), (1000, 5)], num_q_heads=32, num_kv_heads=8,
+                                head_dim=128, page_size=16, kv_dtype=kv, k_scale=0.5, v_scale=0.25, generator=ctx.g,
+                                device=ctx.device)
+    _bad_pages(c)
+    with _override("paged_prefill", backend="sm80"):
+        ctx.call(f"paged_prefill sm80 {DTYPE[kv]} varlen, return_lse")
+        kv_cache: Any = c.kv_cache  # a tensor here (typed object in the case: a tensor or a pair)
+        cute_kernels.paged_prefill(c.q, kv_cache, c.block_table, c.seq_lens, c.query_start_loc, max_query_len=130,
+                                   k_scale=c.k_scale, v_scale=c.v_scale, return_lse=True)
+
+
+def merge(ctx: Ctx) -> None:
+    """merge_states of 5 splits, 4 heads, D 128 into BF16."""
+    po = torch.randn(3, 5, 4, 128, generator=ctx.g).to(ctx.device)
+    pl = torch.randn(3, 5, 4, generator=ctx.g).to(ctx.device)
+    ctx.call("merge_states 5 splits -> bf16")
+    cute_kernels.merge_states(po, pl, out_dtype=BF16)
+
+
+# name -> case, in the order a full run takes them; the first is the earlier driver's first call
+CASES: dict[str, Callable[[Ctx], None]] = {
+    "driver-first": driver_first,
+    "driver-first-no-override": partial(driver_first, override=False),
+    "driver-first-late-import": partial(driver_first, early_import=False),
+    "driver-first-no-preamble": partial(driver_first, preamble=False),
+    "driver-first-fresh-draws": partial(driver_first, fresh_draws=True),
+    "fp8-hnd-split1": partial(bad_pages, kv=FP8, layout="HND", splits=1, cluster=None),
+    "fp8-nhd-split3": partial(bad_pages, kv=FP8, layout="NHD", splits=3, cluster=None),
+    "bf16-hnd-split2": partial(bad_pages, kv=BF16, layout="HND", splits=2, cluster=None),
+    "fp8-cluster16": partial(bad_pages, kv=FP8, layout="HND", splits=16, cluster=True),
+    "fp8-global3": partial(bad_pages, kv=FP8, layout="HND", splits=3, cluster=False),
+    "fp8-global40": partial(bad_pages, kv=FP8, layout="HND", splits=40, cluster=False),
+    "fp8-b1-ctx1000-schedule": schedule_b1,
+    "past-table-cluster": partial(past_table, cluster=True),
+    "past-table-global": partial(past_table, cluster=False),
+    "balanced-fp8": partial(balanced, kv=FP8, q_len=1),
+    "balanced-bf16-q2": partial(balanced, kv=BF16, q_len=2),
+    "sm80-fp8-bits-split1": partial(sm80_decode, kv=FP8, layout="HND", splits=1, extra={"widen": "bits"}),
+    "sm80-fp8-nhd-split5": partial(sm80_decode, kv=FP8, layout="NHD", splits=5, extra={}),
+    "sm80-bf16-sm86-split3": partial(sm80_decode, kv=BF16, layout="HND", splits=3, extra={"smem_target": "sm_86"}),
+    "sm80-prefill-fp8": partial(sm80_prefill, kv=FP8),
+    "sm80-prefill-bf16": partial(sm80_prefill, kv=BF16),
+    "merge-states": merge,
+}
+
+
+def run_case(name: str, device: str = "cuda") -> None:
+    g = torch.Generator()
+    g.manual_seed(seed_of(name))
+    ctx = Ctx(name, device, g)
+    print(f"case {name}: start (inputs seed {seed_of(name)})", flush=True)
+    CASES[name](ctx)
+    ctx.sync()  # a fault surfaces inside its case
+    print(f"case {name}: ok", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m profiling.sanitize_decode",
+                                description="decode and merge calls for compute-sanitizer, as named cases")
+    p.add_argument("--list", action="store_true", help="print the case names, one a line, and exit")
+    p.add_argument("--case", default=None, help="NAME[,NAME...]: run only these (default: every case, in order)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: every call on CPU tensors, through the float64 reference (checks the cases)")
+    args = p.parse_args(argv)
+    names = list(CASES) if args.case is None else [n.strip() for n in args.case.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown or not names:
+        p.error(f"unknown case(s) {unknown or args.case!r}; --list prints the names")
+    args.names = names
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        print("\n".join(CASES))
+        return 0
+    for name in args.names:
+        run_case(name, args.device)
     print("sanitize run finished")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

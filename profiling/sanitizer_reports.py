@@ -9,12 +9,16 @@ racecheck prints a hazard in one of two forms, depending on ``--racecheck-report
 
 or ``Error: Race reported between Write access at <fn>+<pc> ... and Write access at <fn>+<pc>``. The
 only hazards the package accepts are the QSA union pre-pass's shared-memory write-write ones, proven
-benign in docs/design/qsa.md#racecheck-of-the-union-pre-pass.
+benign in docs/design/qsa.md#racecheck-of-the-union-pre-pass. Every tool ends with a summary line
+(``ERROR SUMMARY: 0 errors``, racecheck's ``RACECHECK SUMMARY: 48 hazards displayed (...)``):
+
+    python3 -m profiling.sanitizer_reports LOG    # prints the count the summary reports ("none": no summary)
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 
 _PREFIX = r"^=*\s*"
@@ -24,6 +28,7 @@ _THREAD = re.compile(r"(?P<op>Read|Write) Thread \([^)]*\) at (?P<fn>[\w$.:]+)\+
 _RACE = re.compile(_PREFIX + r"(?:Error|Warning): Race reported between (?P<a>(?:Read|Write) access at [^\n]*?)"
                    r"\s*(?:\n=*)?\s*and\s+(?P<b>(?:Read|Write) access at [^\n]*)", re.M | re.I)
 # "at <function>+<pc>", or "at <pc> in <file:line:function>"
+_SUMMARY = re.compile(_PREFIX + r"(?:ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: (\d+) hazards?)", re.M)
 _ACCESS = re.compile(r"(?P<op>Read|Write) access at (?:(?P<fn>[\w$.:]+)\+)?(?P<pc>0x[0-9a-fA-F]+)"
                      r"(?: in (?P<where>\S+))?", re.I)
 
@@ -63,3 +68,15 @@ def benign_union_races(log: str) -> bool:
         h.kind in ("WAW", "race") and h.space in ("__shared__", "") and len(h.accesses) == 2
         and all(a.op == "Write" and re.search(r"qsa_?union", a.function, re.I) for a in h.accesses)
         for h in found)
+
+
+def reported_errors(log: str) -> int | None:
+    """The errors (racecheck: hazards) the tool's summary lines report, the largest where there are
+    several; None without a summary (the tool did not finish)."""
+    counts = [int(a or b) for a, b in _SUMMARY.findall(log)]
+    return max(counts) if counts else None
+
+
+if __name__ == "__main__":
+    n = reported_errors(open(sys.argv[1], errors="replace").read())
+    print("none" if n is None else n)

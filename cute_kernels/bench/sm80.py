@@ -22,7 +22,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.paged_decode import tuning_override
 from cute_kernels.ops.paged_prefill import tuning_override as prefill_override
-from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D256_TW32X
+from cute_kernels.plans.sm80 import PREFILL_D128_TW64
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case, rel_err
 
 from .decode import SHAPES as DECODE_SHAPES
@@ -34,12 +34,12 @@ NEEDS = SM80_PLUS
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 PAGE = 16
 # tilings compared with the plan's (``sm80`` column); ``--variants name:field=value+field=value;...``
-# adds more. ``m1`` / ``noxor``: the forms the plan chose before its measured defaults (at D 256 the
-# old prefill is ``--variants tw16:m_tiles=1+tw=16``), docs/design/sm80.md#defaults
+# adds more. ``m1`` / ``noxor``: the forms the plan chose before its measured defaults (at D 256
+# ``m1`` is the plan's form; the ones before are ``tw64`` and ``tw16``), docs/design/sm80.md#defaults
 PREFILL_VARIANTS = {"m1": dict(m_tiles=1), "tw64": dict(m_tiles=1, tw=64, q_regs=False)}
-# head dim 256 only: 32-token stages with one ldmatrix base (two CTAs per SM on SM90; at D 256 the
-# plan's form on SM90 is already `m1` / `tw64`), docs/design/sm80.md#head-dim-256-prefill
-PREFILL_D256_VARIANTS = {"tw32x": PREFILL_D256_TW32X}
+# head dim 256 only: the plan's form (`sm80`, `m1`) is PREFILL_D256_TW32X; `tw64` is the one before
+# on SM90, `tw16` the one before elsewhere (per-address ldmatrix), docs/design/sm80.md#prefill-tilings-measured
+PREFILL_D256_VARIANTS = {"tw16": dict(m_tiles=1, tw=16)}
 # head dim 128 only: 128-row CTAs with 64-token stages (FA2's 128 x 64 tile),
 # docs/design/sm80.md#64-token-stages-at-head-dim-128
 PREFILL_D128_VARIANTS = {"m2t64": PREFILL_D128_TW64}

@@ -416,11 +416,15 @@ PREFILL_M2_TW32_TARGETS = ("sm_80", "sm_86", "sm_90a")
 # H200) for lean variants with 16-bit caches where they fit and ptxas keeps them: not sm_100a /
 # sm_103a (35-89 STL), not FP8 caches or the other variants (4-17 STL) (docs/design/sm80.md#defaults)
 PREFILL_D256_TW64_TARGETS = ("sm_90a",)
-# head dim 256, an override (unmeasured): 32-token stages with one ldmatrix base per operand. Two
-# stages take 97 KB, so two CTAs (eight warps) share a 227 KB SM, FA2's H100 occupancy at this head
-# dim, where the 64-token ring holds one CTA of four warps; the one-base addressing keeps the build
-# spill-free where the per-address one needs 254 registers (docs/design/sm80.md#head-dim-256-prefill)
+# head dim 256, the default: 32-token stages with one ldmatrix base per operand (1.23x the 64-token
+# ring on the H200). Two stages take 97 KB, so two CTAs (eight warps) share a 227 KB SM, FA2's H100
+# occupancy at this head dim; the one-base addressing keeps the build spill-free where the
+# per-address one needs 254 registers (docs/design/sm80.md#prefill-tilings-measured)
 PREFILL_D256_TW32X: dict[str, Any] = dict(m_tiles=1, tw=32, ldsm_xor=True)
+# where ptxas spills it, the form before stays the default: a 16-bit cache at page 32 (3-32 STL; not
+# on sm_80), a 16-bit cache with scale tensors on sm_120a / sm_121a (1 STL) (docs/design/sm80.md#head-dim-256-prefill)
+PREFILL_D256_TW32X_PAGE32_SPILL_TARGETS = tuple(t for t in TARGETS if t != "sm_80")
+PREFILL_D256_TW32X_SCALES_SPILL_TARGETS = ("sm_120a", "sm_121a")
 # head dim 128, an override (unmeasured): 128-row CTAs with 64-token stages, FA2's 128 x 64 tile of
 # four warps, half the per-token softmax, O-rescale and barrier work of the 32-token default. It sits
 # at 255 registers: spill-free only for BF16 caches at GQA 4, page 16 on sm_90a (the lean variant and
@@ -435,19 +439,32 @@ def prefill_lean(*, causal: bool, write_lse: bool, k_scale_tensor: bool, v_scale
     return causal and not (write_lse or k_scale_tensor or v_scale_tensor or kv_form == "pair")
 
 
+def prefill_d256_tw32x(target: str, kv_dtype: str, page_size: int, scale_tensors: bool) -> bool:
+    """Whether the head-dim-256 default on compile target ``target`` is ``PREFILL_D256_TW32X``:
+    wherever ptxas keeps it without spills (a fact of the target's ptxas, not of the ring's shared
+    memory)."""
+    if kv_dtype == "fp8_e4m3":
+        return True
+    return not ((page_size == 32 and target in PREFILL_D256_TW32X_PAGE32_SPILL_TARGETS)
+                or (scale_tensors and target in PREFILL_D256_TW32X_SCALES_SPILL_TARGETS))
+
+
 def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | None = None, tw: int | None = None,
-                   lean: bool = True) -> dict:
+                   lean: bool = True, d256_x: bool = False) -> dict:
     """FA2-style prefill tiling on ``target``: four warps of ``m_tiles`` 16-row tiles each, each
     warp reading the whole stage; the deepest ring (2 or 3 stages) that lets two CTAs share an
     SM, else one. ``m_tiles``, ``tw``: the plan's unless given (the fit is for the given ones).
+    ``d256_x``: :func:`prefill_d256_tw32x` of the variant (32-token stages with one ``ldmatrix``
+    base at D 256; without it the 16- or 64-token ring with per-address ``ldmatrix``).
 
     ``m_tiles=2`` (the default up to D 128 for ``lean`` variants on ``PREFILL_M2_TW32_TARGETS``):
     128 rows per CTA. O takes 128 registers at D 128, so Q is read from shared memory at every
     tile and the ``ldmatrix`` addresses are immediate or XOR steps from one base per operand;
     32-token stages, 16 at D 128 off those (an override only). ``m_tiles=1`` (the default
-    elsewhere): 64 rows per CTA, Q in registers up to D 128, 32-token stages (16 at D 256, where
-    O alone takes 128 registers; 64 at D 256 for lean variants with 16-bit caches on
-    ``PREFILL_D256_TW64_TARGETS``). ``lean``: :func:`prefill_lean` (docs/design/sm80.md#128-row-ctas)."""
+    elsewhere): 64 rows per CTA, Q in registers up to D 128, 32-token stages (at D 256, where O
+    alone takes 128 registers, with one ``ldmatrix`` base where ``d256_x``, else 16, or 64 for lean
+    variants with 16-bit caches on ``PREFILL_D256_TW64_TARGETS``). ``lean``: :func:`prefill_lean`
+    (docs/design/sm80.md#128-row-ctas)."""
     m2_tw32 = lean and target in PREFILL_M2_TW32_TARGETS
     if m_tiles is None:
         m_tiles = 2 if head_dim <= PREFILL_M2_MAX_HEAD_DIM and m2_tw32 else 1
@@ -455,10 +472,11 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
         raise ValueError(f"prefill m_tiles must be 1, or 2 up to head_dim {PREFILL_M2_MAX_HEAD_DIM}; "
                          f"got {m_tiles} at {head_dim}")
     if tw is None:
-        tw = 16 if head_dim == 256 else 32
+        tw = 16 if head_dim == 256 and not d256_x else 32
         if m_tiles == 2 and head_dim == 128 and not m2_tw32:
             tw = 16
-        if head_dim == 256 and lean and kv_dtype != "fp8_e4m3" and target in PREFILL_D256_TW64_TARGETS:
+        if (head_dim == 256 and not d256_x and lean and kv_dtype != "fp8_e4m3"
+                and target in PREFILL_D256_TW64_TARGETS):
             tw = 64
     fields = dict(kv_dtype=kv_dtype, head_dim=head_dim, warps_m=4, warps_n=1, m_tiles=m_tiles, tw=tw)
     for ctas in (PREFILL_CTAS_PER_SM, 1):
@@ -469,7 +487,8 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
         raise ValueError(f"no prefill tiling of D {head_dim} with {tw}-token stages fits {target}'s shared memory")
     if m_tiles == 2:
         return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True)
-    return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128)
+    return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128,
+                ldsm_xor=head_dim == 256 and tw == 32 and d256_x)
 
 
 def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int,
@@ -479,15 +498,17 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
     """The config the prefill op, the warm-up and the compile matrix use on ``target``;
     ``override`` replaces tuning fields (``smem_target``: size the ring for another target;
     ``m_tiles``: the 64- or 128-row tiling of :func:`prefill_tiling`, ``tw``: its stage, the ring
-    fitted to them)."""
+    fitted to them; at D 256 ``tw=16`` / ``tw=64`` reach the per-address forms of the default before
+    ``PREFILL_D256_TW32X``)."""
     fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group,
                   page_size=page_size, causal=causal, write_lse=write_lse, kv_form=kv_form, kv_layout=kv_layout,
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
     override = dict(override)
     lean = prefill_lean(causal=causal, write_lse=write_lse, k_scale_tensor=k_scale_tensor,
                         v_scale_tensor=v_scale_tensor, kv_form=kv_form)
+    d256_x = head_dim == 256 and prefill_d256_tw32x(target, kv_dtype, page_size, k_scale_tensor or v_scale_tensor)
     fields.update(prefill_tiling(override.pop("smem_target", target), kv_dtype, head_dim, override.get("m_tiles"),
-                                 override.get("tw"), lean))
+                                 override.get("tw"), lean, d256_x))
     fields.update(override)
     return Sm80PrefillConfig(**fields)
 
@@ -508,8 +529,18 @@ def old_form(config: KernelConfig) -> KernelConfig:
     if isinstance(config, Sm80DecodeConfig):
         return replace(config, ldsm_xor=False)
     assert isinstance(config, Sm80PrefillConfig)
-    old = prefill_tiling(config.target, config.kv_dtype, config.head_dim, 1, 16 if config.head_dim == 256 else 32)
-    return replace(config, ldsm_xor=False, **old)
+    return replace(config, **prefill_tiling(config.target, config.kv_dtype, config.head_dim, 1,
+                                            16 if config.head_dim == 256 else 32))
+
+
+def d256_previous_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
+    """The head-dim-256 prefill the plan chose for ``config``'s variant before ``PREFILL_D256_TW32X``
+    became the default (docs/design/sm80.md#prefill-tilings-measured): 64-token stages for lean
+    variants with 16-bit caches on ``PREFILL_D256_TW64_TARGETS``, else 16-token ones."""
+    assert config.head_dim == 256
+    lean = prefill_lean(causal=config.causal, write_lse=config.write_lse, k_scale_tensor=config.k_scale_tensor,
+                        v_scale_tensor=config.v_scale_tensor, kv_form=config.kv_form)
+    return replace(config, **prefill_tiling(config.target, config.kv_dtype, 256, None, None, lean))
 
 
 def rows128_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
@@ -521,12 +552,13 @@ def rows128_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
 
 
 def d256_tw32x_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
-    """The head-dim-256 prefill that the ``PREFILL_D256_TW32X`` override selects for ``config``'s
-    variant (its ring the deepest that fits, two CTAs per SM where they fit)."""
+    """The head-dim-256 prefill that ``PREFILL_D256_TW32X`` selects for ``config``'s variant (its
+    ring the deepest that fits, two CTAs per SM where they fit): the default where
+    :func:`prefill_d256_tw32x`, an override elsewhere."""
     assert config.head_dim == 256
     tiling = prefill_tiling(config.target, config.kv_dtype, 256, PREFILL_D256_TW32X["m_tiles"],
                             PREFILL_D256_TW32X["tw"])
-    return replace(config, **tiling, ldsm_xor=bool(PREFILL_D256_TW32X["ldsm_xor"]))
+    return replace(config, **{**tiling, "ldsm_xor": bool(PREFILL_D256_TW32X["ldsm_xor"])})
 
 
 def d128_tw64_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
@@ -552,7 +584,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     (``cute-kernels compile --arch <target> --kernel sm80.``), each in the plan's default form and
     in the forms the overrides select where they differ from it (``ldsm_xor=False`` for the decode
     from D 128 on; ``m_tiles=1`` with the old stage and ``m_tiles=2`` for the prefill,
-    :func:`d256_tw32x_form` for each prefill at D 256, :func:`d128_tw64_form` for the BF16 D 128
+    :func:`d256_tw32x_form` and :func:`d256_previous_form` for each prefill at D 256,
+    :func:`d128_tw64_form` for the BF16 D 128
     prefill, lean and with the LSE, where it builds without spills): decode for
     each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
@@ -577,7 +610,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     out += ci_variants()
     rows128: list[KernelConfig] = [rows128_form(c) for c in out
                                    if isinstance(c, Sm80PrefillConfig) and c.head_dim <= PREFILL_M2_MAX_HEAD_DIM]
-    d256: list[KernelConfig] = [d256_tw32x_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.head_dim == 256]
+    d256: list[KernelConfig] = [form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.head_dim == 256
+                                for form in (d256_tw32x_form, d256_previous_form)]
     d128: list[KernelConfig] = [d128_tw64_form(v) for c in out
                                 if isinstance(c, Sm80PrefillConfig) and _d128_tw64_registered(c)
                                 for v in (c, replace(c, write_lse=True))]
@@ -593,12 +627,12 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     and its 128-row override (16-token stages, unmeasured: asserted spill-free on every target);
     on SM80 also the bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90 the shapes
     SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a ring sized for
-    99 KB (run on the H200 as the SM86 build's stand-in), an fp16 D 64 prefill, the 64-token D 256
-    prefill and one old form per kernel (the FP8 decode without ``ldsm_xor``, the 64-row BF16
-    prefill); the lean 128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86; the
-    head-dim-256 decode on SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``); the
-    ``PREFILL_D256_TW32X`` override of the lean BF16 D 256 prefill on SM90 (two CTAs per SM) and SM86
-    (99 KB); the ``PREFILL_D128_TW64`` override of the lean BF16 D 128 prefill on sm_90a."""
+    99 KB (run on the H200 as the SM86 build's stand-in), an fp16 D 64 prefill, and old forms (the
+    FP8 decode without ``ldsm_xor``, the 64-row BF16 prefill, the 64-token D 256 prefill); the lean
+    128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86; the head-dim-256 decode on
+    SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``); the lean BF16 D 256 prefill
+    (``PREFILL_D256_TW32X``, the default) on SM90 (two CTAs per SM), SM86 and SM120 (99 KB; 255
+    registers there); the ``PREFILL_D128_TW64`` override of the lean BF16 D 128 prefill on sm_90a."""
     shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
     out: list[KernelConfig] = []
     for t in TARGETS:
@@ -626,12 +660,13 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
             make_prefill_config(target="sm_90a", q_dtype="fp16", kv_dtype="fp16", head_dim=64, group=1,
                                 page_size=32),
             make_prefill_config(target="sm_90a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,
-                                page_size=16),
+                                page_size=16, m_tiles=1, tw=64),
             make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, ldsm_xor=False,
                                **shape),
             make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, m_tiles=1, **shape)]
     d256: dict[str, Any] = dict(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=2, page_size=16)
-    out += [make_prefill_config(target=t, **d256, **PREFILL_D256_TW32X) for t in ("sm_90a", "sm_86")]
+    out += [make_prefill_config(target=t, **d256) for t in ("sm_90a", "sm_86")]
+    out.append(make_prefill_config(target="sm_120a", **dict(d256, group=4)))
     out += [make_prefill_config(target=t, kv_dtype="bf16", group=4, **shape, **PREFILL_D128_TW64)
             for t in PREFILL_D128_TW64_TARGETS]
     return [c for c in out if kernel_id in (None, c.kernel_id)]

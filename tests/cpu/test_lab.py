@@ -42,7 +42,7 @@ def test_runner_tiers_and_modules():
         from cute_kernels.bench import BENCHMARKS
 
         assert what in BENCHMARKS, what
-    for script in ("run.sh", "offline/make_wheelhouse.sh", "offline/install.sh"):
+    for script in ("run.sh", "env.sh", "sanitize_cases.sh", "offline/make_wheelhouse.sh", "offline/install.sh"):
         assert subprocess.run(["bash", "-n", str(LAB / script)]).returncode == 0, script
 
 

@@ -1,10 +1,10 @@
 """Reading racecheck's reports (profiling/sanitizer_reports.py): both report forms, and the QSA
 union pre-pass's write-write hazards (benign, docs/design/qsa.md#racecheck-of-the-union-pre-pass)
-told apart from every other hazard."""
+told apart from every other hazard; the count a tool's summary line reports."""
 
 from __future__ import annotations
 
-from profiling.sanitizer_reports import benign_union_races, hazards
+from profiling.sanitizer_reports import benign_union_races, hazards, reported_errors
 
 
 def _hazard(kind="WAW", space="__shared__", a="Write", b="Write", fa="cute_kernels_sm90_qsa_union_0",
@@ -49,3 +49,13 @@ def test_race_form_is_parsed():
     assert benign_union_races(log)
     assert not benign_union_races(log.replace("Write access at cute_kernels_sm90_qsa_union_0+0x3c90",
                                               "Read access at cute_kernels_sm90_qsa_union_0+0x3c90"))
+
+
+def test_summary_counts():
+    assert reported_errors(HEAD + "========= ERROR SUMMARY: 0 errors\n") == 0
+    assert reported_errors(HEAD + "========= ERROR SUMMARY: 1 error\n") == 1
+    assert reported_errors(HEAD + _hazard() * 48 + TAIL) == 48
+    # the process died (an illegal address) with nothing reported: 0, the exit status tells the rest
+    assert reported_errors(HEAD + "torch.AcceleratorError: CUDA error: an illegal memory access was encountered\n"
+                           "========= Target application returned an error\n========= ERROR SUMMARY: 0 errors\n") == 0
+    assert reported_errors(HEAD + "Traceback (most recent call last):\n") is None  # no summary: not finished

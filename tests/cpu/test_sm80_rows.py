@@ -25,11 +25,13 @@ from cute_kernels.plans.sm80 import (
     ci_variants,
     compile_variants,
     d128_tw64_form,
+    d256_previous_form,
     d256_tw32x_form,
     make_decode_config,
     make_prefill_config,
     mma_dtype,
     old_form,
+    prefill_d256_tw32x,
     rows128_form,
 )
 from cute_kernels.roles.cp_async_pages import swizzle
@@ -163,47 +165,91 @@ def test_prefill_overrides_reach_the_64_row_forms(target, kv, D, tw, stages):
     assert cfg == old_form(make_prefill_config(**shape)) and cfg in compile_variants("sm80.prefill")
 
 
+# variants whose PREFILL_D256_TW32X build ptxas spills on some targets (docs/design/sm80.md#head-dim-256-prefill)
+D256_EXTRA = ({}, dict(write_lse=True), dict(causal=False), dict(kv_form="pair"), dict(page_size=32),
+              dict(page_size=64), dict(k_scale_tensor=True, v_scale_tensor=True), dict(page_size=32, causal=False))
+
+
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_head_dim_256_prefill_default(target, kv):
-    """64-token stages (three, one CTA per SM) for lean variants with 16-bit caches where they fit and ptxas keeps
-    them, else the 16-token ring; 128-row CTAs are refused at D 256."""
+@pytest.mark.parametrize("extra", D256_EXTRA, ids=lambda e: "-".join(f"{k}{v}" for k, v in e.items()) or "lean")
+def test_head_dim_256_prefill_default(target, kv, extra):
+    """32-token stages with one ldmatrix base (PREFILL_D256_TW32X) everywhere but where ptxas spills
+    them: a 16-bit cache at page 32 (not on sm_80), a 16-bit cache with scale tensors on sm_120a /
+    sm_121a; those keep the form before (64-token stages for lean 16-bit variants on
+    PREFILL_D256_TW64_TARGETS, else 16-token ones); 128-row CTAs are refused at D 256."""
     shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=256, group=4,
                  page_size=16)
+    shape.update(extra)
     cfg = make_prefill_config(**shape)
-    tw64 = target in PREFILL_D256_TW64_TARGETS and kv != "fp8_e4m3"
-    for extra in (dict(write_lse=True), dict(causal=False), dict(kv_form="pair")):  # not lean: 16-token stages
-        assert make_prefill_config(**shape, **extra).tw == 16
-    assert (cfg.m_tiles, cfg.tw, cfg.q_regs, cfg.ldsm_xor) == (1, 64 if tw64 else 16, False, False)
+    x = kv == "fp8_e4m3" or not (
+        (shape["page_size"] == 32 and target != "sm_80")
+        or ("k_scale_tensor" in extra and target in ("sm_120a", "sm_121a")))
+    assert x == prefill_d256_tw32x(target, kv, shape["page_size"], "k_scale_tensor" in extra)
+    previous = d256_previous_form(cfg)
+    tw64 = target in PREFILL_D256_TW64_TARGETS and kv != "fp8_e4m3" and extra in ({}, dict(page_size=32),
+                                                                                   dict(page_size=64))
+    assert (previous.m_tiles, previous.tw, previous.q_regs, previous.ldsm_xor) == (1, 64 if tw64 else 16, False, False)
+    assert cfg == (d256_tw32x_form(cfg) if x else previous)
+    assert (cfg.tw, cfg.ldsm_xor, "ldsm_xor=True" in cfg.label()) == ((32, True, True) if x else (previous.tw, False,
+                                                                                                 False))
     assert cfg.smem_bytes() <= hw.max_smem_per_cta(target)
-    if tw64:
-        assert cfg.stages == 3 and 2 * cfg.smem_bytes() > hw.SMEM_PER_SM_OF[target]
+    # the overrides reach the forms before: 16-token stages everywhere, 64-token ones where they fit
     assert make_prefill_config(**shape, tw=16) == old_form(cfg)
+    assert (old_form(cfg).tw, old_form(cfg).ldsm_xor) == (16, False)
+    if tw64:
+        assert make_prefill_config(**shape, m_tiles=1, tw=64) == previous and previous.stages == 3
+        assert 2 * previous.smem_bytes() > hw.SMEM_PER_SM_OF[target]
     with pytest.raises(ValueError, match="m_tiles"):
         make_prefill_config(**shape, m_tiles=2)
     if kv != "fp8_e4m3":  # two 64 KB stages and Q exceed 99 KB: a clear refusal, not an oversized ring
         with pytest.raises(ValueError, match="64-token stages fits sm_86"):
             make_prefill_config(**dict(shape, target="sm_86"), tw=64)
+    if not extra:  # the full set's lean variant of each cache dtype, all its forms
+        assert {cfg, previous, old_form(cfg), d256_tw32x_form(cfg)} <= set(compile_variants("sm80.prefill"))
+
+
+def test_head_dim_256_default_follows_the_compile_target():
+    """The spill exceptions are facts of the compile target's ptxas: a ring sized for sm_120a on an
+    sm_90a build keeps sm_90a's choice (and the reverse)."""
+    shape = dict(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=4, page_size=16, k_scale_tensor=True,
+                 v_scale_tensor=True)
+    on_90 = make_prefill_config(target="sm_90a", smem_target="sm_120a", **shape)
+    assert (on_90.tw, on_90.ldsm_xor, on_90.stages) == (32, True, 2)
+    on_120 = make_prefill_config(target="sm_120a", **shape)
+    assert (on_120.tw, on_120.ldsm_xor) == (16, False)
 
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_head_dim_256_tw32x_override(target, kv):
-    """The override reaches 32-token stages with one ldmatrix base per operand, its ring the deepest
-    that fits: two CTAs per SM on the 227 KB targets (16-bit caches: two stages), one elsewhere
-    (sm_80: three stages); registered for every target; the defaults stay as they are."""
+def test_head_dim_256_tw32x_form(target, kv):
+    """PREFILL_D256_TW32X reaches 32-token stages with one ldmatrix base per operand, its ring the
+    deepest that fits: two CTAs per SM on the 227 KB targets (16-bit caches: two stages), one
+    elsewhere (sm_80: three stages); the default of the lean variant, registered for every target."""
     shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=256, group=4,
                  page_size=16)
     default = make_prefill_config(**shape)
     cfg = make_prefill_config(**shape, **PREFILL_D256_TW32X)
-    assert cfg == d256_tw32x_form(default) != default and cfg in compile_variants("sm80.prefill")
+    assert cfg == d256_tw32x_form(default) == default and cfg in compile_variants("sm80.prefill")
     assert (cfg.m_tiles, cfg.rows, cfg.tw, cfg.q_regs, cfg.ldsm_xor) == (1, 64, 32, False, True)
     assert cfg.smem_bytes() <= hw.max_smem_per_cta(target)
     ctas = 2 if hw.SMEM_PER_SM_OF[target] >= 2 * (cfg.smem_bytes() + hw.SMEM_RESERVED_PER_CTA) else 1
     assert ctas == (2 if hw.SMEM_PER_SM_OF[target] == hw.SMEM_PER_SM else 1)
     if ctas == 2 and kv != "fp8_e4m3":
         assert cfg.stages == 2
-    assert "ldsm_xor=True" in cfg.label() and "ldsm_xor" not in default.label()
+    # where it is not the default, the override still reaches it
+    page32 = make_prefill_config(**dict(shape, page_size=32), **PREFILL_D256_TW32X)
+    assert (page32.tw, page32.ldsm_xor) == (32, True)
+
+
+def test_head_dim_256_in_the_ci_set():
+    """The CI set builds the D 256 default (lean BF16) on sm_90a, sm_86 and sm_120a (255 registers
+    there, the tightest) and the 64-token form before on sm_90a."""
+    ci = set(ci_variants("sm80.prefill"))
+    d256 = [c for c in ci if c.head_dim == 256]
+    for t in ("sm_90a", "sm_86", "sm_120a"):
+        assert any(c.target == t and c.tw == 32 and c.ldsm_xor and c.causal and c.kv_dtype == "bf16" for c in d256)
+    assert any(c.target == "sm_90a" and c.tw == 64 and not c.ldsm_xor for c in d256)
 
 
 @pytest.mark.parametrize("target", TARGETS)

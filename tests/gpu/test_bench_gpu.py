@@ -17,7 +17,10 @@ def test_bench_merge_writes_json(tmp_path):
     assert result["read_bw"] > 1e11
     assert len(result["rows"]) == 6
     for r in result["rows"]:
-        assert r["us"] > 0 and 0 < r["roofline_pct"] < 150, r
+        # partials that fit in L2 are re-read from it across the graph's replays, so only a problem
+        # larger than the H200's 60 MB L2 is bound by DRAM (docs/design/merge.md#measurements)
+        assert r["us"] > 0 and r["roofline_pct"] > 0, r
+        assert r["bytes"] < 64e6 or r["roofline_pct"] < 105, r
         assert r["rel_err"] < 1e-2, r
 
 

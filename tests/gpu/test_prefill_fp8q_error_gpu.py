@@ -1,8 +1,8 @@
 """The FP8-query prefill (``sm90.prefill_fp8q``) against the CPU emulation of its numerics
 (``profiling/fp8_query_error.py``, docs/design/sm90-prefill.md#the-fp8-querys-error): on the bench
 prefill's and the serve bench's input distributions the kernel's output is the emulated one up to
-the MMA's accumulation and ``ex2.approx`` (far below the FP8 query's own error), and its error
-against the exact attention on the unquantized query is the emulated one."""
+the MMA's accumulation and P's rounding of ``ex2.approx`` values (:func:`gap_bound`), and its
+error against the exact attention on the unquantized query is the emulated one."""
 
 from __future__ import annotations
 
@@ -29,12 +29,6 @@ def _dense(cache, table, L, page):
     return x.permute(0, 2, 1, 3).reshape(n * page, x.shape[1], x.shape[3])[:L]
 
 
-@pytest.mark.parametrize("dist, prefix, n, Hq, Hkv", [
-    ("bench", 0, 1024, 8, 2),       # make_paged_prefill_case's FP8 cache: logits of sigma 4
-    ("bench", 3584, 512, 8, 2),     # a chunk on a cached prefix
-    ("serve", 0, 1024, 8, 1),       # bench serve's inputs: N(0,1) q, k, v; logits of sigma 1
-    ("serve", 3584, 512, 8, 1),
-])
 def emulation_case(dist, prefix, n, Hq, Hkv, seed, D=128, k_scale=1 / 16, v_scale=1 / 32):
     """One request of the bench prefill's inputs (``dist="bench"``) or the serve bench's (N(0,1)
     keys and values written with the same scales), from a CPU generator (the same on any GPU)."""
@@ -59,6 +53,22 @@ def emulate(c, dist, prefix, L, Hkv, variant, k_scale=1 / 16, v_scale=1 / 32):
     return F.exact(q, k8, v8, prefix, pb), codes, F.attend(codes, scale, k8, v8, prefix, pb, var)
 
 
+def gap_bound(err_emu: float) -> float:
+    """How far the kernel's output may lie from the emulated one. The emulation rounds the same
+    query codes but its own float64 P: where a logit sits near an e4m3 rounding boundary of P, the
+    kernel's ``ex2.approx`` P rounds the other way. On peaked softmaxes (the bench's logits, sigma 4)
+    P's share of the error is negligible and the outputs agree to 1e-2; on flat ones (the serve
+    bench's, sigma 1) P's rounding is half the error, so the two differ by up to ~half of it
+    (two-term serve chunk: 1.1e-2 at an emulated 2.2e-2, docs/design/sm90-prefill.md#the-fp8-querys-error)."""
+    return max(1e-2, 0.6 * err_emu)
+
+
+@pytest.mark.parametrize("dist, prefix, n, Hq, Hkv", [
+    ("bench", 0, 1024, 8, 2),       # make_paged_prefill_case's FP8 cache: logits of sigma 4
+    ("bench", 3584, 512, 8, 2),     # a chunk on a cached prefix
+    ("serve", 0, 1024, 8, 1),       # bench serve's inputs: N(0,1) q, k, v; logits of sigma 1
+    ("serve", 3584, 512, 8, 1),
+])
 def test_fp8_query_error_is_the_emulated_one(dist, prefix, n, Hq, Hkv, prefill_kernel_only, request):
     seed = stable_seed(request.node.nodeid)
     L = prefix + n
@@ -76,5 +86,5 @@ def test_fp8_query_error_is_the_emulated_one(dist, prefix, n, Hq, Hkv, prefill_k
     out = out.double().cpu()
     err, err_emu, gap = rel_err(out, ref), rel_err(emu, ref), rel_err(out, emu)
     print(f"{dist} prefix {prefix} n {n}: kernel {err:.3e}, emulated {err_emu:.3e}, kernel vs emulation {gap:.2e}")
-    assert gap < 1e-2, f"seed {seed}: kernel vs emulation {gap:.2e}"
+    assert gap < gap_bound(err_emu), f"seed {seed}: kernel vs emulation {gap:.2e} (emulated error {err_emu:.2e})"
     assert abs(err - err_emu) < 0.1 * err_emu + 2e-3, f"seed {seed}: error {err:.3e}, emulated {err_emu:.3e}"

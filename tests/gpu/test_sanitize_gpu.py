@@ -2,8 +2,11 @@
 kernel family, on small shapes with every kind of invalid input (docs/design/testing.md#sanitizer).
 
 Each driver under ``profiling/`` (decode and merge, QSA with its pre-passes and merge, the layer
-glue, the SM90 prefill's smoke cases per kind) first runs plainly (so its variants compile into the disk cache outside the sanitizer), then
-once under each tool; a run passes when the tool reports no error. One exception, proven benign in
+glue, the SM90 prefill's smoke cases per kind) first runs plainly (so its variants compile into the
+disk cache outside the sanitizer), then once under each tool; a run passes when it finishes and the
+tool's summary reports no error. synccheck runs the decode driver one named case per process
+(``--case NAME``, ``CUDA_LAUNCH_BLOCKING=1``), so a failing case leaves the others' verdicts
+standing and its last ``case NAME: CALL`` line names the call. One exception, proven benign in
 docs/design/qsa.md#racecheck-of-the-union-pre-pass: racecheck's write-write hazards on the QSA
 union pre-pass's union stores (rows sharing a token store the same value; non-candidates store to
 a sink slot nobody reads). Marked ``sanitize`` (minutes per driver and tool), so a plain GPU run
@@ -21,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from profiling.sanitizer_reports import benign_union_races
+from profiling.sanitize_decode import CASES as DECODE_CASES
+from profiling.sanitizer_reports import benign_union_races, reported_errors
 
 from .conftest import sm90_only
 
@@ -37,6 +41,7 @@ DRIVERS = {
     "prefill-fp8q": ("smoke_prefill", ["--only", "q_dtype=fp8"], "smoke ok"),
 }
 TOOLS = ["memcheck", "racecheck", "synccheck", "initcheck"]
+PER_CASE = {("synccheck", "decode")}  # (tool, driver) run one named case per process
 TIMEOUT = int(os.environ.get("CUTE_KERNELS_SANITIZE_TIMEOUT", "1800"))
 
 
@@ -48,13 +53,15 @@ def _sanitizer() -> str | None:
     return None
 
 
-def command(tool: str, driver: str, sanitizer: str = "compute-sanitizer") -> list[str]:
-    """The command line of one run (docs/design/testing.md lists them)."""
+def command(tool: str, driver: str, sanitizer: str = "compute-sanitizer", case: str | None = None) -> list[str]:
+    """The command line of one run (docs/design/testing.md lists them); ``case``: only that case of
+    the driver."""
     module, args, _ = DRIVERS[driver]
     extra = ["--racecheck-report", "hazard"] if tool == "racecheck" else []
+    only = [] if case is None else ["--case", case]
     # the DSL probes driver entry points; those expected CUDA_ERROR_INVALID_VALUE returns are no errors
     return [sanitizer, "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "9", "--print-limit", "100",
-            *extra, sys.executable, "-m", f"profiling.{module}", *args]
+            *extra, sys.executable, "-m", f"profiling.{module}", *args, *only]
 
 
 @pytest.fixture(scope="module")
@@ -84,18 +91,33 @@ def compiled(env):
     return done
 
 
-@pytest.mark.parametrize("tool", TOOLS)
-@pytest.mark.parametrize("driver", DRIVERS)
+def _check(tool: str, driver: str, res: subprocess.CompletedProcess, what: str) -> None:
+    out = res.stdout + res.stderr
+    summary = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: .*", out)
+    assert DRIVERS[driver][2] in out, f"{what} did not finish under {tool} (rc {res.returncode}):\n{out[-6000:]}"
+    if res.returncode == 0 and reported_errors(out) == 0:
+        return
+    if tool == "racecheck" and driver == "qsa" and benign_union_races(out):
+        return  # proven benign: docs/design/qsa.md#racecheck-of-the-union-pre-pass
+    pytest.fail(f"{tool} on {what}: rc {res.returncode}, {summary}\n{out[-8000:]}")
+
+
+@pytest.mark.parametrize(("driver", "tool"), [(d, t) for d in DRIVERS for t in TOOLS if (t, d) not in PER_CASE])
 def test_sanitizer_is_clean(sanitizer, env, compiled, driver, tool):
     rc, log = compiled[driver]
     assert rc == 0, f"{driver} fails without a sanitizer:\n{log}"
     res = subprocess.run(command(tool, driver, sanitizer), cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=TIMEOUT)
-    out = res.stdout + res.stderr
-    summary = re.findall(r"(ERROR|RACECHECK) SUMMARY: .*", out)
-    assert DRIVERS[driver][2] in out, f"{driver} did not finish under {tool} (rc {res.returncode}):\n{out[-6000:]}"
-    if res.returncode == 0 and all(re.search(r"\b0 (errors|hazards)", s) for s in summary):
-        return
-    if tool == "racecheck" and driver == "qsa" and benign_union_races(out):
-        return  # proven benign: docs/design/qsa.md#racecheck-of-the-union-pre-pass
-    pytest.fail(f"{tool} on {driver}: rc {res.returncode}, {summary}\n{out[-8000:]}")
+    _check(tool, driver, res, driver)
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+@pytest.mark.parametrize("tool", sorted(t for t, d in PER_CASE if d == "decode"))
+def test_sanitizer_per_case(sanitizer, env, compiled, tool, case):
+    """One case of the decode driver in its own process, each launch blocking, so the log's last
+    ``case NAME: CALL`` line is the call that failed."""
+    rc, log = compiled["decode"]
+    assert rc == 0, f"decode fails without a sanitizer:\n{log}"
+    res = subprocess.run(command(tool, "decode", sanitizer, case), cwd=ROOT, env=dict(env, CUDA_LAUNCH_BLOCKING="1"),
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    _check(tool, "decode", res, f"decode --case {case}")

@@ -2,7 +2,8 @@
 requests against cached prefixes, empty requests (q_len 0), causal and not, every cache dtype and
 both FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, a ring sized for 99 KB
 of shared memory, and CUDA-graph replay; the plan's tilings (128-row CTAs up to D 128 for lean variants, else
-64-row ones) and the other one, with and without the LSE, and the 64-token 128-row override at D 128. Runs on any SM80+ GPU (the H200 included): the op runs the
+64-row ones; 32-token stages with one ldmatrix base at D 256) and the others, with and without the LSE, and
+the 64-token 128-row override at D 128. Runs on any SM80+ GPU (the H200 included): the op runs the
 portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
 
@@ -45,25 +46,31 @@ CASES = [
 M1, M2 = dict(m_tiles=1), dict(m_tiles=2)
 CASES += [(*c[:-1], {**c[-1], **M2}) for c in CASES if c[2] <= 128]
 CASES.append((FP8, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target="sm_120a", **M2)))
-# the head-dim-256 override (32-token stages, one ldmatrix base; unmeasured) on the D 256 cases:
-# (K, V) pairs, both layouts, a non-causal mask, FP8 with the bit widening, a ring sized for 99 KB
-# (docs/design/sm80.md#head-dim-256-prefill)
-D256X = PREFILL_D256_TW32X
-CASES += [(*c[:-1], {**c[-1], **D256X}) for c in CASES if c[2] == 256 and "m_tiles" not in c[-1]]
+# head dim 256: the default is PREFILL_D256_TW32X (32-token stages, one ldmatrix base) but for a
+# 16-bit cache at page 32 (the FP16 case, where the override reaches it); the 16-token form before
+# on the same cases: (K, V) pairs, both layouts, a non-causal mask, FP8 with the bit widening, a
+# ring sized for 99 KB (docs/design/sm80.md#prefill-tilings-measured)
+D256X, D256_TW16 = PREFILL_D256_TW32X, dict(m_tiles=1, tw=16)
+CASES += [(*c[:-1], {**c[-1], **ov}) for c in CASES if c[2] == 256 and "m_tiles" not in c[-1]
+          for ov in ((D256X, D256_TW16) if c[5] == 32 else (D256_TW16,))]
 # the head-dim-128 override (128-row CTAs, 64-token stages; unmeasured) on the D 128 cases: every
 # cache dtype, both widenings, (K, V) pairs, both layouts, a non-causal mask, GQA 1-16, pages
 # 16-128, a ring sized for 99 KB (docs/design/sm80.md#64-token-stages-at-head-dim-128)
 D128X = PREFILL_D128_TW64
 CASES += [(*c[:-1], {**c[-1], **D128X}) for c in CASES if c[2] == 128 and set(c[-1]) <= {"smem_target", "widen"}]
 # lean variants (causal, one cache tensor, no LSE, no scale tensors) of the cases above and at
-# D 256: the defaults, 128-row CTAs with 32-token stages up to D 128 and, on SM90, 64-token stages
-# at D 256 for 16-bit caches; then the old 64-row forms of the same shapes
+# D 256: the defaults, 128-row CTAs with 32-token stages up to D 128 and PREFILL_D256_TW32X at D 256
+# (and at page 32 with a BF16 cache, where it is not the default); then the old 64-row forms of the
+# same shapes, and at D 256 on SM90 the 64-token stages, the lean 16-bit default there before
 LEAN = [c for c in CASES if c[7] == "single" and c[8] and set(c[-1]) <= {"smem_target"}]
 LEAN_D128X = [(*c[:-1], {**c[-1], **D128X}) for c in LEAN if c[2] == 128]
-LEAN += [(BF16, BF16, 256, 16, 8, 16, "HND", "single", True, {}), (FP16, FP16, 256, 8, 1, 128, "NHD", "single", True, {})]
+LEAN += [(BF16, BF16, 256, 16, 8, 16, "HND", "single", True, {}), (FP16, FP16, 256, 8, 1, 128, "NHD", "single", True, {}),
+         (BF16, BF16, 256, 8, 4, 32, "HND", "single", True, {})]
 LEAN_D256 = [c for c in LEAN if c[2] == 256]
 LEAN += [(*c[:-1], {**c[-1], **M1, "tw": 16 if c[2] == 256 else 32}) for c in LEAN]
-LEAN += [(*c[:-1], {**c[-1], **D256X}) for c in LEAN_D256]
+LEAN += [(*c[:-1], {**c[-1], **D256X}) for c in LEAN_D256 if c[5] == 32]
+if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:  # 64-token D 256 stages fit 227 KB
+    LEAN += [(*c[:-1], {**c[-1], **M1, "tw": 64}) for c in LEAN_D256 if c[0] != FP8]
 LEAN += LEAN_D128X
 
 
