@@ -48,8 +48,9 @@ def check_problem(config: QuantizeQueryConfig, g: torch.Generator, scale_form: s
     T, Hq, D = 37, 8, config.head_dim
     mag = torch.pow(2.0, torch.randint(-12, 10, (T, Hq, D), generator=g).float())
     q = (torch.randn(T, Hq, D, generator=g) * mag).to(_DTYPES[config.q_dtype])
-    q_scale: float | torch.Tensor = {"float": 0.37, "tensor": torch.tensor([0.37]),
-                                     "per_kv_head": torch.tensor([0.37, 0.0061])}[scale_form]
+    scales: dict[str, float | torch.Tensor] = {"float": 0.37, "tensor": torch.tensor([0.37]),
+                                               "per_kv_head": torch.tensor([0.37, 0.0061])}
+    q_scale = scales[scale_form]
     rope = None
     if config.rot_dim:
         cos_sin = torch.randn(64, config.rot_dim, generator=g).to(_DTYPES[config.cos_sin_dtype])

@@ -22,10 +22,10 @@ from .._types import Rope, Scale
 from ..jit.compiler import get_kernel
 from ..plans.quantize_query import ROPE_MAX_VEC, VECTOR_WIDTHS, QuantizeQueryConfig, make_quantize_config
 from . import _check
-from ._quantize_residual import self_check_passes
 from ._device import current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import compiling, custom_op, scale_of, scale_parts
+from ._quantize_residual import self_check_passes
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
 FP8 = torch.float8_e4m3fn
