@@ -384,6 +384,15 @@ _ENTRIES = (
     KernelInfo(id="common.quantize_query", call_site=None, archs=_archs(quantize_query.FP8_TARGETS),
                op="quantize_query", description="query quantization to FP8 e4m3, with optional fused NeoX RoPE",
                variants=quantize_query.compile_variants, **_HELPER),
+    # the quantization with the two-term query's residual in the same pass (quantize_query(...,
+    # residual=True) on a GPU): compile-verified, so the op self-checks each family against the
+    # torch-ops residual before its first launch (docs/design/sm90-prefill.md#two-term-fp8-query-opt-in-q_terms2)
+    KernelInfo(id=quantize_query.RESIDUAL_ID, status="compile-verified", call_site=None,
+               archs=_archs(quantize_query.FP8_TARGETS), phases=PHASES, op="quantize_query",
+               description="query quantization to FP8 e4m3 with the two-term query's e4m3 residual written in the "
+                           "same pass (one read of q), optional fused NeoX RoPE",
+               variants=quantize_query.residual_variants,
+               family=lambda q, kv, d: f"{quantize_query.RESIDUAL_ID}/{q}/d{d}"),
     KernelInfo(id="common.write_kv_cache", call_site=None, archs=ARCHS, op="write_kv_cache",
                description="new K/V written into the paged cache (FP8 caches from SM89 on)",
                variants=write_kv_cache.compile_variants, **_HELPER),
