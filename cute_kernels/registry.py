@@ -283,15 +283,15 @@ _ENTRIES = (
         variants=sm90_prefill.two_term_variants, family=lambda q, kv, d: f"{sm90_prefill.family(q, kv, d)}/two_term",
         **{**_SM90_PREFILL, "status": "compile-verified"},
     ),
-    # the FP8-query prefill with V^T written by ldmatrix.trans + stmatrix (``tuning_override(vt_transpose="ldsm")``):
-    # compile-verified, so the op self-checks each family before its first launch (docs/design/sm90-prefill.md#fp8)
+    # the FP8-query prefill with V^T written in 4-byte words, the opt-out of its ldmatrix.trans + stmatrix
+    # default (``tuning_override(vt_transpose="words")``, for A/B): the former default, verified by the GPU
+    # suite on the H200 (docs/design/sm90-prefill.md#vt-by-ldmatrixtrans--stmatrix-the-fp8-querys-default)
     KernelInfo(
-        id=sm90_prefill.VT_LDSM_ID, kv_dtypes=("fp8_e4m3",), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
+        id=sm90_prefill.VT_WORDS_ID, kv_dtypes=("fp8_e4m3",), qk_dtype="fp8_e4m3", supports_quant_query_input=True,
         opt_in=True,
-        description="sm90.prefill_fp8q with its producer transposing V by ldmatrix.trans + stmatrix (16 bytes per "
-                    "lane) instead of 4-byte words",
-        variants=sm90_prefill.vt_ldsm_variants, family=lambda q, kv, d: f"{sm90_prefill.family(q, kv, d)}/vt_ldsm",
-        **{**_SM90_PREFILL, "status": "compile-verified", "call_site": None}),
+        description="sm90.prefill_fp8q with its producer transposing V in 4-byte words (prmt) instead of by "
+                    "ldmatrix.trans + stmatrix (16 bytes per lane)",
+        variants=sm90_prefill.vt_words_variants, **{**_SM90_PREFILL, "call_site": None}),
     # the window / sink variants of the prefill: picked by paged_prefill for window_left >= 0 or
     # sinks (not on a dispatcher list)
     KernelInfo(
@@ -384,6 +384,15 @@ _ENTRIES = (
     KernelInfo(id="common.quantize_query", call_site=None, archs=_archs(quantize_query.FP8_TARGETS),
                op="quantize_query", description="query quantization to FP8 e4m3, with optional fused NeoX RoPE",
                variants=quantize_query.compile_variants, **_HELPER),
+    # the quantization with the two-term query's residual in the same pass (quantize_query(...,
+    # residual=True) on a GPU): compile-verified, so the op self-checks each family against the
+    # torch-ops residual before its first launch (docs/design/sm90-prefill.md#two-term-fp8-query-opt-in-q_terms2)
+    KernelInfo(id=quantize_query.RESIDUAL_ID, status="compile-verified", call_site=None,
+               archs=_archs(quantize_query.FP8_TARGETS), phases=PHASES, op="quantize_query",
+               description="query quantization to FP8 e4m3 with the two-term query's e4m3 residual written in the "
+                           "same pass (one read of q), optional fused NeoX RoPE",
+               variants=quantize_query.residual_variants,
+               family=lambda q, kv, d: f"{quantize_query.RESIDUAL_ID}/{q}/d{d}"),
     KernelInfo(id="common.write_kv_cache", call_site=None, archs=ARCHS, op="write_kv_cache",
                description="new K/V written into the paged cache (FP8 caches from SM89 on)",
                variants=write_kv_cache.compile_variants, **_HELPER),

@@ -172,9 +172,11 @@ def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,),
                 out.append(MergeStatesConfig(out_dtype="bf16" if p.q_dtype == "fp8_e4m3" else layer.model_dtype,
                                              head_dim=layer.head_dim, vec=4))
     prefill_kernels = set()
+    two_terms = False  # a two-term FP8 query: quantize_query's residual variant
     for q_len in (1, max_model_len):  # the prefill plan's q_len: the step's prefill token count
         p = layer.plan("prefill", q_len=q_len, arch=a)
         quantize |= p.quantize_query
+        two_terms |= p.quantize_query and p.kernel == TWO_TERM_ID
         if q_scale_per_head(layer, p) and p.kernel == "sm100.prefill":  # no variant: the op runs the reference
             continue
         if p.kernel in ("sm90.prefill", "sm90.prefill_fp8q", TWO_TERM_ID, "sm80.prefill", "sm100.prefill") and \
@@ -183,10 +185,11 @@ def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,),
             out.append(prefill_config(layer, p, kv_form))
     D = layer.head_dim
     cfg: KernelConfig
-    if quantize:
+    # the one-term variant also serves the two-term query's torch-ops fallback
+    for residual in ((False, True) if two_terms else (False,)) if quantize else ():
         cfg = qq_plan.make_quantize_config(q_dtype=layer.model_dtype, head_dim=D, vec=qq_plan.aligned_vec(D),
                                            scale_tensor=_is_tensor(layer.q_scale), num_q_heads=layer.num_q_heads,
-                                           target=target)
+                                           target=target, residual=residual)
         if target in cfg.targets:
             out.append(cfg)
     for slot_dtype in slot_dtypes:
@@ -264,6 +267,8 @@ def _self_checks(configs: list[KernelConfig], device) -> None:
             from cute_kernels.ops._paged_decode_sm100 import self_check_passes as check
         elif config.kernel_id == "sm100.prefill":
             from cute_kernels.ops._paged_prefill_sm100 import self_check_passes as check
+        elif config.kernel_id == "common.quantize_query" and getattr(config, "residual", False):
+            from cute_kernels.ops._quantize_residual import self_check_passes as check
         else:
             continue
         check(config, device)

@@ -18,6 +18,18 @@
   contracted. A position outside ``[0, max_pos)`` is never dereferenced: its rotated dims become
   NaN (as in the reference) so the misuse is visible.
 
+- **Residual** (``residual`` variants, the two-term query of
+  docs/design/sm90-prefill.md#two-term-fp8-query-opt-in-q_terms2): the same fp32 ``x`` (the
+  rotated value divided by the scale, never re-read) minus the float value of its code, converted
+  again: ``lo = saturate(RNE(x - float(hi)))``, the reference's ``query_residual`` bit for bit.
+  ``float(hi)`` is exact (``cvt.rn.f16x2.e4m3x2``, then f16 -> f32), and so is the subtraction
+  for ``|x| <= 448``: ``hi`` is a round-to-nearest of ``x`` to a coarser format, so it is a
+  multiple of ``ulp32(x)`` (RN never leaves ``x``'s binade downwards: its lower bound is an e4m3
+  value, or ``hi`` is a subnormal code or 0, multiples of ``2^-9``) and ``|x - hi| <= |x|`` (0 is a
+  candidate), so ``x - hi`` is an integer multiple of ``ulp32(x)`` no larger than ``x``: 24 bits.
+  Beyond 448 ``hi`` saturates and both compute the same RN ``sub`` (``lo`` saturates too). It is
+  written as inline ``sub.rn.f32``, which is never contracted or flushed.
+
 Memory-bound: every thread handles ``vec`` consecutive elements of one head (16 for 16-byte
 aligned tensors: two 16-byte loads of q, one 16-byte store of the FP8 codes). One head row is
 ``head_dim / vec`` consecutive threads. With RoPE one thread owns both chunks of a rotation pair
@@ -29,7 +41,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float8E4M3FN, Float32, Int32, Int64, const_expr
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..jit.asm import asm
@@ -47,13 +59,20 @@ def mul_add_rn(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=N
     return Float32(res)
 
 
+@dsl_user_op
+def sub_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """``RN(a - b)`` as ``sub.rn.f32``: never contracted with a neighbouring multiply, no flush."""
+    return Float32(asm([T.f32()], [Float32(a), Float32(b)], "sub.rn.f32 $0, $1, $2;", "=f,f,f", loc=loc, ip=ip))
+
+
 class QuantizeQuery:
     """Kernel: ``mQ [T, Hq, D]`` (bf16/fp16) -> ``mOut [T, Hq, D]`` float8_e4m3fn, with fused NeoX
     RoPE when the config has a ``rot_dim``: ``mCosSin [max_pos, rot_dim]`` (cos in the first half
     of each row, sin in the second) and ``mPos [T]`` (int32/int64).
 
     ``q_scale`` is a Float32 or an fp32 tensor ``[S]`` (S = 1 or Hkv; head h reads
-    ``q_scale[h * S // Hq]``, i.e. ``h // (Hq // S)``).
+    ``q_scale[h * S // Hq]``, i.e. ``h // (Hq // S)``). With ``residual`` in the config, ``mLo
+    [T, Hq, D]`` float8_e4m3fn receives the second term ``e4m3(x - float(hi))``.
     """
 
     def __init__(self, cfg):
@@ -63,6 +82,7 @@ class QuantizeQuery:
         self.vec = vec = cfg.vec
         self.rot_dim = rot_dim = cfg.rot_dim
         self.items = cfg.items
+        self.residual = cfg.residual
         # chunks of vec elements per head row; with RoPE one thread owns both chunks of a
         # rotation pair (i, i + rot/2), so the partner half is loaded once and cos/sin serve two
         # outputs
@@ -76,19 +96,20 @@ class QuantizeQuery:
         """The config's arguments (``q, out, q_scale`` and, with RoPE, ``cos_sin_cache, positions``)
         and the stream."""
         a = bind_arguments(self.arg_names, args)
-        self.launch(a["q"], a["out"], a["q_scale"], a.get("cos_sin_cache"), a.get("positions"), a["stream"])
+        self.launch(a["q"], a["out"], a["q_scale"], a.get("cos_sin_cache"), a.get("positions"), a.get("residual_out"),
+                    a["stream"])
 
     @cute.jit
-    def launch(self, mQ, mOut, q_scale, mCosSin, mPos, stream):
+    def launch(self, mQ, mOut, q_scale, mCosSin, mPos, mLo, stream):
         num_rows = mQ.shape[0] * mQ.shape[1]
         per_cta = self.rows_per_cta * self.items
         grid_x = (num_rows + per_cta - 1) // per_cta
-        self.kernel(mQ, mOut, q_scale, mCosSin, mPos).launch(
+        self.kernel(mQ, mOut, q_scale, mCosSin, mPos, mLo).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mOut: cute.Tensor, q_scale, mCosSin, mPos):
+    def kernel(self, mQ: cute.Tensor, mOut: cute.Tensor, q_scale, mCosSin, mPos, mLo):
         """A thread owns one chunk (or rotation pair) of ``items`` consecutive head rows. Every
         item's loads are issued before any item is converted, so a thread keeps ``items`` rows in
         flight; rows past the end are clamped to the last row for the loads and not stored. With
@@ -150,24 +171,40 @@ class QuantizeQuery:
             else:
                 scale = Float32(q_scale)
             gOut = mOut[t, h, None]
+            gLo = mLo[t, h, None] if const_expr(self.residual) else None
             if base + i < num_rows:
                 if const_expr(self.rot_dim > 0):
                     if rope_lane:
-                        self.rotate_pair(raw_x[i], raw_y[i], gOut, scale, tCrC, tCrS, valid, lane)
+                        self.rotate_pair(raw_x[i], raw_y[i], gOut, gLo, scale, tCrC, tCrS, valid, lane)
                     else:
-                        self.quantize_chunk(raw_x[i], gOut, scale, chunk)
+                        self.quantize_chunk(raw_x[i], gOut, gLo, scale, chunk)
                 else:
-                    self.quantize_chunk(raw_x[i], gOut, scale, chunk)
+                    self.quantize_chunk(raw_x[i], gOut, gLo, scale, chunk)
 
     @cute.jit
-    def quantize_chunk(self, raw, gOut, scale, chunk):
+    def quantize_chunk(self, raw, gOut, gLo, scale, chunk):
         tQrQ = cute.make_rmem_tensor((self.vec,), Float32)
         tQrQ.store(raw.load().to(Float32))
         divide_by_scale(tQrQ, scale, exact_subnormals=False)  # FP8 codes: see fdiv.py
-        cute.local_tile(gOut, (self.vec,), (chunk,)).store(tQrQ.load().to(gOut.element_type))
+        self.store_terms(tQrQ, gOut, gLo, chunk)
 
     @cute.jit
-    def rotate_pair(self, raw_x, raw_y, gOut, scale, tCrC, tCrS, valid, pair):
+    def store_terms(self, tXrX, gOut, gLo, chunk):
+        """The codes of ``x`` (``tXrX``, fp32) into chunk ``chunk`` of ``gOut``; with ``residual``,
+        ``e4m3(x - float(hi))`` into ``gLo`` (exact subtraction: see the module docstring)."""
+        if const_expr(not self.residual):
+            cute.local_tile(gOut, (self.vec,), (chunk,)).store(tXrX.load().to(gOut.element_type))
+        else:
+            hi = tXrX.load().to(gOut.element_type)
+            cute.local_tile(gOut, (self.vec,), (chunk,)).store(hi)
+            tLrL = cute.make_rmem_tensor((self.vec,), Float32)
+            tLrL.store(hi.to(Float32))  # exact: e4m3 -> f16x2 -> f32
+            for e in cutlass.range_constexpr(self.vec):
+                tLrL[e] = sub_rn(tXrX[e], tLrL[e])
+            cute.local_tile(gLo, (self.vec,), (chunk,)).store(tLrL.load().to(Float8E4M3FN))
+
+    @cute.jit
+    def rotate_pair(self, raw_x, raw_y, gOut, gLo, scale, tCrC, tCrS, valid, pair):
         """NeoX rotation of chunks ``pair`` (x, first half) and ``pair + rot/2`` (y), quantized;
         an out-of-range position makes the rotated dims NaN (as in the reference)."""
         other = pair + self.pair_lanes
@@ -185,5 +222,5 @@ class QuantizeQuery:
             tQrY.fill(float("nan"))
         divide_by_scale(tQrX, scale, exact_subnormals=False)
         divide_by_scale(tQrY, scale, exact_subnormals=False)
-        cute.local_tile(gOut, (self.vec,), (pair,)).store(tQrX.load().to(gOut.element_type))
-        cute.local_tile(gOut, (self.vec,), (other,)).store(tQrY.load().to(gOut.element_type))
+        self.store_terms(tQrX, gOut, gLo, pair)
+        self.store_terms(tQrY, gOut, gLo, other)

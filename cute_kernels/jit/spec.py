@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import Any, ClassVar, Union
 
 Extent = Union[int, str]
 
@@ -117,8 +117,13 @@ class KernelConfig:
         digest entry) as it was."""
         fields: tuple[dataclasses.Field, ...] = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
         names: list[str] = [f.name for f in fields
-                 if not (f.metadata.get("label") == "if_set" and getattr(self, f.name) == f.default)]
+                 if not (f.metadata.get("label") == "if_set" and getattr(self, f.name) == self.label_default(f))]
         return self.kernel_id + "[" + ",".join(f"{k}={getattr(self, k)}" for k in names) + "]"
+
+    def label_default(self, f: dataclasses.Field) -> Any:
+        """The value of a ``LABEL_IF_SET`` field that :meth:`label` leaves out: its declared default,
+        unless the config resolves that default from its other fields (then it says so here)."""
+        return f.default
 
 
 def call_arguments(signature: tuple[Arg, ...], values: dict) -> list:

@@ -25,6 +25,7 @@ from . import _check
 from ._device import current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import compiling, custom_op, scale_of, scale_parts
+from ._quantize_residual import self_check_passes
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
 FP8 = torch.float8_e4m3fn
@@ -57,17 +58,20 @@ def _check_rope(rope, q: torch.Tensor):
 
 
 def make_config(q: Tensor, scale_tensor: bool, out: Tensor | None = None, rope: Rope | None = None,
-                target: str = "sm_90a") -> QuantizeQueryConfig:
-    """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers)."""
+                target: str = "sm_90a", residual: bool = False, residual_out: Tensor | None = None
+                ) -> QuantizeQueryConfig:
+    """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers);
+    ``residual``: the variant that writes the two-term query's residual too."""
     D = q.shape[2]
-    tensors = [q] + ([out] if out is not None else []) + ([rope[0]] if rope is not None else [])
+    tensors = [q] + [t for t in (out, residual_out) if t is not None] + ([rope[0]] if rope is not None else [])
     rot = rope[0].shape[1] if rope is not None else 0
     # an allocated out is always aligned enough; with RoPE a thread owns two chunks (a rotation
     # pair), and 2 x 16 elements would spill registers
     vec = vector_width(D, tensors, multiple_of=rot // 2, widest=ROPE_MAX_VEC if rope is not None else 16)
     rope_fields = None if rope is None else (rot, dtype_name(rope[0].dtype), dtype_name(rope[1].dtype))
     return make_quantize_config(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor,
-                                num_q_heads=q.shape[1], target=target, rope=rope_fields, override=_launcher.override)
+                                num_q_heads=q.shape[1], target=target, rope=rope_fields, override=_launcher.override,
+                                residual=residual)
 
 
 def _key(q, q_scale, out, rope):
@@ -95,8 +99,8 @@ def tuning_override(**fields: object) -> TuningOverride:
     return _launcher.tuning_override(**fields)
 
 
-def _prepare(q, q_scale, out, rope) -> _Launch:
-    """Full validation (errors name the argument) and kernel selection for one key."""
+def _validate(q, q_scale, out, rope):
+    """Full validation (errors name the argument): ``(scale_tensor, rope)``."""
     check_tensor("q", q, dtype=_IN_DTYPES, ndim=3)
     T, Hq, D = q.shape
     scale_tensor = check_scale("q_scale", q_scale, device=q.device, num_q_heads=Hq)
@@ -104,6 +108,12 @@ def _prepare(q, q_scale, out, rope) -> _Launch:
         check_tensor("out", out, dtype=FP8, shape=(T, Hq, D), device=q.device)
     if rope is not None:
         rope = _check_rope(rope, q)
+    return scale_tensor, rope
+
+
+def _prepare(q, q_scale, out, rope) -> _Launch:
+    """Full validation (errors name the argument) and kernel selection for one key."""
+    scale_tensor, rope = _validate(q, q_scale, out, rope)
     if not q.is_cuda:
         make_config(q, scale_tensor, out, rope)  # the kernel's own limits, checked for CPU tensors too
         return _REFERENCE
@@ -172,8 +182,12 @@ def quantize_query(
             ``rot_dim / 2`` columns and sin in the rest (vLLM's layout); ``positions`` int32/int64
             ``[T]``. Dims ``>= rot_dim`` pass through unrotated.
         residual: also return the two-term query's second term ``lo = saturate(RNE(x - hi))``
-            of ``x = rope(q) / q_scale`` (``paged_prefill(..., q_residual=lo)``). It is computed
-            with torch ops after the kernel (no host sync, so it captures in a CUDA graph too).
+            of ``x = rope(q) / q_scale`` (``paged_prefill(..., q_residual=lo)``), bit-exact with
+            :func:`cute_kernels.reference.query_residual`. On a GPU one kernel writes both terms
+            (one read of q); it is compile-verified, so the first call of each variant family in
+            a process runs a self-check that synchronizes (make it outside CUDA-graph capture, or
+            run :func:`dispatch.warm_up`); a family that fails it, CPU tensors and torch.compile
+            take the torch-ops path (the one-term kernel, then torch ops for ``lo``).
         residual_out: optional float8_e4m3fn ``[T, Hq, D]`` for ``lo`` (with ``residual=True``).
 
     Returns:
@@ -208,11 +222,50 @@ def quantize_query(
 
 
 def _two_terms(q, q_scale, out, rope, residual, residual_out) -> tuple[Tensor, Tensor]:
-    """``quantize_query(..., residual=True)``: the codes from the kernel (or the reference), the
-    residual from :func:`cute_kernels.reference.query_residual` (torch ops on q's device)."""
+    """``quantize_query(..., residual=True)``: on a GPU with FP8 conversions, one kernel writes
+    both terms (the residual variant, self-checked before its first launch while compile-verified);
+    elsewhere, and for a family that failed its check, :func:`_torch_ops`. The hot path is the
+    one-term op's: one key, one dict lookup, the bound caller."""
     if residual is not True:
         raise ValueError(f"residual must be True or False, got {residual!r}"
                          + (" (residual_out needs residual=True)" if residual is False else ""))
+    if compiling():  # torch.compile traces the registered one-term op and the torch ops
+        return _torch_ops(q, q_scale, out, rope, residual_out)
+    try:
+        key = _key(q, q_scale, out, rope) + _out_key(residual_out)
+    except (AttributeError, TypeError, ValueError):  # not tensors: the validation says what is wrong
+        key = None
+    launch = _two_launcher.entries.get(key)
+    if launch is None or launch.call is None:
+        args = (q, q_scale, out, rope, residual_out)
+        launch = launch or _two_launcher.lookup(key, args)
+        if launch.reference:
+            return _two_launcher.run_reference(args)
+        if launch.call is None:
+            return _torch_ops(*args)
+    if out is None:
+        out = torch.empty(q.shape, dtype=FP8, device=q.device)
+    if residual_out is None:
+        residual_out = torch.empty(q.shape, dtype=FP8, device=q.device)
+    cos_sin, positions = rope if rope is not None else (None, None)
+    try:
+        launch.call(q, out, q_scale, cos_sin, positions, residual_out)
+    except Exception:
+        _two_launcher.refused((q, q_scale, out, rope, residual_out))  # raises the error that names the argument
+        raise
+    return out, residual_out
+
+
+def _out_key(residual_out) -> tuple:
+    if residual_out is None:
+        return (None,)
+    return ((residual_out.shape, residual_out.stride(), residual_out.dtype, residual_out.device,
+             residual_out.data_ptr() % 16),)
+
+
+def _torch_ops(q, q_scale, out, rope, residual_out) -> tuple[Tensor, Tensor]:
+    """The codes from the one-term op (kernel or reference), the residual from
+    :func:`cute_kernels.reference.query_residual` (torch ops on q's device, no host sync)."""
     hi = quantize_query(q, q_scale, out=out, rope=rope)  # validates q, q_scale, out and rope
     if residual_out is not None:
         check_tensor("residual_out", residual_out, dtype=FP8, shape=tuple(q.shape), device=q.device)
@@ -221,6 +274,43 @@ def _two_terms(q, q_scale, out, rope, residual, residual_out) -> tuple[Tensor, T
         return hi, lo
     residual_out.copy_(lo)
     return hi, residual_out
+
+
+def _prepare_two(q, q_scale, out, rope, residual_out) -> _Launch:
+    """Validation and the choice for one key of the two-term call: CPU tensors run the reference
+    (:func:`_torch_ops`, validated at every call); a GPU without FP8 conversions, an empty query or
+    a residual family that failed its self-check, :func:`_torch_ops` (``call`` None); else the
+    fused residual variant."""
+    scale_tensor, rope = _validate(q, q_scale, out, rope)
+    if residual_out is not None:
+        check_tensor("residual_out", residual_out, dtype=FP8, shape=tuple(q.shape), device=q.device)
+    if not q.is_cuda:
+        make_config(q, scale_tensor, out, rope, residual=True, residual_out=residual_out)  # limits on CPU too
+        return _REFERENCE
+    if q.numel() == 0:
+        return _TORCH_OPS
+    target = compile_target(q.device)
+    config = make_config(q, scale_tensor, out, rope, target, residual=True, residual_out=residual_out)
+    if target not in config.targets or not self_check_passes(config, q.device):
+        return _TORCH_OPS
+    sources = {"q_scale": "q_scale.view(1)"} if scale_tensor and q_scale.dim() != 1 else None
+    call = _two_launcher.bind(_TWO_PARAMS, (get_kernel(config, target), config.signature(), sources, None))
+    return _Launch(on_device(call, q.device), False)
+
+
+def _reference_two(q, q_scale, out, rope, residual_out):
+    return _torch_ops(q, q_scale, out, rope, residual_out)
+
+
+def _check_two(q, q_scale, out, rope, residual_out) -> None:
+    _check_data(q, q_scale, out, rope)
+
+
+_TWO_PARAMS = _CALL_PARAMS + ("residual_out",)
+_TORCH_OPS = _Launch(None, False)  # the two-term call by the one-term op and torch ops
+# the two-term call's launches (docs/design/sm90-prefill.md#two-term-fp8-query-opt-in-q_terms2);
+# tuning overrides are the one-term launcher's (its override key is part of both keys)
+_two_launcher = Launcher(_prepare_two, _reference_two, check_data=_check_two, op="quantize_query")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ built with. Design: docs/design/sm90-prefill.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field
 from itertools import product
 from types import ModuleType
 from typing import Any, ClassVar
@@ -27,7 +27,7 @@ __all__ = [
     "fp8_query_compile_variants", "prefill_variants", "CTAS_PER_SM", "persistent_ctas", "persistent_grid",
     "persistent_tile", "cta_walk", "persistent_variants", "PERSISTENT_ID", "EPILOGUES",
     "EPILOGUE_ID", "epilogue_variants", "Q_TERMS", "TWO_TERM_ID", "two_term_variants",
-    "VT_TRANSPOSES", "VT_LDSM_ID", "vt_ldsm_variants",
+    "VT_TRANSPOSES", "default_vt_transpose", "VT_WORDS_ID", "vt_words_variants",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -50,9 +50,10 @@ EPILOGUES = ("registers", "smem")
 # QK issued once per term into one accumulator; FP8 query only, opt-in:
 # docs/design/sm90-prefill.md#two-term-fp8-query-opt-in-q_terms2)
 Q_TERMS = (1, 2)
-# how the FP8-query kernel's producer transposes V: 4 x 4 byte blocks in 4-byte words, or
-# ldmatrix.trans + stmatrix 16 bytes per lane (opt-in: docs/design/sm90-prefill.md#fp8)
-VT_TRANSPOSES = ("words", "ldsm")
+# how the FP8-query kernel's producer transposes V: ldmatrix.trans + stmatrix 16 bytes per lane (its
+# default: docs/design/sm90-prefill.md#the-v-transpose-measured), or 4 x 4 byte blocks in 4-byte words
+# (the opt-out, for A/B). The other kinds transpose nothing: "words" there, the only value they take.
+VT_TRANSPOSES = ("ldsm", "words")
 
 # SM90 prefill with an FP8 cache: the exact BF16-query kernel (FP8 K/V widened on chip: the error of
 # the cache's quantization only) or the FP8-query kernel (e4m3 QK and PV; the layer quantizes the
@@ -93,6 +94,11 @@ def kv_kind(q_dtype: str, kv_dtype: str) -> str:
     return "fp8" if q_dtype == "fp8_e4m3" else "widen"
 
 
+def default_vt_transpose(kind: str) -> str:
+    """``vt_transpose`` of a config that names none: ``"ldsm"`` for the FP8 query, else ``"words"``."""
+    return "ldsm" if kind == "fp8" else "words"
+
+
 @dataclass(frozen=True)
 class Sm90PrefillConfig(KernelConfig):
     """Compile key of :class:`cute_kernels.sm90.prefill.Sm90PagedPrefill`; the instance is the key.
@@ -122,8 +128,10 @@ class Sm90PrefillConfig(KernelConfig):
     residual of the quantized query, same ``q_scale``) loaded by TMA next to the query, and issues
     QK once per term into one accumulator (opt-in, compile-verified only).
 
-    ``vt_transpose`` (FP8 query only, :data:`VT_TRANSPOSES`): how the producer writes V^T;
-    ``"ldsm"`` by ``ldmatrix.trans`` + ``stmatrix`` (opt-in, compile-verified only).
+    ``vt_transpose`` (:data:`VT_TRANSPOSES`): how the FP8 query's producer writes V^T; by default
+    (empty: :func:`default_vt_transpose`, resolved at construction) ``"ldsm"``, by ``ldmatrix.trans``
+    + ``stmatrix``; ``"words"`` by 4-byte words (the opt-out, ``sm90.prefill_fp8q_words``). The
+    other kinds take ``"words"`` only. A label names it only where it is not the kind's default.
 
     Features (:func:`feature_variants`): ``window`` takes a runtime
     ``window_left`` (-1: none) and walks only the KV tiles a block's rows see; ``sinks`` takes fp32
@@ -155,7 +163,7 @@ class Sm90PrefillConfig(KernelConfig):
     persistent: bool = field(default=False, metadata=LABEL_IF_SET)
     epilogue: str = field(default="registers", metadata=LABEL_IF_SET)
     q_terms: int = field(default=1, metadata=LABEL_IF_SET)
-    vt_transpose: str = field(default="words", metadata=LABEL_IF_SET)
+    vt_transpose: str = field(default="", metadata=LABEL_IF_SET)
 
     kernel_id = "sm90.prefill"
     targets = ("sm_90a",)
@@ -168,6 +176,8 @@ class Sm90PrefillConfig(KernelConfig):
         def bad(msg):
             raise ValueError(f"sm90.prefill: {msg}")
 
+        if not self.vt_transpose:  # the kind's default, resolved once: equal configs compile alike
+            object.__setattr__(self, "vt_transpose", default_vt_transpose(self.kind))
         if self.q_dtype not in Q_DTYPES or self.kv_dtype not in KV_DTYPES or self.out_dtype not in OUT_DTYPES:
             bad(f"dtypes q={self.q_dtype} kv={self.kv_dtype} out={self.out_dtype} not supported")
         if self.q_dtype == "fp8_e4m3":
@@ -185,7 +195,7 @@ class Sm90PrefillConfig(KernelConfig):
         if self.q_terms not in Q_TERMS or (self.q_terms > 1 and self.kind != "fp8"):
             bad(f"q_terms must be one of {Q_TERMS}, and 2 only for an FP8 query, got {self.q_terms}")
         if self.vt_transpose not in VT_TRANSPOSES or (self.vt_transpose != "words" and self.kind != "fp8"):
-            bad(f"vt_transpose must be one of {VT_TRANSPOSES}, and 'ldsm' only for an FP8 query, "
+            bad(f"vt_transpose must be one of {VT_TRANSPOSES}, and 'ldsm' only for an FP8 query (its default), "
                 f"got {self.vt_transpose!r}")
         if self.head_dim not in HEAD_DIMS:
             bad(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
@@ -221,6 +231,10 @@ class Sm90PrefillConfig(KernelConfig):
             if self.kind == "fp8" and self.stages * self.tile_n < 2 * hw.WGMMA_M:
                 # an FP8 query's O tile (64 x D, 2 bytes) takes a K or a V stage buffer (1 byte per element)
                 bad(f"epilogue='smem' with an FP8 query needs stages * tile_n >= {2 * hw.WGMMA_M}")
+
+    def label_default(self, f: Field) -> Any:
+        """The label leaves out the kind's own transpose (:func:`default_vt_transpose`)."""
+        return default_vt_transpose(self.kind) if f.name == "vt_transpose" else f.default
 
     # ---- derived ----
     @property
@@ -423,10 +437,10 @@ def registry_id(q_dtype: str, kv_dtype: str) -> str:
 
 
 def config_family(config: Sm90PrefillConfig) -> str:
-    """A variant's self-check family: :func:`family`, and its window / sink features, its
-    persistent schedule or its shared-memory epilogue if any."""
+    """A variant's self-check family: :func:`family`, and its second query term, its word-wise V^T
+    transpose, its window / sink features, its persistent schedule or its shared-memory epilogue if any."""
     features = "+".join(name for name, on in (("two_term", config.q_terms == 2),
-                                              ("vt_ldsm", config.vt_transpose == "ldsm"),
+                                              ("vt_words", config.vt_transpose != default_vt_transpose(config.kind)),
                                               ("window", config.window), ("sinks", config.sinks),
                                               ("persistent", config.persistent),
                                               ("smem_epilogue", config.epilogue == "smem")) if on)
@@ -436,22 +450,24 @@ def config_family(config: Sm90PrefillConfig) -> str:
 
 def check_registry_id(config: Sm90PrefillConfig) -> str:
     """The registry entry whose status says whether ``config`` still needs its self-check."""
-    if config.vt_transpose == "ldsm":  # compile-verified: its check runs whatever else the variant has
-        return VT_LDSM_ID
-    if config.q_terms == 2:  # likewise
+    if config.q_terms == 2:  # compile-verified: its check runs whatever else the variant has
         return TWO_TERM_ID
     if config.persistent:
         return PERSISTENT_ID
     if config.epilogue == "smem":
         return EPILOGUE_ID
-    return FEATURES_ID if config.window or config.sinks else registry_id(config.q_dtype, config.kv_dtype)
+    if config.window or config.sinks:
+        return FEATURES_ID
+    if config.vt_transpose != default_vt_transpose(config.kind):
+        return VT_WORDS_ID
+    return registry_id(config.q_dtype, config.kv_dtype)
 
 
 FEATURES_ID = "sm90.prefill_window_sinks"
 PERSISTENT_ID = "sm90.prefill_persistent"
 EPILOGUE_ID = "sm90.prefill_smem_epilogue"
 TWO_TERM_ID = "sm90.prefill_fp8x2"
-VT_LDSM_ID = "sm90.prefill_fp8q_ldsm"
+VT_WORDS_ID = "sm90.prefill_fp8q_words"
 
 
 def family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
@@ -502,40 +518,34 @@ def epilogue_variants() -> list[Sm90PrefillConfig]:
     return _opt_in_variants(epilogue="smem")
 
 
-def fp8_query_compile_variants() -> list[Sm90PrefillConfig]:
-    """``sm90.prefill_fp8q``'s compile matrix: each head dim, each ``q_scale`` form, fp16 output once."""
+def fp8_query_compile_variants(**on: Any) -> list[Sm90PrefillConfig]:
+    """``sm90.prefill_fp8q``'s compile matrix: each head dim (tile_n 128 / 128 / 64: both V^T
+    swizzles), each ``q_scale`` form, fp16 output once."""
     return [
-        _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar"),
-        _variant("fp8_e4m3", "fp8_e4m3", 64, 8, 128, q_scale="tensor", kv_form="pair", kv_layout="NHD"),
-        _variant("fp8_e4m3", "fp8_e4m3", 256, 4, 16, q_scale="per_head", out_dtype="fp16", write_lse=False),
+        _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar", **on),
+        _variant("fp8_e4m3", "fp8_e4m3", 64, 8, 128, q_scale="tensor", kv_form="pair", kv_layout="NHD", **on),
+        _variant("fp8_e4m3", "fp8_e4m3", 256, 4, 16, q_scale="per_head", out_dtype="fp16", write_lse=False, **on),
     ]
+
+
+def vt_words_variants() -> list[Sm90PrefillConfig]:
+    """The word-wise V^T transpose's compile matrix (registry id ``sm90.prefill_fp8q_words``): the
+    FP8 query's variants with ``vt_transpose="words"`` (the two-term one is in :func:`two_term_variants`)."""
+    return fp8_query_compile_variants(vt_transpose="words")
 
 
 def two_term_variants() -> list[Sm90PrefillConfig]:
     """The two-term FP8 query's compile matrix (registry id ``sm90.prefill_fp8x2``): each head dim
     at its default tiling (every one fits shared memory: Q doubles to 16 / 32 / 64 KB), each
-    ``q_scale`` form, both containers and layouts, causal and not, with and without LSE."""
+    ``q_scale`` form, both containers and layouts, causal and not, with and without LSE; and D 128
+    with the word-wise V^T transpose (its self-check is the two-term entry's)."""
     return [
         _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar", q_terms=2),
+        _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar", q_terms=2, vt_transpose="words"),
         _variant("fp8_e4m3", "fp8_e4m3", 64, 8, 128, q_scale="tensor", kv_form="pair", kv_layout="NHD",
                  causal=False, q_terms=2),
         _variant("fp8_e4m3", "fp8_e4m3", 256, 4, 16, q_scale="per_head", out_dtype="fp16", write_lse=False,
                  q_terms=2),
-    ]
-
-
-def vt_ldsm_variants() -> list[Sm90PrefillConfig]:
-    """The ldmatrix V^T transpose's compile matrix (registry id ``sm90.prefill_fp8q_ldsm``): the FP8
-    query at each head dim (tile_n 128 / 128 / 64: both V^T swizzles), each ``q_scale`` form, both
-    containers and layouts, causal and not, with and without LSE, and with the two-term query."""
-    on: dict[str, Any] = dict(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", vt_transpose="ldsm")
-    return [
-        make_prefill_config(**on, head_dim=128, group=8, page_size=16, q_scale="scalar"),
-        make_prefill_config(**on, head_dim=64, group=8, page_size=128, q_scale="tensor", kv_form="pair",
-                            kv_layout="NHD", causal=False),
-        make_prefill_config(**on, head_dim=256, group=4, page_size=16, q_scale="per_head", out_dtype="fp16",
-                            write_lse=False),
-        make_prefill_config(**on, head_dim=128, group=8, page_size=16, q_scale="scalar", q_terms=2),
     ]
 
 

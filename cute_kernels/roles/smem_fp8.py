@@ -4,17 +4,19 @@ and P packed into WGMMA A fragments.
 - **Widening** (16-bit query, FP8 cache): an e4m3 tile (token, d) TMA'd into a staging buffer is
   converted exactly to fp16 (``cvt.rn.f16x2.e4m3x2``: e4m3 values are all fp16 values) into the
   swizzled 16-bit K tile (token, d) or V tile (d-contiguous), 16 bytes in, 32 bytes out.
-- **Transposing** (FP8 query): FP8 WGMMA reads both operands K-major, so P·V needs V^T with the
-  tokens contiguous. Four 4-byte words (4 tokens x 4 dims) are byte-transposed with 8 ``prmt``
-  and stored as 4 words (4 dims x 4 tokens). The tokens inside each 32-token block are stored in
-  the order P's accumulator registers hold them (:func:`p_token`), so P needs no shuffles.
+- **Transposing** (FP8 query, the opt-out ``vt_transpose="words"``): FP8 WGMMA reads both operands
+  K-major, so P·V needs V^T with the tokens contiguous. Four 4-byte words (4 tokens x 4 dims) are
+  byte-transposed with 8 ``prmt`` and stored as 4 words (4 dims x 4 tokens). The tokens inside
+  each 32-token block are stored in the order P's accumulator registers hold them (:func:`p_token`),
+  so P needs no shuffles.
 - **Narrowing** (bf16 query with widened K/V): each query row is scaled by a power of two that
   puts its largest element in [2^14, 2^15) and rounded to fp16 in place; the exponent goes to
   shared memory and divides the row's logits back out.
-- **Transposing by matrices** (opt-in ``vt_transpose="ldsm"``): ``ldmatrix.trans`` moves 16-bit
-  elements, so it transposes (token, dim-pair) and a lane gets two tokens x two dims per register;
-  one ``prmt`` per output word splits the dims and joins two registers' tokens (:func:`ldsm_unit`),
-  and ``stmatrix`` writes the words: 16 bytes per lane per instruction instead of 4.
+- **Transposing by matrices** (the FP8 query's default, ``vt_transpose="ldsm"``): the same V^T
+  bytes. ``ldmatrix.trans`` moves 16-bit elements, so it transposes (token, dim-pair) and a lane
+  gets two tokens x two dims per register; one ``prmt`` per output word splits the dims and joins
+  two registers' tokens (:func:`ldsm_unit`), and ``stmatrix`` writes the words: 16 bytes per lane
+  per instruction instead of 4.
 - Positions at or past the request's KV (``valid`` rows of a tile) are written as zeros: their
   cache bytes are stale, and 0 x NaN would reach the output through P·V.
 

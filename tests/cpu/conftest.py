@@ -48,7 +48,11 @@ def _prefill_epilogue_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
     return f"{sm90_prefill.family(q_dtype, kv_dtype, head_dim)}/smem_epilogue"
 
 
-# the registry families the SM90 entries had while compile-verified (what the dispatcher asks)
+def _prefill_vt_words_family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
+    return f"{sm90_prefill.family(q_dtype, kv_dtype, head_dim)}/vt_words"
+
+
+# the registry families the SM90 entries take when listed as compile-verified (what the dispatcher asks)
 SM90_FAMILIES = {
     "sm90.prefill": sm90_prefill.family,
     "sm90.prefill_fp8q": sm90_prefill.family,
@@ -57,6 +61,7 @@ SM90_FAMILIES = {
     sm90_decode.BALANCED_ID: _decode_balanced_family,
     sm90_prefill.PERSISTENT_ID: _prefill_persistent_family,
     sm90_prefill.EPILOGUE_ID: _prefill_epilogue_family,
+    sm90_prefill.VT_WORDS_ID: _prefill_vt_words_family,
 }
 
 

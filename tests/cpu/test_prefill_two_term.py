@@ -177,15 +177,15 @@ def test_config_and_registry():
     info = KERNELS[plan.TWO_TERM_ID]
     assert info.opt_in and info.query_terms == 2 and info.status == "compile-verified"
     assert info.family("fp8_e4m3", "fp8_e4m3", 128) == plan.config_family(two)
-    assert sorted(v.head_dim for v in info.variants()) == [64, 128, 256]
-    assert all(v.q_terms == 2 for v in info.variants())
+    assert sorted((v.head_dim, v.vt_transpose) for v in info.variants()) == [
+        (64, "ldsm"), (128, "ldsm"), (128, "words"), (256, "ldsm")]  # and the opt-out transpose once
+    assert all(v.q_terms == 2 and plan.check_registry_id(v) == info.id for v in info.variants())
 
 
 def test_two_term_evidence_needs_both_terms_in_one_group():
     cfg = plan.make_prefill_config(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", head_dim=64, group=8, page_size=16,
                                    q_terms=2)
-    name, pattern = cfg.evidence["sm_90a"][-1]
-    assert "both query terms" in name
+    pattern = dict(cfg.evidence["sm_90a"])["QK group of both query terms"]
     ss = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%f1, %f2}, %rd7, %rd8, p, 1, 1;\nadd.s64 %rd7, 2;\n"
     rs = "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%f1, %f2}, {%r1, %r2}, %rd9, p, 1, 1;\n"
     commit = "wgmma.commit_group.sync.aligned;\n"

@@ -1,14 +1,14 @@
-"""The FP8-query prefill's opt-in V^T transpose by ``ldmatrix.trans`` + ``stmatrix``
-(``vt_transpose="ldsm"``, ``sm90.prefill_fp8q_ldsm``; docs/design/sm90-prefill.md#fp8) on the CPU:
-the lane bookkeeping emulated byte for byte (the V^T it writes is the word transpose's, rows past
-``valid`` zero, every 8-row matrix phase on 8 distinct 16-byte bank groups of both swizzles), the
-config field, the registry entry and the bench entry. The kernel runs in
-tests/gpu/test_prefill_vt_ldsm_gpu.py."""
+"""The FP8-query prefill's V^T transpose by ``ldmatrix.trans`` + ``stmatrix`` (``vt_transpose="ldsm"``,
+the FP8 query's default; docs/design/sm90-prefill.md#fp8) on the CPU: the lane bookkeeping emulated
+byte for byte (the V^T it writes is the word transpose's, rows past ``valid`` zero, every 8-row matrix
+phase on 8 distinct 16-byte bank groups of both swizzles), the config field and its kind-dependent
+default, the word-wise opt-out's registry entry (``sm90.prefill_fp8q_words``) and the bench entries.
+The kernel runs in tests/gpu/test_prefill_vt_ldsm_gpu.py."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
@@ -17,6 +17,7 @@ from cute_kernels.plans import sm90_prefill as plan
 from cute_kernels.registry import KERNELS
 from cute_kernels.roles.smem_fp8 import PRMT_DIM_EVEN, PRMT_DIM_ODD, ldsm_rows, ldsm_unit, p_token
 
+from .conftest import SM90_FAMILIES
 from .test_prefill_fragments import prmt
 
 FP8Q = dict(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", head_dim=128, group=8, page_size=16)
@@ -101,19 +102,40 @@ def test_ldsm_transpose_writes_the_word_transposes_vt(tile_n, D, valid):
 
 
 def test_vt_transpose_field():
+    """The FP8 query transposes by ldmatrix unless asked for words; its label names only the opt-out,
+    and an explicit ``"ldsm"`` is the default config itself (one compile key, one label)."""
     default = plan.make_prefill_config(**FP8Q)
-    ldsm = plan.make_prefill_config(**FP8Q, vt_transpose="ldsm")
-    assert default.vt_transpose == "words" and "vt_transpose" not in default.label()
-    assert ldsm.label().endswith(",vt_transpose=ldsm]") and replace(ldsm, vt_transpose="words") == default
-    assert plan.smem_bytes(ldsm) == plan.smem_bytes(default)
-    assert plan.check_registry_id(ldsm) == plan.VT_LDSM_ID and plan.check_registry_id(default) == "sm90.prefill_fp8q"
-    assert plan.config_family(ldsm) == KERNELS[plan.VT_LDSM_ID].family("fp8_e4m3", "fp8_e4m3", 128) == \
-        "sm90.prefill_fp8q/fp8/d128/vt_ldsm"
-    two = plan.make_prefill_config(**FP8Q, vt_transpose="ldsm", q_terms=2)
-    assert plan.check_registry_id(two) == plan.VT_LDSM_ID and plan.config_family(two).endswith("/two_term+vt_ldsm")
-    ev = dict(ldsm.evidence["sm_90a"])
+    words = plan.make_prefill_config(**FP8Q, vt_transpose="words")
+    assert default.vt_transpose == "ldsm" and "vt_transpose" not in default.label()
+    assert plan.make_prefill_config(**FP8Q, vt_transpose="ldsm") == default
+    assert plan.Sm90PrefillConfig(**{f.name: getattr(default, f.name) for f in fields(default)
+                                     if f.name != "vt_transpose"}) == default  # the dataclass default too
+    assert words.label().endswith(",vt_transpose=words]") and replace(words, vt_transpose="ldsm") == default
+    assert words.label()[:-len(",vt_transpose=words]")] == default.label()[:-1]
+    assert plan.smem_bytes(words) == plan.smem_bytes(default)
+    assert plan.check_registry_id(default) == "sm90.prefill_fp8q" and plan.check_registry_id(words) == plan.VT_WORDS_ID
+    assert plan.config_family(default) == "sm90.prefill_fp8q/fp8/d128"
+    assert plan.config_family(words) == SM90_FAMILIES[plan.VT_WORDS_ID]("fp8_e4m3", "fp8_e4m3", 128) == \
+        "sm90.prefill_fp8q/fp8/d128/vt_words"
+    two = plan.make_prefill_config(**FP8Q, q_terms=2)
+    two_words = plan.make_prefill_config(**FP8Q, vt_transpose="words", q_terms=2)
+    assert two.vt_transpose == "ldsm" and two.label().endswith(",q_terms=2]")
+    assert plan.check_registry_id(two) == plan.check_registry_id(two_words) == plan.TWO_TERM_ID  # both self-check
+    assert plan.config_family(two).endswith("/two_term") and plan.config_family(two_words).endswith("/two_term+vt_words")
+    ev = dict(default.evidence["sm_90a"])
     assert ev["V^T ldmatrix.trans"].startswith(r"ldmatrix\.sync") and ev["V^T stmatrix"].startswith(r"stmatrix\.sync")
-    assert "V^T stmatrix" not in dict(default.evidence["sm_90a"])
+    assert "V^T stmatrix" not in dict(words.evidence["sm_90a"])
+
+
+@pytest.mark.parametrize("q,kv", [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp8_e4m3"), ("fp16", "fp8_e4m3")])
+def test_other_kinds_keep_words_and_their_labels(q, kv):
+    """No other kind transposes V: its field stays "words" (explicit or not, one config), which its
+    label never names, so no label of theirs changed with the FP8 query's default."""
+    cfg = plan.make_prefill_config(q_dtype=q, kv_dtype=kv, head_dim=128, group=8, page_size=16)
+    assert cfg.vt_transpose == "words" and "vt_transpose" not in cfg.label()
+    assert plan.make_prefill_config(q_dtype=q, kv_dtype=kv, head_dim=128, group=8, page_size=16,
+                                    vt_transpose="words") == cfg
+    assert plan.check_registry_id(cfg) == "sm90.prefill" and "vt_words" not in plan.config_family(cfg)
 
 
 @pytest.mark.parametrize("bad", [dict(FP8Q, vt_transpose="lds"),
@@ -126,22 +148,24 @@ def test_vt_transpose_refused(bad):
         plan.make_prefill_config(**bad)
 
 
-def test_vt_ldsm_registry_entry():
-    info = KERNELS[plan.VT_LDSM_ID]
-    assert info.status == "compile-verified" and info.opt_in and info.call_site is None
+def test_vt_words_registry_entry():
+    """The opt-out is the former default (verified on the GPU): available, opt-in, the FP8 query's
+    compile matrix with words (the two-term one in the two-term entry); the defaults transpose by ldmatrix."""
+    info = KERNELS[plan.VT_WORDS_ID]
+    assert info.status == "available" and info.opt_in and info.call_site is None
     assert info.kv_dtypes == ("fp8_e4m3",) and info.qk_dtype == "fp8_e4m3"
     variants = info.variants()
-    assert {v.head_dim for v in variants} == {64, 128, 256} and {v.q_terms for v in variants} == {1, 2}
-    assert all(v.vt_transpose == "ldsm" and v.kind == "fp8" for v in variants)
-    assert {v.tile_n for v in variants} == {64, 128}  # both V^T swizzles (64- and 128-byte rows)
-    # the same variants with the word transpose are the default kernel's (or the two-term one's)
-    for v in variants:
-        words = replace(v, vt_transpose="words")
-        assert words == plan.make_prefill_config(**{f: getattr(words, f) for f in (
-            "q_dtype", "kv_dtype", "head_dim", "group", "page_size", "q_scale", "kv_form", "kv_layout", "causal",
-            "write_lse", "out_dtype", "q_terms")})
+    assert all(v.vt_transpose == "words" and v.kind == "fp8" for v in variants)
+    assert all(plan.check_registry_id(v) == info.id for v in variants)
+    assert {v.head_dim for v in variants} == {64, 128, 256} and {v.tile_n for v in variants} == {64, 128}
+    assert [replace(v, vt_transpose="ldsm") for v in variants] == plan.fp8_query_compile_variants()
+    assert {v.vt_transpose for v in KERNELS[plan.TWO_TERM_ID].variants()} == {"ldsm", "words"}
+    assert all(v.vt_transpose == "ldsm" for v in KERNELS["sm90.prefill_fp8q"].variants())
+    assert "sm90.prefill_fp8q_ldsm" not in KERNELS
 
 
-def test_bench_entry():
-    assert "ours_fp8q_ldsm" in bench_prefill.PEERS and "ours_fp8q_ldsm" in bench_prefill.ENTRIES
-    assert bench_prefill.ENTRIES["ours_fp8q_ldsm"].keywords == {"vt_transpose": "ldsm"}
+def test_bench_entries():
+    """``ours_fp8q`` runs the default (ldmatrix) transpose, ``ours_fp8q_words`` the opt-out: the A/B."""
+    assert {"ours_fp8q", "ours_fp8q_words"} <= set(bench_prefill.PEERS) and "ours_fp8q_ldsm" not in bench_prefill.ENTRIES
+    assert bench_prefill.ENTRIES["ours_fp8q"] is bench_prefill.ours_fp8q
+    assert bench_prefill.ENTRIES["ours_fp8q_words"].keywords == {"vt_transpose": "words"}

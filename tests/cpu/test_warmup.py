@@ -142,13 +142,17 @@ def fake_sm90(monkeypatch):
     monkeypatch.setattr(paged_decode, "stream_id", lambda t: 0)
     monkeypatch.setattr(paged_decode, "ffi_tensor", lambda t: t)
     monkeypatch.setattr(paged_prefill, "self_check_passes", lambda config, device: True)
+    monkeypatch.setattr(quantize_query, "self_check_passes", lambda config, device: True)
+    quantize_query._two_launcher.launches.clear()
     yield requested
     for mod in (paged_decode, paged_prefill, quantize_query, write_kv_cache, merge_states):
         mod._launcher.launches.clear()
+    quantize_query._two_launcher.launches.clear()
 
 
 @pytest.mark.parametrize("cache, tensors, q_len, prefill_query", [
-    ("fp8", False, 1, "auto"), ("bf16", True, 2, "auto"), ("fp8", True, 1, "fp8"), ("fp8", False, 1, "fp8")])
+    ("fp8", False, 1, "auto"), ("bf16", True, 2, "auto"), ("fp8", True, 1, "fp8"), ("fp8", False, 1, "fp8"),
+    ("fp8", True, 1, "fp8x2")])
 def test_layer_steps_ask_only_for_listed_variants(fake_sm90, cache, tensors, q_len, prefill_query):
     """Random mixed steps of AttentionLayer (decode rows of every batch size and context up to the
     limits, prefill rows after them) through the ops' own code paths: every config the ops ask
@@ -177,8 +181,12 @@ def test_layer_steps_ask_only_for_listed_variants(fake_sm90, cache, tensors, q_l
     assert {c.kernel_id for c in asked} >= {"sm90.decode", "common.write_kv_cache", "sm90.prefill"}
     # the prefill configs' query: bf16, or (the FP8-query kernel's config, kind "fp8") FP8 after quantization
     prefill_q = {c.q_dtype for c in asked if c.kernel_id == "sm90.prefill"}
-    assert prefill_q == ({"fp8_e4m3"} if prefill_query == "fp8" else {"bf16"})
-    assert any(c.kernel_id == "common.quantize_query" for c in asked) == (prefill_query == "fp8")
+    fp8_query = prefill_query in ("fp8", "fp8x2")
+    assert prefill_q == ({"fp8_e4m3"} if fp8_query else {"bf16"})
+    assert any(c.kernel_id == "common.quantize_query" for c in asked) == fp8_query
+    # the two-term query: the fused residual variant (one pass), not the one-term kernel and torch ops
+    quantized = {c.residual for c in asked if c.kernel_id == "common.quantize_query"}
+    assert quantized == ({True} if prefill_query == "fp8x2" else {False} if fp8_query else set())
     assert asked <= listed, sorted(c.label() for c in asked - listed)
 
 

@@ -1,12 +1,13 @@
-"""The FP8-query prefill with V^T written by ``ldmatrix.trans`` + ``stmatrix``
-(``vt_transpose="ldsm"``, ``sm90.prefill_fp8q_ldsm``; docs/design/sm90-prefill.md#fp8) on the GPU.
+"""The FP8-query prefill's V^T transpose by ``ldmatrix.trans`` + ``stmatrix`` (``vt_transpose="ldsm"``,
+the FP8 query's default; docs/design/sm90-prefill.md#fp8) against its word-wise opt-out
+(``vt_transpose="words"``, ``sm90.prefill_fp8q_words``) on the GPU.
 
 Both transposes write the same V^T bytes, so the consumers run the same MMAs on the same operands:
-the output and the LSE must equal the default (word transpose) kernel's bit for bit, and the
-float64 reference within the FP8 query's tolerance. Direct kernel calls on the varlen cases of
+the default kernel's output and LSE must equal the word transpose's bit for bit, and the float64
+reference within the FP8 query's tolerance. Direct kernel calls on the varlen cases of
 tests/gpu/test_prefill_kernel_gpu.py (partial last tiles, NaN page tails, padding rows never
-written), and the op under ``tuning_override(vt_transpose="ldsm")`` (its self-check must pass:
-``prefill_kernel_only``) with one and two query terms."""
+written), and the op by default against ``tuning_override(vt_transpose="words")`` with one and two
+query terms (the two-term families' self-checks must pass: ``prefill_kernel_only``)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,11 @@ def _bits(t):
 def test_ldsm_transpose_matches_the_word_transpose(i, gen):
     c = CASES[i]
     case = case_problem(c, gen)
-    ldsm = case_config(c, vt_transpose="ldsm")
+    ldsm = case_config(c)
+    assert ldsm.vt_transpose == "ldsm", ldsm.label()  # the FP8 query's default
     check(ldsm, case, c[6], ldsm.label())  # float64 reference, padding rows untouched, LSE
     out, lse = run_kernel(ldsm, case)
-    want_out, want_lse = run_kernel(case_config(c), case)
+    want_out, want_lse = run_kernel(case_config(c, vt_transpose="words"), case)
     torch.cuda.synchronize()
     assert torch.equal(_bits(out), _bits(want_out)), f"{ldsm.label()}: output differs from the word transpose's"
     if lse is not None:
@@ -44,9 +46,9 @@ def test_ldsm_transpose_matches_the_word_transpose(i, gen):
 
 
 @pytest.mark.parametrize("D, terms", [(128, 1), (128, 2), (64, 1), (256, 1)])
-def test_op_with_ldsm_override(D, terms, gen, prefill_kernel_only, request):
-    """``paged_prefill`` on an FP8 query under the override: the variant self-checks, and its
-    output equals the default kernel's bit for bit."""
+def test_op_default_matches_the_words_override(D, terms, gen, prefill_kernel_only, request):
+    """``paged_prefill`` on an FP8 query (the ldmatrix transpose) and under
+    ``tuning_override(vt_transpose="words")``: bit for bit the same output and LSE."""
     seed = stable_seed(request.node.nodeid)
     reqs = [(0, 130), (40, 0), (53, 200), (300, 1), (17, 64), (0, 7)]
     c = make_paged_prefill_case(reqs=reqs, num_q_heads=8, num_kv_heads=2, head_dim=D, page_size=16, kv_dtype=FP8,
@@ -58,10 +60,11 @@ def test_op_with_ldsm_override(D, terms, gen, prefill_kernel_only, request):
     else:
         hi, residual = cute_kernels.quantize_query(c.q, q_scale), {}
     args = (hi, c.kv_cache, c.block_table, c.seq_lens, c.query_start_loc)
-    with tuning_override(vt_transpose="ldsm"):
-        got, got_lse = cute_kernels.paged_prefill(*args, q_scale=q_scale, return_lse=True, **residual, **c.kwargs())
-    want, want_lse = cute_kernels.paged_prefill(*args, q_scale=q_scale, return_lse=True, **residual, **c.kwargs())
+    got, got_lse = cute_kernels.paged_prefill(*args, q_scale=q_scale, return_lse=True, **residual, **c.kwargs())
+    with tuning_override(vt_transpose="words"):
+        want, want_lse = cute_kernels.paged_prefill(*args, q_scale=q_scale, return_lse=True, **residual,
+                                                    **c.kwargs())
     torch.cuda.synchronize()
     assert torch.isfinite(got).all(), f"seed {seed}: NaN/inf in output"
-    assert torch.equal(_bits(got), _bits(want)), f"seed {seed}: output differs from the default kernel's"
-    assert torch.equal(_bits(got_lse), _bits(want_lse)), f"seed {seed}: LSE differs from the default kernel's"
+    assert torch.equal(_bits(got), _bits(want)), f"seed {seed}: output differs from the word transpose's"
+    assert torch.equal(_bits(got_lse), _bits(want_lse)), f"seed {seed}: LSE differs from the word transpose's"
