@@ -22,7 +22,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.paged_decode import tuning_override
 from cute_kernels.ops.paged_prefill import tuning_override as prefill_override
-from cute_kernels.plans.sm80 import PREFILL_D128_TW64
+from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D128_TW64S
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case, rel_err
 
 from .decode import SHAPES as DECODE_SHAPES
@@ -40,9 +40,10 @@ PREFILL_VARIANTS = {"m1": dict(m_tiles=1), "tw64": dict(m_tiles=1, tw=64, q_regs
 # head dim 256 only: the plan's form (`sm80`, `m1`) is PREFILL_D256_TW32X; `tw64` is the one before
 # on SM90, `tw16` the one before elsewhere (per-address ldmatrix), docs/design/sm80.md#prefill-tilings-measured
 PREFILL_D256_VARIANTS = {"tw16": dict(m_tiles=1, tw=16)}
-# head dim 128 only: 128-row CTAs with 64-token stages (FA2's 128 x 64 tile),
+# head dim 128 only: 128-row CTAs with 64-token stages (FA2's 128 x 64 tile), and the same with the
+# row statistics in shared memory and the one-base gather (spill-free on the SM80-class targets),
 # docs/design/sm80.md#64-token-stages-at-head-dim-128
-PREFILL_D128_VARIANTS = {"m2t64": PREFILL_D128_TW64}
+PREFILL_D128_VARIANTS = {"m2t64": PREFILL_D128_TW64, "m2t64s": PREFILL_D128_TW64S}
 DECODE_VARIANTS: dict[str, dict] = {"noxor": dict(ldsm_xor=False)}
 
 

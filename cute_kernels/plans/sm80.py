@@ -64,7 +64,10 @@ class _Sm80Common(KernelConfig):
     FP8 caches); ``pdl`` programmatic dependent launch (SM90+ targets only); ``ldsm_xor``: each
     operand's ``ldmatrix`` addresses as one base register XOR a constant per k-step (the 128-row
     prefill's, docs/design/sm80.md#128-row-ctas; the head-dim-256 decode's without spills,
-    docs/design/sm80.md#head-dim-256-decode). ``target``: the one
+    docs/design/sm80.md#head-dim-256-decode); ``stats_smem`` (prefill): each row's online-softmax
+    max and sum in shared memory between tiles, ``gather_one_base``: the page gather's
+    shared-memory destinations as one base plus immediates (both for the 64-token 128-row prefill,
+    docs/design/sm80.md#64-token-stages-at-head-dim-128). ``target``: the one
     compile target the tiling was chosen for (the plan sizes the ring by its shared memory)."""
 
     target: str = "sm_80"
@@ -85,6 +88,8 @@ class _Sm80Common(KernelConfig):
     widen: str = "bits"
     pdl: bool = False
     ldsm_xor: bool = field(default=False, metadata=LABEL_IF_SET)
+    stats_smem: bool = field(default=False, metadata=LABEL_IF_SET)
+    gather_one_base: bool = field(default=False, metadata=LABEL_IF_SET)
 
     def _validate(self):
         if self.target not in TARGETS:
@@ -180,6 +185,8 @@ class Sm80DecodeConfig(_Sm80Common):
             raise ValueError(f"group * q_len must be in [1, {MAX_DECODE_ROWS}]")
         if self.rows < self.group * self.q_len:
             raise ValueError(f"{self.rows} MMA rows cannot hold {self.group} x {self.q_len} query rows")
+        if self.stats_smem:
+            raise ValueError("stats_smem is a prefill field (the decode merges warps_n > 1 token warps)")
 
     def signature(self):
         D = self.head_dim
@@ -365,6 +372,8 @@ class Sm80PrefillConfig(_Sm80Common):
         self._validate()
         if self.group < 1:
             raise ValueError(f"group must be >= 1, got {self.group}")
+        if self.stats_smem and self.warps_n != 1:
+            raise ValueError(f"stats_smem needs one token warp, not warps_n={self.warps_n}")
 
     def signature(self):
         D = self.head_dim
@@ -431,6 +440,15 @@ PREFILL_D256_TW32X_SCALES_SPILL_TARGETS = ("sm_120a", "sm_121a")
 # the LSE), so only those are registered (docs/design/sm80.md#64-token-stages-at-head-dim-128)
 PREFILL_D128_TW64: dict[str, Any] = dict(m_tiles=2, tw=64)
 PREFILL_D128_TW64_TARGETS = ("sm_90a",)
+# the same tile with the register margin won back, an override (unmeasured; its speed is not the
+# measured form's): each row's softmax max and sum in shared memory between tiles, the page
+# gather's destinations one base plus immediates. Spill-free for lean variants with 16-bit caches on
+# sm_80 / sm_86 / sm_89 / sm_90a and with FP8 caches on sm_86 / sm_89, so registered there
+# (docs/design/sm80.md#64-token-stages-at-head-dim-128)
+PREFILL_D128_TW64S: dict[str, Any] = dict(m_tiles=2, tw=64, stats_smem=True, gather_one_base=True)
+PREFILL_D128_TW64S_TARGETS: dict[str, tuple[str, ...]] = {
+    "bf16": ("sm_80", "sm_86", "sm_89", "sm_90a"), "fp16": ("sm_80", "sm_86", "sm_89", "sm_90a"),
+    "fp8_e4m3": ("sm_86", "sm_89")}
 
 
 def prefill_lean(*, causal: bool, write_lse: bool, k_scale_tensor: bool, v_scale_tensor: bool, kv_form: str) -> bool:
@@ -485,10 +503,13 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
             break
     if stages is None:
         raise ValueError(f"no prefill tiling of D {head_dim} with {tw}-token stages fits {target}'s shared memory")
+    # the PREFILL_D128_TW64S fields are an override's: a tiling (and so every form derived from a
+    # variant) leaves them off
+    off = dict(stats_smem=False, gather_one_base=False)
     if m_tiles == 2:
-        return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True)
+        return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True, **off)
     return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128,
-                ldsm_xor=head_dim == 256 and tw == 32 and d256_x)
+                ldsm_xor=head_dim == 256 and tw == 32 and d256_x, **off)
 
 
 def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: int, group: int, page_size: int,
@@ -571,6 +592,25 @@ def d128_tw64_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
     return replace(config, **tiling)
 
 
+def d128_tw64s_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
+    """The head-dim-128 prefill that ``PREFILL_D128_TW64S`` selects for ``config``'s variant: the
+    ``PREFILL_D128_TW64`` tiling and ring with the row statistics in shared memory and the
+    one-base gather."""
+    extra = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}
+    return replace(d128_tw64_form(config), **extra)
+
+
+def _d128_tw64s_registered(config: KernelConfig) -> bool:
+    """The lean GQA-4 page-16 builds of the ``PREFILL_D128_TW64S`` override that ptxas keeps
+    without spills (``PREFILL_D128_TW64S_TARGETS``)."""
+    if not (isinstance(config, Sm80PrefillConfig) and config.head_dim == 128 and config.group == 4
+            and config.page_size == 16 and config.kv_layout == "HND"):
+        return False
+    lean = prefill_lean(causal=config.causal, write_lse=config.write_lse, k_scale_tensor=config.k_scale_tensor,
+                        v_scale_tensor=config.v_scale_tensor, kv_form=config.kv_form)
+    return lean and config.target in PREFILL_D128_TW64S_TARGETS[config.kv_dtype]
+
+
 def _d128_tw64_registered(config: KernelConfig) -> bool:
     """The builds of the ``PREFILL_D128_TW64`` override that ptxas keeps without spills."""
     return (isinstance(config, Sm80PrefillConfig) and config.head_dim == 128 and config.kv_dtype == "bf16"
@@ -615,6 +655,7 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     d128: list[KernelConfig] = [d128_tw64_form(v) for c in out
                                 if isinstance(c, Sm80PrefillConfig) and _d128_tw64_registered(c)
                                 for v in (c, replace(c, write_lse=True))]
+    d128 += [d128_tw64s_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and _d128_tw64s_registered(c)]
     return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128)
             if kernel_id in (None, c.kernel_id)]
 
@@ -632,7 +673,9 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86; the head-dim-256 decode on
     SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``); the lean BF16 D 256 prefill
     (``PREFILL_D256_TW32X``, the default) on SM90 (two CTAs per SM), SM86 and SM120 (99 KB; 255
-    registers there); the ``PREFILL_D128_TW64`` override of the lean BF16 D 128 prefill on sm_90a."""
+    registers there); the ``PREFILL_D128_TW64`` override of the lean BF16 D 128 prefill on sm_90a;
+    the ``PREFILL_D128_TW64S`` override of the lean D 128 prefill with a BF16 cache on SM80 and an
+    FP8 cache on SM86."""
     shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
     out: list[KernelConfig] = []
     for t in TARGETS:
@@ -669,4 +712,6 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     out.append(make_prefill_config(target="sm_120a", **dict(d256, group=4)))
     out += [make_prefill_config(target=t, kv_dtype="bf16", group=4, **shape, **PREFILL_D128_TW64)
             for t in PREFILL_D128_TW64_TARGETS]
+    out += [make_prefill_config(target=t, kv_dtype=kv, group=4, **shape, **PREFILL_D128_TW64S)
+            for t, kv in (("sm_80", "bf16"), ("sm_86", "fp8_e4m3"))]
     return [c for c in out if kernel_id in (None, c.kernel_id)]

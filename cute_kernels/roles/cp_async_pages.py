@@ -47,9 +47,12 @@ def cache_views(mKc, mVc, kv_form: str, kv_layout: str):
 
 class PagedKVGather:
     """Static geometry of the gather: ``tile`` tokens per stage, head dim ``D``, ``kv_bytes`` per
-    element, ``threads`` copying, ``page`` tokens per page."""
+    element, ``threads`` copying, ``page`` tokens per page. ``one_base``: a thread's shared-memory
+    destinations are one swizzled base plus immediate row steps (a row step of whole 1024-byte
+    swizzle periods leaves the swizzled bits alone), not one swizzled address per row that ptxas
+    hoists out of the main loop (docs/design/sm80.md#64-token-stages-at-head-dim-128)."""
 
-    def __init__(self, tile: int, D: int, kv_bytes: int, threads: int, page: int):
+    def __init__(self, tile: int, D: int, kv_bytes: int, threads: int, page: int, one_base: bool = False):
         self.tile, self.D, self.kv_bytes, self.threads, self.page = tile, D, kv_bytes, threads, page
         self.row_bytes = D * kv_bytes
         self.chunks = self.row_bytes // 16  # 16-byte chunks per token row
@@ -61,6 +64,10 @@ class PagedKVGather:
         if tile % self.step:
             raise ValueError(f"tile {tile} is not a multiple of the row step {self.step}")
         self.tile_bytes = tile * self.row_bytes
+        if one_base and ((self.step * self.row_bytes) % 1024 or self.chunks_per_row_thread != 1):
+            raise ValueError(f"one_base needs a row step of whole 1024-byte swizzle periods and one chunk per "
+                             f"row and thread, not {self.step} rows of {self.row_bytes} bytes")
+        self.one_base = one_base
         self.stage_bytes = 2 * self.tile_bytes
 
     def page_slot(self, k: int) -> int:
@@ -108,5 +115,9 @@ class PagedKVGather:
                 for which in cutlass.range_constexpr(2):
                     src_t = mK if const_expr(which == 0) else mV
                     src = (src_t.iterator + cute.crd2idx((slot, d, kv_head, safe), src_t.layout)).toint()
-                    dst = smem_base + which * self.tile_bytes + swizzle(row * self.row_bytes + c * 16)
+                    if const_expr(self.one_base):
+                        dst = (smem_base + swizzle(r0 * self.row_bytes + c * 16)
+                               + (which * self.tile_bytes + self.step * k * self.row_bytes))
+                    else:
+                        dst = smem_base + which * self.tile_bytes + swizzle(row * self.row_bytes + c * 16)
                     cp_async_zfill_16_at(dst, Int64(src), nbytes, 0, 0)

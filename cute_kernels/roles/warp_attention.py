@@ -53,6 +53,28 @@ class RowsOnDemand:
         return self.get(slot)
 
 
+class SharedRowStats:
+    """The online-softmax max and sum of this thread's rows kept in shared memory between tiles
+    (``stats_smem``): slots 0 and 1 of the per-row statistics, unused until the epilogue with one
+    token warp. Values that cross the main loop's barrier cannot be hoisted into registers, so the
+    loop carries O and nothing else per row (docs/design/sm80.md#64-token-stages-at-head-dim-128).
+    The sum is the row's whole sum (reduced over the quad at every tile)."""
+
+    def __init__(self, sStats, row_of):
+        self.sStats = sStats
+        self.row_of = row_of  # (m-tile, half) -> CTA row of this thread
+
+    def max(self, mt, h):
+        return self.sStats[0, self.row_of(mt, h)]
+
+    def sum(self, mt, h):
+        return self.sStats[1, self.row_of(mt, h)]
+
+    def store(self, mt, h, row_max, row_sum):
+        self.sStats[0, self.row_of(mt, h)] = row_max
+        self.sStats[1, self.row_of(mt, h)] = row_sum
+
+
 class WarpTileAttention:
     """Static configuration of the engine (all trace-time).
 
@@ -60,10 +82,13 @@ class WarpTileAttention:
     ``warps_m``, ``warps_n``, ``m_tiles`` (16-row tiles per warp), ``tw`` (tokens per warp and
     stage, a multiple of 16); ``q_regs``: Q fragments loaded once into registers (else read from
     shared memory at every tile); ``ldsm_xor``: every ``ldmatrix`` address of an operand is one
-    per-thread base XOR a constant (see :meth:`ldsm_address`)."""
+    per-thread base XOR a constant (see :meth:`ldsm_address`); ``stats_smem``: each row's
+    online-softmax max and sum live in shared memory between tiles (:class:`SharedRowStats`; one
+    token warp only)."""
 
     def __init__(self, *, D: int, q_dtype: str, kv_dtype: str, mma_dtype: str, widen_method: str,
-                 warps_m: int, warps_n: int, m_tiles: int, tw: int, q_regs: bool, ldsm_xor: bool = False):
+                 warps_m: int, warps_n: int, m_tiles: int, tw: int, q_regs: bool, ldsm_xor: bool = False,
+                 stats_smem: bool = False):
         self.D = D
         self.q_name, self.kv_name, self.mma_name = q_dtype, kv_dtype, mma_dtype
         self.fp8 = kv_dtype == "fp8_e4m3"
@@ -77,6 +102,9 @@ class WarpTileAttention:
         self.tile = tw * warps_n  # tokens per stage
         self.q_regs = q_regs
         self.ldsm_xor = ldsm_xor
+        if stats_smem and warps_n != 1:
+            raise ValueError("stats_smem keeps the row statistics in the slots of one token warp: warps_n must be 1")
+        self.stats_smem = stats_smem
         # 64-token stages in 128-row CTAs: the causal mask compares one per-row limit relative to
         # the tile (``limit - col0``) with immediates, which keeps that build within 255 registers
         # where the absolute compare spills it (docs/design/sm80.md#64-token-stages-at-head-dim-128)
@@ -331,13 +359,17 @@ class WarpTileAttention:
             cute.gemm(atom, acc_s, tSrQ[None, None, 0], bK[None, None, kk], acc_s)
 
     @cute.jit
-    def softmax(self, acc_s, acc_o, row_max, row_sum, row_scale, limits, tile_start, masked, wn, lane):
+    def softmax(self, acc_s, acc_o, row_max, row_sum, row_scale, limits, tile_start, masked, wn, lane,
+                stats=None):
         """Online softmax of the tile in ``acc_s`` (scaled by each row's ``row_scale`` into log2
         units, tokens at or past a row's ``limits`` masked to -inf when ``masked``), leaving
-        P = exp2(s - max) in ``acc_s`` and rescaling ``acc_o`` and ``row_sum``. A row whose max
-        is still -inf shifts by 0, so exp2(-inf) = 0 and no inf - inf."""
+        P = exp2(s - max) in ``acc_s`` and rescaling ``acc_o`` and ``row_sum`` (or the
+        :class:`SharedRowStats` ``stats``). A row whose max is still -inf shifts by 0, so
+        exp2(-inf) = 0 and no inf - inf."""
         mt_n, nt = self.m_tiles, self.tw // 8
         col0 = tile_start + wn * self.tw + 2 * (lane % 4)
+        if const_expr(stats is not None):
+            new_stats = cute.make_rmem_tensor((2 * mt_n, 2), Float32)
         for mt in cutlass.range_constexpr(mt_n):
             for h in cutlass.range_constexpr(2):
                 slot = 2 * mt + h
@@ -359,11 +391,19 @@ class WarpTileAttention:
                         tmax = cute.arch.fmax(tmax, s)
                 tmax = cute.arch.fmax(tmax, cute.arch.shuffle_sync_bfly(tmax, 1))
                 tmax = cute.arch.fmax(tmax, cute.arch.shuffle_sync_bfly(tmax, 2))
-                new_max = cute.arch.fmax(row_max[slot], tmax)
-                safe = new_max if new_max != -Float32.inf else Float32(0.0)
-                alpha = cute.math.exp2(row_max[slot] - safe, fastmath=True)
-                row_max[slot] = new_max
-                total = row_sum[slot] * alpha
+                if const_expr(stats is None):
+                    new_max = cute.arch.fmax(row_max[slot], tmax)
+                    safe = new_max if new_max != -Float32.inf else Float32(0.0)
+                    alpha = cute.math.exp2(row_max[slot] - safe, fastmath=True)
+                    row_max[slot] = new_max
+                    total = row_sum[slot] * alpha
+                else:
+                    old_max = stats.max(mt, h)
+                    new_max = cute.arch.fmax(old_max, tmax)
+                    safe = new_max if new_max != -Float32.inf else Float32(0.0)
+                    alpha = cute.math.exp2(old_max - safe, fastmath=True)
+                    new_stats[slot, 0] = new_max
+                    total = Float32(0.0)
                 for n in cutlass.range_constexpr(self.D // 8):
                     for e in cutlass.range_constexpr(2):
                         i = 2 * h + e + 4 * mt + 4 * mt_n * (n % 2)
@@ -374,7 +414,16 @@ class WarpTileAttention:
                         p = cute.math.exp2(acc_s[i] - safe, fastmath=True)
                         total = total + p
                         acc_s[i] = p
-                row_sum[slot] = total
+                if const_expr(stats is None):
+                    row_sum[slot] = total
+                else:
+                    total = total + cute.arch.shuffle_sync_bfly(total, 1)
+                    total = total + cute.arch.shuffle_sync_bfly(total, 2)
+                    new_stats[slot, 1] = stats.sum(mt, h) * alpha + total
+        if const_expr(stats is not None):
+            cute.arch.sync_warp()  # every lane of a row's quad has read the old values
+            for slot in cutlass.range_constexpr(2 * mt_n):
+                stats.store(slot // 2, slot % 2, new_stats[slot, 0], new_stats[slot, 1])
 
     @cute.jit
     def pv(self, acc_o, acc_s, v_base, wn, lane):
@@ -434,12 +483,19 @@ class WarpTileAttention:
 
     @cute.jit
     def mainloop(self, issue, tile_of, n_tiles, stages: cutlass.Constexpr, kv_base, stage_bytes, tile_bytes,
-                 state, sq_base, row_scale, limits, min_limit, wm, wn, lane):
+                 state, sq_base, row_scale, limits, min_limit, wm, wn, lane, sStats=None):
         """Stream this CTA's ``n_tiles`` tiles (``tile_of(i)``: the i-th tile's index) through a
         ``stages``-deep cp.async ring: ``issue(tile, stage_address)`` starts a tile's copies;
         one commit group per tile, one barrier per tile (it also frees the stage that the next
-        copies overwrite)."""
+        copies overwrite). ``sStats``: the per-row statistics (``stats_smem`` keeps the running
+        max and sum there)."""
         acc_o, acc_s, tSrQ, row_max, row_sum = state
+        stats = None
+        if const_expr(self.stats_smem):
+            stats = SharedRowStats(sStats, lambda mt, h: self.thread_row(wm, lane, mt, h))
+            for slot in cutlass.range_constexpr(2 * self.m_tiles):
+                stats.store(slot // 2, slot % 2, -Float32.inf, Float32(0.0))
+            cute.arch.sync_warp()
         for s in cutlass.range_constexpr(stages - 1):
             if s < n_tiles:
                 issue(tile_of(s), kv_base + s * stage_bytes)
@@ -455,7 +511,11 @@ class WarpTileAttention:
             stage_base = kv_base + (i % stages) * stage_bytes
             self.qk(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
             masked = (tile + 1) * self.tile > min_limit
-            self.softmax(acc_s, acc_o, row_max, row_sum, row_scale, limits, tile * self.tile, masked, wn, lane)
+            if const_expr(self.stats_smem):
+                self.softmax(acc_s, acc_o, row_max, row_sum, row_scale, limits, tile * self.tile, masked, wn, lane,
+                             stats)
+            else:
+                self.softmax(acc_s, acc_o, row_max, row_sum, row_scale, limits, tile * self.tile, masked, wn, lane)
             self.pv(acc_o, acc_s, stage_base + tile_bytes, wn, lane)
         cute.arch.cp_async_wait_group(0)
 
@@ -468,11 +528,17 @@ class WarpTileAttention:
         the main loop, which the barrier here ensures."""
         acc_o, acc_s, tSrQ, row_max, row_sum = state
         mt_n, WN = self.m_tiles, self.warps_n
-        for s in cutlass.range_constexpr(2 * mt_n):
-            v = row_sum[s]
-            v = v + cute.arch.shuffle_sync_bfly(v, 1)
-            v = v + cute.arch.shuffle_sync_bfly(v, 2)
-            row_sum[s] = v
+        if const_expr(self.stats_smem):
+            cute.arch.sync_warp()
+            for s in cutlass.range_constexpr(2 * mt_n):  # sums reduced over the quad already
+                row_max[s] = sStats[0, self.thread_row(wm, lane, s // 2, s % 2)]
+                row_sum[s] = sStats[1, self.thread_row(wm, lane, s // 2, s % 2)]
+        else:
+            for s in cutlass.range_constexpr(2 * mt_n):
+                v = row_sum[s]
+                v = v + cute.arch.shuffle_sync_bfly(v, 1)
+                v = v + cute.arch.shuffle_sync_bfly(v, 2)
+                row_sum[s] = v
         if const_expr(WN > 1):
             if lane % 4 == 0:
                 for mt in cutlass.range_constexpr(mt_n):
@@ -536,9 +602,10 @@ def engine_for(cfg):
     engine = WarpTileAttention(
         D=cfg.head_dim, q_dtype=cfg.q_dtype, kv_dtype=cfg.kv_dtype, mma_dtype=cfg.mma_dtype, widen_method=cfg.widen,
         warps_m=cfg.warps_m, warps_n=cfg.warps_n, m_tiles=cfg.m_tiles, tw=cfg.tw, q_regs=cfg.q_regs,
-        ldsm_xor=cfg.ldsm_xor,
+        ldsm_xor=cfg.ldsm_xor, stats_smem=cfg.stats_smem,
     )
-    gather = PagedKVGather(engine.tile, cfg.head_dim, engine.kv_bytes, engine.threads, cfg.page_size)
+    gather = PagedKVGather(engine.tile, cfg.head_dim, engine.kv_bytes, engine.threads, cfg.page_size,
+                           one_base=cfg.gather_one_base)
     ring = cfg.stages * gather.stage_bytes
     if cfg.m_tiles > 1:
         # two tiles per warp double the merge rows; Q, dead after the main loop, lies right after

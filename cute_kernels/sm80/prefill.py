@@ -128,7 +128,7 @@ class Sm80PagedPrefill:
 
         g = self.gather
         eng.mainloop(issue, tile_of, n_tiles, cfg.stages, kv_base, g.stage_bytes, g.tile_bytes, state, sq_base,
-                     row_scale, limits, min_limit, wm, wn, lane)
+                     row_scale, limits, min_limit, wm, wn, lane, sStats)
         sO = cute.make_tensor(cute.recast_ptr(storage.kv.data_ptr(), dtype=Float32), eng.o_layout())
         eng.finish(state, sO, sStats, wm, wn, lane, vs)
         self.store(mO, mLse, sO, sStats, q_start, q_len, row0, kv_head, tidx)

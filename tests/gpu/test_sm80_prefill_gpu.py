@@ -3,7 +3,7 @@ requests against cached prefixes, empty requests (q_len 0), causal and not, ever
 both FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, a ring sized for 99 KB
 of shared memory, and CUDA-graph replay; the plan's tilings (128-row CTAs up to D 128 for lean variants, else
 64-row ones; 32-token stages with one ldmatrix base at D 256) and the others, with and without the LSE, and
-the 64-token 128-row override at D 128. Runs on any SM80+ GPU (the H200 included): the op runs the
+the 64-token 128-row overrides at D 128 (with the row statistics in shared memory too). Runs on any SM80+ GPU (the H200 included): the op runs the
 portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
 
@@ -15,7 +15,7 @@ import torch
 import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.paged_prefill import tuning_override
-from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D256_TW32X
+from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D128_TW64S, PREFILL_D256_TW32X
 from cute_kernels.testing import capture_graph, check_attention, make_paged_prefill_case, rel_err
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="needs SM80 or newer")
@@ -57,13 +57,20 @@ CASES += [(*c[:-1], {**c[-1], **ov}) for c in CASES if c[2] == 256 and "m_tiles"
 # cache dtype, both widenings, (K, V) pairs, both layouts, a non-causal mask, GQA 1-16, pages
 # 16-128, a ring sized for 99 KB (docs/design/sm80.md#64-token-stages-at-head-dim-128)
 D128X = PREFILL_D128_TW64
-CASES += [(*c[:-1], {**c[-1], **D128X}) for c in CASES if c[2] == 128 and set(c[-1]) <= {"smem_target", "widen"}]
+D128_BASE = [c for c in CASES if c[2] == 128 and set(c[-1]) <= {"smem_target", "widen"}]
+CASES += [(*c[:-1], {**c[-1], **D128X}) for c in D128_BASE]
+# the same tile with each row's softmax max and sum in shared memory between tiles and the one-base
+# page gather (PREFILL_D128_TW64S; unmeasured) on the same D 128 cases: varlen, chunked, an empty
+# request, every cache dtype and widening, pairs, both layouts, a non-causal mask with the LSE, GQA
+# 1-16, pages 16-128, a 99 KB ring
+D128S = PREFILL_D128_TW64S
+CASES += [(*c[:-1], {**c[-1], **D128S}) for c in D128_BASE]
 # lean variants (causal, one cache tensor, no LSE, no scale tensors) of the cases above and at
 # D 256: the defaults, 128-row CTAs with 32-token stages up to D 128 and PREFILL_D256_TW32X at D 256
 # (and at page 32 with a BF16 cache, where it is not the default); then the old 64-row forms of the
 # same shapes, and at D 256 on SM90 the 64-token stages, the lean 16-bit default there before
 LEAN = [c for c in CASES if c[7] == "single" and c[8] and set(c[-1]) <= {"smem_target"}]
-LEAN_D128X = [(*c[:-1], {**c[-1], **D128X}) for c in LEAN if c[2] == 128]
+LEAN_D128X = [(*c[:-1], {**c[-1], **ov}) for c in LEAN if c[2] == 128 for ov in (D128X, D128S)]
 LEAN += [(BF16, BF16, 256, 16, 8, 16, "HND", "single", True, {}), (FP16, FP16, 256, 8, 1, 128, "NHD", "single", True, {}),
          (BF16, BF16, 256, 8, 4, 32, "HND", "single", True, {})]
 LEAN_D256 = [c for c in LEAN if c[2] == 256]
@@ -137,8 +144,9 @@ def test_sm80_prefill_lean_variants_match_reference(case, gen):
 
 # with the LSE the default is the 64-row CTA, without it (lean) the 128-row one on the H200
 @pytest.mark.parametrize("return_lse,override", [(True, {}), (True, M2), (False, {}), (False, M1), (True, D128X),
-                                                 (False, D128X)],
-                         ids=["lse-default", "lse-rows128", "lean-default", "lean-rows64", "lse-tw64", "lean-tw64"])
+                                                 (False, D128X), (True, D128S), (False, D128S)],
+                         ids=["lse-default", "lse-rows128", "lean-default", "lean-rows64", "lse-tw64", "lean-tw64",
+                              "lse-tw64s", "lean-tw64s"])
 def test_sm80_prefill_long_prompt_and_graph_replay(return_lse, override, gen):
     seed = gen.initial_seed()
     c, qsl = _case(gen, q_lens=[2048, 513], prefixes=[0, 4000], kv=BF16, q=BF16, D=128, Hq=32, Hkv=8,
@@ -175,7 +183,7 @@ def test_sm90_sends_what_its_kernel_refuses_to_the_portable_one(gen):
     _check(c, qsl, True, out, lse, seed)
 
 
-@pytest.mark.parametrize("override", [{}, M2, D128X], ids=["default", "rows128", "tw64"])
+@pytest.mark.parametrize("override", [{}, M2, D128X, D128S], ids=["default", "rows128", "tw64", "tw64s"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_sm80_prefill_lengths_past_the_block_table(causal, override, gen):
     """Lengths beyond the table's capacity (2^31 - 1 too): positions at or past it are not attended,

@@ -1,0 +1,143 @@
+"""The register margin of the 64-token 128-row ``sm80.prefill`` (``PREFILL_D128_TW64S``): each row's
+online-softmax max and sum in shared memory between tiles (``stats_smem``) and the page gather's
+destinations as one base plus immediates (``gather_one_base``). Both fields are off by default
+and absent from every existing label; the form shares the tiling and ring of ``PREFILL_D128_TW64``;
+the one-base destinations are the swizzled ones, address by address; the override is registered
+(and asserted spill-free by the compile tier) exactly where ``PREFILL_D128_TW64S_TARGETS`` says
+(design: docs/design/sm80.md#64-token-stages-at-head-dim-128)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from cute_kernels.plans import hw
+from cute_kernels.plans.sm80 import (
+    KV_DTYPES,
+    PREFILL_D128_TW64,
+    PREFILL_D128_TW64S,
+    PREFILL_D128_TW64S_TARGETS,
+    TARGETS,
+    Sm80PrefillConfig,
+    ci_variants,
+    compile_variants,
+    d128_tw64_form,
+    d128_tw64s_form,
+    make_decode_config,
+    make_prefill_config,
+)
+from cute_kernels.roles.cp_async_pages import PagedKVGather, swizzle
+from cute_kernels.roles.warp_attention import WarpTileAttention, engine_for
+
+NEW_FIELDS = ("stats_smem", "gather_one_base")
+
+
+def _shape(target, kv, **extra):
+    return dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=128, group=4,
+                page_size=16, **extra)
+
+
+def test_new_fields_default_off_and_out_of_every_existing_label():
+    """Every variant the compile matrix held before keeps its label (and so its digest entry):
+    the fields are off and unlabelled unless set."""
+    defaults = {f.name: f.default for f in fields(Sm80PrefillConfig)}
+    assert all(defaults[name] is False for name in NEW_FIELDS)
+    for cfg in compile_variants():
+        if not getattr(cfg, "stats_smem", False):
+            assert not any(name in cfg.label() for name in NEW_FIELDS), cfg.label()
+    tw64s = make_prefill_config(**_shape("sm_80", "bf16"), **PREFILL_D128_TW64S)
+    assert all(f"{name}=True" in tw64s.label() for name in NEW_FIELDS)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kv", KV_DTYPES)
+@pytest.mark.parametrize("extra", [{}, dict(write_lse=True), dict(causal=False, kv_form="pair", kv_layout="NHD")],
+                         ids=["lean", "lse", "pair-full"])
+def test_tw64s_form_is_the_tw64_tiling_with_the_two_fields(target, kv, extra):
+    """The override is ``PREFILL_D128_TW64``'s 128-row CTA, 64-token stages and ring (same stages,
+    same shared memory: the statistics use slots the one token warp leaves free) plus the fields;
+    registered exactly for the lean GQA-4 page-16 variant on its dtype's targets; the CI set holds
+    the BF16 one on sm_80 and the FP8 one on sm_86."""
+    default = make_prefill_config(**_shape(target, kv, **extra))
+    cfg = make_prefill_config(**_shape(target, kv, **extra), **PREFILL_D128_TW64S)
+    tw64 = make_prefill_config(**_shape(target, kv, **extra), **PREFILL_D128_TW64)
+    assert cfg == d128_tw64s_form(default) == d128_tw64s_form(tw64) != tw64
+    assert d128_tw64_form(default) == tw64
+    assert (cfg.m_tiles, cfg.tw, cfg.stages, cfg.q_regs, cfg.ldsm_xor) == (2, 64, tw64.stages, False, True)
+    assert cfg.stats_smem and cfg.gather_one_base and not (default.stats_smem or default.gather_one_base)
+    assert cfg.smem_bytes() == tw64.smem_bytes() <= hw.max_smem_per_cta(target)
+    eng, gather, ring = engine_for(cfg)
+    eng0, gather0, ring0 = engine_for(tw64)
+    assert eng.stats_smem and gather.one_base and not (eng0.stats_smem or gather0.one_base) and ring == ring0
+    assert eng.warps_n == 1  # the statistics' slots 0 and 1 are free during the main loop with one token warp
+    registered = not extra and target in PREFILL_D128_TW64S_TARGETS[kv]
+    assert (cfg in compile_variants("sm80.prefill")) == registered
+    assert (cfg in ci_variants("sm80.prefill")) == (not extra and (target, kv) in (("sm_80", "bf16"),
+                                                                                    ("sm_86", "fp8_e4m3")))
+
+
+def test_the_plan_defaults_do_not_change():
+    """An override only: no default of any target, dtype or head dim sets either field."""
+    for target in TARGETS:
+        for kv in KV_DTYPES:
+            for D in (64, 128, 256):
+                cfg = make_prefill_config(**dict(_shape(target, kv), head_dim=D))
+                assert not (cfg.stats_smem or cfg.gather_one_base)
+
+
+def test_stats_smem_is_refused_where_it_cannot_hold():
+    """The decode merges several token warps' statistics through the slots stats_smem uses; the
+    engine needs one token warp."""
+    with pytest.raises(ValueError, match="prefill field"):
+        make_decode_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=8, q_len=1,
+                           page_size=16, split=False, stats_smem=True)
+    with pytest.raises(ValueError, match="one token warp"):
+        make_prefill_config(**_shape("sm_80", "bf16"), **PREFILL_D128_TW64S, warps_n=2)
+    with pytest.raises(ValueError, match="warps_n must be 1"):
+        WarpTileAttention(D=128, q_dtype="bf16", kv_dtype="bf16", mma_dtype="bf16", widen_method="bits", warps_m=2,
+                          warps_n=2, m_tiles=1, tw=16, q_regs=True, stats_smem=True)
+
+
+@pytest.mark.parametrize("D,kv_bytes,tile,page", [(128, 2, 64, 16), (128, 1, 64, 16), (64, 2, 64, 32),
+                                                  (256, 2, 32, 16), (128, 2, 32, 128)])
+def test_one_base_destinations_are_the_swizzled_ones(D, kv_bytes, tile, page):
+    """``gather_one_base``: a thread's destination of row step k, ``swizzle(r0 row + c 16) + k step
+    row`` (K and V, any 1024-byte aligned stage), is the swizzled address of its row and chunk, for
+    every thread of a 128-thread CTA; the rows and chunks of a stage are covered once each."""
+    g = PagedKVGather(tile, D, kv_bytes, 128, page, one_base=True)
+    seen = set()
+    for tidx in range(128):
+        r0, c = tidx // g.chunks, tidx % g.chunks
+        for k in range(g.rows_per_thread):
+            row = r0 + g.step * k
+            for which in range(2):
+                one_base = swizzle(r0 * g.row_bytes + c * 16) + which * g.tile_bytes + g.step * k * g.row_bytes
+                assert one_base == which * g.tile_bytes + swizzle(row * g.row_bytes + c * 16)
+                seen.add(one_base)
+    assert seen == {w * g.tile_bytes + r * g.row_bytes + c * 16 for w in range(2) for r in range(tile)
+                    for c in range(g.chunks)}
+
+
+def test_one_base_is_refused_where_a_row_step_moves_swizzled_bits():
+    """Eight rows of 64 bytes (one chunk per thread at D 64 with an FP8 cache over 32 threads)
+    are 512 bytes: half a swizzle period, so the immediates would not be the swizzled addresses."""
+    with pytest.raises(ValueError, match="one_base"):
+        PagedKVGather(16, 64, 1, 32, 16, one_base=True)
+    assert not PagedKVGather(16, 64, 1, 32, 16).one_base
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", [c for c in compile_variants("sm80.prefill") if c.stats_smem],
+                         ids=lambda c: f"{c.target}-{c.kv_dtype}")
+def test_registered_tw64s_builds_do_not_spill(cfg):
+    """The registered builds of the override: the SM80 instruction evidence and no ``STL`` /
+    ``LDL`` (the claim of ``PREFILL_D128_TW64S_TARGETS``); the full compile matrix holds them too."""
+    from cute_kernels.jit.evidence import compile_with_evidence
+
+    compiled, ev = compile_with_evidence(cfg, cfg.target)
+    assert ev.ptx_target == cfg.target and not ev.missing
+    if compiled.sass is None:
+        pytest.skip("no nvdisasm: the spill check needs SASS")
+    assert "STL" not in ev.sass and "LDL" not in ev.sass, f"{cfg.label()}: {ev.sass}"
+    assert ev.sass.get("HMMA") == 256  # one 64-token stage of two 16-row tiles per warp: 4 x 64 MMAs
