@@ -375,6 +375,12 @@ class Sm80PrefillConfig(_Sm80Common):
         if self.stats_smem and self.warps_n != 1:
             raise ValueError(f"stats_smem needs one token warp, not warps_n={self.warps_n}")
 
+    @property
+    def lean(self) -> bool:
+        """:func:`prefill_lean` of this variant (derived from its fields)."""
+        return prefill_lean(causal=self.causal, write_lse=self.write_lse, k_scale_tensor=self.k_scale_tensor,
+                            v_scale_tensor=self.v_scale_tensor, kv_form=self.kv_form)
+
     def signature(self):
         D = self.head_dim
         ks, vs = self._scales()
@@ -445,7 +451,7 @@ PREFILL_D128_TW64_TARGETS = ("sm_90a",)
 # gather's destinations one base plus immediates. Spill-free for lean variants with 16-bit caches on
 # sm_80 / sm_86 / sm_89 / sm_90a and with FP8 caches on sm_86 / sm_89, so registered there
 # (docs/design/sm80.md#64-token-stages-at-head-dim-128)
-PREFILL_D128_TW64S: dict[str, Any] = dict(m_tiles=2, tw=64, stats_smem=True, gather_one_base=True)
+PREFILL_D128_TW64S: dict[str, Any] = dict(PREFILL_D128_TW64, stats_smem=True, gather_one_base=True)
 PREFILL_D128_TW64S_TARGETS: dict[str, tuple[str, ...]] = {
     "bf16": ("sm_80", "sm_86", "sm_89", "sm_90a"), "fp16": ("sm_80", "sm_86", "sm_89", "sm_90a"),
     "fp8_e4m3": ("sm_86", "sm_89")}
@@ -559,17 +565,13 @@ def d256_previous_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
     became the default (docs/design/sm80.md#prefill-tilings-measured): 64-token stages for lean
     variants with 16-bit caches on ``PREFILL_D256_TW64_TARGETS``, else 16-token ones."""
     assert config.head_dim == 256
-    lean = prefill_lean(causal=config.causal, write_lse=config.write_lse, k_scale_tensor=config.k_scale_tensor,
-                        v_scale_tensor=config.v_scale_tensor, kv_form=config.kv_form)
-    return replace(config, **prefill_tiling(config.target, config.kv_dtype, 256, None, None, lean))
+    return replace(config, **prefill_tiling(config.target, config.kv_dtype, 256, None, None, config.lean))
 
 
 def rows128_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
     """The 128-row prefill that ``m_tiles=2`` selects for ``config``'s variant (up to D 128): the
     default where measured, else an override with 16-token stages at D 128 (docs/design/sm80.md#defaults)."""
-    lean = prefill_lean(causal=config.causal, write_lse=config.write_lse, k_scale_tensor=config.k_scale_tensor,
-                        v_scale_tensor=config.v_scale_tensor, kv_form=config.kv_form)
-    return replace(config, **prefill_tiling(config.target, config.kv_dtype, config.head_dim, 2, None, lean))
+    return replace(config, **prefill_tiling(config.target, config.kv_dtype, config.head_dim, 2, None, config.lean))
 
 
 def d256_tw32x_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
@@ -606,9 +608,7 @@ def _d128_tw64s_registered(config: KernelConfig) -> bool:
     if not (isinstance(config, Sm80PrefillConfig) and config.head_dim == 128 and config.group == 4
             and config.page_size == 16 and config.kv_layout == "HND"):
         return False
-    lean = prefill_lean(causal=config.causal, write_lse=config.write_lse, k_scale_tensor=config.k_scale_tensor,
-                        v_scale_tensor=config.v_scale_tensor, kv_form=config.kv_form)
-    return lean and config.target in PREFILL_D128_TW64S_TARGETS[config.kv_dtype]
+    return config.lean and config.target in PREFILL_D128_TW64S_TARGETS[config.kv_dtype]
 
 
 def _d128_tw64_registered(config: KernelConfig) -> bool:
