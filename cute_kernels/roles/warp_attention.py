@@ -511,11 +511,8 @@ class WarpTileAttention:
             stage_base = kv_base + (i % stages) * stage_bytes
             self.qk(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
             masked = (tile + 1) * self.tile > min_limit
-            if const_expr(self.stats_smem):
-                self.softmax(acc_s, acc_o, row_max, row_sum, row_scale, limits, tile * self.tile, masked, wn, lane,
-                             stats)
-            else:
-                self.softmax(acc_s, acc_o, row_max, row_sum, row_scale, limits, tile * self.tile, masked, wn, lane)
+            self.softmax(acc_s, acc_o, row_max, row_sum, row_scale, limits, tile * self.tile, masked, wn, lane,
+                         stats)
             self.pv(acc_o, acc_s, stage_base + tile_bytes, wn, lane)
         cute.arch.cp_async_wait_group(0)
 
