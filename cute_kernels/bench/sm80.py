@@ -49,7 +49,8 @@ DECODE_VARIANTS: dict[str, dict] = {"noxor": dict(ldsm_xor=False)}
 
 def parse_named_variants(text: str | None) -> dict[str, dict]:
     """``"a:tw=32+stages=4;b:ldsm_xor=true"`` -> ``{"a": {"tw": 32, "stages": 4}, "b": {"ldsm_xor": True}}``
-    (values: integers, or ``true`` / ``false``)."""
+    (values: integers, ``true`` / ``false``, else the text: ``smem_target=sm_80`` sizes the ring, and
+    so the CTAs per SM, for sm_80's shared memory)."""
     out = {}
     for spec in (text or "").split(";"):
         if spec:
@@ -58,9 +59,11 @@ def parse_named_variants(text: str | None) -> dict[str, dict]:
     return out
 
 
-def _field_value(text: str) -> int | bool:
+def _field_value(text: str) -> int | bool | str:
     flags = {"true": True, "false": False}
-    return flags[text.lower()] if text.lower() in flags else int(text)
+    if text.lower() in flags:
+        return flags[text.lower()]
+    return int(text) if text.lstrip("-").isdigit() else text
 
 # name, Hq, Hkv, D, B, q_len, prefix (the SM90 prefill benchmark's shapes)
 PREFILL_SHAPES = [

@@ -424,8 +424,9 @@ PREFILL_M2_MAX_HEAD_DIM = 128
 # where ptxas keeps the 128-row CTA's 32-token stages without spills for lean variants (causal, one
 # cache tensor, no LSE, no scale tensors; each of the others adds 2-31 STL at D 128 there): the
 # only 128-row form measured (1.09-1.45x the 64-row CTA on the H200), so the only one the plan
-# chooses; everything else keeps the 64-row CTA, the 128-row one with 16-token stages at D 128 is
-# an unmeasured override (docs/design/sm80.md#defaults)
+# chooses (at D 128 the 64-token PREFILL_D128_TW64S below where it applies); everything else keeps
+# the 64-row CTA, the 128-row one with 16-token stages at D 128 is an unmeasured override
+# (docs/design/sm80.md#defaults)
 PREFILL_M2_TW32_TARGETS = ("sm_80", "sm_86", "sm_90a")
 # 64-token stages at D 256 (one CTA of three 64 KB stages per SM: 1.15x the 16-token ring on the
 # H200) for lean variants with 16-bit caches where they fit and ptxas keeps them: not sm_100a /
@@ -440,21 +441,28 @@ PREFILL_D256_TW32X: dict[str, Any] = dict(m_tiles=1, tw=32, ldsm_xor=True)
 # on sm_80), a 16-bit cache with scale tensors on sm_120a / sm_121a (1 STL) (docs/design/sm80.md#head-dim-256-prefill)
 PREFILL_D256_TW32X_PAGE32_SPILL_TARGETS = tuple(t for t in TARGETS if t != "sm_80")
 PREFILL_D256_TW32X_SCALES_SPILL_TARGETS = ("sm_120a", "sm_121a")
-# head dim 128, an override (unmeasured): 128-row CTAs with 64-token stages, FA2's 128 x 64 tile of
-# four warps, half the per-token softmax, O-rescale and barrier work of the 32-token default. It sits
-# at 255 registers: spill-free only for BF16 caches at GQA 4, page 16 on sm_90a (the lean variant and
-# the LSE), so only those are registered (docs/design/sm80.md#64-token-stages-at-head-dim-128)
+# head dim 128, an override: 128-row CTAs with 64-token stages, FA2's 128 x 64 tile of four warps,
+# half the per-token softmax, O-rescale and barrier work of the 32-token default (1.14-1.15x it on the
+# H200). It sits at 255 registers: spill-free only for BF16 caches at GQA 4, page 16 on sm_90a (the
+# lean variant and the LSE), so only those are registered (docs/design/sm80.md#64-token-stages-at-head-dim-128)
 PREFILL_D128_TW64: dict[str, Any] = dict(m_tiles=2, tw=64)
 PREFILL_D128_TW64_TARGETS = ("sm_90a",)
-# the same tile with the register margin won back, an override (unmeasured; its speed is not the
-# measured form's): each row's softmax max and sum in shared memory between tiles, the page
-# gather's destinations one base plus immediates. Spill-free for lean variants with 16-bit caches on
-# sm_80 / sm_86 / sm_89 / sm_90a and with FP8 caches on sm_86 / sm_89, so registered there
-# (docs/design/sm80.md#64-token-stages-at-head-dim-128)
+# the same tile with the register margin won back: each row's softmax max and sum in shared memory
+# between tiles, the page gather's destinations one base plus immediates (1.13x the 32-token 128-row
+# CTA on the H200, 0.98-0.99x PREFILL_D128_TW64). Spill-free for lean variants (every GQA, page size
+# and layout) with 16-bit caches on sm_80 / sm_86 / sm_89 / sm_90a and with FP8 caches on sm_86 / sm_89
+# (sm_80 FP8: 3-12 STL) (docs/design/sm80.md#64-token-stages-at-head-dim-128)
 PREFILL_D128_TW64S: dict[str, Any] = dict(PREFILL_D128_TW64, stats_smem=True, gather_one_base=True)
 PREFILL_D128_TW64S_TARGETS: dict[str, tuple[str, ...]] = {
     "bf16": ("sm_80", "sm_86", "sm_89", "sm_90a"), "fp16": ("sm_80", "sm_86", "sm_89", "sm_90a"),
     "fp8_e4m3": ("sm_86", "sm_89")}
+# the D 128 default for lean variants on the SM80-class targets where it is spill-free (not FP8 on
+# sm_80, which keeps the 32-token 128-row CTA); sm_90a keeps the 32-token 128-row CTA (the plan sends
+# sm80.prefill only what sm90.prefill refuses there), the other variants their 64-row CTA (without
+# the causal mask, with an FP8 cache and the LSE or in combinations 1-7 STL) (docs/design/sm80.md#defaults)
+PREFILL_D128_TW64S_DEFAULT_TARGETS = ("sm_80", "sm_86", "sm_89")
+# the fields PREFILL_D128_TW64S adds to the PREFILL_D128_TW64 tiling
+_D128_MARGIN = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}
 
 
 def prefill_lean(*, causal: bool, write_lse: bool, k_scale_tensor: bool, v_scale_tensor: bool, kv_form: str) -> bool:
@@ -473,23 +481,36 @@ def prefill_d256_tw32x(target: str, kv_dtype: str, page_size: int, scale_tensors
                 or (scale_tensors and target in PREFILL_D256_TW32X_SCALES_SPILL_TARGETS))
 
 
+def prefill_d128_tw64s(target: str, kv_dtype: str, lean: bool) -> bool:
+    """Whether the head-dim-128 default on compile target ``target`` is ``PREFILL_D128_TW64S``: for
+    lean variants on ``PREFILL_D128_TW64S_DEFAULT_TARGETS`` wherever ptxas keeps it without spills
+    (a fact of the target's ptxas and the cache dtype, not of the ring's shared memory)."""
+    return lean and target in PREFILL_D128_TW64S_DEFAULT_TARGETS and target in PREFILL_D128_TW64S_TARGETS[kv_dtype]
+
+
 def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | None = None, tw: int | None = None,
-                   lean: bool = True, d256_x: bool = False) -> dict:
+                   lean: bool = True, d256_x: bool = False, d128_s: bool = False) -> dict:
     """FA2-style prefill tiling on ``target``: four warps of ``m_tiles`` 16-row tiles each, each
     warp reading the whole stage; the deepest ring (2 or 3 stages) that lets two CTAs share an
     SM, else one. ``m_tiles``, ``tw``: the plan's unless given (the fit is for the given ones).
     ``d256_x``: :func:`prefill_d256_tw32x` of the variant (32-token stages with one ``ldmatrix``
-    base at D 256; without it the 16- or 64-token ring with per-address ``ldmatrix``).
+    base at D 256; without it the 16- or 64-token ring with per-address ``ldmatrix``). ``d128_s``:
+    :func:`prefill_d128_tw64s` of the variant (at D 128 with neither ``m_tiles`` nor ``tw`` given:
+    ``PREFILL_D128_TW64S``).
 
-    ``m_tiles=2`` (the default up to D 128 for ``lean`` variants on ``PREFILL_M2_TW32_TARGETS``):
-    128 rows per CTA. O takes 128 registers at D 128, so Q is read from shared memory at every
-    tile and the ``ldmatrix`` addresses are immediate or XOR steps from one base per operand;
+    ``m_tiles=2`` (the default up to D 128 for ``lean`` variants on ``PREFILL_M2_TW32_TARGETS``,
+    with 64-token stages where ``d128_s``): 128 rows per CTA. O takes 128 registers at D 128, so
+    Q is read from shared memory at every tile and the ``ldmatrix`` addresses are immediate or XOR
+    steps from one base per operand;
     32-token stages, 16 at D 128 off those (an override only). ``m_tiles=1`` (the default
     elsewhere): 64 rows per CTA, Q in registers up to D 128, 32-token stages (at D 256, where O
     alone takes 128 registers, with one ``ldmatrix`` base where ``d256_x``, else 16, or 64 for lean
     variants with 16-bit caches on ``PREFILL_D256_TW64_TARGETS``). ``lean``: :func:`prefill_lean`
     (docs/design/sm80.md#128-row-ctas)."""
     m2_tw32 = lean and target in PREFILL_M2_TW32_TARGETS
+    margin = d128_s and head_dim == 128 and m_tiles is None and tw is None
+    if margin:
+        m_tiles, tw = PREFILL_D128_TW64S["m_tiles"], PREFILL_D128_TW64S["tw"]
     if m_tiles is None:
         m_tiles = 2 if head_dim <= PREFILL_M2_MAX_HEAD_DIM and m2_tw32 else 1
     if m_tiles not in (1, 2) or (m_tiles == 2 and head_dim > PREFILL_M2_MAX_HEAD_DIM):
@@ -509,9 +530,9 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
             break
     if stages is None:
         raise ValueError(f"no prefill tiling of D {head_dim} with {tw}-token stages fits {target}'s shared memory")
-    # the PREFILL_D128_TW64S fields are an override's: a tiling (and so every form derived from a
-    # variant) leaves them off
-    off = dict(stats_smem=False, gather_one_base=False)
+    # the PREFILL_D128_TW64S fields: the default's where d128_s, else an override's (every form
+    # derived from a variant with m_tiles or tw given leaves them off)
+    off = {k: (v if margin else False) for k, v in _D128_MARGIN.items()}
     if m_tiles == 2:
         return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True, **off)
     return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128,
@@ -526,7 +547,8 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
     ``override`` replaces tuning fields (``smem_target``: size the ring for another target;
     ``m_tiles``: the 64- or 128-row tiling of :func:`prefill_tiling`, ``tw``: its stage, the ring
     fitted to them; at D 256 ``tw=16`` / ``tw=64`` reach the per-address forms of the default before
-    ``PREFILL_D256_TW32X``)."""
+    ``PREFILL_D256_TW32X``, at D 128 ``m_tiles=2`` alone the 128-row CTA with 32-token stages where
+    ``PREFILL_D128_TW64S`` is the default)."""
     fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group,
                   page_size=page_size, causal=causal, write_lse=write_lse, kv_form=kv_form, kv_layout=kv_layout,
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
@@ -534,8 +556,9 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
     lean = prefill_lean(causal=causal, write_lse=write_lse, k_scale_tensor=k_scale_tensor,
                         v_scale_tensor=v_scale_tensor, kv_form=kv_form)
     d256_x = head_dim == 256 and prefill_d256_tw32x(target, kv_dtype, page_size, k_scale_tensor or v_scale_tensor)
+    d128_s = head_dim == 128 and prefill_d128_tw64s(target, kv_dtype, lean)
     fields.update(prefill_tiling(override.pop("smem_target", target), kv_dtype, head_dim, override.get("m_tiles"),
-                                 override.get("tw"), lean, d256_x))
+                                 override.get("tw"), lean, d256_x, d128_s))
     fields.update(override)
     return Sm80PrefillConfig(**fields)
 
@@ -569,8 +592,9 @@ def d256_previous_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
 
 
 def rows128_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
-    """The 128-row prefill that ``m_tiles=2`` selects for ``config``'s variant (up to D 128): the
-    default where measured, else an override with 16-token stages at D 128 (docs/design/sm80.md#defaults)."""
+    """The 128-row prefill that ``m_tiles=2`` selects for ``config``'s variant (up to D 128): with
+    32-token stages the default where measured (at D 128 the default before ``PREFILL_D128_TW64S``
+    on sm_80 / sm_86), else an override with 16-token stages at D 128 (docs/design/sm80.md#defaults)."""
     return replace(config, **prefill_tiling(config.target, config.kv_dtype, config.head_dim, 2, None, config.lean))
 
 
@@ -598,13 +622,12 @@ def d128_tw64s_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
     """The head-dim-128 prefill that ``PREFILL_D128_TW64S`` selects for ``config``'s variant: the
     ``PREFILL_D128_TW64`` tiling and ring with the row statistics in shared memory and the
     one-base gather."""
-    extra = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}
-    return replace(d128_tw64_form(config), **extra)
+    return replace(d128_tw64_form(config), **_D128_MARGIN)
 
 
 def _d128_tw64s_registered(config: KernelConfig) -> bool:
-    """The lean GQA-4 page-16 builds of the ``PREFILL_D128_TW64S`` override that ptxas keeps
-    without spills (``PREFILL_D128_TW64S_TARGETS``)."""
+    """The lean GQA-4 page-16 builds of ``PREFILL_D128_TW64S`` that ptxas keeps without spills
+    (``PREFILL_D128_TW64S_TARGETS``; the default on ``PREFILL_D128_TW64S_DEFAULT_TARGETS``)."""
     if not (isinstance(config, Sm80PrefillConfig) and config.head_dim == 128 and config.group == 4
             and config.page_size == 16 and config.kv_layout == "HND"):
         return False
@@ -626,7 +649,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     from D 128 on; ``m_tiles=1`` with the old stage and ``m_tiles=2`` for the prefill,
     :func:`d256_tw32x_form` and :func:`d256_previous_form` for each prefill at D 256,
     :func:`d128_tw64_form` for the BF16 D 128
-    prefill, lean and with the LSE, where it builds without spills): decode for
+    prefill, lean and with the LSE, and :func:`d128_tw64s_form` for the lean one, where they build
+    without spills): decode for
     each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
     prefill for each cache dtype x head dim, and a (K, V) pair in NHD with the LSE and no causal
@@ -670,12 +694,13 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a ring sized for
     99 KB (run on the H200 as the SM86 build's stand-in), an fp16 D 64 prefill, and old forms (the
     FP8 decode without ``ldsm_xor``, the 64-row BF16 prefill, the 64-token D 256 prefill); the lean
-    128-row prefill with a BF16 cache on SM90 and an FP8 cache on SM86; the head-dim-256 decode on
+    128-row prefill with a BF16 cache on SM90 and its 32-token form (the default before
+    ``PREFILL_D128_TW64S``) with an FP8 cache on SM86; the head-dim-256 decode on
     SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``); the lean BF16 D 256 prefill
     (``PREFILL_D256_TW32X``, the default) on SM90 (two CTAs per SM), SM86 and SM120 (99 KB; 255
     registers there); the ``PREFILL_D128_TW64`` override of the lean BF16 D 128 prefill on sm_90a;
-    the ``PREFILL_D128_TW64S`` override of the lean D 128 prefill with a BF16 cache on SM80 and an
-    FP8 cache on SM86."""
+    ``PREFILL_D128_TW64S`` (the default there) of the lean D 128 prefill with a BF16 cache on SM80
+    and an FP8 cache on SM86."""
     shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
     out: list[KernelConfig] = []
     for t in TARGETS:
@@ -694,7 +719,7 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
             make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,
                                 page_size=64, causal=False)]
     out += [make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, **shape),
-            make_prefill_config(target="sm_86", kv_dtype="fp8_e4m3", group=4, **shape)]
+            make_prefill_config(target="sm_86", kv_dtype="fp8_e4m3", group=4, m_tiles=2, **shape)]
     out.append(make_decode_config(target="sm_120a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8, q_len=1,
                                   page_size=16, split=True))
     out += [make_decode_config(target="sm_90a", kv_dtype="fp16", group=4, q_len=1, split=False, **shape),

@@ -31,6 +31,7 @@ from cute_kernels.plans.sm80 import (
     make_prefill_config,
     mma_dtype,
     old_form,
+    prefill_d128_tw64s,
     prefill_d256_tw32x,
     rows128_form,
 )
@@ -112,18 +113,20 @@ NOT_LEAN = (dict(write_lse=True), dict(k_scale_tensor=True, v_scale_tensor=True)
 @pytest.mark.parametrize("D", [64, 128])
 def test_128_row_tiling_per_target(target, kv, D):
     """The 128-row CTA with 32-token stages is the default only where it was measured: lean
-    variants on PREFILL_M2_TW32_TARGETS; every other variant and target keeps the 64-row CTA
-    (the old form), and ``m_tiles=2`` reaches the 128-row one there too (16-token stages at D 128)."""
+    variants on PREFILL_M2_TW32_TARGETS (at D 128 but where PREFILL_D128_TW64S is the default,
+    tests/cpu/test_sm80_tw64s.py); every other variant and target keeps the 64-row CTA (the old
+    form), and ``m_tiles=2`` reaches the 128-row one there too (16-token stages at D 128)."""
     shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=D, group=4,
                  page_size=16)
     for extra in ({}, *NOT_LEAN):
         measured = target in PREFILL_M2_TW32_TARGETS and not extra
+        tw64s = D == 128 and prefill_d128_tw64s(target, kv, not extra)
         cfg = make_prefill_config(**shape, **extra)
         m2 = make_prefill_config(**shape, **extra, m_tiles=2)
-        assert m2 == rows128_form(cfg) and (m2 == cfg) == measured, extra
+        assert m2 == rows128_form(cfg) and (m2 == cfg) == (measured and not tw64s), extra
         assert (m2.rows, m2.q_regs, m2.ldsm_xor) == (128, False, True)
         assert m2.tw == (32 if D == 64 or measured else 16), extra
-        if not measured:  # the 64-row form, as before the measured defaults
+        if not (measured or tw64s):  # the 64-row form, as before the measured defaults
             assert cfg == old_form(cfg) == make_prefill_config(**shape, **extra, m_tiles=1, tw=32)
             assert (cfg.rows, cfg.tw, cfg.q_regs, cfg.ldsm_xor) == (64, 32, True, False)
             assert "ldsm_xor" not in cfg.label()
@@ -259,7 +262,8 @@ def test_head_dim_256_in_the_ci_set():
 def test_head_dim_128_tw64_override(target, kv, extra):
     """The override reaches 128-row CTAs with 64-token stages (the ring the deepest that fits: two
     16-bit stages and two CTAs per SM on sm_90a, three stages at one CTA on sm_80, two on the 99 KB
-    targets); only that form masks relative to the tile; the defaults stay as they are; registered
+    targets); only the 64-token forms mask relative to the tile (PREFILL_D128_TW64S, the lean
+    default on sm_80 / sm_86 / sm_89, among them); registered
     (and in the CI set) only where ptxas keeps it spill-free."""
     shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=128, group=4,
                  page_size=16, **extra)
@@ -272,7 +276,7 @@ def test_head_dim_128_tw64_override(target, kv, extra):
     if kv != "fp8_e4m3":
         assert (ctas, cfg.stages) == {"sm_80": (1, 3)}.get(target, (2 if target in ("sm_90a", "sm_100a", "sm_103a")
                                                                    else 1, 2))
-    assert engine_for(cfg)[0].relative_mask and not engine_for(default)[0].relative_mask
+    assert engine_for(cfg)[0].relative_mask and engine_for(default)[0].relative_mask == (default.tw == 64)
     assert not any(engine_for(c)[0].relative_mask for c in (old_form(default), rows128_form(default)))
     registered = target in PREFILL_D128_TW64_TARGETS and kv == "bf16" and extra in ({}, dict(write_lse=True))
     assert (cfg in compile_variants("sm80.prefill")) == registered
@@ -312,6 +316,7 @@ def test_decode_ldsm_xor_default_changes_nothing_but_the_addressing(target, kv, 
     ("x:ldsm_xor=true", {"x": {"ldsm_xor": True}}),
     ("a:tw=32+stages=4;b:ldsm_xor=False+m_tiles=2", {"a": {"tw": 32, "stages": 4},
                                                      "b": {"ldsm_xor": False, "m_tiles": 2}}),
+    ("s80:m_tiles=2+smem_target=sm_80", {"s80": {"m_tiles": 2, "smem_target": "sm_80"}}),
 ])
 def test_bench_variants_take_flags(text, fields):
     from cute_kernels.bench.sm80 import parse_named_variants

@@ -2,8 +2,9 @@
 online-softmax max and sum in shared memory between tiles (``stats_smem``) and the page gather's
 destinations as one base plus immediates (``gather_one_base``). Both fields are off by default
 and absent from every existing label; the form shares the tiling and ring of ``PREFILL_D128_TW64``;
-the one-base destinations are the swizzled ones, address by address; the override is registered
-(and asserted spill-free by the compile tier) exactly where ``PREFILL_D128_TW64S_TARGETS`` says
+the one-base destinations are the swizzled ones, address by address; the form is registered (and
+asserted spill-free by the compile tier) exactly where ``PREFILL_D128_TW64S_TARGETS`` says, and is
+the D 128 default of the lean variants exactly where :func:`prefill_d128_tw64s` says
 (design: docs/design/sm80.md#64-token-stages-at-head-dim-128)."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from cute_kernels.plans.sm80 import (
     KV_DTYPES,
     PREFILL_D128_TW64,
     PREFILL_D128_TW64S,
+    PREFILL_D128_TW64S_DEFAULT_TARGETS,
     PREFILL_D128_TW64S_TARGETS,
     TARGETS,
     Sm80PrefillConfig,
@@ -26,6 +28,10 @@ from cute_kernels.plans.sm80 import (
     d128_tw64s_form,
     make_decode_config,
     make_prefill_config,
+    old_form,
+    prefill_d128_tw64s,
+    prefill_lean,
+    rows128_form,
 )
 from cute_kernels.roles.cp_async_pages import PagedKVGather, swizzle
 from cute_kernels.roles.warp_attention import WarpTileAttention, engine_for
@@ -40,7 +46,7 @@ def _shape(target, kv, **extra):
 
 def test_new_fields_default_off_and_out_of_every_existing_label():
     """Every variant the compile matrix held before keeps its label (and so its digest entry):
-    the fields are off and unlabelled unless set."""
+    the fields are off and unlabelled unless set (by the override or the D 128 default)."""
     defaults = {f.name: f.default for f in fields(Sm80PrefillConfig)}
     assert all(defaults[name] is False for name in NEW_FIELDS)
     for cfg in compile_variants():
@@ -58,14 +64,16 @@ def test_tw64s_form_is_the_tw64_tiling_with_the_two_fields(target, kv, extra):
     """The override is ``PREFILL_D128_TW64``'s 128-row CTA, 64-token stages and ring (same stages,
     same shared memory: the statistics use slots the one token warp leaves free) plus the fields;
     registered exactly for the lean GQA-4 page-16 variant on its dtype's targets; the CI set holds
-    the BF16 one on sm_80 and the FP8 one on sm_86."""
+    the BF16 one on sm_80 and the FP8 one on sm_86 (both defaults there)."""
     default = make_prefill_config(**_shape(target, kv, **extra))
     cfg = make_prefill_config(**_shape(target, kv, **extra), **PREFILL_D128_TW64S)
     tw64 = make_prefill_config(**_shape(target, kv, **extra), **PREFILL_D128_TW64)
     assert cfg == d128_tw64s_form(default) == d128_tw64s_form(tw64) != tw64
     assert d128_tw64_form(default) == tw64
     assert (cfg.m_tiles, cfg.tw, cfg.stages, cfg.q_regs, cfg.ldsm_xor) == (2, 64, tw64.stages, False, True)
-    assert cfg.stats_smem and cfg.gather_one_base and not (default.stats_smem or default.gather_one_base)
+    assert cfg.stats_smem and cfg.gather_one_base
+    assert (default == cfg) == (default.stats_smem or default.gather_one_base) == (not extra and prefill_d128_tw64s(
+        target, kv, True))
     assert cfg.smem_bytes() == tw64.smem_bytes() <= hw.max_smem_per_cta(target)
     eng, gather, ring = engine_for(cfg)
     eng0, gather0, ring0 = engine_for(tw64)
@@ -77,13 +85,56 @@ def test_tw64s_form_is_the_tw64_tiling_with_the_two_fields(target, kv, extra):
                                                                                     ("sm_86", "fp8_e4m3")))
 
 
-def test_the_plan_defaults_do_not_change():
-    """An override only: no default of any target, dtype or head dim sets either field."""
-    for target in TARGETS:
-        for kv in KV_DTYPES:
-            for D in (64, 128, 256):
-                cfg = make_prefill_config(**dict(_shape(target, kv), head_dim=D))
-                assert not (cfg.stats_smem or cfg.gather_one_base)
+# every GQA, page size and layout reachable: the rule is per target and cache dtype (a fact of
+# ptxas at 255 registers, docs/design/sm80.md#64-token-stages-at-head-dim-128)
+SHAPES = [dict(group=g, page_size=p, kv_layout=lay) for g, p, lay in ((1, 16, "HND"), (4, 16, "HND"), (8, 32, "NHD"),
+                                                                     (16, 64, "HND"), (7, 128, "NHD"))]
+NOT_LEAN = (dict(write_lse=True), dict(causal=False), dict(k_scale_tensor=True, v_scale_tensor=True),
+            dict(kv_form="pair"))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_d128_default_is_the_margin_form_exactly_where_spill_free(target, kv):
+    """At D 128 the lean variants on sm_80 / sm_86 / sm_89 take PREFILL_D128_TW64S wherever its
+    build is spill-free (not FP8 on sm_80), any GQA, page size and layout, the ring sized for the
+    compile target; every other variant, head dim and target keeps its default before: the
+    32-token 128-row CTA (``m_tiles=2`` alone still reaches it) or the 64-row one (``m_tiles=1``)."""
+    rule = target in PREFILL_D128_TW64S_DEFAULT_TARGETS and target in PREFILL_D128_TW64S_TARGETS[kv]
+    assert rule == (target in ("sm_80", "sm_86", "sm_89") and (target, kv) != ("sm_80", "fp8_e4m3"))
+    for shape in SHAPES:
+        for extra in ({}, *NOT_LEAN):
+            base = dict(_shape(target, kv, **extra), **shape)
+            lean = prefill_lean(causal=base.get("causal", True), write_lse=base.get("write_lse", False),
+                                k_scale_tensor=base.get("k_scale_tensor", False),
+                                v_scale_tensor=base.get("v_scale_tensor", False), kv_form=base.get("kv_form", "single"))
+            assert lean == (not extra)
+            cfg = make_prefill_config(**base)
+            assert prefill_d128_tw64s(target, kv, lean) == (rule and lean)
+            if rule and lean:
+                assert cfg == make_prefill_config(**base, **PREFILL_D128_TW64S) == d128_tw64s_form(cfg)
+                assert (cfg.m_tiles, cfg.tw) == (2, 64) and "stats_smem=True" in cfg.label()
+                # the overrides reach the forms before: the 32-token 128-row CTA on sm_80 / sm_86,
+                # the 64-row CTA everywhere, PREFILL_D128_TW64 without the margin
+                m2 = make_prefill_config(**base, m_tiles=2)
+                assert m2 == rows128_form(cfg) and (m2.tw, m2.stats_smem) == (32 if target != "sm_89" else 16, False)
+                assert make_prefill_config(**base, m_tiles=1) == old_form(cfg) and not old_form(cfg).stats_smem
+                assert make_prefill_config(**base, **PREFILL_D128_TW64) == d128_tw64_form(cfg) != cfg
+            else:
+                assert not (cfg.stats_smem or cfg.gather_one_base) and cfg.tw in (16, 32)
+            for D in (64, 256):
+                other = make_prefill_config(**dict(base, head_dim=D))
+                assert not (other.stats_smem or other.gather_one_base)
+
+
+def test_d128_default_follows_the_compile_target():
+    """The rule is a fact of the compile target's ptxas: sm_90a keeps the 32-token 128-row CTA
+    with a ring sized for sm_86, and an sm_86 build sized for sm_80's shared memory keeps the
+    margin form (its ring the deepest that fits sm_80)."""
+    on_90 = make_prefill_config(**_shape("sm_90a", "bf16"), smem_target="sm_86")
+    assert (on_90.m_tiles, on_90.tw, on_90.stats_smem) == (2, 32, False)
+    on_86 = make_prefill_config(**_shape("sm_86", "bf16"), smem_target="sm_80")
+    assert (on_86.m_tiles, on_86.tw, on_86.stats_smem, on_86.stages) == (2, 64, True, 3)
 
 
 def test_stats_smem_is_refused_where_it_cannot_hold():
