@@ -206,6 +206,7 @@ CASES: dict[str, Callable[[Ctx], None]] = {
     "fp8-hnd-split1": partial(bad_pages, kv=FP8, layout="HND", splits=1, cluster=None),
     "fp8-nhd-split3": partial(bad_pages, kv=FP8, layout="NHD", splits=3, cluster=None),
     "bf16-hnd-split2": partial(bad_pages, kv=BF16, layout="HND", splits=2, cluster=None),
+    "fp8-cluster8": partial(bad_pages, kv=FP8, layout="HND", splits=8, cluster=True),
     "fp8-cluster16": partial(bad_pages, kv=FP8, layout="HND", splits=16, cluster=True),
     "fp8-global3": partial(bad_pages, kv=FP8, layout="HND", splits=3, cluster=False),
     "fp8-global40": partial(bad_pages, kv=FP8, layout="HND", splits=40, cluster=False),
