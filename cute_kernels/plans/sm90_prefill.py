@@ -58,12 +58,15 @@ VT_TRANSPOSES = ("ldsm", "words")
 
 # SM90 prefill with an FP8 cache: the exact BF16-query kernel (FP8 K/V widened on chip: the error of
 # the cache's quantization only) or the FP8-query kernel (e4m3 QK and PV; the layer quantizes the
-# prefill rows with q_scale). This one constant decides; the registry lists the other as opt-in,
-# selectable with backend=. Measured on the H200: the FP8-query kernel is 1.6x faster at twice the
-# error target, so the exact BF16-query kernel stays: docs/design/sm90-prefill.md#measured--not-measured.
+# prefill rows with q_scale). This one constant decides; the registry lists the others as opt-in,
+# selectable with backend= or the layer's prefill_query_dtype. Measured on the H200: the one-term
+# FP8 query is 1.6x faster at twice the error target, the two-term one 1.25-1.4x faster within it;
+# the exact query keeps a 27-29x lower error and needs no q_scale, so it stays the automatic choice:
+# docs/design/sm90-prefill.md#status.
 FP8_CACHE_KERNEL = "sm90.prefill"
-FP8_CACHE_REASON = ("an FP8 cache keeps the exact BF16 query (the FP8-query kernel, opt-in, is faster "
-                    "but its error exceeds the target)")
+FP8_CACHE_REASON = ("an FP8 cache keeps the exact BF16 query (the FP8-query kernels are opt-in: one term "
+                    "is faster but its error exceeds the target; two terms meet it, at a 27-29x higher "
+                    "error than the exact query's)")
 
 # ---------------------------------------------------------------------------------------------
 # kernel structure the tuning depends on
