@@ -160,8 +160,9 @@ class AttentionLayer:
             Faster prefill at the error of an FP8 query:
             docs/design/layer.md#fp8-query-prefill-opt-in. ``"fp8x2"``: the same with a two-term
             query (the e4m3 codes and their e4m3 residual, ``quantize_query(..., residual=True)``;
-            on SM90 the opt-in ``sm90.prefill_fp8x2``, compile-verified only): about 1.5x the FP8
-            MMA work of ``"fp8"`` for about a sixth of its error in CPU emulation.
+            on SM90 the opt-in ``sm90.prefill_fp8x2``): about 1.5x the FP8 MMA work of ``"fp8"``
+            for a third to a sixth of its error (2e-2 against 3e-2 to 6e-2 measured), within the
+            3e-2 target: docs/design/sm90-prefill.md#two-term-measured.
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, kv_cache_dtype: DTypeLike,

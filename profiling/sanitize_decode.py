@@ -8,10 +8,11 @@ docs/design/testing.md#sanitizer), as named cases:
 
 Without ``--case`` every case runs, in the table's order. Shapes include out-of-range page ids, a
 partial last page, an empty request, lengths past the block table (and 2^31 - 1), split and no
-split, HND and NHD, FP8 and BF16 caches, q_len 2, tensor scales, the cluster merge (DSMEM; 2, 3 and
-16 CTAs, and the one-request FP8 launch the schedule merges in a 16-CTA cluster: B 1, context 1000,
-Hq 32 / Hkv 8, D 128) and the global fused merge (3 splits: staged in shared memory; 40: more than
-the stages hold, merged from L2), the balanced schedule (a ragged batch in a wide table, 7 chunks
+split, HND and NHD, FP8 and BF16 caches, q_len 2, tensor scales, the cluster merge (DSMEM; 2, 3, 8
+and 16 CTAs, and the one-request FP8 launch the schedule merges in 16-CTA clusters: B 1, context
+1000, Hq 32 / Hkv 8, D 128; the 16-CTA ones also with the cluster-wide sync after the mbarrier
+initialization, ``cluster_init_sync``) and the global fused merge (3 splits: staged in shared
+memory; 40: more than the stages hold, merged from L2), the balanced schedule (a ragged batch in a wide table, 7 chunks
 per KV head cutting requests into merged partials and 1 chunk walking every request; FP8 and BF16,
 q_len 2); then the portable ``sm80.decode`` (forced) with the same bad page ids and lengths past
 the table, both FP8 widenings, a ring sized for 99 KB, split and not, ``sm80.prefill`` on varlen
@@ -125,19 +126,26 @@ def driver_first(ctx: Ctx, *, early_import: bool = True, preamble: bool = True, 
         _decode(ctx, c, f"FP8 HND num_splits=1{' under tuning_override()' if override else ''}", num_splits=1)
 
 
-def bad_pages(ctx: Ctx, kv, layout: str, splits: int, cluster: bool | None) -> None:
-    """The four requests with bad page ids; ``cluster`` None leaves the merge to the plan."""
+def bad_pages(ctx: Ctx, kv, layout: str, splits: int, cluster: bool | None, **extra: object) -> None:
+    """The four requests with bad page ids; ``cluster`` None leaves the merge to the plan;
+    ``extra``: more override fields."""
     c = _four_requests(ctx, ctx.g, kv, layout)
-    with _override("paged_decode", **({} if cluster is None else {"cluster": cluster})):
-        _decode(ctx, c, f"{DTYPE[kv]} {layout} num_splits={splits} cluster={cluster}", num_splits=splits)
+    with _override("paged_decode", **({} if cluster is None else {"cluster": cluster}), **extra):
+        _decode(ctx, c, f"{DTYPE[kv]} {layout} num_splits={splits} cluster={cluster}{_fields(extra)}",
+                num_splits=splits)
 
 
-def schedule_b1(ctx: Ctx) -> None:
+def schedule_b1(ctx: Ctx, **extra: object) -> None:
     """The schedule's own choice for one FP8 request of 1000 tokens (Hq 32 / Hkv 8, D 128): a
-    cluster merge of 16 CTAs."""
+    cluster merge of 16 CTAs; ``extra``: override fields."""
     c = make_paged_decode_case(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, seq_lens=1000,
                                generator=ctx.g, device=ctx.device)
-    _decode(ctx, c, "FP8 B1 ctx1000, the schedule's split and merge")
+    with _override("paged_decode", **extra) if extra else contextlib.nullcontext():
+        _decode(ctx, c, f"FP8 B1 ctx1000, the schedule's split and merge{_fields(extra)}")
+
+
+def _fields(extra: dict) -> str:
+    return "".join(f" {k}={v}" for k, v in extra.items())
 
 
 def past_table(ctx: Ctx, cluster: bool) -> None:
@@ -206,10 +214,15 @@ CASES: dict[str, Callable[[Ctx], None]] = {
     "fp8-hnd-split1": partial(bad_pages, kv=FP8, layout="HND", splits=1, cluster=None),
     "fp8-nhd-split3": partial(bad_pages, kv=FP8, layout="NHD", splits=3, cluster=None),
     "bf16-hnd-split2": partial(bad_pages, kv=BF16, layout="HND", splits=2, cluster=None),
+    "fp8-cluster8": partial(bad_pages, kv=FP8, layout="HND", splits=8, cluster=True),
     "fp8-cluster16": partial(bad_pages, kv=FP8, layout="HND", splits=16, cluster=True),
+    # the cluster-wide sync after the mbarrier initialization (docs/design/sm90-decode.md#cluster-merge-exit)
+    "fp8-cluster16-initsync": partial(bad_pages, kv=FP8, layout="HND", splits=16, cluster=True,
+                                      cluster_init_sync=True),
     "fp8-global3": partial(bad_pages, kv=FP8, layout="HND", splits=3, cluster=False),
     "fp8-global40": partial(bad_pages, kv=FP8, layout="HND", splits=40, cluster=False),
     "fp8-b1-ctx1000-schedule": schedule_b1,
+    "fp8-b1-ctx1000-initsync": partial(schedule_b1, cluster_init_sync=True),
     "past-table-cluster": partial(past_table, cluster=True),
     "past-table-global": partial(past_table, cluster=False),
     "balanced-fp8": partial(balanced, kv=FP8, q_len=1),

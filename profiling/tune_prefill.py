@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from cute_kernels.bench.timing import time_graph, time_graph_fresh
-from cute_kernels.plans.sm90_prefill import Sm90PrefillConfig, make_prefill_config, smem_bytes
+from cute_kernels.plans.sm90_prefill import (CONSUMER_SCHEDULES, Sm90PrefillConfig, make_prefill_config,
+                                             schedule_name, smem_bytes)
 
 ARCH = "sm_90a"
 KINDS = {"16": ("bf16", "bf16"), "widen": ("bf16", "fp8_e4m3"), "fp8": ("fp8_e4m3", "fp8_e4m3")}
@@ -58,8 +59,6 @@ SHAPES = [
 DEFAULT_SHAPES = "causal B1 S16384,chunked B8"
 TUNING = ("tile_n", "stages", "staging", "overlap", "pingpong", "producer_regs", "consumer_regs", "persistent",
           "epilogue")
-SCHEDULES = {"pingpong": dict(overlap=True, pingpong=True), "overlap": dict(overlap=True, pingpong=False),
-             "serial": dict(overlap=False, pingpong=False)}
 # CUDA-graph medians: 5 replays of 10 calls each (a long prefill is milliseconds a call, and ~60
 # configs x 2 shapes must fit one short run)
 TIMING = dict(reps=10, rounds=5)
@@ -83,10 +82,6 @@ def problem_config(kind: str, head_dim: int, **override: Any) -> Sm90PrefillConf
     q, kv = KINDS[kind]
     return make_prefill_config(q_dtype=q, kv_dtype=kv, head_dim=head_dim, group=HQ // HKV, page_size=PAGE,
                                write_lse=False, **override)
-
-
-def schedule_name(overlap: bool, pingpong: bool) -> str:
-    return "pingpong" if pingpong else "overlap" if overlap else "serial"
 
 
 @dataclass
@@ -147,10 +142,10 @@ def group_sweep(kind: str, D: int, wide: bool = False) -> list[Entry]:
     wanted: list[dict] = [d, dict(d, persistent=True), dict(d, epilogue="smem")]
     if wide:
         stagings = (0,) if kind == "16" else (d["staging"] - 1, d["staging"], d["staging"] + 1)
-        for sched, tile, ds, staging in product(SCHEDULES.values(), tiles, (-1, 0, 1), stagings):
+        for sched, tile, ds, staging in product(CONSUMER_SCHEDULES.values(), tiles, (-1, 0, 1), stagings):
             wanted.append(dict(d, **sched, tile_n=tile, stages=d["stages"] + ds, staging=staging))
     else:
-        wanted += [dict(d, **sched) for sched in SCHEDULES.values()]
+        wanted += [dict(d, **sched) for sched in CONSUMER_SCHEDULES.values()]
         deeper = dict(d, stages=d["stages"] + 1)
         wanted += [deeper] if _entry(kind, D, deeper).config is not None else [deeper, dict(d, stages=d["stages"] - 1)]
         if kind != "16":

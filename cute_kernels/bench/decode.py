@@ -206,7 +206,8 @@ VARIANTS = {"bits": dict(widen="bits"), "cvt": dict(widen="cvt"), "t128": dict(t
             "occ5": dict(occupancy=5), "occ6": dict(occupancy=6), "t128occ4": dict(tile=128, occupancy=4),
             "occ2": dict(occupancy=2), "t128occ2": dict(tile=128, occupancy=2), "t128occ3": dict(tile=128, occupancy=3),
             "nopdl": dict(pdl=False), "dynamic": dict(dynamic=True), "strided": dict(strided=True),
-            "contiguous": dict(strided=False), "global": dict(cluster=False), "balanced": dict(balanced=True)}
+            "contiguous": dict(strided=False), "global": dict(cluster=False), "balanced": dict(balanced=True),
+            "initsync": dict(cluster_init_sync=True)}
 
 
 def variant_fields(name: str) -> dict:

@@ -27,8 +27,7 @@ DEFAULT_ITEMS_ROPE = {"sm_90a": 2}
 DEFAULT_PDL = True
 
 # the residual variant (``residual=True``: the two-term query's second term in the same pass) has
-# its own registry entry, compile-verified until the GPU suite has run it
-# (docs/design/sm90-prefill.md#two-term-fp8-query-opt-in-q_terms2)
+# its own registry entry (docs/design/sm90-prefill.md#two-term-fp8-query-opt-in-q_terms2)
 RESIDUAL_ID = "common.quantize_query_residual"
 
 

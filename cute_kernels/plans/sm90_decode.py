@@ -85,6 +85,9 @@ class Sm90DecodeConfig(KernelConfig):
     equal chunks of the batch's tiles per KV head, found from ``seq_lens`` on the device; its
     partials are per chunk slot (``[2 x chunks, q_len, Hq, D]``); it is available too (its
     self-check family: :func:`balanced_family`; docs/design/sm90-decode.md#balanced-schedule-opt-in).
+    ``cluster_init_sync`` (cluster only, off by default): the CTAs of a cluster sync as a cluster,
+    not only as a CTA, between the mbarrier initialization and the first TMA, as CUTLASS's cluster
+    kernels do (docs/design/sm90-decode.md#cluster-merge-exit).
     """
 
     q_dtype: str = "bf16"
@@ -113,6 +116,7 @@ class Sm90DecodeConfig(KernelConfig):
     sinks: bool = False
     # (in the label only when set: the variants from before the flag keep their labels and digests)
     balanced: bool = field(default=False, metadata=LABEL_IF_SET)
+    cluster_init_sync: bool = field(default=False, metadata=LABEL_IF_SET)
 
     kernel_id = "sm90.decode"
     targets = ("sm_90a",)
@@ -154,6 +158,8 @@ class Sm90DecodeConfig(KernelConfig):
                 raise ValueError("the cluster merge needs a static split (split=True, dynamic=False)")
             if not self.cluster_fits():
                 raise ValueError("cluster merge: the partials do not fit the K stages' shared memory")
+        elif self.cluster_init_sync:
+            raise ValueError("cluster_init_sync is a choice of the cluster variants (cluster=True)")
 
     @property
     def n_pad(self) -> int:
@@ -431,11 +437,13 @@ def window_context(table_tokens: int, window_left: int, q_len: int) -> int:
 
 
 def plan_config(config_for, items: int, max_context: int, num_sms: int, num_splits: int | None,
-                deterministic: bool, force_cluster: bool | None, force_dynamic: bool = False):
+                deterministic: bool, force_cluster: bool | None, force_dynamic: bool = False,
+                cluster_init_sync: bool = False):
     """``(num_splits, config)`` of a launch: :func:`plan_launch` on the variant ``config_for(split,
     **tuning)`` builds, then the config it asks for. When the plan wants a cluster merge but the
     partials do not fit that config's K stages (:meth:`Sm90DecodeConfig.cluster_fits`), the launch
-    is planned again without the cluster, so it does not keep the sizing raised for one."""
+    is planned again without the cluster, so it does not keep the sizing raised for one.
+    ``cluster_init_sync`` goes to a cluster-merged config only (the other launches have no cluster)."""
     probe = config_for(False)
     fp8 = probe.kv_dtype == "fp8_e4m3"
     args = (items, max_context, num_sms, probe.occupancy, probe.tile, probe.head_dim, fp8, num_splits, deterministic)
@@ -443,7 +451,7 @@ def plan_config(config_for, items: int, max_context: int, num_sms: int, num_spli
     config = config_for(splits > 1, **tuning)
     if cluster:
         if config.cluster_fits():
-            return splits, dataclasses.replace(config, cluster=True)
+            return splits, dataclasses.replace(config, cluster=True, cluster_init_sync=cluster_init_sync)
         splits, tuning, _ = plan_launch(*args, False, force_dynamic)
         config = config_for(splits > 1, **tuning)
     return splits, config
@@ -470,6 +478,7 @@ def decode_variants(*, head_dim: int, num_q_heads: int, num_kv_heads: int, page_
     """
     group = num_q_heads // num_kv_heads
     want_cluster = override.pop("cluster", DEFAULT_CLUSTER)
+    init_sync = bool(override.pop("cluster_init_sync", False))
     out: list[Sm90DecodeConfig] = []
     for kv, q_len, split, st, layout, form in product(kv_dtypes, q_lens, (False, True), scale_tensors,
                                                       kv_layouts, kv_forms):
@@ -487,13 +496,13 @@ def decode_variants(*, head_dim: int, num_q_heads: int, num_kv_heads: int, page_
             if (want_cluster and cfg.split and not cfg.dynamic and not cfg.balanced
                     and cfg.occupancy >= CLUSTER_MIN_SIZING
                     and cfg.cluster_fits()):
-                out.append(dataclasses.replace(cfg, cluster=True))
+                out.append(dataclasses.replace(cfg, cluster=True, cluster_init_sync=init_sync))
     return out
 
 
 def compile_variants() -> list[Sm90DecodeConfig]:
     """The compile matrix: each head dim x KV dtype x (split / no split), GQA 8, page 16; the
-    alternative FP8 widening; the cluster merge."""
+    alternative FP8 widening; the cluster merge (FP8 also with ``cluster_init_sync``)."""
     out: list[Sm90DecodeConfig] = []
     for kv in ("fp8_e4m3", "bf16", "fp16"):
         for d in (64, 128, 256):
@@ -508,6 +517,8 @@ def compile_variants() -> list[Sm90DecodeConfig]:
         sizing: dict[str, Any] = {"occupancy": occ} if occ else {}
         out.append(make_decode_config(q_dtype="bf16", kv_dtype=kv, head_dim=128, group=8, q_len=1, page_size=16,
                                       split=True, cluster=True, **sizing))
+    # ... and with the cluster-wide sync after the mbarrier initialization (opt-in)
+    out.append(dataclasses.replace(out[-2], cluster_init_sync=True))
     return out
 
 
@@ -532,6 +543,7 @@ def launch_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_l
     counts could overflow the kernel's 32-bit sums."""
     override = dict(override or {})
     force_cluster = override.pop("cluster", None)
+    init_sync = bool(override.pop("cluster_init_sync", False))
     balanced = override.pop("balanced", False)
 
     def config_for(split, **tuning):
@@ -544,7 +556,7 @@ def launch_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: int, q_l
             and balance.fits_int32(items // num_kv_heads, max_context, config_for(False).tile)):
         return balanced_launch(config_for, num_kv_heads, num_sms, num_splits)
     return plan_config(config_for, items, max_context, num_sms, num_splits, deterministic or window, force_cluster,
-                       bool(override.get("dynamic", False)))
+                       bool(override.get("dynamic", False)), init_sync)
 
 
 def launch_widths(max_pages: int, page_size: int, tile: int, deterministic: bool = True) -> list[int]:

@@ -27,7 +27,8 @@ __all__ = [
     "fp8_query_compile_variants", "prefill_variants", "CTAS_PER_SM", "persistent_ctas", "persistent_grid",
     "persistent_tile", "cta_walk", "persistent_variants", "PERSISTENT_ID", "EPILOGUES",
     "EPILOGUE_ID", "epilogue_variants", "Q_TERMS", "TWO_TERM_ID", "two_term_variants",
-    "VT_TRANSPOSES", "default_vt_transpose", "VT_WORDS_ID", "vt_words_variants",
+    "VT_TRANSPOSES", "default_vt_transpose", "VT_WORDS_ID", "vt_words_variants", "CONSUMER_SCHEDULES",
+    "schedule_name", "default_schedule",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -57,12 +58,15 @@ VT_TRANSPOSES = ("ldsm", "words")
 
 # SM90 prefill with an FP8 cache: the exact BF16-query kernel (FP8 K/V widened on chip: the error of
 # the cache's quantization only) or the FP8-query kernel (e4m3 QK and PV; the layer quantizes the
-# prefill rows with q_scale). This one constant decides; the registry lists the other as opt-in,
-# selectable with backend=. Measured on the H200: the FP8-query kernel is 1.6x faster at twice the
-# error target, so the exact BF16-query kernel stays: docs/design/sm90-prefill.md#measured--not-measured.
+# prefill rows with q_scale). This one constant decides; the registry lists the others as opt-in,
+# selectable with backend= or the layer's prefill_query_dtype. Measured on the H200: the one-term
+# FP8 query is 1.6x faster at twice the error target, the two-term one 1.25-1.4x faster within it;
+# the exact query keeps a 27-29x lower error and needs no q_scale, so it stays the automatic choice:
+# docs/design/sm90-prefill.md#status.
 FP8_CACHE_KERNEL = "sm90.prefill"
-FP8_CACHE_REASON = ("an FP8 cache keeps the exact BF16 query (the FP8-query kernel, opt-in, is faster "
-                    "but its error exceeds the target)")
+FP8_CACHE_REASON = ("an FP8 cache keeps the exact BF16 query (the FP8-query kernels are opt-in: one term "
+                    "is faster but its error exceeds the target; two terms meet it, at a 27-29x higher "
+                    "error than the exact query's)")
 
 # ---------------------------------------------------------------------------------------------
 # kernel structure the tuning depends on
@@ -80,12 +84,32 @@ SMEM_RESERVE = 2048  # barriers, the per-row query scales, alignment padding
 _TILE_N = {("16", 64): 128, ("16", 128): 128, ("16", 256): 64,
            ("widen", 64): 128, ("widen", 128): 128, ("widen", 256): 64,
            ("fp8", 64): 128, ("fp8", 128): 128, ("fp8", 256): 64}
+# the consumers' schedule per (kv kind, head dim), as (overlap, pingpong) fields: serial (neither),
+# overlap (QK of tile n with PV of n-1) or pingpong (overlap, and the two warpgroups take turns).
+# The fastest at the default tiling in the H200 sweep wherever it beat FA3's choice (pingpong at
+# D <= 128, overlap at 256) by >= 2.5 % on both shapes and 3 % in all; bit-identical outputs:
+# docs/design/sm90-prefill.md#tuning-sweep
+CONSUMER_SCHEDULES = {"pingpong": dict(overlap=True, pingpong=True), "overlap": dict(overlap=True, pingpong=False),
+                      "serial": dict(overlap=False, pingpong=False)}
+_SCHEDULE = {("16", 64): "overlap", ("16", 128): "pingpong", ("16", 256): "overlap",
+             ("widen", 64): "serial", ("widen", 128): "serial", ("widen", 256): "serial",
+             ("fp8", 64): "overlap", ("fp8", 128): "pingpong", ("fp8", 256): "serial"}
 # setmaxnreg targets (producer, consumer) within the launch's REGS_PER_THREAD x 384: the TMA-only
 # producer needs 32 (24 spilled), the rewriting producer warpgroup 56
 _REGS = {"16": (32, 232), "widen": (56, 224), "fp8": (56, 224)}
 # registers per thread a 384-thread launch gets (64K / 384 rounded down to 8): setmaxnreg only moves
 # registers within the CTA's allocation, and an increase beyond it waits forever
 REGS_PER_THREAD = hw.REGISTERS_PER_SM // NUM_THREADS // 8 * 8
+
+
+def schedule_name(overlap: bool, pingpong: bool) -> str:
+    """The :data:`CONSUMER_SCHEDULES` name of a config's (``overlap``, ``pingpong``) fields."""
+    return "pingpong" if pingpong else "overlap" if overlap else "serial"
+
+
+def default_schedule(kind: str, head_dim: int) -> str:
+    """The consumer schedule :func:`make_prefill_config` gives a (kind, head dim) by default."""
+    return _SCHEDULE[(kind, head_dim)]
 
 
 def kv_kind(q_dtype: str, kv_dtype: str) -> str:
@@ -356,7 +380,8 @@ def make_prefill_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: in
                         **override: Any) -> Sm90PrefillConfig:
     """The config the op, the warm-up and the compile matrix use for a problem: tuning filled in
     here, once. ``out_dtype`` defaults to the query's dtype (bf16 for an FP8 query); ``q_scale``
-    to "scalar" for an FP8 query. ``override`` replaces tuning fields (benchmarks, tests)."""
+    to "scalar" for an FP8 query. ``override`` replaces tuning fields (benchmarks, tests); the consumer
+    schedule is :func:`default_schedule`'s unless ``overlap`` / ``pingpong`` are overridden."""
     fp8_q = q_dtype == "fp8_e4m3"
     out_dtype = out_dtype or ("bf16" if fp8_q else q_dtype)
     q_scale = q_scale or ("scalar" if fp8_q else "none")
@@ -366,14 +391,18 @@ def make_prefill_config(*, q_dtype: str, kv_dtype: str, head_dim: int, group: in
     if tile_n % page_size and page_size % tile_n:
         tile_n = page_size  # e.g. 96-token tiles on 64-token pages
     producer_regs, consumer_regs = _REGS[kind]
-    # the consumers take turns issuing at D <= 128 only (FA3/FA4's choice; at D = 256 the PV of one
-    # warpgroup alone fills the tensor cores for long)
-    pingpong = head_dim <= 128
+    schedule = dict(CONSUMER_SCHEDULES[default_schedule(kind, head_dim)])
+    # one schedule field overridden alone takes the other with it: pingpong needs overlap, and no
+    # overlap means no pingpong
+    if override.get("pingpong"):
+        schedule["overlap"] = True
+    if override.get("overlap") is False:
+        schedule["pingpong"] = False
     fields_: dict[str, Any] = dict(
         q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, head_dim=head_dim, group=group,
         page_size=page_size, kv_form=kv_form, kv_layout=kv_layout, causal=causal, write_lse=write_lse,
         k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, q_scale=q_scale, tile_n=tile_n,
-        stages=stages, staging=staging, producer_regs=producer_regs, consumer_regs=consumer_regs, pingpong=pingpong)
+        stages=stages, staging=staging, producer_regs=producer_regs, consumer_regs=consumer_regs, **schedule)
     if override.get("window") or override.get("sinks"):
         override.pop("persistent", None)  # not with a window or sinks: those calls keep the default grid
     fields_.update(override)
@@ -484,13 +513,15 @@ def _variant(q, kv, d, g, page, **kw) -> Sm90PrefillConfig:
 def compile_variants() -> list[Sm90PrefillConfig]:
     """``sm90.prefill``'s compile matrix: each head dim of the 16-bit and the FP8-widened kinds
     (a bf16 query narrowed to fp16, and an fp16 one), with both layouts and containers, scale
-    tensors, causal and not, with and without LSE; the serial consumer schedule once."""
+    tensors, causal and not, with and without LSE; a consumer schedule other than the default once
+    per kind (16-bit D 128 serial, widened D 128 pingpong)."""
     return [
         _variant("bf16", "bf16", 128, 8, 16),
         _variant("fp16", "fp16", 64, 4, 32, kv_form="pair", kv_layout="NHD", causal=False),
         _variant("bf16", "bf16", 256, 1, 128, write_lse=False),
-        _variant("bf16", "bf16", 128, 8, 16, overlap=False, pingpong=False),
+        _variant("bf16", "bf16", 128, 8, 16, **CONSUMER_SCHEDULES["serial"]),
         _variant("bf16", "fp8_e4m3", 128, 8, 16),
+        _variant("bf16", "fp8_e4m3", 128, 8, 16, **CONSUMER_SCHEDULES["pingpong"]),
         _variant("fp16", "fp8_e4m3", 64, 16, 64, kv_layout="NHD", k_scale_tensor=True, v_scale_tensor=True),
         _variant("bf16", "fp8_e4m3", 256, 4, 32, kv_form="pair", causal=False),
     ]

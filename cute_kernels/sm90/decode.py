@@ -275,7 +275,14 @@ class Sm90PagedDecode:
             tx_count=kv_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True,
         )
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(self.cfg.cluster_init_sync):
+            # the whole cluster, not only this CTA, past the barriers' initialization before any TMA
+            # completes on them, as CUTLASS's cluster kernels order it
+            # (docs/design/sm90-decode.md#cluster-merge-exit)
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
         if const_expr(self.cfg.pdl):
             # a programmatic dependent launch may start while the previous kernel in the stream
             # still runs: everything above touched only shared memory; from here on we read its

@@ -237,6 +237,33 @@ def test_plan_config_drops_a_cluster_whose_partials_do_not_fit():
     assert cfg == wide(True, **tuning) and cfg.occupancy == 1
 
 
+def test_cluster_init_sync_reaches_the_cluster_launches_only():
+    """``tuning_override(cluster_init_sync=True)`` (docs/design/sm90-decode.md#cluster-merge-exit):
+    the cluster-merged launches take it, a launch of the global merge or no split does not (the
+    config refuses it without a cluster), and the variants without it keep their labels (so their
+    PTX digests)."""
+    llama = dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=4, q_len=1, page_size=16,
+                 k_scale_tensor=False, v_scale_tensor=False, kv_form="single", kv_layout="HND", items=8,
+                 max_context=1008, num_sms=132)
+    n, cfg = plan.launch_config(**llama, override=dict(cluster_init_sync=True))
+    n_plain, plain = plan.launch_config(**llama)
+    assert n == n_plain == 16 and cfg.cluster and cfg.cluster_init_sync
+    assert cfg == dataclasses.replace(plain, cluster_init_sync=True)
+    assert "cluster_init_sync" not in plain.label() and cfg.label().endswith(",cluster_init_sync=True]")
+    for override in (dict(cluster=False), dict(cluster=True), {}):
+        _, global_cfg = plan.launch_config(**{**llama, "items": 64}, override=dict(override, cluster_init_sync=True))
+        assert global_cfg.cluster_init_sync == global_cfg.cluster
+    _, unsplit = plan.launch_config(**llama, num_splits=1, override=dict(cluster_init_sync=True))
+    assert not unsplit.split and not unsplit.cluster_init_sync
+    with pytest.raises(ValueError, match="cluster_init_sync"):
+        dataclasses.replace(plain, cluster=False, cluster_init_sync=True)
+    shape = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16)
+    warm = plan.decode_variants(**shape, cluster_init_sync=True)
+    assert {c for c in warm if c.cluster_init_sync} == {c for c in warm if c.cluster} != set()
+    synced = [c for c in plan.compile_variants() if c.cluster_init_sync]
+    assert len(synced) == 1 and dataclasses.replace(synced[0], cluster_init_sync=False) in plan.compile_variants()
+
+
 def test_cluster_merge_only_for_small_split_grids():
     """The cluster merge serves split launches of at most 16 CTAs per (request, KV head) that put at
     most one CTA on each SM (latency-bound); fuller grids keep the global merge."""

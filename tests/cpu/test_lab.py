@@ -102,7 +102,7 @@ def test_tune_prefill_sweep_is_valid():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("kind,D,tag", [("16", 128, "n176 s2 pingpong"), ("fp8", 64, "n192 s4 g2 pingpong")])
+@pytest.mark.parametrize("kind,D,tag", [("16", 128, "n176 s2 pingpong"), ("fp8", 64, "n192 s4 g2 overlap")])
 def test_tune_prefill_sweep_configs_compile(kind, D, tag):
     """Two non-default configs of the tuning sweep (its largest tiles) compile for sm_90a with the
     kernel's evidence and no register spills."""

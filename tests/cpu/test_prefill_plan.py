@@ -99,6 +99,53 @@ def test_default_configs_fit_and_sign():
                                                  "out", "lse", "k_scale", "v_scale", "sm_scale", "max_query_len"]
 
 
+# make_prefill_config's consumer schedule per (kind, head dim): (overlap, pingpong), the tuning sweep's
+# winners (docs/design/sm90-prefill.md#tuning-sweep)
+SCHEDULES = {("16", 64): (True, False), ("16", 128): (True, True), ("16", 256): (True, False),
+             ("widen", 64): (False, False), ("widen", 128): (False, False), ("widen", 256): (False, False),
+             ("fp8", 64): (True, False), ("fp8", 128): (True, True), ("fp8", 256): (False, False)}
+KIND_DTYPES = {"16": [("bf16", "bf16"), ("fp16", "fp16")], "widen": [("bf16", "fp8_e4m3"), ("fp16", "fp8_e4m3")],
+               "fp8": [("fp8_e4m3", "fp8_e4m3")]}
+
+
+@pytest.mark.parametrize("kind,d", sorted(SCHEDULES))
+def test_default_consumer_schedule(kind, d):
+    """Every (query, cache) dtype pair of a kind at every page size gets the table's schedule, with
+    each opt-in field too (the persistent grid, the shared-memory epilogue, a window and sinks, the
+    FP8 query's second term and word-wise V^T): every combination is a valid config."""
+    opt_ins = [{}, dict(persistent=True), dict(epilogue="smem"), dict(window=True, sinks=True), dict(causal=False)]
+    if kind == "fp8":
+        opt_ins += [dict(q_terms=2), dict(vt_transpose="words"), dict(q_terms=2, q_scale="per_head")]
+    assert plan.default_schedule(kind, d) == plan.schedule_name(*SCHEDULES[(kind, d)])
+    for (q, kv), page, on in [(dt, p, o) for dt in KIND_DTYPES[kind] for p in plan.PAGE_SIZES for o in opt_ins]:
+        cfg = plan.make_prefill_config(q_dtype=q, kv_dtype=kv, head_dim=d, group=8, page_size=page, **on)
+        assert cfg.kind == kind
+        assert (cfg.overlap, cfg.pingpong) == SCHEDULES[(kind, d)], (q, kv, page, on)
+        assert all(getattr(cfg, k) == v for k, v in on.items()), (q, kv, page, on)
+
+
+@pytest.mark.parametrize("kind,d", sorted(SCHEDULES))
+def test_schedule_overrides(kind, d):
+    """An overridden schedule field wins; one given alone takes the other with it (pingpong needs
+    overlap; no overlap, no pingpong); both given contradictorily are refused by the config."""
+    q, kv = KIND_DTYPES[kind][0]
+
+    def make(**override):
+        cfg = plan.make_prefill_config(q_dtype=q, kv_dtype=kv, head_dim=d, group=4, page_size=16, **override)
+        return cfg.overlap, cfg.pingpong
+
+    overlap, pingpong = SCHEDULES[(kind, d)]
+    for name, fields_ in plan.CONSUMER_SCHEDULES.items():
+        assert make(**fields_) == (fields_["overlap"], fields_["pingpong"]), name
+    assert make(pingpong=True) == (True, True)
+    assert make(overlap=False) == (False, False)
+    assert make(pingpong=False) == (overlap, False)
+    assert make(overlap=True) == (True, pingpong)
+    assert make(persistent=True, **plan.CONSUMER_SCHEDULES["serial"]) == (False, False)
+    with pytest.raises(ValueError, match="pingpong"):
+        make(overlap=False, pingpong=True)
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(q_dtype="fp8_e4m3", kv_dtype="bf16"), "FP8 query needs an FP8 KV"),
     (dict(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", q_scale="none"), "needs q_scale"),

@@ -175,7 +175,7 @@ def test_config_and_registry():
     with pytest.raises(ValueError, match="q_terms"):
         plan.make_prefill_config(**base, q_terms=3)
     info = KERNELS[plan.TWO_TERM_ID]
-    assert info.opt_in and info.query_terms == 2 and info.status == "compile-verified"
+    assert info.opt_in and info.query_terms == 2 and info.status == "available"
     assert info.family("fp8_e4m3", "fp8_e4m3", 128) == plan.config_family(two)
     assert sorted((v.head_dim, v.vt_transpose) for v in info.variants()) == [
         (64, "ldsm"), (128, "ldsm"), (128, "words"), (256, "ldsm")]  # and the opt-out transpose once

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cute_kernels.plans.sm90_prefill import make_prefill_config, persistent_ctas
+from cute_kernels.plans.sm90_prefill import CONSUMER_SCHEDULES, make_prefill_config, persistent_ctas
 
 from .conftest import sm90_only
 
@@ -251,12 +251,13 @@ def test_prefill_kernel_matches_reference(c, epilogue, gen):
     check(cfg, case, layout, cfg.label())
 
 
+# every consumer schedule (each kind's default among them: the plan's table)
 @pytest.mark.parametrize("epilogue", EPILOGUES)
-@pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False)])
+@pytest.mark.parametrize("schedule", list(CONSUMER_SCHEDULES))
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
-def test_consumer_schedules(overlap, pingpong, kv, epilogue, gen):
+def test_consumer_schedules(schedule, kv, epilogue, gen):
     c = ("bf16", kv, 128, 8, 2, 16, "HND", "single", True, True, "none")
-    cfg = case_config(c, overlap=overlap, pingpong=pingpong, epilogue=epilogue)
+    cfg = case_config(c, epilogue=epilogue, **CONSUMER_SCHEDULES[schedule])
     case = make_case(q_lens=Q_LENS, prefixes=PREFIXES, Hq=8, Hkv=2, D=128, page=16, q_dtype="bf16", kv_dtype=kv,
                      gen=gen)
     check(cfg, case, "HND", cfg.label())
@@ -330,10 +331,10 @@ def test_persistent_matches_reference(c, num_ctas, gen):
     check(cfg, case, layout, f"{cfg.label()} ctas={num_ctas}", num_ctas=num_ctas)
 
 
-@pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False)])
-def test_persistent_consumer_schedules(overlap, pingpong, gen):
+@pytest.mark.parametrize("schedule", list(CONSUMER_SCHEDULES))
+def test_persistent_consumer_schedules(schedule, gen):
     c = ("bf16", "fp8_e4m3", 128, 8, 2, 16, "HND", "single", True, True, "none")
-    cfg = case_config(c, overlap=overlap, pingpong=pingpong, persistent=True)
+    cfg = case_config(c, persistent=True, **CONSUMER_SCHEDULES[schedule])
     case = make_case(q_lens=Q_LENS, prefixes=PREFIXES, Hq=8, Hkv=2, D=128, page=16, q_dtype="bf16",
                      kv_dtype="fp8_e4m3", gen=gen)
     check(cfg, case, "HND", cfg.label(), num_ctas=3)
