@@ -456,11 +456,12 @@ PREFILL_D128_TW64S: dict[str, Any] = dict(PREFILL_D128_TW64, stats_smem=True, ga
 PREFILL_D128_TW64S_TARGETS: dict[str, tuple[str, ...]] = {
     "bf16": ("sm_80", "sm_86", "sm_89", "sm_90a"), "fp16": ("sm_80", "sm_86", "sm_89", "sm_90a"),
     "fp8_e4m3": ("sm_86", "sm_89")}
-# the D 128 default for lean variants on the SM80-class targets where it is spill-free (not FP8 on
-# sm_80, which keeps the 32-token 128-row CTA); sm_90a keeps the 32-token 128-row CTA (the plan sends
-# sm80.prefill only what sm90.prefill refuses there), the other variants their 64-row CTA (without
-# the causal mask, with an FP8 cache and the LSE or in combinations 1-7 STL) (docs/design/sm80.md#defaults)
-PREFILL_D128_TW64S_DEFAULT_TARGETS = ("sm_80", "sm_86", "sm_89")
+# the D 128 default for lean variants on sm_86 / sm_89, where it is spill-free and runs one CTA per
+# SM as the 32-token form did; sm_80 keeps the 32-token 128-row CTA (two CTAs per SM there, this form
+# one: unmeasured), sm_90a too (the plan sends sm80.prefill only what sm90.prefill refuses there),
+# the other variants their 64-row CTA (without the causal mask, with an FP8 cache and the LSE or in
+# combinations 1-7 STL) (docs/design/sm80.md#defaults)
+PREFILL_D128_TW64S_DEFAULT_TARGETS = ("sm_86", "sm_89")
 # the fields PREFILL_D128_TW64S adds to the PREFILL_D128_TW64 tiling
 _D128_MARGIN = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}
 

@@ -64,7 +64,7 @@ def test_tw64s_form_is_the_tw64_tiling_with_the_two_fields(target, kv, extra):
     """The override is ``PREFILL_D128_TW64``'s 128-row CTA, 64-token stages and ring (same stages,
     same shared memory: the statistics use slots the one token warp leaves free) plus the fields;
     registered exactly for the lean GQA-4 page-16 variant on its dtype's targets; the CI set holds
-    the BF16 one on sm_80 and the FP8 one on sm_86 (both defaults there)."""
+    the BF16 one on sm_80 (an override there) and the FP8 one on sm_86 (the default there)."""
     default = make_prefill_config(**_shape(target, kv, **extra))
     cfg = make_prefill_config(**_shape(target, kv, **extra), **PREFILL_D128_TW64S)
     tw64 = make_prefill_config(**_shape(target, kv, **extra), **PREFILL_D128_TW64)
@@ -96,12 +96,12 @@ NOT_LEAN = (dict(write_lse=True), dict(causal=False), dict(k_scale_tensor=True, 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kv", KV_DTYPES)
 def test_d128_default_is_the_margin_form_exactly_where_spill_free(target, kv):
-    """At D 128 the lean variants on sm_80 / sm_86 / sm_89 take PREFILL_D128_TW64S wherever its
-    build is spill-free (not FP8 on sm_80), any GQA, page size and layout, the ring sized for the
+    """At D 128 the lean variants on sm_86 / sm_89 take PREFILL_D128_TW64S (spill-free there for
+    every cache dtype), any GQA, page size and layout, the ring sized for the
     compile target; every other variant, head dim and target keeps its default before: the
     32-token 128-row CTA (``m_tiles=2`` alone still reaches it) or the 64-row one (``m_tiles=1``)."""
     rule = target in PREFILL_D128_TW64S_DEFAULT_TARGETS and target in PREFILL_D128_TW64S_TARGETS[kv]
-    assert rule == (target in ("sm_80", "sm_86", "sm_89") and (target, kv) != ("sm_80", "fp8_e4m3"))
+    assert rule == (target in ("sm_86", "sm_89"))
     for shape in SHAPES:
         for extra in ({}, *NOT_LEAN):
             base = dict(_shape(target, kv, **extra), **shape)
