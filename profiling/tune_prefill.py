@@ -41,8 +41,13 @@ from typing import Any
 import torch
 
 from cute_kernels.bench.timing import time_graph, time_graph_fresh
-from cute_kernels.plans.sm90_prefill import (CONSUMER_SCHEDULES, Sm90PrefillConfig, make_prefill_config,
-                                             schedule_name, smem_bytes)
+from cute_kernels.plans.sm90_prefill import (
+    CONSUMER_SCHEDULES,
+    Sm90PrefillConfig,
+    make_prefill_config,
+    schedule_name,
+    smem_bytes,
+)
 
 ARCH = "sm_90a"
 KINDS = {"16": ("bf16", "bf16"), "widen": ("bf16", "fp8_e4m3"), "fp8": ("fp8_e4m3", "fp8_e4m3")}
