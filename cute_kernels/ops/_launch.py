@@ -253,6 +253,9 @@ def check_scale(name: str, value, *, device=None, tensors: bool = True, num_q_he
         if dtype != "float32":
             raise TypeError(f"{name} must be a float or a float32 tensor, got dtype {dtype}")
         n = value.numel()
+        if n == 0:  # no value to read (and no KV-head count it could be per)
+            raise ValueError(f"{name} must be a float or a tensor holding one value (or one per KV head), got shape "
+                             f"{tuple(value.shape)}")
         if n != 1:
             per_head = (num_q_heads is not None and value.dim() == 1 and num_q_heads % n == 0
                         and (num_kv_heads is None or n == num_kv_heads))

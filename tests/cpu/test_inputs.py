@@ -154,6 +154,39 @@ def test_zero_d_scales_everywhere():
                                rtol=0, atol=0)
 
 
+_EMPTY_SCALE = r"must be a float or a tensor holding one value \(or one per KV head\), got shape \(0,\)"
+
+
+def _prefill_fp8_case():
+    q, kv, bt, sl = _decode_case()
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    return q.to(FP8), kv.to(FP8), bt, sl, qsl
+
+
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda s: cute_kernels.quantize_query(torch.randn(3, 8, 64).to(BF16), s), id="quantize_query"),
+    pytest.param(lambda s: cute_kernels.quantize_query(torch.randn(3, 8, 64).to(BF16), s, residual=True),
+                 id="quantize_query-residual"),
+    pytest.param(lambda s: cute_kernels.paged_prefill(*_prefill_fp8_case(), q_scale=s), id="paged_prefill-q_scale"),
+    pytest.param(lambda s: cute_kernels.paged_prefill(*_prefill_fp8_case(), q_scale=1.0, k_scale=s),
+                 id="paged_prefill-k_scale"),
+    pytest.param(lambda s: cute_kernels.paged_decode(*_decode_case(), v_scale=s), id="paged_decode-v_scale"),
+])
+def test_an_empty_scale_tensor_is_refused_naming_it(call):
+    """A tensor scale of no elements holds no value to read: refused naming the scale (it reached a
+    modulo by its element count before)."""
+    with pytest.raises(ValueError, match=r"_scale " + _EMPTY_SCALE):
+        call(torch.ones(0))
+
+
+def test_an_empty_q_scale_is_refused_by_the_layer():
+    from dispatch import AttentionLayer, UnsupportedConfig
+
+    with pytest.raises(UnsupportedConfig, match="q_scale " + _EMPTY_SCALE):
+        AttentionLayer(8, 2, 128, kv_cache_dtype="fp8", page_size=16, arch="sm90", q_scale=torch.ones(0),
+                       prefill_query_dtype="fp8x2")
+
+
 def test_generated_caller_views_a_tensor_scale_of_any_rank_as_one_element():
     """The hot path: a 0-d or [1, 1] scale reaches the compiled function as a [1] view of the same
     memory (read on the device at every replay), a [1] one as itself, a float checked inline."""
