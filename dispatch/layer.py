@@ -27,6 +27,7 @@ Importing this module needs neither torch nor the CuTe DSL; both are imported in
 from __future__ import annotations
 
 import math
+import numbers
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -185,6 +186,8 @@ class AttentionLayer:
         self.q_scale = self._check_host_scale("q_scale", q_scale, per_head=True) if q_scale is not None else None
         self.k_scale = self._check_host_scale("k_scale", k_scale)
         self.v_scale = self._check_host_scale("v_scale", v_scale)
+        if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)):
+            raise UnsupportedConfig(f"sm_scale must be a positive finite float, got {sm_scale!r}")
         self.sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
         if not math.isfinite(self.sm_scale) or self.sm_scale <= 0:
             raise UnsupportedConfig(f"sm_scale must be a positive finite float, got {sm_scale!r}")
@@ -475,12 +478,15 @@ class AttentionLayer:
         self._check_cache(kv_cache, q.device)
         if not isinstance(metadata, AttentionMetadata):
             raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
-        n = metadata.block_table.shape[0] if metadata.block_table.dim() == 2 else -1
+        bt = metadata.block_table  # first: it gives the request count the others are checked against
+        if isinstance(bt, torch.Tensor) and bt.dim() != 2:
+            raise ValueError(f"metadata.block_table must be [num_reqs, max_pages], got {list(bt.shape)}")
+        n = bt.shape[0] if isinstance(bt, torch.Tensor) else 0
         checks = (
+            ("block_table", bt, None, (torch.int32,)),
             ("slot_mapping", metadata.slot_mapping, (T,), (torch.int32, torch.int64)),
             ("query_start_loc", metadata.query_start_loc, (n + 1,), (torch.int32,)),
             ("seq_lens", metadata.seq_lens, (n,), (torch.int32,)),
-            ("block_table", metadata.block_table, None, (torch.int32,)),
         )
         for name, t, shape, dtypes in checks:
             if not isinstance(t, torch.Tensor):
@@ -491,8 +497,6 @@ class AttentionLayer:
                 raise ValueError(f"metadata.{name} must have shape {list(shape)}, got {list(t.shape)}")
             if t.device != q.device:
                 raise ValueError(f"metadata.{name} must be on {q.device}, got {t.device}")
-        if n < 0:
-            raise ValueError(f"metadata.block_table must be [num_reqs, max_pages], got {list(metadata.block_table.shape)}")
         nd = metadata.num_decode_tokens
         if nd > T or metadata.num_decode_reqs > n:
             raise ValueError(f"num_decode_tokens ({nd}) exceeds the batch (T={T} tokens, {n} requests of "

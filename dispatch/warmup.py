@@ -138,6 +138,32 @@ def prefill_config(layer, p, kv_form: str = "single") -> KernelConfig:
                                **({"q_terms": 2} if p.kernel == TWO_TERM_ID else {}))
 
 
+def check_sizes(**sizes) -> None:
+    """Each of ``sizes`` a positive Python int (``UnsupportedConfig`` naming it)."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UnsupportedConfig(f"{name} must be a positive int, got {value!r}")
+
+
+def check_variant_args(q_lens, kv_form, slot_dtypes) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The warm-up's enumeration arguments, named when wrong: ``q_lens`` a sequence of positive
+    ints, ``kv_form`` ``"single"`` / ``"pair"``, ``slot_dtypes`` a sequence of ``"int64"`` /
+    ``"int32"`` (a bare string would be read letter by letter)."""
+    if isinstance(q_lens, (str, bytes)) or not hasattr(q_lens, "__iter__"):
+        raise UnsupportedConfig(f"q_lens must be a sequence of positive ints, got {q_lens!r}")
+    q_lens = tuple(q_lens)
+    for q_len in q_lens:
+        check_sizes(q_lens=q_len)
+    if kv_form not in ("single", "pair"):
+        raise UnsupportedConfig(f"kv_form must be 'single' or 'pair', got {kv_form!r}")
+    if isinstance(slot_dtypes, (str, bytes)) or not hasattr(slot_dtypes, "__iter__"):
+        raise UnsupportedConfig(f"slot_dtypes must be a sequence of 'int64' / 'int32', got {slot_dtypes!r}")
+    slot_dtypes = tuple(slot_dtypes)
+    if any(dt not in ("int64", "int32") for dt in slot_dtypes):
+        raise UnsupportedConfig(f"slot_dtypes must hold 'int64' / 'int32', got {slot_dtypes!r}")
+    return q_lens, slot_dtypes
+
+
 def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,), kv_form: str = "single",
                    slot_dtypes=("int64", "int32"), arch=None, num_sms: int = hw.H200_SMS,
                    merge_states: bool = True) -> list[KernelConfig]:
@@ -145,9 +171,8 @@ def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,),
     ``max_num_seqs`` requests of up to ``max_model_len`` tokens (``q_lens``: the draft lengths of
     its decode requests), the cache in ``kv_form`` (``"single"`` tensor or ``"pair"``), slot
     mappings of ``slot_dtypes``, inputs 16-byte aligned (fused-QKV views of 16-byte rows are)."""
-    for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UnsupportedConfig(f"{name} must be a positive int, got {value!r}")
+    check_sizes(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_sms=num_sms)
+    q_lens, slot_dtypes = check_variant_args(q_lens, kv_form, slot_dtypes)
     a = layer.resolve_arch(None, arch)
     target = normalize_target(a)
     out: list[KernelConfig] = []

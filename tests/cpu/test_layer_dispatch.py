@@ -497,6 +497,8 @@ def test_fp8_prefill_query_without_arch_is_checked_at_the_first_plan():
     (dict(k_scale=torch.ones(2)), "k_scale must be a float or a 1-element tensor"),
     (dict(v_scale=-1.0), "v_scale must be a positive finite float"),
     (dict(sm_scale=float("nan")), "sm_scale"),
+    (dict(sm_scale="0.1"), "sm_scale must be a positive finite float, got '0.1'"),  # float()'s own error before
+    (dict(sm_scale=True), "sm_scale must be a positive finite float, got True"),
 ])
 def test_layer_constructor_errors(kwargs, match):
     base = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, kv_cache_dtype=FP8, page_size=16)
@@ -546,6 +548,14 @@ def _md(step, **changes):
     (lambda a, s: a.update(metadata=_md(s, block_table=s.metadata.block_table.to("meta"))), ValueError,
      "metadata.block_table must be on cpu"),
     (lambda a, s: a.update(metadata=_md(s, num_decode_tokens=100)), ValueError, "exceeds the batch"),
+    # the block table is checked first (it sets the request count): a 1-D one was reported as a
+    # query_start_loc of the wrong shape, a list raised an AttributeError
+    (lambda a, s: a.update(metadata=_md(s, block_table=s.metadata.block_table[0])), ValueError,
+     r"metadata.block_table must be \[num_reqs, max_pages\]"),
+    (lambda a, s: a.update(metadata=_md(s, block_table=s.metadata.block_table.tolist())), TypeError,
+     "metadata.block_table must be a torch.Tensor, got list"),
+    (lambda a, s: a.update(metadata=_md(s, block_table=s.metadata.block_table.long())), TypeError,
+     "metadata.block_table must have dtype"),
 ])
 def test_forward_errors(mutate, exc, match):
     _forward_error(mutate, exc, match)

@@ -121,6 +121,22 @@ def test_warmup_refuses_bad_limits():
         layer.warmup_variants(4, 1.5)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_sms=0), "num_sms must be a positive int, got 0"),  # a ZeroDivisionError in the split rule before
+    (dict(num_sms=132.0), "num_sms must be a positive int"),
+    (dict(q_lens=3), "q_lens must be a sequence of positive ints, got 3"),  # 'int' object is not iterable before
+    (dict(q_lens=(1, 0)), "q_lens must be a positive int, got 0"),
+    (dict(kv_form="triple"), "kv_form must be 'single' or 'pair', got 'triple'"),
+    (dict(slot_dtypes="int32"), "slot_dtypes must be a sequence of 'int64' / 'int32', got 'int32'"),  # read as 'i', 'n'...
+    (dict(slot_dtypes=("int16",)), "slot_dtypes must hold 'int64' / 'int32'"),
+])
+def test_warmup_refuses_bad_enumeration_arguments(kwargs, match):
+    from dispatch.errors import UnsupportedConfig
+
+    with pytest.raises(UnsupportedConfig, match=match):
+        _layer(32, 8, 128, "fp8", 16, False).warmup_variants(2, 64, **kwargs)
+
+
 @pytest.fixture
 def fake_sm90(monkeypatch):
     """CPU tensors take the ops' SM90 path: ``is_cuda`` is True, the target sm_90a, 132 SMs, and
