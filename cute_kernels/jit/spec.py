@@ -142,3 +142,26 @@ def bind_arguments(names: tuple[str, ...], args: tuple) -> dict:
     if len(args) != len(names) + 1:
         raise TypeError(f"expected the arguments {names} and a stream, got {len(args)} values")
     return dict(zip((*names, "stream"), args))
+
+
+_FIELD_TYPES = {"bool": bool, "int": int, "str": str}
+
+
+def check_override(config_cls: type, override: dict, *, fixed=(), extra=()) -> None:
+    """A tuning override's fields, checked against the config they replace fields of: each one
+    a field of ``config_cls`` or one of ``extra`` (keys its plan reads itself), none of ``fixed``
+    (what the call decides: dtypes, shapes, options), of the field's declared type (a ``bool``
+    field takes True/False only: ``"no"`` would be true). ``ValueError`` / ``TypeError`` naming
+    the field, before any config is built (a ``TypeError`` from the dataclass otherwise)."""
+    types = {f.name: f.type for f in dataclasses.fields(config_cls)}
+    kernel = getattr(config_cls, "kernel_id", config_cls.__name__)
+    for name, value in override.items():
+        if name in fixed or (name not in types and name not in extra):
+            tunable = ", ".join(sorted((set(types) - set(fixed)) | set(extra)))
+            why = " (the call's arguments decide it)" if name in fixed else ""
+            raise ValueError(f"tuning_override: {name!r} is not a tuning field of {kernel}{why}; its fields: {tunable}")
+        want = _FIELD_TYPES.get(types.get(name, ""))
+        if want is not None and not (type(value) is want or (want is int and type(value) is not bool
+                                                             and isinstance(value, int))):
+            article = "an" if want is int else "a"
+            raise TypeError(f"tuning_override: {kernel}'s {name} must be {article} {want.__name__}, got {value!r}")

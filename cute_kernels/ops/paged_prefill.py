@@ -52,6 +52,7 @@ from torch import Tensor
 from .. import reference
 from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
+from ..jit.spec import check_override
 from ..plans import sm80
 from ..plans import sm90_prefill as plan
 from ..registry import KERNELS, KernelInfo, op_kernel
@@ -94,6 +95,7 @@ def tuning_override(**fields: object) -> TuningOverride:
 BACKENDS = {"sm80": "sm80.prefill"}  # tuning_override(backend=...) -> the kernel it forces
 _PORTABLE = BACKENDS["sm80"]
 _CPU_TARGET = "sm_90a"  # CPU tensors are validated for the kernel an SM90 GPU would run
+_SM90_FIXED = ("out_dtype", "q_scale", "window", "sinks", "q_terms")  # the call decides them (q_terms: q_residual)
 
 
 def prefill_kernel(target: str, q_dtype: str, kv_dtype: str, group: int, backend: str | None = None) -> KernelInfo:
@@ -212,6 +214,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
                   write_lse=return_lse, k_scale_tensor=ks_t, v_scale_tensor=vs_t)
     config: sm80.Sm80PrefillConfig | plan.Sm90PrefillConfig | sm100.Sm100PrefillConfig
     if info.id == _PORTABLE:
+        check_override(sm80.Sm80PrefillConfig, override, fixed=("target", *fields), extra=("smem_target",))
         config = sm80.make_prefill_config(target=target, **fields, **override)
     elif q_residual is not None and not two_term:
         return _Launch(None, (T, Hq, D), out_dtype, reference=True)  # e.g. SM100: no two-term variant
@@ -221,6 +224,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
         config = sm100.make_config(out_dtype=dtype_name(out_dtype), q_scale=q_scale_kind, sinks=sinks is not None,
                                    override=override, **fields)
     else:
+        check_override(plan.Sm90PrefillConfig, override, fixed=(*fields, *_SM90_FIXED))
         config = plan.make_prefill_config(out_dtype=dtype_name(out_dtype), q_scale=q_scale_kind, window=window_left != -1,
                                           sinks=sinks is not None, **fields, **override, **terms)
     # pointer and stride alignment, from the signature the kernel is compiled with (TMA wants 16 bytes)

@@ -20,6 +20,7 @@ from torch import Tensor
 from .. import reference
 from .._types import Rope, Scale
 from ..jit.compiler import get_kernel
+from ..jit.spec import check_override
 from ..plans.quantize_query import ROPE_MAX_VEC, VECTOR_WIDTHS, QuantizeQueryConfig, make_quantize_config
 from . import _check
 from ._device import current_device, on_device
@@ -29,6 +30,7 @@ from ._quantize_residual import self_check_passes
 from ._torch import check_tensor, compile_target, dtype_name, widest_vector
 
 FP8 = torch.float8_e4m3fn
+_FIXED = ("q_dtype", "head_dim", "scale_tensor", "rot_dim", "cos_sin_dtype", "pos_dtype", "residual")
 _IN_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -69,6 +71,8 @@ def make_config(q: Tensor, scale_tensor: bool, out: Tensor | None = None, rope: 
     # pair), and 2 x 16 elements would spill registers
     vec = vector_width(D, tensors, multiple_of=rot // 2, widest=ROPE_MAX_VEC if rope is not None else 16)
     rope_fields = None if rope is None else (rot, dtype_name(rope[0].dtype), dtype_name(rope[1].dtype))
+    # the call decides what is quantized and how the scale arrives; vec, items and pdl are tuning
+    check_override(QuantizeQueryConfig, _launcher.override, fixed=_FIXED)
     return make_quantize_config(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor,
                                 num_q_heads=q.shape[1], target=target, rope=rope_fields, override=_launcher.override,
                                 residual=residual)

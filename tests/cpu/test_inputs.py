@@ -187,6 +187,21 @@ def test_an_empty_q_scale_is_refused_by_the_layer():
                        prefill_query_dtype="fp8x2")
 
 
+@pytest.mark.parametrize("override,exc,match", [
+    (dict(bogus=1), ValueError, "'bogus' is not a tuning field of common.quantize_query; its fields: items, pdl, vec"),
+    # the call decides the residual: a one-term call with the residual variant had no residual_out
+    (dict(residual=True), ValueError, "'residual' is not a tuning field of common.quantize_query \\(the call's"),
+    (dict(pdl="yes"), TypeError, "common.quantize_query's pdl must be a bool, got 'yes'"),
+    (dict(items="2"), TypeError, "common.quantize_query's items must be an int, got '2'"),
+])
+@pytest.mark.parametrize("residual", [False, True])
+def test_quantize_query_tuning_override_names_the_field(override, exc, match, residual):
+    from cute_kernels.ops import quantize_query as qq_op
+
+    with qq_op.tuning_override(**override), pytest.raises(exc, match=match):
+        cute_kernels.quantize_query(torch.randn(3, 8, 64).to(BF16), 0.5, residual=residual)
+
+
 def test_generated_caller_views_a_tensor_scale_of_any_rank_as_one_element():
     """The hot path: a 0-d or [1, 1] scale reaches the compiled function as a [1] view of the same
     memory (read on the device at every replay), a [1] one as itself, a float checked inline."""

@@ -309,6 +309,54 @@ def test_bad_input_names_the_argument(name, mutate, exc, match, path, request):
         op.paged_prefill(*_args(p), **_kw(p), **extra)
 
 
+BAD_OVERRIDES = [
+    # before: TypeError "Sm90PrefillConfig.__init__() got an unexpected keyword argument"
+    (dict(bogus=1), ValueError, "'bogus' is not a tuning field of sm90.prefill; its fields: consumer_regs, epilogue"),
+    (dict(cluster_init_sync=True), ValueError, "'cluster_init_sync' is not a tuning field of sm90.prefill"),
+    # before: "make_prefill_config() got multiple values for keyword argument"
+    (dict(head_dim=128), ValueError, "'head_dim' is not a tuning field of sm90.prefill \\(the call's arguments"),
+    (dict(causal=False), ValueError, "'causal' is not a tuning field"),
+    # before: a two-term variant for a call with no q_residual (the kernel's argument left unbound)
+    (dict(q_terms=2), ValueError, "'q_terms' is not a tuning field"),
+    # before: silently accepted ("no" is true: pingpong on)
+    (dict(pingpong="no"), TypeError, "sm90.prefill's pingpong must be a bool, got 'no'"),
+    (dict(overlap="yes"), TypeError, "sm90.prefill's overlap must be a bool, got 'yes'"),
+    (dict(persistent=1), TypeError, "sm90.prefill's persistent must be a bool, got 1"),
+    # before: TypeError "not all arguments converted during string formatting"
+    (dict(tile_n="64"), TypeError, "sm90.prefill's tile_n must be an int, got '64'"),
+    (dict(backend="sm80", stages="x"), TypeError, "sm80.prefill's stages must be an int, got 'x'"),
+    (dict(backend="sm80", tile_n=64), ValueError, "'tile_n' is not a tuning field of sm80.prefill"),
+    # the plan's own checks stay what they were
+    (dict(pingpong=True, overlap=False), ValueError, "pingpong takes turns between overlapped consumers"),
+    (dict(vt_transpose="foo"), ValueError, "vt_transpose must be one of"),
+]
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+@pytest.mark.parametrize("override,exc,match", BAD_OVERRIDES, ids=[str(b[0]) for b in BAD_OVERRIDES])
+def test_a_bad_tuning_override_names_the_field(override, exc, match, path, request):
+    """A tuning override is checked against the fields of the config it replaces fields of: a name
+    that is no tuning field (or one the call decides) and a value of the wrong type are refused
+    naming the field, on the CPU as on the GPU, before any variant is compiled."""
+    if path == "gpu":
+        request.getfixturevalue("fake_gpu")
+    p = _problem("override")
+    with op.tuning_override(**override):
+        with pytest.raises(exc, match=match):
+            op.paged_prefill(*_args(p), **_kw(p))
+    if path == "gpu":
+        assert not request.getfixturevalue("fake_gpu")[1]  # nothing compiled
+
+
+def test_valid_tuning_overrides_still_pass():
+    p = _problem("override_ok")
+    want = op.paged_prefill(*_args(p), **_kw(p))
+    for override in (dict(tile_n=64, pingpong=False), dict(persistent=True), dict(epilogue="smem"),
+                     dict(backend="sm80", m_tiles=1), dict(backend="sm80", smem_target="sm_80")):
+        with op.tuning_override(**override):
+            torch.testing.assert_close(op.paged_prefill(*_args(p), **_kw(p)), want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
 def test_kernel_limits_are_the_plan_limits(path, request):
     """Page sizes and head dims outside the plans' limits are refused on the CPU too; a GQA ratio
