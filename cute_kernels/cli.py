@@ -191,6 +191,10 @@ def run_compile(args: argparse.Namespace) -> int:
     results, failed = [], 0
     digests: dict[str, str] = {}
     selection = [c for t, c in compile_matrix(ci=args.ci) if t == arch and (not args.kernel or args.kernel in c.label())]
+    if args.kernel and not selection:  # a typo would otherwise report 0/0 variants compiled and pass
+        raise UnsupportedConfig(f"--kernel {args.kernel!r} matches no variant of {arch}"
+                                + (" in the CI set" if args.ci else ""))
+    expected_digests = _digest_file(args.check_digests, read_digests) if args.check_digests else None
     # the digest-file entries this run speaks for: the selection when filtered, else all of the arch's
     ours = {f"{arch}:{c.label()}" for c in selection}
     owned = (lambda k: k in ours) if args.kernel or args.ci else (lambda k: k.startswith(f"{arch}:"))
@@ -221,11 +225,25 @@ def run_compile(args: argparse.Namespace) -> int:
         kept = read_digests(args.digests) if os.path.exists(args.digests) else {}
         write_digests(args.digests, {**{k: v for k, v in kept.items() if not owned(k)}, **digests})
     if args.check_digests:
-        expected = {k: v for k, v in read_digests(args.check_digests).items() if owned(k)}
+        expected = {k: v for k, v in (expected_digests or {}).items() if owned(k)}
         diff = compare_digests(expected, digests)
         print("\n".join(diff) if diff else f"PTX digests of {len(digests)} variants match {args.check_digests}")
         failed += bool(diff)
     return 1 if failed else 0
+
+
+def _digest_file(path: str, read) -> dict[str, str]:
+    """The digests of ``--check-digests FILE``, read before anything compiles: a missing or
+    malformed file is a one-line error (``UnsupportedConfig``), not a traceback after the run."""
+    try:
+        digests = read(path)
+    except OSError as e:
+        raise UnsupportedConfig(f"--check-digests {path}: {e.strerror or e}") from None
+    except ValueError as e:  # json.JSONDecodeError
+        raise UnsupportedConfig(f"--check-digests {path}: not a digest file (JSON): {e}") from None
+    if not isinstance(digests, dict):
+        raise UnsupportedConfig(f"--check-digests {path}: not a digest file (a JSON object of label: digest)")
+    return digests
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:

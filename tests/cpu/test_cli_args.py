@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,16 +34,16 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
 def test_compile_takes_every_arch_spelling_that_plan_takes(spelling, capsys):
     assert main(["plan", "--arch", spelling, "--phase", "decode", "--kv-cache-dtype", "fp8", "--json"]) == 0
     assert '"arch": "sm90"' in capsys.readouterr().out
-    # a filter that matches no variant: the arch is parsed, nothing is compiled
-    assert main(["compile", "--arch", spelling, "--kernel", "no-such-variant"]) == 0
-    assert capsys.readouterr().out.strip() == "0/0 variants compiled with their evidence and no spills for sm_90a"
+    # a filter that matches no variant: the arch is parsed (the error names its target), nothing is compiled
+    assert main(["compile", "--arch", spelling, "--kernel", "no-such-variant"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --kernel 'no-such-variant' matches no variant of sm_90a"
 
 
 @pytest.mark.parametrize("spelling,target", [("8.0", "sm_80"), ("100", "sm_100a"), ("sm_103a", "sm_103a"),
                                              ("12.1", "sm_121a")])
 def test_compile_maps_other_archs_to_their_target(spelling, target, capsys):
-    assert main(["compile", "--arch", spelling, "--kernel", "no-such-variant"]) == 0
-    assert capsys.readouterr().out.strip().endswith(f"for {target}")
+    assert main(["compile", "--arch", spelling, "--kernel", "no-such-variant"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"matches no variant of {target}")
 
 
 @pytest.mark.parametrize("spelling", ["9.5", "sm75", "hopper", "7"])
@@ -53,6 +54,31 @@ def test_compile_refuses_what_plan_refuses_with_the_same_message(spelling, capsy
     compile_err = capsys.readouterr().err
     assert compile_err.startswith("error: --arch=") and "sm80, sm86, sm89, sm90" in compile_err
     assert compile_err.split("=", 1)[1] == plan_err.split("=", 1)[1]
+
+
+def test_compile_refuses_a_filter_that_matches_nothing(capsys):
+    """A typo in --kernel was "0/0 variants compiled" and status 0 (a CI step that checks nothing)."""
+    assert main(["compile", "--arch", "sm_90a", "--ci", "--kernel", "sm90.decdoe"]) == 2
+    assert capsys.readouterr().err == "error: --kernel 'sm90.decdoe' matches no variant of sm_90a in the CI set\n"
+
+
+@pytest.mark.parametrize("content,match", [
+    (None, "No such file or directory"),  # a traceback (FileNotFoundError) after compiling before
+    ("{not json", "not a digest file \\(JSON\\)"),
+    ("[1, 2]", "not a digest file \\(a JSON object"),
+])
+def test_compile_reads_the_digest_file_first_and_says_what_is_wrong_in_one_line(content, match, tmp_path, capsys,
+                                                                                monkeypatch):
+    import cute_kernels.jit.evidence as evidence
+
+    monkeypatch.setattr(evidence, "compile_with_evidence", lambda *a: pytest.fail("compiled before the file was read"))
+    path = tmp_path / "digests.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["compile", "--arch", "sm_90a", "--kernel", "merge_states", "--check-digests", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --check-digests {path}: ") and err.count("\n") == 1
+    assert re.search(match, err)
 
 
 def test_every_option_has_help_that_states_its_default():
