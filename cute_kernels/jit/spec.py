@@ -153,7 +153,7 @@ def check_override(config_cls: type, override: dict, *, fixed=(), extra=()) -> N
     (what the call decides: dtypes, shapes, options), of the field's declared type (a ``bool``
     field takes True/False only: ``"no"`` would be true). ``ValueError`` / ``TypeError`` naming
     the field, before any config is built (a ``TypeError`` from the dataclass otherwise)."""
-    types = {f.name: f.type for f in dataclasses.fields(config_cls)}
+    types = {f.name: str(f.type) for f in dataclasses.fields(config_cls)}
     kernel = getattr(config_cls, "kernel_id", config_cls.__name__)
     for name, value in override.items():
         if name in fixed or (name not in types and name not in extra):
