@@ -233,6 +233,9 @@ def _two_terms(q, q_scale, out, rope, residual, residual_out) -> tuple[Tensor, T
     if residual is not True:
         raise ValueError(f"residual must be True or False, got {residual!r}"
                          + (" (residual_out needs residual=True)" if residual is False else ""))
+    if out is not None and residual_out is not None and _overlap(out, residual_out):
+        # the kernel stores both terms of a chunk from one thread: an alias would keep whichever came last
+        raise ValueError("residual_out must not overlap out (the codes and their residual are two outputs)")
     if compiling():  # torch.compile traces the registered one-term op and the torch ops
         return _torch_ops(q, q_scale, out, rope, residual_out)
     try:
@@ -258,6 +261,21 @@ def _two_terms(q, q_scale, out, rope, residual, residual_out) -> tuple[Tensor, T
         _two_launcher.refused((q, q_scale, out, rope, residual_out))  # raises the error that names the argument
         raise
     return out, residual_out
+
+
+def _overlap(a, b) -> bool:
+    """Whether two tensors' byte ranges intersect (tensors of one storage only; views included)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.device != b.device:
+        return False
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t):
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _out_key(residual_out) -> tuple:

@@ -254,6 +254,27 @@ def test_fused_launch_refusal_names_the_argument(fake_gpu):
         cute_kernels.quantize_query(q, 0.02, residual=True, residual_out=torch.empty(2, 8, 64).to(FP8))
 
 
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu-path"])
+@pytest.mark.parametrize("alias", ["same", "half", "view"])
+def test_overlapping_outputs_are_refused(alias, gpu, request):
+    """``out`` and ``residual_out`` sharing bytes would leave one term overwritten by the other:
+    refused naming ``residual_out``, on the CPU and the GPU paths alike; disjoint halves of one
+    buffer are fine."""
+    if gpu:
+        request.getfixturevalue("fake_gpu")
+    q, _ = _inputs(T=6, Hq=4, D=64)
+    buf = torch.empty(2 * q.numel() + 64, dtype=torch.uint8).view(FP8)
+    out = buf[:q.numel()].view(q.shape)
+    lo = {"same": out, "half": buf[q.numel() // 2:q.numel() // 2 + q.numel()].view(q.shape),
+          "view": out.view(-1).view(q.shape)}[alias]
+    with pytest.raises(ValueError, match="residual_out must not overlap out"):
+        cute_kernels.quantize_query(q, 0.02, out=out, residual=True, residual_out=lo)
+    hi, lo2 = cute_kernels.quantize_query(q, 0.02, out=out, residual=True,
+                                          residual_out=buf[q.numel():2 * q.numel()].view(q.shape))
+    want = reference.quantize_query(q, 0.02, residual=True)
+    assert _same(hi, want[0]) and _same(lo2, want[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # the self-check (CPU tensors, the kernel call replaced)
 # ---------------------------------------------------------------------------------------------
