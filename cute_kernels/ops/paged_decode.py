@@ -37,8 +37,9 @@ from torch import Tensor
 from .. import _nvtx, reference
 from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
-from ..plans import sm80
-from ..plans.sm90_decode import launch_config, window_context
+from ..jit.spec import check_override
+from ..plans import hw, sm80
+from ..plans.sm90_decode import Sm90DecodeConfig, launch_config, window_context
 from ..registry import KERNELS, KernelInfo, arch_of_target, op_kernel
 from . import _caller_workspace as caller_ws
 from . import _check
@@ -92,12 +93,20 @@ def tuning_override(**fields: object) -> TuningOverride:
     the GPU suite on the H200; ``num_splits`` then counts chunks per KV head; calls with a window or sinks, and other kernels, keep their schedule):
     docs/design/sm90-decode.md#balanced-schedule-opt-in. ``backend="sm80"`` runs the portable
     ``sm80.decode`` on any arch (its fields then: ``widen``, ``stages``, ``tw``..., ``smem_target``
-    for a ring sized for another target's shared memory)."""
+    for a ring sized for another target's shared memory). A call checks the fields against the
+    kernel it selects (:func:`check_tuning_override`) before any variant is compiled."""
     return _launcher.tuning_override(**fields)
 
 
 BACKENDS = {"sm80": "sm80.decode"}  # tuning_override(backend=...) -> the kernel it forces
 _CPU_TARGET = "sm_90a"  # CPU tensors are validated for the kernel an SM90 GPU would run
+# what a call's arguments decide, not the override: dtypes, shapes, scale kinds, the cache's form and
+# layout, window / sinks, the split (num_splits, else the plan)
+_SM80_FIXED = ("target", "q_dtype", "kv_dtype", "head_dim", "group", "q_len", "page_size", "split", "kv_form",
+               "kv_layout", "k_scale_tensor", "v_scale_tensor")
+_SM90_FIXED = (*_SM80_FIXED[1:], "window", "sinks")
+# keys the portable plan reads itself (smem_target) or the op drops for it (balanced: the SM90 schedule)
+_SM80_EXTRA = ("smem_target", "balanced")
 
 
 def decode_kernel(target: str, q_dtype: str, kv_dtype: str, backend: str | None = None) -> KernelInfo:
@@ -108,6 +117,24 @@ def decode_kernel(target: str, q_dtype: str, kv_dtype: str, backend: str | None 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {tuple(BACKENDS)} (or absent), got {backend!r}")
     return KERNELS[BACKENDS[backend]]
+
+
+def check_tuning_override(kernel_id: str, override: dict) -> None:
+    """The tuning override (its ``backend`` aside) against the kernel ``kernel_id`` a call selects:
+    each field one of its config's tuning fields or a key its plan reads, of the field's type
+    (:func:`cute_kernels.jit.spec.check_override`); ``sm100.decode`` takes none. The values' ranges
+    are the configs' own checks (docs/design/inputs.md)."""
+    backend = override.get("backend")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"tuning_override: backend must be one of {tuple(BACKENDS)} (or absent), got {backend!r}")
+    fields = {k: v for k, v in override.items() if k != "backend"}
+    if kernel_id == BACKENDS["sm80"]:
+        check_override(sm80.Sm80DecodeConfig, fields, fixed=_SM80_FIXED, extra=_SM80_EXTRA)
+    elif kernel_id == Sm90DecodeConfig.kernel_id:
+        check_override(Sm90DecodeConfig, fields, fixed=_SM90_FIXED)
+    elif fields:
+        raise ValueError(f"tuning_override: {next(iter(fields))!r} is not a tuning field of {kernel_id}, which has "
+                         "none (backend='sm80' forces the portable kernel)")
 
 
 def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse, num_splits,
@@ -163,13 +190,14 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
         raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has no pages (P = 0): an empty KV pool cannot be "
                          "attended; allocate at least one page (docs/design/inputs.md#kv-pool)")
     backend = _launcher.override.get("backend")
+    target = compile_target(q.device) if q.is_cuda else _CPU_TARGET
     info = None
     if _sm90_serves(q, window_left, sinks):
         if k.dtype not in (FP8, q.dtype, torch.float16):
             raise TypeError(f"kv_cache dtype must be float8_e4m3fn or the query's dtype {q.dtype} (or float16 for "
                             f"a bfloat16 query), got {k.dtype}")
-        target = compile_target(q.device) if q.is_cuda else _CPU_TARGET
         info = decode_kernel(target, dtype_name(q.dtype), dtype_name(k.dtype), backend)
+        check_tuning_override(info.id, _launcher.override)
         if info.id == BACKENDS["sm80"] and (window_left != -1 or sinks is not None):
             if backend is not None:
                 raise ValueError(f"backend={backend!r} takes no window or sinks")
@@ -189,6 +217,8 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
             check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=q.device)
     elif backend is not None:
         raise ValueError(f"backend={backend!r} takes no FP8 query")
+    else:  # sm100.decode, else the reference: checked as the target's 16-bit call (a typo fails alike)
+        check_tuning_override(decode_kernel(target, "bf16", "bf16").id, _launcher.override)
     return scale, P, Hkv, page, ks_t, vs_t, info
 
 
@@ -205,13 +235,25 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
                                                       sm_scale, k_scale, v_scale, out, num_splits, deterministic,
                                                       q_scale, window_left, sinks, workspace)
     T, Hq, D = q.shape
+    override = dict(_launcher.override)
+    override.pop("backend", None)  # (its kernel: info)
     if not q.is_cuda:
+        # the configs an SM90 GPU (an H200's SMs) would plan for the call: their own checks of the
+        # override's values hold for CPU tensors too
+        if info is not None and T and block_table.shape[1]:
+            items, table_tokens = block_table.shape[0] * Hkv, block_table.shape[1] * page
+            if info.id == BACKENDS["sm80"]:
+                sm80.plan_decode(_sm80_config_for(q, k, pair, kv_layout, q_len, Hq // Hkv, page, ks_t, vs_t,
+                                                  _CPU_TARGET, features.without_balanced(override)),
+                                 items, table_tokens, hw.H200_SMS, num_splits)
+            else:
+                launch_config(**_sm90_plan(q, k, pair, block_table, kv_layout, q_len, Hkv, page, ks_t, vs_t,
+                                           num_splits, deterministic, window_left, sinks, hw.H200_SMS),
+                              override=override)
         return _REFERENCE
     device = q.device
     if T == 0:  # nothing to compute: no launch, no compiled variant
         return _Launch(None, None, (T, Hq, D), empty=True)
-    override = dict(_launcher.override)
-    override.pop("backend", None)  # (its kernel: info)
     target = compile_target(device)
     if info is None or info.id == "sm100.decode":  # an FP8 query: sm100.decode only
         launch = None
@@ -238,14 +280,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
                              return_lse, num_splits, target, features.without_balanced(override), sources,
                              workspace)
     # cluster (override): None = the rule (use_cluster_merge), True = whenever the split count allows, False = never
-    plan = dict(
-        q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv, q_len=q_len,
-        page_size=page, k_scale_tensor=ks_t, v_scale_tensor=vs_t, kv_form="pair" if pair else "single",
-        kv_layout=kv_layout, items=B * Hkv, num_kv_heads=Hkv,
-        # a window bounds the keys a request reads: the split count is planned for those
-        max_context=window_context(block_table.shape[1] * page, window_left, q_len),
-        num_sms=device_sm_count(device.index or 0), num_splits=num_splits, deterministic=deterministic,
-        window=window_left != -1, sinks=sinks is not None)
+    plan = _sm90_plan(q, k, pair, block_table, kv_layout, q_len, Hkv, page, ks_t, vs_t, num_splits, deterministic,
+                      window_left, sinks, device_sm_count(device.index or 0))
     planned = guarded_plan(plan, device, override)
     if planned is None:
         return _REFERENCE  # this window / sink family failed its one-time runtime check here (logged)
@@ -278,6 +314,32 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
                    (T, Hq, D))
 
 
+def _sm90_plan(q, k, pair, block_table, kv_layout, q_len, Hkv, page, ks_t, vs_t, num_splits, deterministic,
+               window_left, sinks, num_sms) -> dict:
+    """:func:`launch_config`'s arguments for a call on a GPU of ``num_sms`` SMs."""
+    T, Hq, D = q.shape
+    return dict(
+        q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv, q_len=q_len,
+        page_size=page, k_scale_tensor=ks_t, v_scale_tensor=vs_t, kv_form="pair" if pair else "single",
+        kv_layout=kv_layout, items=block_table.shape[0] * Hkv, num_kv_heads=Hkv,
+        # a window bounds the keys a request reads: the split count is planned for those
+        max_context=window_context(block_table.shape[1] * page, window_left, q_len),
+        num_sms=num_sms, num_splits=num_splits, deterministic=deterministic, window=window_left != -1,
+        sinks=sinks is not None)
+
+
+def _sm80_config_for(q, k, pair, kv_layout, q_len, group, page, ks_t, vs_t, target, override):
+    """``config_for(split)`` of the portable kernel's plan (:func:`cute_kernels.plans.sm80.plan_decode`)."""
+    D = q.shape[2]
+
+    def config_for(split):
+        return sm80.make_decode_config(
+            target=target, q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=group,
+            q_len=q_len, page_size=page, split=split, kv_form="pair" if pair else "single", kv_layout=kv_layout,
+            k_scale_tensor=ks_t, v_scale_tensor=vs_t, **override)
+    return config_for
+
+
 def _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, group, page, scale, ks_t, vs_t, return_lse,
                   num_splits, target, override, sources, workspace) -> _Launch:
     """The portable kernel's launch: the split count from shapes only
@@ -286,13 +348,7 @@ def _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, group, page, scale,
     the caller."""
     T, Hq, D = q.shape
     B = block_table.shape[0]
-
-    def config_for(split):
-        return sm80.make_decode_config(
-            target=target, q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=group,
-            q_len=q_len, page_size=page, split=split, kv_form="pair" if pair else "single", kv_layout=kv_layout,
-            k_scale_tensor=ks_t, v_scale_tensor=vs_t, **override)
-
+    config_for = _sm80_config_for(q, k, pair, kv_layout, q_len, group, page, ks_t, vs_t, target, override)
     splits, config = sm80.plan_decode(config_for, B * (Hq // group), block_table.shape[1] * page,
                                       device_sm_count(q.device.index or 0), num_splits)
     numel, _ = workspace_numel(config, splits, B, Hq // group, T, Hq, D, return_lse)

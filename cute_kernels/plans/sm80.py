@@ -109,7 +109,8 @@ class _Sm80Common(KernelConfig):
             raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {self.page_size}")
         if self.kv_form not in ("single", "pair") or self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"bad kv_form/kv_layout {self.kv_form}/{self.kv_layout}")
-        if self.tw % 16 or self.tw < 16 or self.warps_m * self.warps_n > 8 or self.stages < 2:
+        if (self.tw % 16 or self.tw < 16 or min(self.warps_m, self.warps_n) < 1 or self.warps_m * self.warps_n > 8
+                or self.stages < 2):
             raise ValueError(f"bad tiling: tw {self.tw}, warps {self.warps_m}x{self.warps_n}, stages {self.stages}")
         if self.widen not in ("bits", "cvt"):
             raise ValueError(f"widen must be 'bits' or 'cvt', got {self.widen}")
@@ -287,6 +288,15 @@ def fit_stages(target: str, cfg_fields: dict, ctas_per_sm: int, max_stages: int)
     return max(fits) if fits else None
 
 
+def _smem_target(override: dict, target: str) -> str:
+    """The target whose shared memory sizes the ring: ``override``'s ``smem_target`` (taken out of
+    it), else ``target``."""
+    smem_target = override.pop("smem_target", target)
+    if smem_target not in TARGETS:
+        raise ValueError(f"smem_target must be one of {TARGETS}, got {smem_target!r}")
+    return smem_target
+
+
 def _scale_fields(kv_dtype: str, target: str) -> dict:
     return dict(widen=default_widen(target) if kv_dtype == "fp8_e4m3" else "bits", pdl=target in PDL_TARGETS)
 
@@ -302,7 +312,7 @@ def make_decode_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: in
                   page_size=page_size, split=split, kv_form=kv_form, kv_layout=kv_layout,
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
     override = dict(override)
-    fields.update(decode_tiling(override.pop("smem_target", target), kv_dtype, head_dim, group * q_len))
+    fields.update(decode_tiling(_smem_target(override, target), kv_dtype, head_dim, group * q_len))
     fields["ldsm_xor"] = decode_ldsm_xor(target, kv_dtype, head_dim)
     fields.update(override)
     return Sm80DecodeConfig(**fields)
@@ -558,7 +568,7 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
                         v_scale_tensor=v_scale_tensor, kv_form=kv_form)
     d256_x = head_dim == 256 and prefill_d256_tw32x(target, kv_dtype, page_size, k_scale_tensor or v_scale_tensor)
     d128_s = head_dim == 128 and prefill_d128_tw64s(target, kv_dtype, lean)
-    fields.update(prefill_tiling(override.pop("smem_target", target), kv_dtype, head_dim, override.get("m_tiles"),
+    fields.update(prefill_tiling(_smem_target(override, target), kv_dtype, head_dim, override.get("m_tiles"),
                                  override.get("tw"), lean, d256_x, d128_s))
     fields.update(override)
     return Sm80PrefillConfig(**fields)

@@ -43,6 +43,9 @@ MAX_SPLITS = 64
 CONSUMER_WARPS = hw.WARPGROUP_WARPS  # one consumer warpgroup
 NUM_THREADS = (CONSUMER_WARPS + 1) * 32  # plus one producer warp
 TILE = 64  # KV tokens per tile (one WGMMA M); 128 = two M blocks per iteration
+# K/V pipeline depth: one tile loads while the one before is consumed (the sizing's floor), and the
+# deepest the sizing picks
+MIN_STAGES, MAX_STAGES = 2, 8
 DYNAMIC_CHUNK_TILES = 2  # dynamic split: tiles per grab (a CTA's tail is at most ~2 tiles)
 MERGE_GROUP = 16  # splits whose partials one thread of the fused merge has in flight at once
 CLUSTER_GROUP = 8  # splits whose DSMEM partials one thread of the cluster merge has in flight
@@ -160,6 +163,10 @@ class Sm90DecodeConfig(KernelConfig):
                 raise ValueError("cluster merge: the partials do not fit the K stages' shared memory")
         elif self.cluster_init_sync:
             raise ValueError("cluster_init_sync is a choice of the cluster variants (cluster=True)")
+        if self.stages < MIN_STAGES:
+            raise ValueError(f"stages must be >= {MIN_STAGES}, got {self.stages}")
+        if self.occupancy < 0:
+            raise ValueError(f"occupancy must be >= 0 CTAs per SM (0: no constraint), got {self.occupancy}")
 
     @property
     def n_pad(self) -> int:
@@ -260,16 +267,18 @@ def decode_tuning(kv_bytes: int, head_dim: int, n_pad: int, tile: int = TILE,
     stage = 2 * tile * head_dim * kv_bytes
     fixed = n_pad * head_dim * 2 + n_pad * tile * 2 + CONSUMER_WARPS * n_pad * 4 + 4 * 1024
     if occupancy is not None:
-        return max(2, min(8, (_SMEM_BUDGET // occupancy - fixed) // stage)), occupancy
+        if occupancy < 1:  # (the config's 0, "no constraint", is no CTA count to size the stages for)
+            raise ValueError(f"occupancy must be >= 1 CTAs per SM, got {occupancy}")
+        return max(MIN_STAGES, min(MAX_STAGES, (_SMEM_BUDGET // occupancy - fixed) // stage)), occupancy
     # calibrated on ptxas: FP8 D=128, tile 64: n=8 -> 82-89 registers, n=16 -> 96 (no spills at 4 CTAs/SM)
     regs = 40 + head_dim * n_pad // 128 + tile * n_pad // 128 + (tile * head_dim // 256 if kv_bytes == 1 else 0)
     regs = (regs + 7) // 8 * 8
     max_occ = max(1, min(4, hw.REGISTERS_PER_SM // (NUM_THREADS * regs)))
     for occ in range(max_occ, 0, -1):
-        stages = min(8, (_SMEM_BUDGET // occ - fixed) // stage)
-        if stages >= 2 and occ * stages * stage >= KV_BYTES_IN_FLIGHT:
+        stages = min(MAX_STAGES, (_SMEM_BUDGET // occ - fixed) // stage)
+        if stages >= MIN_STAGES and occ * stages * stage >= KV_BYTES_IN_FLIGHT:
             return stages, occ
-    return 2, 1
+    return MIN_STAGES, 1
 
 
 DEFAULT_WIDEN = "cvt"  # docs/design/sm90-decode.md#fp8-widening-hardware-conversion

@@ -3,7 +3,9 @@ derivation, the argument order of the generated caller, and CPU-side validation.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -355,3 +357,223 @@ def test_warmups_read_the_registry(monkeypatch):
         warmup_module.warmup(arch="sm_86", kv_dtypes=("bf16",), **shape)
     with pytest.raises(ValueError, match="sm90.qsa runs on sm90: nothing to warm up for sm_80"):
         qsa_warmup(arch="sm_80", head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tuning override, checked against the kernel a call selects (docs/design/inputs.md)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """CPU tensors take the CUDA path (target ``sm_90a`` unless ``state["target"]`` says otherwise,
+    132 SMs); ``get_kernel`` records the configs it is asked for and returns a no-op kernel; the
+    runtime self-checks pass."""
+    from cute_kernels.ops import _decode_features as features
+
+    state: dict = dict(target="sm_90a", compiled=[])
+
+    def get_kernel(config, target):
+        state["compiled"].append(config)
+        return lambda *args: None
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(op, "compile_target", lambda device: state["target"])
+    monkeypatch.setattr(op, "get_kernel", get_kernel)
+    monkeypatch.setattr(op, "device_sm_count", lambda index: 132)
+    monkeypatch.setattr(op, "stream_id", lambda t: 0)
+    monkeypatch.setattr(op, "ffi_tensor", lambda t: t)
+    monkeypatch.setattr(features, "self_check_passes", lambda config, device, runner: True)
+    op._launcher.launches.clear()
+    yield state
+    op._launcher.launches.clear()
+
+
+def _decode_problem(seed, *, kv=torch.float8_e4m3fn, q=torch.bfloat16, D=128, Hq=8, Hkv=2, page=16, q_len=1,
+                    layout="HND", container="single", lens=(100, 37, 300)):
+    from cute_kernels.testing import make_paged_decode_case
+
+    print(f"seed {seed}")
+    return make_paged_decode_case(batch=len(lens), num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=page,
+                                  seq_lens=list(lens), kv_dtype=kv, q_dtype=q, q_len=q_len, kv_layout=layout,
+                                  container=container, generator=torch.Generator().manual_seed(seed), device="cpu")
+
+
+def _call(c, **kw):
+    return op.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, **c.kwargs(), **kw)
+
+
+_SM90_TUNABLE = ("balanced, cluster, cluster_init_sync, dynamic, evict_first, occupancy, pdl, prefetch_desc, "
+                 "smem_merge, stages, strided, tile, widen")
+BAD_DECODE_OVERRIDES = [
+    # before (GPU): TypeError "Sm90DecodeConfig.__init__() got an unexpected keyword argument 'bogus'";
+    # before (CPU): nothing checked at all
+    (dict(bogus=1), ValueError, f"'bogus' is not a tuning field of sm90.decode; its fields: {_SM90_TUNABLE}$"),
+    (dict(num_splits=4), ValueError, "'num_splits' is not a tuning field of sm90.decode"),  # an op argument
+    (dict(smem_target="sm_80"), ValueError, "'smem_target' is not a tuning field of sm90.decode"),  # sm80's
+    (dict(ldsm_xor=False), ValueError, "'ldsm_xor' is not a tuning field of sm90.decode"),
+    # before: "make_decode_config() got multiple values for keyword argument ..."
+    *[(dict([(name, value)]), ValueError, f"'{name}' is not a tuning field of sm90.decode \\(the call's arguments")
+      for name, value in (("head_dim", 64), ("q_dtype", "fp16"), ("kv_dtype", "bf16"), ("group", 4), ("q_len", 2),
+                          ("page_size", 32), ("kv_layout", "NHD"), ("kv_form", "pair"), ("k_scale_tensor", True),
+                          ("v_scale_tensor", True), ("split", True))],
+    # before: a window / sink variant for a call without them (an argument left unbound)
+    (dict(window=True), ValueError, "'window' is not a tuning field of sm90.decode \\(the call's"),
+    (dict(sinks=True), ValueError, "'sinks' is not a tuning field of sm90.decode \\(the call's"),
+    # before: "'<=' not supported between instances of 'int' and 'str'"
+    (dict(stages="3"), TypeError, "tuning_override: sm90.decode's stages must be an int, got '3'"),
+    (dict(occupancy=2.0), TypeError, "sm90.decode's occupancy must be an int, got 2.0"),
+    (dict(tile="128"), TypeError, "sm90.decode's tile must be an int, got '128'"),
+    (dict(widen=1), TypeError, "sm90.decode's widen must be a str, got 1"),
+    # before: silently true ("yes", "no", 1 are truthy)
+    (dict(cluster_init_sync="yes"), TypeError, "sm90.decode's cluster_init_sync must be a bool, got 'yes'"),
+    (dict(cluster="no"), TypeError, "sm90.decode's cluster must be a bool, got 'no'"),
+    (dict(balanced=1), TypeError, "sm90.decode's balanced must be a bool, got 1"),
+    (dict(dynamic="no"), TypeError, "sm90.decode's dynamic must be a bool, got 'no'"),
+    (dict(pdl=0), TypeError, "sm90.decode's pdl must be a bool, got 0"),
+    # before: ZeroDivisionError; a negative count sized the stages for no SM
+    (dict(occupancy=0), ValueError, "occupancy must be >= 1 CTAs per SM, got 0"),
+    (dict(occupancy=-1), ValueError, "occupancy must be >= 1 CTAs per SM, got -1"),
+    # before: a config of no pipeline stages handed to the compiler
+    (dict(stages=0), ValueError, "stages must be >= 2, got 0"),
+    # the config's own checks (on the CPU path too now)
+    (dict(tile=96), ValueError, "bad widen/tile cvt/96"),
+    (dict(widen="fast"), ValueError, "bad widen/tile fast/64"),
+    # the portable kernel, against its own config (backend="sm80")
+    (dict(backend="sm80", cluster=True), ValueError, "'cluster' is not a tuning field of sm80.decode; its fields: "
+     "balanced, gather_one_base, ldsm_xor, m_tiles, pdl, q_regs, smem_target, stages, stats_smem, tw, warps_m, "
+     "warps_n, widen$"),
+    (dict(backend="sm80", tile=128), ValueError, "'tile' is not a tuning field of sm80.decode"),
+    (dict(backend="sm80", target="sm_80"), ValueError, "'target' is not a tuning field of sm80.decode \\(the call's"),
+    (dict(backend="sm80", split=False), ValueError, "'split' is not a tuning field of sm80.decode \\(the call's"),
+    (dict(backend="sm80", stages="x"), TypeError, "sm80.decode's stages must be an int, got 'x'"),
+    (dict(backend="sm80", ldsm_xor="no"), TypeError, "sm80.decode's ldsm_xor must be a bool, got 'no'"),
+    (dict(backend="sm80", stages=0), ValueError, "bad tiling: tw 32, warps 1x4, stages 0"),
+    (dict(backend="sm80", warps_n=0), ValueError, "bad tiling: tw 32, warps 1x0, stages 3"),  # ZeroDivisionError
+    (dict(backend="sm80", smem_target="sm_99"), ValueError, "smem_target must be one of"),  # before: KeyError
+    (dict(backend="sm80", stats_smem=True), ValueError, "stats_smem is a prefill field"),
+]
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+@pytest.mark.parametrize("override,exc,match", BAD_DECODE_OVERRIDES, ids=[str(b[0]) for b in BAD_DECODE_OVERRIDES])
+def test_a_bad_decode_tuning_override_names_the_field(override, exc, match, path, request):
+    """A tuning override is checked against the config of the kernel the call selects (CPU
+    tensors: the one an SM90 GPU runs): a name that is no tuning field of it (or one the call's
+    arguments decide), a value of the wrong type, an out-of-range count are refused naming the
+    field, before any variant is compiled."""
+    state = request.getfixturevalue("fake_gpu") if path == "gpu" else None
+    c = _decode_problem(41)
+    with op.tuning_override(**override), pytest.raises(exc, match=match):
+        _call(c)
+    if state is not None:
+        assert state["compiled"] == []
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+def test_the_override_is_checked_for_every_call_form(path, request):
+    """Calls the reference serves on SM90 (an FP8 query) check the override as the target's 16-bit
+    call does; a cached launch does not outlive a bad override (the override is in the key); an
+    SM100 GPU's sm100.decode takes no tuning field (backend='sm80' forces the portable kernel)."""
+    state = request.getfixturevalue("fake_gpu") if path == "gpu" else None
+    c = _decode_problem(42)
+    q8 = c.q.to(torch.float8_e4m3fn)
+    with op.tuning_override(bogus=1), pytest.raises(ValueError, match="'bogus' is not a tuning field of sm90.decode"):
+        op.paged_decode(q8, c.kv_cache, c.block_table, c.seq_lens, q_scale=0.5, **c.kwargs())
+    _call(c)  # a launch cached without an override ...
+    with op.tuning_override(stages="3"), pytest.raises(TypeError, match="stages must be an int"):
+        _call(c)  # ... is not this call's
+    if state is not None:
+        state["target"] = "sm_100a"
+        op._launcher.launches.clear()
+        with op.tuning_override(widen="bits"), pytest.raises(
+                ValueError, match="'widen' is not a tuning field of sm100.decode, which has none"):
+            _call(c)
+        with op.tuning_override(backend="sm80", widen="bits"):
+            _call(c)
+        assert {cfg.kernel_id for cfg in state["compiled"]} <= {"sm90.decode", "sm80.decode", "common.merge_states"}
+        assert state["compiled"][-1].kernel_id != "sm90.decode"
+
+
+def _gpu_table(module: str, name: str):
+    """Table ``name`` of a GPU test module, without importing it (it skips itself without CUDA):
+    its module-level assignments to ``name``, run on their own."""
+    path = Path(__file__).parents[1] / "gpu" / f"{module}.py"
+    ns: dict = dict(FP8=torch.float8_e4m3fn, BF16=torch.bfloat16, FP16=torch.float16)
+    for node in ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        if any(getattr(t, "id", None) == name for t in targets):
+            exec(compile(ast.Module([node], []), str(path), "exec"), ns)
+    assert ns.get(name), f"{module}.{name} not found"
+    return ns[name]
+
+
+def _repository_overrides() -> list[dict]:
+    """Every paged_decode tuning override the repository uses: the tables (read from their
+    modules) and the literal ones (listed with the file that uses them)."""
+    from cute_kernels.bench import decode as bench_decode
+    from cute_kernels.bench import sm80 as bench_sm80
+    from profiling import sanitize_decode
+
+    out = [dict(v) for v in _gpu_table("test_decode_gpu", "VARIANTS")] + [dict(v) for v in bench_decode.VARIANTS.values()]
+    out += [dict(backend="sm80", **v) for v in bench_sm80.DECODE_VARIANTS.values()]
+    for case in sanitize_decode.CASES.values():  # (functools.partial: their override keywords)
+        kw = dict(getattr(case, "keywords", {}))
+        fields = {k: v for k, v in kw.items() if k in ("cluster", "cluster_init_sync") and v is not None}
+        if getattr(case, "func", None) is sanitize_decode.sm80_decode:
+            fields = dict(backend="sm80", **kw["extra"])
+        elif getattr(case, "func", None) is sanitize_decode.balanced:
+            fields = dict(balanced=True)
+        out.append(fields)
+    out += [
+        dict(strided=s, cluster=c) for s in (True, False) for c in (True, False)]  # tests/gpu/test_decode_gpu.py
+    out += [dict(cluster=False, smem_merge=s) for s in (True, False)]  # tests/gpu/test_decode_gpu.py (staging)
+    out += [dict(cluster=True), dict(cluster=False)]  # tests/gpu/test_trtllm_gpu.py, test_streams_gpu.py
+    out += [dict(balanced=True), dict(balanced=True, backend="sm80")]  # tests/gpu/test_decode_balanced_gpu.py
+    out += [dict(pdl=False), dict(cluster=False)]  # cute_kernels/bench/latency.py
+    out += [dict(backend="sm80"), dict(backend="sm80", widen="bits"), dict(backend=None)]  # cute_kernels/bench/sm80.py
+    out += [dict(dynamic=False), dict(dynamic=True)]  # profiling/split_schedule.py
+    out += [dict(backend="sm80", widen=w) for w in ("bits", "cvt")]  # tests/gpu/test_sm80_decode_gpu.py
+    # the runtime self-checks' calls (cute_kernels/ops/_decode_features.py)
+    out += [dict(widen="cvt", cluster=True), dict(widen="bits", cluster=False), dict(balanced=True, widen="bits")]
+    return out
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+def test_every_override_the_repository_uses_passes_the_check(path, request):
+    """The override tables and literals of the benchmarks, the lab scripts and the GPU tests pass
+    the check (CPU tensors: the reference's result, bit for bit; the fake GPU: the config the
+    kernel is compiled with holds the forced fields)."""
+    state = request.getfixturevalue("fake_gpu") if path == "gpu" else None
+    c = _decode_problem(43)
+    want = reference.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, **c.kwargs())
+    for override in _repository_overrides():
+        if state is not None:  # (an override listed twice: its launch is prepared again)
+            state["compiled"].clear()
+            op._launcher.launches.clear()
+        with op.tuning_override(**override):
+            got = _call(c)
+        if state is None:
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+            continue
+        kernel = state["compiled"][0]
+        assert kernel.kernel_id == ("sm80.decode" if override.get("backend") else "sm90.decode"), override
+        for name in ("widen", "tile", "occupancy", "pdl", "evict_first", "prefetch_desc", "ldsm_xor"):
+            if name in override:
+                assert getattr(kernel, name) == override[name], (override, kernel)
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+def test_the_portable_gpu_cases_overrides_pass_on_their_shapes(path, request):
+    """tests/gpu/test_sm80_decode_gpu.py's cases (shapes and overrides, ``smem_target`` rings
+    included) pass the check and plan on the CPU and the (fake) GPU alike."""
+    state = request.getfixturevalue("fake_gpu") if path == "gpu" else None
+    cases = _gpu_table("test_sm80_decode_gpu", "CASES")
+    assert any("smem_target" in c[-1] for c in cases) and any("ldsm_xor" in c[-1] for c in cases)
+    for i, (kv, q, D, Hq, Hkv, page, q_len, layout, container, splits, override) in enumerate(cases):
+        c = _decode_problem(100 + i, kv=kv, q=q, D=D, Hq=Hq, Hkv=Hkv, page=page, q_len=q_len, layout=layout,
+                            container=container, lens=(page + q_len, 3 * page))
+        with op.tuning_override(backend="sm80", **override):
+            _call(c, num_splits=splits)
+        if state is not None:
+            assert state["compiled"][-1].kernel_id in ("sm80.decode", "common.merge_states")
