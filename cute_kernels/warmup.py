@@ -21,6 +21,7 @@ from typing import Any
 from .jit.parallel import precompile
 from .jit.spec import KernelConfig, normalize_target
 from .plans import sm80
+from .plans.args import check_choices, check_layer_shape
 from .plans.sm90_decode import decode_variants
 from .plans.sm90_prefill import Sm90PrefillConfig, prefill_variants
 from .registry import op_kernel
@@ -47,6 +48,8 @@ def warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None 
     ``q_scale_kinds``, ``causal``, ``return_lse``). Returns the configs.
     """
     target = normalize_target(arch)
+    kv_dtypes = check_choices("kv_dtypes", kv_dtypes, ("fp8", "fp8_e4m3", "bf16", "fp16"))
+    check_layer_shape(**{k: shape.get(k) for k in ("head_dim", "num_q_heads", "num_kv_heads", "page_size")})
     prefill_only = {k: shape.pop(k) for k in _PREFILL_ONLY if k in shape}
     q_dtype = shape.get("q_dtype", "bf16")
     configs: list[KernelConfig] = []

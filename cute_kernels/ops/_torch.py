@@ -97,6 +97,46 @@ def check_tensor(
     return t
 
 
+def overlap(a, b) -> bool:
+    """Whether two tensors share a byte (views of one storage included). Exact for two views of
+    one layout (same shape, strides and dtype: the halves of a ``[P, 2, ...]`` cache do not
+    overlap, one plane passed twice does); otherwise their byte ranges are compared, which may
+    call interleaved but disjoint views overlapping."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.device != b.device:
+        return False
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t):
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    if not (a0 < b1 and b0 < a1):
+        return False
+    esize = a.element_size()
+    if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype or (b0 - a0) % esize:
+        return True
+    # one layout: they share an element iff the offset is sum_d j_d * stride_d with |j_d| < extent_d
+    dims = sorted(((st, n) for n, st in zip(a.shape, a.stride()) if n > 1 and st != 0), reverse=True)
+    reach = [0] * (len(dims) + 1)  # reach[i]: the largest |offset| the dims from i on can span
+    for i in range(len(dims) - 1, -1, -1):
+        reach[i] = reach[i + 1] + (dims[i][1] - 1) * abs(dims[i][0])
+    budget = [4096]  # a layout with many representations: answered conservatively
+
+    def hit(i: int, rest: int) -> bool:
+        if i == len(dims):
+            return rest == 0
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        st, n = dims[i]
+        lo, hi = max(-(n - 1), -((reach[i + 1] - rest) // st)), min(n - 1, (rest + reach[i + 1]) // st)
+        return any(hit(i + 1, rest - j * st) for j in range(lo, hi + 1))
+
+    return hit(0, (b0 - a0) // esize)
+
+
 def check_kv_cache(k, v, pair: bool, kv_layout: str, head_dim: int) -> tuple[int, int, int]:
     """Validate a paged cache (one ``[P, 2, ...]`` tensor ``k`` is ``v``, or a ``(k, v)`` pair
     of 4-D halves) in ``kv_layout`` against the query's head dim; ``(P, Hkv, page)``."""

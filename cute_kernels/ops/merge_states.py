@@ -20,7 +20,7 @@ from . import _check
 from ._device import current_device, on_device
 from ._launch import Launcher, TuningOverride
 from ._library import compiling, custom_op
-from ._torch import check_tensor, compile_target, dtype_name, widest_vector
+from ._torch import check_tensor, compile_target, dtype_name, overlap, widest_vector
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -36,8 +36,19 @@ def _key(partial_out, partial_lse, out_dtype, out, out_lse):
     def t(x):
         return None if x is None else (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
 
-    return (t(partial_out), t(partial_lse), out_dtype, t(out), t(out_lse), _launcher.override_key,
+    # caller outputs: whether they overlap the partials or each other (refused by _prepare) is
+    # part of the key, so a cached launch never runs on an alias
+    aliased = (out is not None or out_lse is not None) and _aliased(partial_out, partial_lse, out, out_lse)
+    return (t(partial_out), t(partial_lse), out_dtype, t(out), t(out_lse), aliased, _launcher.override_key,
             current_device() if partial_out.is_cuda else -1)
+
+
+def _aliased(partial_out, partial_lse, out, out_lse) -> bool:
+    try:
+        check_outputs(partial_out, partial_lse, out, out_lse)
+    except ValueError:
+        return True
+    return False
 
 
 def _prepare(partial_out, partial_lse, out_dtype, out, out_lse) -> _Launch:
@@ -54,6 +65,9 @@ def _prepare(partial_out, partial_lse, out_dtype, out, out_lse) -> _Launch:
             raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {dt}")
     if out_lse is not None:
         check_tensor("out_lse", out_lse, dtype=torch.float32, shape=(N, H), device=partial_out.device)
+    if D == 0:
+        raise ValueError(f"partial_out must have a head dim >= 1, got shape {tuple(partial_out.shape)}")
+    check_outputs(partial_out, partial_lse, out, out_lse)
     if not partial_out.is_cuda:
         _config(partial_out, out, dt)  # the kernel's own limits (head dim), checked for CPU tensors too
         return _Launch(None, True, dt)
@@ -62,6 +76,18 @@ def _prepare(partial_out, partial_lse, out_dtype, out, out_lse) -> _Launch:
     config = _config(partial_out, out, dt)
     fn = get_kernel(config, compile_target(partial_out.device))
     return _Launch(on_device(_launcher.bind(_CALL_PARAMS, (fn, config.signature(), None, None)), partial_out.device), False, dt)
+
+
+def check_outputs(partial_out, partial_lse, out, out_lse) -> None:
+    """The outputs share no byte with the partials or each other: the kernel reads a row's
+    partials while other threads write the row's outputs, so an alias is a race (the reference
+    would merge first and then copy: the two paths would differ)."""
+    if out is not None and out_lse is not None and overlap(out, out_lse):
+        raise ValueError("out_lse must not overlap out (two outputs)")
+    for name, o in (("out", out), ("out_lse", out_lse)):
+        for src_name, src in (("partial_out", partial_out), ("partial_lse", partial_lse)):
+            if o is not None and overlap(o, src):
+                raise ValueError(f"{name} must not overlap {src_name} (an output over the partials it merges)")
 
 
 def _config(partial_out, out, dt) -> MergeStatesConfig:

@@ -173,7 +173,7 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _La
                          "least one block (docs/design/inputs.md#kv-pool)")
     if not q.is_cuda:
         return _Launch(None, None, None, None, None, None, 1, gate is not None, reference=True)
-    if rows == 0:  # nothing to compute: no variant is compiled
+    if rows == 0 or Hq == 0:  # nothing to compute (no rows x heads): no variant is compiled
         return _Launch(None, None, None, None, None, None, 1, gate is not None, empty=True)
 
     device = q.device

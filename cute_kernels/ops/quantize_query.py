@@ -27,7 +27,7 @@ from ._device import current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import compiling, custom_op, scale_of, scale_parts
 from ._quantize_residual import self_check_passes
-from ._torch import check_tensor, compile_target, dtype_name, widest_vector
+from ._torch import check_tensor, compile_target, dtype_name, overlap, widest_vector
 
 FP8 = torch.float8_e4m3fn
 _FIXED = ("q_dtype", "head_dim", "scale_tensor", "rot_dim", "cos_sin_dtype", "pos_dtype", "residual")
@@ -233,7 +233,7 @@ def _two_terms(q, q_scale, out, rope, residual, residual_out) -> tuple[Tensor, T
     if residual is not True:
         raise ValueError(f"residual must be True or False, got {residual!r}"
                          + (" (residual_out needs residual=True)" if residual is False else ""))
-    if out is not None and residual_out is not None and _overlap(out, residual_out):
+    if out is not None and residual_out is not None and overlap(out, residual_out):
         # the kernel stores both terms of a chunk from one thread: an alias would keep whichever came last
         raise ValueError("residual_out must not overlap out (the codes and their residual are two outputs)")
     if compiling():  # torch.compile traces the registered one-term op and the torch ops
@@ -261,21 +261,6 @@ def _two_terms(q, q_scale, out, rope, residual, residual_out) -> tuple[Tensor, T
         _two_launcher.refused((q, q_scale, out, rope, residual_out))  # raises the error that names the argument
         raise
     return out, residual_out
-
-
-def _overlap(a, b) -> bool:
-    """Whether two tensors' byte ranges intersect (tensors of one storage only; views included)."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.device != b.device:
-        return False
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-
-    def span(t):
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
 
 
 def _out_key(residual_out) -> tuple:

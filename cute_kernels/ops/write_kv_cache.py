@@ -24,7 +24,7 @@ from . import _check
 from ._device import current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, scale_of, scale_parts
-from ._torch import check_tensor, compile_target, dtype_name
+from ._torch import check_tensor, compile_target, dtype_name, overlap
 from .quantize_query import vector_width
 
 FP8 = torch.float8_e4m3fn
@@ -55,6 +55,8 @@ def _cache_geometry(kv_cache, kv_layout: str, device) -> tuple[bool, tuple, list
         if k.shape != v.shape or k.dtype != v.dtype:
             raise ValueError(f"k_cache and v_cache must match, got {tuple(k.shape)} {k.dtype} / "
                              f"{tuple(v.shape)} {v.dtype}")
+        if overlap(k, v):  # one kernel writes both: which of K and V a shared slot kept would be a race
+            raise ValueError("v_cache must not overlap k_cache (a K and a V row would share cache bytes)")
         shape4, tensors = tuple(k.shape), [k, v]
     else:
         _check_cache_dtype("kv_cache", kv_cache)
@@ -65,6 +67,9 @@ def _cache_geometry(kv_cache, kv_layout: str, device) -> tuple[bool, tuple, list
         shape4, tensors = (s[0], s[2], s[3], s[4]), [kv_cache]
     P, a, b, D = shape4
     Hkv, page = (a, b) if kv_layout == "HND" else (b, a)
+    if page < 1:
+        raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has a page size of 0 ({kv_layout} shape "
+                         f"{tuple(tensors[0].shape)}): a page holds at least one token")
     return pair, (P, Hkv, page, D), tensors
 
 
@@ -86,7 +91,10 @@ def _key(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale):
     def s(x):
         return (x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else None
 
-    cache = tuple(t(c) for c in kv_cache) + ("pair",) if isinstance(kv_cache, (tuple, list)) else t(kv_cache)
+    # a pair's key holds the planes' offset: an overlap of the two (one plane passed twice) is
+    # refused by _prepare, which sees every offset once
+    cache = ((t(kv_cache[0]), t(kv_cache[1]), "pair", kv_cache[1].data_ptr() - kv_cache[0].data_ptr())
+             if isinstance(kv_cache, (tuple, list)) else t(kv_cache))
     return (t(key), t(value), cache, slot_mapping.shape, slot_mapping.stride(), slot_mapping.dtype,
             slot_mapping.device, kv_layout, s(k_scale), s(v_scale), _launcher.override_key,
             current_device() if key.is_cuda else -1)
@@ -123,8 +131,8 @@ def _prepare(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale) ->
     config = make_config(key, value, kv_cache, slot_mapping, kv_layout, k_tensor, v_tensor)
     if not key.is_cuda:
         return _Launch(None, True, pair)
-    if T == 0 or Hkv == 0 or P == 0:
-        # nothing to write: no rows, or a cache of no pages (every slot is outside it, and slots
+    if T == 0 or Hkv == 0 or D == 0 or P == 0:
+        # nothing to write: no rows, heads or head dims, or a cache of no pages (every slot is outside it, and slots
         # outside the cache are skipped): no launch, no compiled variant (docs/design/inputs.md#kv-pool)
         return _Launch(None, False, pair, empty=True)
     target = compile_target(device)
@@ -190,7 +198,7 @@ def write_kv_cache(
         return
     try:
         launch_key = _key(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
-    except (AttributeError, TypeError, ValueError):  # not tensors: the validation says what is wrong
+    except (AttributeError, TypeError, ValueError, IndexError):  # not tensors: the validation says what is wrong
         launch_key = None
     launch = _launcher.entries.get(launch_key)
     if launch is None or launch.reference:  # the argument tuple is built off the hot path only

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..jit.spec import KernelConfig
 from . import hw
+from .args import check_choices, check_layer_shape
 from .sm90_qsa import PRODUCTION_TOPK, make_qsa_config, split_table
 from .sm90_qsa_merge import QsaMergeConfig, merge_shape
 from .sm90_qsa_tile import TILE_MIN_ROWS, make_qsa_tile_config, row_tile_plan
@@ -44,7 +45,14 @@ def qsa_variants(*, head_dim: int, num_q_heads: int, num_kv_heads: int, page_siz
     tensors, read by the kernels, as a deployment that updates its scales in a graph has). ``override``
     replaces tuning fields of the per-row kernel (benchmark variants, as ``tuning_override``).
     """
-    kv = _KV.get(kv_cache_dtype, kv_cache_dtype) or q_dtype
+    check_layer_shape(head_dim=head_dim, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
+                      topk=topk, num_sms=num_sms, **({} if block_table_width is None else
+                                                     {"block_table_width": block_table_width}))
+    if kv_cache_dtype not in _KV:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV)}, got {kv_cache_dtype!r}")
+    gates = check_choices("gates", gates, (False, True))
+    scale_tensors = check_choices("scale_tensors", scale_tensors, (False, True))
+    kv = _KV[kv_cache_dtype] or q_dtype
     group = num_q_heads // num_kv_heads
     reach: set[tuple[int, bool]] = set()
     merges: set[tuple[int, int]] = set()

@@ -394,3 +394,107 @@ def test_launch_keys_hold_the_stream():
     key = pd._key(q, kv, kv, False, bt, "HND", 1, None, 1.0, 1.0, None, False, None, True)
     assert 0 in key  # CPU tensors: stream 0 (a CUDA call's current stream otherwise)
     assert pd.stream_id is qsa.stream_id
+
+
+# ----------------------------------------------------------------------------------------------
+# outputs aliasing inputs, empty extents, warm-up arguments
+# ----------------------------------------------------------------------------------------------
+
+
+def _merge_case(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 2, 4, 64, generator=g), torch.randn(3, 2, 4, generator=g)
+
+
+@pytest.mark.parametrize("alias,match", [
+    # the merged LSE written over the merged output: the reference copied one over the other
+    (lambda po, pl: dict(out=(b := torch.empty(2 * 4 * 64)).view(2, 4, 64), out_lse=b[:8].view(2, 4)),
+     "out_lse must not overlap out"),
+    (lambda po, pl: dict(out=po[0]), "out must not overlap partial_out"),
+    (lambda po, pl: dict(out_lse=pl[1]), "out_lse must not overlap partial_lse"),
+    (lambda po, pl: dict(out_lse=po[1].view(-1)[:8].view(2, 4)), "out_lse must not overlap partial_out"),
+])
+def test_merge_outputs_aliasing_an_input_are_refused(alias, match):
+    """An output sharing bytes with the partials (or the other output) is refused on every call,
+    a cached launch's too: the kernel would race, the reference silently kept one of the two
+    outputs (out_lse over out: a wrong ``out``)."""
+    po, pl = _merge_case()
+    fine, fine_lse = torch.empty(2, 4, 64), torch.empty(2, 4)
+    cute_kernels.merge_states(po, pl, out=fine, out_lse=fine_lse)  # a launch keyed on these layouts
+    with pytest.raises(ValueError, match=match):
+        cute_kernels.merge_states(po, pl, **alias(po, pl))
+    ref_out, ref_lse = reference.merge_states(po, pl, float64=True)
+    torch.testing.assert_close(fine, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fine_lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_of_no_head_dim_is_refused():
+    po, pl = _merge_case()
+    with pytest.raises(ValueError, match=r"partial_out must have a head dim >= 1"):
+        cute_kernels.merge_states(po[..., :0], pl)
+
+
+def test_cache_write_refuses_k_and_v_on_one_plane():
+    """A (k_cache, v_cache) pair sharing bytes: which of K and V a slot keeps would depend on the
+    kernel's write order (the reference wrote V last). The halves of one ``[P, 2, ...]`` tensor, and
+    of one ``[P, Hkv, page, 2 D]`` buffer, share none and are taken."""
+    g = torch.Generator().manual_seed(4)
+    key, value = torch.randn(3, 2, 64, generator=g).to(BF16), torch.randn(3, 2, 64, generator=g).to(BF16)
+    slots = torch.tensor([0, 17, 40])
+    kv = torch.randn(4, 2, 2, 16, 64, generator=g).to(BF16)
+    before = kv.clone()
+    for k_plane, v_plane in ((kv[:, 0], kv[:, 0]), (kv[:, 0], kv.view(-1)[64:64 + kv[:, 0].numel()].view(4, 2, 16, 64))):
+        with pytest.raises(ValueError, match="v_cache must not overlap k_cache"):
+            cute_kernels.write_kv_cache(key, value, (k_plane, v_plane), slots)
+    assert torch.equal(kv.view(torch.int16), before.view(torch.int16))  # refused before anything was written
+    cute_kernels.write_kv_cache(key, value, (kv[:, 0], kv[:, 1]), slots)
+    buf = torch.randn(4, 2, 16, 128, generator=g).to(BF16)
+    cute_kernels.write_kv_cache(key, value, (buf[..., :64], buf[..., 64:]), slots)
+    ref = before.clone()
+    reference.write_kv_cache(key, value, ref, slots)
+    assert torch.equal(kv, ref)
+    with pytest.raises(ValueError, match="kv_cache tuple must be"):  # a 1-tuple names the container
+        cute_kernels.write_kv_cache(key, value, (kv[:, 0],), slots)
+
+
+def test_cache_write_of_no_page_size_names_the_cache():
+    key = torch.randn(3, 2, 64).to(BF16)
+    with pytest.raises(ValueError, match=r"kv_cache has a page size of 0"):
+        cute_kernels.write_kv_cache(key, key, torch.zeros(4, 2, 2, 0, 64, dtype=BF16), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"k_cache has a page size of 0"):
+        z = torch.zeros(4, 2, 0, 64, dtype=BF16)
+        cute_kernels.write_kv_cache(key, key, (z, z.clone()), torch.tensor([0, 1, 2]))
+
+
+_QSA_SHAPE = dict(head_dim=256, num_q_heads=24, num_kv_heads=2, page_size=1568, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("field,value,exc,match", [
+    ("head_dim", 0, ValueError, "head_dim must be a positive int, got 0"),  # a ZeroDivisionError before
+    ("num_kv_heads", 0, ValueError, "num_kv_heads must be a positive int, got 0"),  # ZeroDivisionError
+    ("num_q_heads", 25, ValueError, r"num_q_heads \(25\) must be a multiple of num_kv_heads \(2\)"),  # group 12
+    ("head_dim", "256", TypeError, "head_dim must be a positive int, got '256'"),
+    ("kv_cache_dtype", "int8", ValueError, "kv_cache_dtype must be one of"),  # a KeyError before
+    ("kv_cache_dtype", None, ValueError, "kv_cache_dtype must be one of"),  # read as q's dtype before
+    ("num_sms", 0, ValueError, "num_sms must be a positive int"),  # an IndexError before
+    ("topk", 0, ValueError, "topk must be a positive int"),
+    ("block_table_width", 0, ValueError, "block_table_width must be a positive int"),
+    ("gates", "yes", TypeError, "gates must be a sequence of"),
+    ("gates", (), ValueError, "gates must hold one or more of"),
+    ("scale_tensors", (1,), ValueError, "scale_tensors must hold one or more of"),
+])
+def test_qsa_warmup_names_a_bad_shape(field, value, exc, match):
+    with pytest.raises(exc, match=match):
+        cute_kernels.qsa_warmup(arch="sm_90a", progress=False, **{**_QSA_SHAPE, field: value})
+
+
+@pytest.mark.parametrize("field,value,exc,match", [
+    ("head_dim", 0, ValueError, "head_dim must be a positive int, got 0"),  # a ZeroDivisionError before
+    ("num_q_heads", 12, ValueError, r"num_q_heads \(12\) must be a multiple of num_kv_heads \(8\)"),
+    ("page_size", 16.0, TypeError, "page_size must be a positive int"),
+    ("kv_dtypes", "fp8", TypeError, "kv_dtypes must be a sequence of"),  # read letter by letter before
+])
+def test_warmup_names_a_bad_shape(field, value, exc, match):
+    shape = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16, kv_dtypes=("fp8",))
+    with pytest.raises(exc, match=match):
+        cute_kernels.warmup(arch="sm_90a", progress=False, **{**shape, field: value})
