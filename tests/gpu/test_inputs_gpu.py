@@ -123,6 +123,34 @@ def test_no_columns_and_empty_batches_launch_and_compile_nothing(gen):
         args = dict(args, q=args["q"][:0], packed_indices=args["packed_indices"][:0],
                     token_to_req=args["token_to_req"][:0], output_gate=None)
         assert cute_kernels.qsa_sparse_attention(**args, prefill=False).shape[0] == 0
+        # no query heads (rows present): nothing to attend, no group-0 config built
+        heads = {k: v for k, v in qsa.items() if k != "meta"}
+        assert cute_kernels.qsa_sparse_attention(**dict(heads, q=heads["q"][:, :0], output_gate=None),
+                                                 prefill=False).shape == (1, 0, 64)
+        # a head dim of 0: nothing to write
+        cute_kernels.write_kv_cache(torch.empty(2, 3, 0, device="cuda", dtype=BF16),
+                                    torch.empty(2, 3, 0, device="cuda", dtype=BF16),
+                                    torch.zeros(2, 2, 3, 16, 0, device="cuda", dtype=BF16),
+                                    torch.tensor([0, 1], device="cuda"))
+
+
+def test_aliased_outputs_and_planes_are_refused_on_the_gpu(gen):
+    """The same refusals as on the CPU (tests/cpu/test_inputs.py), after a cached launch too."""
+    po = torch.randn(3, 2, 4, 64, device="cuda", generator=gen)
+    pl = torch.randn(3, 2, 4, device="cuda", generator=gen)
+    cute_kernels.merge_states(po, pl, out=torch.empty(2, 4, 64, device="cuda"), out_lse=torch.empty(2, 4, device="cuda"))
+    with pytest.raises(ValueError, match="out must not overlap partial_out"):
+        cute_kernels.merge_states(po, pl, out=po[0])
+    with pytest.raises(ValueError, match="out_lse must not overlap partial_lse"):
+        cute_kernels.merge_states(po, pl, out_lse=pl[2])
+    key = torch.randn(3, 2, 64, device="cuda", generator=gen).to(BF16)
+    kv = torch.zeros(4, 2, 2, 16, 64, device="cuda", dtype=BF16)
+    slots = torch.tensor([0, 17, 40], device="cuda")
+    cute_kernels.write_kv_cache(key, key, (kv[:, 0], kv[:, 1]), slots)
+    with pytest.raises(ValueError, match="v_cache must not overlap k_cache"):
+        cute_kernels.write_kv_cache(key, key, (kv[:, 0], kv[:, 0]), slots)
+    torch.cuda.synchronize()
+    _context_alive()
 
 
 @pytest.mark.parametrize("form", ["0d", "1", "1x1"])
