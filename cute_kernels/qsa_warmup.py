@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._facade import make_callable
 from .jit.parallel import precompile
 from .jit.spec import KernelConfig, normalize_target
 from .plans.sm90_qsa_launch import qsa_variants
@@ -33,3 +34,6 @@ def qsa_warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | N
     configs = qsa_variants(**shape)
     precompile(configs, target, workers=workers, progress=progress)
     return configs
+
+
+make_callable(__name__, qsa_warmup)  # `cute_kernels.qsa_warmup(...)` even after `import cute_kernels.qsa_warmup`

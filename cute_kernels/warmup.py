@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._facade import make_callable
 from .jit.parallel import precompile
 from .jit.spec import KernelConfig, normalize_target
 from .plans import sm80
@@ -98,3 +99,6 @@ def _self_check(configs: list[Sm90PrefillConfig], target: str) -> None:
         return
     for config in configs:  # one check per family: later ones find its record
         self_check_passes(config, device)
+
+
+make_callable(__name__, warmup)  # `cute_kernels.warmup(...)` even after `import cute_kernels.warmup`

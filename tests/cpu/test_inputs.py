@@ -498,3 +498,28 @@ def test_warmup_names_a_bad_shape(field, value, exc, match):
     shape = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16, kv_dtypes=("fp8",))
     with pytest.raises(exc, match=match):
         cute_kernels.warmup(arch="sm_90a", progress=False, **{**shape, field: value})
+
+
+def test_warmup_functions_stay_callable_after_their_modules_are_imported():
+    """Importing ``cute_kernels.warmup`` (for ``decode_variants``) bound the module over the public
+    function: ``cute_kernels.warmup(...)`` raised "'module' object is not callable". A fresh
+    interpreter, so that no earlier test resolved the names first."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import cute_kernels\n"
+            "from cute_kernels.warmup import decode_variants\n"
+            "from cute_kernels.qsa_warmup import qsa_variants\n"
+            "for name in ('warmup', 'qsa_warmup'):\n"
+            "    try:\n"
+            "        getattr(cute_kernels, name)(arch='sm_90a', head_dim=0, num_q_heads=2, num_kv_heads=1, page_size=16)\n"
+            "    except ValueError as e:\n"
+            "        assert 'head_dim must be a positive int' in str(e), e\n"
+            "    else:\n"
+            "        raise AssertionError(name)\n"
+            "print('callable')\n")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "callable", run.stderr[-2000:]
