@@ -44,6 +44,12 @@ def _key(partial_out, partial_lse, out_dtype, out, out_lse):
 
 
 def _aliased(partial_out, partial_lse, out, out_lse) -> bool:
+    """Whether :func:`check_outputs` refuses the outputs; tensors of distinct storages share no
+    byte, which ~0.5 µs tells (the full check takes ~15 µs)."""
+    outs = [o.untyped_storage().data_ptr() for o in (out, out_lse) if o is not None]
+    if len(set(outs)) == len(outs) and not {partial_out.untyped_storage().data_ptr(),
+                                            partial_lse.untyped_storage().data_ptr()}.intersection(outs):
+        return False
     try:
         check_outputs(partial_out, partial_lse, out, out_lse)
     except ValueError:
