@@ -26,6 +26,7 @@ from cute_kernels.jit.spec import KernelConfig, normalize_target
 from cute_kernels.plans import hw, sm80, sm90_decode, sm100
 from cute_kernels.plans import quantize_query as qq_plan
 from cute_kernels.plans import write_kv_cache as kv_plan
+from cute_kernels.plans.args import check_positive_ints, check_sequence
 from cute_kernels.plans.merge_states import MergeStatesConfig
 from cute_kernels.plans.sm90_prefill import TWO_TERM_ID
 from cute_kernels.plans.sm100 import Sm100DecodeConfig
@@ -140,25 +141,25 @@ def prefill_config(layer, p, kv_form: str = "single") -> KernelConfig:
 
 def check_sizes(**sizes) -> None:
     """Each of ``sizes`` a positive Python int (``UnsupportedConfig`` naming it)."""
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UnsupportedConfig(f"{name} must be a positive int, got {value!r}")
+    try:
+        check_positive_ints(**sizes)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedConfig(str(e)) from None
 
 
 def check_variant_args(q_lens, kv_form, slot_dtypes) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The warm-up's enumeration arguments, named when wrong: ``q_lens`` a sequence of positive
-    ints, ``kv_form`` ``"single"`` / ``"pair"``, ``slot_dtypes`` a sequence of ``"int64"`` /
-    ``"int32"`` (a bare string would be read letter by letter)."""
-    if isinstance(q_lens, (str, bytes)) or not hasattr(q_lens, "__iter__"):
-        raise UnsupportedConfig(f"q_lens must be a sequence of positive ints, got {q_lens!r}")
-    q_lens = tuple(q_lens)
-    for q_len in q_lens:
-        check_sizes(q_lens=q_len)
+    """The warm-up's enumeration arguments, named when wrong (``UnsupportedConfig``): ``q_lens`` a
+    sequence of positive ints, ``kv_form`` ``"single"`` / ``"pair"``, ``slot_dtypes`` a sequence of
+    ``"int64"`` / ``"int32"`` (a bare string would be read letter by letter)."""
     if kv_form not in ("single", "pair"):
         raise UnsupportedConfig(f"kv_form must be 'single' or 'pair', got {kv_form!r}")
-    if isinstance(slot_dtypes, (str, bytes)) or not hasattr(slot_dtypes, "__iter__"):
-        raise UnsupportedConfig(f"slot_dtypes must be a sequence of 'int64' / 'int32', got {slot_dtypes!r}")
-    slot_dtypes = tuple(slot_dtypes)
+    try:
+        q_lens = check_sequence("q_lens", q_lens, "positive ints")
+        for q_len in q_lens:
+            check_positive_ints(q_lens=q_len)
+        slot_dtypes = check_sequence("slot_dtypes", slot_dtypes, "'int64' / 'int32'")
+    except (TypeError, ValueError) as e:
+        raise UnsupportedConfig(str(e)) from None
     if any(dt not in ("int64", "int32") for dt in slot_dtypes):
         raise UnsupportedConfig(f"slot_dtypes must hold 'int64' / 'int32', got {slot_dtypes!r}")
     return q_lens, slot_dtypes

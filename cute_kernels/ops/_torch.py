@@ -104,7 +104,7 @@ def overlap(a, b) -> bool:
     call interleaved but disjoint views overlapping."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.device != b.device:
         return False
-    if a.numel() == 0 or b.numel() == 0:
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
 
     def span(t):

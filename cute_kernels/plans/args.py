@@ -8,15 +8,29 @@ from collections.abc import Collection
 from typing import Any
 
 
-def check_layer_shape(*, head_dim: Any, num_q_heads: Any, num_kv_heads: Any, page_size: Any, **more: Any) -> None:
-    """Each size a positive Python int (bools refused), ``num_q_heads`` a multiple of
-    ``num_kv_heads``; ``ValueError`` / ``TypeError`` naming the argument."""
-    sizes = dict(head_dim=head_dim, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size, **more)
+def check_positive_ints(**sizes: Any) -> None:
+    """Each of ``sizes`` a positive Python int (bools refused); ``ValueError`` / ``TypeError``
+    naming it."""
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be a positive int, got {value!r}")
         if value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_sequence(name: str, values: Any, what: str) -> tuple:
+    """``values`` an iterable other than a bare string (which would be read letter by letter), as a
+    tuple; ``TypeError`` "``name`` must be a sequence of ``what``" otherwise."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of {what}, got {values!r}")
+    return tuple(values)
+
+
+def check_layer_shape(*, head_dim: Any, num_q_heads: Any, num_kv_heads: Any, page_size: Any, **more: Any) -> None:
+    """Each size a positive Python int (bools refused), ``num_q_heads`` a multiple of
+    ``num_kv_heads``; ``ValueError`` / ``TypeError`` naming the argument."""
+    check_positive_ints(head_dim=head_dim, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
+                        **more)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
 
@@ -24,9 +38,7 @@ def check_layer_shape(*, head_dim: Any, num_q_heads: Any, num_kv_heads: Any, pag
 def check_choices(name: str, values: Any, allowed: Collection) -> tuple:
     """``values`` a non-empty sequence (not a bare string, which would be read letter by letter)
     of members of ``allowed``; returned as a tuple."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise TypeError(f"{name} must be a sequence of {sorted(map(repr, allowed))}, got {values!r}")
-    values = tuple(values)
+    values = check_sequence(name, values, str(sorted(map(repr, allowed))))
     bad = [v for v in values if isinstance(v, bool) is not all(isinstance(a, bool) for a in allowed)
            or v not in allowed]
     if not values or bad:
