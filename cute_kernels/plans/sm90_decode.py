@@ -522,12 +522,12 @@ def compile_variants() -> list[Sm90DecodeConfig]:
     out.append(make_decode_config(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8, q_len=1,
                                   page_size=16, split=False, widen="bits"))
     # the cluster merge (DSMEM) of splits of up to 16 CTAs: FP8 sized for 3 CTAs per SM, BF16
-    for kv, occ in (("fp8_e4m3", 3), ("bf16", None)):
+    # (FP8 also with the opt-in cluster-wide sync after the mbarrier initialization)
+    for kv, occ, init_syncs in (("fp8_e4m3", 3, (False, True)), ("bf16", None, (False,))):
         sizing: dict[str, Any] = {"occupancy": occ} if occ else {}
-        out.append(make_decode_config(q_dtype="bf16", kv_dtype=kv, head_dim=128, group=8, q_len=1, page_size=16,
-                                      split=True, cluster=True, **sizing))
-    # ... and with the cluster-wide sync after the mbarrier initialization (opt-in)
-    out.append(dataclasses.replace(out[-2], cluster_init_sync=True))
+        cluster = make_decode_config(q_dtype="bf16", kv_dtype=kv, head_dim=128, group=8, q_len=1, page_size=16,
+                                     split=True, cluster=True, **sizing)
+        out += [dataclasses.replace(cluster, cluster_init_sync=s) for s in init_syncs]
     return out
 
 
