@@ -20,7 +20,8 @@ MAX_THREADS_PER_CTA = 1024
 H200_SMS = 132  # SMs of an H200 (and of an H100 SXM): the schedules' default machine
 WARPGROUP_WARPS = 4  # warps of one warpgroup, the unit of a WGMMA
 WGMMA_M = 64  # rows of one WGMMA (its M)
-MAX_CLUSTER = 16  # CTAs of one thread-block cluster (the non-portable limit; 8 is portable)
+PORTABLE_CLUSTER = 8  # CTAs of one thread-block cluster that every launch may ask for
+MAX_CLUSTER = 16  # CTAs of one thread-block cluster with the non-portable size allowed (SM90)
 MAX_GRID_Y = 65535  # the largest grid extent in y (and z)
 
 

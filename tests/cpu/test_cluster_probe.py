@@ -66,3 +66,17 @@ def test_case_compiles_with_its_instructions(name):
     if compiled.sass is not None:
         assert "STL" not in compiled.sass and "LDL" not in compiled.sass
         assert re.search(r"\bUCGABAR_ARV\b", compiled.sass) and re.search(r"\bUCGABAR_WAIT\b", compiled.sass)
+
+
+def test_synccheck_tool_limit_is_the_mbarrier_cases_past_the_portable_cluster():
+    # the sanitizer tier expects these to fail under synccheck (docs/design/sm90-decode.md#cluster-merge-exit)
+    assert cp.SYNCCHECK_TOOL_LIMIT == {"init-cta-sync-16", "init-cluster-sync-16"}
+
+
+def test_decode_synccheck_tool_limit_names_its_16_cta_cases():
+    from profiling import sanitize_decode as sd
+
+    assert sd.SYNCCHECK_TOOL_LIMIT <= set(sd.CASES)
+    # the 4- and 8-CTA cluster cases stay in the synccheck verdict
+    assert not {"fp8-cluster8", "past-table-cluster"} & sd.SYNCCHECK_TOOL_LIMIT
+    assert {"fp8-cluster16", "fp8-b1-ctx1000-schedule"} <= sd.SYNCCHECK_TOOL_LIMIT

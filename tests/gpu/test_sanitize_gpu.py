@@ -24,7 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from profiling.cluster_probe import CASES as PROBE_CASES
+from profiling.cluster_probe import SYNCCHECK_TOOL_LIMIT as PROBE_TOOL_LIMIT
 from profiling.sanitize_decode import CASES as DECODE_CASES
+from profiling.sanitize_decode import SYNCCHECK_TOOL_LIMIT as DECODE_TOOL_LIMIT
 from profiling.sanitizer_reports import benign_union_races, reported_errors
 
 from .conftest import sm90_only
@@ -39,10 +42,17 @@ DRIVERS = {
     "prefill-16": ("smoke_prefill", ["--only", "q_dtype=bf16,kv_dtype=bf16"], "smoke ok"),
     "prefill-widen": ("smoke_prefill", ["--only", "q_dtype=bf16,kv_dtype=fp8"], "smoke ok"),
     "prefill-fp8q": ("smoke_prefill", ["--only", "q_dtype=fp8"], "smoke ok"),
+    "probe": ("cluster_probe", [], "probe run finished"),
 }
 TOOLS = ["memcheck", "racecheck", "synccheck", "initcheck"]
-PER_CASE = {("synccheck", "decode")}  # (tool, driver) run one named case per process
+PER_CASE = {("synccheck", "decode"), ("synccheck", "probe")}  # (tool, driver) run one named case per process
+CASES = {"decode": DECODE_CASES, "probe": PROBE_CASES}
+# synccheck cannot check a TMA + mbarrier pipeline in a 16-CTA (non-portable) cluster: the probe's
+# smallest such launch gets the decode's report, with and without the cluster-wide init sync
+# (docs/design/sm90-decode.md#cluster-merge-exit); expected to fail, reported if the tool passes them
+TOOL_LIMIT = {("synccheck", "decode", c) for c in DECODE_TOOL_LIMIT} | {("synccheck", "probe", c) for c in PROBE_TOOL_LIMIT}
 TIMEOUT = int(os.environ.get("CUTE_KERNELS_SANITIZE_TIMEOUT", "1800"))
+LIMIT_TIMEOUT = 300  # the tool-limited cases: one did not finish in 100 s under synccheck
 
 
 def _sanitizer() -> str | None:
@@ -111,13 +121,26 @@ def test_sanitizer_is_clean(sanitizer, env, compiled, driver, tool):
     _check(tool, driver, res, driver)
 
 
-@pytest.mark.parametrize("case", list(DECODE_CASES))
-@pytest.mark.parametrize("tool", sorted(t for t, d in PER_CASE if d == "decode"))
-def test_sanitizer_per_case(sanitizer, env, compiled, tool, case):
-    """One case of the decode driver in its own process, each launch blocking, so the log's last
-    ``case NAME: CALL`` line is the call that failed."""
-    rc, log = compiled["decode"]
-    assert rc == 0, f"decode fails without a sanitizer:\n{log}"
-    res = subprocess.run(command(tool, "decode", sanitizer, case), cwd=ROOT, env=dict(env, CUDA_LAUNCH_BLOCKING="1"),
-                         capture_output=True, text=True, timeout=TIMEOUT)
-    _check(tool, "decode", res, f"decode --case {case}")
+def _per_case_params():
+    for tool, driver in sorted(PER_CASE):
+        for case in CASES[driver]:
+            marks = ()
+            if (tool, driver, case) in TOOL_LIMIT:
+                marks = pytest.mark.xfail(reason="synccheck with a 16-CTA cluster pipeline: "
+                                          "docs/design/sm90-decode.md#cluster-merge-exit", strict=False)
+            yield pytest.param(tool, driver, case, marks=marks, id=f"{tool}-{driver}-{case}")
+
+
+@pytest.mark.parametrize(("tool", "driver", "case"), list(_per_case_params()))
+def test_sanitizer_per_case(sanitizer, env, compiled, tool, driver, case):
+    """One case of a driver in its own process, each launch blocking, so the log's last
+    ``case NAME: ...`` line is the call that failed."""
+    rc, log = compiled[driver]
+    assert rc == 0, f"{driver} fails without a sanitizer:\n{log}"
+    limited = (tool, driver, case) in TOOL_LIMIT
+    try:
+        res = subprocess.run(command(tool, driver, sanitizer, case), cwd=ROOT, env=dict(env, CUDA_LAUNCH_BLOCKING="1"),
+                             capture_output=True, text=True, timeout=LIMIT_TIMEOUT if limited else TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{tool} on {driver} --case {case}: no end within {exc.timeout} s")
+    _check(tool, driver, res, f"{driver} --case {case}")
