@@ -34,7 +34,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     # cute-kernels bench decode's first shape (Qwen3-30B B8 at 32000 tokens, FP8 cache)
     "decode": dict(B=8, ctx=32000, Hq=32, Hkv=4, D=128, page=16, kv="fp8", q_len=1),
     # cute-kernels bench prefill's first shape: B requests of `new` tokens after a cached `prefix`
-    "prefill": dict(B=1, prefix=0, new=4096, Hq=32, Hkv=8, D=128, page=16, kv="bf16"),
+    # q: the query's dtype: bf16, or fp8 / fp8x2 (one / two e4m3 terms, per-tensor q_scale; FP8 cache only)
+    "prefill": dict(B=1, prefix=0, new=4096, Hq=32, Hkv=8, D=128, page=16, kv="bf16", q="bf16"),
     # cute-kernels bench qsa: Hq 24, Hkv 2, D 256, page 1568; decode rows or 1 x n prefill tokens
     "qsa": dict(kind="decode", n=64, kv="bf16", selection="correlated", gate=1),
     # cute-kernels bench merge: S splits of N rows x H heads x D
@@ -42,6 +43,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     # cute-kernels bench layer's decode step (Qwen3-30B B8 at 32000 tokens, FP8 cache)
     "layer": dict(B=8, ctx=32000, Hq=32, Hkv=4, D=128, page=16, kv="fp8"),
 }
+#: the values a text key takes, where it has a fixed set
+CHOICES: dict[str, tuple[str, ...]] = {"kv": ("bf16", "fp8"), "q": ("bf16", "fp8", "fp8x2"),
+                                       "kind": ("decode", "prefill")}
 
 
 def parse_shape(what: str, text: str | None) -> dict[str, Any]:
@@ -60,6 +64,10 @@ def parse_shape(what: str, text: str | None) -> dict[str, Any]:
                 raise ValueError(f"--shape: {key} must be an integer, got {value!r}") from None
         else:
             shape[key] = value.strip()
+            if key in CHOICES and shape[key] not in CHOICES[key]:
+                raise ValueError(f"--shape: {key} must be one of {', '.join(CHOICES[key])}, got {shape[key]!r}")
+    if shape.get("q", "bf16") != "bf16" and shape.get("kv") != "fp8":
+        raise ValueError(f"--shape: q={shape['q']} (an FP8 query) needs kv=fp8")
     return shape
 
 

@@ -54,9 +54,7 @@ def _qsa(shape: dict, g) -> Callable[[], Any]:
     from .qsa import Problem, problem_geometry
 
     kv = torch.float8_e4m3fn if shape["kv"] == "fp8" else torch.bfloat16
-    prefill = shape["kind"] == "prefill"
-    if shape["kind"] not in ("decode", "prefill"):
-        raise ValueError(f"--shape: kind must be decode or prefill, got {shape['kind']!r}")
+    prefill = shape["kind"] == "prefill"  # parse_shape took kind from ncu.CHOICES
     problem = Problem(**problem_geometry(shape["kind"], shape["n"]), kv_dtype=kv, copies=1, seed=shape["n"],
                       selection=shape["selection"] if prefill else "independent", use_gate=bool(shape["gate"]))
     return lambda: problem.call(0, prefill)
@@ -87,6 +85,7 @@ def _prefill(shape: dict, g) -> Callable[[], Any]:
     import torch
 
     import cute_kernels
+    from cute_kernels.reference import FP8_MAX
     from cute_kernels.testing import make_paged_prefill_case
 
     kv = torch.float8_e4m3fn if shape["kv"] == "fp8" else torch.bfloat16
@@ -94,10 +93,15 @@ def _prefill(shape: dict, g) -> Callable[[], Any]:
     case = make_paged_prefill_case(reqs=[(shape["prefix"], shape["new"])] * shape["B"], num_q_heads=shape["Hq"],
                                    num_kv_heads=shape["Hkv"], head_dim=shape["D"], page_size=shape["page"],
                                    kv_dtype=kv, generator=g, poison_tail=False, **scales)
+    q, extra = case.q, {}
+    if shape["q"] != "bf16":  # the FP8-query kinds, quantized as bench prefill's ours_fp8q / ours_fp8x2
+        q_scale = float(case.q.float().abs().amax()) / FP8_MAX
+        q, q_lo = cute_kernels.quantize_query(case.q, q_scale, residual=True)
+        extra = dict(q_scale=q_scale, **(dict(q_residual=q_lo) if shape["q"] == "fp8x2" else {}))
     out = torch.empty_like(case.q)
-    return lambda: cute_kernels.paged_prefill(case.q, case.kv_cache, case.block_table, case.seq_lens,
+    return lambda: cute_kernels.paged_prefill(q, case.kv_cache, case.block_table, case.seq_lens,
                                               case.query_start_loc, max_query_len=case.max_query_len, out=out,
-                                              **case.kwargs())
+                                              **extra, **case.kwargs())
 
 
 BUILDERS: dict[str, Callable[[dict, Any], Callable[[], Any]]] = {

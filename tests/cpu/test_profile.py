@@ -149,6 +149,18 @@ def test_parse_shape():
     assert set(ncu.SHAPES) == set(ncu.OPS) == set(prof.NEEDS) == set(prof.BUILDERS)
 
 
+def test_parse_shape_text_keys_take_their_choices():
+    assert ncu.parse_shape("prefill", "kv=fp8,q=fp8x2")["q"] == "fp8x2"
+    with pytest.raises(ValueError, match="kv must be one of bf16, fp8, got 'fp16'"):
+        ncu.parse_shape("decode", "kv=fp16")
+    with pytest.raises(ValueError, match="q must be one of bf16, fp8, fp8x2"):
+        ncu.parse_shape("prefill", "kv=fp8,q=e5m2")
+    with pytest.raises(ValueError, match="q=fp8 .* needs kv=fp8"):
+        ncu.parse_shape("prefill", "q=fp8")
+    with pytest.raises(ValueError, match="kind must be one of decode, prefill"):
+        ncu.parse_shape("qsa", "kind=both")
+
+
 def _one_line(capsys) -> str:
     out, err = capsys.readouterr()
     assert out == "" and "Traceback" not in err
