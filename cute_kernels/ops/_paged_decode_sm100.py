@@ -100,7 +100,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q
     B = check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len)
     out_dtype = torch.bfloat16 if q.dtype == FP8 else q.dtype
     if out is not None:
-        check_tensor("out", out, dtype=out_dtype, shape=(T, Hq, D), device=device)
+        check_tensor("out", out, dtype=out_dtype, shape=(T, Hq, D), device=device, output=True)
     ks_t = check_scale("k_scale", k_scale, device=device)
     vs_t = check_scale("v_scale", v_scale, device=device)
     qs_t = q_scale is not None and check_scale("q_scale", q_scale, device=device)

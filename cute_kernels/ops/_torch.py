@@ -65,8 +65,10 @@ def check_tensor(
     device: torch.device | None = None,
     last_dim_contiguous: bool = True,
     align_bytes: int = 0,
+    output: bool = False,
 ):
-    """Validate one tensor argument; ``shape`` entries may be None (any extent)."""
+    """Validate one tensor argument; ``shape`` entries may be None (any extent). ``output``: the
+    op writes it, so no two of its elements may share memory (:func:`self_overlapping`)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtype is not None:
@@ -84,6 +86,10 @@ def check_tensor(
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    if output and self_overlapping(t):
+        raise ValueError(f"{name} must not overlap itself (an output whose elements share memory, e.g. an expand()ed "
+                         f"or stride-0 view: parallel writes to one address race), got shape {tuple(t.shape)} "
+                         f"strides {t.stride()}")
     if align_bytes:
         esize = t.element_size()
         if t.data_ptr() % align_bytes:
@@ -95,6 +101,44 @@ def check_tensor(
                     f"{align_bytes} bytes"
                 )
     return t
+
+
+def self_overlapping(t) -> bool:
+    """Whether two elements of ``t`` share memory (a stride-0 dim of extent > 1, an as_strided
+    view folding onto itself). Exact: a layout whose strides each exceed the span of the smaller
+    ones (every dense or sliced view) answers at once; others search for a nonzero index offset
+    ``sum_d j_d * stride_d == 0``, conservatively True past a budget."""
+    dims = sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    if not dims:
+        return False
+    if dims[0][0] == 0:
+        return True
+    reach = 0  # the largest offset the smaller dims span
+    for st, n in dims:
+        if st <= reach:
+            break
+        reach += (n - 1) * st
+    else:
+        return False
+    dims.reverse()
+    reach_from = [0] * (len(dims) + 1)
+    for i in range(len(dims) - 1, -1, -1):
+        reach_from[i] = reach_from[i + 1] + (dims[i][1] - 1) * dims[i][0]
+    budget = [4096]
+
+    def hit(i: int, rest: int, moved: bool) -> bool:
+        if i == len(dims):
+            return rest == 0 and moved
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        st, n = dims[i]
+        # the first nonzero offset may be taken positive (j and -j give the same pair of elements)
+        lo = max(-(n - 1) if moved else 0, -((reach_from[i + 1] - rest) // st))
+        hi = min(n - 1, (rest + reach_from[i + 1]) // st)
+        return any(hit(i + 1, rest - j * st, moved or j != 0) for j in range(lo, hi + 1))
+
+    return hit(0, 0, False)
 
 
 def overlap(a, b) -> bool:

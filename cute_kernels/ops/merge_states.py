@@ -63,14 +63,14 @@ def _prepare(partial_out, partial_lse, out_dtype, out, out_lse) -> _Launch:
     S, N, H, D = partial_out.shape
     check_tensor("partial_lse", partial_lse, dtype=torch.float32, shape=(S, N, H), device=partial_out.device)
     if out is not None:
-        check_tensor("out", out, dtype=_OUT_DTYPES, shape=(N, H, D), device=partial_out.device)
+        check_tensor("out", out, dtype=_OUT_DTYPES, shape=(N, H, D), device=partial_out.device, output=True)
         dt = out.dtype
     else:
         dt = out_dtype or torch.float32
         if dt not in _OUT_DTYPES:
             raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {dt}")
     if out_lse is not None:
-        check_tensor("out_lse", out_lse, dtype=torch.float32, shape=(N, H), device=partial_out.device)
+        check_tensor("out_lse", out_lse, dtype=torch.float32, shape=(N, H), device=partial_out.device, output=True)
     if D == 0:
         raise ValueError(f"partial_out must have a head dim >= 1, got shape {tuple(partial_out.shape)}")
     check_outputs(partial_out, partial_lse, out, out_lse)

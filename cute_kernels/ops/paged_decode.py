@@ -144,14 +144,15 @@ def _key(q, k, v, pair, block_table, kv_layout, q_len, sm_scale, k_scale, v_scal
     the compiled function checks on every call (TVM-FFI): the dtypes of the other tensors, shapes
     tied to the query's or the cache's by a shared extent (seq_lens, out, V), every device against
     the query's, pointer and stride alignment. A call that fails one of those checks is validated
-    in full by :func:`_prepare`, whose error names the argument (see :func:`paged_decode`). The
+    in full by :func:`_prepare`, whose error names the argument (see :func:`paged_decode`);
+    ``out``'s strides are in the key (a self-overlapping view is refused there, not by TVM-FFI). The
     current device decides whether the launch runs in a device guard (:mod:`._device`)."""
     # type(), not isinstance(): torch.Tensor's metaclass makes isinstance slow. A float scale's
     # value is checked per call by the caller; a tensor scale's rank too (a 1-element tensor of
     # another rank, 0-d included, goes to the kernel as a [1] view)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
-            kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), out is None, return_lse, num_splits,
-            deterministic, _launcher.override_key, type(q_scale), window_left, sinks is None, stream_id(q),
+            kv_layout, q_len, sm_scale, type(k_scale), type(v_scale), None if out is None else out.stride(), return_lse,
+            num_splits, deterministic, _launcher.override_key, type(q_scale), window_left, sinks is None, stream_id(q),
             caller_ws.workspace_key(workspace), current_device() if q.is_cuda else -1)
 
 
@@ -214,7 +215,7 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
             raise ValueError(f"q must have contiguous heads (stride(-2) == head_dim {D}), got strides {q.stride()}")
         check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len, cache_dtypes=(FP8, q.dtype, k.dtype))
         if out is not None:
-            check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=q.device)
+            check_tensor("out", out, dtype=q.dtype, shape=(T, Hq, D), device=q.device, output=True)
     elif backend is not None:
         raise ValueError(f"backend={backend!r} takes no FP8 query")
     else:  # sm100.decode, else the reference: checked as the target's 16-bit call (a typo fails alike)

@@ -124,13 +124,14 @@ def _key(q, k, pair, block_table, query_start_loc, kv_layout, causal, sm_scale, 
     tensor of any rank goes to the kernel as a ``[1]`` view) and the shape of a tensor ``q_scale``
     (one element or per KV head: another variant). Left to the compiled function's own checks:
     the other tensors' dtypes, extents tied by name to the query's or the cache's (V, seq_lens,
-    out...), devices, alignment. ``query_start_loc``'s extent is tied to nothing, so its shape is
+    out...), devices, alignment. ``out``'s strides are in it: a view whose elements share memory
+    (stride 0) is refused by the validation, which a compiled function would not do. ``query_start_loc``'s extent is tied to nothing, so its shape is
     in the key, and the current device (a launch off it runs in a device guard: :mod:`._device`)."""
     # type(), not isinstance(): torch.Tensor's metaclass makes isinstance slow
     qs = q_scale.shape if type(q_scale) is torch.Tensor else type(q_scale)
     return (q.shape, q.stride(), q.dtype, q.device, pair, k.shape, k.stride(), k.dtype, block_table.shape,
             query_start_loc.shape, kv_layout, causal, type(causal), sm_scale, qs, type(k_scale), type(v_scale),
-            None if out is None else out.dtype, return_lse, type(return_lse), _launcher.override_key,
+            None if out is None else (out.dtype, out.stride()), return_lse, type(return_lse), _launcher.override_key,
             window_left == -1, type(window_left), sinks is None, q_residual is None,
             current_device() if q.is_cuda else -1)
 
@@ -203,7 +204,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     _check_max_query_len(max_query_len, T, B)
     out_dtypes = (torch.bfloat16, torch.float16) if q.dtype == FP8 else (q.dtype,)
     if out is not None:
-        check_tensor("out", out, dtype=out_dtypes, shape=(T, Hq, D), device=device)
+        check_tensor("out", out, dtype=out_dtypes, shape=(T, Hq, D), device=device, output=True)
     out_dtype = out_dtypes[0] if out is None else out.dtype
     _check_window_sinks(window_left, sinks, Hq, device)
     features = window_left != -1 or sinks is not None  # the portable kernel has neither

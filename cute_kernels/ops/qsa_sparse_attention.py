@@ -151,7 +151,7 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _La
     if not isinstance(prefill, bool):
         raise TypeError(f"prefill must be a bool, got {type(prefill).__name__}")
     if out is not None:
-        check_tensor("out", out, dtype=q.dtype, shape=(rows, Hq, D), device=q.device)
+        check_tensor("out", out, dtype=q.dtype, shape=(rows, Hq, D), device=q.device, output=True)
     if gate is not None:
         check_tensor("output_gate", gate, dtype=q.dtype, shape=(rows, Hq, D), device=q.device)
     scale_tensors = dict(k_scale_tensor=check_scale("k_scale", k_scale, device=q.device),

@@ -109,7 +109,7 @@ def _validate(q, q_scale, out, rope):
     T, Hq, D = q.shape
     scale_tensor = check_scale("q_scale", q_scale, device=q.device, num_q_heads=Hq)
     if out is not None:
-        check_tensor("out", out, dtype=FP8, shape=(T, Hq, D), device=q.device)
+        check_tensor("out", out, dtype=FP8, shape=(T, Hq, D), device=q.device, output=True)
     if rope is not None:
         rope = _check_rope(rope, q)
     return scale_tensor, rope
@@ -275,7 +275,8 @@ def _torch_ops(q, q_scale, out, rope, residual_out) -> tuple[Tensor, Tensor]:
     :func:`cute_kernels.reference.query_residual` (torch ops on q's device, no host sync)."""
     hi = quantize_query(q, q_scale, out=out, rope=rope)  # validates q, q_scale, out and rope
     if residual_out is not None:
-        check_tensor("residual_out", residual_out, dtype=FP8, shape=tuple(q.shape), device=q.device)
+        check_tensor("residual_out", residual_out, dtype=FP8, shape=tuple(q.shape), device=q.device,
+                     output=True)
     lo = reference.query_residual(q, q_scale, hi, rope=rope)
     if residual_out is None:
         return hi, lo
@@ -290,7 +291,8 @@ def _prepare_two(q, q_scale, out, rope, residual_out) -> _Launch:
     fused residual variant."""
     scale_tensor, rope = _validate(q, q_scale, out, rope)
     if residual_out is not None:
-        check_tensor("residual_out", residual_out, dtype=FP8, shape=tuple(q.shape), device=q.device)
+        check_tensor("residual_out", residual_out, dtype=FP8, shape=tuple(q.shape), device=q.device,
+                     output=True)
     if not q.is_cuda:
         make_config(q, scale_tensor, out, rope, residual=True, residual_out=residual_out)  # limits on CPU too
         return _REFERENCE

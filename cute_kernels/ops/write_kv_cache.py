@@ -51,7 +51,7 @@ def _cache_geometry(kv_cache, kv_layout: str, device) -> tuple[bool, tuple, list
         k, v = kv_cache
         for name, t in (("k_cache", k), ("v_cache", v)):
             _check_cache_dtype(name, t)
-            check_tensor(name, t, ndim=4, device=device)
+            check_tensor(name, t, ndim=4, device=device, output=True)
         if k.shape != v.shape or k.dtype != v.dtype:
             raise ValueError(f"k_cache and v_cache must match, got {tuple(k.shape)} {k.dtype} / "
                              f"{tuple(v.shape)} {v.dtype}")
@@ -60,7 +60,7 @@ def _cache_geometry(kv_cache, kv_layout: str, device) -> tuple[bool, tuple, list
         shape4, tensors = tuple(k.shape), [k, v]
     else:
         _check_cache_dtype("kv_cache", kv_cache)
-        check_tensor("kv_cache", kv_cache, ndim=5, device=device)
+        check_tensor("kv_cache", kv_cache, ndim=5, device=device, output=True)
         if kv_cache.shape[1] != 2:
             raise ValueError(f"kv_cache must be [P, 2, ...] (K and V), got shape {tuple(kv_cache.shape)}")
         s = kv_cache.shape

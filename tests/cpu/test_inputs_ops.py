@@ -1,0 +1,123 @@
+"""Bad inputs of the public ops on CPU tensors get the error the GPU path gives (docs/design/inputs.md):
+
+- an output whose elements share memory (an ``expand()``-ed or stride-0 view, an ``as_strided``
+  view folding onto itself) is refused naming it, before anything is written, by every op that
+  writes one; the launch keys of ``paged_prefill`` / ``paged_decode`` hold ``out``'s strides, so a
+  cached launch never takes one either;
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import cute_kernels
+from cute_kernels.ops import paged_decode as decode_op
+from cute_kernels.ops import paged_prefill as prefill_op
+from cute_kernels.ops._torch import self_overlapping
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+I32 = torch.int32
+
+
+def _attention_case(seed=0):
+    """A decode batch (3 requests, one row each) and a prefill batch (rows 5, 1, 7) on one cache."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(12, 2, 2, 16, 64, generator=g).to(BF16)
+    bt = torch.randperm(12, generator=g)[:12].view(3, 4).to(I32)
+    q_dec = torch.randn(3, 8, 64, generator=g).to(BF16)
+    sl_dec = torch.tensor([61, 1, 18], dtype=I32)
+    q_pre = torch.randn(13, 8, 64, generator=g).to(BF16)
+    sl_pre = torch.tensor([15, 4, 27], dtype=I32)
+    qsl = torch.tensor([0, 5, 6, 13], dtype=I32)
+    return kv, bt, q_dec, sl_dec, q_pre, sl_pre, qsl
+
+
+# ----------------------------------------------------------------------------------------------
+# outputs that overlap themselves
+# ----------------------------------------------------------------------------------------------
+
+
+def test_self_overlapping_is_exact_on_small_layouts():
+    """The check against a brute-force count of distinct offsets, on random shapes and strides
+    (stride 0, interleaved and folded layouts included); seed printed to replay."""
+    seed = 1234
+    rnd = random.Random(seed)
+    base = torch.empty(4096)
+    for _ in range(2000):
+        shape = [rnd.randint(1, 5) for _ in range(rnd.randint(1, 4))]
+        strides = [rnd.randint(0, 9) for _ in shape]
+        t = base.as_strided(shape, strides)
+        offsets = [sum(i * s for i, s in zip(idx, strides)) for idx in itertools.product(*map(range, shape))]
+        assert self_overlapping(t) == (len(set(offsets)) != len(offsets)), (seed, shape, strides)
+    assert not self_overlapping(torch.empty(5, 8)[:, ::2])  # a strided slice: disjoint elements
+    assert not self_overlapping(torch.empty(0, 4).expand(0, 4))  # no elements
+    assert self_overlapping(torch.empty(1, 4).expand(5, 4))
+
+
+def _expanded(shape, dtype):
+    return torch.empty((1, *shape[1:]), dtype=dtype).expand(shape)
+
+
+def _self_overlapping_outputs():
+    kv, bt, q_dec, sl_dec, q_pre, sl_pre, qsl = _attention_case()
+    g = torch.Generator().manual_seed(5)
+    po, pl = torch.randn(3, 5, 4, 64, generator=g), torch.randn(3, 5, 4, generator=g)
+    key = torch.randn(5, 2, 64, generator=g).to(BF16)
+    slots = torch.tensor([0, 3, 17, -1, 40], dtype=I32)
+    return [
+        ("paged_prefill out", "out", lambda: cute_kernels.paged_prefill(
+            q_pre, kv, bt, sl_pre, qsl, out=_expanded((13, 8, 64), BF16))),
+        ("paged_decode out", "out", lambda: cute_kernels.paged_decode(
+            q_dec, kv, bt, sl_dec, out=_expanded((3, 8, 64), BF16))),
+        ("merge_states out", "out", lambda: cute_kernels.merge_states(po, pl, out=_expanded((5, 4, 64), torch.float32))),
+        ("merge_states out_lse", "out_lse", lambda: cute_kernels.merge_states(
+            po, pl, out_lse=torch.empty(1, 4).expand(5, 4))),
+        ("quantize_query out", "out", lambda: cute_kernels.quantize_query(q_dec, 0.5, out=_expanded((3, 8, 64), FP8))),
+        ("quantize_query residual_out", "residual_out", lambda: cute_kernels.quantize_query(
+            q_dec, 0.5, residual=True, residual_out=_expanded((3, 8, 64), FP8))),
+        ("write_kv_cache kv_cache", "kv_cache", lambda: cute_kernels.write_kv_cache(
+            key, key, _expanded((4, 2, 2, 16, 64), BF16), slots)),
+        ("write_kv_cache k_cache", "k_cache", lambda: cute_kernels.write_kv_cache(
+            key, key, (_expanded((4, 2, 16, 64), BF16), torch.zeros(4, 2, 16, 64, dtype=BF16)), slots)),
+        # a page stride shorter than a page: pages folded onto each other
+        ("write_kv_cache folded pages", "kv_cache", lambda: cute_kernels.write_kv_cache(
+            key, key, torch.zeros(4 * 2 * 2 * 16 * 64, dtype=BF16).as_strided(
+                (4, 2, 2, 16, 64), (2 * 16 * 64, 2 * 2 * 16 * 64, 16 * 64, 64, 1)), slots)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_self_overlapping_outputs())),
+                         ids=[name for name, _, _ in _self_overlapping_outputs()])
+def test_an_output_overlapping_itself_is_refused_naming_it(case):
+    """Parallel writes to one address race on the GPU (and torch refuses the reference's copy with
+    a raw RuntimeError): a ValueError naming the output, on every device."""
+    _, arg, call = _self_overlapping_outputs()[case]
+    with pytest.raises(ValueError, match=rf"^{arg} must not overlap itself"):
+        call()
+
+
+def test_qsa_output_overlapping_itself_is_refused():
+    from tests.cpu.test_qsa_reference import make_qsa_case
+
+    case = make_qsa_case(rows=6, num_q_heads=8, num_kv_heads=2, head_dim=64, page=16, num_reqs=2)
+    case.pop("meta")
+    with pytest.raises(ValueError, match=r"^out must not overlap itself"):
+        cute_kernels.qsa_sparse_attention(**case, prefill=False, out=_expanded((6, 8, 64), BF16))
+
+
+def test_attention_launch_keys_hold_the_output_strides():
+    """A launch prepared for one ``out`` layout is not reused for a stride-0 ``out`` (the compiled
+    function checks shapes and dtypes, not self-overlap): the keys differ."""
+    kv, bt, q_dec, sl_dec, q_pre, sl_pre, qsl = _attention_case()
+    dense, folded = torch.empty(3, 8, 64, dtype=BF16), _expanded((3, 8, 64), BF16)
+    keys = [decode_op._key(q_dec, kv, kv, False, bt, "HND", 1, None, 1.0, 1.0, o, False, None, True)
+            for o in (dense, folded, None)]
+    assert len(set(keys)) == 3
+    dense, folded = torch.empty(13, 8, 64, dtype=BF16), _expanded((13, 8, 64), BF16)
+    keys = [prefill_op._key(q_pre, kv, False, bt, qsl, "HND", True, None, None, 1.0, 1.0, o, False)
+            for o in (dense, folded, None)]
+    assert len(set(keys)) == 3
