@@ -75,6 +75,27 @@ def check_features(q, k, q_scale, sinks, window_left) -> None:
         check_tensor("sinks", sinks, dtype=torch.float32, shape=(q.shape[1],), device=q.device)
 
 
+def check_call(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, out) -> tuple[int, int, int, torch.dtype]:
+    """The kernel's geometry and tensors (head dim, page size, GQA, dtypes, shapes, devices, 16-byte
+    alignment, ``out``): ``(B, Hkv, page, out dtype)``. ``paged_decode`` runs it for every FP8 query
+    whatever serves it (this kernel, the reference on other archs and for CPU tensors), so code that
+    passes on one device passes on another."""
+    T, Hq, D = q.shape
+    k4 = k if pair else k[:, 0]
+    Hkv, page = (k4.shape[1], k4.shape[2]) if kv_layout == "HND" else (k4.shape[2], k4.shape[1])
+    if D not in DECODE_LIMITS["head_dims"]:
+        raise ValueError(f"head_dim must be one of {DECODE_LIMITS['head_dims']}, got {D}")
+    if page not in DECODE_LIMITS["page_sizes"]:
+        raise ValueError(f"page size must be one of {DECODE_LIMITS['page_sizes']}, got {page}")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"num q heads ({Hq}) must be a multiple of num kv heads ({Hkv})")
+    B = check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len)
+    out_dtype = torch.bfloat16 if q.dtype == FP8 else q.dtype
+    if out is not None:
+        check_tensor("out", out, dtype=out_dtype, shape=(T, Hq, D), device=q.device, output=True)
+    return B, Hkv, page, out_dtype
+
+
 def prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q_scale, k_scale, v_scale, out,
             num_splits, sinks, workspace=None) -> Sm100Decode | None:
     """Validation of the rest and kernel selection for one key; None when the variant's MMA family
@@ -89,18 +110,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q
              num_splits, sinks, workspace=None) -> Sm100Decode:
     T, Hq, D = q.shape
     device = q.device
-    k4 = k if pair else k[:, 0]
-    Hkv, page = (k4.shape[1], k4.shape[2]) if kv_layout == "HND" else (k4.shape[2], k4.shape[1])
-    if D not in DECODE_LIMITS["head_dims"]:
-        raise ValueError(f"head_dim must be one of {DECODE_LIMITS['head_dims']}, got {D}")
-    if page not in DECODE_LIMITS["page_sizes"]:
-        raise ValueError(f"page size must be one of {DECODE_LIMITS['page_sizes']}, got {page}")
-    if Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"num q heads ({Hq}) must be a multiple of num kv heads ({Hkv})")
-    B = check_paged_tensors(q, k, v, pair, block_table, seq_lens, q_len)
-    out_dtype = torch.bfloat16 if q.dtype == FP8 else q.dtype
-    if out is not None:
-        check_tensor("out", out, dtype=out_dtype, shape=(T, Hq, D), device=device, output=True)
+    B, Hkv, page, out_dtype = check_call(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, out)
     ks_t = check_scale("k_scale", k_scale, device=device)
     vs_t = check_scale("v_scale", v_scale, device=device)
     qs_t = q_scale is not None and check_scale("q_scale", q_scale, device=device)

@@ -220,6 +220,7 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
         raise ValueError(f"backend={backend!r} takes no FP8 query")
     else:  # sm100.decode, else the reference: checked as the target's 16-bit call (a typo fails alike)
         check_tuning_override(decode_kernel(target, "bf16", "bf16").id, _launcher.override)
+        sm100.check_call(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, out)  # its tensors, on every path
     return scale, P, Hkv, page, ks_t, vs_t, info
 
 

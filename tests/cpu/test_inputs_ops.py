@@ -4,6 +4,9 @@
   view folding onto itself) is refused naming it, before anything is written, by every op that
   writes one; the launch keys of ``paged_prefill`` / ``paged_decode`` hold ``out``'s strides, so a
   cached launch never takes one either;
+- ``paged_decode`` with an FP8 query checks its tensors as the kernel that takes one
+  (``sm100.decode``) does, whichever path serves the call (CPU tensors and SM90 run the
+  reference): block table and lengths, head dim, page size, ``out`` (bf16, the query's shape);
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pytest
 import torch
 
 import cute_kernels
+from cute_kernels import reference
 from cute_kernels.ops import paged_decode as decode_op
 from cute_kernels.ops import paged_prefill as prefill_op
 from cute_kernels.ops._torch import self_overlapping
@@ -121,3 +125,50 @@ def test_attention_launch_keys_hold_the_output_strides():
     keys = [prefill_op._key(q_pre, kv, False, bt, qsl, "HND", True, None, None, 1.0, 1.0, o, False)
             for o in (dense, folded, None)]
     assert len(set(keys)) == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# paged_decode with an FP8 query
+# ----------------------------------------------------------------------------------------------
+
+
+def _fp8_decode_case():
+    kv, bt, q, sl, *_ = _attention_case(seed=7)
+    return q.to(FP8), kv.to(FP8), bt, sl
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda q, kv, bt, sl: dict(block_table=bt.long()), TypeError, r"^block_table must have dtype int32"),
+    (lambda q, kv, bt, sl: dict(seq_lens=sl.float()), TypeError, r"^seq_lens must have dtype int32"),
+    (lambda q, kv, bt, sl: dict(seq_lens=sl[:2]), ValueError, r"^seq_lens must have shape \[3\]"),
+    (lambda q, kv, bt, sl: dict(q_len_per_req=2), ValueError, r"^q has 3 rows; expected batch 3 x q_len_per_req 2"),
+    (lambda q, kv, bt, sl: dict(q=torch.randn(3, 8, 96).to(FP8), kv_cache=torch.randn(12, 2, 2, 16, 96).to(FP8)),
+     ValueError, r"^head_dim must be one of"),
+    (lambda q, kv, bt, sl: dict(kv_cache=torch.randn(12, 2, 2, 8, 64).to(FP8)), ValueError, r"^page size must be one of"),
+    (lambda q, kv, bt, sl: dict(out=torch.empty(3, 8, 64)), TypeError, r"^out must have dtype bfloat16"),
+    (lambda q, kv, bt, sl: dict(out=torch.empty(3, 8, 64, dtype=torch.float16)), TypeError,
+     r"^out must have dtype bfloat16"),
+    (lambda q, kv, bt, sl: dict(out=torch.empty(3, 8, 32, dtype=BF16)), ValueError, r"^out must have shape"),
+    (lambda q, kv, bt, sl: dict(kv_cache=torch.randn(kv.numel() + 1).to(FP8)[1:].view(kv.shape)), ValueError,
+     r"^kv_cache data pointer must be 16-byte aligned"),
+], ids=["bt-int64", "lens-float", "lens-short", "rows", "head-dim", "page", "out-fp32", "out-fp16", "out-shape",
+        "unaligned"])
+def test_fp8_query_decode_checks_its_tensors_on_the_cpu(change, exc, match):
+    """Before: the reference took these (a raw IndexError / RuntimeError for short lengths or a
+    wrong ``out``, a result for the rest) where ``sm100.decode`` refuses them."""
+    q, kv, bt, sl = _fp8_decode_case()
+    args = dict(q=q, kv_cache=kv, block_table=bt, seq_lens=sl)
+    args.update(change(q, kv, bt, sl))
+    with pytest.raises(exc, match=match):
+        cute_kernels.paged_decode(
+            args.pop("q"), args.pop("kv_cache"), args.pop("block_table"), args.pop("seq_lens"), q_scale=0.5, **args)
+
+
+def test_fp8_query_decode_still_serves_good_calls_on_the_cpu():
+    q, kv, bt, sl = _fp8_decode_case()
+    out = torch.full((3, 8, 64), float("nan"), dtype=BF16)
+    res = cute_kernels.paged_decode(q, kv, bt, sl, q_scale=0.5, out=out)
+    assert res is out
+    expect = reference.paged_decode(q, kv, bt, sl, q_scale=0.5)
+    torch.testing.assert_close(out.float(), expect.float(), atol=2e-2, rtol=2e-2)
+    assert not out.isnan().any()
