@@ -236,6 +236,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
     scale, P, Hkv, page, ks_t, vs_t, info = _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len,
                                                       sm_scale, k_scale, v_scale, out, num_splits, deterministic,
                                                       q_scale, window_left, sinks, workspace)
+    if not isinstance(return_lse, bool):  # as paged_prefill: a flag of another type is refused, never read as truthy
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     T, Hq, D = q.shape
     override = dict(_launcher.override)
     override.pop("backend", None)  # (its kernel: info)

@@ -7,6 +7,8 @@
 - ``paged_decode`` with an FP8 query checks its tensors as the kernel that takes one
   (``sm100.decode``) does, whichever path serves the call (CPU tensors and SM90 run the
   reference): block table and lengths, head dim, page size, ``out`` (bf16, the query's shape);
+- ``paged_decode``'s ``return_lse`` is a bool, as ``paged_prefill``'s (1 or None were read as
+  truthy / falsy);
 """
 
 from __future__ import annotations
@@ -172,3 +174,12 @@ def test_fp8_query_decode_still_serves_good_calls_on_the_cpu():
     expect = reference.paged_decode(q, kv, bt, sl, q_scale=0.5)
     torch.testing.assert_close(out.float(), expect.float(), atol=2e-2, rtol=2e-2)
     assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("flag", [1, 0, None, "yes"])
+def test_decode_return_lse_must_be_a_bool(flag):
+    kv, bt, q_dec, sl_dec, q_pre, sl_pre, qsl = _attention_case()
+    for op, args in ((cute_kernels.paged_decode, (q_dec, kv, bt, sl_dec)),
+                     (cute_kernels.paged_prefill, (q_pre, kv, bt, sl_pre, qsl))):
+        with pytest.raises(TypeError, match=r"^return_lse must be a bool"):
+            op(*args, return_lse=flag)
