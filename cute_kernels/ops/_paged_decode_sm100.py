@@ -20,6 +20,7 @@ import torch
 
 from .. import reference
 from ..jit.compiler import get_kernel
+from ..plans.args import INT32_MAX, check_window_left
 from ..plans.sm100 import DECODE_LIMITS, Sm100DecodeConfig, decode_launch_config, family
 from . import _caller_workspace as caller_ws
 from ._device import on_device
@@ -62,8 +63,7 @@ class Sm100Decode:
 
 def check_features(q, k, q_scale, sinks, window_left) -> None:
     """What the SM100 path adds to ``paged_decode``'s arguments: an FP8 query, sinks, a window."""
-    if not isinstance(window_left, int) or isinstance(window_left, bool) or window_left < -1:
-        raise ValueError(f"window_left must be an int >= -1 (-1: no window), got {window_left!r}")
+    check_window_left(window_left)
     if q.dtype == FP8:
         if k.dtype != FP8:
             raise TypeError("an FP8 query needs an FP8 (float8_e4m3fn) KV cache")
@@ -142,7 +142,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, q
 def run(launch: Sm100Decode, q, k, v, block_table, seq_lens, out, return_lse, k_scale, v_scale, q_scale, sinks,
         window_left):
     """One call of a prepared launch (the kernel, then the merge of its split partials)."""
-    if type(window_left) is not int or window_left < -1:  # the key holds -1 or not: check the value
+    if type(window_left) is not int or not -1 <= window_left <= INT32_MAX:  # refused by every path, here too
         check_features(q, k, q_scale, sinks, window_left)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=launch.out_dtype, device=q.device)

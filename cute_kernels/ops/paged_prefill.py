@@ -55,6 +55,7 @@ from ..jit.compiler import get_kernel
 from ..jit.spec import check_override
 from ..plans import sm80
 from ..plans import sm90_prefill as plan
+from ..plans.args import INT32_MAX, check_window_left
 from ..registry import KERNELS, KernelInfo, op_kernel
 from . import _check
 from . import _library as library
@@ -273,9 +274,9 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
 
 
 def _check_window_sinks(window_left, sinks, Hq: int, device) -> None:
-    """``window_left``: an int >= -1 (-1: no window); ``sinks``: None or fp32 ``[Hq]`` on q's device."""
-    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-        raise ValueError(f"window_left must be an int >= -1 (-1: no window), got {window_left!r}")
+    """``window_left``: an int in ``[-1, INT32_MAX]`` (-1: no window); ``sinks``: None or fp32 ``[Hq]`` on q's
+    device."""
+    check_window_left(window_left)
     if sinks is not None:
         check_tensor("sinks", sinks, dtype=torch.float32, shape=(Hq,), device=device)
 
@@ -412,7 +413,7 @@ def paged_prefill(
     else:  # values the key leaves out
         if max_query_len is not None:
             _check_max_query_len(max_query_len, q.shape[0], block_table.shape[0])
-        if type(window_left) is not int or window_left < -1:
+        if type(window_left) is not int or not -1 <= window_left <= INT32_MAX:  # the key holds -1 or not
             _check_window_sinks(window_left, sinks, q.shape[1], q.device)
     if out is None:
         out = torch.empty(launch.out_shape, dtype=launch.out_dtype, device=q.device)

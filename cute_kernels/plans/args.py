@@ -1,11 +1,22 @@
 """Host-only checks of the warm-up enumerations' arguments (``qsa_variants``, ``decode_variants``
 via :func:`cute_kernels.warmup`): a bad model shape or option list is named before any plan
-divides by it or looks it up (docs/design/inputs.md#the-classes)."""
+divides by it or looks it up; and of the ops' scalar arguments the kernels take as int32
+(docs/design/inputs.md#the-classes)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from typing import Any
+
+INT32_MAX = 2**31 - 1  # the largest value of a kernel's int32 scalar argument (window_left)
+
+
+def check_window_left(value: Any) -> int:
+    """``window_left``: an int in ``[-1, INT32_MAX]`` (-1: no window; the kernels take it as an
+    int32: a larger one does not fit); ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value <= INT32_MAX:
+        raise ValueError(f"window_left must be an int in [-1, {INT32_MAX}] (-1: no window), got {value!r}")
+    return value
 
 
 def check_positive_ints(**sizes: Any) -> None:

@@ -9,6 +9,8 @@
   reference): block table and lengths, head dim, page size, ``out`` (bf16, the query's shape);
 - ``paged_decode``'s ``return_lse`` is a bool, as ``paged_prefill``'s (1 or None were read as
   truthy / falsy);
+- ``window_left`` beyond the kernels' int32 scalar is refused by ``paged_prefill`` and
+  ``paged_decode`` (the reference took it, a kernel cannot), ``2^31 - 1`` still taken;
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from cute_kernels import reference
 from cute_kernels.ops import paged_decode as decode_op
 from cute_kernels.ops import paged_prefill as prefill_op
 from cute_kernels.ops._torch import self_overlapping
+from cute_kernels.plans.args import INT32_MAX
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 I32 = torch.int32
@@ -183,3 +186,24 @@ def test_decode_return_lse_must_be_a_bool(flag):
                      (cute_kernels.paged_prefill, (q_pre, kv, bt, sl_pre, qsl))):
         with pytest.raises(TypeError, match=r"^return_lse must be a bool"):
             op(*args, return_lse=flag)
+
+
+# ----------------------------------------------------------------------------------------------
+# int32 scalars
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [INT32_MAX + 1, 2**40])
+def test_a_window_beyond_int32_is_refused(window):
+    kv, bt, q_dec, sl_dec, q_pre, sl_pre, qsl = _attention_case()
+    with pytest.raises(ValueError, match=r"^window_left must be an int in \[-1, 2147483647\]"):
+        cute_kernels.paged_prefill(q_pre, kv, bt, sl_pre, qsl, window_left=window)
+    with pytest.raises(ValueError, match=r"^window_left must be an int in \[-1, 2147483647\]"):
+        cute_kernels.paged_decode(q_dec, kv, bt, sl_dec, window_left=window)
+
+
+def test_the_largest_int32_window_is_no_window():
+    kv, bt, q_dec, sl_dec, q_pre, sl_pre, qsl = _attention_case()
+    for call in (lambda w: cute_kernels.paged_prefill(q_pre, kv, bt, sl_pre, qsl, window_left=w),
+                 lambda w: cute_kernels.paged_decode(q_dec, kv, bt, sl_dec, window_left=w)):
+        assert torch.equal(call(INT32_MAX), call(-1))
