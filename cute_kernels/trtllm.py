@@ -31,7 +31,6 @@ Units (docs/design/trtllm.md#units):
 from __future__ import annotations
 
 import logging
-import math
 import re
 
 import torch
@@ -41,11 +40,11 @@ from .ops._caller_workspace import check_workspace
 from .ops._torch import compile_target
 from .ops.paged_decode import paged_decode
 from .ops.paged_prefill import paged_prefill
+from .plans.args import FP32_MAX, fp32_note, positive_fp32
 from .plans.sm100 import TARGETS as FP8_QK_TARGETS
 from .registry import KERNELS, arch_of_target
 
 FP8 = torch.float8_e4m3fn
-_INF = math.inf
 log = logging.getLogger("cute_kernels")
 _SERVED: dict = {}  # (op, phase, device) -> whether a kernel of this build serves it there
 
@@ -64,7 +63,7 @@ def _renamed(exc: Exception) -> Exception:
 
 def _check_scale(name: str, value, device) -> None:
     """A positive finite float, or a 1-element fp32 tensor (any rank) on the query's device."""
-    if type(value) is float and 0.0 < value < _INF:
+    if type(value) is float and 0.0 < value <= FP32_MAX:
         return
     if isinstance(value, torch.Tensor):
         if value.dtype != torch.float32:
@@ -74,8 +73,9 @@ def _check_scale(name: str, value, device) -> None:
         if value.device != device:
             raise ValueError(f"{name} must be on {device} (the query's device), got {value.device}")
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < _INF:
-        raise ValueError(f"{name} must be a positive finite float or a 1-element float32 tensor, got {value!r}")
+    if not positive_fp32(value):  # finite as the kernels' fp32 scalar too
+        raise ValueError(f"{name} must be a positive finite float or a 1-element float32 tensor, got {value!r}"
+                         f"{fp32_note(value)}")
 
 
 def _int_arg(name: str, value, lowest: int) -> int:

@@ -26,7 +26,6 @@ Importing this module needs neither torch nor the CuTe DSL; both are imported in
 
 from __future__ import annotations
 
-import math
 import numbers
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from cute_kernels import _nvtx
 from cute_kernels.ops._launch import check_scale
+from cute_kernels.plans.args import fp32_note, positive_fp32
 from cute_kernels.registry import KERNELS, KV_LAYOUTS
 
 from . import warmup as _warmup
@@ -189,8 +189,8 @@ class AttentionLayer:
         if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)):
             raise UnsupportedConfig(f"sm_scale must be a positive finite float, got {sm_scale!r}")
         self.sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
-        if not math.isfinite(self.sm_scale) or self.sm_scale <= 0:
-            raise UnsupportedConfig(f"sm_scale must be a positive finite float, got {sm_scale!r}")
+        if not positive_fp32(self.sm_scale):  # finite as the kernels' fp32 scalar too
+            raise UnsupportedConfig(f"sm_scale must be a positive finite float, got {sm_scale!r}{fp32_note(self.sm_scale)}")
         self.prefill_query_dtype = query_dtype_name(prefill_query_dtype, "prefill_query_dtype")
         self._plans: dict[tuple, Plan] = {}
         if self.prefill_query_dtype != "auto":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import keyword
-import math
 import os
 import re
 import weakref
@@ -35,6 +34,7 @@ from typing import Any
 
 from .. import _nvtx
 from ..jit.spec import ScalarArg
+from ..plans.args import FP32_MAX, fp32_note, positive_fp32
 
 # ---------------------------------------------------------------------------------------------
 # checked mode: CUTE_KERNELS_CHECK=1 validates the data of every call (docs/design/inputs.md#checked-mode)
@@ -186,7 +186,7 @@ def bind(params: tuple[str, ...], *steps: tuple, op: str | None = None) -> Calla
     one, else the per-call parameter ``sources.get(name, name)``: a parameter name, optionally
     with ``.view(1)`` (a 1-element tensor of another rank passed to a rank-1 argument) or
     ``.view(1)?`` (the same when it is not 1-D already: a rank the launch key leaves open). A per-call
-    fp32 scalar named ``*_scale`` is checked on the way (a positive finite float passes at the
+    fp32 scalar named ``*_scale`` is checked on the way (a positive float finite in fp32 passes at the
     cost of one type test; anything else goes through :func:`check_scale`, which returns it as a
     float or raises naming it).
 
@@ -195,7 +195,7 @@ def bind(params: tuple[str, ...], *steps: tuple, op: str | None = None) -> Calla
     profiler attached (:data:`cute_kernels._nvtx.ENABLED`), the steps run inside the op's NVTX
     ranges, the parameters described in the nested one."""
     params = tuple(_identifier(p) for p in params)
-    env: dict = {"_inf": math.inf, "_scale": _float_scale}
+    env: dict = {"_fmax": FP32_MAX, "_scale": _float_scale}
     ranged = op is not None and _nvtx.ENABLED
     lines = []
     for i, (fn, signature, sources, constants) in enumerate(steps):
@@ -217,7 +217,7 @@ def bind(params: tuple[str, ...], *steps: tuple, op: str | None = None) -> Calla
             elif how == ".view(1)?":  # a 1-element tensor whose rank the key leaves open
                 src = f"({p} if {p}.ndim == 1 else {p}.view(1))"
             elif isinstance(a, ScalarArg) and a.dtype == "fp32" and a.name.endswith("_scale"):
-                src = f"({p} if type({p}) is float and 0.0 < {p} < _inf else _scale({p!r}, {p}))"
+                src = f"({p} if type({p}) is float and 0.0 < {p} <= _fmax else _scale({p!r}, {p}))"
             args.append(src)
         lines.append(f"    _fn{i}({', '.join(args)})")
     if ranged:
@@ -241,7 +241,7 @@ def _is_tensor(value) -> bool:
 def check_scale(name: str, value, *, device=None, tensors: bool = True, num_q_heads: int | None = None,
                 num_kv_heads: int | None = None) -> bool:
     """Validate a dequantization scale without reading its value on the device; True if it is a
-    tensor. Accepted: a positive finite float (or int); with ``tensors``, an fp32 tensor with one
+    tensor. Accepted: a positive float (or int) finite as an fp32 (:func:`plans.args.positive_fp32`); with ``tensors``, an fp32 tensor with one
     element (0-d or any shape: the ops pass it as a 1-element view) on ``device``; with
     ``num_q_heads``, also a contiguous fp32 ``[Hkv]`` tensor, ``num_q_heads % Hkv == 0`` (and
     ``Hkv == num_kv_heads`` when given): per KV head. Raises ``TypeError``/``ValueError`` naming
@@ -268,9 +268,9 @@ def check_scale(name: str, value, *, device=None, tensors: bool = True, num_q_he
         if device is not None and value.device != device:
             raise ValueError(f"{name} must be on {device}, got {value.device}")
         return True
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not positive_fp32(value):  # finite as the kernels' fp32 scalar too
         kinds = " or a float32 tensor" if tensors else ""
-        raise ValueError(f"{name} must be a positive finite float{kinds}, got {value!r}")
+        raise ValueError(f"{name} must be a positive finite float{kinds}, got {value!r}{fp32_note(value)}")
     return False
 
 

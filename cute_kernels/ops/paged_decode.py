@@ -39,6 +39,7 @@ from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
 from ..jit.spec import check_override
 from ..plans import hw, sm80
+from ..plans.args import fp32_note, positive_fp32
 from ..plans.sm90_decode import Sm90DecodeConfig, launch_config, window_context
 from ..registry import KERNELS, KernelInfo, arch_of_target, op_kernel
 from . import _caller_workspace as caller_ws
@@ -173,8 +174,8 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))):
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}")
+    if not positive_fp32(scale):  # finite as the kernels' fp32 scalar too
+        raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}{fp32_note(scale)}")
     sm100.check_features(q, k, q_scale, sinks, window_left)
     # every tensor on the query's device, whichever path serves the call (the reference too)
     check_devices(q.device, **{"k_cache" if pair else "kv_cache": k}, **({"v_cache": v} if pair else {}),

@@ -41,7 +41,6 @@ as ``torch.ops.cute_kernels.paged_prefill`` and ``paged_prefill_out`` (:mod:`cut
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal, Optional, overload
@@ -55,7 +54,7 @@ from ..jit.compiler import get_kernel
 from ..jit.spec import check_override
 from ..plans import sm80
 from ..plans import sm90_prefill as plan
-from ..plans.args import INT32_MAX, check_window_left
+from ..plans.args import INT32_MAX, check_window_left, fp32_note, positive_fp32
 from ..registry import KERNELS, KernelInfo, op_kernel
 from . import _check
 from . import _library as library
@@ -189,8 +188,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     two_term = q_residual is not None and info.id == "sm90.prefill_fp8q"  # no other kernel takes a second term
     terms: dict[str, Any] = {"q_terms": 2} if two_term else {}
     scale = D ** -0.5 if sm_scale is None else sm_scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
+    if not positive_fp32(scale):  # finite as the kernels' fp32 scalar too
+        raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}{fp32_note(scale)}")
     for name, flag in (("causal", causal), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")

@@ -5,10 +5,24 @@ divides by it or looks it up; and of the ops' scalar arguments the kernels take 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from typing import Any
 
 INT32_MAX = 2**31 - 1  # the largest value of a kernel's int32 scalar argument (window_left)
+FP32_MAX = 3.4028234663852886e38  # the largest finite float32: float scales reach the kernels as fp32 scalars
+
+
+def positive_fp32(value: Any) -> bool:
+    """Whether ``value`` is a positive Python float or int (bools refused) that stays finite as the
+    kernels' fp32 scalar: ``0 < value <= FP32_MAX`` (NaN fails every comparison)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= FP32_MAX
+
+
+def fp32_note(value: Any) -> str:
+    """What an error adds for a finite float beyond :data:`FP32_MAX` (it would reach a kernel as inf)."""
+    return (f" (a float32 scalar on the GPU: at most {FP32_MAX:.7g})"
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and FP32_MAX < value < math.inf else "")
 
 
 def check_window_left(value: Any) -> int:

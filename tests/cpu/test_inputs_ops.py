@@ -11,6 +11,8 @@
   truthy / falsy);
 - ``window_left`` beyond the kernels' int32 scalar is refused by ``paged_prefill`` and
   ``paged_decode`` (the reference took it, a kernel cannot), ``2^31 - 1`` still taken;
+- a float scale finite in Python but beyond float32's largest value (the kernels' scalar type: it
+  would reach them as inf) is refused naming it, by every op, the layer and the trtllm API;
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from cute_kernels import reference
 from cute_kernels.ops import paged_decode as decode_op
 from cute_kernels.ops import paged_prefill as prefill_op
 from cute_kernels.ops._torch import self_overlapping
-from cute_kernels.plans.args import INT32_MAX
+from cute_kernels.plans.args import FP32_MAX, INT32_MAX
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 I32 = torch.int32
@@ -207,3 +209,60 @@ def test_the_largest_int32_window_is_no_window():
     for call in (lambda w: cute_kernels.paged_prefill(q_pre, kv, bt, sl_pre, qsl, window_left=w),
                  lambda w: cute_kernels.paged_decode(q_dec, kv, bt, sl_dec, window_left=w)):
         assert torch.equal(call(INT32_MAX), call(-1))
+
+
+# ----------------------------------------------------------------------------------------------
+# float scales beyond float32
+# ----------------------------------------------------------------------------------------------
+
+
+def _scale_calls():
+    from cute_kernels import trtllm
+    from dispatch import AttentionLayer
+
+    kv, bt, q_dec, sl_dec, q_pre, sl_pre, qsl = _attention_case()
+    key = q_dec[:, :2]
+    ws = torch.empty(1 << 12, dtype=torch.uint8)
+    return {
+        "paged_prefill sm_scale": ("sm_scale", lambda s: cute_kernels.paged_prefill(q_pre, kv, bt, sl_pre, qsl,
+                                                                                     sm_scale=s)),
+        "paged_prefill k_scale": ("k_scale", lambda s: cute_kernels.paged_prefill(q_pre, kv, bt, sl_pre, qsl,
+                                                                                   k_scale=s)),
+        "paged_decode sm_scale": ("sm_scale", lambda s: cute_kernels.paged_decode(q_dec, kv, bt, sl_dec, sm_scale=s)),
+        "paged_decode v_scale": ("v_scale", lambda s: cute_kernels.paged_decode(q_dec, kv, bt, sl_dec, v_scale=s)),
+        "quantize_query q_scale": ("q_scale", lambda s: cute_kernels.quantize_query(q_dec, s)),
+        "write_kv_cache k_scale": ("k_scale", lambda s: cute_kernels.write_kv_cache(
+            key, key, kv.clone(), torch.arange(3, dtype=I32), k_scale=s)),
+        "layer sm_scale": ("sm_scale", lambda s: AttentionLayer(8, 2, 64, kv_cache_dtype="bf16", page_size=16,
+                                                                sm_scale=s)),
+        "layer v_scale": ("v_scale", lambda s: AttentionLayer(8, 2, 64, kv_cache_dtype="bf16", page_size=16,
+                                                              v_scale=s)),
+        "trtllm bmm1_scale": ("bmm1_scale", lambda s: trtllm.batch_decode_with_kv_cache(q_dec, kv, ws, bt, sl_dec, 64,
+                                                                                         bmm1_scale=s)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_scale_calls()))
+def test_a_float_scale_beyond_float32_is_refused_naming_it(name):
+    arg, call = _scale_calls()[name]
+    for value in (3.5e38, 1e300):
+        with pytest.raises(ValueError, match=rf"^{arg} must be a positive finite float.*float32 scalar"):
+            call(value)
+    call(1.0)  # and a good value still runs
+    call(FP32_MAX)  # the largest float32 is a valid (if useless) scale: its products may overflow, as in fp32
+
+
+def test_generated_caller_refuses_a_float_scale_beyond_float32():
+    """The cached GPU path checks a float scale inline (no validation runs there): the same limit."""
+    from cute_kernels.jit.spec import ScalarArg
+    from cute_kernels.ops import _launch
+
+    seen = []
+    call = _launch.bind(("v_scale",), (lambda *a: seen.append(a), (ScalarArg("v_scale", "fp32"),), None, None))
+    call(FP32_MAX)
+    call(2)  # an int: checked by the slow path, passed as a float
+    assert seen == [(FP32_MAX,), (2.0,)]
+    for bad in (3.5e38, float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="v_scale must be a positive finite float"):
+            call(bad)
+    assert len(seen) == 2
