@@ -22,9 +22,10 @@ from ._facade import make_callable
 from .jit.parallel import precompile
 from .jit.spec import KernelConfig, normalize_target
 from .plans import sm80
-from .plans.args import check_choices, check_layer_shape
+from .plans.args import check_choices, check_layer_shape, check_positive_ints, check_sequence
+from .plans.sm90_attention import KV_FORMS, KV_LAYOUTS
 from .plans.sm90_decode import decode_variants
-from .plans.sm90_prefill import Sm90PrefillConfig, prefill_variants
+from .plans.sm90_prefill import Q_SCALE_KINDS, Sm90PrefillConfig, prefill_variants
 from .registry import op_kernel
 
 __all__ = ["decode_variants", "prefill_variants", "warmup"]
@@ -51,6 +52,7 @@ def warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None 
     target = normalize_target(arch)
     kv_dtypes = check_choices("kv_dtypes", kv_dtypes, ("fp8", "fp8_e4m3", "bf16", "fp16"))
     check_layer_shape(**{k: shape.get(k) for k in ("head_dim", "num_q_heads", "num_kv_heads", "page_size")})
+    _check_options(shape, prefill=prefill, progress=progress, workers=workers)
     prefill_only = {k: shape.pop(k) for k in _PREFILL_ONLY if k in shape}
     q_dtype = shape.get("q_dtype", "bf16")
     configs: list[KernelConfig] = []
@@ -79,6 +81,31 @@ def warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None 
     precompile([*configs, *prefill_configs], target, workers=workers, progress=progress)
     _self_check(prefill_configs, target)
     return [*configs, *prefill_configs]
+
+
+# the option lists the variant enumerations take, and their members
+_CHOICES = {"scale_tensors": (False, True), "kv_layouts": KV_LAYOUTS, "kv_forms": KV_FORMS, "causal": (False, True),
+            "return_lse": (False, True), "q_scale_kinds": Q_SCALE_KINDS}
+
+
+def _check_options(shape: dict, *, prefill: Any, progress: Any, workers: Any) -> None:
+    """The flags and option lists of a warm-up call, named before any variant is built (a bare
+    string would be enumerated letter by letter, a truthy non-bool would compile a variant keyed
+    on it); the lists are replaced by tuples in ``shape``."""
+    for name, flag in (("prefill", prefill), ("progress", progress), ("fp8_query", shape.get("fp8_query", False))):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if workers is not None:
+        check_positive_ints(workers=workers)
+    for name, allowed in _CHOICES.items():
+        if name in shape:
+            shape[name] = check_choices(name, shape[name], allowed)
+    if "q_lens" in shape:
+        q_lens = check_sequence("q_lens", shape["q_lens"], "positive ints")
+        if not q_lens:
+            raise ValueError("q_lens must hold one or more positive ints, got ()")
+        check_positive_ints(**{f"q_lens[{i}]": n for i, n in enumerate(q_lens)})
+        shape["q_lens"] = q_lens
 
 
 def _self_check(configs: list[Sm90PrefillConfig], target: str) -> None:

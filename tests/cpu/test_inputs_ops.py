@@ -13,6 +13,10 @@
   ``paged_decode`` (the reference took it, a kernel cannot), ``2^31 - 1`` still taken;
 - a float scale finite in Python but beyond float32's largest value (the kernels' scalar type: it
   would reach them as inf) is refused naming it, by every op, the layer and the trtllm API;
+- ``cute_kernels.warmup``'s flags and option lists (``q_lens``, ``scale_tensors``, ``kv_layouts``,
+  ``kv_forms``, ``causal``, ``return_lse``, ``q_scale_kinds``, ``workers``) are named before any
+  variant is built (a bare string was enumerated letter by letter, a truthy non-bool compiled a
+  variant keyed on it).
 """
 
 from __future__ import annotations
@@ -266,3 +270,38 @@ def test_generated_caller_refuses_a_float_scale_beyond_float32():
         with pytest.raises(ValueError, match="v_scale must be a positive finite float"):
             call(bad)
     assert len(seen) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# warm-up options
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value,exc,match", [
+    ("q_lens", "1", TypeError, "q_lens must be a sequence of positive ints"),  # a raw str + int TypeError before
+    ("q_lens", (2.0,), TypeError, r"q_lens\[0\] must be a positive int"),  # a variant of q_len 2.0 before
+    ("q_lens", (), ValueError, "q_lens must hold one or more"),
+    ("scale_tensors", ("yes",), ValueError, "scale_tensors must hold one or more of"),  # compiled before
+    ("scale_tensors", True, TypeError, "scale_tensors must be a sequence of"),
+    ("kv_layouts", "HND", TypeError, "kv_layouts must be a sequence of"),  # "bad kv_layout H" before
+    ("kv_layouts", ("hnd",), ValueError, "kv_layouts must hold one or more of"),
+    ("kv_forms", ("both",), ValueError, "kv_forms must hold one or more of"),
+    ("causal", "yes", TypeError, "causal must be a sequence of"),  # variants with causal 'y', 'e', 's' before
+    ("return_lse", (1,), ValueError, "return_lse must hold one or more of"),
+    ("q_scale_kinds", ("bogus",), ValueError, "q_scale_kinds must hold one or more of"),
+    ("fp8_query", "yes", TypeError, "fp8_query must be a bool"),
+    ("prefill", "yes", TypeError, "prefill must be a bool"),
+    ("progress", "no", TypeError, "progress must be a bool"),
+    ("workers", 0, ValueError, "workers must be a positive int"),
+])
+def test_warmup_names_a_bad_option(monkeypatch, field, value, exc, match):
+    import cute_kernels.warmup as warmup_module
+
+    compiled = []
+    monkeypatch.setattr(warmup_module, "precompile", lambda configs, target, **kw: compiled.append(configs))
+    shape = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, page_size=16, kv_dtypes=("fp8",), progress=False)
+    with pytest.raises(exc, match=match):
+        cute_kernels.warmup(arch="sm_90a", **{**shape, field: value})
+    assert not compiled
+    cute_kernels.warmup(arch="sm_90a", **shape, q_lens=[1, 2], kv_forms=["single", "pair"], causal=(True, False))
+    assert compiled and all(c.q_len in (1, 2) for c in compiled[0] if hasattr(c, "q_len"))
