@@ -22,7 +22,14 @@ from ._facade import make_callable
 from .jit.parallel import precompile
 from .jit.spec import KernelConfig, normalize_target
 from .plans import sm80
-from .plans.args import check_choices, check_layer_shape, check_positive_ints, check_sequence
+from .plans.args import (
+    check_choices,
+    check_flags,
+    check_layer_shape,
+    check_positive_ints,
+    check_sequence,
+    check_workers,
+)
 from .plans.sm90_attention import KV_FORMS, KV_LAYOUTS
 from .plans.sm90_decode import decode_variants
 from .plans.sm90_prefill import Q_SCALE_KINDS, Sm90PrefillConfig, prefill_variants
@@ -92,11 +99,8 @@ def _check_options(shape: dict, *, prefill: Any, progress: Any, workers: Any) ->
     """The flags and option lists of a warm-up call, named before any variant is built (a bare
     string would be enumerated letter by letter, a truthy non-bool would compile a variant keyed
     on it); the lists are replaced by tuples in ``shape``."""
-    for name, flag in (("prefill", prefill), ("progress", progress), ("fp8_query", shape.get("fp8_query", False))):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
-    if workers is not None:
-        check_positive_ints(workers=workers)
+    check_flags(prefill=prefill, progress=progress, fp8_query=shape.get("fp8_query", False))
+    check_workers(workers)
     for name, allowed in _CHOICES.items():
         if name in shape:
             shape[name] = check_choices(name, shape[name], allowed)

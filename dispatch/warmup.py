@@ -26,7 +26,7 @@ from cute_kernels.jit.spec import KernelConfig, normalize_target
 from cute_kernels.plans import hw, sm80, sm90_decode, sm100
 from cute_kernels.plans import quantize_query as qq_plan
 from cute_kernels.plans import write_kv_cache as kv_plan
-from cute_kernels.plans.args import check_positive_ints, check_sequence
+from cute_kernels.plans.args import check_flags, check_positive_ints, check_sequence, check_workers
 from cute_kernels.plans.merge_states import MergeStatesConfig
 from cute_kernels.plans.sm90_prefill import TWO_TERM_ID
 from cute_kernels.plans.sm100 import Sm100DecodeConfig
@@ -260,6 +260,11 @@ def warm_up(layer, max_num_seqs: int, max_model_len: int, *, device=None, arch=N
     allocates). Returns the configs."""
     from cute_kernels.jit.parallel import precompile
 
+    try:  # the pool's options, named before anything is enumerated (as cute_kernels.warmup)
+        check_flags(progress=progress)
+        check_workers(workers)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedConfig(str(e)) from None
     num_sms = hw.H200_SMS
     if device is not None:
         import torch

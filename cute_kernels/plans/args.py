@@ -43,6 +43,20 @@ def check_positive_ints(**sizes: Any) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def check_flags(**flags: Any) -> None:
+    """Each of ``flags`` a bool (a truthy string or int is refused, never read as one);
+    ``TypeError`` naming it."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def check_workers(workers: Any) -> None:
+    """A compile pool's ``workers``: None (the default size) or a positive int."""
+    if workers is not None:
+        check_positive_ints(workers=workers)
+
+
 def check_sequence(name: str, values: Any, what: str) -> tuple:
     """``values`` an iterable other than a bare string (which would be read letter by letter), as a
     tuple; ``TypeError`` "``name`` must be a sequence of ``what``" otherwise."""

@@ -305,3 +305,20 @@ def test_warmup_names_a_bad_option(monkeypatch, field, value, exc, match):
     assert not compiled
     cute_kernels.warmup(arch="sm_90a", **shape, q_lens=[1, 2], kv_forms=["single", "pair"], causal=(True, False))
     assert compiled and all(c.q_len in (1, 2) for c in compiled[0] if hasattr(c, "q_len"))
+
+
+@pytest.mark.parametrize("kw,match", [(dict(progress="no"), "progress must be a bool"),
+                                      (dict(workers=0), "workers must be a positive int"),
+                                      (dict(workers=2.0), "workers must be a positive int")])
+def test_layer_warmup_names_a_bad_pool_option(monkeypatch, kw, match):
+    import cute_kernels.jit.parallel as parallel
+    from dispatch import AttentionLayer, UnsupportedConfig
+
+    compiled = []
+    monkeypatch.setattr(parallel, "precompile", lambda configs, target, **k: compiled.append(configs))
+    layer = AttentionLayer(8, 2, 64, kv_cache_dtype="bf16", page_size=16, arch="sm90")
+    with pytest.raises(UnsupportedConfig, match=match):
+        layer.warmup(4, 256, **kw)
+    assert not compiled
+    layer.warmup(4, 256, workers=1, progress=False)
+    assert compiled and compiled[0]
