@@ -46,15 +46,22 @@ def check_workspace(workspace, device: torch.device, name: str = "workspace_buff
     return workspace.numel() * workspace.element_size()
 
 
-def carve(workspace, device: torch.device, fp32_numel: int, int32_numel: int = 0, name: str = "workspace_buffer"):
-    """``(fp32 [fp32_numel], int32 [int32_numel] or None)`` views of the caller's buffer; the counters
-    are zeroed here (at prepare time, stream-ordered). Raises naming ``name`` when the buffer is
-    too small."""
+def check_size(workspace, device: torch.device, fp32_numel: int, int32_numel: int = 0,
+               name: str = "workspace_buffer") -> None:
+    """:func:`check_workspace`, and room for ``int32_numel`` counters and ``fp32_numel`` floats
+    (CPU tensors: the sizes an H200 launch would carve, so that a buffer too small fails there too)."""
     nbytes = check_workspace(workspace, device, name)
     need = required_bytes(fp32_numel, int32_numel)
     if need > nbytes:
         raise ValueError(f"{name} holds {nbytes} bytes; this call needs {need} ({int32_numel} int32 counters and "
                          f"{fp32_numel} fp32 split partials / LSEs)")
+
+
+def carve(workspace, device: torch.device, fp32_numel: int, int32_numel: int = 0, name: str = "workspace_buffer"):
+    """``(fp32 [fp32_numel], int32 [int32_numel] or None)`` views of the caller's buffer; the counters
+    are zeroed here (at prepare time, stream-ordered). Raises naming ``name`` when the buffer is
+    too small."""
+    check_size(workspace, device, fp32_numel, int32_numel, name)
     raw = workspace.reshape(-1).view(torch.uint8)
     counters = None
     if int32_numel:

@@ -13,6 +13,8 @@
   ``paged_decode`` (the reference took it, a kernel cannot), ``2^31 - 1`` still taken;
 - a float scale finite in Python but beyond float32's largest value (the kernels' scalar type: it
   would reach them as inf) is refused naming it, by every op, the layer and the trtllm API;
+- a caller's ``workspace`` (the trtllm API's ``workspace_buffer``) too small for the split
+  partials an H200 launch of the call carves is refused on the CPU as on the GPU;
 - ``cute_kernels.warmup``'s flags and option lists (``q_lens``, ``scale_tensors``, ``kv_layouts``,
   ``kv_forms``, ``causal``, ``return_lse``, ``q_scale_kinds``, ``workers``) are named before any
   variant is built (a bare string was enumerated letter by letter, a truthy non-bool compiled a
@@ -322,3 +324,33 @@ def test_layer_warmup_names_a_bad_pool_option(monkeypatch, kw, match):
     assert not compiled
     layer.warmup(4, 256, workers=1, progress=False)
     assert compiled and compiled[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# caller workspaces
+# ----------------------------------------------------------------------------------------------
+
+
+def _long_decode_case():
+    """Two requests of ~4k tokens on 2 KV heads: an H200 launch splits them (partials carved)."""
+    g = torch.Generator().manual_seed(11)
+    kv = torch.randn(512, 2, 2, 16, 64, generator=g).to(BF16)
+    bt = torch.randperm(512, generator=g).view(2, 256).to(I32)
+    return torch.randn(2, 8, 64, generator=g).to(BF16), kv, bt, torch.tensor([4000, 3000], dtype=I32)
+
+
+@pytest.mark.parametrize("backend", [None, "sm80"])
+def test_a_workspace_too_small_for_the_split_is_refused_on_the_cpu(backend):
+    """Before: CPU tensors never carved the buffer, so any size passed; the GPU raised."""
+    from cute_kernels import trtllm
+
+    q, kv, bt, sl = _long_decode_case()
+    ctx = decode_op.tuning_override(backend=backend) if backend else decode_op.tuning_override()
+    with ctx:
+        for nbytes in (16, 4096):
+            with pytest.raises(ValueError, match=rf"^workspace_buffer holds {nbytes} bytes; this call needs"):
+                cute_kernels.paged_decode(q, kv, bt, sl, workspace=torch.empty(nbytes, dtype=torch.uint8))
+        out = cute_kernels.paged_decode(q, kv, bt, sl, workspace=torch.empty(1 << 20, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"^workspace_buffer holds 4096 bytes"):
+        trtllm.batch_decode_with_kv_cache(q, kv, torch.empty(4096, dtype=torch.uint8), bt, sl, 4096)
+    torch.testing.assert_close(out.float(), reference.paged_decode(q, kv, bt, sl).float(), atol=2e-2, rtol=2e-2)
