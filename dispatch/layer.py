@@ -501,6 +501,9 @@ class AttentionLayer:
         if nd > T or metadata.num_decode_reqs > n:
             raise ValueError(f"num_decode_tokens ({nd}) exceeds the batch (T={T} tokens, {n} requests of "
                              f"q_len_per_req {metadata.q_len_per_req})")
+        if nd < T and metadata.num_decode_reqs == n:  # the prefill launch would get rows but no request
+            raise ValueError(f"num_decode_tokens ({nd}) makes all {n} requests decode requests, but q has {T - nd} "
+                             "more rows: they belong to no request")
 
     def _check_cache(self, kv_cache, device):
         import torch

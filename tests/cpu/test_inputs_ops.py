@@ -15,6 +15,8 @@
   would reach them as inf) is refused naming it, by every op, the layer and the trtllm API;
 - a caller's ``workspace`` (the trtllm API's ``workspace_buffer``) too small for the split
   partials an H200 launch of the call carves is refused on the CPU as on the GPU;
+- ``AttentionLayer``: decode rows covering every request with rows left over is named (the
+  prefill op refused it as "q has N rows but the batch is empty");
 - ``cute_kernels.warmup``'s flags and option lists (``q_lens``, ``scale_tensors``, ``kv_layouts``,
   ``kv_forms``, ``causal``, ``return_lse``, ``q_scale_kinds``, ``workers``) are named before any
   variant is built (a bare string was enumerated letter by letter, a truthy non-bool compiled a
@@ -354,3 +356,24 @@ def test_a_workspace_too_small_for_the_split_is_refused_on_the_cpu(backend):
     with pytest.raises(ValueError, match=r"^workspace_buffer holds 4096 bytes"):
         trtllm.batch_decode_with_kv_cache(q, kv, torch.empty(4096, dtype=torch.uint8), bt, sl, 4096)
     torch.testing.assert_close(out.float(), reference.paged_decode(q, kv, bt, sl).float(), atol=2e-2, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# the layer's metadata
+# ----------------------------------------------------------------------------------------------
+
+
+def test_layer_rows_past_the_last_decode_request_are_named():
+    from dispatch import AttentionLayer, AttentionMetadata
+
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(7, 8, 64, generator=g).to(BF16)
+    k = torch.randn(7, 2, 64, generator=g).to(BF16)
+    kv = torch.zeros(12, 2, 2, 16, 64, dtype=BF16)
+    meta = dict(query_start_loc=torch.tensor([0, 1, 2, 7], dtype=I32), seq_lens=torch.tensor([10, 20, 30], dtype=I32),
+                block_table=torch.arange(12, dtype=I32).view(3, 4), slot_mapping=torch.arange(7, dtype=I32) + 128)
+    layer = AttentionLayer(8, 2, 64, kv_cache_dtype="bf16", page_size=16, arch="sm90")
+    with pytest.raises(ValueError, match=r"num_decode_tokens \(3\) makes all 3 requests decode requests, but q has 4"):
+        layer(q, k, k, kv.clone(), AttentionMetadata(**meta, num_decode_tokens=3))
+    out = layer(q, k, k, kv.clone(), AttentionMetadata(**meta, num_decode_tokens=2))
+    assert out.shape == q.shape and not out.isnan().any()
