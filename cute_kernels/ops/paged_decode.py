@@ -247,18 +247,19 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
         # override's values hold for CPU tensors too, and a caller's workspace must hold their partials
         if info is not None and T and block_table.shape[1]:
             items, table_tokens = block_table.shape[0] * Hkv, block_table.shape[1] * page
+            cpu_plan: tuple[int, sm80.Sm80DecodeConfig | Sm90DecodeConfig]
             if info.id == BACKENDS["sm80"]:
-                splits, config = sm80.plan_decode(
+                cpu_plan = sm80.plan_decode(
                     _sm80_config_for(q, k, pair, kv_layout, q_len, Hq // Hkv, page, ks_t, vs_t, _CPU_TARGET,
                                      features.without_balanced(override)),
                     items, table_tokens, hw.H200_SMS, num_splits)
             else:
-                splits, config = launch_config(**_sm90_plan(q, k, pair, block_table, kv_layout, q_len, Hkv, page,
-                                                            ks_t, vs_t, num_splits, deterministic, window_left, sinks,
-                                                            hw.H200_SMS), override=override)
+                cpu_plan = launch_config(**_sm90_plan(q, k, pair, block_table, kv_layout, q_len, Hkv, page, ks_t,
+                                                      vs_t, num_splits, deterministic, window_left, sinks,
+                                                      hw.H200_SMS), override=override)
             if workspace is not None:
-                caller_ws.check_size(workspace, q.device, *workspace_numel(config, splits, block_table.shape[0], Hkv,
-                                                                          T, Hq, D, return_lse))
+                caller_ws.check_size(workspace, q.device, *workspace_numel(
+                    cpu_plan[1], cpu_plan[0], block_table.shape[0], Hkv, T, Hq, D, return_lse))
         return _REFERENCE
     device = q.device
     if T == 0:  # nothing to compute: no launch, no compiled variant
