@@ -181,6 +181,14 @@ def overlap(a, b) -> bool:
     return hit(0, (b0 - a0) // esize)
 
 
+def check_page_size(name: str, t, page: int, layout: str = "") -> None:
+    """A cache whose pages hold at least one token; ``ValueError`` naming the cache otherwise (a
+    page size of 0 would divide slots and positions by zero)."""
+    if page < 1:
+        raise ValueError(f"{name} has a page size of 0 ({layout + ' ' if layout else ''}shape {tuple(t.shape)}): "
+                         "a page holds at least one token")
+
+
 def check_kv_cache(k, v, pair: bool, kv_layout: str, head_dim: int) -> tuple[int, int, int]:
     """Validate a paged cache (one ``[P, 2, ...]`` tensor ``k`` is ``v``, or a ``(k, v)`` pair
     of 4-D halves) in ``kv_layout`` against the query's head dim; ``(P, Hkv, page)``."""

@@ -50,6 +50,7 @@ from ._library import compiling, custom_op, scale_of, scale_parts
 from ._torch import (
     NAME_TO_TORCH,
     DeviceBuffer,
+    check_page_size,
     check_tensor,
     compile_target,
     device_sm_count,
@@ -139,6 +140,7 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _La
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(f"k_cache and v_cache must match, got {tuple(k.shape)} {k.dtype} / {tuple(v.shape)} {v.dtype}")
     NB, page, Hkv, Dk = k.shape
+    check_page_size("k_cache", k, page)  # the kernels and the reference divide token ids by it
     if Dk != D:
         raise ValueError(f"head dim mismatch: q has {D}, k_cache has {Dk}")
     if Hkv < 1 or Hq % Hkv:

@@ -24,7 +24,7 @@ from . import _check
 from ._device import current_device, on_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, scale_of, scale_parts
-from ._torch import check_tensor, compile_target, dtype_name, overlap
+from ._torch import check_page_size, check_tensor, compile_target, dtype_name, overlap
 from .quantize_query import vector_width
 
 FP8 = torch.float8_e4m3fn
@@ -67,9 +67,7 @@ def _cache_geometry(kv_cache, kv_layout: str, device) -> tuple[bool, tuple, list
         shape4, tensors = (s[0], s[2], s[3], s[4]), [kv_cache]
     P, a, b, D = shape4
     Hkv, page = (a, b) if kv_layout == "HND" else (b, a)
-    if page < 1:
-        raise ValueError(f"{'k_cache' if pair else 'kv_cache'} has a page size of 0 ({kv_layout} shape "
-                         f"{tuple(tensors[0].shape)}): a page holds at least one token")
+    check_page_size("k_cache" if pair else "kv_cache", tensors[0], page, kv_layout)
     return pair, (P, Hkv, page, D), tensors
 
 

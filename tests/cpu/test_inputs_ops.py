@@ -15,6 +15,8 @@
   would reach them as inf) is refused naming it, by every op, the layer and the trtllm API;
 - a caller's ``workspace`` (the trtllm API's ``workspace_buffer``) too small for the split
   partials an H200 launch of the call carves is refused on the CPU as on the GPU;
+- ``qsa_sparse_attention`` with a cache of page size 0 is refused naming ``k_cache`` (the
+  reference divided by zero; the GPU path's config refused it without naming the cache);
 - ``AttentionLayer``: decode rows covering every request with rows left over is named (the
   prefill op refused it as "q has N rows but the batch is empty");
 - ``cute_kernels.warmup``'s flags and option lists (``q_lens``, ``scale_tensors``, ``kv_layouts``,
@@ -377,3 +379,13 @@ def test_layer_rows_past_the_last_decode_request_are_named():
         layer(q, k, k, kv.clone(), AttentionMetadata(**meta, num_decode_tokens=3))
     out = layer(q, k, k, kv.clone(), AttentionMetadata(**meta, num_decode_tokens=2))
     assert out.shape == q.shape and not out.isnan().any()
+
+
+def test_qsa_cache_of_no_page_size_names_the_cache():
+    from tests.cpu.test_qsa_reference import make_qsa_case
+
+    case = make_qsa_case(rows=6, num_q_heads=8, num_kv_heads=2, head_dim=64, page=16, num_reqs=2)
+    case.pop("meta")
+    empty = torch.zeros(11, 0, 2, 64, dtype=BF16)
+    with pytest.raises(ValueError, match=r"^k_cache has a page size of 0 \(shape \(11, 0, 2, 64\)\)"):
+        cute_kernels.qsa_sparse_attention(**{**case, "k_cache": empty, "v_cache": empty.clone()}, prefill=False)
