@@ -114,6 +114,9 @@ def _config(partial_out, out, dt) -> MergeStatesConfig:
     return MergeStatesConfig(out_dtype=dtype_name(dt), head_dim=D, vec=vec, **_launcher.override)
 
 
+# forward-only, as the kernels: no autograd history, an out= that requires grad written in place
+# (docs/design/inputs.md#the-classes)
+@torch.no_grad()
 def _reference(partial_out, partial_lse, out_dtype, out, out_lse):
     ref_out, ref_lse = reference.merge_states(partial_out, partial_lse)
     S, N, H, D = partial_out.shape

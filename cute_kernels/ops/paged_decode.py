@@ -435,6 +435,9 @@ def _check_data(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale
     _check.scales(k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
 
 
+# forward-only, as the kernels: no autograd history, an out= that requires grad written in place
+# (docs/design/inputs.md#the-classes)
+@torch.no_grad()
 def _reference(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k_scale, v_scale, out, return_lse,
                num_splits, deterministic, q_scale=None, window_left=-1, sinks=None, workspace=None):
     res = reference.paged_decode(q, (k, v) if pair else k, block_table, seq_lens, kv_layout=kv_layout,

@@ -301,6 +301,9 @@ def _check_data(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query
     _check.scales(k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
 
 
+# forward-only, as the kernels: no autograd history, an out= that requires grad written in place
+# (docs/design/inputs.md#the-classes)
+@torch.no_grad()
 def _reference(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal, sm_scale,
                q_scale, k_scale, v_scale, out, return_lse, window_left=-1, sinks=None, q_residual=None):
     out_dtype = (out.dtype if out is not None else torch.bfloat16) if q.dtype == FP8 else q.dtype

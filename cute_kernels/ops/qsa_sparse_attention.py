@@ -291,6 +291,9 @@ def _prepare_row_tiles(plan, q_name, kv_name, D, group, page, rows, Hq, gate, sa
                    union=union, member=member, length=length, widen_fn=widen_fn, wide_k=wide_k, table=table)
 
 
+# forward-only, as the kernels: no autograd history, an out= that requires grad written in place
+# (docs/design/inputs.md#the-classes)
+@torch.no_grad()
 def _reference(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate):
     return reference.qsa_sparse_attention(q, k, v, idx, bt, t2r, prefill=prefill, k_scale=k_scale, v_scale=v_scale,
                                           out=out, output_gate=gate)

@@ -133,6 +133,9 @@ def _prepare(q, q_scale, out, rope) -> _Launch:
                              q.device), False)
 
 
+# forward-only, as the kernels: no autograd history, an out= that requires grad written in place
+# (docs/design/inputs.md#the-classes)
+@torch.no_grad()
 def _reference(q, q_scale, out, rope):
     res = reference.quantize_query(q, q_scale, rope=rope)
     if out is None:
@@ -307,6 +310,7 @@ def _prepare_two(q, q_scale, out, rope, residual_out) -> _Launch:
     return _Launch(on_device(call, q.device), False)
 
 
+@torch.no_grad()
 def _reference_two(q, q_scale, out, rope, residual_out):
     return _torch_ops(q, q_scale, out, rope, residual_out)
 

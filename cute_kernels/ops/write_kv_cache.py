@@ -143,6 +143,9 @@ def _prepare(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale) ->
                              device), False, pair)
 
 
+# forward-only, as the kernels: no autograd history, an out= that requires grad written in place
+# (docs/design/inputs.md#the-classes)
+@torch.no_grad()
 def _reference(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale):
     reference.write_kv_cache(key, value, kv_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale)
 

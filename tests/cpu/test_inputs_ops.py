@@ -17,6 +17,9 @@
   partials an H200 launch of the call carves is refused on the CPU as on the GPU;
 - ``qsa_sparse_attention`` with a cache of page size 0 is refused naming ``k_cache`` (the
   reference divided by zero; the GPU path's config refused it without naming the cache);
+- inputs that require grad: CPU tensors run the reference under ``no_grad``, so outputs carry no
+  autograd history and an ``out=`` that requires grad is written in place, as the kernels do (it
+  was a raw "leaf Variable ... in-place" RuntimeError, and outputs had a grad_fn);
 - ``AttentionLayer``: decode rows covering every request with rows left over is named (the
   prefill op refused it as "q has N rows but the batch is empty");
 - ``cute_kernels.warmup``'s flags and option lists (``q_lens``, ``scale_tensors``, ``kv_layouts``,
@@ -389,3 +392,27 @@ def test_qsa_cache_of_no_page_size_names_the_cache():
     empty = torch.zeros(11, 0, 2, 64, dtype=BF16)
     with pytest.raises(ValueError, match=r"^k_cache has a page size of 0 \(shape \(11, 0, 2, 64\)\)"):
         cute_kernels.qsa_sparse_attention(**{**case, "k_cache": empty, "v_cache": empty.clone()}, prefill=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs that require grad
+# ----------------------------------------------------------------------------------------------
+
+
+def test_ops_are_forward_only_on_the_cpu_as_on_the_gpu():
+    kv, bt, q_dec, sl_dec, q_pre, sl_pre, qsl = _attention_case()
+    q_grad = q_pre.clone().requires_grad_()
+    res = cute_kernels.paged_prefill(q_grad, kv, bt, sl_pre, qsl)
+    assert res.grad_fn is None and not res.requires_grad
+    torch.testing.assert_close(res, cute_kernels.paged_prefill(q_pre, kv, bt, sl_pre, qsl), atol=0, rtol=0)
+    for call, shape in ((lambda o: cute_kernels.paged_prefill(q_pre, kv, bt, sl_pre, qsl, out=o), (13, 8, 64)),
+                        (lambda o: cute_kernels.paged_decode(q_dec, kv, bt, sl_dec, out=o), (3, 8, 64))):
+        out = torch.full(shape, float("nan"), dtype=BF16, requires_grad=True)
+        assert call(out) is out
+        assert not out.isnan().any() and torch.equal(out, call(None))
+    cache = kv.clone().requires_grad_()
+    cute_kernels.write_kv_cache(q_dec[:, :2], q_dec[:, :2], cache, torch.arange(3, dtype=I32))
+    assert torch.equal(cache[0, 0, :, 0], q_dec[0, :2])
+    merged, lse = cute_kernels.merge_states(torch.randn(2, 3, 4, 64, requires_grad=True), torch.randn(2, 3, 4))
+    codes, lo = cute_kernels.quantize_query(q_grad[:3], 0.5, residual=True)
+    assert not any(t.requires_grad for t in (merged, lse, codes, lo))
