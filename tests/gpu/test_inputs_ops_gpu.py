@@ -6,7 +6,8 @@ CUDA context afterwards (docs/design/inputs.md):
 - ``window_left`` beyond int32 and a float scale beyond float32 are refused (the generated
   caller's inline check included);
 - an ``out=`` that requires grad is written in place, outputs carry no autograd history;
-- a caller's workspace too small for the split partials is refused naming it.
+- a caller's workspace too small for the split partials is refused naming it;
+- an FP8 query to ``paged_decode`` (the reference on SM90) gets sm100.decode's tensor checks.
 """
 
 from __future__ import annotations
@@ -119,4 +120,18 @@ def test_a_workspace_too_small_is_refused_as_on_the_cpu(gen):
     out = cute_kernels.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens,
                                     workspace=torch.empty(1 << 22, dtype=torch.uint8, device="cuda"), **c.kwargs())
     assert rel_err(out, reference.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, **c.kwargs())) <= TOL
+    _context_alive()
+
+
+def test_fp8_query_decode_checks_its_tensors_on_sm90(gen):
+    c = _decode_case(gen)
+    q8 = c.q.to(torch.float8_e4m3fn)
+    kw = {**c.kwargs(), "q_scale": 0.5}
+    with pytest.raises(TypeError, match=r"^block_table must have dtype int32"):
+        cute_kernels.paged_decode(q8, c.kv_cache, c.block_table.long(), c.seq_lens, **kw)
+    with pytest.raises(TypeError, match=r"^out must have dtype bfloat16"):
+        cute_kernels.paged_decode(q8, c.kv_cache, c.block_table, c.seq_lens, out=torch.empty_like(c.q).half(), **kw)
+    out = cute_kernels.paged_decode(q8, c.kv_cache, c.block_table, c.seq_lens, **kw)
+    assert out.dtype == BF16 and rel_err(out, reference.paged_decode(q8, c.kv_cache, c.block_table, c.seq_lens,
+                                                                     **kw)) <= TOL
     _context_alive()
