@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import random
 
@@ -304,7 +305,8 @@ def test_generated_caller_refuses_a_float_scale_beyond_float32():
     ("workers", 0, ValueError, "workers must be a positive int"),
 ])
 def test_warmup_names_a_bad_option(monkeypatch, field, value, exc, match):
-    import cute_kernels.warmup as warmup_module
+    # the module (``import cute_kernels.warmup as m`` may give the package's function of that name)
+    warmup_module = importlib.import_module("cute_kernels.warmup")
 
     compiled = []
     monkeypatch.setattr(warmup_module, "precompile", lambda configs, target, **kw: compiled.append(configs))
