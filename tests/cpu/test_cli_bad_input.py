@@ -1,0 +1,121 @@
+"""Bad command-line values: one line naming the flag and the value, exit code 2, no traceback,
+decided before the GPU check and before anything compiles (docs/design/inputs.md#the-classes).
+A typo used to be mapped to a default (``--kv fp16`` ran BF16), to match nothing (``--shapes B7``
+timed every shape, ``--kinds decoding`` nothing), or to fail after the timing (``--json`` into a
+missing directory) or inside each row (``--peers ocupancy=3``)."""
+
+from __future__ import annotations
+
+import pytest
+
+import cute_kernels.bench as bench
+from cute_kernels.bench import BENCHMARKS, build_parser
+from cute_kernels.cli import main as cli_main
+from cute_kernels.plans.sm90_qsa import MAX_SPLITS
+
+
+@pytest.fixture
+def no_gpu_check(monkeypatch):
+    """The GPU check fails the test: every refusal below must come before it."""
+    monkeypatch.setattr(bench, "gpu_problem", lambda need: pytest.fail("the GPU was checked before the values"))
+
+
+def _one_line(capsys) -> str:
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# (benchmark, arguments, the flag the line names, a text it holds: the bad value or the rule)
+BENCH_BAD = [
+    ("decode", ["--kv", "fp16"], "--kv", "'fp16' is not one of fp8, bf16"),
+    ("decode", ["--kv", "fp8,fp8"], "--kv", "'fp8' given twice"),
+    ("decode", ["--shapes", "B7"], "--shapes", "'B7' matches no shape"),
+    ("decode", ["--shapes", ","], "--shapes", "nothing in ','"),
+    ("decode", ["--peers", "xqa,fii"], "--peers", "'fii' is not a peer"),
+    ("decode", ["--peers", "ocupancy=3"], "--peers", "'ocupancy' is not a tuning field of sm90.decode"),
+    ("decode", ["--peers", "occupancy=three"], "--peers", "occupancy must be an integer, got 'three'"),
+    ("decode", ["--peers", "pdl=0"], "--peers", "pdl must be a bool"),
+    ("decode", ["--peers", "tile=128+num_splits=0"], "--peers", "num_splits must be a positive int, got 0"),
+    ("decode", ["--api", "trtllm", "--shapes", "ragged"], "--shapes", "'ragged' matches no shape"),
+    ("decode", ["--api", "trtllm", "--kv", "e4m3"], "--kv", "'e4m3'"),
+    ("prefill", ["--peers", "fa5"], "--peers", "'fa5' is not one of"),
+    ("prefill", ["--peers", "ours"], "--peers", "'ours' is not one of"),  # ours is always timed
+    ("prefill", ["--kv", "bf16,fp8,bf16"], "--kv", "'bf16' given twice"),
+    ("prefill", ["--shapes", "S99"], "--shapes", "'S99'"),
+    ("prefill", ["--api", "trtllm", "--shapes", "B1 S4096"], "--shapes", "'B1 S4096'"),
+    ("qsa", ["--kinds", "decoding"], "--kinds", "'decoding' is not one of decode, prefill"),
+    ("qsa", ["--kv", "e4m3"], "--kv", "'e4m3'"),
+    ("qsa", ["--decode-n", "4,x"], "--decode-n", "'x' is not an integer"),
+    ("qsa", ["--prefill-t", "0"], "--prefill-t", "got 0"),
+    ("qsa", ["--splits", "-2"], "--splits", "got -2"),
+    ("qsa", ["--splits", f"2,{MAX_SPLITS + 1}"], "--splits", f"at most {MAX_SPLITS}, got {MAX_SPLITS + 1}"),
+    ("qsa", ["--tile", "96"], "--tile", "must be one of 64, 128, got 96"),
+    ("qsa", ["--tile-rows", "2,x"], "--tile-rows", "'x'"),
+    ("qsa", ["--decode-counts", "0"], "--decode-counts", "got 0"),
+    ("qsa", ["--selection", "random"], "--selection", "'random' is not one of independent, correlated"),
+    ("qsa", ["--tuning", "producers:2"], "--tuning", "'producers:2' is not FIELD=INTEGER"),
+    ("layer", ["--tokens", "64,-1"], "--tokens", "got -1"),
+    ("layer", ["--variants", "items=2,items=3"], "--variants", "items given twice"),
+    ("layer", ["--variants", "pdl"], "--variants", "'pdl' is not FIELD=INTEGER"),
+    ("sm80", ["--kv", "fp16"], "--kv", "'fp16'"),
+    ("sm80", ["prefill", "--shapes", "ctx32000"], "--shapes", "'ctx32000'"),  # a decode shape's name
+    ("sm80", ["--variants", "a:tw=32;a:tw=64"], "--variants", "'a' given twice"),
+    ("sm80", ["--variants", ":tw=32"], "--variants", "a name is missing"),
+    ("sm80", ["--variants", "a:tw"], "--variants", "'tw' is not a new FIELD=VALUE"),
+    ("sm80", ["--variants", "a:twe=32"], "--variants", "'twe' is not a tuning field of sm80.decode"),
+    ("sm80", ["prefill", "--variants", "a:tw=x"], "--variants", "tw must be an int, got 'x'"),
+    ("serve", ["--workloads", "long"], "--workloads", "'long' is not one of long-fp8"),
+    ("serve", ["--configs", "ours,fi"], "--configs", "'fi' is not one of"),
+    ("serve", ["--configs", ""], "--configs", "nothing in ''"),
+    ("serve", ["--layers", "0"], "--layers", "got 0"),
+    ("serve", ["--concurrency", "-1"], "--concurrency", "got -1"),
+    ("serve", ["--decode-stride", "0"], "--decode-stride", "got 0"),
+    ("serve", ["--graph-reps", "0"], "--graph-reps", "got 0"),
+    ("serve", ["--eager-reps", "0"], "--eager-reps", "got 0"),
+    ("serve", ["--output-len", "100000"], "--workloads long-fp8 with --output-len 100000", "past the block table"),
+    ("merge", ["--json", ""], "--json", "empty path"),
+    ("decode", ["--png", "/no/such/dir/x.png"], "--png", "directory '/no/such/dir' does not exist"),
+]
+
+
+@pytest.mark.parametrize("what,argv,flag,text", BENCH_BAD, ids=[f"{w}{' '.join(a)}" for w, a, _, _ in BENCH_BAD])
+def test_bench_refuses_a_bad_value_in_one_line_before_the_gpu_check(what, argv, flag, text, no_gpu_check, capsys):
+    assert cli_main(["bench", what, *argv]) == 2
+    line = _one_line(capsys)
+    assert line.startswith(f"error: cute-kernels bench {what} {flag}"), line
+    assert text in line, line
+
+
+OUTPUT_FLAGS = [(what, flag) for what in sorted(BENCHMARKS) for flag in ("--json", "--png")
+                if flag in build_parser(what)[0].format_help()]
+
+
+@pytest.mark.parametrize("what,flag", OUTPUT_FLAGS)
+def test_bench_refuses_an_output_path_it_could_not_write(what, flag, tmp_path, no_gpu_check, capsys):
+    assert cli_main(["bench", what, flag, str(tmp_path)]) == 2  # a directory: the run ended in a traceback
+    assert _one_line(capsys) == f"error: cute-kernels bench {what} {flag}: {str(tmp_path)!r} is a directory"
+
+
+# the command lines of the GPU suite and of profiling/run.sh: every value they pass is taken
+GOOD = [
+    ("decode", []), ("decode", ["--shapes", "B1 ctx", "--kv", "fp8", "--peers", "sdpa,global"]),
+    ("decode", ["--shapes", "ragged,70b", "--kv", "fp8,bf16", "--peers", "xqa,fi,fa4"]),
+    ("decode", ["--peers", "", "--shapes", "ctx"]), ("decode", ["--peers", "occupancy=3+tile=128+num_splits=4,occ3"]),
+    ("decode", ["--api", "trtllm", "--shapes", "win4096"]), ("prefill", []), ("prefill", ["--peers", "fa4,fi"]),
+    ("prefill", ["--kv", "fp8", "--peers", "ours_fp8q,ours_fp8x2,fi"]), ("prefill", ["--api", "trtllm"]),
+    ("qsa", []), ("qsa", ["--kinds", "decode", "--decode-n", "4,16", "--tuning", ";producers=1", "--tile", "128",
+                          "--splits", "1,2,4", "--decode-counts", "64,2051"]),
+    ("layer", []), ("layer", ["--tokens", "64", "--variants", "items=1;items=2,pdl=0"]), ("merge", []),
+    ("latency", []), ("sm80", []), ("sm80", ["prefill", "--variants", "x:tw=32+smem_target=sm_80", "--shapes", "B1"]),
+    ("sm80", ["--variants", "y:ldsm_xor=false"]),
+    ("serve", []), ("serve", ["--quick", "--workloads", "long-fp8,short-bf16", "--layers", "2", "--output-len", "8"]),
+]
+
+
+@pytest.mark.parametrize("what,argv", GOOD, ids=[f"{w}{' '.join(a)}" for w, a in GOOD])
+def test_bench_takes_good_values(what, argv, tmp_path):
+    parser, module = build_parser(what)
+    bench.check_arguments(module, parser.parse_args([*argv, "--json", str(tmp_path / "out.json")]))
