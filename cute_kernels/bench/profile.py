@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import ncu
-from .harness import SM80_PLUS, SM90, GpuNeed, gpu_problem
+from .harness import SM80_PLUS, SM90, GpuNeed, check_output_path, gpu_problem
 
 NEEDS: dict[str, GpuNeed] = {"decode": SM90, "prefill": SM90, "qsa": SM90, "merge": SM80_PLUS, "layer": SM90}
 WARMUP_CALLS = 3  # before the profiled call: compiles, sizes workspaces, loads modules
@@ -162,8 +162,15 @@ def main(what: str, argv: list[str], *, run: Callable[..., Any] = subprocess.run
     """``cute-kernels profile WHAT ...``: 0 with the report written, 2 when this machine cannot
     profile (one line on stderr), 1 when ncu fails."""
     args = build_parser(what).parse_args(argv)
-    try:
+    try:  # the values first: a bad one is named on any machine, before the GPU check
         shape = ncu.parse_shape(what, args.shape)
+        if what == "qsa":
+            from .qsa_selection import SELECTIONS
+
+            if shape["selection"] not in SELECTIONS:
+                raise ValueError(f"--shape: selection must be one of {', '.join(SELECTIONS)}, "
+                                 f"got {shape['selection']!r}")
+        check_output_path("--out", args.out)
     except ValueError as e:
         return _refuse(what, str(e))
     problem = gpu_problem(NEEDS[what])

@@ -10,6 +10,7 @@ import pytest
 
 import cute_kernels.bench as bench
 from cute_kernels.bench import BENCHMARKS, build_parser
+from cute_kernels.bench import profile as prof
 from cute_kernels.cli import main as cli_main
 from cute_kernels.plans.sm90_qsa import MAX_SPLITS
 
@@ -18,6 +19,7 @@ from cute_kernels.plans.sm90_qsa import MAX_SPLITS
 def no_gpu_check(monkeypatch):
     """The GPU check fails the test: every refusal below must come before it."""
     monkeypatch.setattr(bench, "gpu_problem", lambda need: pytest.fail("the GPU was checked before the values"))
+    monkeypatch.setattr(prof, "gpu_problem", lambda need: pytest.fail("the GPU was checked before the values"))
 
 
 def _one_line(capsys) -> str:
@@ -119,3 +121,33 @@ GOOD = [
 def test_bench_takes_good_values(what, argv, tmp_path):
     parser, module = build_parser(what)
     bench.check_arguments(module, parser.parse_args([*argv, "--json", str(tmp_path / "out.json")]))
+
+
+@pytest.mark.parametrize("what,shape,text", [
+    ("decode", "B=0", "B must be >= 1, got 0"),
+    ("decode", "ctx=-5", "ctx must be >= 1, got -5"),
+    ("decode", "Hq=33", "Hq (33) must be a multiple of Hkv (4)"),
+    ("prefill", "prefix=-1", "prefix must be >= 0, got -1"),
+    ("qsa", "gate=2", "gate must be one of 0, 1, got 2"),
+    ("qsa", "selection=random", "selection must be one of independent, correlated, got 'random'"),
+    ("merge", "S=0", "S must be >= 1, got 0"),
+])
+def test_profile_refuses_a_bad_shape_before_the_gpu_check(what, shape, text, no_gpu_check, capsys):
+    assert cli_main(["profile", what, "--shape", shape]) == 2
+    assert _one_line(capsys) == f"error: cute-kernels profile {what} --shape: {text}"
+
+
+@pytest.mark.parametrize("stem,text", [("", "empty path"), ("/no/such/dir/m", "does not exist"),
+                                       (None, "is a directory")])
+def test_profile_refuses_an_out_stem_it_could_not_write(stem, text, tmp_path, no_gpu_check, capsys):
+    stem = str(tmp_path) if stem is None else stem
+    assert cli_main(["profile", "merge", "--out", stem]) == 2
+    line = _one_line(capsys)
+    assert line.startswith("error: cute-kernels profile merge --out: ") and text in line, line
+
+
+def test_profile_takes_a_cached_prefix_of_zero_and_an_ungated_call():
+    from cute_kernels.bench import ncu
+
+    assert ncu.parse_shape("prefill", "prefix=0")["prefix"] == 0
+    assert ncu.parse_shape("qsa", "gate=0")["gate"] == 0
