@@ -151,3 +151,26 @@ def test_profile_takes_a_cached_prefix_of_zero_and_an_ungated_call():
 
     assert ncu.parse_shape("prefill", "prefix=0")["prefix"] == 0
     assert ncu.parse_shape("qsa", "gate=0")["gate"] == 0
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    import cute_kernels.jit.evidence as evidence
+
+    monkeypatch.setattr(evidence, "compile_with_evidence", lambda *a: pytest.fail("compiled before the check"))
+
+
+@pytest.mark.parametrize("kernel", ["", "  "])
+def test_compile_refuses_an_empty_kernel_filter(kernel, no_compile, capsys):
+    """``--kernel ""`` is in every label: it compiled every variant of the arch."""
+    assert cli_main(["compile", "--arch", "sm_90a", "--kernel", kernel]) == 2
+    assert _one_line(capsys) == f"error: --kernel {kernel!r}: empty text (leave --kernel out for every variant)"
+
+
+@pytest.mark.parametrize("where,text", [("missing", "does not exist"), ("dir", "is a directory")])
+def test_compile_checks_the_digest_file_it_writes_before_compiling(where, text, tmp_path, no_compile, capsys):
+    """The write failed with a traceback after every variant had compiled."""
+    path = tmp_path / "no" / "d.json" if where == "missing" else tmp_path
+    assert cli_main(["compile", "--arch", "sm_90a", "--kernel", "merge_states", "--digests", str(path)]) == 2
+    line = _one_line(capsys)
+    assert line.startswith(f"error: --digests: {str(path)!r}") and text in line, line
