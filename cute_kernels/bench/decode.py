@@ -41,6 +41,7 @@ from .harness import (
     NvtxRanges,
     Peer,
     bar_chart,
+    check_unused,
     choice_list,
     comma_list,
     parse_variants,
@@ -275,14 +276,21 @@ def check_peer(name: str) -> None:
         raise ValueError(f"--peers: {name!r}: {str(e).removeprefix('tuning_override: ')}") from None
 
 
+def requested_peers(args) -> list[str]:
+    """The ``--peers`` entries (:data:`DEFAULT_PEERS` when not given; ``''``: ours alone)."""
+    return comma_list("--peers", ",".join(DEFAULT_PEERS) if args.peers is None else args.peers, allow_empty=True)
+
+
 def check_arguments(args) -> None:
     """Every value of the command line, before the GPU check (:func:`cute_kernels.bench.main`)."""
     if args.api == "trtllm":
         from . import trtllm
 
+        check_unused("with --api trtllm", {"--peers": args.peers is not None, "--png": args.png is not None,
+                                           "--no-balanced": not args.balanced})
         trtllm.check_arguments(args, trtllm.DECODE_SHAPES)
         return
-    for name in comma_list("--peers", args.peers, allow_empty=True):
+    for name in requested_peers(args):
         check_peer(name)
     choice_list("--kv", args.kv, KV_DTYPES)
     select_shapes(args.shapes)
@@ -440,8 +448,9 @@ def _plot(rows, peers, path, device):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
-                   help=f"comma list of peers ({', '.join(PEERS)}) and our tuning variants (default: %(default)s)")
+    p.add_argument("--peers", default=None,
+                   help=f"comma list of peers ({', '.join(PEERS)}) and our tuning variants (default: "
+                        f"{','.join(DEFAULT_PEERS)})")
     p.add_argument("--kv", default=",".join(KV_DTYPES), help="KV-cache dtypes (default: %(default)s)")
     p.add_argument("--png", default=None, metavar="PATH", help="also draw the %% of roofline per shape to PATH")
     p.add_argument("--quick", action="store_true", help="skip the accuracy check against the reference")
@@ -461,6 +470,6 @@ def main(args) -> None:
 
         trtllm.main_decode(args)
         return
-    peers, png = runnable(comma_list("--peers", args.peers, allow_empty=True), PEER_LIBS, args.png)
+    peers, png = runnable(requested_peers(args), PEER_LIBS, args.png)
     run(peers=tuple(peers), kv_dtypes=choice_list("--kv", args.kv, KV_DTYPES), shapes=select_shapes(args.shapes),
         out_json=args.json, out_png=png, quick=args.quick, nvtx=args.nvtx, balanced=args.balanced)

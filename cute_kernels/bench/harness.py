@@ -230,6 +230,14 @@ def select_named(flag: str, text: str | None, table: list[tuple]) -> list[tuple]
     return [row for row in table if any(k in row[0] for k in keys)]
 
 
+def check_unused(why: str, given: dict[str, bool]) -> None:
+    """Refuse the first flag of ``given`` (flag -> whether the command line set it) that the
+    chosen mode does not read: it would be ignored without a word."""
+    flag = next((f for f, was_given in given.items() if was_given), None)
+    if flag is not None:
+        raise ValueError(f"{flag}: not taken {why}")
+
+
 def check_output_path(flag: str, path: str | None) -> None:
     """``path`` (None: not asked for) a file this process can write: not empty, not a directory,
     in a directory that exists and is writable. Checked first, so that a run does not end in a

@@ -44,6 +44,7 @@ from .harness import (
     NvtxRanges,
     Peer,
     bar_chart,
+    check_unused,
     choice_list,
     runnable,
     select_named,
@@ -323,20 +324,27 @@ def select_shapes(keys: str | None) -> list[tuple]:
     return select_named("--shapes", keys, SHAPES)
 
 
+def requested_peers(args) -> tuple[str, ...]:
+    """The ``--peers`` entries (all of :data:`PEERS` when not given; ``''``: ours alone)."""
+    return choice_list("--peers", ",".join(PEERS) if args.peers is None else args.peers, PEERS, allow_empty=True)
+
+
 def check_arguments(args) -> None:
     """Every value of the command line, before the GPU check (:func:`cute_kernels.bench.main`)."""
     if args.api == "trtllm":
         from . import trtllm
 
+        check_unused("with --api trtllm", {"--peers": args.peers is not None, "--png": args.png is not None})
         trtllm.check_arguments(args, trtllm.PREFILL_SHAPES)
         return
-    choice_list("--peers", args.peers, PEERS, allow_empty=True)
+    requested_peers(args)
     choice_list("--kv", args.kv, KV_DTYPES)
     select_shapes(args.shapes)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--peers", default=",".join(PEERS), help="comma-separated entries besides ours: " + ", ".join(PEERS))
+    p.add_argument("--peers", default=None,
+                   help="comma-separated entries besides ours: " + ", ".join(PEERS) + " (default: all)")
     p.add_argument("--kv", default=",".join(KV_DTYPES), help="cache dtypes: bf16,fp8")
     p.add_argument("--shapes", default=None, help="comma-separated substrings selecting shapes by name")
     p.add_argument("--quick", action="store_true", help="skip the reference (no error column)")
@@ -352,7 +360,6 @@ def main(args) -> None:
 
         trtllm.main_prefill(args)
         return
-    requested = choice_list("--peers", args.peers, PEERS, allow_empty=True)
-    peers, png = runnable(list(requested), PEER_LIBS, args.png)
+    peers, png = runnable(list(requested_peers(args)), PEER_LIBS, args.png)
     run(peers=tuple(peers), kv_dtypes=choice_list("--kv", args.kv, KV_DTYPES), shapes=select_shapes(args.shapes),
         out_json=args.json, out_png=png, quick=args.quick, nvtx=args.nvtx)

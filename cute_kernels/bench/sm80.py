@@ -26,7 +26,7 @@ from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D128_TW64S
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case, rel_err
 
 from .decode import SHAPES as DECODE_SHAPES
-from .harness import SM80_PLUS, choice_list, select_named, write_json, write_partial
+from .harness import SM80_PLUS, check_unused, choice_list, select_named, write_json, write_partial
 from .timing import bench_setup, time_graph
 
 NEEDS = SM80_PLUS
@@ -68,6 +68,11 @@ def parse_named_variants(text: str | None) -> dict[str, dict]:
     return out
 
 
+def kv_of(args) -> str:
+    """The ``--kv`` text of a decode run (:data:`KV_DTYPES` when not given)."""
+    return ",".join(KV_DTYPES) if args.kv is None else args.kv
+
+
 def check_arguments(args) -> None:
     """Every value of the command line, before the GPU check (:func:`cute_kernels.bench.main`): the
     cache dtypes, the shape names, and the ``--variants`` fields against the portable kernel's
@@ -76,7 +81,10 @@ def check_arguments(args) -> None:
     from cute_kernels.ops.paged_decode import check_tuning_override
     from cute_kernels.plans.sm80 import Sm80PrefillConfig
 
-    choice_list("--kv", args.kv, KV_DTYPES)
+    if args.what == "decode":
+        choice_list("--kv", kv_of(args), KV_DTYPES)
+    else:
+        check_unused("by sm80 prefill (its cache is bf16)", {"--kv": args.kv is not None})
     select_named("--shapes", args.shapes, DECODE_SHAPES if args.what == "decode" else PREFILL_SHAPES)
     for name, fields in parse_named_variants(args.variants).items():
         try:
@@ -249,7 +257,7 @@ def bench_prefill(shapes=None, out_json=None, check=True):
 
 def add_arguments(p) -> None:
     p.add_argument("what", nargs="?", default="decode", choices=["decode", "prefill"], help="decode (default) or prefill")
-    p.add_argument("--kv", default=",".join(KV_DTYPES), help="decode: cache dtypes")
+    p.add_argument("--kv", default=None, help=f"decode: cache dtypes (default: {','.join(KV_DTYPES)})")
     p.add_argument("--shapes", default=None, help="comma-separated substrings selecting shapes by name")
     p.add_argument("--variants", default=None,
                    help="extra tilings: name:field=value+field=value;... (value: an integer, true or false)")
@@ -258,7 +266,7 @@ def add_arguments(p) -> None:
 def main(args) -> None:
     (DECODE_VARIANTS if args.what == "decode" else PREFILL_VARIANTS).update(parse_named_variants(args.variants))
     if args.what == "decode":
-        bench_decode(choice_list("--kv", args.kv, KV_DTYPES), select_named("--shapes", args.shapes, DECODE_SHAPES),
+        bench_decode(choice_list("--kv", kv_of(args), KV_DTYPES), select_named("--shapes", args.shapes, DECODE_SHAPES),
                      args.json)
     else:
         bench_prefill(select_named("--shapes", args.shapes, PREFILL_SHAPES), args.json)

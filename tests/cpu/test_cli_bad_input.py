@@ -79,6 +79,12 @@ BENCH_BAD = [
     ("serve", ["--eager-reps", "0"], "--eager-reps", "got 0"),
     ("serve", ["--output-len", "100000"], "--workloads long-fp8 with --output-len 100000", "past the block table"),
     ("merge", ["--json", ""], "--json", "empty path"),
+    # a flag the chosen mode does not read: it was ignored without a word
+    ("decode", ["--api", "trtllm", "--peers", "xqa"], "--peers", "not taken with --api trtllm"),
+    ("decode", ["--api", "trtllm", "--png", "x.png"], "--png", "not taken with --api trtllm"),
+    ("decode", ["--api", "trtllm", "--no-balanced"], "--no-balanced", "not taken with --api trtllm"),
+    ("prefill", ["--api", "trtllm", "--peers", ""], "--peers", "not taken with --api trtllm"),
+    ("sm80", ["prefill", "--kv", "fp8"], "--kv", "not taken by sm80 prefill"),
     ("decode", ["--png", "/no/such/dir/x.png"], "--png", "directory '/no/such/dir' does not exist"),
 ]
 
@@ -107,6 +113,7 @@ GOOD = [
     ("decode", ["--shapes", "ragged,70b", "--kv", "fp8,bf16", "--peers", "xqa,fi,fa4"]),
     ("decode", ["--peers", "", "--shapes", "ctx"]), ("decode", ["--peers", "occupancy=3+tile=128+num_splits=4,occ3"]),
     ("decode", ["--api", "trtllm", "--shapes", "win4096"]), ("prefill", []), ("prefill", ["--peers", "fa4,fi"]),
+    ("prefill", ["--peers", ""]), ("sm80", ["--kv", "fp8"]), ("sm80", ["prefill"]),
     ("prefill", ["--kv", "fp8", "--peers", "ours_fp8q,ours_fp8x2,fi"]), ("prefill", ["--api", "trtllm"]),
     ("qsa", []), ("qsa", ["--kinds", "decode", "--decode-n", "4,16", "--tuning", ";producers=1", "--tile", "128",
                           "--splits", "1,2,4", "--decode-counts", "64,2051"]),
