@@ -19,10 +19,15 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from dispatch import UnsupportedConfig, plan
+
 from . import ncu
 from .harness import SM80_PLUS, SM90, GpuNeed, check_output_path, gpu_problem
 
 NEEDS: dict[str, GpuNeed] = {"decode": SM90, "prefill": SM90, "qsa": SM90, "merge": SM80_PLUS, "layer": SM90}
+# the planned phase of each WHAT that calls an attention op (on the SM90 GPU NEEDS names): a shape
+# no kernel takes is refused before ncu starts (the op would refuse it inside the profiled process)
+PHASES = {"decode": "decode", "prefill": "prefill", "layer": "decode"}
 WARMUP_CALLS = 3  # before the profiled call: compiles, sizes workspaces, loads modules
 COPY_BYTES = 256 << 20  # the roofline copy: 256 MiB read, 256 MiB written
 
@@ -153,6 +158,19 @@ def build_parser(what: str) -> argparse.ArgumentParser:
     return p
 
 
+def check_planned(what: str, shape: dict) -> None:
+    """``ValueError`` "--shape: <the planner's reason>" when no kernel of an SM90 GPU serves the
+    shape (a head dim, page size or GQA ratio x q_len outside the kernels' limits)."""
+    if what not in PHASES:
+        return
+    q = shape.get("q", "bf16")
+    p = plan(arch="sm90", phase=PHASES[what], kv_cache_dtype=shape["kv"], model_dtype="bf16", head_dim=shape["D"],
+             num_q_heads=shape["Hq"], num_kv_heads=shape["Hkv"], page_size=shape["page"],
+             q_len=shape.get("q_len", 1), query_dtype="auto" if q == "bf16" else q)
+    if p.is_fallback:
+        raise ValueError(f"--shape: {p.reason.removeprefix('reference fallback: ')}")
+
+
 def _refuse(what: str, why: str) -> int:
     print(f"error: cute-kernels profile {what} {why}", file=sys.stderr)
     return 2
@@ -170,8 +188,9 @@ def main(what: str, argv: list[str], *, run: Callable[..., Any] = subprocess.run
             if shape["selection"] not in SELECTIONS:
                 raise ValueError(f"--shape: selection must be one of {', '.join(SELECTIONS)}, "
                                  f"got {shape['selection']!r}")
+        check_planned(what, shape)
         check_output_path("--out", args.out)
-    except ValueError as e:
+    except (ValueError, UnsupportedConfig) as e:
         return _refuse(what, str(e))
     problem = gpu_problem(NEEDS[what])
     if problem is not None:

@@ -144,6 +144,27 @@ def test_profile_refuses_a_bad_shape_before_the_gpu_check(what, shape, text, no_
     assert _one_line(capsys) == f"error: cute-kernels profile {what} --shape: {text}"
 
 
+@pytest.mark.parametrize("what,shape,text", [
+    ("decode", "D=100", "need head_dim 64/128/256 (got 100)"),
+    ("decode", "q_len=32", "need GQA ratio x q_len up to 64 (got 8 x 32)"),
+    ("prefill", "page=7", "need page_size 16/32/64/128 (got 7)"),
+    ("layer", "Hq=128,Hkv=1", "need GQA ratio x q_len up to 64 (got 128 x 1)"),
+])
+def test_profile_refuses_a_shape_no_kernel_takes_before_ncu_starts(what, shape, text, no_gpu_check, capsys):
+    """The op refused it inside the profiled process, after ncu had started and the warm-up had run."""
+    assert cli_main(["profile", what, "--shape", shape]) == 2
+    line = _one_line(capsys)
+    assert line.startswith(f"error: cute-kernels profile {what} --shape: ") and text in line, line
+
+
+@pytest.mark.parametrize("what,shape", [(w, "") for w in sorted(prof.NEEDS)] + [
+    ("decode", "q_len=4,D=64"), ("prefill", "kv=fp8,q=fp8x2,D=256,Hq=16"), ("layer", "kv=bf16,page=64")])
+def test_profile_plans_the_default_and_good_shapes(what, shape):
+    from cute_kernels.bench import ncu
+
+    prof.check_planned(what, ncu.parse_shape(what, shape))
+
+
 @pytest.mark.parametrize("stem,text", [("", "empty path"), ("/no/such/dir/m", "does not exist"),
                                        (None, "is a directory")])
 def test_profile_refuses_an_out_stem_it_could_not_write(stem, text, tmp_path, no_gpu_check, capsys):
