@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -171,6 +172,15 @@ def check_planned(what: str, shape: dict) -> None:
         raise ValueError(f"--shape: {p.reason.removeprefix('reference fallback: ')}")
 
 
+def ncu_arguments(text: str) -> list[str]:
+    """``--ncu-args`` split as a shell splits it (a quoted value stays one argument);
+    ``ValueError`` naming the flag for unbalanced quotes."""
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise ValueError(f"--ncu-args: {e} in {text!r}") from None
+
+
 def _refuse(what: str, why: str) -> int:
     print(f"error: cute-kernels profile {what} {why}", file=sys.stderr)
     return 2
@@ -190,6 +200,7 @@ def main(what: str, argv: list[str], *, run: Callable[..., Any] = subprocess.run
                                  f"got {shape['selection']!r}")
         check_planned(what, shape)
         check_output_path("--out", args.out)
+        extra = ncu_arguments(args.ncu_args)
     except (ValueError, UnsupportedConfig) as e:
         return _refuse(what, str(e))
     problem = gpu_problem(NEEDS[what])
@@ -205,7 +216,7 @@ def main(what: str, argv: list[str], *, run: Callable[..., Any] = subprocess.run
         return _refuse(what, f"needs Nsight Compute: {args.ncu!r} is not on PATH (install it, or pass --ncu PATH)")
     stem = args.out
     cmd = ncu.ncu_command(what, ncu.shape_text(shape), stem, ncu=exe, python=sys.executable,
-                          extra=args.ncu_args.split())
+                          extra=extra)
     print(" ".join(cmd), file=sys.stderr, flush=True)
     if run(cmd).returncode != 0:
         print("error: ncu failed: its command and output are above", file=sys.stderr)

@@ -48,7 +48,7 @@ from cute_kernels.plans.sm90_qsa import MAX_SPLITS, TILES, select_config
 from cute_kernels.plans.sm90_qsa_tile import row_tile_plan
 from cute_kernels.plans.sm90_qsa_widen import use_widened_cache
 
-from .harness import SM90, NvtxRanges, choice_list, int_list, parse_variants, write_json
+from .harness import SM90, NvtxRanges, check_unused, choice_list, int_list, parse_variants, write_json
 from .qsa_selection import SELECTIONS, TOPK, qsa_indices, selection_stats
 from .timing import read_bandwidth, time_eager, time_graph, time_graph_fresh
 
@@ -281,11 +281,15 @@ def check_arguments(a) -> dict:
         raise ValueError(f"--splits: at most {MAX_SPLITS}, got {max(ints['--splits'])}")
     if a.tile is not None and a.tile not in TILES:
         raise ValueError(f"--tile: must be one of {', '.join(map(str, TILES))}, got {a.tile}")
+    kinds = choice_list("--kinds", a.kinds, KINDS)
+    check_unused("without the decode kind", {"--decode-counts": "decode" not in kinds and a.decode_counts is not None,
+                                             "--decode-shared": "decode" not in kinds and a.decode_shared})
+    check_unused("without the prefill kind", {"--tile-rows": "prefill" not in kinds and a.tile_rows is not None})
     try:
         tunings = parse_variants(a.tuning) if a.tuning else None
     except ValueError as e:
         raise ValueError(f"--tuning: {e}") from None
-    return dict(kinds=choice_list("--kinds", a.kinds, KINDS), kv_dtypes=choice_list("--kv", a.kv, KV_DTYPES),
+    return dict(kinds=kinds, kv_dtypes=choice_list("--kv", a.kv, KV_DTYPES),
                 decode_n=ints["--decode-n"] or (), prefill_t=ints["--prefill-t"] or (), splits=ints["--splits"],
                 tile=a.tile, check=a.check, out_json=a.json, selections=choice_list("--selection", a.selection, SELECTIONS),
                 tile_rows=ints["--tile-rows"], tunings=tunings, decode_shared=a.decode_shared,

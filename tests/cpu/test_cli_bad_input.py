@@ -85,6 +85,10 @@ BENCH_BAD = [
     ("decode", ["--api", "trtllm", "--no-balanced"], "--no-balanced", "not taken with --api trtllm"),
     ("prefill", ["--api", "trtllm", "--peers", ""], "--peers", "not taken with --api trtllm"),
     ("sm80", ["prefill", "--kv", "fp8"], "--kv", "not taken by sm80 prefill"),
+    ("qsa", ["--kinds", "prefill", "--decode-counts", "64"], "--decode-counts", "not taken without the decode kind"),
+    ("qsa", ["--kinds", "prefill", "--decode-shared"], "--decode-shared", "not taken without the decode kind"),
+    ("qsa", ["--kinds", "decode", "--tile-rows", "4"], "--tile-rows", "not taken without the prefill kind"),
+    ("latency", ["--eager-study", "--quick"], "--quick", "not taken with --eager-study"),
     ("decode", ["--png", "/no/such/dir/x.png"], "--png", "directory '/no/such/dir' does not exist"),
 ]
 
@@ -118,7 +122,8 @@ GOOD = [
     ("qsa", []), ("qsa", ["--kinds", "decode", "--decode-n", "4,16", "--tuning", ";producers=1", "--tile", "128",
                           "--splits", "1,2,4", "--decode-counts", "64,2051"]),
     ("layer", []), ("layer", ["--tokens", "64", "--variants", "items=1;items=2,pdl=0"]), ("merge", []),
-    ("latency", []), ("sm80", []), ("sm80", ["prefill", "--variants", "x:tw=32+smem_target=sm_80", "--shapes", "B1"]),
+    ("latency", []), ("latency", ["--eager-study"]), ("qsa", ["--kinds", "prefill", "--tile-rows", "1,5"]),
+    ("qsa", ["--kinds", "decode", "--decode-shared", "--decode-counts", "64"]), ("sm80", []), ("sm80", ["prefill", "--variants", "x:tw=32+smem_target=sm_80", "--shapes", "B1"]),
     ("sm80", ["--variants", "y:ldsm_xor=false"]),
     ("serve", []), ("serve", ["--quick", "--workloads", "long-fp8,short-bf16", "--layers", "2", "--output-len", "8"]),
 ]
@@ -163,6 +168,13 @@ def test_profile_plans_the_default_and_good_shapes(what, shape):
     from cute_kernels.bench import ncu
 
     prof.check_planned(what, ncu.parse_shape(what, shape))
+
+
+def test_profile_refuses_unbalanced_quotes_in_ncu_args(no_gpu_check, capsys):
+    """``--ncu-args`` was split on blanks: a quote reached ncu as part of an argument."""
+    assert prof.ncu_arguments("--set full --nvtx-exclude 'a b'") == ["--set", "full", "--nvtx-exclude", "a b"]
+    assert cli_main(["profile", "merge", "--ncu-args", "--set 'full"]) == 2
+    assert _one_line(capsys) == "error: cute-kernels profile merge --ncu-args: No closing quotation in \"--set 'full\""
 
 
 @pytest.mark.parametrize("stem,text", [("", "empty path"), ("/no/such/dir/m", "does not exist"),
