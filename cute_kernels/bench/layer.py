@@ -247,10 +247,13 @@ def check_arguments(a) -> tuple[tuple[int, ...], list[dict] | None]:
     if not a.variants:
         return tokens, None
     try:
-        variants = parse_variants(a.variants)
-    except ValueError as e:
-        raise ValueError(f"--variants: {e}") from None
-    return tokens, [{k: bool(v) if k == "pdl" else v for k, v in var.items()} for var in variants]
+        variants = [{k: bool(v) if k == "pdl" else v for k, v in var.items()} for var in parse_variants(a.variants)]
+        for var in variants:  # each variant applies to both ops: its fields must be tuning fields of both
+            qq_op.check_tuning_override(var)
+            kv_op.check_tuning_override(var)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--variants: {str(e).removeprefix('tuning_override: ')}") from None
+    return tokens, variants
 
 
 def main(a) -> None:

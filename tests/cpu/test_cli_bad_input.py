@@ -62,6 +62,8 @@ BENCH_BAD = [
     ("layer", ["--tokens", "64,-1"], "--tokens", "got -1"),
     ("layer", ["--variants", "items=2,items=3"], "--variants", "items given twice"),
     ("layer", ["--variants", "pdl"], "--variants", "'pdl' is not FIELD=INTEGER"),
+    ("layer", ["--variants", "items=2;itemz=2"], "--variants", "'itemz' is not a tuning field of common.quantize_query"),
+    ("layer", ["--variants", "vec=8"], "--variants", "'vec' is not a tuning field of common.write_kv_cache"),
     ("sm80", ["--kv", "fp16"], "--kv", "'fp16'"),
     ("sm80", ["prefill", "--shapes", "ctx32000"], "--shapes", "'ctx32000'"),  # a decode shape's name
     ("sm80", ["--variants", "a:tw=32;a:tw=64"], "--variants", "'a' given twice"),
@@ -214,3 +216,23 @@ def test_compile_checks_the_digest_file_it_writes_before_compiling(where, text, 
     assert cli_main(["compile", "--arch", "sm_90a", "--kernel", "merge_states", "--digests", str(path)]) == 2
     line = _one_line(capsys)
     assert line.startswith(f"error: --digests: {str(path)!r}") and text in line, line
+
+
+def test_write_kv_cache_names_a_field_its_override_does_not_take():
+    """A field the call decides (``vec``) or a typo was a TypeError from the config's constructor."""
+    import torch
+
+    from cute_kernels.ops import write_kv_cache as kv_op
+
+    g = torch.Generator().manual_seed(0)
+    key = torch.randn(4, 2, 64, generator=g).to(torch.bfloat16)
+    cache = torch.zeros(2, 2, 2, 16, 64, dtype=torch.bfloat16)
+    slots = torch.arange(4)
+    with kv_op.tuning_override(items=2):
+        assert kv_op.make_config(key, key, cache, slots, "HND", False, False).items == 2
+    for fields, error, match in [(dict(vec=8), ValueError, "'vec' is not a tuning field of common.write_kv_cache "
+                                                           "\\(the call's arguments decide it\\); its fields: items, pdl"),
+                                 (dict(itemz=2), ValueError, "'itemz' is not a tuning field"),
+                                 (dict(pdl=1), TypeError, "pdl must be a bool, got 1")]:
+        with kv_op.tuning_override(**fields), pytest.raises(error, match=match):
+            kv_op.make_config(key, key, cache, slots, "HND", False, False)
