@@ -172,6 +172,8 @@ def parse_variants(text: str, sep: str = ",") -> list[dict[str, int]]:
             if name in fields:
                 raise ValueError(f"{name} given twice in {spec!r}")
             fields[name] = number
+        if fields and fields in variants:  # it would be timed twice
+            raise ValueError(f"variant {spec!r} given twice")
         variants.append(fields)
     return variants
 

@@ -54,11 +54,15 @@ def parse_shape(what: str, text: str | None) -> dict[str, Any]:
     """``"B=8,ctx=4096"`` over WHAT's defaults; a value takes its default's type. Raises
     ``ValueError`` naming an unknown key or a bad value."""
     shape = dict(SHAPES[what])
+    given: set[str] = set()
     for item in filter(None, (text or "").split(",")):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in shape:
             raise ValueError(f"--shape: {item!r} is not KEY=VALUE with KEY one of {', '.join(shape)}")
+        if key in given:  # the last would win without a word
+            raise ValueError(f"--shape: {key} given twice")
+        given.add(key)
         if isinstance(shape[key], int):
             try:
                 shape[key] = int(value)

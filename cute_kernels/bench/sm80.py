@@ -86,7 +86,11 @@ def check_arguments(args) -> None:
     else:
         check_unused("by sm80 prefill (its cache is bf16)", {"--kv": args.kv is not None})
     select_named("--shapes", args.shapes, DECODE_SHAPES if args.what == "decode" else PREFILL_SHAPES)
+    builtin = DECODE_VARIANTS if args.what == "decode" else {**PREFILL_VARIANTS, **PREFILL_D256_VARIANTS,
+                                                              **PREFILL_D128_VARIANTS}
     for name, fields in parse_named_variants(args.variants).items():
+        if name in builtin:  # it would replace the built-in tiling under the same name
+            raise ValueError(f"--variants: {name!r} is a built-in variant ({', '.join(builtin)}); name it otherwise")
         try:
             if args.what == "decode":
                 check_tuning_override("sm80.decode", fields)

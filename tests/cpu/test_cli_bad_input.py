@@ -62,6 +62,10 @@ BENCH_BAD = [
     ("layer", ["--tokens", "64,-1"], "--tokens", "got -1"),
     ("layer", ["--variants", "items=2,items=3"], "--variants", "items given twice"),
     ("layer", ["--variants", "pdl"], "--variants", "'pdl' is not FIELD=INTEGER"),
+    ("layer", ["--variants", "items=2;items=2"], "--variants", "variant 'items=2' given twice"),
+    ("qsa", ["--tuning", "producers=1;stages=2;producers=1"], "--tuning", "variant 'producers=1' given twice"),
+    ("sm80", ["--variants", "noxor:tw=32"], "--variants", "'noxor' is a built-in variant"),
+    ("sm80", ["prefill", "--variants", "m2t64:tw=32"], "--variants", "'m2t64' is a built-in variant"),
     ("layer", ["--variants", "items=2;itemz=2"], "--variants", "'itemz' is not a tuning field of common.quantize_query"),
     ("layer", ["--variants", "vec=8"], "--variants", "'vec' is not a tuning field of common.write_kv_cache"),
     ("sm80", ["--kv", "fp16"], "--kv", "'fp16'"),
@@ -145,6 +149,7 @@ def test_bench_takes_good_values(what, argv, tmp_path):
     ("qsa", "gate=2", "gate must be one of 0, 1, got 2"),
     ("qsa", "selection=random", "selection must be one of independent, correlated, got 'random'"),
     ("merge", "S=0", "S must be >= 1, got 0"),
+    ("merge", "S=4,N=8,S=2", "S given twice"),
 ])
 def test_profile_refuses_a_bad_shape_before_the_gpu_check(what, shape, text, no_gpu_check, capsys):
     assert cli_main(["profile", what, "--shape", shape]) == 2
