@@ -181,6 +181,7 @@ def _compile_args(p: argparse.ArgumentParser) -> None:
 @command("compile", "compile the registered kernel variants of an arch (the compile matrix) and show the "
          "instruction evidence", _compile_args)
 def run_compile(args: argparse.Namespace) -> int:
+    from .bench.harness import check_output_path
     from .jit.evidence import compile_with_evidence
     from .jit.ptx_digest import compare_digests, ptx_digest, read_digests, write_digests
     from .jit.spec import normalize_target
@@ -188,6 +189,13 @@ def run_compile(args: argparse.Namespace) -> int:
 
     cc = parse_arch(args.arch, argument="--arch")  # the one arch parser, as in `plan`
     arch = normalize_target((cc.major, cc.minor))
+    if args.kernel is not None and not args.kernel.strip():  # "" is in every label: it would compile them all
+        raise UnsupportedConfig(f"--kernel {args.kernel!r}: empty text (leave --kernel out for every variant)")
+    if args.digests is not None:  # before the compiles, not after them
+        try:
+            check_output_path("--digests", args.digests)
+        except ValueError as e:
+            raise UnsupportedConfig(str(e)) from None
     results, failed = [], 0
     digests: dict[str, str] = {}
     selection = [c for t, c in compile_matrix(ci=args.ci) if t == arch and (not args.kernel or args.kernel in c.label())]

@@ -2,7 +2,8 @@
 
 Each benchmark is a module of this package with ``NEEDS`` (the GPUs it runs on),
 ``add_arguments(parser)`` and ``main(args)``; :func:`main` parses its flags (plus the common
-``--json PATH`` and ``--nvtx``), refuses in one line a machine that cannot run it, and runs it.
+``--json PATH`` and ``--nvtx``), refuses in one line a bad value (``check_arguments(args)``, on
+any machine) and then a machine that cannot run it, and runs it.
 The method (CUDA-graph medians, read bandwidth measured in the same process, peers) is described
 in docs/design/benchmarks.md.
 """
@@ -13,7 +14,7 @@ import argparse
 import importlib
 import sys
 
-from .harness import add_common_arguments, gpu_problem
+from .harness import add_common_arguments, check_output_path, gpu_problem
 
 # name -> what it measures (the module cute_kernels.bench.<name> runs it)
 BENCHMARKS = {
@@ -38,11 +39,26 @@ def build_parser(what: str):
     return p, module
 
 
+def check_arguments(module, args: argparse.Namespace) -> None:
+    """The output paths (``--json``, ``--png``) and the benchmark's own values
+    (``module.check_arguments``); ``ValueError`` naming the flag."""
+    check_output_path("--json", args.json)
+    check_output_path("--png", getattr(args, "png", None))
+    check = getattr(module, "check_arguments", None)
+    if check is not None:
+        check(args)
+
+
 def main(what: str, argv: list[str]) -> int:
     """Run benchmark ``what`` with its command-line arguments ``argv``; 2 when this machine
     cannot run it (the reason on one line of stderr)."""
     parser, module = build_parser(what)
     args = parser.parse_args(argv)
+    try:  # the values first: a bad one is named on any machine, before the GPU check
+        check_arguments(module, args)
+    except ValueError as e:
+        print(f"error: cute-kernels bench {what} {e}", file=sys.stderr)
+        return 2
     problem = gpu_problem(module.NEEDS)
     if problem is not None:
         print(f"error: cute-kernels bench {what} {problem}", file=sys.stderr)

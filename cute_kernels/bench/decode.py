@@ -33,6 +33,7 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference
+from cute_kernels.plans.args import check_positive_ints
 from cute_kernels.testing import make_paged_decode_case, rel_err
 
 from .harness import (
@@ -40,8 +41,12 @@ from .harness import (
     NvtxRanges,
     Peer,
     bar_chart,
+    check_unused,
+    choice_list,
+    comma_list,
     parse_variants,
     runnable,
+    select_named,
     self_check_state,
     write_json,
     write_partial,
@@ -248,12 +253,47 @@ def peer(name, ranges: NvtxRanges):
 
 def select_shapes(keys: str | None) -> list[tuple]:
     """The :data:`SHAPES` and :data:`RAGGED_SHAPES` whose name contains one of the comma-separated
-    ``keys`` (all: None)."""
-    shapes = SHAPES + RAGGED_SHAPES
-    if not keys:
-        return list(shapes)
-    parts = [k for k in keys.split(",") if k]
-    return [sh for sh in shapes if any(k in sh[0] for k in parts)]
+    ``keys`` (all: None); ``ValueError`` for a key that matches no shape."""
+    return select_named("--shapes", keys, SHAPES + RAGGED_SHAPES)
+
+
+def check_peer(name: str) -> None:
+    """``name`` a peer, a named variant or ``field=int+...`` of ``sm90.decode``'s tuning fields
+    (:func:`cute_kernels.ops.paged_decode.check_tuning_override`); ``ValueError`` naming
+    ``--peers`` otherwise (each row would report the same error after its timing)."""
+    from cute_kernels.ops.paged_decode import check_tuning_override
+
+    if name in PEERS or name in VARIANTS:
+        return
+    if "=" not in name:
+        raise ValueError(f"--peers: {name!r} is not a peer ({', '.join(PEERS)}), a variant ({', '.join(VARIANTS)}) "
+                         "or FIELD=INTEGER+...")
+    try:
+        fields = dict(variant_fields(name))
+        check_positive_ints(num_splits=fields.pop("num_splits", 1))
+        check_tuning_override("sm90.decode", fields)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--peers: {name!r}: {str(e).removeprefix('tuning_override: ')}") from None
+
+
+def requested_peers(args) -> list[str]:
+    """The ``--peers`` entries (:data:`DEFAULT_PEERS` when not given; ``''``: ours alone)."""
+    return comma_list("--peers", ",".join(DEFAULT_PEERS) if args.peers is None else args.peers, allow_empty=True)
+
+
+def check_arguments(args) -> None:
+    """Every value of the command line, before the GPU check (:func:`cute_kernels.bench.main`)."""
+    if args.api == "trtllm":
+        from . import trtllm
+
+        check_unused("with --api trtllm", {"--peers": args.peers is not None, "--png": args.png is not None,
+                                           "--no-balanced": not args.balanced})
+        trtllm.check_arguments(args, trtllm.DECODE_SHAPES)
+        return
+    for name in requested_peers(args):
+        check_peer(name)
+    choice_list("--kv", args.kv, KV_DTYPES)
+    select_shapes(args.shapes)
 
 
 def run(peers=DEFAULT_PEERS, kv_dtypes=KV_DTYPES, shapes=None, out_json=None, out_png=None, quick=False,
@@ -408,8 +448,9 @@ def _plot(rows, peers, path, device):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
-                   help=f"comma list of peers ({', '.join(PEERS)}) and our tuning variants (default: %(default)s)")
+    p.add_argument("--peers", default=None,
+                   help=f"comma list of peers ({', '.join(PEERS)}) and our tuning variants (default: "
+                        f"{','.join(DEFAULT_PEERS)})")
     p.add_argument("--kv", default=",".join(KV_DTYPES), help="KV-cache dtypes (default: %(default)s)")
     p.add_argument("--png", default=None, metavar="PATH", help="also draw the %% of roofline per shape to PATH")
     p.add_argument("--quick", action="store_true", help="skip the accuracy check against the reference")
@@ -429,6 +470,6 @@ def main(args) -> None:
 
         trtllm.main_decode(args)
         return
-    peers, png = runnable([x for x in args.peers.split(",") if x], PEER_LIBS, args.png)
-    run(peers=tuple(peers), kv_dtypes=tuple(args.kv.split(",")), shapes=select_shapes(args.shapes),
+    peers, png = runnable(requested_peers(args), PEER_LIBS, args.png)
+    run(peers=tuple(peers), kv_dtypes=choice_list("--kv", args.kv, KV_DTYPES), shapes=select_shapes(args.shapes),
         out_json=args.json, out_png=png, quick=args.quick, nvtx=args.nvtx, balanced=args.balanced)

@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from cute_kernels.plans.args import check_positive_ints
 
 INSTALL_HINT = 'pip install "cute-kernels[bench]"'
 
@@ -152,8 +155,106 @@ class NvtxRanges:
 
 def parse_variants(text: str, sep: str = ",") -> list[dict[str, int]]:
     """``'a=1,b=2;c=3;'`` -> ``[{'a': 1, 'b': 2}, {'c': 3}, {}]``: ``;``-separated variants of
-    ``sep``-separated integer fields (an empty variant is the default config)."""
-    return [{k: int(v) for k, v in (f.split("=") for f in spec.split(sep) if f)} for spec in text.split(";")]
+    ``sep``-separated integer fields (an empty variant is the default config). ``ValueError``
+    naming a field that is not ``name=integer`` or is given twice in one variant."""
+    variants = []
+    for spec in text.split(";"):
+        fields: dict[str, int] = {}
+        for item in filter(None, spec.split(sep)):
+            name, eq, value = item.partition("=")
+            name = name.strip()
+            if not eq or not name.isidentifier():
+                raise ValueError(f"{item!r} is not FIELD=INTEGER")
+            try:
+                number = int(value)
+            except ValueError:
+                raise ValueError(f"{name} must be an integer, got {value!r}") from None
+            if name in fields:
+                raise ValueError(f"{name} given twice in {spec!r}")
+            fields[name] = number
+        if fields and fields in variants:  # it would be timed twice
+            raise ValueError(f"variant {spec!r} given twice")
+        variants.append(fields)
+    return variants
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks, made before the GPU check and before anything is timed: a bad value is one
+# line naming the flag (docs/design/inputs.md#the-classes)
+# ----------------------------------------------------------------------------------------------
+
+
+def comma_list(flag: str, text: str, *, allow_empty: bool = False) -> list[str]:
+    """The non-empty items of a comma list; ``ValueError`` naming ``flag`` when there is none
+    (unless ``allow_empty``: ``--peers ''`` times ours alone) or an item is given twice (it would
+    be timed twice)."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items and not allow_empty:
+        raise ValueError(f"{flag}: nothing in {text!r}")
+    twice = next((x for i, x in enumerate(items) if x in items[:i]), None)
+    if twice is not None:
+        raise ValueError(f"{flag}: {twice!r} given twice")
+    return items
+
+
+def choice_list(flag: str, text: str, allowed, *, allow_empty: bool = False) -> tuple[str, ...]:
+    """A comma list of members of ``allowed`` (a typo is refused, not mapped to a default)."""
+    items = comma_list(flag, text, allow_empty=allow_empty)
+    bad = next((x for x in items if x not in allowed), None)
+    if bad is not None:
+        raise ValueError(f"{flag}: {bad!r} is not one of {', '.join(allowed)}")
+    return tuple(items)
+
+
+def int_list(flag: str, text: str) -> tuple[int, ...]:
+    """A comma list of positive integers (``plans.args.check_positive_ints`` names the flag)."""
+    out = []
+    for x in comma_list(flag, text):
+        try:
+            value = int(x)
+        except ValueError:
+            raise ValueError(f"{flag}: {x!r} is not an integer") from None
+        check_positive_ints(**{flag: value})
+        out.append(value)
+    return tuple(out)
+
+
+def select_named(flag: str, text: str | None, table: list[tuple]) -> list[tuple]:
+    """The rows of ``table`` (name first) whose name contains one of the comma-separated keys of
+    ``text`` (all when None); a key that matches no name is refused (it would time nothing, or
+    everything)."""
+    if text is None:
+        return list(table)
+    keys = comma_list(flag, text)
+    for key in keys:
+        if not any(key in row[0] for row in table):
+            raise ValueError(f"{flag}: {key!r} matches no shape; the shapes: {'; '.join(r[0] for r in table)}")
+    return [row for row in table if any(k in row[0] for k in keys)]
+
+
+def check_unused(why: str, given: dict[str, bool]) -> None:
+    """Refuse the first flag of ``given`` (flag -> whether the command line set it) that the
+    chosen mode does not read: it would be ignored without a word."""
+    flag = next((f for f, was_given in given.items() if was_given), None)
+    if flag is not None:
+        raise ValueError(f"{flag}: not taken {why}")
+
+
+def check_output_path(flag: str, path: str | None) -> None:
+    """``path`` (None: not asked for) a file this process can write: not empty, not a directory,
+    in a directory that exists and is writable. Checked first, so that a run does not end in a
+    traceback after it measured everything."""
+    if path is None:
+        return
+    if not path.strip():
+        raise ValueError(f"{flag}: empty path")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag}: {path!r} is a directory")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag}: {path!r}: directory {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag}: {path!r} is not writable")
 
 
 def write_json(path: str | None, result) -> None:

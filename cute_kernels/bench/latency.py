@@ -16,7 +16,7 @@ import cute_kernels
 from cute_kernels.ops.paged_decode import tuning_override
 from cute_kernels.testing import make_paged_decode_case
 
-from .harness import SM90, NvtxRanges, write_json
+from .harness import SM90, NvtxRanges, check_unused, write_json
 from .timing import host_overhead, time_eager, time_graph
 
 NEEDS = SM90
@@ -143,6 +143,11 @@ def eager_study(repeats: int = 5, nvtx: bool = False):
 def add_arguments(p) -> None:
     p.add_argument("--eager-study", action="store_true", help="only the eager-call variance study")
     p.add_argument("--quick", action="store_true", help="only the default launch (graph and eager) and the host time")
+
+
+def check_arguments(a) -> None:
+    """``--quick`` is a form of the default run: refused with ``--eager-study`` (not ignored)."""
+    check_unused("with --eager-study", {"--quick": a.eager_study and a.quick})
 
 
 def main(a) -> None:

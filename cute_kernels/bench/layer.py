@@ -29,7 +29,7 @@ from cute_kernels.ops import quantize_query as qq_op
 from cute_kernels.ops import write_kv_cache as kv_op
 from cute_kernels.testing import make_paged_decode_case
 
-from .harness import SM90, NvtxRanges, parse_variants, write_json
+from .harness import SM90, NvtxRanges, int_list, parse_variants, write_json
 from .timing import copy_bandwidth, read_bandwidth, time_eager, time_graph
 
 NEEDS = SM90
@@ -240,9 +240,22 @@ def add_arguments(p) -> None:
                    help="config overrides to compare, e.g. 'items=1;items=2,pdl=0' (default: the ops' own)")
 
 
+def check_arguments(a) -> tuple[tuple[int, ...], list[dict] | None]:
+    """``(tokens, variants)`` of the command line, each value checked: ``ValueError`` naming the
+    flag, before the GPU check."""
+    tokens = int_list("--tokens", a.tokens)
+    if not a.variants:
+        return tokens, None
+    try:
+        variants = [{k: bool(v) if k == "pdl" else v for k, v in var.items()} for var in parse_variants(a.variants)]
+        for var in variants:  # each variant applies to both ops: its fields must be tuning fields of both
+            qq_op.check_tuning_override(var)
+            kv_op.check_tuning_override(var)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--variants: {str(e).removeprefix('tuning_override: ')}") from None
+    return tokens, variants
+
+
 def main(a) -> None:
-    variants = None
-    if a.variants:
-        variants = parse_variants(a.variants)
-        variants = [{k: bool(v) if k == "pdl" else v for k, v in var.items()} for var in variants]
-    run(tuple(int(x) for x in a.tokens.split(",") if x), a.json, variants, nvtx=a.nvtx)
+    tokens, variants = check_arguments(a)
+    run(tokens, a.json, variants, nvtx=a.nvtx)

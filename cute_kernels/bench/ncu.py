@@ -43,31 +43,42 @@ SHAPES: dict[str, dict[str, Any]] = {
     # cute-kernels bench layer's decode step (Qwen3-30B B8 at 32000 tokens, FP8 cache)
     "layer": dict(B=8, ctx=32000, Hq=32, Hkv=4, D=128, page=16, kv="fp8"),
 }
-#: the values a text key takes, where it has a fixed set
-CHOICES: dict[str, tuple[str, ...]] = {"kv": ("bf16", "fp8"), "q": ("bf16", "fp8", "fp8x2"),
-                                       "kind": ("decode", "prefill")}
+#: the values a key takes, where it has a fixed set
+CHOICES: dict[str, tuple[str | int, ...]] = {"kv": ("bf16", "fp8"), "q": ("bf16", "fp8", "fp8x2"),
+                                             "kind": ("decode", "prefill"), "gate": (0, 1)}
+#: the least value of an integer key without a fixed set: 1 (a size or count), a cached prefix 0
+MINIMUM: dict[str, int] = {"prefix": 0}
 
 
 def parse_shape(what: str, text: str | None) -> dict[str, Any]:
     """``"B=8,ctx=4096"`` over WHAT's defaults; a value takes its default's type. Raises
     ``ValueError`` naming an unknown key or a bad value."""
     shape = dict(SHAPES[what])
+    given: set[str] = set()
     for item in filter(None, (text or "").split(",")):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in shape:
             raise ValueError(f"--shape: {item!r} is not KEY=VALUE with KEY one of {', '.join(shape)}")
+        if key in given:  # the last would win without a word
+            raise ValueError(f"--shape: {key} given twice")
+        given.add(key)
         if isinstance(shape[key], int):
             try:
                 shape[key] = int(value)
             except ValueError:
                 raise ValueError(f"--shape: {key} must be an integer, got {value!r}") from None
+            least = MINIMUM.get(key, 1)
+            if key not in CHOICES and shape[key] < least:
+                raise ValueError(f"--shape: {key} must be >= {least}, got {shape[key]}")
         else:
             shape[key] = value.strip()
-            if key in CHOICES and shape[key] not in CHOICES[key]:
-                raise ValueError(f"--shape: {key} must be one of {', '.join(CHOICES[key])}, got {shape[key]!r}")
+        if key in CHOICES and shape[key] not in CHOICES[key]:
+            raise ValueError(f"--shape: {key} must be one of {', '.join(map(str, CHOICES[key]))}, got {shape[key]!r}")
     if shape.get("q", "bf16") != "bf16" and shape.get("kv") != "fp8":
         raise ValueError(f"--shape: q={shape['q']} (an FP8 query) needs kv=fp8")
+    if "Hkv" in shape and shape["Hq"] % shape["Hkv"]:
+        raise ValueError(f"--shape: Hq ({shape['Hq']}) must be a multiple of Hkv ({shape['Hkv']})")
     return shape
 
 

@@ -39,7 +39,19 @@ from cute_kernels import reference
 from cute_kernels.ops.paged_prefill import tuning_override
 from cute_kernels.testing import make_paged_prefill_case, rel_err
 
-from .harness import SM90, NvtxRanges, Peer, bar_chart, runnable, self_check_state, write_json, write_partial
+from .harness import (
+    SM90,
+    NvtxRanges,
+    Peer,
+    bar_chart,
+    check_unused,
+    choice_list,
+    runnable,
+    select_named,
+    self_check_state,
+    write_json,
+    write_partial,
+)
 from .timing import bench_setup, time_eager, time_graph
 
 NEEDS = SM90
@@ -307,15 +319,32 @@ def _plot(rows, names, path):
 
 
 def select_shapes(keys: str | None) -> list[tuple]:
-    """The :data:`SHAPES` whose name contains one of the comma-separated ``keys`` (all: None)."""
-    if not keys:
-        return list(SHAPES)
-    parts = [k for k in keys.split(",") if k]
-    return [sh for sh in SHAPES if any(k in sh[0] for k in parts)]
+    """The :data:`SHAPES` whose name contains one of the comma-separated ``keys`` (all: None);
+    ``ValueError`` for a key that matches no shape."""
+    return select_named("--shapes", keys, SHAPES)
+
+
+def requested_peers(args) -> tuple[str, ...]:
+    """The ``--peers`` entries (all of :data:`PEERS` when not given; ``''``: ours alone)."""
+    return choice_list("--peers", ",".join(PEERS) if args.peers is None else args.peers, PEERS, allow_empty=True)
+
+
+def check_arguments(args) -> None:
+    """Every value of the command line, before the GPU check (:func:`cute_kernels.bench.main`)."""
+    if args.api == "trtllm":
+        from . import trtllm
+
+        check_unused("with --api trtllm", {"--peers": args.peers is not None, "--png": args.png is not None})
+        trtllm.check_arguments(args, trtllm.PREFILL_SHAPES)
+        return
+    requested_peers(args)
+    choice_list("--kv", args.kv, KV_DTYPES)
+    select_shapes(args.shapes)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--peers", default=",".join(PEERS), help="comma-separated entries besides ours: " + ", ".join(PEERS))
+    p.add_argument("--peers", default=None,
+                   help="comma-separated entries besides ours: " + ", ".join(PEERS) + " (default: all)")
     p.add_argument("--kv", default=",".join(KV_DTYPES), help="cache dtypes: bf16,fp8")
     p.add_argument("--shapes", default=None, help="comma-separated substrings selecting shapes by name")
     p.add_argument("--quick", action="store_true", help="skip the reference (no error column)")
@@ -331,10 +360,6 @@ def main(args) -> None:
 
         trtllm.main_prefill(args)
         return
-    requested = [x for x in args.peers.split(",") if x]
-    unknown = [x for x in requested if x not in ENTRIES]
-    if unknown:
-        raise SystemExit(f"error: unknown entries {unknown}; expected some of {list(ENTRIES)}")
-    peers, png = runnable(requested, PEER_LIBS, args.png)
-    run(peers=tuple(peers), kv_dtypes=tuple(args.kv.split(",")), shapes=select_shapes(args.shapes),
+    peers, png = runnable(list(requested_peers(args)), PEER_LIBS, args.png)
+    run(peers=tuple(peers), kv_dtypes=choice_list("--kv", args.kv, KV_DTYPES), shapes=select_shapes(args.shapes),
         out_json=args.json, out_png=png, quick=args.quick, nvtx=args.nvtx)

@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from dispatch import UnsupportedConfig, plan
+
 from . import ncu
-from .harness import SM80_PLUS, SM90, GpuNeed, gpu_problem
+from .harness import SM80_PLUS, SM90, GpuNeed, check_output_path, gpu_problem
 
 NEEDS: dict[str, GpuNeed] = {"decode": SM90, "prefill": SM90, "qsa": SM90, "merge": SM80_PLUS, "layer": SM90}
+# the planned phase of each WHAT that calls an attention op (on the SM90 GPU NEEDS names): a shape
+# no kernel takes is refused before ncu starts (the op would refuse it inside the profiled process)
+PHASES = {"decode": "decode", "prefill": "prefill", "layer": "decode"}
 WARMUP_CALLS = 3  # before the profiled call: compiles, sizes workspaces, loads modules
 COPY_BYTES = 256 << 20  # the roofline copy: 256 MiB read, 256 MiB written
 
@@ -153,6 +159,28 @@ def build_parser(what: str) -> argparse.ArgumentParser:
     return p
 
 
+def check_planned(what: str, shape: dict) -> None:
+    """``ValueError`` "--shape: <the planner's reason>" when no kernel of an SM90 GPU serves the
+    shape (a head dim, page size or GQA ratio x q_len outside the kernels' limits)."""
+    if what not in PHASES:
+        return
+    q = shape.get("q", "bf16")
+    p = plan(arch="sm90", phase=PHASES[what], kv_cache_dtype=shape["kv"], model_dtype="bf16", head_dim=shape["D"],
+             num_q_heads=shape["Hq"], num_kv_heads=shape["Hkv"], page_size=shape["page"],
+             q_len=shape.get("q_len", 1), query_dtype="auto" if q == "bf16" else q)
+    if p.is_fallback:
+        raise ValueError(f"--shape: {p.reason.removeprefix('reference fallback: ')}")
+
+
+def ncu_arguments(text: str) -> list[str]:
+    """``--ncu-args`` split as a shell splits it (a quoted value stays one argument);
+    ``ValueError`` naming the flag for unbalanced quotes."""
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise ValueError(f"--ncu-args: {e} in {text!r}") from None
+
+
 def _refuse(what: str, why: str) -> int:
     print(f"error: cute-kernels profile {what} {why}", file=sys.stderr)
     return 2
@@ -162,9 +190,18 @@ def main(what: str, argv: list[str], *, run: Callable[..., Any] = subprocess.run
     """``cute-kernels profile WHAT ...``: 0 with the report written, 2 when this machine cannot
     profile (one line on stderr), 1 when ncu fails."""
     args = build_parser(what).parse_args(argv)
-    try:
+    try:  # the values first: a bad one is named on any machine, before the GPU check
         shape = ncu.parse_shape(what, args.shape)
-    except ValueError as e:
+        if what == "qsa":
+            from .qsa_selection import SELECTIONS
+
+            if shape["selection"] not in SELECTIONS:
+                raise ValueError(f"--shape: selection must be one of {', '.join(SELECTIONS)}, "
+                                 f"got {shape['selection']!r}")
+        check_planned(what, shape)
+        check_output_path("--out", args.out)
+        extra = ncu_arguments(args.ncu_args)
+    except (ValueError, UnsupportedConfig) as e:
         return _refuse(what, str(e))
     problem = gpu_problem(NEEDS[what])
     if problem is not None:
@@ -179,7 +216,7 @@ def main(what: str, argv: list[str], *, run: Callable[..., Any] = subprocess.run
         return _refuse(what, f"needs Nsight Compute: {args.ncu!r} is not on PATH (install it, or pass --ncu PATH)")
     stem = args.out
     cmd = ncu.ncu_command(what, ncu.shape_text(shape), stem, ncu=exe, python=sys.executable,
-                          extra=args.ncu_args.split())
+                          extra=extra)
     print(" ".join(cmd), file=sys.stderr, flush=True)
     if run(cmd).returncode != 0:
         print("error: ncu failed: its command and output are above", file=sys.stderr)

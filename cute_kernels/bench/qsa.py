@@ -44,11 +44,11 @@ import torch
 import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.qsa_sparse_attention import tuning_override
-from cute_kernels.plans.sm90_qsa import select_config
+from cute_kernels.plans.sm90_qsa import MAX_SPLITS, TILES, select_config
 from cute_kernels.plans.sm90_qsa_tile import row_tile_plan
 from cute_kernels.plans.sm90_qsa_widen import use_widened_cache
 
-from .harness import SM90, NvtxRanges, parse_variants, write_json
+from .harness import SM90, NvtxRanges, check_unused, choice_list, int_list, parse_variants, write_json
 from .qsa_selection import SELECTIONS, TOPK, qsa_indices, selection_stats
 from .timing import read_bandwidth, time_eager, time_graph, time_graph_fresh
 
@@ -60,6 +60,8 @@ DECODE_N = (1, 4, 16, 64, 256)
 DECODE_CTX = 32768
 PREFILL_T = (1024, 4096, 16384)
 PREFILL_SELECTIONS = ("correlated", "independent")
+KINDS = ("decode", "prefill")
+KV_DTYPES = ("bf16", "fp8")
 STATS_TILES = (4, 5, 8)  # tile rows R of the reported union factors
 ROTATE_BYTES = 256 << 20
 
@@ -245,8 +247,8 @@ def _print(r):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--kinds", default="decode,prefill", help="decode, prefill or both (default: %(default)s)")
-    p.add_argument("--kv", default="bf16,fp8", help="KV-cache dtypes (default: %(default)s)")
+    p.add_argument("--kinds", default=",".join(KINDS), help="decode, prefill or both (default: %(default)s)")
+    p.add_argument("--kv", default=",".join(KV_DTYPES), help="KV-cache dtypes (default: %(default)s)")
     p.add_argument("--decode-n", default=",".join(map(str, DECODE_N)), help="decode rows (default: %(default)s)")
     p.add_argument("--prefill-t", default=",".join(map(str, PREFILL_T)),
                    help="prefill tokens of one request (default: %(default)s)")
@@ -254,7 +256,7 @@ def add_arguments(p) -> None:
                    help=f"comma list of prefill selection models from {', '.join(SELECTIONS)} "
                         "(decode always uses independent)")
     p.add_argument("--splits", default=None, help="comma list of forced split counts (default: the table's)")
-    p.add_argument("--tile", type=int, default=None, help="force the KV tile (64 or 128)")
+    p.add_argument("--tile", type=int, default=None, help=f"force the KV tile ({' or '.join(map(str, TILES))})")
     p.add_argument("--tile-rows", default=None,
                    help="comma list of forced prefill rows per CTA (1 = the per-row kernel; default: the op's)")
     p.add_argument("--tuning", default=None,
@@ -268,13 +270,31 @@ def add_arguments(p) -> None:
     p.add_argument("--check", action="store_true", help="also compare each output with the reference")
 
 
+def check_arguments(a) -> dict:
+    """The keyword arguments of :func:`run` from the command line, each value checked (a typo in
+    a name, a count below 1, a tile or split count the kernel does not take, a malformed
+    ``--tuning``): ``ValueError`` naming the flag, before the GPU check."""
+    ints = {flag: int_list(flag, text) if text else None for flag, text in (
+        ("--decode-n", a.decode_n), ("--prefill-t", a.prefill_t), ("--splits", a.splits),
+        ("--tile-rows", a.tile_rows), ("--decode-counts", a.decode_counts))}
+    if ints["--splits"] and max(ints["--splits"]) > MAX_SPLITS:
+        raise ValueError(f"--splits: at most {MAX_SPLITS}, got {max(ints['--splits'])}")
+    if a.tile is not None and a.tile not in TILES:
+        raise ValueError(f"--tile: must be one of {', '.join(map(str, TILES))}, got {a.tile}")
+    kinds = choice_list("--kinds", a.kinds, KINDS)
+    check_unused("without the decode kind", {"--decode-counts": "decode" not in kinds and a.decode_counts is not None,
+                                             "--decode-shared": "decode" not in kinds and a.decode_shared})
+    check_unused("without the prefill kind", {"--tile-rows": "prefill" not in kinds and a.tile_rows is not None})
+    try:
+        tunings = parse_variants(a.tuning) if a.tuning else None
+    except ValueError as e:
+        raise ValueError(f"--tuning: {e}") from None
+    return dict(kinds=kinds, kv_dtypes=choice_list("--kv", a.kv, KV_DTYPES),
+                decode_n=ints["--decode-n"] or (), prefill_t=ints["--prefill-t"] or (), splits=ints["--splits"],
+                tile=a.tile, check=a.check, out_json=a.json, selections=choice_list("--selection", a.selection, SELECTIONS),
+                tile_rows=ints["--tile-rows"], tunings=tunings, decode_shared=a.decode_shared,
+                decode_counts=ints["--decode-counts"] or (None,), gate=not a.no_gate, nvtx=a.nvtx)
+
+
 def main(a) -> None:
-    run(kinds=tuple(a.kinds.split(",")), kv_dtypes=tuple(a.kv.split(",")),
-        decode_n=tuple(int(x) for x in a.decode_n.split(",") if x),
-        prefill_t=tuple(int(x) for x in a.prefill_t.split(",") if x),
-        splits=[int(x) for x in a.splits.split(",")] if a.splits else None, tile=a.tile, check=a.check,
-        out_json=a.json, selections=tuple(x for x in a.selection.split(",") if x),
-        tile_rows=[int(x) for x in a.tile_rows.split(",")] if a.tile_rows else None,
-        tunings=parse_variants(a.tuning) if a.tuning else None, decode_shared=a.decode_shared,
-        decode_counts=tuple(int(x) for x in a.decode_counts.split(",")) if a.decode_counts else (None,),
-        gate=not a.no_gate, nvtx=a.nvtx)
+    run(**check_arguments(a))

@@ -45,10 +45,11 @@ import torch
 
 import cute_kernels
 from cute_kernels import reference
+from cute_kernels.plans.args import check_positive_ints
 from cute_kernels.testing import rel_err
 from dispatch import AttentionLayer, AttentionMetadata
 
-from .harness import SM90, NvtxRanges, Peer, runnable, self_check_state, write_json
+from .harness import SM90, NvtxRanges, Peer, choice_list, runnable, self_check_state, write_json
 from .serve_schedule import (
     DEFAULT_WORKLOADS,
     WORKLOADS,
@@ -577,26 +578,35 @@ def add_arguments(p) -> None:
 
 
 def select_workloads(args) -> list[Workload]:
-    """The workloads named by ``--workloads``, scaled by ``--quick`` and the overrides."""
-    names = [x for x in args.workloads.split(",") if x]
-    unknown = [x for x in names if x not in WORKLOADS]
-    if unknown:
-        raise SystemExit(f"error: unknown workloads {unknown}; expected some of {list(WORKLOADS)}")
+    """The workloads named by ``--workloads``, scaled by ``--quick`` and the overrides;
+    ``ValueError`` naming the flag of a bad value."""
+    overrides = {"--layers": args.layers, "--requests": args.requests, "--concurrency": args.concurrency,
+                 "--output-len": args.output_len}
+    given = {flag: v for flag, v in overrides.items() if v is not None}
+    check_positive_ints(**given)
     out = []
-    for n in names:
+    for n in choice_list("--workloads", args.workloads, WORKLOADS):
         w = quick(WORKLOADS[n]) if args.quick else WORKLOADS[n]
-        out.append(w.scaled(layers=args.layers, num_requests=args.requests, concurrency=args.concurrency,
-                            output_len=args.output_len))
+        try:
+            out.append(w.scaled(layers=args.layers, num_requests=args.requests, concurrency=args.concurrency,
+                                output_len=args.output_len))
+        except ValueError as e:  # e.g. an --output-len past the block table
+            with_ = "".join(f" {flag} {v}" for flag, v in given.items())
+            raise ValueError(f"--workloads {n}{' with' + with_ if with_ else ''}: {e}") from None
     return out
 
 
+def check_arguments(args) -> tuple[list[Workload], tuple[str, ...]]:
+    """``(workloads, configurations)`` of the command line, each value checked (names, counts
+    and repetitions of at least 1): ``ValueError`` naming the flag, before the GPU check."""
+    check_positive_ints(**{"--decode-stride": args.decode_stride, "--graph-reps": args.graph_reps,
+                           "--eager-reps": args.eager_reps})
+    return select_workloads(args), choice_list("--configs", args.configs, MAKERS)
+
+
 def main(args) -> None:
-    workloads = select_workloads(args)
-    requested = [x for x in args.configs.split(",") if x]
-    unknown = [x for x in requested if x not in MAKERS]
-    if unknown:
-        raise SystemExit(f"error: unknown configurations {unknown}; expected some of {list(MAKERS)}")
-    configs, png = runnable(requested, PEER_LIBS, args.png)
+    workloads, requested = check_arguments(args)
+    configs, png = runnable(list(requested), PEER_LIBS, args.png)
     result = run(workloads, configs, args)
     if png:
         plot(result["workloads"], png)

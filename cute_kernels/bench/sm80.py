@@ -26,13 +26,14 @@ from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D128_TW64S
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case, rel_err
 
 from .decode import SHAPES as DECODE_SHAPES
-from .harness import SM80_PLUS, write_json, write_partial
+from .harness import SM80_PLUS, check_unused, choice_list, select_named, write_json, write_partial
 from .timing import bench_setup, time_graph
 
 NEEDS = SM80_PLUS
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 PAGE = 16
+KV_DTYPES = ("bf16", "fp8")
 # tilings compared with the plan's (``sm80`` column); ``--variants name:field=value+field=value;...``
 # adds more. ``m1`` / ``noxor``: the forms the plan chose before its measured defaults (at D 256
 # ``m1`` is the plan's form; the ones before are ``tw64`` and ``tw16``), docs/design/sm80.md#defaults
@@ -51,12 +52,52 @@ def parse_named_variants(text: str | None) -> dict[str, dict]:
     """``"a:tw=32+stages=4;b:ldsm_xor=true"`` -> ``{"a": {"tw": 32, "stages": 4}, "b": {"ldsm_xor": True}}``
     (values: integers, ``true`` / ``false``, else the text: ``smem_target=sm_80`` sizes the ring, and
     so the CTAs per SM, for sm_80's shared memory)."""
-    out = {}
+    out: dict[str, dict] = {}
     for spec in (text or "").split(";"):
         if spec:
             name, _, fields = spec.partition(":")
-            out[name] = {k: _field_value(v) for k, v in (f.split("=") for f in fields.split("+") if f)}
+            if not name.strip() or name in out:
+                raise ValueError(f"--variants: {spec!r}: " + ("a name is missing before ':'" if not name.strip()
+                                                               else f"{name!r} given twice"))
+            out[name] = {}
+            for item in filter(None, fields.split("+")):
+                key, eq, value = item.partition("=")
+                if not eq or not key.isidentifier() or key in out[name]:
+                    raise ValueError(f"--variants: {spec!r}: {item!r} is not a new FIELD=VALUE")
+                out[name][key] = _field_value(value)
     return out
+
+
+def kv_of(args) -> str:
+    """The ``--kv`` text of a decode run (:data:`KV_DTYPES` when not given)."""
+    return ",".join(KV_DTYPES) if args.kv is None else args.kv
+
+
+def check_arguments(args) -> None:
+    """Every value of the command line, before the GPU check (:func:`cute_kernels.bench.main`): the
+    cache dtypes, the shape names, and the ``--variants`` fields against the portable kernel's
+    tuning fields (a typo would be reported on every row after its timing)."""
+    from cute_kernels.jit.spec import check_override
+    from cute_kernels.ops.paged_decode import check_tuning_override
+    from cute_kernels.plans.sm80 import Sm80PrefillConfig
+
+    if args.what == "decode":
+        choice_list("--kv", kv_of(args), KV_DTYPES)
+    else:
+        check_unused("by sm80 prefill (its cache is bf16)", {"--kv": args.kv is not None})
+    select_named("--shapes", args.shapes, DECODE_SHAPES if args.what == "decode" else PREFILL_SHAPES)
+    builtin = DECODE_VARIANTS if args.what == "decode" else {**PREFILL_VARIANTS, **PREFILL_D256_VARIANTS,
+                                                              **PREFILL_D128_VARIANTS}
+    for name, fields in parse_named_variants(args.variants).items():
+        if name in builtin:  # it would replace the built-in tiling under the same name
+            raise ValueError(f"--variants: {name!r} is a built-in variant ({', '.join(builtin)}); name it otherwise")
+        try:
+            if args.what == "decode":
+                check_tuning_override("sm80.decode", fields)
+            else:
+                check_override(Sm80PrefillConfig, fields, fixed=("target",), extra=("smem_target",))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--variants: {name}: {str(e).removeprefix('tuning_override: ')}") from None
 
 
 def _field_value(text: str) -> int | bool | str:
@@ -220,7 +261,7 @@ def bench_prefill(shapes=None, out_json=None, check=True):
 
 def add_arguments(p) -> None:
     p.add_argument("what", nargs="?", default="decode", choices=["decode", "prefill"], help="decode (default) or prefill")
-    p.add_argument("--kv", default="bf16,fp8", help="decode: cache dtypes")
+    p.add_argument("--kv", default=None, help=f"decode: cache dtypes (default: {','.join(KV_DTYPES)})")
     p.add_argument("--shapes", default=None, help="comma-separated substrings selecting shapes by name")
     p.add_argument("--variants", default=None,
                    help="extra tilings: name:field=value+field=value;... (value: an integer, true or false)")
@@ -228,10 +269,8 @@ def add_arguments(p) -> None:
 
 def main(args) -> None:
     (DECODE_VARIANTS if args.what == "decode" else PREFILL_VARIANTS).update(parse_named_variants(args.variants))
-    sel = args.shapes.split(",") if args.shapes else None
     if args.what == "decode":
-        shapes = [s for s in DECODE_SHAPES if not sel or any(x in s[0] for x in sel)]
-        bench_decode(tuple(args.kv.split(",")), shapes, args.json)
+        bench_decode(choice_list("--kv", kv_of(args), KV_DTYPES), select_named("--shapes", args.shapes, DECODE_SHAPES),
+                     args.json)
     else:
-        shapes = [s for s in PREFILL_SHAPES if not sel or any(x in s[0] for x in sel)]
-        bench_prefill(shapes, args.json)
+        bench_prefill(select_named("--shapes", args.shapes, PREFILL_SHAPES), args.json)

@@ -22,10 +22,11 @@ import cute_kernels
 from cute_kernels import reference, trtllm
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case, rel_err
 
-from .harness import NvtxRanges, module_available, write_json, write_partial
+from .harness import NvtxRanges, choice_list, module_available, select_named, write_json, write_partial
 from .timing import bench_setup, host_overhead, time_graph
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+KV_DTYPES = ("fp8", "bf16")  # what --kv takes
 PAGE = 16
 WINDOW_SPEEDUP = 6.0  # a 4096-token window of a 32768 context: at least this much faster
 
@@ -190,15 +191,18 @@ def _print_row(r, sides):
         print(f"{'':<6} {s:<10} {f(s)}", flush=True)
 
 
+def check_arguments(args, shapes: list[tuple]) -> None:
+    """``--kv`` and ``--shapes`` of ``--api trtllm`` (over its own ``shapes``), before the GPU check."""
+    choice_list("--kv", args.kv, KV_DTYPES)
+    select_named("--shapes", args.shapes, shapes)
+
+
 def main_decode(args) -> None:
     sides = [s for s in SIDES if s != "flashinfer" or module_available("flashinfer")]
     if "flashinfer" not in sides:
         print("flashinfer skipped: flashinfer-python is not installed (pip install \"cute-kernels[bench]\")")
-    shapes = DECODE_SHAPES
-    if args.shapes:
-        keys = [k for k in args.shapes.split(",") if k]
-        shapes = [s for s in DECODE_SHAPES if any(k in s[0] for k in keys)]
-    run_decode(kv_dtypes=tuple(args.kv.split(",")), sides=tuple(sides), shapes=shapes, out_json=args.json,
+    run_decode(kv_dtypes=choice_list("--kv", args.kv, KV_DTYPES), sides=tuple(sides),
+               shapes=select_named("--shapes", args.shapes, DECODE_SHAPES), out_json=args.json,
                quick=args.quick, nvtx=args.nvtx)
 
 
@@ -283,9 +287,6 @@ def run_prefill(kv_dtypes=("bf16", "fp8"), sides=SIDES, shapes=None, out_json=No
 
 def main_prefill(args) -> None:
     sides = [s for s in SIDES if s != "flashinfer" or module_available("flashinfer")]
-    shapes = PREFILL_SHAPES
-    if args.shapes:
-        keys = [k for k in args.shapes.split(",") if k]
-        shapes = [s for s in PREFILL_SHAPES if any(k in s[0] for k in keys)]
-    run_prefill(kv_dtypes=tuple(args.kv.split(",")), sides=tuple(sides), shapes=shapes, out_json=args.json,
+    run_prefill(kv_dtypes=choice_list("--kv", args.kv, KV_DTYPES), sides=tuple(sides),
+                shapes=select_named("--shapes", args.shapes, PREFILL_SHAPES), out_json=args.json,
                 quick=args.quick, nvtx=args.nvtx)

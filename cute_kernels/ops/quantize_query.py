@@ -59,6 +59,12 @@ def _check_rope(rope, q: torch.Tensor):
     return cos_sin, positions
 
 
+def check_tuning_override(override: dict) -> None:
+    """The tuning override's fields: ``vec``, ``items`` and ``pdl`` of the field's type; the
+    others are the call's (:func:`cute_kernels.jit.spec.check_override`)."""
+    check_override(QuantizeQueryConfig, override, fixed=_FIXED)
+
+
 def make_config(q: Tensor, scale_tensor: bool, out: Tensor | None = None, rope: Rope | None = None,
                 target: str = "sm_90a", residual: bool = False, residual_out: Tensor | None = None
                 ) -> QuantizeQueryConfig:
@@ -72,7 +78,7 @@ def make_config(q: Tensor, scale_tensor: bool, out: Tensor | None = None, rope: 
     vec = vector_width(D, tensors, multiple_of=rot // 2, widest=ROPE_MAX_VEC if rope is not None else 16)
     rope_fields = None if rope is None else (rot, dtype_name(rope[0].dtype), dtype_name(rope[1].dtype))
     # the call decides what is quantized and how the scale arrives; vec, items and pdl are tuning
-    check_override(QuantizeQueryConfig, _launcher.override, fixed=_FIXED)
+    check_tuning_override(_launcher.override)
     return make_quantize_config(q_dtype=dtype_name(q.dtype), head_dim=D, vec=vec, scale_tensor=scale_tensor,
                                 num_q_heads=q.shape[1], target=target, rope=rope_fields, override=_launcher.override,
                                 residual=residual)

@@ -19,6 +19,7 @@ from torch import Tensor
 from .. import reference
 from .._types import KVCache, Scale
 from ..jit.compiler import get_kernel
+from ..jit.spec import check_override
 from ..plans.write_kv_cache import WriteKVCacheConfig, make_write_config
 from . import _check
 from ._device import current_device, on_device
@@ -29,6 +30,9 @@ from .quantize_query import vector_width
 
 FP8 = torch.float8_e4m3fn
 _IN_DTYPES = (torch.bfloat16, torch.float16)
+# what a call's arguments decide (the vector width: the widest its tensors allow); items and pdl are tuning
+_FIXED = ("in_dtype", "cache_dtype", "head_dim", "page_size", "vec", "slot_dtype", "kv_form", "kv_layout",
+          "k_scale_tensor", "v_scale_tensor")
 _CACHE_DTYPES = (torch.bfloat16, torch.float16, FP8)
 _UINT8_HINT = ("an FP8 cache stored as uint8 is ambiguous; view it as float8_e4m3fn "
                "(cache.view(torch.float8_e4m3fn))")
@@ -71,10 +75,18 @@ def _cache_geometry(kv_cache, kv_layout: str, device) -> tuple[bool, tuple, list
     return pair, (P, Hkv, page, D), tensors
 
 
+def check_tuning_override(override: dict) -> None:
+    """The tuning override's fields: ``items`` and ``pdl`` of the field's type; the others are the
+    call's (:func:`cute_kernels.jit.spec.check_override`). ``ValueError`` / ``TypeError`` naming
+    the field, before any config is built."""
+    check_override(WriteKVCacheConfig, override, fixed=_FIXED)
+
+
 def make_config(key: Tensor, value: Tensor, kv_cache: KVCache, slot_mapping: Tensor, kv_layout: str,
                 k_scale_tensor: bool, v_scale_tensor: bool) -> WriteKVCacheConfig:
     """The kernel variant for validated arguments (host-only: dtypes, shapes, strides, pointers)."""
     pair, (_, _, page, D), caches = _cache_geometry(kv_cache, kv_layout, key.device)
+    check_tuning_override(_launcher.override)
     return make_write_config(
         in_dtype=dtype_name(key.dtype), cache_dtype=dtype_name(caches[0].dtype), head_dim=D, page_size=page,
         vec=vector_width(D, [key, value, *caches]), slot_dtype=dtype_name(slot_mapping.dtype),

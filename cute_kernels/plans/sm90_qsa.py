@@ -26,6 +26,7 @@ PRODUCTION_TOPK = 2051  # 2048 selected tokens + 4 - 1 (qsa-contract §1)
 
 CONSUMER_WARPS = hw.WARPGROUP_WARPS  # one consumer warpgroup; the gather warps follow it
 TILE = 64
+TILES = (64, 128)  # KV tokens per iteration: one or two WGMMA M blocks
 MAX_SPLITS = 64
 
 
@@ -90,7 +91,7 @@ class Sm90QsaConfig(KernelConfig):
             raise ValueError(f"group (num_q_heads / num_kv_heads) must be in [1, {MAX_GROUP}], got {self.group}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
-        if self.tile not in (64, 128) or self.stages < 1:
+        if self.tile not in TILES or self.stages < 1:
             raise ValueError(f"bad tile/stages {self.tile}/{self.stages}")
         if self.gate and self.split:
             raise ValueError("the gate of a split launch is applied by the merge")

@@ -178,7 +178,8 @@ def test_decode_shapes_are_well_formed():
     assert bench_decode.select_shapes(None) == list(bench_decode.SHAPES) + list(bench_decode.RAGGED_SHAPES)
     assert [s[0] for s in bench_decode.select_shapes("B1 ctx,d256")] == ["llama3-8b B1 ctx1000", "d256 h16/8 B32 ctx8192"]
     assert bench_decode.select_shapes("ragged") == list(bench_decode.RAGGED_SHAPES)
-    assert bench_decode.select_shapes("nothing") == []
+    with pytest.raises(ValueError, match="--shapes: 'nothing' matches no shape"):  # it timed every shape
+        bench_decode.select_shapes("nothing")
     named = {s[0]: s[1:] for s in bench_decode.SHAPES}
     assert named["llama3-70b-tp8 B64 ctx4096"] == (8, 1, 128, 64, 4096, 1)  # 70B under 8-way TP
 

@@ -267,7 +267,7 @@ def test_serve_flags():
     ws = module.select_workloads(a)
     assert [w.layers for w in ws] == [2] and ws[0].kv_dtype == "bf16" and ws[0].num_requests == 32
     assert (a.configs, a.decode_stride, a.check, a.png, a.fi_prefill_query) == ("ours,fa4", 8, False, "x.png", "bf16")
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="--workloads: 'nothing' is not one of long-fp8"):
         module.select_workloads(p.parse_args(["--workloads", "nothing"]))
     with pytest.raises(SystemExit):
         p.parse_args(["--fi-prefill-query", "fp16"])
