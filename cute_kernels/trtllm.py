@@ -37,6 +37,7 @@ import torch
 
 from . import reference
 from .ops._caller_workspace import check_workspace
+from .ops._device import served_device
 from .ops._torch import compile_target
 from .ops.paged_decode import paged_decode
 from .ops.paged_prefill import paged_prefill
@@ -203,7 +204,7 @@ def batch_decode_with_kv_cache(
     """
     if not isinstance(query, torch.Tensor):
         raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
-    device = query.device
+    device = served_device("query", query)
     _int_arg("max_seq_len", max_seq_len, 0)
     _check_scale("bmm1_scale", bmm1_scale, device)
     _check_scale("bmm2_scale", bmm2_scale, device)
@@ -294,7 +295,7 @@ def batch_context_with_kv_cache(
     """
     if not isinstance(query, torch.Tensor):
         raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
-    device = query.device
+    device = served_device("query", query)
     for name, value in (("max_q_len", max_q_len), ("max_kv_len", max_kv_len), ("batch_size", batch_size)):
         _int_arg(name, value, 0)
     _check_scale("bmm1_scale", bmm1_scale, device)

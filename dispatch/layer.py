@@ -455,6 +455,10 @@ class AttentionLayer:
         model = torch_dtype(self.model_dtype)
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        if not q.is_cuda:  # CPU tensors run the reference; any other device is named, as the ops name it
+            from cute_kernels.ops._device import served_device  # (torch-side: never imported with dispatch)
+
+            served_device("q", q)
         if q.dtype != model:
             raise TypeError(f"q must have the layer's model dtype {self.model_dtype}, got {q.dtype}")
         if q.dim() != 3 or q.shape[1] != Hq or q.shape[2] != D:

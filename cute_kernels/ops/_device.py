@@ -10,8 +10,8 @@ restore leaves a device without a context alone; the DSL then finds its device c
 switches nothing. Whether a launch needs the guard is decided once per launch key: the ops' keys
 hold :func:`current_device` (one C call) for CUDA tensors.
 
-Also here: the device rule of the validation (:func:`check_devices`, errors naming the argument)
-and the capture test of a given device's stream (:func:`capturing`).
+Also here: the device rules of the validation (:func:`served_device`, :func:`check_devices`,
+errors naming the argument) and the capture test of a given device's stream (:func:`capturing`).
 """
 
 from __future__ import annotations
@@ -63,6 +63,20 @@ def capturing(device) -> bool:
         return torch.cuda.is_current_stream_capturing()
     with torch.cuda.device(device.index):
         return torch.cuda.is_current_stream_capturing()
+
+
+#: the device types an op serves: CUDA (the kernels) and the CPU (the reference)
+SERVED_DEVICE_TYPES = ("cuda", "cpu")
+
+
+def served_device(name: str, t) -> torch.device:
+    """The device of tensor argument ``name``, one an op serves; else ``ValueError`` naming it. A
+    tensor elsewhere (meta, another backend) would reach the reference and fail inside torch. Run by
+    the validation only (the reference path, or a CUDA call's first keying), never a cached launch."""
+    device = t.device
+    if device.type not in SERVED_DEVICE_TYPES:
+        raise ValueError(f"{name} must be on a CUDA device or the CPU, got {device}")
+    return device
 
 
 def check_devices(device, **tensors) -> None:

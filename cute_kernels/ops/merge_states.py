@@ -17,7 +17,7 @@ from .. import reference
 from ..jit.compiler import get_kernel
 from ..plans.merge_states import MergeStatesConfig
 from . import _check
-from ._device import current_device, on_device
+from ._device import current_device, on_device, served_device
 from ._launch import Launcher, TuningOverride
 from ._library import compiling, custom_op
 from ._torch import check_tensor, compile_target, dtype_name, overlap, widest_vector
@@ -60,6 +60,7 @@ def _aliased(partial_out, partial_lse, out, out_lse) -> bool:
 def _prepare(partial_out, partial_lse, out_dtype, out, out_lse) -> _Launch:
     """Full validation (errors name the argument) and the kernel variant for one key."""
     check_tensor("partial_out", partial_out, dtype=torch.float32, ndim=4)
+    served_device("partial_out", partial_out)
     S, N, H, D = partial_out.shape
     check_tensor("partial_lse", partial_lse, dtype=torch.float32, shape=(S, N, H), device=partial_out.device)
     if out is not None:

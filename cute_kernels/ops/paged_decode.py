@@ -47,7 +47,7 @@ from . import _check
 from . import _decode_features as features
 from . import _library as library
 from . import _paged_decode_sm100 as sm100
-from ._device import check_devices, current_device, on_device
+from ._device import check_devices, current_device, on_device, served_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
 from ._torch import (
@@ -165,6 +165,7 @@ def _validate(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, 
     tensor, the kernel)`` (the kernel: None for an FP8 query, and for windows or sinks where only
     the portable kernel would take the dtypes: sm100.decode's where it runs, else the reference)."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
+    served_device("q", q)
     T, Hq, D = q.shape
     P, Hkv, page = check_kv_cache(k, v, pair, kv_layout, D)
     if not isinstance(q_len, int) or isinstance(q_len, bool) or q_len < 1:

@@ -59,7 +59,7 @@ from ..registry import KERNELS, KernelInfo, op_kernel
 from . import _check
 from . import _library as library
 from . import _paged_prefill_sm100 as sm100
-from ._device import check_devices, current_device, on_device
+from ._device import check_devices, current_device, on_device, served_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, no_lse, scale_of, scale_parts
 from ._selfcheck import Case, ensure, launch_prefill_now, prefill_expected, prefill_problem, to_device
@@ -155,7 +155,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     kernel selection for one key."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, FP8), ndim=3)
     T, Hq, D = q.shape
-    device = q.device
+    device = served_device("q", q)
     P, Hkv, page = check_kv_cache(k, v, pair, kv_layout, D)
     check_devices(device, **({"k_cache": k, "v_cache": v} if pair else {"kv_cache": k}))
     if P == 0:  # a TMA descriptor needs a non-empty tensor: refused before any launch

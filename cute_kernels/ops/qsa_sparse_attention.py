@@ -44,7 +44,7 @@ from ..plans.sm90_qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_t
 from ..plans.sm90_qsa_union import QsaUnionConfig
 from ..plans.sm90_qsa_widen import QsaWidenConfig, use_widened_cache
 from . import _check
-from ._device import current_device, on_device
+from ._device import current_device, on_device, served_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import compiling, custom_op, scale_of, scale_parts
 from ._torch import (
@@ -134,6 +134,7 @@ def _kernel_tuning(row_tiles: bool = False) -> dict:
 def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _Launch:
     """Full validation (errors name the argument) and kernel selection for one key."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16), ndim=3)
+    served_device("q", q)
     rows, Hq, D = q.shape
     check_tensor("k_cache", k, ndim=4, device=q.device)
     check_tensor("v_cache", v, ndim=4, device=q.device)

@@ -23,7 +23,7 @@ from ..jit.compiler import get_kernel
 from ..jit.spec import check_override
 from ..plans.quantize_query import ROPE_MAX_VEC, VECTOR_WIDTHS, QuantizeQueryConfig, make_quantize_config
 from . import _check
-from ._device import current_device, on_device
+from ._device import current_device, on_device, served_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import compiling, custom_op, scale_of, scale_parts
 from ._quantize_residual import self_check_passes
@@ -112,6 +112,7 @@ def tuning_override(**fields: object) -> TuningOverride:
 def _validate(q, q_scale, out, rope):
     """Full validation (errors name the argument): ``(scale_tensor, rope)``."""
     check_tensor("q", q, dtype=_IN_DTYPES, ndim=3)
+    served_device("q", q)
     T, Hq, D = q.shape
     scale_tensor = check_scale("q_scale", q_scale, device=q.device, num_q_heads=Hq)
     if out is not None:

@@ -22,7 +22,7 @@ from ..jit.compiler import get_kernel
 from ..jit.spec import check_override
 from ..plans.write_kv_cache import WriteKVCacheConfig, make_write_config
 from . import _check
-from ._device import current_device, on_device
+from ._device import current_device, on_device, served_device
 from ._launch import Launcher, TuningOverride, check_scale
 from ._library import cache_of, cache_parts, compiling, custom_op, scale_of, scale_parts
 from ._torch import check_page_size, check_tensor, compile_target, dtype_name, overlap
@@ -126,9 +126,9 @@ def tuning_override(**fields: object) -> TuningOverride:
 def _prepare(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_scale) -> _Launch:
     """Full validation (errors name the argument) and kernel selection for one key."""
     check_tensor("key", key, dtype=_IN_DTYPES, ndim=3)
+    device = served_device("key", key)
     T, Hkv, D = key.shape
-    check_tensor("value", value, dtype=key.dtype, shape=(T, Hkv, D), device=key.device)
-    device = key.device
+    check_tensor("value", value, dtype=key.dtype, shape=(T, Hkv, D), device=device)
     pair, (P, cHkv, page, cD), caches = _cache_geometry(kv_cache, kv_layout, device)
     if cD != D:
         raise ValueError(f"head dim mismatch: key has {D}, kv_cache has {cD}")

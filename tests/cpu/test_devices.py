@@ -3,6 +3,9 @@ half is tests/gpu/test_multi_gpu.py.
 
 - every tensor argument of every op on another device than the query's is refused with an error
   naming it, on the reference path too (here: the meta device next to CPU tensors);
+- every op (and the trtllm API, and ``AttentionLayer``) with all its tensors on a device that is
+  neither CUDA nor the CPU (meta) names its first tensor and that device (these reached the
+  reference and failed inside torch, or returned meta tensors);
 - a launch prepared off the current device runs inside torch's device guard (exchange, call,
   restore without creating a context, also when the call raises); one on it runs bare;
 - every op's launch key holds the current device (so the guard is decided once per key);
@@ -26,7 +29,7 @@ from cute_kernels.ops import paged_prefill as prefill_op
 from cute_kernels.ops import qsa_sparse_attention as qsa_op
 from cute_kernels.ops import quantize_query as quantize_op
 from cute_kernels.ops import write_kv_cache as write_op
-from tests.op_cases import move, op_cases
+from tests.op_cases import move, moved, op_cases
 
 CASES = op_cases()
 ARGS = [(case, name) for case in CASES for name in case.args]
@@ -37,6 +40,36 @@ def test_an_argument_on_another_device_is_named(case, name):
     kwargs = case.with_arg(name, move(case.tensor(name), "meta"))
     with pytest.raises((ValueError, TypeError), match=rf"\b{name} must be on cpu( \(the query's device\))?, got meta"):
         case.fn(**kwargs)
+
+
+# the argument each op's validation checks first (the one whose device the others must share)
+_FIRST = {"merge_states": "partial_out", "write_kv_cache": "key", "trtllm": "query"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_every_tensor_on_a_device_the_ops_do_not_serve_is_named(case):
+    first = next((arg for prefix, arg in _FIRST.items() if case.name.startswith(prefix)), "q")
+    with pytest.raises(ValueError, match=rf"^{first} must be on a CUDA device or the CPU, got meta$"):
+        moved(case, "meta").run()
+
+
+def test_the_layer_names_a_query_on_a_device_it_does_not_serve():
+    from dispatch import AttentionLayer
+    from tests.cpu.test_layer_dispatch import make_step
+    from tests.op_cases import step_on
+
+    step = step_on(make_step(decode_ctx=(20, 7), prefill=((3, 5),), generator=torch.Generator().manual_seed(4)),
+                   "meta")
+    for arch in ("sm90", None):  # without arch= it was "the tensors are on meta: pass arch="
+        layer = AttentionLayer(8, 2, 64, kv_cache_dtype=torch.float8_e4m3fn, page_size=16, arch=arch)
+        with pytest.raises(ValueError, match=r"^q must be on a CUDA device or the CPU, got meta$"):
+            layer(step.q, step.k, step.v, step.kv_cache, step.metadata)
+
+
+def test_the_served_device_rule():
+    assert _device.served_device("x", torch.zeros(1)) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^x must be on a CUDA device or the CPU, got meta$"):
+        _device.served_device("x", torch.zeros(1, device="meta"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
