@@ -147,14 +147,15 @@ def bind_arguments(names: tuple[str, ...], args: tuple) -> dict:
 _FIELD_TYPES = {"bool": bool, "int": int, "str": str}
 
 
-def check_override(config_cls: type, override: dict, *, fixed=(), extra=()) -> None:
+def check_override(config_cls: type, override: dict, *, fixed=(), extra=(), kernel: str | None = None) -> None:
     """A tuning override's fields, checked against the config they replace fields of: each one
     a field of ``config_cls`` or one of ``extra`` (keys its plan reads itself), none of ``fixed``
     (what the call decides: dtypes, shapes, options), of the field's declared type (a ``bool``
     field takes True/False only: ``"no"`` would be true). ``ValueError`` / ``TypeError`` naming
-    the field, before any config is built (a ``TypeError`` from the dataclass otherwise)."""
+    the field, before any config is built (a ``TypeError`` from the dataclass otherwise). ``kernel``:
+    what the errors name (default: the config's kernel id)."""
     types = {f.name: str(f.type) for f in dataclasses.fields(config_cls)}
-    kernel = getattr(config_cls, "kernel_id", config_cls.__name__)
+    kernel = kernel or getattr(config_cls, "kernel_id", config_cls.__name__)
     for name, value in override.items():
         if name in fixed or (name not in types and name not in extra):
             tunable = ", ".join(sorted((set(types) - set(fixed)) | set(extra)))

@@ -38,6 +38,7 @@ from torch import Tensor
 from .. import reference
 from .._types import Scale
 from ..jit.compiler import get_kernel
+from ..jit.spec import check_override
 from ..plans.sm90_qsa import HEAD_DIMS, MAX_GROUP, Sm90QsaConfig, make_qsa_config, select_config
 from ..plans.sm90_qsa_merge import QsaMergeConfig, merge_shape
 from ..plans.sm90_qsa_tile import Sm90QsaTileConfig, make_qsa_tile_config, row_tile_plan
@@ -125,6 +126,21 @@ _TILE_ONLY_FIELDS = ({f.name for f in dataclasses.fields(Sm90QsaTileConfig)}
                      - {f.name for f in dataclasses.fields(Sm90QsaConfig)})
 
 
+# what the call decides (dtypes, shapes, the gate, the scales' kinds; the split and the rows per CTA come from
+# `splits` and `tile_rows`): every other field of the two kernels' configs is tuning
+_FIXED = ("q_dtype", "kv_dtype", "head_dim", "group", "page_size", "split", "gate", "k_scale_tensor", "v_scale_tensor",
+          "rows_per_cta")
+
+
+def check_tuning_override(override: dict) -> None:
+    """The tuning override's fields: the launch's (``splits``, ``tile_rows``, ``widen``,
+    ``merge_group``, ``merge_lanes``) and the per-row and row-tile kernels' tuning fields (the
+    row-tile config holds the per-row one's), of the field's type; the others are the call's
+    (:func:`cute_kernels.jit.spec.check_override`). Checked for CPU tensors too."""
+    check_override(Sm90QsaTileConfig, override, fixed=_FIXED, extra=_LAUNCH_FIELDS,
+                   kernel=f"{Sm90QsaConfig.kernel_id} / {Sm90QsaTileConfig.kernel_id}")
+
+
 def _kernel_tuning(row_tiles: bool = False) -> dict:
     """The active override's fields for the kernel config being built (per-row or row-tile)."""
     return {f: v for f, v in _launcher.override.items()
@@ -174,6 +190,7 @@ def _prepare(q, k, v, idx, bt, t2r, prefill, k_scale, v_scale, out, gate) -> _La
     if NB == 0:  # nothing to gather from: refused before any launch
         raise ValueError("k_cache has no blocks (num_blocks = 0): an empty KV pool cannot be attended; allocate at "
                          "least one block (docs/design/inputs.md#kv-pool)")
+    check_tuning_override(_launcher.override)  # a typo would be dropped or fail inside a config
     if not q.is_cuda:
         return _Launch(None, None, None, None, None, None, 1, gate is not None, reference=True)
     if rows == 0 or Hq == 0:  # nothing to compute (no rows x heads): no variant is compiled

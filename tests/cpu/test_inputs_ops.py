@@ -22,6 +22,9 @@
   was a raw "leaf Variable ... in-place" RuntimeError, and outputs had a grad_fn);
 - ``AttentionLayer``: decode rows covering every request with rows left over is named (the
   prefill op refused it as "q has N rows but the batch is empty");
+- ``qsa_sparse_attention``'s ``tuning_override`` fields are checked against the two QSA kernels'
+  tuning fields and the launch's (a typo was dropped, or failed inside a config on the GPU only),
+  on CPU tensors too;
 - ``cute_kernels.warmup``'s flags and option lists (``q_lens``, ``scale_tensors``, ``kv_layouts``,
   ``kv_forms``, ``causal``, ``return_lse``, ``q_scale_kinds``, ``workers``) are named before any
   variant is built (a bare string was enumerated letter by letter, a truthy non-bool compiled a
@@ -418,3 +421,24 @@ def test_ops_are_forward_only_on_the_cpu_as_on_the_gpu():
     merged, lse = cute_kernels.merge_states(torch.randn(2, 3, 4, 64, requires_grad=True), torch.randn(2, 3, 4))
     codes, lo = cute_kernels.quantize_query(q_grad[:3], 0.5, residual=True)
     assert not any(t.requires_grad for t in (merged, lse, codes, lo))
+
+
+@pytest.mark.parametrize("fields,error,match", [
+    (dict(prodcers=2), ValueError, "'prodcers' is not a tuning field of sm90.qsa / sm90.qsa_tile; its fields: "),
+    (dict(head_dim=64), ValueError, "'head_dim' is not a tuning field .* \\(the call's arguments decide it\\)"),
+    (dict(rows_per_cta=4), ValueError, "'rows_per_cta' is not a tuning field"),  # tile_rows forces it
+    (dict(evict_first=1), TypeError, "evict_first must be a bool, got 1"),
+    (dict(stages="3"), TypeError, "stages must be an int, got '3'"),
+])
+def test_qsa_tuning_override_names_a_bad_field(fields, error, match):
+    from cute_kernels.ops.qsa_sparse_attention import tuning_override
+    from tests.cpu.test_qsa_reference import make_qsa_case
+
+    case = make_qsa_case(rows=6, num_q_heads=8, num_kv_heads=2, head_dim=64, page=16, num_reqs=2)
+    case.pop("meta")
+    with tuning_override(**fields), pytest.raises(error, match=f"^tuning_override: .*{match}"):
+        cute_kernels.qsa_sparse_attention(**case, prefill=False)
+    # the launch's fields and both kernels' tuning fields are taken
+    with tuning_override(splits=3, tile_rows=1, widen=0, merge_group=2, producers=2, consumers=2, evict_first=True):
+        out = cute_kernels.qsa_sparse_attention(**case, prefill=False)
+    assert torch.equal(out, cute_kernels.qsa_sparse_attention(**case, prefill=False))
