@@ -37,15 +37,16 @@ gate.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 import cute_kernels
 from cute_kernels import reference
-from cute_kernels.ops.qsa_sparse_attention import tuning_override
+from cute_kernels.ops.qsa_sparse_attention import check_tuning_override, tuning_override
 from cute_kernels.plans.sm90_qsa import MAX_SPLITS, TILES, select_config
-from cute_kernels.plans.sm90_qsa_tile import row_tile_plan
+from cute_kernels.plans.sm90_qsa_tile import Sm90QsaTileConfig, row_tile_plan
 from cute_kernels.plans.sm90_qsa_widen import use_widened_cache
 
 from .harness import SM90, NvtxRanges, check_unused, choice_list, int_list, parse_variants, write_json
@@ -252,15 +253,16 @@ def add_arguments(p) -> None:
     p.add_argument("--decode-n", default=",".join(map(str, DECODE_N)), help="decode rows (default: %(default)s)")
     p.add_argument("--prefill-t", default=",".join(map(str, PREFILL_T)),
                    help="prefill tokens of one request (default: %(default)s)")
-    p.add_argument("--selection", default=",".join(PREFILL_SELECTIONS),
+    p.add_argument("--selection", default=None,  # None: not given (refused without the prefill kind)
                    help=f"comma list of prefill selection models from {', '.join(SELECTIONS)} "
-                        "(decode always uses independent)")
+                        f"(default: {','.join(PREFILL_SELECTIONS)}; decode always uses independent)")
     p.add_argument("--splits", default=None, help="comma list of forced split counts (default: the table's)")
     p.add_argument("--tile", type=int, default=None, help=f"force the KV tile ({' or '.join(map(str, TILES))})")
     p.add_argument("--tile-rows", default=None,
                    help="comma list of forced prefill rows per CTA (1 = the per-row kernel; default: the op's)")
     p.add_argument("--tuning", default=None,
-                   help="';'-separated kernel tuning variants, each 'field=value,...' (e.g. 'producers=1;producers=2')")
+                   help="';'-separated kernel tuning variants, each 'field=value,...' (e.g. 'producers=1;producers=2'; "
+                        "a flag field takes 0 or 1)")
     p.add_argument("--decode-shared", action="store_true",
                    help="decode rows all select the same tokens of one request (an L2-resident gather: the "
                         "kernel's own per-tile time; the roofline column is then not a bound)")
@@ -268,6 +270,10 @@ def add_arguments(p) -> None:
                    help="comma list of valid_count caps for decode rows (time vs tiles: per-tile and fixed costs)")
     p.add_argument("--no-gate", action="store_true", help="call without output_gate (default: gated, as QSA layers)")
     p.add_argument("--check", action="store_true", help="also compare each output with the reference")
+
+
+# the kernels' flag fields, given as 0 or 1 on the command line
+_FLAGS = {f.name for f in dataclasses.fields(Sm90QsaTileConfig) if str(f.type) == "bool"}
 
 
 def check_arguments(a) -> dict:
@@ -284,14 +290,18 @@ def check_arguments(a) -> dict:
     kinds = choice_list("--kinds", a.kinds, KINDS)
     check_unused("without the decode kind", {"--decode-counts": "decode" not in kinds and a.decode_counts is not None,
                                              "--decode-shared": "decode" not in kinds and a.decode_shared})
-    check_unused("without the prefill kind", {"--tile-rows": "prefill" not in kinds and a.tile_rows is not None})
+    check_unused("without the prefill kind", {"--tile-rows": "prefill" not in kinds and a.tile_rows is not None,
+                                              "--selection": "prefill" not in kinds and a.selection is not None})
     try:
         tunings = parse_variants(a.tuning) if a.tuning else None
-    except ValueError as e:
-        raise ValueError(f"--tuning: {e}") from None
+        for tu in tunings or ():  # the op's own check: a typo would otherwise fail each row after its timing
+            tu.update({k: bool(v) for k, v in tu.items() if k in _FLAGS and v in (0, 1)})
+            check_tuning_override(tu)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--tuning: {str(e).removeprefix('tuning_override: ')}") from None
     return dict(kinds=kinds, kv_dtypes=choice_list("--kv", a.kv, KV_DTYPES),
                 decode_n=ints["--decode-n"] or (), prefill_t=ints["--prefill-t"] or (), splits=ints["--splits"],
-                tile=a.tile, check=a.check, out_json=a.json, selections=choice_list("--selection", a.selection, SELECTIONS),
+                tile=a.tile, check=a.check, out_json=a.json, selections=choice_list("--selection", a.selection or ",".join(PREFILL_SELECTIONS), SELECTIONS),
                 tile_rows=ints["--tile-rows"], tunings=tunings, decode_shared=a.decode_shared,
                 decode_counts=ints["--decode-counts"] or (None,), gate=not a.no_gate, nvtx=a.nvtx)
 

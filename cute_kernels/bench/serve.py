@@ -49,7 +49,7 @@ from cute_kernels.plans.args import check_positive_ints
 from cute_kernels.testing import rel_err
 from dispatch import AttentionLayer, AttentionMetadata
 
-from .harness import SM90, NvtxRanges, Peer, choice_list, runnable, self_check_state, write_json
+from .harness import SM90, NvtxRanges, Peer, check_unused, choice_list, runnable, self_check_state, write_json
 from .serve_schedule import (
     DEFAULT_WORKLOADS,
     WORKLOADS,
@@ -213,7 +213,7 @@ class _FlashInferBase:
         import flashinfer
 
         self.rp = rp
-        self.fp8_query = rp.kv_dtype == FP8 and args.fi_prefill_query == "fp8"
+        self.fp8_query = rp.kv_dtype == FP8 and args.fi_prefill_query in (None, "fp8")  # fp8 unless told bf16
         self.prefill_ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.prefill_ws, "HND", backend="fa3")
         self.out = torch.empty_like(rp.q)
@@ -571,8 +571,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-graphs", action="store_true", help="time decode-only steps eagerly too")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the check of layer 0 against the reference on the first decode and mixed step")
-    p.add_argument("--fi-prefill-query", choices=("fp8", "bf16"), default="fp8",
-                   help="FlashInfer's fa3 prefill query with an FP8 cache (default: %(default)s, as vLLM)")
+    p.add_argument("--fi-prefill-query", choices=("fp8", "bf16"), default=None,  # None: not given
+                   help="FlashInfer's fa3 prefill query with an FP8 cache (fi_xqa, fi_native; default: fp8, as vLLM)")
     p.add_argument("--png", default=None, metavar="PATH", help="also plot the per-step times to PATH")
     p.add_argument("--verbose", action="store_true", help="print every timed step")
 
@@ -601,7 +601,13 @@ def check_arguments(args) -> tuple[list[Workload], tuple[str, ...]]:
     and repetitions of at least 1): ``ValueError`` naming the flag, before the GPU check."""
     check_positive_ints(**{"--decode-stride": args.decode_stride, "--graph-reps": args.graph_reps,
                            "--eager-reps": args.eager_reps})
-    return select_workloads(args), choice_list("--configs", args.configs, MAKERS)
+    workloads, configs = select_workloads(args), choice_list("--configs", args.configs, MAKERS)
+    given = args.fi_prefill_query is not None
+    check_unused("without a FlashInfer configuration (fi_xqa, fi_native)",
+                 {"--fi-prefill-query": given and not any(PEER_LIBS.get(c) is _FLASHINFER for c in configs)})
+    check_unused("without an FP8-cache workload",
+                 {"--fi-prefill-query": given and all(w.kv_dtype != "fp8" for w in workloads)})
+    return workloads, configs
 
 
 def main(args) -> None:

@@ -261,7 +261,7 @@ def test_serve_flags():
     a = p.parse_args([])
     assert a.workloads == "long-fp8,long-bf16,short-fp8" and a.configs == "ours,ours_fp8q,ours_fp8x2,fi_xqa,fi_native,fa4"
     assert (a.quick, a.decode_stride, a.graph_reps, a.eager_reps, a.check, a.fi_prefill_query) == \
-        (False, 1, 3, 1, True, "fp8")
+        (False, 1, 3, 1, True, None)  # --fi-prefill-query: not given (FlashInfer's query is then fp8)
     a = p.parse_args(["--quick", "--workloads", "short-bf16", "--configs", "ours,fa4", "--decode-stride", "8",
                       "--no-check", "--layers", "2", "--png", "x.png", "--fi-prefill-query", "bf16"])
     ws = module.select_workloads(a)
