@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,19 +30,36 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    flag_errors: bool = False  # its flags are the planner's arguments: errors name them as flags (flag_names)
 
 
 COMMANDS: dict[str, Command] = {}
 
 
-def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None]):
+def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None], *,
+            flag_errors: bool = False):
     """Decorator registering ``run`` as subcommand ``name``."""
 
     def register(run: Callable[[argparse.Namespace], int]):
-        COMMANDS[name] = Command(help, add_arguments, run)
+        COMMANDS[name] = Command(help, add_arguments, run, flag_errors)
         return run
 
     return register
+
+
+def flag_names(message: str, add_arguments: Callable[[argparse.ArgumentParser], None]) -> str:
+    """``message`` with each argument name of the planner's errors that is a flag of the command
+    (``head_dim must``, ``kv_cache_dtype='fp9'``, ``num_kv_heads (8)``, ``got kv_cache_dtype bf16``) spelled as that flag
+    (``--head-dim must``, ``--kv-cache-dtype='fp9'``, as ``compile --arch`` says it): the limits and their wording stay in
+    dispatch/ and plans/, the command line's names here."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    for action in parser._actions:
+        if action.option_strings:
+            flag = action.option_strings[0]
+            name = re.escape(action.dest)
+            message = re.sub(rf"(?<![\w-]){name}(?=[=]| must\b| \()|(?<=\bgot ){name}(?= )", flag, message)
+    return message
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,7 +114,7 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-@command("matrix", "arch x phase x KV-dtype table of the planned kernel and query dtype", _shape_args)
+@command("matrix", "arch x phase x KV-dtype table of the planned kernel and query dtype", _shape_args, flag_errors=True)
 def run_matrix(args: argparse.Namespace) -> int:
     plans = [
         plan(arch=arch, phase=phase, kv_cache_dtype=kv, **_shape_kwargs(args))
@@ -142,7 +160,7 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                         "two-term query (codes and residual) (default: auto)")
 
 
-@command("plan", "plan one attention call and explain the choice", _plan_args)
+@command("plan", "plan one attention call and explain the choice", _plan_args, flag_errors=True)
 def run_plan(args: argparse.Namespace) -> int:
     p = plan(arch=args.arch, phase=args.phase, kv_cache_dtype=args.kv_cache_dtype, q_len=args.q_len,
              kv_layout=args.kv_layout, backend=args.backend, query_dtype=args.query_dtype, **_shape_kwargs(args))
@@ -307,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command].run(args)
     except UnsupportedConfig as e:
-        print(f"error: {e}", file=sys.stderr)
+        cmd = COMMANDS[args.command]
+        print(f"error: {flag_names(str(e), cmd.add_arguments) if cmd.flag_errors else e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # the reader left early (`cute-kernels matrix --json | head`): stop quietly; point stdout

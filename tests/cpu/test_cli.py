@@ -76,7 +76,7 @@ def test_matrix_json(capsys):
 def test_matrix_bad_shape_exits_2(capsys):
     assert main(["matrix", "--num-q-heads", "30"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: num_q_heads (30) must be a multiple of num_kv_heads (8)")
+    assert err.startswith("error: --num-q-heads (30) must be a multiple of --num-kv-heads (8)")
 
 
 def test_plan_text(capsys, sm90_decode_planned):
@@ -105,7 +105,7 @@ def test_plan_unsupported_backend_exits_2(capsys):
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith("error: backend='sm90.decode' cannot serve this request")
+    assert captured.err.startswith("error: --backend='sm90.decode' cannot serve this request")
     assert "runs on sm90, not sm89" in captured.err
 
 

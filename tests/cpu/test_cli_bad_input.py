@@ -252,3 +252,26 @@ def test_write_kv_cache_names_a_field_its_override_does_not_take():
                                  (dict(pdl=1), TypeError, "pdl must be a bool, got 1")]:
         with kv_op.tuning_override(**fields), pytest.raises(error, match=match):
             kv_op.make_config(key, key, cache, slots, "HND", False, False)
+
+
+_PLAN = ["plan", "--arch", "sm90", "--phase", "decode", "--kv-cache-dtype", "fp8"]
+
+
+@pytest.mark.parametrize("argv,line", [
+    (_PLAN + ["--head-dim", "0"], "--head-dim must be a positive int (>= 1), got 0"),
+    (_PLAN + ["--q-len", "-1"], "--q-len must be a positive int (>= 1), got -1"),
+    (_PLAN + ["--num-q-heads", "33"], "--num-q-heads (33) must be a multiple of --num-kv-heads (8)"),
+    (_PLAN + ["--kv-layout", "XYZ"], "--kv-layout must be 'HND' or 'NHD', got 'XYZ'"),
+    (_PLAN + ["--model-dtype", "fp32"], "--model-dtype='fp32' is not supported"),
+    (_PLAN + ["--query-dtype", "fp4"], "--query-dtype='fp4' is not supported"),
+    (["plan", "--arch", "sm80", "--phase", "decode", "--kv-cache-dtype", "bf16", "--query-dtype", "fp8"],
+     "--query-dtype='fp8' needs an FP8 KV cache (QK runs in FP8 only against FP8 K), got --kv-cache-dtype bf16"),
+    (["plan", "--arch", "sm90", "--phase", "decoding", "--kv-cache-dtype", "fp8"], "--phase must be 'prefill' or"),
+    (["plan", "--arch", "sm90", "--phase", "decode", "--kv-cache-dtype", "fp9"], "--kv-cache-dtype='fp9' is not"),
+    (["matrix", "--page-size", "0"], "--page-size must be a positive int (>= 1), got 0"),
+    (["matrix", "--num-kv-heads", "3"], "--num-q-heads (32) must be a multiple of --num-kv-heads (3)"),
+])
+def test_plan_and_matrix_errors_name_the_flag(argv, line, capsys):
+    """The planner's limits and wording, with the command line's names (it said ``head_dim must``)."""
+    assert cli_main(argv) == 2
+    assert _one_line(capsys).startswith(f"error: {line}")
