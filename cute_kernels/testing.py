@@ -216,6 +216,14 @@ def make_paged_prefill_case(
     )
 
 
+def per_tensor_q_scale(q: torch.Tensor) -> float:
+    """The per-tensor ``q_scale`` that maps ``q``'s largest magnitude onto e4m3's largest (448):
+    how the benchmarks quantize a query for the FP8-query kinds. Reads ``q`` (a host sync)."""
+    from .reference import FP8_MAX
+
+    return float(q.float().abs().amax()) / FP8_MAX
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64."""
     out, ref = out.double(), ref.double()

@@ -37,7 +37,7 @@ import torch
 import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.paged_prefill import tuning_override
-from cute_kernels.testing import make_paged_prefill_case, rel_err
+from cute_kernels.testing import make_paged_prefill_case, per_tensor_q_scale, rel_err
 
 from .harness import (
     SM90,
@@ -95,7 +95,7 @@ class Problem:
         c = self.case
         self.B, self.prefix, self.n, self.L = B, prefix, n, prefix + n
         self.sm_scale = D ** -0.5
-        self.q_scale = float(c.q.float().abs().amax()) / 448
+        self.q_scale = per_tensor_q_scale(c.q)
         self.q8, self.q8_lo = cute_kernels.quantize_query(c.q, self.q_scale, residual=True) if fp8 else (None, None)
         self.ref = None if quick else reference.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens,
                                                               c.query_start_loc, **c.kwargs())

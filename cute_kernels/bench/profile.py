@@ -91,8 +91,7 @@ def _prefill(shape: dict, g) -> Callable[[], Any]:
     import torch
 
     import cute_kernels
-    from cute_kernels.reference import FP8_MAX
-    from cute_kernels.testing import make_paged_prefill_case
+    from cute_kernels.testing import make_paged_prefill_case, per_tensor_q_scale
 
     kv = torch.float8_e4m3fn if shape["kv"] == "fp8" else torch.bfloat16
     scales = dict(k_scale=0.0625, v_scale=0.03125) if shape["kv"] == "fp8" else {}
@@ -101,7 +100,7 @@ def _prefill(shape: dict, g) -> Callable[[], Any]:
                                    kv_dtype=kv, generator=g, poison_tail=False, **scales)
     q, extra = case.q, {}
     if shape["q"] != "bf16":  # the FP8-query kinds, quantized as bench prefill's ours_fp8q / ours_fp8x2
-        q_scale = float(case.q.float().abs().amax()) / FP8_MAX
+        q_scale = per_tensor_q_scale(case.q)
         q, q_lo = cute_kernels.quantize_query(case.q, q_scale, residual=True)
         extra = dict(q_scale=q_scale, **(dict(q_residual=q_lo) if shape["q"] == "fp8x2" else {}))
     out = torch.empty_like(case.q)

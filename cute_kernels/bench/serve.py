@@ -46,7 +46,7 @@ import torch
 import cute_kernels
 from cute_kernels import reference
 from cute_kernels.plans.args import check_positive_ints
-from cute_kernels.testing import rel_err
+from cute_kernels.testing import per_tensor_q_scale, rel_err
 from dispatch import AttentionLayer, AttentionMetadata
 
 from .harness import SM90, NvtxRanges, Peer, check_unused, choice_list, runnable, self_check_state, write_json
@@ -96,7 +96,7 @@ class Replay:
         self.q = torch.randn(T, w.num_q_heads, w.head_dim, device=dev, generator=g).to(BF16)
         self.k = torch.randn(T, w.num_kv_heads, w.head_dim, device=dev, generator=g).to(BF16)
         self.v = torch.randn(T, w.num_kv_heads, w.head_dim, device=dev, generator=g).to(BF16)
-        self.q_scale = float(self.q.float().abs().amax()) / 448
+        self.q_scale = per_tensor_q_scale(self.q)
         self.q8 = torch.empty(T, w.num_q_heads, w.head_dim, dtype=FP8, device=dev)
         self.slot = assign_slots(sched, w.concurrency)
         pool = w.concurrency * w.pages_per_request

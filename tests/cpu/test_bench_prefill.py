@@ -39,3 +39,12 @@ def test_shapes_are_the_agreed_table():
 def test_refuses_without_an_sm90_gpu(capsys):
     assert cli_main(["bench", "prefill", "--quick"]) == 2
     assert "needs an SM90 GPU" in capsys.readouterr().err
+
+
+def test_per_tensor_q_scale_maps_the_largest_magnitude_onto_e4m3s_largest():
+    from cute_kernels.testing import per_tensor_q_scale
+
+    q = torch.tensor([[[0.5, -896.0, 3.0]]], dtype=torch.bfloat16)
+    assert per_tensor_q_scale(q) == 2.0
+    q8 = (q.float() / per_tensor_q_scale(q)).to(torch.float8_e4m3fn)
+    assert q8.float().abs().max().item() == 448.0
