@@ -103,12 +103,36 @@ def check_tensor(
     return t
 
 
+def _offset_reachable(dims: list[tuple[int, int]], target: int, *, nonzero: bool = False) -> bool:
+    """Whether ``target == sum_d j_d * stride_d`` for integers ``|j_d| < extent_d`` (``dims``:
+    ``(stride, extent)`` pairs, strides positive, largest first); ``nonzero``: with some ``j_d != 0``.
+    Answered conservatively (True) past a search budget: a layout with many representations."""
+    reach = [0] * (len(dims) + 1)  # reach[i]: the largest |offset| the dims from i on can span
+    for i in range(len(dims) - 1, -1, -1):
+        reach[i] = reach[i + 1] + (dims[i][1] - 1) * dims[i][0]
+    budget = [4096]
+
+    def hit(i: int, rest: int, moved: bool) -> bool:
+        if i == len(dims):
+            return rest == 0 and (moved or not nonzero)
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        st, n = dims[i]
+        # for a zero target the first nonzero j may be taken positive (j and -j give the same pair)
+        lo = max(0 if nonzero and target == 0 and not moved else -(n - 1), -((reach[i + 1] - rest) // st))
+        hi = min(n - 1, (rest + reach[i + 1]) // st)
+        return any(hit(i + 1, rest - j * st, moved or j != 0) for j in range(lo, hi + 1))
+
+    return hit(0, target, False)
+
+
 def self_overlapping(t) -> bool:
     """Whether two elements of ``t`` share memory (a stride-0 dim of extent > 1, an as_strided
     view folding onto itself). Exact: a layout whose strides each exceed the span of the smaller
     ones (every dense or sliced view) answers at once; others search for a nonzero index offset
-    ``sum_d j_d * stride_d == 0``, conservatively True past a budget."""
-    dims = sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    ``sum_d j_d * stride_d == 0`` (:func:`_offset_reachable`)."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
     if not dims:
         return False
     if dims[0][0] == 0:
@@ -120,25 +144,7 @@ def self_overlapping(t) -> bool:
         reach += (n - 1) * st
     else:
         return False
-    dims.reverse()
-    reach_from = [0] * (len(dims) + 1)
-    for i in range(len(dims) - 1, -1, -1):
-        reach_from[i] = reach_from[i + 1] + (dims[i][1] - 1) * dims[i][0]
-    budget = [4096]
-
-    def hit(i: int, rest: int, moved: bool) -> bool:
-        if i == len(dims):
-            return rest == 0 and moved
-        budget[0] -= 1
-        if budget[0] < 0:
-            return True
-        st, n = dims[i]
-        # the first nonzero offset may be taken positive (j and -j give the same pair of elements)
-        lo = max(-(n - 1) if moved else 0, -((reach_from[i + 1] - rest) // st))
-        hi = min(n - 1, (rest + reach_from[i + 1]) // st)
-        return any(hit(i + 1, rest - j * st, moved or j != 0) for j in range(lo, hi + 1))
-
-    return hit(0, 0, False)
+    return _offset_reachable(dims[::-1], 0, nonzero=True)
 
 
 def overlap(a, b) -> bool:
@@ -163,22 +169,7 @@ def overlap(a, b) -> bool:
         return True
     # one layout: they share an element iff the offset is sum_d j_d * stride_d with |j_d| < extent_d
     dims = sorted(((st, n) for n, st in zip(a.shape, a.stride()) if n > 1 and st != 0), reverse=True)
-    reach = [0] * (len(dims) + 1)  # reach[i]: the largest |offset| the dims from i on can span
-    for i in range(len(dims) - 1, -1, -1):
-        reach[i] = reach[i + 1] + (dims[i][1] - 1) * abs(dims[i][0])
-    budget = [4096]  # a layout with many representations: answered conservatively
-
-    def hit(i: int, rest: int) -> bool:
-        if i == len(dims):
-            return rest == 0
-        budget[0] -= 1
-        if budget[0] < 0:
-            return True
-        st, n = dims[i]
-        lo, hi = max(-(n - 1), -((reach[i + 1] - rest) // st)), min(n - 1, (rest + reach[i + 1]) // st)
-        return any(hit(i + 1, rest - j * st) for j in range(lo, hi + 1))
-
-    return hit(0, (b0 - a0) // esize)
+    return _offset_reachable(dims, (b0 - a0) // esize)
 
 
 def check_page_size(name: str, t, page: int, layout: str = "") -> None:
