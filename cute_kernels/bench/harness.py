@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from cute_kernels.plans.args import check_positive_ints
 
@@ -153,25 +154,33 @@ class NvtxRanges:
         return ranged
 
 
+def parse_fields(spec: str, sep: str = ",", value: Callable[[str], Any] = int) -> dict[str, Any]:
+    """``'a=1,b=2'`` -> ``{'a': 1, 'b': 2}``: ``sep``-separated ``FIELD=VALUE`` items, each value
+    read by ``value`` (default: an integer). ``ValueError`` naming an item that is not
+    ``FIELD=VALUE``, a value ``value`` refuses, or a field given twice."""
+    fields: dict[str, Any] = {}
+    for item in filter(None, spec.split(sep)):
+        name, eq, text = item.partition("=")
+        name = name.strip()
+        if not eq or not name.isidentifier():
+            raise ValueError(f"{item!r} is not FIELD={'INTEGER' if value is int else 'VALUE'}")
+        if name in fields:
+            raise ValueError(f"{name} given twice in {spec!r}")
+        try:
+            fields[name] = value(text)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {text!r}") from None
+    return fields
+
+
 def parse_variants(text: str, sep: str = ",") -> list[dict[str, int]]:
     """``'a=1,b=2;c=3;'`` -> ``[{'a': 1, 'b': 2}, {'c': 3}, {}]``: ``;``-separated variants of
     ``sep``-separated integer fields (an empty variant is the default config). ``ValueError``
-    naming a field that is not ``name=integer`` or is given twice in one variant."""
-    variants = []
+    naming a field that is not ``name=integer`` or is given twice in one variant, or a variant
+    given twice."""
+    variants: list[dict[str, int]] = []
     for spec in text.split(";"):
-        fields: dict[str, int] = {}
-        for item in filter(None, spec.split(sep)):
-            name, eq, value = item.partition("=")
-            name = name.strip()
-            if not eq or not name.isidentifier():
-                raise ValueError(f"{item!r} is not FIELD=INTEGER")
-            try:
-                number = int(value)
-            except ValueError:
-                raise ValueError(f"{name} must be an integer, got {value!r}") from None
-            if name in fields:
-                raise ValueError(f"{name} given twice in {spec!r}")
-            fields[name] = number
+        fields = parse_fields(spec, sep)
         if fields and fields in variants:  # it would be timed twice
             raise ValueError(f"variant {spec!r} given twice")
         variants.append(fields)

@@ -26,7 +26,15 @@ from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D128_TW64S
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case, rel_err
 
 from .decode import SHAPES as DECODE_SHAPES
-from .harness import SM80_PLUS, check_unused, choice_list, select_named, write_json, write_partial
+from .harness import (
+    SM80_PLUS,
+    check_unused,
+    choice_list,
+    parse_fields,
+    select_named,
+    write_json,
+    write_partial,
+)
 from .timing import bench_setup, time_graph
 
 NEEDS = SM80_PLUS
@@ -59,12 +67,10 @@ def parse_named_variants(text: str | None) -> dict[str, dict]:
             if not name.strip() or name in out:
                 raise ValueError(f"--variants: {spec!r}: " + ("a name is missing before ':'" if not name.strip()
                                                                else f"{name!r} given twice"))
-            out[name] = {}
-            for item in filter(None, fields.split("+")):
-                key, eq, value = item.partition("=")
-                if not eq or not key.isidentifier() or key in out[name]:
-                    raise ValueError(f"--variants: {spec!r}: {item!r} is not a new FIELD=VALUE")
-                out[name][key] = _field_value(value)
+            try:
+                out[name] = parse_fields(fields, "+", _field_value)
+            except ValueError as e:
+                raise ValueError(f"--variants: {spec!r}: {e}") from None
     return out
 
 

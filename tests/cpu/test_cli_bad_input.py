@@ -76,7 +76,7 @@ BENCH_BAD = [
     ("sm80", ["prefill", "--shapes", "ctx32000"], "--shapes", "'ctx32000'"),  # a decode shape's name
     ("sm80", ["--variants", "a:tw=32;a:tw=64"], "--variants", "'a' given twice"),
     ("sm80", ["--variants", ":tw=32"], "--variants", "a name is missing"),
-    ("sm80", ["--variants", "a:tw"], "--variants", "'tw' is not a new FIELD=VALUE"),
+    ("sm80", ["--variants", "a:tw"], "--variants", "'tw' is not FIELD=VALUE"),
     ("sm80", ["--variants", "a:twe=32"], "--variants", "'twe' is not a tuning field of sm80.decode"),
     ("sm80", ["prefill", "--variants", "a:tw=x"], "--variants", "tw must be an int, got 'x'"),
     ("serve", ["--workloads", "long"], "--workloads", "'long' is not one of long-fp8"),
