@@ -96,8 +96,20 @@ OCCUPANCY = "sm__warps_active.avg.pct_of_peak_sustained_active"
 REGISTERS = "launch__registers_per_thread"
 SMEM_STATIC, SMEM_DYNAMIC = "launch__shared_mem_per_block_static", "launch__shared_mem_per_block_dynamic"
 LOCAL_LD, LOCAL_ST = "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum", "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"
+# what bounds a compute-bound kernel: the pipes' busy time and the issue slots (percent of peak,
+# elapsed), and the resident warps per SM
+TENSOR_PCT = "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"
+ISSUE_PCT = "sm__issue_active.avg.pct_of_peak_sustained_elapsed"
+XU_PCT = "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_elapsed"  # exp2, the special functions
+ALU_PCT = "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_elapsed"
+FMA_PCT = "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_elapsed"
+WARPS = "sm__warps_active.avg.per_cycle_active"
 METRICS = (DURATION, DRAM_PCT, SM_PCT, DRAM_READ, DRAM_WRITE, OCCUPANCY, REGISTERS, SMEM_STATIC, SMEM_DYNAMIC,
-           LOCAL_LD, LOCAL_ST)
+           LOCAL_LD, LOCAL_ST, TENSOR_PCT, ISSUE_PCT, XU_PCT, ALU_PCT, FMA_PCT, WARPS)
+# ncu options the command line sets itself: given again in --ncu-args, ncu refuses the run
+# ("cannot be specified more than once") or the report loses the call it is made of
+OWNED_OPTIONS = {"--nvtx": "", "--nvtx-include": "", "--profile-from-start": "", "--target-processes": "",
+                 "--export": " (use --out)", "-o": " (use --out)", "--force-overwrite": "", "-f": ""}
 # warp-state metrics of the WarpStateStats section: cycles per issued instruction spent stalled
 # for each reason ("selected" is the issuing warp itself, not a stall)
 _STALL = re.compile(r"^smsp__average_warps?_(?:latency_)?issue_stalled_(?P<reason>[a-z0-9_]+?)"
@@ -110,15 +122,48 @@ _UNIT = re.compile(r"^(?P<prefix>[numKMGT]?)(?P<base>seconds?|sec|s|bytes?|B|byt
 _TIME = re.compile(r"^[num]?(?:seconds?|sec|s)$")
 
 
+def split_extra(extra: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``--ncu-args`` as (the metrics it names, every other argument): ncu takes one ``--metrics``,
+    so the caller's join the report's. ``ValueError`` naming ``--ncu-args`` for an option the
+    command line sets itself, or a ``--metrics`` without a value."""
+    metrics: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        name = arg.split("=", 1)[0]
+        if name in OWNED_OPTIONS:
+            raise ValueError(f"--ncu-args: {name} is set by cute-kernels profile{OWNED_OPTIONS[name]}")
+        if name == "--metrics":
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            elif i + 1 < len(extra):
+                value = extra[i + 1]
+                i += 1
+            else:
+                value = ""
+            names = [m.strip() for m in value.split(",") if m.strip()]
+            if not names:
+                raise ValueError("--ncu-args: --metrics needs a comma-separated list of metric names")
+            metrics += names
+        else:
+            rest.append(arg)
+        i += 1
+    return metrics, rest
+
+
 def ncu_command(what: str, shape: str, stem: str, *, ncu: str = "ncu", python: str = "python3",
                 extra: Sequence[str] = ()) -> list[str]:
-    """The ncu command line that profiles one ``WHAT`` call of ``shape`` into ``stem.ncu-rep``."""
+    """The ncu command line that profiles one ``WHAT`` call of ``shape`` into ``stem.ncu-rep``
+    (``extra``: more ncu arguments; metrics they name join the report's one ``--metrics``)."""
     op = OPS[what]
+    more_metrics, rest = split_extra(extra)
+    metrics = list(METRICS) + [m for m in dict.fromkeys(more_metrics) if m not in METRICS]
     argv = [ncu, "--nvtx", "--nvtx-include", f"cute_kernels.{op}/", "--profile-from-start", "off",
             "--target-processes", "all"]
     for section in SECTIONS:
         argv += ["--section", section]
-    argv += ["--metrics", ",".join(METRICS), "--export", stem, "--force-overwrite", *extra]
+    argv += ["--metrics", ",".join(metrics), "--export", stem, "--force-overwrite", *rest]
     return argv + [python, "-m", "cute_kernels.bench.profile", "target", what, "--shape", shape]
 
 
@@ -201,6 +246,9 @@ def kernel_summary(kernel: dict[str, Any], roofline_bw: float | None) -> dict[st
         achieved_occupancy_pct=kernel.get(OCCUPANCY), registers_per_thread=kernel.get(REGISTERS),
         smem_per_cta_bytes=smem, smem_static_bytes=kernel.get(SMEM_STATIC),
         smem_dynamic_bytes=kernel.get(SMEM_DYNAMIC), local_memory_bytes=spills, top_stalls=_stalls(kernel),
+        tensor_pipe_pct=kernel.get(TENSOR_PCT), issue_active_pct=kernel.get(ISSUE_PCT),
+        xu_pipe_pct=kernel.get(XU_PCT), alu_pipe_pct=kernel.get(ALU_PCT), fma_pipe_pct=kernel.get(FMA_PCT),
+        warps_per_sm=kernel.get(WARPS),
     )
 
 
@@ -259,6 +307,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     t = report["total"]
     out.append(f"| **total** | {_fmt(t['duration_us'], 2)} | {_fmt(t['dram_gbps'], 0)} | {_fmt(t['roofline_pct'])} "
                "| | | | | | | |")
+    # the pipes: a kernel far from the DRAM roofline is bound by one of these, or by latency
+    # when none is near its peak
+    out += ["", "| kernel | tensor pipe % | issue active % | XU (exp2) % | ALU % | FMA % | warps / SM |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for k in report["kernels"]:
+        out.append(f"| `{k['name']}` | {_fmt(k.get('tensor_pipe_pct'))} | {_fmt(k.get('issue_active_pct'))} | "
+                   f"{_fmt(k.get('xu_pipe_pct'))} | {_fmt(k.get('alu_pipe_pct'))} | {_fmt(k.get('fma_pipe_pct'))} | "
+                   f"{_fmt(k.get('warps_per_sm'))} |")
     out += ["", "Durations are Nsight Compute's (locked clocks, caches flushed before each kernel), so they are "
             "longer than the CUDA-graph times of `cute-kernels bench`; the roofline copy runs under the same "
             "conditions.", ""]

@@ -173,11 +173,14 @@ def check_planned(what: str, shape: dict) -> None:
 
 def ncu_arguments(text: str) -> list[str]:
     """``--ncu-args`` split as a shell splits it (a quoted value stays one argument);
-    ``ValueError`` naming the flag for unbalanced quotes."""
+    ``ValueError`` naming the flag for unbalanced quotes, an option the ncu command line sets
+    itself (``--export``, the NVTX filter, ...) or a ``--metrics`` without names."""
     try:
-        return shlex.split(text)
+        args = shlex.split(text)
     except ValueError as e:
         raise ValueError(f"--ncu-args: {e} in {text!r}") from None
+    ncu.split_extra(args)  # an option the command sets itself, a --metrics without names
+    return args
 
 
 def _refuse(what: str, why: str) -> int:

@@ -195,6 +195,13 @@ def test_profile_refuses_unbalanced_quotes_in_ncu_args(no_gpu_check, capsys):
     assert _one_line(capsys) == "error: cute-kernels profile merge --ncu-args: No closing quotation in \"--set 'full\""
 
 
+def test_profile_refuses_ncu_args_it_sets_itself(no_gpu_check, capsys):
+    """``--ncu-args '--export x'`` reached ncu next to the command's own ``--export``."""
+    assert cli_main(["profile", "prefill", "--ncu-args", "--export x"]) == 2
+    assert _one_line(capsys) == ("error: cute-kernels profile prefill --ncu-args: --export is set by "
+                                 "cute-kernels profile (use --out)")
+
+
 @pytest.mark.parametrize("stem,text", [("", "empty path"), ("/no/such/dir/m", "does not exist"),
                                        (None, "is a directory")])
 def test_profile_refuses_an_out_stem_it_could_not_write(stem, text, tmp_path, no_gpu_check, capsys):

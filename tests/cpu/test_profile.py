@@ -31,7 +31,13 @@ def test_ncu_command_is_exact():
                      "sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,dram__bytes_write.sum,"
                      "sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,"
                      "launch__shared_mem_per_block_static,launch__shared_mem_per_block_dynamic,"
-                     "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum",
+                     "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum,"
+                     "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,"
+                     "sm__issue_active.avg.pct_of_peak_sustained_elapsed,"
+                     "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_elapsed,"
+                     "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_elapsed,"
+                     "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_elapsed,"
+                     "sm__warps_active.avg.per_cycle_active",
         "--export", "out/p", "--force-overwrite",
         "/venv/bin/python", "-m", "cute_kernels.bench.profile", "target", "decode", "--shape", "B=8,ctx=4096",
     ]
@@ -49,6 +55,50 @@ def test_each_op_is_selected_by_its_range(what, range_name):
     assert cmd[cmd.index("--nvtx-include") + 1] == range_name
     assert cmd.count("--nvtx-include") == 1
     assert cmd[cmd.index("--force-overwrite") + 1:][:2] == ["--set", "full"]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--metrics", "smsp__inst_executed.sum,sm__issue_active.avg.pct_of_peak_sustained_elapsed", "--set", "full"],
+    ["--set", "full", "--metrics=smsp__inst_executed.sum", "--metrics", "smsp__inst_executed.sum"],
+])
+def test_metrics_in_ncu_args_join_the_one_metrics_list(extra):
+    """ncu refuses a second ``--metrics`` ("cannot be specified more than once"): the caller's
+    names join the report's list, once each; the other arguments pass through in order."""
+    cmd = ncu.ncu_command("prefill", "", "p", extra=extra)
+    assert cmd.count("--metrics") == 1
+    metrics = cmd[cmd.index("--metrics") + 1].split(",")
+    assert metrics[:len(ncu.METRICS)] == list(ncu.METRICS)
+    assert metrics[len(ncu.METRICS):] == ["smsp__inst_executed.sum"]
+    assert cmd[cmd.index("--force-overwrite") + 1:][:2] == ["--set", "full"]
+
+
+@pytest.mark.parametrize("extra,text", [
+    (["--export", "x"], "--export is set by cute-kernels profile (use --out)"),
+    (["-o", "x"], "-o is set by cute-kernels profile (use --out)"),
+    (["--nvtx-include=foo/"], "--nvtx-include is set by cute-kernels profile"),
+    (["--profile-from-start", "on"], "--profile-from-start is set by cute-kernels profile"),
+    (["--metrics"], "--metrics needs a comma-separated list"),
+    (["--metrics=,"], "--metrics needs a comma-separated list"),
+])
+def test_ncu_args_the_command_sets_itself_are_refused(extra, text):
+    with pytest.raises(ValueError, match="^--ncu-args: " + text.replace("(", r"\(").replace(")", r"\)")):
+        ncu.ncu_command("decode", "", "p", extra=extra)
+
+
+def test_the_pipe_table_reads_the_pipe_metrics():
+    """A kernel far from the DRAM roofline: the report names its pipes' busy time."""
+    header = ["ID", "Kernel Name", ncu.DURATION, ncu.DRAM_READ, ncu.DRAM_WRITE, ncu.TENSOR_PCT, ncu.ISSUE_PCT,
+              ncu.XU_PCT, ncu.ALU_PCT, ncu.FMA_PCT, ncu.WARPS]
+    text = ",".join(f'"{h}"' for h in header) + "\n"
+    text += '"0","copy","1000","1,000,000","1,000,000","0","5","0","1","1","40"\n'
+    text += '"1","prefill","2000","10","10","34.43","51.25","35.53","30.1","23.28","11.87"\n'
+    report = ncu.build_report(ncu.parse_raw_csv(text), what="prefill", shape={})
+    (k,) = report["kernels"]
+    assert (k["tensor_pipe_pct"], k["issue_active_pct"], k["xu_pipe_pct"]) == (34.43, 51.25, 35.53)
+    assert (k["alu_pipe_pct"], k["fma_pipe_pct"], k["warps_per_sm"]) == (30.1, 23.28, 11.87)
+    md = ncu.render_markdown(report)
+    assert "| kernel | tensor pipe % | issue active % | XU (exp2) % | ALU % | FMA % | warps / SM |" in md
+    assert "| `prefill` | 34.4 | 51.2 | 35.5 | 30.1 | 23.3 | 11.9 |" in md
 
 
 def test_parse_raw_csv_fixture():
@@ -130,6 +180,9 @@ def test_report_from_the_fixture():
     assert "| `cute_kernels_sm90_qsa_split_gate_0` | 29.18 |" in md
     assert "long_scoreboard 11.36, barrier 2.05, wait 0.93" in md
     assert "| **total** |" in md and "NVIDIA H200" in md and "`p.ncu-rep`" in md
+    # a profile taken without the pipe metrics (an older report): the pipe table says "–"
+    assert split["tensor_pipe_pct"] is None
+    assert "| `cute_kernels_sm90_qsa_split_gate_0` | – | – | – | – | – | – |" in md
 
 
 def test_a_profile_without_the_op_kernels_says_why():
