@@ -293,6 +293,15 @@ _ENTRIES = (
         description="sm90.prefill_fp8q with its producer transposing V in 4-byte words (prmt) instead of by "
                     "ldmatrix.trans + stmatrix (16 bytes per lane)",
         variants=sm90_prefill.vt_words_variants, **{**_SM90_PREFILL, "call_site": None}),
+    # the prefill with its softmax in FFMA form (``tuning_override(lean_softmax=True)``): compile-verified, so
+    # the op self-checks each family before its first launch (docs/design/sm90-prefill.md#the-lean-softmax-opt-in-lean_softmaxtrue)
+    KernelInfo(
+        id=sm90_prefill.LEAN_SOFTMAX_ID, kv_dtypes=sm90_prefill.KV_DTYPES, opt_in=True,
+        description="SM90 varlen paged prefill with a leaner softmax: the max over the raw scores, one FFMA per "
+                    "score before its exp2, an FP8 query's P scale taken from the exponent, O's rescale skipped by "
+                    "a warp whose rows' max did not move",
+        variants=sm90_prefill.lean_softmax_variants, family=lambda q, kv, d: f"{sm90_prefill.family(q, kv, d)}/lean_softmax",
+        **{**_SM90_PREFILL, "status": "compile-verified", "call_site": None}),
     # the window / sink variants of the prefill: picked by paged_prefill for window_left >= 0 or
     # sinks (not on a dispatcher list)
     KernelInfo(

@@ -14,7 +14,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass.cutlass_dsl import T, dsl_user_op
 
+from ..jit.asm import asm
 from .prefill_blocks import row_limit
 
 ROWS = 2  # rows per thread in an m64 accumulator
@@ -32,13 +34,82 @@ def new_state():
 @cute.jit
 def softmax_step(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_max: cute.Tensor,
                  row_sum: cute.Tensor, masked: cutlass.Constexpr, limit: cute.Tensor, col0, alpha: cute.Tensor,
-                 lower=None):
+                 lower=None, fma: cutlass.Constexpr = False, p_log2: cutlass.Constexpr = 0):
     """One tile in place: ``acc_s`` (the raw QK accumulator) becomes ``P = exp2(s - max)`` with
     ``s = acc * scale[row]`` (log2 units) and, when ``masked``, ``s = -inf`` at columns
     ``col0 + c >= limit[row]`` (and, with ``lower``, a sliding window's ``< lower[row]``;
     ``col0``: the tile's first KV position plus this thread's column offset; ``cS0``: thread 0's
     static coordinates of ``acc_s``). Writes ``alpha``, the factor the output rows must be
-    rescaled by (``exp2(old max - new max)``)."""
+    rescaled by (``exp2(old max - new max)``).
+
+    ``fma``: the same softmax with one instruction less per score: the max is taken over the raw
+    accumulator (``scale > 0``), and each ``P = exp2(acc * scale - shift)`` is one FFMA before the
+    exp2; ``P`` then comes out ``2^p_log2`` times larger (the row sums with it), which
+    :func:`reference_shift` takes back before the epilogue.
+    docs/design/sm90-prefill.md#the-lean-softmax-opt-in-lean_softmaxtrue"""
+    if cutlass.const_expr(fma):
+        _softmax_step_fma(acc_s, cS0, scale, row_max, row_sum, masked, limit, col0, alpha, lower, p_log2)
+    else:
+        _softmax_step_mul(acc_s, cS0, scale, row_max, row_sum, masked, limit, col0, alpha, lower)
+
+
+@cute.jit
+def _softmax_step_fma(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_max: cute.Tensor,
+                      row_sum: cute.Tensor, masked: cutlass.Constexpr, limit: cute.Tensor, col0,
+                      alpha: cute.Tensor, lower, p_log2: cutlass.Constexpr):
+    tile_max = cute.make_rmem_tensor((ROWS,), Float32)
+    tile_max.fill(-Float32.inf)
+    for e in cutlass.range_constexpr(cute.size(acc_s)):
+        m, n = cS0[e]
+        h = m // 8
+        v = acc_s[e]
+        if cutlass.const_expr(masked):
+            if col0 + n >= limit[h]:
+                v = -Float32.inf  # a select, not a product: the logit may be NaN past the sequence
+            if cutlass.const_expr(lower is not None):
+                if col0 + n < lower[h]:
+                    v = -Float32.inf
+            acc_s[e] = v
+        tile_max[h] = cute.arch.fmax(tile_max[h], v)
+    neg_shift = cute.make_rmem_tensor((ROWS,), Float32)
+    for h in cutlass.range_constexpr(ROWS):
+        t = tile_max[h]
+        for off in (1, 2):
+            t = cute.arch.fmax(t, cute.arch.shuffle_sync_bfly(t, off))
+        new_max = cute.arch.fmax(row_max[h], t * scale[h])  # -inf stays -inf (scale > 0)
+        shift = new_max if new_max != -Float32.inf else Float32(0.0)
+        alpha[h] = cute.math.exp2(row_max[h] - shift, fastmath=True)
+        row_max[h] = new_max
+        row_sum[h] = row_sum[h] * alpha[h]
+        neg_shift[h] = Float32(p_log2) - shift
+    for e in cutlass.range_constexpr(cute.size(acc_s)):
+        h = cS0[e][0] // 8
+        p = cute.math.exp2(ffma(acc_s[e], scale[h], neg_shift[h]), fastmath=True)
+        row_sum[h] = row_sum[h] + p
+        acc_s[e] = p
+
+
+@cute.jit
+def reference_shift(row_max: cute.Tensor, p_log2: cutlass.Constexpr):
+    """After :func:`softmax_step` with ``fma`` and ``p_log2``: the row sums hold
+    ``2^p_log2 * sum exp2(s - max)``, i.e. ``sum exp2(s - (max - p_log2))``, so the max the
+    epilogue (sink, normalization, LSE) reads becomes ``max - p_log2`` (-inf stays -inf)."""
+    if cutlass.const_expr(p_log2 != 0):
+        for h in cutlass.range_constexpr(ROWS):
+            row_max[h] = row_max[h] - Float32(p_log2)
+
+
+@dsl_user_op
+def ffma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """``a * b + c`` rounded once (one FFMA)."""
+    return Float32(asm([T.f32()], [Float32(a), Float32(b), Float32(c)], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
+                       loc=loc, ip=ip))
+
+
+@cute.jit
+def _softmax_step_mul(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_max: cute.Tensor,
+                      row_sum: cute.Tensor, masked: cutlass.Constexpr, limit: cute.Tensor, col0,
+                      alpha: cute.Tensor, lower=None):
     tile_max = cute.make_rmem_tensor((ROWS,), Float32)
     tile_max.fill(-Float32.inf)
     for e in cutlass.range_constexpr(cute.size(acc_s)):
@@ -74,6 +145,14 @@ def softmax_step(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_m
 def rescale_rows(acc_o: cute.Tensor, cO0: cute.Tensor, alpha: cute.Tensor):
     for e in cutlass.range_constexpr(cute.size(acc_o)):
         acc_o[e] = acc_o[e] * alpha[cO0[e][0] // 8]
+
+
+@cute.jit
+def rescale_rows_if_moved(acc_o: cute.Tensor, cO0: cute.Tensor, alpha: cute.Tensor):
+    """:func:`rescale_rows`, skipped by a warp none of whose rows' max moved: every ``alpha`` is
+    then exactly 1 (``alpha <= 1`` always), and ``o * 1 = o``, so the result is the same bit for bit."""
+    if cute.arch.vote_any_sync(cute.arch.fmin(alpha[0], alpha[1]) < Float32(1.0)):
+        rescale_rows(acc_o, cO0, alpha)
 
 
 @cute.jit
@@ -135,4 +214,6 @@ def row_limits(row0, j_first, q_len, seq_len, cap, causal: bool):
     return limit
 
 
-__all__ = ["ROWS", "new_state", "softmax_step", "rescale_rows", "finalize", "add_sink", "row_lower", "row_limits"]
+__all__ = ["ROWS", "new_state", "softmax_step", "reference_shift", "ffma", "rescale_rows", "rescale_rows_if_moved",
+           "finalize", "add_sink",
+           "row_lower", "row_limits"]

@@ -93,6 +93,9 @@ class Sm90PagedPrefill:
         self.out_dtype = cute_dtype(cfg.out_dtype)
         self.narrow_q = self.kind == "widen" and cfg.q_dtype == "bf16"
         self.q_terms = cfg.q_terms
+        # lean_softmax: FP8 P's 2^P_SHIFT comes from the softmax's exponent
+        # (docs/design/sm90-prefill.md#the-lean-softmax-opt-in-lean_softmaxtrue)
+        self.p_log2 = P_SHIFT if cfg.lean_softmax and self.kind == "fp8" else 0
         self.k_tiles = PagedTiles(cfg.tile_n, cfg.box, cfg.page_size, cfg.head_dim, token_major=True)
         self.v_tiles = PagedTiles(cfg.tile_n, cfg.box, cfg.page_size, cfg.head_dim, token_major=self.kind != "16")
 
@@ -519,7 +522,7 @@ class Sm90PagedPrefill:
         tOrV = pv_mma.make_fragment_B(thr_pv.partition_B(sV))
         tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((self.mma_m, n)), self.mma_dtype)
         pmap = p_fragment_map(qk_mma, pv_mma, n, fp8)
-        p_kind = "e4m3" if fp8 else ("fp16" if self.kind == "widen" else cfg.q_dtype)
+        p_kind = ("e4m3_scaled" if cfg.lean_softmax else "e4m3") if fp8 else ("fp16" if self.kind == "widen" else cfg.q_dtype)
         cS0 = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.mma_m, n)))
         cS = thr_qk.partition_C(cute.make_identity_tensor((self.mma_m, n)))
         cO0 = pv_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.mma_m, D)))
@@ -545,7 +548,9 @@ class Sm90PagedPrefill:
             c = c * q_scale[0]
         elif const_expr(cfg.q_scale == "per_head"):
             c = c * q_scale[kv_head]
-        out_scale = vs * Float32(2.0 ** -P_SHIFT) if const_expr(fp8) else vs
+        # FP8 P is P * 2^P_SHIFT (e4m3's range); with lean_softmax the softmax's exponent carries the
+        # factor and the max the epilogue reads drops by it instead (softmax.reference_shift)
+        out_scale = vs * Float32(2.0 ** -P_SHIFT) if const_expr(fp8 and not cfg.lean_softmax) else vs
 
         st = dict(qk_mma=qk_mma, pv_mma=pv_mma, tSrQ=tSrQ[None, None, None, wg], tSrK=tSrK, tOrV=tOrV, tOrP=tOrP,
                   acc_s=acc_s, acc_o=acc_o, cS0=cS0, cO0=cO0, row_max=row_max, row_sum=row_sum, limit=limit,
@@ -576,6 +581,7 @@ class Sm90PagedPrefill:
                     cute.arch.mbarrier_arrive(storage.q_full.data_ptr() + 1)
                 if const_expr(cfg.pingpong):
                     cute.arch.barrier(barrier_id=BAR_TILE, number_of_threads=2 * self.wg_threads)
+        softmax.reference_shift(row_max, self.p_log2)
         sink_log2 = None
         if const_expr(cfg.sinks):
             sink_log2 = mSinks[head] * Float32(LOG2E)
@@ -620,7 +626,7 @@ class Sm90PagedPrefill:
                 warpgroup.wait_group(0)
                 self.release(v_empty, _at(i - 1, base))
                 pack_p(st["acc_s"], st["tOrP"], st["pmap"], st["p_kind"])
-                softmax.rescale_rows(st["acc_o"], st["cO0"], alpha)
+                self.rescale(st, alpha)
             last = count - 1
             self.wait(v_full, _at(last, base))
             if const_expr(zero_tail):
@@ -637,7 +643,7 @@ class Sm90PagedPrefill:
                 self.release(k_empty, _at(i, base))
                 alpha = self.softmax(st, n_max - 1 - i, n_unmasked)
                 pack_p(st["acc_s"], st["tOrP"], st["pmap"], st["p_kind"])
-                softmax.rescale_rows(st["acc_o"], st["cO0"], alpha)
+                self.rescale(st, alpha)
                 self.wait(v_full, _at(i, base))
                 if const_expr(zero_tail):
                     if i == 0:
@@ -645,6 +651,15 @@ class Sm90PagedPrefill:
                 self.issue_pv(st, _at(i, base))
                 warpgroup.wait_group(0)
                 self.release(v_empty, _at(i, base))
+
+    @cute.jit
+    def rescale(self, st, alpha):
+        """O's rows by the softmax's ``alpha``; the lean softmax skips a warp's rescale when no max
+        of its rows moved (bit-identical: docs/design/sm90-prefill.md#the-lean-softmax-opt-in-lean_softmaxtrue)."""
+        if const_expr(self.cfg.lean_softmax):
+            softmax.rescale_rows_if_moved(st["acc_o"], st["cO0"], alpha)
+        else:
+            softmax.rescale_rows(st["acc_o"], st["cO0"], alpha)
 
     @cute.jit
     def wait(self, full, i):
@@ -696,16 +711,16 @@ class Sm90PagedPrefill:
             # a window masks the tiles before its newest row's window start too
             if tile >= n_unmasked or tile * self.tile_n < st["lo_last"]:
                 softmax.softmax_step(st["acc_s"], st["cS0"], st["scale"], st["row_max"], st["row_sum"], True,
-                                     st["limit"], col0, alpha, st["lower"])
+                                     st["limit"], col0, alpha, st["lower"], self.cfg.lean_softmax, self.p_log2)
             else:
                 softmax.softmax_step(st["acc_s"], st["cS0"], st["scale"], st["row_max"], st["row_sum"], False,
-                                     st["limit"], col0, alpha)
+                                     st["limit"], col0, alpha, None, self.cfg.lean_softmax, self.p_log2)
         elif tile >= n_unmasked:
             softmax.softmax_step(st["acc_s"], st["cS0"], st["scale"], st["row_max"], st["row_sum"], True,
-                                 st["limit"], col0, alpha)
+                                 st["limit"], col0, alpha, None, self.cfg.lean_softmax, self.p_log2)
         else:
             softmax.softmax_step(st["acc_s"], st["cS0"], st["scale"], st["row_max"], st["row_sum"], False,
-                                 st["limit"], col0, alpha)
+                                 st["limit"], col0, alpha, None, self.cfg.lean_softmax, self.p_log2)
         return alpha
 
     @cute.jit
