@@ -45,7 +45,9 @@ KV_DTYPES = ("bf16", "fp8")
 # tilings compared with the plan's (``sm80`` column); ``--variants name:field=value+field=value;...``
 # adds more. ``m1`` / ``noxor``: the forms the plan chose before its measured defaults (at D 256
 # ``m1`` is the plan's form; the ones before are ``tw64`` and ``tw16``), docs/design/sm80.md#defaults
-PREFILL_VARIANTS = {"m1": dict(m_tiles=1), "tw64": dict(m_tiles=1, tw=64, q_regs=False)}
+# `lean`: the default tiling with the opt-in lean softmax (docs/design/sm80.md#the-lean-softmax-opt-in)
+PREFILL_VARIANTS = {"m1": dict(m_tiles=1), "tw64": dict(m_tiles=1, tw=64, q_regs=False),
+                    "lean": dict(lean_softmax=True)}
 # head dim 256 only: the plan's form (`sm80`, `m1`) is PREFILL_D256_TW32X; `tw64` is the one before
 # on SM90, `tw16` the one before elsewhere (per-address ldmatrix), docs/design/sm80.md#prefill-tilings-measured
 PREFILL_D256_VARIANTS = {"tw16": dict(m_tiles=1, tw=16)}
@@ -53,7 +55,7 @@ PREFILL_D256_VARIANTS = {"tw16": dict(m_tiles=1, tw=16)}
 # row statistics in shared memory and the one-base gather (spill-free on the SM80-class targets),
 # docs/design/sm80.md#64-token-stages-at-head-dim-128
 PREFILL_D128_VARIANTS = {"m2t64": PREFILL_D128_TW64, "m2t64s": PREFILL_D128_TW64S}
-DECODE_VARIANTS: dict[str, dict] = {"noxor": dict(ldsm_xor=False)}
+DECODE_VARIANTS: dict[str, dict] = {"noxor": dict(ldsm_xor=False), "lean": dict(lean_softmax=True)}
 
 
 def parse_named_variants(text: str | None) -> dict[str, dict]:

@@ -67,7 +67,9 @@ class _Sm80Common(KernelConfig):
     docs/design/sm80.md#head-dim-256-decode); ``stats_smem`` (prefill): each row's online-softmax
     max and sum in shared memory between tiles, ``gather_one_base``: the page gather's
     shared-memory destinations as one base plus immediates (both for the 64-token 128-row prefill,
-    docs/design/sm80.md#64-token-stages-at-head-dim-128). ``target``: the one
+    docs/design/sm80.md#64-token-stages-at-head-dim-128); ``lean_softmax``: the softmax's max over
+    the raw scores, one FFMA per score before its exp2 and O's rescale skipped by a warp whose rows'
+    max did not move (opt-in tuning, docs/design/sm80.md#the-lean-softmax-opt-in). ``target``: the one
     compile target the tiling was chosen for (the plan sizes the ring by its shared memory)."""
 
     target: str = "sm_80"
@@ -90,6 +92,7 @@ class _Sm80Common(KernelConfig):
     ldsm_xor: bool = field(default=False, metadata=LABEL_IF_SET)
     stats_smem: bool = field(default=False, metadata=LABEL_IF_SET)
     gather_one_base: bool = field(default=False, metadata=LABEL_IF_SET)
+    lean_softmax: bool = field(default=False, metadata=LABEL_IF_SET)
 
     def _validate(self):
         if self.target not in TARGETS:

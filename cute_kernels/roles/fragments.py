@@ -45,6 +45,13 @@ WIDEN_BITS = {
 
 
 @dsl_user_op
+def ffma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """``a * b + c`` rounded once (one FFMA: the lean softmaxes' ``exp2(s * scale - max)``)."""
+    return Float32(asm([T.f32()], [Float32(a), Float32(b), Float32(c)], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
+                       loc=loc, ip=ip))
+
+
+@dsl_user_op
 def widen_e4m3x4(x: Int32, target: str, *, loc=None, ip=None) -> tuple[Int32, Int32]:
     """Four e4m3 bytes -> (lo, hi) 16-bit pairs, ``lo = (b0, b2)``, ``hi = (b1, b3)``."""
     sign, em, sh = WIDEN_BITS[target]

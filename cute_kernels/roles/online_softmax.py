@@ -14,9 +14,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..jit.asm import asm
+from .fragments import ffma
 from .prefill_blocks import row_limit
 
 ROWS = 2  # rows per thread in an m64 accumulator
@@ -97,13 +96,6 @@ def reference_shift(row_max: cute.Tensor, p_log2: cutlass.Constexpr):
     if cutlass.const_expr(p_log2 != 0):
         for h in cutlass.range_constexpr(ROWS):
             row_max[h] = row_max[h] - Float32(p_log2)
-
-
-@dsl_user_op
-def ffma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
-    """``a * b + c`` rounded once (one FFMA)."""
-    return Float32(asm([T.f32()], [Float32(a), Float32(b), Float32(c)], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
-                       loc=loc, ip=ip))
 
 
 @cute.jit
@@ -214,6 +206,6 @@ def row_limits(row0, j_first, q_len, seq_len, cap, causal: bool):
     return limit
 
 
-__all__ = ["ROWS", "new_state", "softmax_step", "reference_shift", "ffma", "rescale_rows", "rescale_rows_if_moved",
+__all__ = ["ROWS", "new_state", "softmax_step", "reference_shift", "rescale_rows", "rescale_rows_if_moved",
            "finalize", "add_sink",
            "row_lower", "row_limits"]

@@ -32,6 +32,7 @@ from .cp_async_pages import PagedKVGather, swizzle
 from .fragments import (
     WIDEN_SHIFT_LOG2,
     cvt_e4m3x4_f16,
+    ffma,
     ldmatrix_x4,
     q_permutation,
     store_shared_b32x4,
@@ -88,7 +89,7 @@ class WarpTileAttention:
 
     def __init__(self, *, D: int, q_dtype: str, kv_dtype: str, mma_dtype: str, widen_method: str,
                  warps_m: int, warps_n: int, m_tiles: int, tw: int, q_regs: bool, ldsm_xor: bool = False,
-                 stats_smem: bool = False):
+                 stats_smem: bool = False, lean_softmax: bool = False):
         self.D = D
         self.q_name, self.kv_name, self.mma_name = q_dtype, kv_dtype, mma_dtype
         self.fp8 = kv_dtype == "fp8_e4m3"
@@ -105,6 +106,9 @@ class WarpTileAttention:
         if stats_smem and warps_n != 1:
             raise ValueError("stats_smem keeps the row statistics in the slots of one token warp: warps_n must be 1")
         self.stats_smem = stats_smem
+        # the max over the raw scores, one FFMA per score before its exp2, O's rescale skipped by a
+        # warp whose rows' max did not move (docs/design/sm80.md#the-lean-softmax-opt-in)
+        self.lean_softmax = lean_softmax
         # 64-token stages in 128-row CTAs: the causal mask compares one per-row limit relative to
         # the tile (``limit - col0``) with immediates, which keeps that build within 255 registers
         # where the absolute compare spills it (docs/design/sm80.md#64-token-stages-at-head-dim-128)
@@ -379,7 +383,7 @@ class WarpTileAttention:
                 for n in cutlass.range_constexpr(nt):
                     for e in cutlass.range_constexpr(2):
                         i = 2 * h + e + 4 * mt + 4 * mt_n * n
-                        s = acc_s[i] * scale
+                        s = acc_s[i] if const_expr(self.lean_softmax) else acc_s[i] * scale
                         if masked:
                             if const_expr(self.relative_mask):
                                 hidden = rel <= 8 * n + e
@@ -391,6 +395,8 @@ class WarpTileAttention:
                         tmax = cute.arch.fmax(tmax, s)
                 tmax = cute.arch.fmax(tmax, cute.arch.shuffle_sync_bfly(tmax, 1))
                 tmax = cute.arch.fmax(tmax, cute.arch.shuffle_sync_bfly(tmax, 2))
+                if const_expr(self.lean_softmax):
+                    tmax = tmax * scale  # the max of the scaled scores (scale > 0); -inf stays -inf
                 if const_expr(stats is None):
                     new_max = cute.arch.fmax(row_max[slot], tmax)
                     safe = new_max if new_max != -Float32.inf else Float32(0.0)
@@ -404,14 +410,21 @@ class WarpTileAttention:
                     alpha = cute.math.exp2(old_max - safe, fastmath=True)
                     new_stats[slot, 0] = new_max
                     total = Float32(0.0)
-                for n in cutlass.range_constexpr(self.D // 8):
-                    for e in cutlass.range_constexpr(2):
-                        i = 2 * h + e + 4 * mt + 4 * mt_n * (n % 2)
-                        acc_o[n // 2][i] = acc_o[n // 2][i] * alpha
+                if const_expr(self.lean_softmax):
+                    # alpha <= 1, and exactly 1 where the max did not move: o * 1 = o, so a warp
+                    # with every row's alpha 1 skips the rescale bit-identically
+                    if cute.arch.vote_any_sync(alpha < Float32(1.0)):
+                        self.rescale_rows(acc_o, alpha, mt, h)
+                else:
+                    self.rescale_rows(acc_o, alpha, mt, h)
+                neg = -safe
                 for n in cutlass.range_constexpr(nt):
                     for e in cutlass.range_constexpr(2):
                         i = 2 * h + e + 4 * mt + 4 * mt_n * n
-                        p = cute.math.exp2(acc_s[i] - safe, fastmath=True)
+                        if const_expr(self.lean_softmax):
+                            p = cute.math.exp2(ffma(acc_s[i], scale, neg), fastmath=True)
+                        else:
+                            p = cute.math.exp2(acc_s[i] - safe, fastmath=True)
                         total = total + p
                         acc_s[i] = p
                 if const_expr(stats is None):
@@ -424,6 +437,15 @@ class WarpTileAttention:
             cute.arch.sync_warp()  # every lane of a row's quad has read the old values
             for slot in cutlass.range_constexpr(2 * mt_n):
                 stats.store(slot // 2, slot % 2, new_stats[slot, 0], new_stats[slot, 1])
+
+    @cute.jit
+    def rescale_rows(self, acc_o, alpha, mt, h):
+        """O's accumulators of slot (``mt``, ``h``) times ``alpha``."""
+        mt_n = self.m_tiles
+        for n in cutlass.range_constexpr(self.D // 8):
+            for e in cutlass.range_constexpr(2):
+                i = 2 * h + e + 4 * mt + 4 * mt_n * (n % 2)
+                acc_o[n // 2][i] = acc_o[n // 2][i] * alpha
 
     @cute.jit
     def pv(self, acc_o, acc_s, v_base, wn, lane):
@@ -599,7 +621,7 @@ def engine_for(cfg):
     engine = WarpTileAttention(
         D=cfg.head_dim, q_dtype=cfg.q_dtype, kv_dtype=cfg.kv_dtype, mma_dtype=cfg.mma_dtype, widen_method=cfg.widen,
         warps_m=cfg.warps_m, warps_n=cfg.warps_n, m_tiles=cfg.m_tiles, tw=cfg.tw, q_regs=cfg.q_regs,
-        ldsm_xor=cfg.ldsm_xor, stats_smem=cfg.stats_smem,
+        ldsm_xor=cfg.ldsm_xor, stats_smem=cfg.stats_smem, lean_softmax=cfg.lean_softmax,
     )
     gather = PagedKVGather(engine.tile, cfg.head_dim, engine.kv_bytes, engine.threads, cfg.page_size,
                            one_base=cfg.gather_one_base)

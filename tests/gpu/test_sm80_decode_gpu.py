@@ -2,7 +2,8 @@
 ``tuning_override(backend="sm80")`` so that it runs on the H200 too: every cache dtype and both
 FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, draft lengths, split-KV,
 an fp16 cache with a bf16 query, a ring sized for 99 KB of shared memory (SM86/89/120/121),
-CUDA-graph replay, the cases from head dim 128 on again without ``ldsm_xor``. Outputs are poisoned with NaN;
+CUDA-graph replay, the cases from head dim 128 on again without ``ldsm_xor``, every case again with the
+opt-in lean softmax. Outputs are poisoned with NaN;
 the seed is in every failure message."""
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ CASES = [
 # one ldmatrix base per operand is the default from head dim 128 on; the per-address form that
 # ldsm_xor=False selects, on the same cases (docs/design/sm80.md#defaults)
 CASES += [(*c[:-1], dict(c[-1], ldsm_xor=False)) for c in CASES if c[2] >= 128]
+# the opt-in lean softmax (docs/design/sm80.md#the-lean-softmax-opt-in) on every case above
+CASES += [(*c[:-1], dict(c[-1], lean_softmax=True)) for c in list(CASES)]
 
 
 def _ids(c):

@@ -3,7 +3,8 @@ requests against cached prefixes, empty requests (q_len 0), causal and not, ever
 both FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, a ring sized for 99 KB
 of shared memory, and CUDA-graph replay; the plan's tilings (128-row CTAs up to D 128 for lean variants, else
 64-row ones; 32-token stages with one ldmatrix base at D 256) and the others, with and without the LSE, and
-the 64-token 128-row overrides at D 128 (with the row statistics in shared memory too). Runs on any SM80+ GPU (the H200 included): the op runs the
+the 64-token 128-row overrides at D 128 (with the row statistics in shared memory too), each with the opt-in
+lean softmax too. Runs on any SM80+ GPU (the H200 included): the op runs the
 portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
 
@@ -65,11 +66,15 @@ CASES += [(*c[:-1], {**c[-1], **D128X}) for c in D128_BASE]
 # 1-16, pages 16-128, a 99 KB ring
 D128S = PREFILL_D128_TW64S
 CASES += [(*c[:-1], {**c[-1], **D128S}) for c in D128_BASE]
+# the lean softmax (max over the raw scores, one FFMA per score, O's rescale skipped when no row
+# max moved; opt-in, docs/design/sm80.md#the-lean-softmax-opt-in) on every case above
+CASES += [(*c[:-1], {**c[-1], "lean_softmax": True}) for c in list(CASES)]
 # lean variants (causal, one cache tensor, no LSE, no scale tensors) of the cases above and at
 # D 256: the defaults, 128-row CTAs with 32-token stages up to D 128 and PREFILL_D256_TW32X at D 256
 # (and at page 32 with a BF16 cache, where it is not the default); then the old 64-row forms of the
 # same shapes, and at D 256 on SM90 the 64-token stages, the lean 16-bit default there before
 LEAN = [c for c in CASES if c[7] == "single" and c[8] and set(c[-1]) <= {"smem_target"}]
+LEAN_SOFTMAX = [(*c[:-1], {**c[-1], "lean_softmax": True}) for c in LEAN]
 LEAN_D128X = [(*c[:-1], {**c[-1], **ov}) for c in LEAN if c[2] == 128 for ov in (D128X, D128S)]
 LEAN += [(BF16, BF16, 256, 16, 8, 16, "HND", "single", True, {}), (FP16, FP16, 256, 8, 1, 128, "NHD", "single", True, {}),
          (BF16, BF16, 256, 8, 4, 32, "HND", "single", True, {})]
@@ -78,7 +83,7 @@ LEAN += [(*c[:-1], {**c[-1], **M1, "tw": 16 if c[2] == 256 else 32}) for c in LE
 LEAN += [(*c[:-1], {**c[-1], **D256X}) for c in LEAN_D256 if c[5] == 32]
 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:  # 64-token D 256 stages fit 227 KB
     LEAN += [(*c[:-1], {**c[-1], **M1, "tw": 64}) for c in LEAN_D256 if c[0] != FP8]
-LEAN += LEAN_D128X
+LEAN += LEAN_D128X + LEAN_SOFTMAX
 
 
 def _ids(c):
