@@ -53,23 +53,33 @@ def softmax_step(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_m
 
 
 @cute.jit
-def _softmax_step_fma(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_max: cute.Tensor,
-                      row_sum: cute.Tensor, masked: cutlass.Constexpr, limit: cute.Tensor, col0,
-                      alpha: cute.Tensor, lower, p_log2: cutlass.Constexpr):
+def _masked_tile_max(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, masked: cutlass.Constexpr,
+                     limit: cute.Tensor, col0, lower, scaled: cutlass.Constexpr):
+    """Each row's max over the tile; ``acc_s`` scaled in place (``scaled``) and, when ``masked``,
+    -inf at the masked columns (a select, not a product: the logit may be NaN past the sequence)."""
     tile_max = cute.make_rmem_tensor((ROWS,), Float32)
     tile_max.fill(-Float32.inf)
     for e in cutlass.range_constexpr(cute.size(acc_s)):
         m, n = cS0[e]
         h = m // 8
-        v = acc_s[e]
+        v = acc_s[e] * scale[h] if cutlass.const_expr(scaled) else acc_s[e]
         if cutlass.const_expr(masked):
             if col0 + n >= limit[h]:
-                v = -Float32.inf  # a select, not a product: the logit may be NaN past the sequence
+                v = -Float32.inf
             if cutlass.const_expr(lower is not None):
                 if col0 + n < lower[h]:
                     v = -Float32.inf
+        if cutlass.const_expr(scaled or masked):
             acc_s[e] = v
         tile_max[h] = cute.arch.fmax(tile_max[h], v)
+    return tile_max
+
+
+@cute.jit
+def _softmax_step_fma(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_max: cute.Tensor,
+                      row_sum: cute.Tensor, masked: cutlass.Constexpr, limit: cute.Tensor, col0,
+                      alpha: cute.Tensor, lower, p_log2: cutlass.Constexpr):
+    tile_max = _masked_tile_max(acc_s, cS0, scale, masked, limit, col0, lower, False)
     neg_shift = cute.make_rmem_tensor((ROWS,), Float32)
     for h in cutlass.range_constexpr(ROWS):
         t = tile_max[h]
@@ -102,20 +112,7 @@ def reference_shift(row_max: cute.Tensor, p_log2: cutlass.Constexpr):
 def _softmax_step_mul(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_max: cute.Tensor,
                       row_sum: cute.Tensor, masked: cutlass.Constexpr, limit: cute.Tensor, col0,
                       alpha: cute.Tensor, lower=None):
-    tile_max = cute.make_rmem_tensor((ROWS,), Float32)
-    tile_max.fill(-Float32.inf)
-    for e in cutlass.range_constexpr(cute.size(acc_s)):
-        m, n = cS0[e]
-        h = m // 8
-        v = acc_s[e] * scale[h]
-        if cutlass.const_expr(masked):
-            if col0 + n >= limit[h]:
-                v = -Float32.inf  # a select, not a product: the logit may be NaN past the sequence
-            if cutlass.const_expr(lower is not None):
-                if col0 + n < lower[h]:
-                    v = -Float32.inf
-        acc_s[e] = v
-        tile_max[h] = cute.arch.fmax(tile_max[h], v)
+    tile_max = _masked_tile_max(acc_s, cS0, scale, masked, limit, col0, lower, True)
     shift = cute.make_rmem_tensor((ROWS,), Float32)
     for h in cutlass.range_constexpr(ROWS):
         t = tile_max[h]
