@@ -301,6 +301,8 @@ _ENTRIES = (
                     "score before its exp2, an FP8 query's P scale taken from the exponent, O's rescale skipped by "
                     "a warp whose rows' max did not move",
         variants=sm90_prefill.lean_softmax_variants, family=lambda q, kv, d: f"{sm90_prefill.family(q, kv, d)}/lean_softmax",
+        # the CI set: the three kinds at D 128 (the full set: `cute-kernels compile --arch sm_90a`)
+        ci_variants=lambda: sm90_prefill.lean_softmax_variants()[:3],
         **{**_SM90_PREFILL, "status": "compile-verified", "call_site": None}),
     # the window / sink variants of the prefill: picked by paged_prefill for window_left >= 0 or
     # sinks (not on a dispatcher list)
