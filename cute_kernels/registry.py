@@ -293,17 +293,18 @@ _ENTRIES = (
         description="sm90.prefill_fp8q with its producer transposing V in 4-byte words (prmt) instead of by "
                     "ldmatrix.trans + stmatrix (16 bytes per lane)",
         variants=sm90_prefill.vt_words_variants, **{**_SM90_PREFILL, "call_site": None}),
-    # the prefill with its softmax in FFMA form (``tuning_override(lean_softmax=True)``): compile-verified, so
-    # the op self-checks each family before its first launch (docs/design/sm90-prefill.md#the-lean-softmax-opt-in-lean_softmaxtrue)
+    # the prefill with its former softmax (scores scaled, then the max, then a subtract; P's FP8 range by a
+    # multiply; O always rescaled), the opt-out of the lean default (``tuning_override(lean_softmax=False)``,
+    # for A/B): verified by the GPU suite on the H200 (docs/design/sm90-prefill.md#the-lean-softmax)
     KernelInfo(
-        id=sm90_prefill.LEAN_SOFTMAX_ID, kv_dtypes=sm90_prefill.KV_DTYPES, opt_in=True,
-        description="SM90 varlen paged prefill with a leaner softmax: the max over the raw scores, one FFMA per "
-                    "score before its exp2, an FP8 query's P scale taken from the exponent, O's rescale skipped by "
-                    "a warp whose rows' max did not move",
-        variants=sm90_prefill.lean_softmax_variants, family=lambda q, kv, d: f"{sm90_prefill.family(q, kv, d)}/lean_softmax",
+        id=sm90_prefill.SCALED_SOFTMAX_ID, kv_dtypes=sm90_prefill.KV_DTYPES, opt_in=True,
+        description="SM90 varlen paged prefill with the scaled-score softmax: each score scaled, the max, then "
+                    "a subtract before its exp2; an FP8 query's P scaled by a multiply; O rescaled every tile",
+        variants=sm90_prefill.scaled_softmax_variants,
+        family=lambda q, kv, d: f"{sm90_prefill.family(q, kv, d)}/scaled_softmax",
         # the CI set: the three kinds at D 128 (the full set: `cute-kernels compile --arch sm_90a`)
-        ci_variants=lambda: sm90_prefill.lean_softmax_variants()[:3],
-        **{**_SM90_PREFILL, "status": "compile-verified", "call_site": None}),
+        ci_variants=lambda: sm90_prefill.scaled_softmax_variants()[:3],
+        **{**_SM90_PREFILL, "call_site": None}),
     # the window / sink variants of the prefill: picked by paged_prefill for window_left >= 0 or
     # sinks (not on a dispatcher list)
     KernelInfo(

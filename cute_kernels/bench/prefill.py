@@ -8,8 +8,9 @@ skipped):
   ``ours_fp8x2``: the two-term FP8 query (``q_residual``: the residual of the same quantization,
   ``sm90.prefill_fp8x2``), likewise; ``ours_fp8q_words``: ``ours_fp8q`` with V^T written in 4-byte
   words instead of its default ``ldmatrix.trans`` + ``stmatrix`` (``tuning_override(vt_transpose="words")``,
-  ``sm90.prefill_fp8q_words``: the A/B of the transpose); ``ours_lean`` / ``ours_fp8q_lean``: ``ours`` /
-  ``ours_fp8q`` with the lean softmax (``tuning_override(lean_softmax=True)``, ``sm90.prefill_lean_softmax``);
+  ``sm90.prefill_fp8q_words``: the A/B of the transpose); ``ours_scaled`` / ``ours_fp8q_scaled``: ``ours`` /
+  ``ours_fp8q`` with the former scaled-score softmax instead of the lean default
+  (``tuning_override(lean_softmax=False)``, ``sm90.prefill_scaled_softmax``: the A/B of the softmax);
 - ``fa4``: ``flash_attn.cute.flash_attn_varlen_func`` on contiguous K/V (non-paged); ``fa4_paged``:
   the same with a page table over a page-128 NHD copy of the cache (16-bit caches only: FA4 has no
   FP8 K/V on SM90);
@@ -70,7 +71,7 @@ SHAPES = [
     ("d64 B1 S8192", 1, 0, 8192, 32, 8, 64),
     ("d256 B1 S8192", 1, 0, 8192, 32, 8, 256),
 ]
-PEERS = ("ours_lean", "ours_fp8q", "ours_fp8q_lean", "ours_fp8q_words", "ours_fp8x2", "fa4", "fa4_paged", "fi", "sdpa")
+PEERS = ("ours_scaled", "ours_fp8q", "ours_fp8q_scaled", "ours_fp8q_words", "ours_fp8x2", "fa4", "fa4_paged", "fi", "sdpa")
 _FA4 = Peer("flash_attn", "flash-attn-4")
 # the library each peer needs (SDPA is torch's own; ours_fp8q is ours)
 PEER_LIBS = {"fa4": _FA4, "fa4_paged": _FA4, "fi": Peer("flashinfer", "flashinfer-python")}
@@ -125,7 +126,7 @@ class Problem:
 
 def ours(pb: Problem, **tuning):
     """The 16-bit-query kernel (an FP8 cache widened on chip); ``tuning``: fields forced with
-    ``tuning_override`` (``lean_softmax=True``)."""
+    ``tuning_override`` (``lean_softmax=False``)."""
     c = pb.case
     out = torch.empty_like(c.q)
 
@@ -235,8 +236,8 @@ def peer_sdpa(pb: Problem):
     return fn, None
 
 
-ENTRIES = {"ours": ours, "ours_lean": partial(ours, lean_softmax=True), "ours_fp8q": ours_fp8q,
-           "ours_fp8q_lean": partial(ours_fp8q, lean_softmax=True),
+ENTRIES = {"ours": ours, "ours_scaled": partial(ours, lean_softmax=False), "ours_fp8q": ours_fp8q,
+           "ours_fp8q_scaled": partial(ours_fp8q, lean_softmax=False),
            "ours_fp8q_words": partial(ours_fp8q, vt_transpose="words"),
            "ours_fp8x2": partial(ours_fp8q, two_terms=True), "fa4": peer_fa4, "fa4_paged": peer_fa4_paged, "fi": peer_fi,
            "sdpa": peer_sdpa}
@@ -252,8 +253,8 @@ def _self_check(pb: Problem, name: str) -> str:
     (the entry is reported as skipped) when its family failed it: the reference served the call."""
     kernel, q = {"ours_fp8q": ("sm90.prefill_fp8q", "fp8_e4m3"), "ours_fp8x2": ("sm90.prefill_fp8x2", "fp8_e4m3"),
                  "ours_fp8q_words": ("sm90.prefill_fp8q_words", "fp8_e4m3"),
-                 "ours_lean": ("sm90.prefill_lean_softmax", "bf16"),
-                 "ours_fp8q_lean": ("sm90.prefill_lean_softmax", "fp8_e4m3")}.get(name, ("sm90.prefill", "bf16"))
+                 "ours_scaled": ("sm90.prefill_scaled_softmax", "bf16"),
+                 "ours_fp8q_scaled": ("sm90.prefill_scaled_softmax", "fp8_e4m3")}.get(name, ("sm90.prefill", "bf16"))
     ok, text = self_check_state(kernel, q, "fp8_e4m3" if pb.kvn == "fp8" else "bf16", pb.case.meta["head_dim"])
     if not ok:
         raise RuntimeError(text)

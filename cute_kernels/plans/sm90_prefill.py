@@ -28,7 +28,7 @@ __all__ = [
     "persistent_tile", "cta_walk", "persistent_variants", "PERSISTENT_ID", "EPILOGUES",
     "EPILOGUE_ID", "epilogue_variants", "Q_TERMS", "TWO_TERM_ID", "two_term_variants",
     "VT_TRANSPOSES", "default_vt_transpose", "VT_WORDS_ID", "vt_words_variants", "CONSUMER_SCHEDULES",
-    "schedule_name", "default_schedule", "LEAN_SOFTMAX_ID", "lean_softmax_variants",
+    "schedule_name", "default_schedule", "SCALED_SOFTMAX_ID", "scaled_softmax_variants",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -157,11 +157,11 @@ class Sm90PrefillConfig(KernelConfig):
     + ``stmatrix``; ``"words"`` by 4-byte words (the opt-out, ``sm90.prefill_fp8q_words``). The
     other kinds take ``"words"`` only. A label names it only where it is not the kind's default.
 
-    ``lean_softmax`` (opt-in, compile-verified: ``sm90.prefill_lean_softmax``): the softmax's max over
-    the raw scores and one FFMA per score before its exp2 (instead of a multiply, the max, then a
-    subtract), for an FP8 query P's ``2^P_SHIFT`` taken from the exponent instead of a multiply per
-    score, and O's rescale skipped by a warp when no max of its rows moved:
-    docs/design/sm90-prefill.md#the-lean-softmax-opt-in-lean_softmaxtrue.
+    ``lean_softmax`` (the default; ``False`` is the opt-out ``sm90.prefill_scaled_softmax``): the
+    softmax's max over the raw scores and one FFMA per score before its exp2 (instead of a multiply,
+    the max, then a subtract), for an FP8 query P's ``2^P_SHIFT`` taken from the exponent instead of
+    a multiply per score, and O's rescale skipped by a warp when no max of its rows moved:
+    docs/design/sm90-prefill.md#the-lean-softmax.
 
     Features (:func:`feature_variants`): ``window`` takes a runtime
     ``window_left`` (-1: none) and walks only the KV tiles a block's rows see; ``sinks`` takes fp32
@@ -194,7 +194,7 @@ class Sm90PrefillConfig(KernelConfig):
     epilogue: str = field(default="registers", metadata=LABEL_IF_SET)
     q_terms: int = field(default=1, metadata=LABEL_IF_SET)
     vt_transpose: str = field(default="", metadata=LABEL_IF_SET)
-    lean_softmax: bool = field(default=False, metadata=LABEL_IF_SET)
+    lean_softmax: bool = field(default=True, metadata=LABEL_IF_SET)
 
     kernel_id = "sm90.prefill"
     targets = ("sm_90a",)
@@ -475,7 +475,8 @@ def registry_id(q_dtype: str, kv_dtype: str) -> str:
 def config_family(config: Sm90PrefillConfig) -> str:
     """A variant's self-check family: :func:`family`, and its second query term, its word-wise V^T
     transpose, its window / sink features, its persistent schedule or its shared-memory epilogue if any."""
-    features = "+".join(name for name, on in (("lean_softmax", config.lean_softmax), ("two_term", config.q_terms == 2),
+    features = "+".join(name for name, on in (("scaled_softmax", not config.lean_softmax),
+                                              ("two_term", config.q_terms == 2),
                                               ("vt_words", config.vt_transpose != default_vt_transpose(config.kind)),
                                               ("window", config.window), ("sinks", config.sinks),
                                               ("persistent", config.persistent),
@@ -486,10 +487,10 @@ def config_family(config: Sm90PrefillConfig) -> str:
 
 def check_registry_id(config: Sm90PrefillConfig) -> str:
     """The registry entry whose status says whether ``config`` still needs its self-check."""
-    if config.lean_softmax:  # compile-verified: its check runs whatever else the variant has
-        return LEAN_SOFTMAX_ID
     if config.q_terms == 2:  # compile-verified: its check runs whatever else the variant has
         return TWO_TERM_ID
+    if not config.lean_softmax:  # the former default's entry, with whatever verified feature it has
+        return SCALED_SOFTMAX_ID
     if config.persistent:
         return PERSISTENT_ID
     if config.epilogue == "smem":
@@ -506,7 +507,7 @@ PERSISTENT_ID = "sm90.prefill_persistent"
 EPILOGUE_ID = "sm90.prefill_smem_epilogue"
 TWO_TERM_ID = "sm90.prefill_fp8x2"
 VT_WORDS_ID = "sm90.prefill_fp8q_words"
-LEAN_SOFTMAX_ID = "sm90.prefill_lean_softmax"
+SCALED_SOFTMAX_ID = "sm90.prefill_scaled_softmax"
 
 
 def family(q_dtype: str, kv_dtype: str, head_dim: int) -> str:
@@ -549,13 +550,14 @@ def _opt_in_variants(**on: Any) -> list[Sm90PrefillConfig]:
     ]
 
 
-def lean_softmax_variants() -> list[Sm90PrefillConfig]:
-    """The FFMA-form softmax's compile matrix (registry id ``sm90.prefill_lean_softmax``): the opt-in
-    set, the FP8 query at D 64 and D 256 (each ``q_scale`` form), and with a window and sinks (the
-    FP8 query's sinks read the max the exponent shifted)."""
-    return [*_opt_in_variants(lean_softmax=True), *fp8_query_compile_variants(lean_softmax=True)[1:],
-            _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar", window=True, sinks=True, lean_softmax=True),
-            _variant("bf16", "bf16", 128, 8, 16, window=True, sinks=True, lean_softmax=True)]
+def scaled_softmax_variants() -> list[Sm90PrefillConfig]:
+    """The former default softmax's compile matrix (registry id ``sm90.prefill_scaled_softmax``, the
+    opt-out ``lean_softmax=False``): the opt-in set, the FP8 query at D 64 and D 256 (each
+    ``q_scale`` form), and with a window and sinks."""
+    off = dict(lean_softmax=False)
+    return [*_opt_in_variants(**off), *fp8_query_compile_variants(**off)[1:],
+            _variant("fp8_e4m3", "fp8_e4m3", 128, 8, 16, q_scale="scalar", window=True, sinks=True, **off),
+            _variant("bf16", "bf16", 128, 8, 16, window=True, sinks=True, **off)]
 
 
 def persistent_variants() -> list[Sm90PrefillConfig]:

@@ -45,7 +45,7 @@ def softmax_step(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_m
     accumulator (``scale > 0``), and each ``P = exp2(acc * scale - shift)`` is one FFMA before the
     exp2; ``P`` then comes out ``2^p_log2`` times larger (the row sums with it), which
     :func:`reference_shift` takes back before the epilogue.
-    docs/design/sm90-prefill.md#the-lean-softmax-opt-in-lean_softmaxtrue"""
+    docs/design/sm90-prefill.md#the-lean-softmax"""
     if cutlass.const_expr(fma):
         _softmax_step_fma(acc_s, cS0, scale, row_max, row_sum, masked, limit, col0, alpha, lower, p_log2)
     else:

@@ -94,7 +94,7 @@ class Sm90PagedPrefill:
         self.narrow_q = self.kind == "widen" and cfg.q_dtype == "bf16"
         self.q_terms = cfg.q_terms
         # lean_softmax: FP8 P's 2^P_SHIFT comes from the softmax's exponent
-        # (docs/design/sm90-prefill.md#the-lean-softmax-opt-in-lean_softmaxtrue)
+        # (docs/design/sm90-prefill.md#the-lean-softmax)
         self.p_log2 = P_SHIFT if cfg.lean_softmax and self.kind == "fp8" else 0
         self.k_tiles = PagedTiles(cfg.tile_n, cfg.box, cfg.page_size, cfg.head_dim, token_major=True)
         self.v_tiles = PagedTiles(cfg.tile_n, cfg.box, cfg.page_size, cfg.head_dim, token_major=self.kind != "16")
@@ -655,7 +655,7 @@ class Sm90PagedPrefill:
     @cute.jit
     def rescale(self, st, alpha):
         """O's rows by the softmax's ``alpha``; the lean softmax skips a warp's rescale when no max
-        of its rows moved (bit-identical: docs/design/sm90-prefill.md#the-lean-softmax-opt-in-lean_softmaxtrue)."""
+        of its rows moved (bit-identical: docs/design/sm90-prefill.md#the-lean-softmax)."""
         if const_expr(self.cfg.lean_softmax):
             softmax.rescale_rows_if_moved(st["acc_o"], st["cO0"], alpha)
         else:

@@ -1,5 +1,5 @@
-"""The SM90 prefill's lean softmax (``lean_softmax=True``, ``sm90.prefill_lean_softmax``;
-docs/design/sm90-prefill.md#the-lean-softmax-opt-in-lean_softmaxtrue) on the CPU: the online
+"""The SM90 prefill's lean softmax (the default; ``lean_softmax=False`` is the opt-out
+``sm90.prefill_scaled_softmax``; docs/design/sm90-prefill.md#the-lean-softmax) on the CPU: the online
 softmax of ``roles/online_softmax.py`` emulated in float32 in both forms, tile by tile as the
 kernel runs it (masked tiles, rows that see nothing, P rounded to e4m3, sinks in the epilogue),
 against float64 attention; the config field, the registry entry and the bench entries. The kernel
@@ -142,41 +142,44 @@ FP8Q = dict(q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", head_dim=128, group=8, page
 @pytest.mark.parametrize("problem", [FP8Q, dict(q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=8, page_size=16),
                                      dict(q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=256, group=4, page_size=32)])
 def test_lean_softmax_field(problem):
-    """Off by default and out of the label; on, it names itself, keeps everything else (tiles,
-    schedule, shared memory), self-checks as its own family and entry."""
+    """On by default and out of the label; off, it names itself, keeps everything else (tiles,
+    schedule, shared memory), and belongs to the opt-out's entry and family."""
     default = plan.make_prefill_config(**problem)
-    lean = plan.make_prefill_config(**problem, lean_softmax=True)
-    assert not default.lean_softmax and "lean_softmax" not in default.label()
-    assert lean.label() == default.label()[:-1] + ",lean_softmax=True]"
-    assert replace(lean, lean_softmax=False) == default and plan.smem_bytes(lean) == plan.smem_bytes(default)
-    assert plan.check_registry_id(lean) == plan.LEAN_SOFTMAX_ID
-    assert plan.config_family(lean) == plan.config_family(default) + "/lean_softmax"
-    assert plan.config_family(lean) == KERNELS[plan.LEAN_SOFTMAX_ID].family(
+    scaled = plan.make_prefill_config(**problem, lean_softmax=False)
+    assert default.lean_softmax and "lean_softmax" not in default.label()
+    assert scaled.label() == default.label()[:-1] + ",lean_softmax=False]"
+    assert replace(scaled, lean_softmax=True) == default and plan.smem_bytes(scaled) == plan.smem_bytes(default)
+    assert plan.check_registry_id(default) == plan.registry_id(problem["q_dtype"], problem["kv_dtype"])
+    assert plan.check_registry_id(scaled) == plan.SCALED_SOFTMAX_ID
+    assert plan.config_family(default) == plan.family(problem["q_dtype"], problem["kv_dtype"], problem["head_dim"])
+    assert plan.config_family(scaled) == plan.config_family(default) + "/scaled_softmax"
+    assert plan.config_family(scaled) == KERNELS[plan.SCALED_SOFTMAX_ID].family(
         problem["q_dtype"], problem["kv_dtype"], problem["head_dim"])
-    both = plan.make_prefill_config(**problem, lean_softmax=True, window=True, sinks=True)
-    assert plan.check_registry_id(both) == plan.LEAN_SOFTMAX_ID  # the compile-verified entry decides
-    assert plan.config_family(both).endswith("/lean_softmax+window+sinks")
+    both = plan.make_prefill_config(**problem, lean_softmax=False, window=True, sinks=True)
+    assert plan.check_registry_id(both) == plan.SCALED_SOFTMAX_ID
+    assert plan.config_family(both).endswith("/scaled_softmax+window+sinks")
 
 
-def test_lean_softmax_registry_entry():
-    """Compile-verified until it runs on the GPU (the op self-checks each family first), opt-in,
-    reached only through ``tuning_override``; its compile matrix covers every kind and head dim,
-    each q_scale form and a window with sinks."""
-    info = KERNELS[plan.LEAN_SOFTMAX_ID]
-    assert info.status == "compile-verified" and info.opt_in and info.call_site is None
+def test_scaled_softmax_registry_entry():
+    """The former default, verified on the GPU, opt-out only (``tuning_override(lean_softmax=False)``);
+    its compile matrix covers every kind and head dim, each q_scale form and a window with sinks; every
+    other entry's variants run the lean softmax."""
+    info = KERNELS[plan.SCALED_SOFTMAX_ID]
+    assert info.status == "available" and info.opt_in and info.call_site is None
     variants = info.variants()
-    assert all(v.lean_softmax and plan.check_registry_id(v) == info.id for v in variants)
+    assert all(not v.lean_softmax and plan.check_registry_id(v) == info.id for v in variants)
     assert {v.kind for v in variants} == {"16", "widen", "fp8"}
     assert {v.head_dim for v in variants if v.kind == "fp8"} == {64, 128, 256}
     assert {v.q_scale for v in variants if v.kind == "fp8"} == {"scalar", "tensor", "per_head"}
-    assert any(v.window and v.sinks and v.kind == "fp8" for v in variants)
-    assert not any(v.lean_softmax for kid in ("sm90.prefill", "sm90.prefill_fp8q") for v in KERNELS[kid].variants())
+    assert any(v.window and v.sinks and v.kind == "fp8" and not v.lean_softmax for v in variants)
+    assert all(v.lean_softmax for kid, k in KERNELS.items() if kid.startswith("sm90.prefill")
+               and kid != info.id for v in k.variants())
 
 
 def test_bench_entries():
-    """``ours_lean`` / ``ours_fp8q_lean`` are ``ours`` / ``ours_fp8q`` under the override: the A/B."""
-    assert {"ours_lean", "ours_fp8q_lean"} <= set(bench_prefill.PEERS)
-    assert bench_prefill.ENTRIES["ours_lean"].func is bench_prefill.ours
-    assert bench_prefill.ENTRIES["ours_lean"].keywords == {"lean_softmax": True}
-    assert bench_prefill.ENTRIES["ours_fp8q_lean"].func is bench_prefill.ours_fp8q
-    assert bench_prefill.ENTRIES["ours_fp8q_lean"].keywords == {"lean_softmax": True}
+    """``ours_scaled`` / ``ours_fp8q_scaled`` are ``ours`` / ``ours_fp8q`` under the opt-out: the A/B."""
+    assert {"ours_scaled", "ours_fp8q_scaled"} <= set(bench_prefill.PEERS)
+    assert bench_prefill.ENTRIES["ours_scaled"].func is bench_prefill.ours
+    assert bench_prefill.ENTRIES["ours_scaled"].keywords == {"lean_softmax": False}
+    assert bench_prefill.ENTRIES["ours_fp8q_scaled"].func is bench_prefill.ours_fp8q
+    assert bench_prefill.ENTRIES["ours_fp8q_scaled"].keywords == {"lean_softmax": False}
