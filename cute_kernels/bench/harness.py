@@ -154,6 +154,16 @@ class NvtxRanges:
         return ranged
 
 
+def field_value(text: str) -> int | bool | str:
+    """A tuning field's value on a command line: an integer, ``true`` / ``false`` (any case), else
+    the text (e.g. ``backend=sm80``, ``smem_target=sm_80``); surrounding spaces are ignored."""
+    text = text.strip()
+    flags = {"true": True, "false": False}
+    if text.lower() in flags:
+        return flags[text.lower()]
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def parse_fields(spec: str, sep: str = ",", value: Callable[[str], Any] = int) -> dict[str, Any]:
     """``'a=1,b=2'`` -> ``{'a': 1, 'b': 2}``: ``sep``-separated ``FIELD=VALUE`` items, each value
     read by ``value`` (default: an integer). ``ValueError`` naming an item that is not

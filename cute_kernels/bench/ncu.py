@@ -153,9 +153,10 @@ def split_extra(extra: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def ncu_command(what: str, shape: str, stem: str, *, ncu: str = "ncu", python: str = "python3",
-                extra: Sequence[str] = ()) -> list[str]:
+                extra: Sequence[str] = (), tuning: str = "") -> list[str]:
     """The ncu command line that profiles one ``WHAT`` call of ``shape`` into ``stem.ncu-rep``
-    (``extra``: more ncu arguments; metrics they name join the report's one ``--metrics``)."""
+    (``extra``: more ncu arguments; metrics they name join the report's one ``--metrics``;
+    ``tuning``: the op's ``tuning_override`` fields, ``K=V,...``, for the profiled process)."""
     op = OPS[what]
     more_metrics, rest = split_extra(extra)
     metrics = list(METRICS) + [m for m in dict.fromkeys(more_metrics) if m not in METRICS]
@@ -164,7 +165,8 @@ def ncu_command(what: str, shape: str, stem: str, *, ncu: str = "ncu", python: s
     for section in SECTIONS:
         argv += ["--section", section]
     argv += ["--metrics", ",".join(metrics), "--export", stem, "--force-overwrite", *rest]
-    return argv + [python, "-m", "cute_kernels.bench.profile", "target", what, "--shape", shape]
+    target = [python, "-m", "cute_kernels.bench.profile", "target", what, "--shape", shape]
+    return argv + target + (["--tuning", tuning] if tuning else [])
 
 
 def import_command(report: str, *, ncu: str = "ncu") -> list[str]:
@@ -253,9 +255,9 @@ def kernel_summary(kernel: dict[str, Any], roofline_bw: float | None) -> dict[st
 
 
 def build_report(rows: list[dict[str, Any]], *, what: str, shape: dict[str, Any], device: str = "",
-                 ncu_report: str = "") -> dict[str, Any]:
+                 ncu_report: str = "", tuning: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report of one profiled call: the first row is the roofline copy, the others the op's
-    kernels in launch order, with their total."""
+    kernels in launch order, with their total (``tuning``: the fields the call was forced with)."""
     if len(rows) < 2:
         raise ValueError(f"the profile holds {len(rows)} kernel(s): expected the roofline copy and the "
                          f"kernels of one cute_kernels.{OPS[what]} call (is the op's NVTX range open?)")
@@ -267,7 +269,7 @@ def build_report(rows: list[dict[str, Any]], *, what: str, shape: dict[str, Any]
     dram = sum(line["dram_bytes"] or 0.0 for line in lines)
     total_bw = dram / seconds if seconds else None
     return dict(
-        what=what, op=OPS[what], shape=shape, device=device, ncu_report=ncu_report,
+        what=what, op=OPS[what], shape=shape, tuning=dict(tuning or {}), device=device, ncu_report=ncu_report,
         roofline=dict(kernel=copy.get("Kernel Name"), duration_us=None if copy_s is None else copy_s * 1e6,
                       dram_bytes=copy_bytes, dram_gbps=None if roofline_bw is None else roofline_bw / 1e9),
         kernels=lines,
@@ -290,7 +292,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     shape = ", ".join(f"{k}={v}" for k, v in report["shape"].items())
     roof = report["roofline"]
     out = [f"# cute-kernels profile {report['what']} (`cute_kernels.{report['op']}`)", "",
-           f"shape: {shape}  ", f"device: {report['device'] or 'unknown'}  ",
+           f"shape: {shape}  ",
+           *([f"tuning_override: {', '.join(f'{k}={v}' for k, v in report['tuning'].items())}  "]
+             if report.get("tuning") else []),
+           f"device: {report['device'] or 'unknown'}  ",
            f"Nsight Compute report: `{report['ncu_report']}`  ",
            f"roofline: device-to-device copy `{roof['kernel']}`, {_fmt(roof['dram_bytes'], 0)} DRAM bytes in "
            f"{_fmt(roof['duration_us'], 2)} µs = {_fmt(roof['dram_gbps'], 0)} GB/s (same run, same clocks)", "",

@@ -12,6 +12,7 @@ copy and one call. Design: docs/design/benchmarks.md#profiling-one-op.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import shutil
@@ -29,6 +30,9 @@ NEEDS: dict[str, GpuNeed] = {"decode": SM90, "prefill": SM90, "qsa": SM90, "merg
 # the planned phase of each WHAT that calls an attention op (on the SM90 GPU NEEDS names): a shape
 # no kernel takes is refused before ncu starts (the op would refuse it inside the profiled process)
 PHASES = {"decode": "decode", "prefill": "prefill", "layer": "decode"}
+# the ops whose ``tuning_override`` --tuning forces (e.g. backend=sm80: the portable kernel on this
+# GPU; lean_softmax=false: the prefill's opt-out), docs/design/benchmarks.md#profiling-one-op
+TUNABLE = ("decode", "prefill")
 WARMUP_CALLS = 3  # before the profiled call: compiles, sizes workspaces, loads modules
 COPY_BYTES = 256 << 20  # the roofline copy: 256 MiB read, 256 MiB written
 
@@ -113,8 +117,25 @@ BUILDERS: dict[str, Callable[[dict, Any], Callable[[], Any]]] = {
     "decode": _decode, "prefill": _prefill, "qsa": _qsa, "merge": _merge, "layer": _layer}
 
 
-def target(what: str, shape: dict) -> None:
-    """Build ``what`` at ``shape``, warm it up, then profile the roofline copy and one call."""
+def _override(what: str, tuning: dict):
+    """The op's ``tuning_override`` context for ``tuning`` (a null context without fields)."""
+    if not tuning:
+        return contextlib.nullcontext()
+    if what == "decode":
+        from cute_kernels.ops.paged_decode import tuning_override
+    else:
+        from cute_kernels.ops.paged_prefill import tuning_override
+    return tuning_override(**tuning)
+
+
+def target(what: str, shape: dict, tuning: dict | None = None) -> None:
+    """Build ``what`` at ``shape``, warm it up, then profile the roofline copy and one call, every
+    call under ``tuning`` (the op's ``tuning_override`` fields)."""
+    with _override(what, tuning or {}):
+        _profiled(what, shape)
+
+
+def _profiled(what: str, shape: dict) -> None:
     import nvtx
     import torch
 
@@ -155,7 +176,40 @@ def build_parser(what: str) -> argparse.ArgumentParser:
     p.add_argument("--ncu", default="ncu", help="the Nsight Compute command (default: %(default)s)")
     p.add_argument("--ncu-args", default="", metavar="ARGS",
                    help="more ncu arguments, e.g. '--set full' or '--import-source yes' (default: none)")
+    if what in TUNABLE:
+        p.add_argument("--tuning", default="", metavar="K=V,...",
+                       help=f"fields of cute_kernels.{ncu.OPS[what]}'s tuning_override for the profiled call, e.g. "
+                            "backend=sm80 (the portable kernel on this GPU)"
+                            + (" or lean_softmax=false (the scaled-score softmax)" if what == "prefill" else "")
+                            + " (default: none)")
     return p
+
+
+def tuning_fields(what: str, text: str, shape: dict) -> dict[str, Any]:
+    """``--tuning`` as the op's ``tuning_override`` fields (integers, true / false, else text),
+    checked against the kernel the profiled call runs on an SM90 GPU; ``ValueError`` naming
+    ``--tuning`` otherwise."""
+    from .harness import field_value, parse_fields
+
+    try:
+        fields = parse_fields(text, ",", field_value)
+        backend = fields.get("backend")
+        if what == "decode":
+            from cute_kernels.ops import paged_decode
+
+            kernel = paged_decode.BACKENDS.get(backend, "sm90.decode")
+            paged_decode.check_tuning_override(kernel, fields)
+        elif fields:
+            from cute_kernels.ops import paged_prefill
+
+            fp8_query = shape["q"] != "bf16"
+            if backend is not None and backend in paged_prefill.BACKENDS and fp8_query:
+                raise ValueError(f"backend={backend!r} takes no FP8 query (the shape's q={shape['q']})")
+            kernel = paged_prefill.BACKENDS.get(backend, "sm90.prefill_fp8q" if fp8_query else "sm90.prefill")
+            paged_prefill.check_tuning_override(kernel, fields)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--tuning: {str(e).removeprefix('tuning_override: ')}") from None
+    return fields
 
 
 def check_planned(what: str, shape: dict) -> None:
@@ -200,12 +254,14 @@ def main(what: str, argv: list[str], *, run: Callable[..., Any] = subprocess.run
             if shape["selection"] not in SELECTIONS:
                 raise ValueError(f"--shape: selection must be one of {', '.join(SELECTIONS)}, "
                                  f"got {shape['selection']!r}")
-        check_planned(what, shape)
+        tuning = tuning_fields(what, args.tuning, shape) if what in TUNABLE else {}
+        if "backend" not in tuning:  # a forced backend has its own limits: the op checks them
+            check_planned(what, shape)
         check_output_path("--out", args.out)
         extra = ncu_arguments(args.ncu_args)
     except (ValueError, UnsupportedConfig) as e:
         return _refuse(what, str(e))
-    problem = gpu_problem(NEEDS[what])
+    problem = gpu_problem(SM80_PLUS if "backend" in tuning else NEEDS[what])  # the portable kernel: any SM80+
     if problem is not None:
         return _refuse(what, problem)
     if what == "prefill":
@@ -218,7 +274,7 @@ def main(what: str, argv: list[str], *, run: Callable[..., Any] = subprocess.run
         return _refuse(what, f"needs Nsight Compute: {args.ncu!r} is not on PATH (install it, or pass --ncu PATH)")
     stem = args.out
     cmd = ncu.ncu_command(what, ncu.shape_text(shape), stem, ncu=exe, python=sys.executable,
-                          extra=extra)
+                          extra=extra, tuning=args.tuning if tuning else "")
     print(" ".join(cmd), file=sys.stderr, flush=True)
     if run(cmd).returncode != 0:
         print("error: ncu failed: its command and output are above", file=sys.stderr)
@@ -231,7 +287,7 @@ def main(what: str, argv: list[str], *, run: Callable[..., Any] = subprocess.run
         f.write(raw.stdout)
     import torch
 
-    report = ncu.build_report(ncu.parse_raw_csv(raw.stdout), what=what, shape=shape,
+    report = ncu.build_report(ncu.parse_raw_csv(raw.stdout), what=what, shape=shape, tuning=tuning,
                               device=torch.cuda.get_device_name(), ncu_report=f"{stem}.ncu-rep")
     with open(f"{stem}.json", "w") as f:
         json.dump(report, f, indent=1)
@@ -249,8 +305,10 @@ def _target_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m cute_kernels.bench.profile target")
     p.add_argument("what", choices=sorted(ncu.OPS))
     p.add_argument("--shape", default="")
+    p.add_argument("--tuning", default="")
     a = p.parse_args(argv)
-    target(a.what, ncu.parse_shape(a.what, a.shape))
+    shape = ncu.parse_shape(a.what, a.shape)
+    target(a.what, shape, tuning_fields(a.what, a.tuning, shape) if a.tuning else None)
 
 
 if __name__ == "__main__":

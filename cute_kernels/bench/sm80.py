@@ -30,6 +30,7 @@ from .harness import (
     SM80_PLUS,
     check_unused,
     choice_list,
+    field_value,
     parse_fields,
     select_named,
     write_json,
@@ -70,7 +71,7 @@ def parse_named_variants(text: str | None) -> dict[str, dict]:
                 raise ValueError(f"--variants: {spec!r}: " + ("a name is missing before ':'" if not name.strip()
                                                                else f"{name!r} given twice"))
             try:
-                out[name] = parse_fields(fields, "+", _field_value)
+                out[name] = parse_fields(fields, "+", field_value)
             except ValueError as e:
                 raise ValueError(f"--variants: {spec!r}: {e}") from None
     return out
@@ -107,12 +108,6 @@ def check_arguments(args) -> None:
         except (ValueError, TypeError) as e:
             raise ValueError(f"--variants: {name}: {str(e).removeprefix('tuning_override: ')}") from None
 
-
-def _field_value(text: str) -> int | bool | str:
-    flags = {"true": True, "false": False}
-    if text.lower() in flags:
-        return flags[text.lower()]
-    return int(text) if text.lstrip("-").isdigit() else text
 
 # name, Hq, Hkv, D, B, q_len, prefix (the SM90 prefill benchmark's shapes)
 PREFILL_SHAPES = [

@@ -98,6 +98,26 @@ _CPU_TARGET = "sm_90a"  # CPU tensors are validated for the kernel an SM90 GPU w
 _SM90_FIXED = ("out_dtype", "q_scale", "window", "sinks", "q_terms")  # the call decides them (q_terms: q_residual)
 
 
+# the config fields a call decides from its arguments (an override may not set them)
+_CALL_FIELDS = ("q_dtype", "kv_dtype", "head_dim", "group", "page_size", "kv_form", "kv_layout", "causal", "write_lse",
+                "k_scale_tensor", "v_scale_tensor")
+
+
+def check_tuning_override(kernel_id: str, override: dict) -> None:
+    """The tuning override (its ``backend`` aside) against the kernel ``kernel_id`` a call selects:
+    each field one of its config's tuning fields (or ``smem_target`` for the portable kernel), of
+    the field's type (:func:`cute_kernels.jit.spec.check_override`); the SM100 kernel's are its
+    plan's (checked where its config is made). The values' ranges are the configs' own checks."""
+    backend = override.get("backend")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"tuning_override: backend must be one of {tuple(BACKENDS)} (or absent), got {backend!r}")
+    fields = {k: v for k, v in override.items() if k != "backend"}
+    if kernel_id == _PORTABLE:
+        check_override(sm80.Sm80PrefillConfig, fields, fixed=("target", *_CALL_FIELDS), extra=("smem_target",))
+    elif kernel_id != sm100.KERNEL_ID:
+        check_override(plan.Sm90PrefillConfig, fields, fixed=(*_CALL_FIELDS, *_SM90_FIXED))
+
+
 def prefill_kernel(target: str, q_dtype: str, kv_dtype: str, group: int, backend: str | None = None) -> KernelInfo:
     """The kernel a prefill runs (:func:`cute_kernels.registry.op_kernel`, with the GQA group; an
     FP8 query: ``sm100.prefill`` on SM100 / SM103, else the SM90 FP8-query kernel; a 16-bit query
@@ -213,9 +233,10 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     fields = dict(q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv,
                   page_size=page, kv_form="pair" if pair else "single", kv_layout=kv_layout, causal=causal,
                   write_lse=return_lse, k_scale_tensor=ks_t, v_scale_tensor=vs_t)
+    assert tuple(fields) == _CALL_FIELDS
     config: sm80.Sm80PrefillConfig | plan.Sm90PrefillConfig | sm100.Sm100PrefillConfig
+    check_tuning_override(info.id, override)
     if info.id == _PORTABLE:
-        check_override(sm80.Sm80PrefillConfig, override, fixed=("target", *fields), extra=("smem_target",))
         config = sm80.make_prefill_config(target=target, **fields, **override)
     elif q_residual is not None and not two_term:
         return _Launch(None, (T, Hq, D), out_dtype, reference=True)  # e.g. SM100: no two-term variant
@@ -225,7 +246,6 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
         config = sm100.make_config(out_dtype=dtype_name(out_dtype), q_scale=q_scale_kind, sinks=sinks is not None,
                                    override=override, **fields)
     else:
-        check_override(plan.Sm90PrefillConfig, override, fixed=(*fields, *_SM90_FIXED))
         config = plan.make_prefill_config(out_dtype=dtype_name(out_dtype), q_scale=q_scale_kind, window=window_left != -1,
                                           sinks=sinks is not None, **fields, **override, **terms)
     # pointer and stride alignment, from the signature the kernel is compiled with (TMA wants 16 bytes)

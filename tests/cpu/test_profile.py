@@ -295,3 +295,90 @@ def test_a_failing_ncu_returns_1(tmp_path, monkeypatch, capsys):
                      run=lambda cmd, **kw: subprocess.CompletedProcess(cmd, 9)) == 1
     assert "ncu failed" in capsys.readouterr().err
     assert not (tmp_path / "m.json").exists()
+
+
+# --tuning: the op's tuning_override for the profiled call (decode and prefill)
+
+
+def test_tuning_reaches_the_profiled_process():
+    cmd = ncu.ncu_command("prefill", "B=1", "p", tuning="backend=sm80,lean_softmax=true")
+    assert cmd[-6:] == ["target", "prefill", "--shape", "B=1", "--tuning", "backend=sm80,lean_softmax=true"]
+    assert "--tuning" not in ncu.ncu_command("prefill", "B=1", "p")
+
+
+@pytest.mark.parametrize("what,shape,text,want", [
+    ("prefill", "", "lean_softmax=false", {"lean_softmax": False}),
+    ("prefill", "", " backend = sm80 , tw=64, lean_softmax=TRUE ", {"backend": "sm80", "tw": 64, "lean_softmax": True}),
+    ("prefill", "kv=fp8,q=fp8", "vt_transpose=words,lean_softmax=false", {"vt_transpose": "words", "lean_softmax": False}),
+    ("prefill", "", "backend=sm80,smem_target=sm_86", {"backend": "sm80", "smem_target": "sm_86"}),
+    ("decode", "", "backend=sm80,lean_softmax=true", {"backend": "sm80", "lean_softmax": True}),
+    ("decode", "", "", {}),
+])
+def test_tuning_fields_are_read_and_checked(what, shape, text, want):
+    assert prof.tuning_fields(what, text, ncu.parse_shape(what, shape)) == want
+
+
+@pytest.mark.parametrize("what,shape,text,match", [
+    ("prefill", "", "tile=64", "'tile' is not a tuning field of sm90.prefill"),
+    ("prefill", "", "lean_softmax=2", "lean_softmax must be a bool, got 2"),
+    ("prefill", "", "backend=sm70", "backend must be one of"),
+    ("prefill", "", "backend=sm80,q_dtype=fp16", "'q_dtype' is not a tuning field of sm80.prefill"),
+    ("prefill", "kv=fp8,q=fp8", "backend=sm80", "takes no FP8 query"),
+    ("prefill", "", "stages=3,stages=2", "stages given twice"),
+    ("prefill", "", "lean_softmax", "is not FIELD=VALUE"),
+    ("decode", "", "tile=3x", "tile must be an int"),
+])
+def test_bad_tuning_is_named(what, shape, text, match):
+    with pytest.raises(ValueError, match=match) as e:
+        prof.tuning_fields(what, text, ncu.parse_shape(what, shape))
+    assert str(e.value).startswith("--tuning: ")
+
+
+def test_bad_tuning_is_one_line_and_exit_code_2_before_the_gpu_check(capsys, monkeypatch):
+    monkeypatch.setattr(prof, "gpu_problem", lambda need: pytest.fail("the values come before the GPU check"))
+    assert cli_main(["profile", "prefill", "--tuning", "tile_n=big"]) == 2
+    assert "--tuning: sm90.prefill's tile_n must be an int" in _one_line(capsys)
+
+
+def test_a_forced_portable_backend_needs_sm80_not_sm90(monkeypatch):
+    """``backend=sm80`` runs on any SM80-class GPU: the GPU check asks for that, not for SM90."""
+    needs = []
+    monkeypatch.setattr(prof, "gpu_problem", lambda need: needs.append(need) or "no GPU here")
+    assert cli_main(["profile", "prefill", "--tuning", "backend=sm80"]) == 2
+    assert cli_main(["profile", "prefill"]) == 2
+    assert needs == [prof.SM80_PLUS, prof.NEEDS["prefill"]]
+
+
+def test_the_report_names_the_tuning(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(prof, "gpu_problem", lambda need: None)
+    monkeypatch.setattr(prof.shutil, "which", lambda name: "/opt/ncu")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    cmds = []
+
+    def run(cmd, **kw):
+        cmds.append(cmd)
+        if "--import" in cmd:
+            return subprocess.CompletedProcess(cmd, 0, stdout=FIXTURE.read_text(), stderr="")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    stem = str(tmp_path / "p")
+    assert prof.main("prefill", ["--out", stem, "--tuning", "backend=sm80,lean_softmax=true"], run=run) == 0
+    assert cmds[0][-2:] == ["--tuning", "backend=sm80,lean_softmax=true"]
+    report = json.loads(Path(f"{stem}.json").read_text())
+    assert report["tuning"] == {"backend": "sm80", "lean_softmax": True}
+    assert "tuning_override: backend=sm80, lean_softmax=True  " in Path(f"{stem}.md").read_text()
+    plain = ncu.build_report(ncu.parse_raw_csv(FIXTURE.read_text()), what="qsa", shape={})
+    assert plain["tuning"] == {} and "tuning_override" not in ncu.render_markdown(plain)
+
+
+def test_the_target_runs_every_call_under_the_override(monkeypatch):
+    """The warm-up and the profiled call both run inside the op's tuning_override."""
+    from cute_kernels.ops import paged_prefill
+
+    seen = []
+    monkeypatch.setattr(prof, "_profiled", lambda what, shape: seen.append(dict(paged_prefill._launcher.override)))
+    prof.target("prefill", ncu.SHAPES["prefill"], {"lean_softmax": False})
+    prof.target("prefill", ncu.SHAPES["prefill"])
+    assert seen == [{"lean_softmax": False}, {}]

@@ -16,9 +16,10 @@ from .conftest import sm90_only
 pytestmark = pytest.mark.skipif(shutil.which("ncu") is None, reason="Nsight Compute (ncu) is not on PATH")
 
 
-def _profile(tmp_path, what: str, shape: str) -> dict:
+def _profile(tmp_path, what: str, shape: str, tuning: str = "") -> dict:
     stem = tmp_path / what
-    assert cli_main(["profile", what, "--shape", shape, "--out", str(stem)]) == 0
+    assert cli_main(["profile", what, "--shape", shape, "--out", str(stem),
+                     *(["--tuning", tuning] if tuning else [])]) == 0
     for ext in ("ncu-rep", "csv", "md"):
         assert (tmp_path / f"{what}.{ext}").stat().st_size > 0
     return json.loads((tmp_path / f"{what}.json").read_text())
@@ -63,3 +64,14 @@ def test_profile_prefill(tmp_path):
     names = [k["name"] for k in report["kernels"]]
     assert names and all(n.startswith("cute_kernels_sm90_prefill") for n in names), names
     _check_columns(report["kernels"][-1])
+
+
+@sm90_only()
+@pytest.mark.parametrize("what,shape", [("prefill", "B=1,new=2048"), ("decode", "B=8,ctx=8192")])
+def test_profile_the_portable_kernel(tmp_path, what, shape):
+    """``--tuning backend=sm80`` profiles the portable kernel on this GPU, and the report says so."""
+    report = _profile(tmp_path, what, shape, tuning="backend=sm80,lean_softmax=true")
+    assert report["tuning"] == {"backend": "sm80", "lean_softmax": True}
+    names = [k["name"] for k in report["kernels"]]
+    assert names and any(n.startswith(f"cute_kernels_sm80_{what}") for n in names), names
+    assert "tuning_override: backend=sm80, lean_softmax=True" in (tmp_path / f"{what}.md").read_text()
