@@ -27,6 +27,8 @@
 #   ncu         Nsight Compute sections of the decode (three shapes) and QSA kernels (two shapes)
 #   ncu-prefill  Nsight Compute on the SM90 prefill through `cute-kernels profile prefill`: 16-bit, FP8-cache,
 #               D 64 and short-batch shapes (what limits it: docs/design/sm90-prefill.md#measured--not-measured)
+#   ncu-sm80    Nsight Compute on the portable prefill (`profile prefill --tuning backend=sm80`), default and lean
+#               softmax, D 128 B1 S16384 and D 256 B1 S8192 (docs/design/sm80.md#open-items)
 #   ncu-source  per-instruction stall samples of the QSA row-tile kernel, summarized
 #   gather      the memory system's ceiling for QSA's scattered row reads
 #   schedule    static against dynamic split scheduling of the paged decode
@@ -136,6 +138,13 @@ for tier in "$@"; do
                    TAIL=60 step 300 "$name" "${CK[@]}" profile prefill --shape "$sh" --out "$OUT/$name" \
                      --ncu-args "--clock-control none"
                  done ;;
+    ncu-sm80) for tn in plain:backend=sm80 lean:backend=sm80,lean_softmax=true; do  # the portable prefill, D 128 and 256
+                for sh in B=1,new=16384 B=1,new=8192,D=256,Hkv=8,Hq=16; do
+                  name="ncu_sm80_prefill_${tn%%:*}_$(echo "$sh" | tr -c 'a-zA-Z0-9_\n-' _)"
+                  TAIL=60 step 300 "$name" "${CK[@]}" profile prefill --shape "$sh" --tuning "${tn#*:}" \
+                    --out "$OUT/$name" --ncu-args "--clock-control none --section ComputeWorkloadAnalysis --section SchedulerStats"
+                done
+              done ;;
     ncu-source) for sh in prefill-bf16-4096 prefill-fp8-4096; do
                   "$PY" -m profiling.ncu_qsa --shape "$sh" > /dev/null 2>&1
                   step 150 "ncu_source_$sh" ncu --clock-control none --kernel-name regex:tile_kernel --launch-skip 3 \
