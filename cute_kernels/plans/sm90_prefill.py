@@ -473,8 +473,9 @@ def registry_id(q_dtype: str, kv_dtype: str) -> str:
 
 
 def config_family(config: Sm90PrefillConfig) -> str:
-    """A variant's self-check family: :func:`family`, and its second query term, its word-wise V^T
-    transpose, its window / sink features, its persistent schedule or its shared-memory epilogue if any."""
+    """A variant's self-check family: :func:`family`, and its scaled-score softmax (the opt-out), its
+    second query term, its word-wise V^T transpose, its window / sink features, its persistent schedule
+    or its shared-memory epilogue if any."""
     features = "+".join(name for name, on in (("scaled_softmax", not config.lean_softmax),
                                               ("two_term", config.q_terms == 2),
                                               ("vt_words", config.vt_transpose != default_vt_transpose(config.kind)),
