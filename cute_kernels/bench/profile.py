@@ -194,19 +194,18 @@ def tuning_fields(what: str, text: str, shape: dict) -> dict[str, Any]:
     try:
         fields = parse_fields(text, ",", field_value)
         backend = fields.get("backend")
-        if what == "decode":
+        kv = "fp8_e4m3" if shape["kv"] == "fp8" else "bf16"
+        if what == "decode":  # the ops' own kernel selection, for the GPU the command needs
             from cute_kernels.ops import paged_decode
 
-            kernel = paged_decode.BACKENDS.get(backend, "sm90.decode")
-            paged_decode.check_tuning_override(kernel, fields)
+            kernel = paged_decode.decode_kernel("sm_90a", "bf16", kv, backend)
+            paged_decode.check_tuning_override(kernel.id, fields)
         elif fields:
             from cute_kernels.ops import paged_prefill
 
-            fp8_query = shape["q"] != "bf16"
-            if backend is not None and backend in paged_prefill.BACKENDS and fp8_query:
-                raise ValueError(f"backend={backend!r} takes no FP8 query (the shape's q={shape['q']})")
-            kernel = paged_prefill.BACKENDS.get(backend, "sm90.prefill_fp8q" if fp8_query else "sm90.prefill")
-            paged_prefill.check_tuning_override(kernel, fields)
+            q = "bf16" if shape["q"] == "bf16" else "fp8_e4m3"
+            kernel = paged_prefill.prefill_kernel("sm_90a", q, kv, shape["Hq"] // shape["Hkv"], backend)
+            paged_prefill.check_tuning_override(kernel.id, fields)
     except (ValueError, TypeError) as e:
         raise ValueError(f"--tuning: {str(e).removeprefix('tuning_override: ')}") from None
     return fields

@@ -230,10 +230,8 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     features = window_left != -1 or sinks is not None  # the portable kernel has neither
     if features and info.id == _PORTABLE and backend is not None:
         raise ValueError(f"backend={backend!r} takes no window or sinks")
-    fields = dict(q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k.dtype), head_dim=D, group=Hq // Hkv,
-                  page_size=page, kv_form="pair" if pair else "single", kv_layout=kv_layout, causal=causal,
-                  write_lse=return_lse, k_scale_tensor=ks_t, v_scale_tensor=vs_t)
-    assert tuple(fields) == _CALL_FIELDS
+    fields = dict(zip(_CALL_FIELDS, (dtype_name(q.dtype), dtype_name(k.dtype), D, Hq // Hkv, page,
+                                     "pair" if pair else "single", kv_layout, causal, return_lse, ks_t, vs_t)))
     config: sm80.Sm80PrefillConfig | plan.Sm90PrefillConfig | sm100.Sm100PrefillConfig
     check_tuning_override(info.id, override)
     if info.id == _PORTABLE:
