@@ -46,10 +46,29 @@ def softmax_step(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_m
     exp2; ``P`` then comes out ``2^p_log2`` times larger (the row sums with it), which
     :func:`reference_shift` takes back before the epilogue.
     docs/design/sm90-prefill.md#the-lean-softmax"""
-    if cutlass.const_expr(fma):
-        _softmax_step_fma(acc_s, cS0, scale, row_max, row_sum, masked, limit, col0, alpha, lower, p_log2)
-    else:
-        _softmax_step_mul(acc_s, cS0, scale, row_max, row_sum, masked, limit, col0, alpha, lower)
+    tile_max = _masked_tile_max(acc_s, cS0, scale, masked, limit, col0, lower, not fma)
+    # per row: the shift P takes (fma: negated, with 2^p_log2 folded in), alpha, the running state
+    shift = cute.make_rmem_tensor((ROWS,), Float32)
+    for h in cutlass.range_constexpr(ROWS):
+        t = tile_max[h]
+        for off in (1, 2):
+            t = cute.arch.fmax(t, cute.arch.shuffle_sync_bfly(t, off))
+        if cutlass.const_expr(fma):
+            t = t * scale[h]  # the max of the raw scores, scaled once: -inf stays -inf (scale > 0)
+        new_max = cute.arch.fmax(row_max[h], t)
+        row_shift = new_max if new_max != -Float32.inf else Float32(0.0)
+        alpha[h] = cute.math.exp2(row_max[h] - row_shift, fastmath=True)
+        row_max[h] = new_max
+        row_sum[h] = row_sum[h] * alpha[h]
+        shift[h] = Float32(p_log2) - row_shift if cutlass.const_expr(fma) else row_shift
+    for e in cutlass.range_constexpr(cute.size(acc_s)):
+        h = cS0[e][0] // 8
+        if cutlass.const_expr(fma):
+            p = cute.math.exp2(ffma(acc_s[e], scale[h], shift[h]), fastmath=True)
+        else:
+            p = cute.math.exp2(acc_s[e] - shift[h], fastmath=True)
+        row_sum[h] = row_sum[h] + p
+        acc_s[e] = p
 
 
 @cute.jit
@@ -76,29 +95,6 @@ def _masked_tile_max(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, m
 
 
 @cute.jit
-def _softmax_step_fma(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_max: cute.Tensor,
-                      row_sum: cute.Tensor, masked: cutlass.Constexpr, limit: cute.Tensor, col0,
-                      alpha: cute.Tensor, lower, p_log2: cutlass.Constexpr):
-    tile_max = _masked_tile_max(acc_s, cS0, scale, masked, limit, col0, lower, False)
-    neg_shift = cute.make_rmem_tensor((ROWS,), Float32)
-    for h in cutlass.range_constexpr(ROWS):
-        t = tile_max[h]
-        for off in (1, 2):
-            t = cute.arch.fmax(t, cute.arch.shuffle_sync_bfly(t, off))
-        new_max = cute.arch.fmax(row_max[h], t * scale[h])  # -inf stays -inf (scale > 0)
-        shift = new_max if new_max != -Float32.inf else Float32(0.0)
-        alpha[h] = cute.math.exp2(row_max[h] - shift, fastmath=True)
-        row_max[h] = new_max
-        row_sum[h] = row_sum[h] * alpha[h]
-        neg_shift[h] = Float32(p_log2) - shift
-    for e in cutlass.range_constexpr(cute.size(acc_s)):
-        h = cS0[e][0] // 8
-        p = cute.math.exp2(ffma(acc_s[e], scale[h], neg_shift[h]), fastmath=True)
-        row_sum[h] = row_sum[h] + p
-        acc_s[e] = p
-
-
-@cute.jit
 def reference_shift(row_max: cute.Tensor, p_log2: cutlass.Constexpr):
     """After :func:`softmax_step` with ``fma`` and ``p_log2``: the row sums hold
     ``2^p_log2 * sum exp2(s - max)``, i.e. ``sum exp2(s - (max - p_log2))``, so the max the
@@ -106,28 +102,6 @@ def reference_shift(row_max: cute.Tensor, p_log2: cutlass.Constexpr):
     if cutlass.const_expr(p_log2 != 0):
         for h in cutlass.range_constexpr(ROWS):
             row_max[h] = row_max[h] - Float32(p_log2)
-
-
-@cute.jit
-def _softmax_step_mul(acc_s: cute.Tensor, cS0: cute.Tensor, scale: cute.Tensor, row_max: cute.Tensor,
-                      row_sum: cute.Tensor, masked: cutlass.Constexpr, limit: cute.Tensor, col0,
-                      alpha: cute.Tensor, lower=None):
-    tile_max = _masked_tile_max(acc_s, cS0, scale, masked, limit, col0, lower, True)
-    shift = cute.make_rmem_tensor((ROWS,), Float32)
-    for h in cutlass.range_constexpr(ROWS):
-        t = tile_max[h]
-        for off in (1, 2):
-            t = cute.arch.fmax(t, cute.arch.shuffle_sync_bfly(t, off))
-        new_max = cute.arch.fmax(row_max[h], t)
-        shift[h] = new_max if new_max != -Float32.inf else Float32(0.0)
-        alpha[h] = cute.math.exp2(row_max[h] - shift[h], fastmath=True)
-        row_max[h] = new_max
-        row_sum[h] = row_sum[h] * alpha[h]
-    for e in cutlass.range_constexpr(cute.size(acc_s)):
-        h = cS0[e][0] // 8
-        p = cute.math.exp2(acc_s[e] - shift[h], fastmath=True)
-        row_sum[h] = row_sum[h] + p
-        acc_s[e] = p
 
 
 @cute.jit

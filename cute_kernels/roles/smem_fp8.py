@@ -184,15 +184,12 @@ def pack_p(acc_s: cute.Tensor, tOrP: cute.Tensor, pmap: cutlass.Constexpr, kind:
     """P (fp32, in ``acc_s``) -> the A fragment ``tOrP``: bf16 / fp16 pairs, or e4m3 quads of
     ``P * 2^P_SHIFT`` (``"e4m3_scaled"``: P already carries the factor, from the softmax's exponent)."""
     regs = cute.recast_tensor(tOrP, Int32)
-    if const_expr(kind == "e4m3"):
-        s = Float32(2.0 ** P_SHIFT)
+    if const_expr(kind in ("e4m3", "e4m3_scaled")):
         for r in cutlass.range_constexpr(cute.size(regs)):
-            regs[r] = pack_e4m3x4(acc_s[pmap[4 * r]] * s, acc_s[pmap[4 * r + 1]] * s, acc_s[pmap[4 * r + 2]] * s,
-                                  acc_s[pmap[4 * r + 3]] * s)
-    elif const_expr(kind == "e4m3_scaled"):
-        for r in cutlass.range_constexpr(cute.size(regs)):
-            regs[r] = pack_e4m3x4(acc_s[pmap[4 * r]], acc_s[pmap[4 * r + 1]], acc_s[pmap[4 * r + 2]],
-                                  acc_s[pmap[4 * r + 3]])
+            quad = [acc_s[pmap[4 * r + j]] for j in range(4)]
+            if const_expr(kind == "e4m3"):
+                quad = [x * Float32(2.0 ** P_SHIFT) for x in quad]
+            regs[r] = pack_e4m3x4(*quad)
     else:
         for r in cutlass.range_constexpr(cute.size(regs)):
             regs[r] = pack_16x2(acc_s[pmap[2 * r]], acc_s[pmap[2 * r + 1]], kind)
