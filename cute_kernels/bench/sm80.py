@@ -22,7 +22,7 @@ import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.paged_decode import tuning_override
 from cute_kernels.ops.paged_prefill import tuning_override as prefill_override
-from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D128_TW64S
+from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D128_TW64S, PREFILL_D256_W8
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case, rel_err
 
 from .decode import SHAPES as DECODE_SHAPES
@@ -49,9 +49,12 @@ KV_DTYPES = ("bf16", "fp8")
 # `lean`: the default tiling with the opt-in lean softmax (docs/design/sm80.md#the-lean-softmax-opt-in)
 PREFILL_VARIANTS = {"m1": dict(m_tiles=1), "tw64": dict(m_tiles=1, tw=64, q_regs=False),
                     "lean": dict(lean_softmax=True)}
-# head dim 256 only: the plan's form (`sm80`, `m1`) is PREFILL_D256_TW32X; `tw64` is the one before
-# on SM90, `tw16` the one before elsewhere (per-address ldmatrix), docs/design/sm80.md#prefill-tilings-measured
-PREFILL_D256_VARIANTS = {"tw16": dict(m_tiles=1, tw=16)}
+# head dim 256 only: the plan's form on SM90 (`sm80`, `m1`) is PREFILL_D256_TW32X, `tw16` the one
+# before (per-address ldmatrix); `a100` the four-warp form with its ring sized for sm_80 and `w8`
+# sm_80's default (PREFILL_D256_W8; one CTA per SM on the H200 as on the A100); `w8t64` eight warps
+# with two 64-token stages (192 KB: the 227 KB targets only), docs/design/sm80.md#eight-warps-at-head-dim-256
+PREFILL_D256_VARIANTS = {"tw16": dict(m_tiles=1, tw=16), "a100": dict(smem_target="sm_80"), "w8": PREFILL_D256_W8,
+                         "w8t64": dict(PREFILL_D256_W8, tw=64)}
 # head dim 128 only: 128-row CTAs with 64-token stages (FA2's 128 x 64 tile), and the same with the
 # row statistics in shared memory and the one-base gather (spill-free on the SM80-class targets),
 # docs/design/sm80.md#64-token-stages-at-head-dim-128

@@ -149,8 +149,7 @@ class _Sm80Common(KernelConfig):
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA (see the kernels' storage structs)."""
-        return smem_bytes(self.head_dim, 1 if self.fp8 else 2, self.tile, self.stages, self.rows, self.warps_n,
-                          self.m_tiles)
+        return smem_bytes(self.head_dim, 1 if self.fp8 else 2, self.tile, self.stages, self.rows, self.warps_n)
 
     def _caches(self):
         return kv_cache_args(self.kv_form, self.kv_layout, self.kv_dtype, self.page_size, self.head_dim)
@@ -159,13 +158,13 @@ class _Sm80Common(KernelConfig):
         return scale_arg("k_scale", self.k_scale_tensor), scale_arg("v_scale", self.v_scale_tensor)
 
 
-def smem_bytes(D: int, kv_bytes: int, tile: int, stages: int, rows: int, warps_n: int, m_tiles: int = 1) -> int:
+def smem_bytes(D: int, kv_bytes: int, tile: int, stages: int, rows: int, warps_n: int) -> int:
     """Shared memory of a CTA: the K/V ring (which the fp32 merge rows overlay after the main
-    loop; with two or more tiles per warp they overlay the staged query rows as well, as
+    loop; in CTAs of more than 64 rows they overlay the staged query rows as well, as
     ``roles.warp_attention.engine_for`` lays them out), the staged query rows, the per-row
     statistics and logit scales, alignment padding."""
     q = (rows * D * 2 + 1023) // 1024 * 1024
-    merge = warps_n * rows * (D + 4) * 4 - (rows * D * 2 if m_tiles > 1 else 0)
+    merge = warps_n * rows * (D + 4) * 4 - (rows * D * 2 if rows > 64 else 0)
     ring = max(stages * 2 * tile * D * kv_bytes, merge)
     ring = (ring + 1023) // 1024 * 1024
     return ring + q + ((2 * warps_n + 1) * rows + rows) * 4
@@ -233,7 +232,9 @@ DECODE_FP8_TW = 32
 # one ldmatrix base per operand from head dim 128 on: D 256 reaches the read roofline with it, FP8 at
 # D 128 is as fast or faster, at D 64 it was slower (docs/design/sm80.md#defaults)
 DECODE_XOR_MIN_HEAD_DIM = 128
-# but not for 16-bit caches at D 128 here: ptxas spills their split build (20 STL) with it
+# but not for 16-bit caches at D 128 and one query token here: ptxas spills their split build at GQA 8
+# with it (10 STL), and the per-address build of q_len 2 at GQA 4 (10-12 STL), every layout and
+# container (docs/design/sm80.md#the-swizzle-per-row-length)
 DECODE_XOR_16BIT_D128_SPILL_TARGETS = ("sm_100a", "sm_103a")
 
 
@@ -271,12 +272,13 @@ def decode_tiling(target: str, kv_dtype: str, head_dim: int, rows: int) -> dict:
     return dict(best[1], q_regs=head_dim <= 128)
 
 
-def decode_ldsm_xor(target: str, kv_dtype: str, head_dim: int) -> bool:
+def decode_ldsm_xor(target: str, kv_dtype: str, head_dim: int, q_len: int) -> bool:
     """The decode's default ``ldmatrix`` addressing on compile target ``target`` (a spill is a
     fact of the target's ptxas, not of the ring's shared memory)."""
     if head_dim < DECODE_XOR_MIN_HEAD_DIM:
         return False
-    return not (head_dim == 128 and kv_dtype != "fp8_e4m3" and target in DECODE_XOR_16BIT_D128_SPILL_TARGETS)
+    return not (head_dim == 128 and kv_dtype != "fp8_e4m3" and q_len == 1
+                and target in DECODE_XOR_16BIT_D128_SPILL_TARGETS)
 
 
 def fit_stages(target: str, cfg_fields: dict, ctas_per_sm: int, max_stages: int) -> int | None:
@@ -287,7 +289,7 @@ def fit_stages(target: str, cfg_fields: dict, ctas_per_sm: int, max_stages: int)
     rows = 16 * cfg_fields["m_tiles"] * cfg_fields["warps_m"]
     budget = min(hw.max_smem_per_cta(target), hw.SMEM_PER_SM_OF[target] // ctas_per_sm - hw.SMEM_RESERVED_PER_CTA)
     fits = [s for s in range(2, max_stages + 1)
-            if smem_bytes(D, kvb, tile, s, rows, cfg_fields["warps_n"], cfg_fields["m_tiles"]) <= budget]
+            if smem_bytes(D, kvb, tile, s, rows, cfg_fields["warps_n"]) <= budget]
     return max(fits) if fits else None
 
 
@@ -316,7 +318,7 @@ def make_decode_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: in
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
     override = dict(override)
     fields.update(decode_tiling(_smem_target(override, target), kv_dtype, head_dim, group * q_len))
-    fields["ldsm_xor"] = decode_ldsm_xor(target, kv_dtype, head_dim)
+    fields["ldsm_xor"] = decode_ldsm_xor(target, kv_dtype, head_dim, q_len)
     fields.update(override)
     return Sm80DecodeConfig(**fields)
 
@@ -441,19 +443,24 @@ PREFILL_M2_MAX_HEAD_DIM = 128
 # the 64-row CTA, the 128-row one with 16-token stages at D 128 is an unmeasured override
 # (docs/design/sm80.md#defaults)
 PREFILL_M2_TW32_TARGETS = ("sm_80", "sm_86", "sm_90a")
-# 64-token stages at D 256 (one CTA of three 64 KB stages per SM: 1.15x the 16-token ring on the
-# H200) for lean variants with 16-bit caches where they fit and ptxas keeps them: not sm_100a /
-# sm_103a (35-89 STL), not FP8 caches or the other variants (4-17 STL) (docs/design/sm80.md#defaults)
-PREFILL_D256_TW64_TARGETS = ("sm_90a",)
 # head dim 256, the default: 32-token stages with one ldmatrix base per operand (1.23x the 64-token
 # ring on the H200). Two stages take 97 KB, so two CTAs (eight warps) share a 227 KB SM, FA2's H100
 # occupancy at this head dim; the one-base addressing keeps the build spill-free where the
 # per-address one needs 254 registers (docs/design/sm80.md#prefill-tilings-measured)
 PREFILL_D256_TW32X: dict[str, Any] = dict(m_tiles=1, tw=32, ldsm_xor=True)
-# where ptxas spills it, the form before stays the default: a 16-bit cache at page 32 (3-32 STL; not
-# on sm_80), a 16-bit cache with scale tensors on sm_120a / sm_121a (1 STL) (docs/design/sm80.md#head-dim-256-prefill)
+# where ptxas spills it, the 16-token form before stays the default: a 16-bit cache at page 32 (3-32
+# STL; not on sm_80), a 16-bit cache with scale tensors on sm_120a / sm_121a (1 STL)
+# (docs/design/sm80.md#head-dim-256-prefill)
 PREFILL_D256_TW32X_PAGE32_SPILL_TARGETS = tuple(t for t in TARGETS if t != "sm_80")
 PREFILL_D256_TW32X_SCALES_SPILL_TARGETS = ("sm_120a", "sm_121a")
+# head dim 256 on sm_80: eight warps of one 16-row tile (128-row CTAs, Q and the merge rows sharing
+# their shared memory), 32-token stages, a two-stage ring: one CTA of eight warps per SM where the
+# four-warp form's 132 KB ring left one CTA of four. 1.42x it with the rings sized for sm_80 on the
+# H200 (one CTA per SM there too). Lean variants with 16-bit caches, spill-free at every page size
+# and GQA; the 99 KB targets cannot hold its 64 KB of Q beside a ring
+# (docs/design/sm80.md#eight-warps-at-head-dim-256)
+PREFILL_D256_W8: dict[str, Any] = dict(warps_m=8, m_tiles=1, tw=32, stages=2, q_regs=False, ldsm_xor=True)
+PREFILL_D256_W8_TARGETS = ("sm_80",)
 # head dim 128, an override: 128-row CTAs with 64-token stages, FA2's 128 x 64 tile of four warps,
 # half the per-token softmax, O-rescale and barrier work of the 32-token default (1.14-1.15x it on the
 # H200). It sits at 255 registers: spill-free only for BF16 caches at GQA 4, page 16 on sm_90a (the
@@ -470,11 +477,12 @@ PREFILL_D128_TW64S_TARGETS: dict[str, tuple[str, ...]] = {
     "bf16": ("sm_80", "sm_86", "sm_89", "sm_90a"), "fp16": ("sm_80", "sm_86", "sm_89", "sm_90a"),
     "fp8_e4m3": ("sm_86", "sm_89")}
 # the D 128 default for lean variants on sm_86 / sm_89, where it is spill-free and runs one CTA per
-# SM as the 32-token form did; sm_80 keeps the 32-token 128-row CTA (two CTAs per SM there, this form
-# one: unmeasured), sm_90a too (the plan sends sm80.prefill only what sm90.prefill refuses there),
-# the other variants their 64-row CTA (without the causal mask, with an FP8 cache and the LSE or in
-# combinations 1-7 STL) (docs/design/sm80.md#defaults)
-PREFILL_D128_TW64S_DEFAULT_TARGETS = ("sm_86", "sm_89")
+# SM as the 32-token form did, and on sm_90a (16-bit caches; 1.12-1.15x the 32-token 128-row CTA
+# there, and the H200 then runs the build the SM86 / SM89 default is); sm_80 keeps the 32-token
+# 128-row CTA (two CTAs per SM at its 164 KB, where this form's one is 8-19 % slower, measured with
+# the rings sized for sm_80), the other variants their 64-row CTA (without the causal mask, with an
+# FP8 cache and the LSE or in combinations 1-7 STL) (docs/design/sm80.md#defaults)
+PREFILL_D128_TW64S_DEFAULT_TARGETS = ("sm_86", "sm_89", "sm_90a")
 # the fields PREFILL_D128_TW64S adds to the PREFILL_D128_TW64 tiling
 _D128_MARGIN = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}
 
@@ -495,6 +503,13 @@ def prefill_d256_tw32x(target: str, kv_dtype: str, page_size: int, scale_tensors
                 or (scale_tensors and target in PREFILL_D256_TW32X_SCALES_SPILL_TARGETS))
 
 
+def prefill_d256_w8(target: str, kv_dtype: str, lean: bool) -> bool:
+    """Whether the head-dim-256 default on compile target ``target`` is ``PREFILL_D256_W8``: lean
+    variants with 16-bit caches on ``PREFILL_D256_W8_TARGETS`` (where the ring sized for the
+    target holds it)."""
+    return lean and kv_dtype != "fp8_e4m3" and target in PREFILL_D256_W8_TARGETS
+
+
 def prefill_d128_tw64s(target: str, kv_dtype: str, lean: bool) -> bool:
     """Whether the head-dim-128 default on compile target ``target`` is ``PREFILL_D128_TW64S``: for
     lean variants on ``PREFILL_D128_TW64S_DEFAULT_TARGETS`` wherever ptxas keeps it without spills
@@ -503,14 +518,15 @@ def prefill_d128_tw64s(target: str, kv_dtype: str, lean: bool) -> bool:
 
 
 def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | None = None, tw: int | None = None,
-                   lean: bool = True, d256_x: bool = False, d128_s: bool = False) -> dict:
+                   lean: bool = True, d256_x: bool = False, d128_s: bool = False, d256_w8: bool = False) -> dict:
     """FA2-style prefill tiling on ``target``: four warps of ``m_tiles`` 16-row tiles each, each
     warp reading the whole stage; the deepest ring (2 or 3 stages) that lets two CTAs share an
     SM, else one. ``m_tiles``, ``tw``: the plan's unless given (the fit is for the given ones).
     ``d256_x``: :func:`prefill_d256_tw32x` of the variant (32-token stages with one ``ldmatrix``
-    base at D 256; without it the 16- or 64-token ring with per-address ``ldmatrix``). ``d128_s``:
+    base at D 256; without it the 16-token ring with per-address ``ldmatrix``). ``d128_s``:
     :func:`prefill_d128_tw64s` of the variant (at D 128 with neither ``m_tiles`` nor ``tw`` given:
-    ``PREFILL_D128_TW64S``).
+    ``PREFILL_D128_TW64S``). ``d256_w8``: :func:`prefill_d256_w8` of the variant (at D 256 with
+    neither given: the eight warps of ``PREFILL_D256_W8`` where their ring fits ``target``).
 
     ``m_tiles=2`` (the default up to D 128 for ``lean`` variants on ``PREFILL_M2_TW32_TARGETS``,
     with 64-token stages where ``d128_s``): 128 rows per CTA. O takes 128 registers at D 128, so
@@ -518,9 +534,14 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
     steps from one base per operand;
     32-token stages, 16 at D 128 off those (an override only). ``m_tiles=1`` (the default
     elsewhere): 64 rows per CTA, Q in registers up to D 128, 32-token stages (at D 256, where O
-    alone takes 128 registers, with one ``ldmatrix`` base where ``d256_x``, else 16, or 64 for lean
-    variants with 16-bit caches on ``PREFILL_D256_TW64_TARGETS``). ``lean``: :func:`prefill_lean`
-    (docs/design/sm80.md#128-row-ctas)."""
+    alone takes 128 registers, with one ``ldmatrix`` base where ``d256_x``, else 16). ``lean``:
+    :func:`prefill_lean` (docs/design/sm80.md#128-row-ctas)."""
+    no_margin = {k: False for k in _D128_MARGIN}
+    if d256_w8 and head_dim == 256 and m_tiles is None and tw is None:
+        w8 = {k: PREFILL_D256_W8[k] for k in ("warps_m", "m_tiles", "tw")}
+        if fit_stages(target, dict(kv_dtype=kv_dtype, head_dim=256, warps_n=1, **w8), 1,
+                      PREFILL_D256_W8["stages"]) == PREFILL_D256_W8["stages"]:
+            return dict(warps_n=1, **PREFILL_D256_W8, **no_margin)
     m2_tw32 = lean and target in PREFILL_M2_TW32_TARGETS
     margin = d128_s and head_dim == 128 and m_tiles is None and tw is None
     if margin:
@@ -534,9 +555,6 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
         tw = 16 if head_dim == 256 and not d256_x else 32
         if m_tiles == 2 and head_dim == 128 and not m2_tw32:
             tw = 16
-        if (head_dim == 256 and not d256_x and lean and kv_dtype != "fp8_e4m3"
-                and target in PREFILL_D256_TW64_TARGETS):
-            tw = 64
     fields = dict(kv_dtype=kv_dtype, head_dim=head_dim, warps_m=4, warps_n=1, m_tiles=m_tiles, tw=tw)
     for ctas in (PREFILL_CTAS_PER_SM, 1):
         stages = fit_stages(target, fields, ctas, PREFILL_MAX_STAGES)
@@ -546,7 +564,7 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
         raise ValueError(f"no prefill tiling of D {head_dim} with {tw}-token stages fits {target}'s shared memory")
     # the PREFILL_D128_TW64S fields: the default's where d128_s, else an override's (every form
     # derived from a variant with m_tiles or tw given leaves them off)
-    off = {k: (v if margin else False) for k, v in _D128_MARGIN.items()}
+    off = dict(_D128_MARGIN) if margin else no_margin
     if m_tiles == 2:
         return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True, **off)
     return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128,
@@ -571,8 +589,9 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
                         v_scale_tensor=v_scale_tensor, kv_form=kv_form)
     d256_x = head_dim == 256 and prefill_d256_tw32x(target, kv_dtype, page_size, k_scale_tensor or v_scale_tensor)
     d128_s = head_dim == 128 and prefill_d128_tw64s(target, kv_dtype, lean)
+    d256_w8 = head_dim == 256 and prefill_d256_w8(target, kv_dtype, lean)
     fields.update(prefill_tiling(_smem_target(override, target), kv_dtype, head_dim, override.get("m_tiles"),
-                                 override.get("tw"), lean, d256_x, d128_s))
+                                 override.get("tw"), lean, d256_x, d128_s, d256_w8))
     fields.update(override)
     return Sm80PrefillConfig(**fields)
 
@@ -595,14 +614,6 @@ def old_form(config: KernelConfig) -> KernelConfig:
     assert isinstance(config, Sm80PrefillConfig)
     return replace(config, **prefill_tiling(config.target, config.kv_dtype, config.head_dim, 1,
                                             16 if config.head_dim == 256 else 32))
-
-
-def d256_previous_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
-    """The head-dim-256 prefill the plan chose for ``config``'s variant before ``PREFILL_D256_TW32X``
-    became the default (docs/design/sm80.md#prefill-tilings-measured): 64-token stages for lean
-    variants with 16-bit caches on ``PREFILL_D256_TW64_TARGETS``, else 16-token ones."""
-    assert config.head_dim == 256
-    return replace(config, **prefill_tiling(config.target, config.kv_dtype, 256, None, None, config.lean))
 
 
 def rows128_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
@@ -661,7 +672,7 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     (``cute-kernels compile --arch <target> --kernel sm80.``), each in the plan's default form and
     in the forms the overrides select where they differ from it (``ldsm_xor=False`` for the decode
     from D 128 on; ``m_tiles=1`` with the old stage and ``m_tiles=2`` for the prefill,
-    :func:`d256_tw32x_form` and :func:`d256_previous_form` for each prefill at D 256,
+    :func:`d256_tw32x_form` for each prefill at D 256,
     :func:`d128_tw64_form` for the BF16 D 128
     prefill, lean and with the LSE, and :func:`d128_tw64s_form` for the lean one, where they build
     without spills): decode for
@@ -688,8 +699,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     out += ci_variants()
     rows128: list[KernelConfig] = [rows128_form(c) for c in out
                                    if isinstance(c, Sm80PrefillConfig) and c.head_dim <= PREFILL_M2_MAX_HEAD_DIM]
-    d256: list[KernelConfig] = [form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.head_dim == 256
-                                for form in (d256_tw32x_form, d256_previous_form)]
+    d256: list[KernelConfig] = [d256_tw32x_form(c) for c in out
+                                if isinstance(c, Sm80PrefillConfig) and c.head_dim == 256]
     d128: list[KernelConfig] = [d128_tw64_form(v) for c in out
                                 if isinstance(c, Sm80PrefillConfig) and _d128_tw64_registered(c)
                                 for v in (c, replace(c, write_lse=True))]
@@ -707,12 +718,12 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     on SM80 also the bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90 the shapes
     SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a ring sized for
     99 KB (run on the H200 as the SM86 build's stand-in), an fp16 D 64 prefill, and old forms (the
-    FP8 decode without ``ldsm_xor``, the 64-row BF16 prefill, the 64-token D 256 prefill); the lean
-    128-row prefill with a BF16 cache on SM90 and its 32-token form (the default before
-    ``PREFILL_D128_TW64S``) with an FP8 cache on SM86; the head-dim-256 decode on
-    SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``); the lean BF16 D 256 prefill
-    (``PREFILL_D256_TW32X``, the default) on SM90 (two CTAs per SM), SM86 and SM120 (99 KB; 255
-    registers there); the ``PREFILL_D128_TW64`` override of the lean BF16 D 128 prefill on sm_90a;
+    FP8 decode without ``ldsm_xor``, the 64-row BF16 prefill, the 16-token D 256 prefill); the lean
+    128-row prefill with a BF16 cache on SM90 (``PREFILL_D128_TW64S``, the default there) and its
+    32-token form (the default before ``PREFILL_D128_TW64S``) with an FP8 cache on SM86; the
+    head-dim-256 decode on SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``); the lean BF16
+    D 256 prefill on SM80 (``PREFILL_D256_W8``), SM90 (``PREFILL_D256_TW32X``, two CTAs per SM),
+    SM86 and SM120 (99 KB; 255 registers there); the ``PREFILL_D128_TW64`` override of the lean BF16 D 128 prefill on sm_90a;
     ``PREFILL_D128_TW64S`` (the default there) of the lean D 128 prefill with a BF16 cache on SM80
     and an FP8 cache on SM86."""
     shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
@@ -742,12 +753,12 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
             make_prefill_config(target="sm_90a", q_dtype="fp16", kv_dtype="fp16", head_dim=64, group=1,
                                 page_size=32),
             make_prefill_config(target="sm_90a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,
-                                page_size=16, m_tiles=1, tw=64),
+                                page_size=16, tw=16),
             make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, ldsm_xor=False,
                                **shape),
             make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, m_tiles=1, **shape)]
     d256: dict[str, Any] = dict(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=2, page_size=16)
-    out += [make_prefill_config(target=t, **d256) for t in ("sm_90a", "sm_86")]
+    out += [make_prefill_config(target=t, **d256) for t in ("sm_80", "sm_90a", "sm_86")]
     out.append(make_prefill_config(target="sm_120a", **dict(d256, group=4)))
     out += [make_prefill_config(target=t, kv_dtype="bf16", group=4, **shape, **PREFILL_D128_TW64)
             for t in PREFILL_D128_TW64_TARGETS]

@@ -3,7 +3,7 @@ that is a power of two from 16 to 128 tokens, either cache layout, one 5-D ``[P,
 or a (K, V) pair.
 
 Every thread of the CTA copies ``tile * D * bytes / 16 / threads`` 16-byte chunks of K and as many
-of V per stage. Token rows are stored at ``D * bytes`` bytes each with the 128-byte XOR swizzle
+of V per stage. Token rows are stored at ``D * bytes`` bytes each with the XOR swizzle of their length
 (:func:`swizzle`), K first, then V, one stage after the other. A
 row past ``limit`` (the sequence's end, or what the CTA's queries can see), of a page past the
 block-table row, or of a page id outside ``[0, P)`` is zero-filled and never read: stale cache
@@ -22,12 +22,27 @@ from cutlass import Int32, Int64, const_expr
 from .fragments import cp_async_zfill_16_at
 
 
-def swizzle(byte_offset):
-    """(Traced or int.) The 128-byte XOR swizzle of a byte offset from a 1024-byte aligned base:
-    the 16-byte chunk within each 128-byte line is XORed with the line index mod 8. Eight rows
-    read at the same column (``ldmatrix``) then hit eight different bank groups, whatever the row
-    length (64, 128, 256 or 512 bytes)."""
-    return byte_offset ^ (((byte_offset >> 7) & 7) << 4)
+def swizzle_shift(row_bytes: int) -> int:
+    """log2 of the span whose index mod 8 picks a 16-byte chunk's XOR: the 128-byte line for rows
+    of up to 128 bytes, else the row. Rows of 256 or 512 bytes swizzled by their 128-byte line would
+    put rows r and r + 4 (r + 2) under one XOR, a 2-way (4-way) bank conflict on every ``ldmatrix``
+    (docs/design/sm80.md#the-swizzle-per-row-length)."""
+    return max(row_bytes, 128).bit_length() - 1
+
+
+def swizzle_period(row_bytes: int) -> int:
+    """Bytes after which :func:`swizzle` repeats (eight of its spans): a region base or a row step
+    that is a multiple of it leaves the swizzled bits alone."""
+    return 8 << swizzle_shift(row_bytes)
+
+
+def swizzle(byte_offset, row_bytes: int):
+    """(Traced or int.) The XOR swizzle of a byte offset into ``row_bytes``-byte rows (a power of
+    two, 64 to 512) from a region base aligned to ``max(row_bytes, 128)``: the 16-byte chunk within
+    each 128-byte line is XORed with the line index mod 8 (rows of up to 128 bytes) or the row
+    index mod 8 (longer rows). Eight consecutive rows read at the same column (``ldmatrix``) then
+    hit eight different bank groups, whatever the row length."""
+    return byte_offset ^ (((byte_offset >> swizzle_shift(row_bytes)) & 7) << 4)
 
 
 def cache_views(mKc, mVc, kv_form: str, kv_layout: str):
@@ -48,8 +63,8 @@ def cache_views(mKc, mVc, kv_form: str, kv_layout: str):
 class PagedKVGather:
     """Static geometry of the gather: ``tile`` tokens per stage, head dim ``D``, ``kv_bytes`` per
     element, ``threads`` copying, ``page`` tokens per page. ``one_base``: a thread's shared-memory
-    destinations are one swizzled base plus immediate row steps (a row step of whole 1024-byte
-    swizzle periods leaves the swizzled bits alone), not one swizzled address per row that ptxas
+    destinations are one swizzled base plus immediate row steps (a row step of whole swizzle
+    periods leaves the swizzled bits alone), not one swizzled address per row that ptxas
     hoists out of the main loop (docs/design/sm80.md#64-token-stages-at-head-dim-128)."""
 
     def __init__(self, tile: int, D: int, kv_bytes: int, threads: int, page: int, one_base: bool = False):
@@ -64,9 +79,11 @@ class PagedKVGather:
         if tile % self.step:
             raise ValueError(f"tile {tile} is not a multiple of the row step {self.step}")
         self.tile_bytes = tile * self.row_bytes
-        if one_base and ((self.step * self.row_bytes) % 1024 or self.chunks_per_row_thread != 1):
-            raise ValueError(f"one_base needs a row step of whole 1024-byte swizzle periods and one chunk per "
-                             f"row and thread, not {self.step} rows of {self.row_bytes} bytes")
+        if one_base and ((self.step * self.row_bytes) % swizzle_period(self.row_bytes)
+                         or self.chunks_per_row_thread != 1):
+            raise ValueError(f"one_base needs a row step of whole {swizzle_period(self.row_bytes)}-byte swizzle "
+                             f"periods and one chunk per row and thread, not {self.step} rows of "
+                             f"{self.row_bytes} bytes")
         self.one_base = one_base
         self.stage_bytes = 2 * self.tile_bytes
 
@@ -116,8 +133,9 @@ class PagedKVGather:
                     src_t = mK if const_expr(which == 0) else mV
                     src = (src_t.iterator + cute.crd2idx((slot, d, kv_head, safe), src_t.layout)).toint()
                     if const_expr(self.one_base):
-                        dst = (smem_base + swizzle(r0 * self.row_bytes + c * 16)
+                        dst = (smem_base + swizzle(r0 * self.row_bytes + c * 16, self.row_bytes)
                                + (which * self.tile_bytes + self.step * k * self.row_bytes))
                     else:
-                        dst = smem_base + which * self.tile_bytes + swizzle(row * self.row_bytes + c * 16)
+                        dst = (smem_base + which * self.tile_bytes
+                               + swizzle(row * self.row_bytes + c * 16, self.row_bytes))
                     cp_async_zfill_16_at(dst, Int64(src), nbytes, 0, 0)

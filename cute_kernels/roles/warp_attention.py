@@ -28,7 +28,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
 from ..jit.dtypes import cute_dtype
-from .cp_async_pages import PagedKVGather, swizzle
+from .cp_async_pages import PagedKVGather, swizzle, swizzle_period
 from .fragments import (
     WIDEN_SHIFT_LOG2,
     cvt_e4m3x4_f16,
@@ -195,8 +195,8 @@ class WarpTileAttention:
                     store_shared_b32x4(sq_base + self.q_blocked(r, c, 1), words[4], words[5], words[6], words[7])
                 else:
                     base = r * self.q_row_bytes + c * 32
-                    store_shared_b32x4(sq_base + swizzle(base), words[0], words[1], words[2], words[3])
-                    store_shared_b32x4(sq_base + swizzle(base + 16), words[4], words[5], words[6], words[7])
+                    store_shared_b32x4(sq_base + self.q_swizzle(base), words[0], words[1], words[2], words[3])
+                    store_shared_b32x4(sq_base + self.q_swizzle(base + 16), words[4], words[5], words[6], words[7])
                 if c == 0:
                     sScale[r] = logit_scale * cute.math.exp2(-Float32(e_shift), fastmath=False)
 
@@ -256,6 +256,14 @@ class WarpTileAttention:
         """(Traced.) CTA row of this thread's row slot (m-tile ``mt``, half ``h``)."""
         return (wm * self.m_tiles + mt) * 16 + lane // 4 + 8 * h
 
+    def kv_swizzle(self, byte_offset):
+        """(Traced.) :func:`swizzle` of an offset into a staged K or V tile."""
+        return swizzle(byte_offset, self.kv_row_bytes)
+
+    def q_swizzle(self, byte_offset):
+        """(Traced.) :func:`swizzle` of an offset into the staged Q rows (not k-blocked)."""
+        return swizzle(byte_offset, self.q_row_bytes)
+
     def ldsm_lane(self, lane, row_bytes: int, rows_by_mi_low: bool):
         """(Traced.) Swizzled offset of this lane's ``ldmatrix`` row within a 16-row block at
         column block 0: row ``lane % 8`` of matrix ``mi = lane // 8``, whose row half (8 rows) and
@@ -263,17 +271,17 @@ class WarpTileAttention:
         other way round."""
         mi = lane // 8
         rh, ch = (mi % 2, mi // 2) if rows_by_mi_low else (mi // 2, mi % 2)
-        return swizzle((rh * 8 + lane % 8) * row_bytes + ch * 16)
+        return swizzle((rh * 8 + lane % 8) * row_bytes + ch * 16, row_bytes)
 
     def ldsm_address(self, base, row_bytes: int, rows16: int, col_bytes: int):
         """(Traced.) ``base`` (a 1024-byte aligned region plus :meth:`ldsm_lane`, plus whole
         16-row blocks) moved by ``rows16`` 16-row blocks and ``col_bytes`` (a multiple of 32,
-        below ``row_bytes``). The swizzle is linear over XOR, and neither a 16-row block (a
-        multiple of 8 lines of 128 bytes) nor the region base touches the bits it mixes, so the
+        below ``row_bytes``). The swizzle is linear over XOR, and neither a 16-row block (whole
+        swizzle periods) nor the region base touches the bits it mixes, so the
         column step is one XOR with a constant and the row step an immediate: an operand needs
         one live register, not one per address (docs/design/sm80.md#128-row-ctas)."""
-        assert (16 * row_bytes) % 1024 == 0 and col_bytes % 32 == 0 and col_bytes < row_bytes
-        return (base ^ swizzle(col_bytes)) + rows16 * 16 * row_bytes
+        assert (16 * row_bytes) % swizzle_period(row_bytes) == 0 and col_bytes % 32 == 0 and col_bytes < row_bytes
+        return (base ^ swizzle(col_bytes, row_bytes)) + rows16 * 16 * row_bytes
 
     def q_blocked(self, r, kb, half):
         """(Traced or int.) Byte offset of the 16-byte half ``half`` of row ``r``'s 16 columns of
@@ -301,7 +309,7 @@ class WarpTileAttention:
             else:
                 row = (wm * self.m_tiles + mt) * 16 + (mi % 2) * 8 + lane % 8
                 col = kb * 16 + (mi // 2) * 8
-                r = ldmatrix_x4(sq_base + swizzle(row * self.q_row_bytes + col * 2), False)
+                r = ldmatrix_x4(sq_base + self.q_swizzle(row * self.q_row_bytes + col * 2), False)
             for j in cutlass.range_constexpr(4):
                 regs[j + 4 * mt + 4 * self.m_tiles * slot] = r[j]
 
@@ -329,7 +337,7 @@ class WarpTileAttention:
                     else:
                         row = wn * self.tw + n16 * 16 + (mi % 2) * 8 + lane % 8
                         col = kb2 * 32 + (mi // 2) * 16
-                        r = ldmatrix_x4(k_base + swizzle(row * self.kv_row_bytes + col), False)
+                        r = ldmatrix_x4(k_base + self.kv_swizzle(row * self.kv_row_bytes + col), False)
                     for j in cutlass.range_constexpr(4):
                         lo, hi = self.widen(r[j], False)
                         base = 2 * (2 * n16 + j % 2) + 2 * nt * (j // 2)
@@ -349,7 +357,7 @@ class WarpTileAttention:
                     else:
                         row = wn * self.tw + n16 * 16 + (mi // 2) * 8 + lane % 8
                         col = kb * 16 + (mi % 2) * 8
-                        r = ldmatrix_x4(k_base + swizzle(row * self.kv_row_bytes + col * 2), False)
+                        r = ldmatrix_x4(k_base + self.kv_swizzle(row * self.kv_row_bytes + col * 2), False)
                     for j in cutlass.range_constexpr(4):
                         regs[2 * (2 * n16 + j // 2) + j % 2] = r[j]
                 self.gemm_qk(atom, acc_s, tSrQ, bK, sq_base, wm, lane, kb, 0)
@@ -468,7 +476,7 @@ class WarpTileAttention:
                                                           kb, dc2 * 32), True)
                     else:
                         col = dc2 * 32 + (mi // 2) * 16
-                        r = ldmatrix_x4(v_base + swizzle(row * self.kv_row_bytes + col), True)
+                        r = ldmatrix_x4(v_base + self.kv_swizzle(row * self.kv_row_bytes + col), True)
                     for half in cutlass.range_constexpr(2):  # 16-dim chunk 2 dc2 + half
                         bV = cute.make_rmem_tensor(((2, 2), 2, 1), self.mma_dtype)
                         regs = cute.recast_tensor(bV, Int32)
@@ -485,7 +493,7 @@ class WarpTileAttention:
                                                           kb, dc * 32), True)
                     else:
                         col = dc * 16 + (mi // 2) * 8
-                        r = ldmatrix_x4(v_base + swizzle(row * self.kv_row_bytes + col * 2), True)
+                        r = ldmatrix_x4(v_base + self.kv_swizzle(row * self.kv_row_bytes + col * 2), True)
                     bV = cute.make_rmem_tensor(((2, 2), 2, 1), self.mma_dtype)
                     regs = cute.recast_tensor(bV, Int32)
                     for j in cutlass.range_constexpr(4):
@@ -626,8 +634,9 @@ def engine_for(cfg):
     gather = PagedKVGather(engine.tile, cfg.head_dim, engine.kv_bytes, engine.threads, cfg.page_size,
                            one_base=cfg.gather_one_base)
     ring = cfg.stages * gather.stage_bytes
-    if cfg.m_tiles > 1:
-        # two tiles per warp double the merge rows; Q, dead after the main loop, lies right after
-        # the ring (both 1024-byte aligned), so the merge rows overlay both (the plan's smem_bytes)
+    if engine.rows > 64:
+        # 128 rows (two tiles per warp, or eight warps) double the merge rows; Q, dead after the
+        # main loop, lies right after the ring (both 1024-byte aligned), so the merge rows overlay
+        # both (the plan's smem_bytes)
         return engine, gather, (max(ring, engine.merge_bytes - engine.q_bytes) + 1023) // 1024 * 1024
     return engine, gather, max(ring, engine.merge_bytes)

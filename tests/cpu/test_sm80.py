@@ -27,6 +27,7 @@ from cute_kernels.plans.sm80 import (
     make_prefill_config,
     mma_dtype,
     prefill_d128_tw64s,
+    prefill_d256_w8,
 )
 from cute_kernels.roles.fragments import WIDEN_BITS, WIDEN_SHIFT_LOG2, q_permutation
 
@@ -117,10 +118,11 @@ def test_every_target_gets_configs_within_its_shared_memory(target, kv, D):
             assert c.pdl == (target in PDL_TARGETS)
     p = make_prefill_config(target=target, q_dtype="bf16", kv_dtype=kv, head_dim=D, group=4, page_size=16)
     # 128-row CTAs where measured (lean variants up to D 128 on PREFILL_M2_TW32_TARGETS, at D 128 with
-    # 64-token stages where prefill_d128_tw64s), else 64 rows
+    # 64-token stages where prefill_d128_tw64s, eight warps at D 256 where prefill_d256_w8), else 64 rows
     assert p.smem_bytes() <= hw.max_smem_per_cta(target)
     tw64s = D == 128 and prefill_d128_tw64s(target, kv, True)
-    assert p.rows == (128 if D <= 128 and (target in PREFILL_M2_TW32_TARGETS or tw64s) else 64)
+    w8 = D == 256 and prefill_d256_w8(target, kv, True)
+    assert p.rows == (128 if (D <= 128 and (target in PREFILL_M2_TW32_TARGETS or tw64s)) or w8 else 64)
     assert (p.tw == 64) == tw64s
     lse = make_prefill_config(target=target, q_dtype="bf16", kv_dtype=kv, head_dim=D, group=4, page_size=16,
                               write_lse=True)

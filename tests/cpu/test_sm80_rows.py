@@ -19,13 +19,13 @@ from cute_kernels.plans.sm80 import (
     PREFILL_D128_TW64,
     PREFILL_D128_TW64_TARGETS,
     PREFILL_D256_TW32X,
-    PREFILL_D256_TW64_TARGETS,
+    PREFILL_D256_W8,
+    PREFILL_D256_W8_TARGETS,
     PREFILL_M2_TW32_TARGETS,
     TARGETS,
     ci_variants,
     compile_variants,
     d128_tw64_form,
-    d256_previous_form,
     d256_tw32x_form,
     make_decode_config,
     make_prefill_config,
@@ -35,7 +35,7 @@ from cute_kernels.plans.sm80 import (
     prefill_d256_tw32x,
     rows128_form,
 )
-from cute_kernels.roles.cp_async_pages import swizzle
+from cute_kernels.roles.cp_async_pages import swizzle, swizzle_period
 from cute_kernels.roles.warp_attention import WarpTileAttention, engine_for
 
 LANES = range(32)
@@ -73,10 +73,34 @@ def test_kv_addresses_equal_the_swizzled_ones(D, kv, tw, tiling):
                     row, col = wn * tw + n16 * 16 + (mi % 2) * 8 + lane % 8, cb * 32 + (mi // 2) * 16
                 else:
                     row, col = wn * tw + n16 * 16 + (mi // 2) * 8 + lane % 8, cb * 32 + (mi % 2) * 16
-                assert eng.ldsm_address(k_lane, rb, n16, cb * 32) == stage + swizzle(row * rb + col)
+                assert eng.ldsm_address(k_lane, rb, n16, cb * 32) == stage + swizzle(row * rb + col, rb)
                 v_row, v_col = wn * tw + n16 * 16 + (mi % 2) * 8 + lane % 8, cb * 32 + (mi // 2) * 16
                 assert (eng.ldsm_address(v_lane, rb, n16, cb * 32)
-                        == stage + eng.tile * rb + swizzle(v_row * rb + v_col))
+                        == stage + eng.tile * rb + swizzle(v_row * rb + v_col, rb))
+
+
+@pytest.mark.parametrize("row_bytes", [64, 128, 256, 512])
+def test_swizzle_spreads_eight_rows_over_eight_bank_groups(row_bytes):
+    """Eight consecutive rows from a multiple of eight (an ``ldmatrix`` matrix) read at one
+    16-byte column land in eight distinct 16-byte bank groups, for every row length the
+    kernels stage (64-byte FP8 rows at D 64 up to 512-byte 16-bit rows at D 256): no bank
+    conflict. The swizzle is a bijection of each period onto itself."""
+    period = swizzle_period(row_bytes)
+    for first in range(0, 2 * period // row_bytes, 8):
+        for col in range(0, row_bytes, 16):
+            groups = {swizzle((first + r) * row_bytes + col, row_bytes) % 128 // 16 for r in range(8)}
+            assert len(groups) == 8, (row_bytes, first, col)
+    assert sorted(swizzle(o, row_bytes) for o in range(0, period, 16)) == list(range(0, period, 16))
+
+
+def test_swizzle_keeps_the_line_form_up_to_128_byte_rows():
+    """Rows of up to 128 bytes keep the 128-byte line's XOR (their builds unchanged); longer rows
+    XOR with the row index, not the line index (which repeats every 4 or 2 rows of them)."""
+    for o in range(0, 4096, 16):
+        line = o ^ (((o >> 7) & 7) << 4)
+        assert swizzle(o, 64) == swizzle(o, 128) == line
+        assert swizzle(o, 256) == o ^ (((o >> 8) & 7) << 4)
+        assert swizzle(o, 512) == o ^ (((o >> 9) & 7) << 4)
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
@@ -177,39 +201,57 @@ D256_EXTRA = ({}, dict(write_lse=True), dict(causal=False), dict(kv_form="pair")
 @pytest.mark.parametrize("kv", KV_DTYPES)
 @pytest.mark.parametrize("extra", D256_EXTRA, ids=lambda e: "-".join(f"{k}{v}" for k, v in e.items()) or "lean")
 def test_head_dim_256_prefill_default(target, kv, extra):
-    """32-token stages with one ldmatrix base (PREFILL_D256_TW32X) everywhere but where ptxas spills
-    them: a 16-bit cache at page 32 (not on sm_80), a 16-bit cache with scale tensors on sm_120a /
-    sm_121a; those keep the form before (64-token stages for lean 16-bit variants on
-    PREFILL_D256_TW64_TARGETS, else 16-token ones); 128-row CTAs are refused at D 256."""
+    """Eight warps (PREFILL_D256_W8) for lean variants with 16-bit caches on PREFILL_D256_W8_TARGETS;
+    else 32-token stages with one ldmatrix base (PREFILL_D256_TW32X) everywhere but where ptxas
+    spills them: a 16-bit cache at page 32 (not on sm_80), a 16-bit cache with scale tensors on
+    sm_120a / sm_121a; those keep the 16-token form before (the old form); 128-row CTAs of two
+    tiles per warp are refused at D 256."""
     shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=256, group=4,
                  page_size=16)
     shape.update(extra)
     cfg = make_prefill_config(**shape)
+    lean = extra in ({}, dict(page_size=32), dict(page_size=64))
+    w8 = lean and kv != "fp8_e4m3" and target in PREFILL_D256_W8_TARGETS
     x = kv == "fp8_e4m3" or not (
         (shape["page_size"] == 32 and target != "sm_80")
         or ("k_scale_tensor" in extra and target in ("sm_120a", "sm_121a")))
     assert x == prefill_d256_tw32x(target, kv, shape["page_size"], "k_scale_tensor" in extra)
-    previous = d256_previous_form(cfg)
-    tw64 = target in PREFILL_D256_TW64_TARGETS and kv != "fp8_e4m3" and extra in ({}, dict(page_size=32),
-                                                                                   dict(page_size=64))
-    assert (previous.m_tiles, previous.tw, previous.q_regs, previous.ldsm_xor) == (1, 64 if tw64 else 16, False, False)
-    assert cfg == (d256_tw32x_form(cfg) if x else previous)
-    assert (cfg.tw, cfg.ldsm_xor, "ldsm_xor=True" in cfg.label()) == ((32, True, True) if x else (previous.tw, False,
-                                                                                                 False))
+    previous = old_form(cfg)
+    assert (previous.m_tiles, previous.rows, previous.tw, previous.q_regs, previous.ldsm_xor) == (1, 64, 16, False,
+                                                                                                 False)
+    if w8:
+        assert cfg == replace(cfg, warps_n=1, **PREFILL_D256_W8) and cfg.rows == 128 and cfg.threads == 256
+    else:
+        assert cfg == (d256_tw32x_form(cfg) if x else previous)
+        assert (cfg.tw, cfg.ldsm_xor, "ldsm_xor=True" in cfg.label()) == ((32, True, True) if x else (16, False,
+                                                                                                     False))
     assert cfg.smem_bytes() <= hw.max_smem_per_cta(target)
-    # the overrides reach the forms before: 16-token stages everywhere, 64-token ones where they fit
-    assert make_prefill_config(**shape, tw=16) == old_form(cfg)
-    assert (old_form(cfg).tw, old_form(cfg).ldsm_xor) == (16, False)
-    if tw64:
-        assert make_prefill_config(**shape, m_tiles=1, tw=64) == previous and previous.stages == 3
-        assert 2 * previous.smem_bytes() > hw.SMEM_PER_SM_OF[target]
+    # the overrides reach the 16-token form before everywhere
+    assert make_prefill_config(**shape, tw=16) == previous
     with pytest.raises(ValueError, match="m_tiles"):
         make_prefill_config(**shape, m_tiles=2)
     if kv != "fp8_e4m3":  # two 64 KB stages and Q exceed 99 KB: a clear refusal, not an oversized ring
         with pytest.raises(ValueError, match="64-token stages fits sm_86"):
             make_prefill_config(**dict(shape, target="sm_86"), tw=64)
     if not extra:  # the full set's lean variant of each cache dtype, all its forms
-        assert {cfg, previous, old_form(cfg), d256_tw32x_form(cfg)} <= set(compile_variants("sm80.prefill"))
+        assert {cfg, previous, d256_tw32x_form(cfg)} <= set(compile_variants("sm80.prefill"))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_head_dim_256_eight_warps_where_their_ring_fits(target):
+    """PREFILL_D256_W8 is the lean 16-bit default only on PREFILL_D256_W8_TARGETS: 128 rows, Q and
+    the merge rows sharing shared memory, a two-stage 32-token ring within the target's per-CTA
+    limit; sized for a 99 KB target it does not fit, and the four-warp form is kept."""
+    shape = dict(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=2, page_size=16)
+    cfg = make_prefill_config(target=target, **shape)
+    assert (cfg.warps_m == 8) == (target in PREFILL_D256_W8_TARGETS)
+    if cfg.warps_m == 8:
+        assert (cfg.tw, cfg.stages, cfg.ldsm_xor, cfg.q_regs) == (32, 2, True, False)
+        assert hw.SMEM_PER_SM_OF[target] < 2 * cfg.smem_bytes() <= 2 * hw.max_smem_per_cta(target)
+        small = make_prefill_config(target=target, smem_target="sm_86", **shape)
+        assert small.warps_m == 4 and small.smem_bytes() <= hw.max_smem_per_cta("sm_86")
+        assert make_prefill_config(target=target, **dict(shape, kv_dtype="fp8_e4m3")).warps_m == 4
+        assert make_prefill_config(target=target, write_lse=True, **shape).warps_m == 4
 
 
 def test_head_dim_256_default_follows_the_compile_target():
@@ -233,7 +275,8 @@ def test_head_dim_256_tw32x_form(target, kv):
                  page_size=16)
     default = make_prefill_config(**shape)
     cfg = make_prefill_config(**shape, **PREFILL_D256_TW32X)
-    assert cfg == d256_tw32x_form(default) == default and cfg in compile_variants("sm80.prefill")
+    assert cfg == d256_tw32x_form(default) and cfg in compile_variants("sm80.prefill")
+    assert (cfg == default) == (kv == "fp8_e4m3" or target not in PREFILL_D256_W8_TARGETS)
     assert (cfg.m_tiles, cfg.rows, cfg.tw, cfg.q_regs, cfg.ldsm_xor) == (1, 64, 32, False, True)
     assert cfg.smem_bytes() <= hw.max_smem_per_cta(target)
     ctas = 2 if hw.SMEM_PER_SM_OF[target] >= 2 * (cfg.smem_bytes() + hw.SMEM_RESERVED_PER_CTA) else 1
@@ -247,12 +290,13 @@ def test_head_dim_256_tw32x_form(target, kv):
 
 def test_head_dim_256_in_the_ci_set():
     """The CI set builds the D 256 default (lean BF16) on sm_90a, sm_86 and sm_120a (255 registers
-    there, the tightest) and the 64-token form before on sm_90a."""
+    there, the tightest), the eight-warp one on sm_80 and the 16-token form before on sm_90a."""
     ci = set(ci_variants("sm80.prefill"))
     d256 = [c for c in ci if c.head_dim == 256]
     for t in ("sm_90a", "sm_86", "sm_120a"):
         assert any(c.target == t and c.tw == 32 and c.ldsm_xor and c.causal and c.kv_dtype == "bf16" for c in d256)
-    assert any(c.target == "sm_90a" and c.tw == 64 and not c.ldsm_xor for c in d256)
+    assert any(c.target == "sm_80" and c.warps_m == 8 and c.causal and c.kv_dtype == "bf16" for c in d256)
+    assert any(c.target == "sm_90a" and c.tw == 16 and not c.ldsm_xor for c in d256)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -291,13 +335,14 @@ def test_head_dim_128_tw64_override(target, kv, extra):
 @pytest.mark.parametrize("rows", [(8, 1), (2, 2), (16, 2), (16, 4)], ids=lambda r: f"g{r[0]}q{r[1]}")
 def test_decode_ldsm_xor_default_changes_nothing_but_the_addressing(target, kv, D, rows):
     """The decode's default addressing: one ``ldmatrix`` base per operand from D 128 on (not for
-    16-bit caches at D 128 where ptxas spills it), per address below; ``ldsm_xor`` either way
+    16-bit caches at D 128 and q_len 1 where ptxas spills it), per address below; ``ldsm_xor`` either way
     selects the other form with the same tiling, ring and shared memory; both forms of GQA 8 at
     q_len 1 are in every target's compile list."""
     group, q_len = rows
     shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=D, group=group,
                  q_len=q_len, page_size=16)
-    xor_default = D >= 128 and not (D == 128 and kv != "fp8_e4m3" and target in ("sm_100a", "sm_103a"))
+    xor_default = D >= 128 and not (D == 128 and kv != "fp8_e4m3" and q_len == 1
+                                    and target in ("sm_100a", "sm_103a"))
     for split in (False, True):
         cfg = make_decode_config(split=split, **shape)
         assert cfg.ldsm_xor == xor_default and ("ldsm_xor" in cfg.label()) == xor_default

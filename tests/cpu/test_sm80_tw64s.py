@@ -82,7 +82,8 @@ def test_tw64s_form_is_the_tw64_tiling_with_the_two_fields(target, kv, extra):
     registered = not extra and target in PREFILL_D128_TW64S_TARGETS[kv]
     assert (cfg in compile_variants("sm80.prefill")) == registered
     assert (cfg in ci_variants("sm80.prefill")) == (not extra and (target, kv) in (("sm_80", "bf16"),
-                                                                                    ("sm_86", "fp8_e4m3")))
+                                                                                    ("sm_86", "fp8_e4m3"),
+                                                                                    ("sm_90a", "bf16")))
 
 
 # every GQA, page size and layout reachable: the rule is per target and cache dtype (a fact of
@@ -97,11 +98,11 @@ NOT_LEAN = (dict(write_lse=True), dict(causal=False), dict(k_scale_tensor=True, 
 @pytest.mark.parametrize("kv", KV_DTYPES)
 def test_d128_default_is_the_margin_form_exactly_where_spill_free(target, kv):
     """At D 128 the lean variants on sm_86 / sm_89 take PREFILL_D128_TW64S (spill-free there for
-    every cache dtype), any GQA, page size and layout, the ring sized for the
+    every cache dtype), and on sm_90a with 16-bit caches, any GQA, page size and layout, the ring sized for the
     compile target; every other variant, head dim and target keeps its default before: the
     32-token 128-row CTA (``m_tiles=2`` alone still reaches it) or the 64-row one (``m_tiles=1``)."""
     rule = target in PREFILL_D128_TW64S_DEFAULT_TARGETS and target in PREFILL_D128_TW64S_TARGETS[kv]
-    assert rule == (target in ("sm_86", "sm_89"))
+    assert rule == (target in ("sm_86", "sm_89") or (target == "sm_90a" and kv != "fp8_e4m3"))
     for shape in SHAPES:
         for extra in ({}, *NOT_LEAN):
             base = dict(_shape(target, kv, **extra), **shape)
@@ -128,11 +129,11 @@ def test_d128_default_is_the_margin_form_exactly_where_spill_free(target, kv):
 
 
 def test_d128_default_follows_the_compile_target():
-    """The rule is a fact of the compile target's ptxas: sm_90a keeps the 32-token 128-row CTA
+    """The rule is a fact of the compile target's ptxas: sm_80 keeps the 32-token 128-row CTA
     with a ring sized for sm_86, and an sm_86 build sized for sm_80's shared memory keeps the
     margin form (its ring the deepest that fits sm_80)."""
-    on_90 = make_prefill_config(**_shape("sm_90a", "bf16"), smem_target="sm_86")
-    assert (on_90.m_tiles, on_90.tw, on_90.stats_smem) == (2, 32, False)
+    on_80 = make_prefill_config(**_shape("sm_80", "bf16"), smem_target="sm_86")
+    assert (on_80.m_tiles, on_80.tw, on_80.stats_smem) == (2, 32, False)
     on_86 = make_prefill_config(**_shape("sm_86", "bf16"), smem_target="sm_80")
     assert (on_86.m_tiles, on_86.tw, on_86.stats_smem, on_86.stages) == (2, 64, True, 3)
 
@@ -151,10 +152,10 @@ def test_stats_smem_is_refused_where_it_cannot_hold():
 
 
 @pytest.mark.parametrize("D,kv_bytes,tile,page", [(128, 2, 64, 16), (128, 1, 64, 16), (64, 2, 64, 32),
-                                                  (256, 2, 32, 16), (128, 2, 32, 128)])
+                                                  (256, 1, 32, 16), (128, 2, 32, 128)])
 def test_one_base_destinations_are_the_swizzled_ones(D, kv_bytes, tile, page):
     """``gather_one_base``: a thread's destination of row step k, ``swizzle(r0 row + c 16) + k step
-    row`` (K and V, any 1024-byte aligned stage), is the swizzled address of its row and chunk, for
+    row`` (K and V, any stage of the ring), is the swizzled address of its row and chunk, for
     every thread of a 128-thread CTA; the rows and chunks of a stage are covered once each."""
     g = PagedKVGather(tile, D, kv_bytes, 128, page, one_base=True)
     seen = set()
@@ -163,8 +164,8 @@ def test_one_base_destinations_are_the_swizzled_ones(D, kv_bytes, tile, page):
         for k in range(g.rows_per_thread):
             row = r0 + g.step * k
             for which in range(2):
-                one_base = swizzle(r0 * g.row_bytes + c * 16) + which * g.tile_bytes + g.step * k * g.row_bytes
-                assert one_base == which * g.tile_bytes + swizzle(row * g.row_bytes + c * 16)
+                one_base = swizzle(r0 * g.row_bytes + c * 16, g.row_bytes) + which * g.tile_bytes + g.step * k * g.row_bytes
+                assert one_base == which * g.tile_bytes + swizzle(row * g.row_bytes + c * 16, g.row_bytes)
                 seen.add(one_base)
     assert seen == {w * g.tile_bytes + r * g.row_bytes + c * 16 for w in range(2) for r in range(tile)
                     for c in range(g.chunks)}
@@ -172,10 +173,14 @@ def test_one_base_destinations_are_the_swizzled_ones(D, kv_bytes, tile, page):
 
 def test_one_base_is_refused_where_a_row_step_moves_swizzled_bits():
     """Eight rows of 64 bytes (one chunk per thread at D 64 with an FP8 cache over 32 threads)
-    are 512 bytes: half a swizzle period, so the immediates would not be the swizzled addresses."""
+    are 512 bytes: half a swizzle period, so the immediates would not be the swizzled addresses.
+    So are four rows of 512 bytes (D 256, 16-bit, 128 threads): the swizzle of such rows repeats
+    every eight rows."""
     with pytest.raises(ValueError, match="one_base"):
         PagedKVGather(16, 64, 1, 32, 16, one_base=True)
     assert not PagedKVGather(16, 64, 1, 32, 16).one_base
+    with pytest.raises(ValueError, match="4096-byte swizzle periods"):
+        PagedKVGather(32, 256, 2, 128, 16, one_base=True)
 
 
 @pytest.mark.compile

@@ -16,7 +16,7 @@ import torch
 import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.paged_prefill import tuning_override
-from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D128_TW64S, PREFILL_D256_TW32X
+from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D128_TW64S, PREFILL_D256_TW32X, PREFILL_D256_W8
 from cute_kernels.testing import capture_graph, check_attention, make_paged_prefill_case, rel_err
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="needs SM80 or newer")
@@ -52,8 +52,11 @@ CASES.append((FP8, BF16, 128, 32, 8, 16, "HND", "single", True, dict(smem_target
 # on the same cases: (K, V) pairs, both layouts, a non-causal mask, FP8 with the bit widening, a
 # ring sized for 99 KB (docs/design/sm80.md#prefill-tilings-measured)
 D256X, D256_TW16 = PREFILL_D256_TW32X, dict(m_tiles=1, tw=16)
+# and the eight-warp form (PREFILL_D256_W8, sm_80's lean 16-bit default) with the ring sized for
+# sm_80, on every 16-bit D 256 case (an override for the others: pairs, the LSE, no mask)
+D256W8 = dict(PREFILL_D256_W8, smem_target="sm_80")
 CASES += [(*c[:-1], {**c[-1], **ov}) for c in CASES if c[2] == 256 and "m_tiles" not in c[-1]
-          for ov in ((D256X, D256_TW16) if c[5] == 32 else (D256_TW16,))]
+          for ov in ((D256X, D256_TW16) if c[5] == 32 else (D256_TW16,)) + ((D256W8,) if c[0] != FP8 else ())]
 # the head-dim-128 override (128-row CTAs, 64-token stages; unmeasured) on the D 128 cases: every
 # cache dtype, both widenings, (K, V) pairs, both layouts, a non-causal mask, GQA 1-16, pages
 # 16-128, a ring sized for 99 KB (docs/design/sm80.md#64-token-stages-at-head-dim-128)
@@ -72,7 +75,7 @@ CASES += [(*c[:-1], {**c[-1], "lean_softmax": True}) for c in list(CASES)]
 # lean variants (causal, one cache tensor, no LSE, no scale tensors) of the cases above and at
 # D 256: the defaults, 128-row CTAs with 32-token stages up to D 128 and PREFILL_D256_TW32X at D 256
 # (and at page 32 with a BF16 cache, where it is not the default); then the old 64-row forms of the
-# same shapes, and at D 256 on SM90 the 64-token stages, the lean 16-bit default there before
+# same shapes, and at D 256 with 16-bit caches the eight-warp form sized for sm_80 (its default there)
 LEAN = [c for c in CASES if c[7] == "single" and c[8] and set(c[-1]) <= {"smem_target"}]
 LEAN_SOFTMAX = [(*c[:-1], {**c[-1], "lean_softmax": True}) for c in LEAN]
 LEAN_D128X = [(*c[:-1], {**c[-1], **ov}) for c in LEAN if c[2] == 128 for ov in (D128X, D128S)]
@@ -81,8 +84,7 @@ LEAN += [(BF16, BF16, 256, 16, 8, 16, "HND", "single", True, {}), (FP16, FP16, 2
 LEAN_D256 = [c for c in LEAN if c[2] == 256]
 LEAN += [(*c[:-1], {**c[-1], **M1, "tw": 16 if c[2] == 256 else 32}) for c in LEAN]
 LEAN += [(*c[:-1], {**c[-1], **D256X}) for c in LEAN_D256 if c[5] == 32]
-if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:  # 64-token D 256 stages fit 227 KB
-    LEAN += [(*c[:-1], {**c[-1], **M1, "tw": 64}) for c in LEAN_D256 if c[0] != FP8]
+LEAN += [(*c[:-1], {**c[-1], **D256W8}) for c in LEAN_D256 if c[0] != FP8]
 LEAN += LEAN_D128X + LEAN_SOFTMAX
 
 
