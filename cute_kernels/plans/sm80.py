@@ -483,6 +483,12 @@ PREFILL_D128_TW64S_TARGETS: dict[str, tuple[str, ...]] = {
 # the rings sized for sm_80), the other variants their 64-row CTA (without the causal mask, with an
 # FP8 cache and the LSE or in combinations 1-7 STL) (docs/design/sm80.md#defaults)
 PREFILL_D128_TW64S_DEFAULT_TARGETS = ("sm_86", "sm_89", "sm_90a")
+# the lean softmax (fields.lean_softmax) in the D 128 default of lean variants where that default is
+# the 32-token 128-row CTA: 1.8-3.8 % on that form's sm_90a build once the row swizzle removed the
+# bank conflicts; every sm_80 build of it spill-free (BF16 / FP16 / FP8, pages 16-128, GQA 1-16,
+# both layouts: 248-255 registers). Not on the 64-token form yet: with it that build spills on sm_90a
+# and in some GQA / page combinations on sm_86 (docs/design/sm80.md#next-to-fa2-with-the-row-swizzle)
+PREFILL_D128_LEAN_SOFTMAX_TARGETS = ("sm_80",)
 # the fields PREFILL_D128_TW64S adds to the PREFILL_D128_TW64 tiling
 _D128_MARGIN = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}
 
@@ -510,6 +516,12 @@ def prefill_d256_w8(target: str, kv_dtype: str, lean: bool) -> bool:
     return lean and kv_dtype != "fp8_e4m3" and target in PREFILL_D256_W8_TARGETS
 
 
+def prefill_d128_lean_softmax(target: str, lean: bool) -> bool:
+    """Whether the head-dim-128 default on compile target ``target`` takes the lean softmax
+    (``PREFILL_D128_LEAN_SOFTMAX_TARGETS``, lean variants)."""
+    return lean and target in PREFILL_D128_LEAN_SOFTMAX_TARGETS
+
+
 def prefill_d128_tw64s(target: str, kv_dtype: str, lean: bool) -> bool:
     """Whether the head-dim-128 default on compile target ``target`` is ``PREFILL_D128_TW64S``: for
     lean variants on ``PREFILL_D128_TW64S_DEFAULT_TARGETS`` wherever ptxas keeps it without spills
@@ -518,7 +530,8 @@ def prefill_d128_tw64s(target: str, kv_dtype: str, lean: bool) -> bool:
 
 
 def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | None = None, tw: int | None = None,
-                   lean: bool = True, d256_x: bool = False, d128_s: bool = False, d256_w8: bool = False) -> dict:
+                   lean: bool = True, d256_x: bool = False, d128_s: bool = False, d256_w8: bool = False,
+                   d128_lean: bool = False) -> dict:
     """FA2-style prefill tiling on ``target``: four warps of ``m_tiles`` 16-row tiles each, each
     warp reading the whole stage; the deepest ring (2 or 3 stages) that lets two CTAs share an
     SM, else one. ``m_tiles``, ``tw``: the plan's unless given (the fit is for the given ones).
@@ -527,6 +540,8 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
     :func:`prefill_d128_tw64s` of the variant (at D 128 with neither ``m_tiles`` nor ``tw`` given:
     ``PREFILL_D128_TW64S``). ``d256_w8``: :func:`prefill_d256_w8` of the variant (at D 256 with
     neither given: the eight warps of ``PREFILL_D256_W8`` where their ring fits ``target``).
+    ``d128_lean``: :func:`prefill_d128_lean_softmax` of the variant (at D 128 with neither given:
+    the lean softmax; every form with either given, and every other head dim, leaves it off).
 
     ``m_tiles=2`` (the default up to D 128 for ``lean`` variants on ``PREFILL_M2_TW32_TARGETS``,
     with 64-token stages where ``d128_s``): 128 rows per CTA. O takes 128 registers at D 128, so
@@ -536,12 +551,13 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
     elsewhere): 64 rows per CTA, Q in registers up to D 128, 32-token stages (at D 256, where O
     alone takes 128 registers, with one ``ldmatrix`` base where ``d256_x``, else 16). ``lean``:
     :func:`prefill_lean` (docs/design/sm80.md#128-row-ctas)."""
+    lean_softmax = d128_lean and head_dim == 128 and m_tiles is None and tw is None
     no_margin = {k: False for k in _D128_MARGIN}
     if d256_w8 and head_dim == 256 and m_tiles is None and tw is None:
         w8 = {k: PREFILL_D256_W8[k] for k in ("warps_m", "m_tiles", "tw")}
         if fit_stages(target, dict(kv_dtype=kv_dtype, head_dim=256, warps_n=1, **w8), 1,
                       PREFILL_D256_W8["stages"]) == PREFILL_D256_W8["stages"]:
-            return dict(warps_n=1, **PREFILL_D256_W8, **no_margin)
+            return dict(warps_n=1, **PREFILL_D256_W8, **no_margin, lean_softmax=False)
     m2_tw32 = lean and target in PREFILL_M2_TW32_TARGETS
     margin = d128_s and head_dim == 128 and m_tiles is None and tw is None
     if margin:
@@ -564,7 +580,7 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
         raise ValueError(f"no prefill tiling of D {head_dim} with {tw}-token stages fits {target}'s shared memory")
     # the PREFILL_D128_TW64S fields: the default's where d128_s, else an override's (every form
     # derived from a variant with m_tiles or tw given leaves them off)
-    off = dict(_D128_MARGIN) if margin else no_margin
+    off = dict(_D128_MARGIN, lean_softmax=lean_softmax) if margin else dict(no_margin, lean_softmax=lean_softmax)
     if m_tiles == 2:
         return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True, **off)
     return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128,
@@ -590,8 +606,9 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
     d256_x = head_dim == 256 and prefill_d256_tw32x(target, kv_dtype, page_size, k_scale_tensor or v_scale_tensor)
     d128_s = head_dim == 128 and prefill_d128_tw64s(target, kv_dtype, lean)
     d256_w8 = head_dim == 256 and prefill_d256_w8(target, kv_dtype, lean)
+    d128_lean = head_dim == 128 and prefill_d128_lean_softmax(target, lean)
     fields.update(prefill_tiling(_smem_target(override, target), kv_dtype, head_dim, override.get("m_tiles"),
-                                 override.get("tw"), lean, d256_x, d128_s, d256_w8))
+                                 override.get("tw"), lean, d256_x, d128_s, d256_w8, d128_lean))
     fields.update(override)
     return Sm80PrefillConfig(**fields)
 
@@ -715,7 +732,8 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     with a BF16 cache (split and not, the second as a (K, V) pair in NHD) and with an FP8 cache (the
     target's widening, scale tensors), prefill with an FP8 cache and the LSE (the 64-row default)
     and its 128-row override (16-token stages, unmeasured: asserted spill-free on every target);
-    on SM80 also the bit-trick decode at D 64 / 256 and a BF16 D 256 prefill; on SM90 the shapes
+    on SM80 also the bit-trick decode at D 64 / 256, a BF16 D 256 prefill and the lean BF16 D 128
+    prefill (its default with the lean softmax); on SM90 the shapes
     SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a ring sized for
     99 KB (run on the H200 as the SM86 build's stand-in), an fp16 D 64 prefill, and old forms (the
     FP8 decode without ``ldsm_xor``, the 64-row BF16 prefill, the 16-token D 256 prefill); the lean
@@ -742,7 +760,9 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     out += [make_decode_config(head_dim=64, group=8, q_len=1, **sm80),
             make_decode_config(head_dim=256, group=16, q_len=4, **sm80),
             make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,
-                                page_size=64, causal=False)]
+                                page_size=64, causal=False),
+            make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=4,
+                                page_size=16)]
     out += [make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, **shape),
             make_prefill_config(target="sm_86", kv_dtype="fp8_e4m3", group=4, m_tiles=2, **shape)]
     out.append(make_decode_config(target="sm_120a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8, q_len=1,

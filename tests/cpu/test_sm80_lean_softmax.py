@@ -1,5 +1,5 @@
-"""The portable kernels' opt-in lean softmax (``lean_softmax=True``; docs/design/sm80.md#the-lean-softmax-opt-in):
-off by default and out of every registered label (so no digest changed), named when set, and
+"""The portable kernels' lean softmax (``lean_softmax=True``; docs/design/sm80.md#the-lean-softmax-opt-in):
+off by default but in the D 128 lean prefill default of PREFILL_D128_LEAN_SOFTMAX_TARGETS, named when set, and
 compiled with the SM80 evidence, no spills and the rescale's warp vote, for the prefill and the
 decode on sm_80 and sm_90a. The same softmax's numerics are emulated in
 tests/cpu/test_prefill_lean_softmax.py; the kernels run in tests/gpu/test_sm80_{prefill,decode}_gpu.py."""
@@ -10,16 +10,30 @@ from dataclasses import fields, replace
 
 import pytest
 
-from cute_kernels.plans.sm80 import Sm80DecodeConfig, Sm80PrefillConfig, compile_variants
+from cute_kernels.plans.sm80 import (
+    PREFILL_D128_LEAN_SOFTMAX_TARGETS,
+    Sm80DecodeConfig,
+    Sm80PrefillConfig,
+    compile_variants,
+)
 from cute_kernels.registry import KERNELS
 
 
 @pytest.mark.parametrize("cls", [Sm80PrefillConfig, Sm80DecodeConfig])
-def test_off_by_default_and_out_of_every_registered_label(cls):
+def test_off_by_default_but_in_the_d128_lean_prefill_default_where_chosen(cls):
+    """Off by default; among the registered variants on only where the plan chooses it: the lean
+    D 128 prefill default on PREFILL_D128_LEAN_SOFTMAX_TARGETS (the 32-token 128-row CTA), whose
+    form without it stays registered (``m_tiles=2``)."""
     assert {f.name: f.default for f in fields(cls)}["lean_softmax"] is False
     for kid in ("sm80.prefill", "sm80.decode"):
         for cfg in compile_variants(kid):
-            assert not cfg.lean_softmax and "lean_softmax" not in cfg.label(), cfg.label()
+            chosen = (kid == "sm80.prefill" and cfg.head_dim == 128 and cfg.lean
+                      and cfg.target in PREFILL_D128_LEAN_SOFTMAX_TARGETS and cfg.m_tiles == 2 and cfg.tw == 32)
+            assert cfg.lean_softmax == ("lean_softmax=True" in cfg.label()), cfg.label()
+            if cfg.lean_softmax:
+                assert chosen and replace(cfg, lean_softmax=False) in compile_variants(kid), cfg.label()
+    for t in PREFILL_D128_LEAN_SOFTMAX_TARGETS:
+        assert any(c.lean_softmax and c.target == t for c in compile_variants("sm80.prefill"))
     cfg = compile_variants("sm80.prefill")[0]
     lean = replace(cfg, lean_softmax=True)
     assert lean.label().replace(",lean_softmax=True", "") == cfg.label() and "lean_softmax=True" in lean.label()

@@ -17,6 +17,7 @@ from cute_kernels.plans import hw
 from cute_kernels.plans.sm80 import (
     KV_DTYPES,
     PREFILL_D128_TW64,
+    PREFILL_D128_LEAN_SOFTMAX_TARGETS,
     PREFILL_D128_TW64_TARGETS,
     PREFILL_D256_TW32X,
     PREFILL_D256_W8,
@@ -147,7 +148,10 @@ def test_128_row_tiling_per_target(target, kv, D):
         tw64s = D == 128 and prefill_d128_tw64s(target, kv, not extra)
         cfg = make_prefill_config(**shape, **extra)
         m2 = make_prefill_config(**shape, **extra, m_tiles=2)
-        assert m2 == rows128_form(cfg) and (m2 == cfg) == (measured and not tw64s), extra
+        # at D 128 the lean default on PREFILL_D128_LEAN_SOFTMAX_TARGETS adds the lean softmax to it
+        lean_sm = D == 128 and not extra and target in PREFILL_D128_LEAN_SOFTMAX_TARGETS
+        assert cfg.lean_softmax == lean_sm and not m2.lean_softmax
+        assert m2 == rows128_form(cfg) and (m2 == replace(cfg, lean_softmax=False)) == (measured and not tw64s), extra
         assert (m2.rows, m2.q_regs, m2.ldsm_xor) == (128, False, True)
         assert m2.tw == (32 if D == 64 or measured else 16), extra
         if not (measured or tw64s):  # the 64-row form, as before the measured defaults
