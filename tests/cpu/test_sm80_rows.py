@@ -16,8 +16,8 @@ import pytest
 from cute_kernels.plans import hw
 from cute_kernels.plans.sm80 import (
     KV_DTYPES,
-    PREFILL_D128_TW64,
     PREFILL_D128_LEAN_SOFTMAX_TARGETS,
+    PREFILL_D128_TW64,
     PREFILL_D128_TW64_TARGETS,
     PREFILL_D256_TW32X,
     PREFILL_D256_W8,
