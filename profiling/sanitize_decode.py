@@ -17,8 +17,7 @@ per KV head cutting requests into merged partials and 1 chunk walking every requ
 q_len 2); then the portable ``sm80.decode`` (forced) with the same bad page ids and lengths past
 the table, both FP8 widenings, a ring sized for 99 KB, split and not, ``sm80.prefill`` on varlen
 chunks against cached prefixes (with the LSE and scale tensors; causal without them in the tilings
-the plan gives that call, D 128 and D 256, the sm_86 / sm_89 D 128 form and sm_80's eight-warp D 256
-form), and ``merge_states``: any out-of-bounds access or barrier misuse
+the plan gives that call, D 128 and D 256, and sm_80's D 128 and D 256 defaults), and ``merge_states``: any out-of-bounds access or barrier misuse
 fails the run.
 
 Inputs are drawn on the CPU (only copies and the package's kernels run on the GPU), each case from
@@ -46,6 +45,7 @@ from typing import Any
 import torch
 
 import cute_kernels
+from cute_kernels.plans.sm80 import PREFILL_D128_TW64S, PREFILL_D256_W8
 from cute_kernels.testing import make_paged_decode_case, make_paged_prefill_case
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
@@ -201,7 +201,8 @@ def sm80_prefill(ctx: Ctx, kv) -> None:
 def sm80_prefill_causal(ctx: Ctx, kv, head_dim: int, extra: dict) -> None:
     """The portable prefill's causal call without the LSE (the tilings the plan gives that call:
     128-row CTAs up to D 128, 512-byte rows at D 256), forced, varlen with bad page ids; ``extra``
-    tuning fields select another arch's default (the D 128 margin form of sm_86 / sm_89)."""
+    tuning fields select another arch's default (the D 128 margin form of sm_86 / sm_89 / sm_90a,
+    sm_80's 32-token form with the lean softmax, sm_80's eight-warp D 256 form)."""
     c = make_paged_prefill_case(reqs=[(0, 37), (50, 0), (33, 130), (1000, 5)], num_q_heads=16,
                                 num_kv_heads=8 if head_dim == 256 else 4, head_dim=head_dim, page_size=16,
                                 kv_dtype=kv, generator=ctx.g, device=ctx.device)
@@ -249,12 +250,12 @@ CASES: dict[str, Callable[[Ctx], None]] = {
     "sm80-prefill-fp8": partial(sm80_prefill, kv=FP8),
     "sm80-prefill-bf16": partial(sm80_prefill, kv=BF16),
     "sm80-prefill-causal-bf16": partial(sm80_prefill_causal, kv=BF16, head_dim=128, extra={}),
-    "sm80-prefill-causal-tw64s-bf16": partial(sm80_prefill_causal, kv=BF16, head_dim=128,
-                                              extra=dict(m_tiles=2, tw=64, stats_smem=True, gather_one_base=True)),
+    "sm80-prefill-causal-tw64s-bf16": partial(sm80_prefill_causal, kv=BF16, head_dim=128, extra=PREFILL_D128_TW64S),
+    "sm80-prefill-causal-sm80-bf16": partial(sm80_prefill_causal, kv=BF16, head_dim=128,
+                                             extra=dict(m_tiles=2, lean_softmax=True, smem_target="sm_80")),
     "sm80-prefill-causal-d256-bf16": partial(sm80_prefill_causal, kv=BF16, head_dim=256, extra={}),
     "sm80-prefill-causal-d256-fp8": partial(sm80_prefill_causal, kv=FP8, head_dim=256, extra={}),
-    "sm80-prefill-causal-d256-w8-bf16": partial(sm80_prefill_causal, kv=BF16, head_dim=256,
-                                                extra=dict(warps_m=8, m_tiles=1, tw=32, stages=2, ldsm_xor=True)),
+    "sm80-prefill-causal-d256-w8-bf16": partial(sm80_prefill_causal, kv=BF16, head_dim=256, extra=PREFILL_D256_W8),
     "merge-states": merge,
 }
 # the cases that merge in 16-CTA (non-portable) clusters: synccheck cannot check their TMA + mbarrier

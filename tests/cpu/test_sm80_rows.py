@@ -252,6 +252,10 @@ def test_head_dim_256_eight_warps_where_their_ring_fits(target):
     if cfg.warps_m == 8:
         assert (cfg.tw, cfg.stages, cfg.ldsm_xor, cfg.q_regs) == (32, 2, True, False)
         assert hw.SMEM_PER_SM_OF[target] < 2 * cfg.smem_bytes() <= 2 * hw.max_smem_per_cta(target)
+        # the kernel's storage is the plan's: the merge rows overlay the ring and Q in 128-row CTAs
+        eng, gather, ring = engine_for(cfg)
+        assert ring < 2 * gather.stage_bytes + eng.q_bytes and ring + eng.q_bytes >= eng.merge_bytes
+        assert cfg.smem_bytes() == ring + eng.q_bytes + eng.stats_bytes + eng.rows * 4
         small = make_prefill_config(target=target, smem_target="sm_86", **shape)
         assert small.warps_m == 4 and small.smem_bytes() <= hw.max_smem_per_cta("sm_86")
         assert make_prefill_config(target=target, **dict(shape, kv_dtype="fp8_e4m3")).warps_m == 4
