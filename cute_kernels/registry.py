@@ -52,6 +52,7 @@ from .plans import (
     probes,
     quantize_query,
     sm80,
+    sm80_matrix,
     sm90_decode,
     sm90_prefill,
     sm90_qsa,
@@ -349,15 +350,16 @@ _ENTRIES = (
         description="portable paged decode (warp mma.sync, ldmatrix, cp.async page gathers; split-KV with "
                     "merge_states); FP8 K/V widened exactly (cvt from SM89, bit operations before), never an "
                     "FP8 query",
-        variants=partial(sm80.compile_variants, "sm80.decode"), ci_variants=partial(sm80.ci_variants, "sm80.decode"),
+        variants=partial(sm80_matrix.compile_variants, "sm80.decode"),
+        ci_variants=partial(sm80_matrix.ci_variants, "sm80.decode"),
         **_SM80,
     ),
     KernelInfo(
         id="sm80.prefill", phases=("prefill",), op="paged_prefill",
         description="portable FA2-style paged prefill (warp mma.sync, ldmatrix, cp.async page gathers): varlen, "
                     "chunked, causal; FP8 K/V widened exactly, never an FP8 query",
-        variants=partial(sm80.compile_variants, "sm80.prefill"),
-        ci_variants=partial(sm80.ci_variants, "sm80.prefill"), **_SM80,
+        variants=partial(sm80_matrix.compile_variants, "sm80.prefill"),
+        ci_variants=partial(sm80_matrix.ci_variants, "sm80.prefill"), **_SM80,
     ),
     KernelInfo(id="reference.paged_decode", call_site="attention", phases=("decode",), op="reference.paged_decode",
                description="slow torch reference fallback (cute_kernels.reference.paged_decode)", **_REFERENCE),

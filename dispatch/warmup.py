@@ -12,7 +12,8 @@ layer's head dim (an engine merging this layer's outputs, e.g. a cascade's prefi
 
 The SM90 prefill is one variant for the layer (its grid comes from shapes, its schedule does not
 vary), and so is the portable ``sm80.prefill``; on SM100 / SM103 the tcgen05 decode; where the plan
-takes the portable ``sm80.decode``, its launches (split ones with their ``merge_states``). The compile-verified kernels' runtime self-checks run
+takes the portable ``sm80.decode``, its launches (split ones that merge in a second launch with their
+``merge_states``). The compile-verified kernels' runtime self-checks run
 in :func:`warm_up` too. Host-only until :func:`warm_up`: the enumeration imports neither torch nor
 the DSL.
 """
@@ -189,7 +190,7 @@ def layer_variants(layer, max_num_seqs: int, max_model_len: int, *, q_lens=(1,),
             configs = [cfg for *_, cfg in sm80_decode_launches(layer, arch=a, max_num_seqs=max_num_seqs,
                                                                max_model_len=max_model_len, q_len=q_len,
                                                                kv_form=kv_form, num_sms=num_sms)]
-            out += configs + [c.merge_config() for c in configs if c.split]
+            out += configs + [c.merge_config() for c in configs if c.split and not c.fused_merge]
         elif p.kernel == "sm100.decode":
             configs = sm100_decode_launches(layer, p, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                             q_len=q_len, kv_form=kv_form, num_sms=num_sms)

@@ -253,7 +253,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
                 cpu_plan = sm80.plan_decode(
                     _sm80_config_for(q, k, pair, kv_layout, q_len, Hq // Hkv, page, ks_t, vs_t, _CPU_TARGET,
                                      features.without_balanced(override)),
-                    items, table_tokens, hw.H200_SMS, num_splits)
+                    items, table_tokens, hw.H200_SMS, num_splits, keep_merge="fused_merge" in override)
             else:
                 cpu_plan = launch_config(**_sm90_plan(q, k, pair, block_table, kv_layout, q_len, Hkv, page, ks_t,
                                                       vs_t, num_splits, deterministic, window_left, sinks,
@@ -355,18 +355,22 @@ def _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, group, page, scale,
                   num_splits, target, override, sources, workspace) -> _Launch:
     """The portable kernel's launch: the split count from shapes only
     (:func:`cute_kernels.plans.sm80.plan_decode`), and for a split launch the fp32 partials in this
-    stream's workspace (or the caller's) and the merge (``common.merge_states``) as a second step of
-    the caller."""
+    stream's workspace (or the caller's), merged by the kernel's last split CTAs (``fused_merge``:
+    with the arrival counters) or by ``common.merge_states`` as a second step of the caller."""
     T, Hq, D = q.shape
     B = block_table.shape[0]
     config_for = _sm80_config_for(q, k, pair, kv_layout, q_len, group, page, ks_t, vs_t, target, override)
     splits, config = sm80.plan_decode(config_for, B * (Hq // group), block_table.shape[1] * page,
-                                      device_sm_count(q.device.index or 0), num_splits)
-    numel, _ = workspace_numel(config, splits, B, Hq // group, T, Hq, D, return_lse)
+                                      device_sm_count(q.device.index or 0), num_splits,
+                                      keep_merge="fused_merge" in override)
+    numel, counters_numel = workspace_numel(config, splits, B, Hq // group, T, Hq, D, return_lse)
+    counters = None
     if workspace is not None:  # the caller's memory: nothing of ours
-        ws, _ = caller_ws.carve(workspace, q.device, numel)
+        ws, counters = caller_ws.carve(workspace, q.device, numel, counters_numel)
     else:
         ws = _workspace.get(q.device, numel, stream_id(q))
+        if counters_numel:
+            counters = _counters.get(q.device, counters_numel, stream_id(q))
     lse_numel = T * Hq
     part_numel = splits * T * Hq * D if config.split else 0
     base = part_numel + (splits * lse_numel if config.split else 0)
@@ -377,6 +381,10 @@ def _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, group, page, scale,
         return _Launch(on_device(call, q.device), scratch, (T, Hq, D))
     part_o = ffi_tensor(ws[:part_numel].view(splits, T, Hq, D))
     part_lse = ffi_tensor(ws[part_numel:base].view(splits, T, Hq))
+    if config.fused_merge:
+        constants = dict(part_out=part_o, part_lse=part_lse, counters=ffi_tensor(counters), sm_scale=scale)
+        call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, constants))
+        return _Launch(on_device(call, q.device), scratch, (T, Hq, D))
     merge = config.merge_config()
     steps = ((fn, config.signature(), sources, dict(part_out=part_o, part_lse=part_lse, sm_scale=scale)),
              (get_kernel(merge, target), merge.signature(), None, dict(partial_out=part_o, partial_lse=part_lse)))
@@ -404,14 +412,16 @@ def workspace_numel(config, num_splits: int, B: int, Hkv: int, T: int, Hq: int, 
                     return_lse: bool) -> tuple[int, int]:
     """(fp32 elements, int32 counters) of a launch's workspaces: a global merge's partials and
     LSEs (a balanced launch: ``num_splits`` slots of one request's rows), the LSE target when the
-    caller asks for none; the SM90 kernel's arrival (and dynamic chunk) counters (the portable
-    kernel merges in a second launch: none). Shapes only: a balanced launch's size does not depend
-    on the lengths."""
+    caller asks for none; the arrival (and, SM90's dynamic split, chunk) counters of a merge fused
+    into the kernel (the portable kernel's ``fused_merge``; without it a second launch merges: none).
+    Shapes only: a balanced launch's size does not depend on the lengths."""
     global_merge = num_splits > 1 and not getattr(config, "cluster", False)
-    tokens = config.partial_tokens(T) if config.kernel_id == "sm90.decode" else T
+    sm90 = config.kernel_id == "sm90.decode"
+    tokens = config.partial_tokens(T) if sm90 else T
     numel = (num_splits * tokens * Hq * (D + 1) if global_merge else 0) + (0 if return_lse else T * Hq)
-    fused = global_merge and config.kernel_id == "sm90.decode"  # its last CTA merges: arrival counters
-    counters = (2 * B * Hkv if config.dynamic else B * Hkv) if fused else 0
+    # its last CTA merges: arrival counters
+    fused = global_merge and (sm90 or getattr(config, "fused_merge", False))
+    counters = (2 * B * Hkv if sm90 and config.dynamic else B * Hkv) if fused else 0
     return numel, counters
 
 

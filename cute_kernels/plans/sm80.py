@@ -1,6 +1,6 @@
 """Plan of the portable SM80-class kernels (``sm80.decode``, ``sm80.prefill``): their configs
-(compile key and call signature), limits, tiling and ring depth per target, the split schedule,
-the warm-up's variants and the compile matrix.
+(compile key and call signature), limits, tiling and ring depth per target, the split schedule
+and the warm-up's variants (the compile matrix: :mod:`.sm80_matrix`).
 
 Host-only. The kernels are :mod:`cute_kernels.sm80.decode` and :mod:`cute_kernels.sm80.prefill`;
 the shared-memory capacity of each target comes from :mod:`.hw`. Design: docs/design/sm80.md.
@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from itertools import product
-from typing import Any
+from typing import Any, ClassVar
 
 from ..jit.spec import ALL_TARGETS, LABEL_IF_SET, KernelConfig, ScalarArg, TensorArg
 from . import hw
 from .merge_states import MergeStatesConfig
 from .paged_cache import kv_cache_args, scale_arg
+from .sm90_decode import MERGE_GROUP
 
 # mma.sync / ldmatrix / cp.async exist on every target from SM80 on
 TARGETS = ALL_TARGETS
@@ -43,6 +44,7 @@ EVIDENCE = (
     ("cp.async 16-byte gather", r"cp\.async\.cg\.shared\.global"),
 )
 CVT_EVIDENCE = ("cvt e4m3x2 -> f16x2", r"cvt\.rn\.f16x2\.e4m3x2")
+MERGE_EVIDENCE = ("fused merge arrival atomic", r"atom\.global\.acq_rel\.add")
 
 
 def mma_dtype(q_dtype: str, kv_dtype: str) -> str:
@@ -173,12 +175,16 @@ def smem_bytes(D: int, kv_bytes: int, tile: int, stages: int, rows: int, warps_n
 @dataclass(frozen=True)
 class Sm80DecodeConfig(_Sm80Common):
     """Compile key of ``sm80.decode``: the KV group's ``group x q_len`` query rows against one
-    request's pages. ``split``: fp32 partials ``[S, T, Hq, D]`` and their LSE (merged by
-    ``common.merge_states``) instead of the output."""
+    request's pages. ``split``: fp32 partials ``[S, T, Hq, D]`` and their LSE instead of the
+    output, merged by ``common.merge_states`` in a second launch or, ``fused_merge``, by the last
+    of a (request, KV head)'s split CTAs to finish (:class:`~cute_kernels.roles.split_merge.SplitMerge`,
+    the SM90 decode's global merge: one launch, arrival counters in ``counters``)."""
 
     group: int = 8
     q_len: int = 1
     split: bool = False
+    fused_merge: bool = field(default=False, metadata=LABEL_IF_SET)
+    merge_group: ClassVar[int] = MERGE_GROUP  # splits in flight per thread of the fused merge (the SM90 decode's)
 
     kernel_id = "sm80.decode"
 
@@ -190,13 +196,21 @@ class Sm80DecodeConfig(_Sm80Common):
             raise ValueError(f"{self.rows} MMA rows cannot hold {self.group} x {self.q_len} query rows")
         if self.stats_smem:
             raise ValueError("stats_smem is a prefill field (the decode merges warps_n > 1 token warps)")
+        if self.fused_merge and not self.split:
+            raise ValueError("fused_merge merges a split launch's partials: it needs split=True")
 
     def signature(self):
         D = self.head_dim
         ks, vs = self._scales()
-        if self.split:
-            outs = (TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=16),
-                    TensorArg("part_lse", "fp32", ("S", "T", "Hq"), align=4))
+        parts = (TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=16),
+                 TensorArg("part_lse", "fp32", ("S", "T", "Hq"), align=4))
+        if self.fused_merge:
+            outs = (TensorArg("out", self.q_dtype, ("T", "Hq", D), align=8),
+                    TensorArg("lse", "fp32", ("T", "Hq"), align=4),
+                    *parts,
+                    TensorArg("counters", "int32", ("C",), align=4))  # arrival counters, zero between launches
+        elif self.split:
+            outs = parts
         else:
             outs = (TensorArg("out", self.q_dtype, ("T", "Hq", D), align=8),
                     TensorArg("lse", "fp32", ("T", "Hq"), align=4))
@@ -210,8 +224,14 @@ class Sm80DecodeConfig(_Sm80Common):
             ScalarArg("sm_scale", "fp32"),
         )
 
+    @property
+    def evidence(self) -> dict[str, tuple[tuple[str, str], ...]]:  # type: ignore[override]
+        more = (MERGE_EVIDENCE,) if self.fused_merge else ()
+        return {t: pairs + more for t, pairs in super().evidence.items()}
+
     def merge_config(self) -> MergeStatesConfig:
-        """The merge of a split launch's partials (a programmatic dependent launch where PDL exists)."""
+        """The merge of a split launch's partials in a second launch (a programmatic dependent
+        launch where PDL exists); a ``fused_merge`` launch needs none."""
         return MergeStatesConfig(out_dtype=self.q_dtype, head_dim=self.head_dim, vec=4, pdl=self.pdl)
 
     def build(self):
@@ -225,6 +245,14 @@ class Sm80DecodeConfig(_Sm80Common):
 # ------------------------------------------------------------------------------------------------
 
 DECODE_CTAS_PER_SM = 2  # the split schedule fills one wave of two CTAs per SM
+# a split launch merges its partials in its last CTA per (request, KV head), not in a second launch,
+# where that CTA's merge takes at most DECODE_FUSED_MERGE_MAX_TRIPS dependent L2 round trips per
+# thread (fused_merge_trips); past that the second launch, which spreads the merge over many CTAs,
+# ends sooner (docs/design/sm80.md#the-fused-merge)
+DECODE_FUSED_MERGE = True
+DECODE_FUSED_MERGE_MAX_TRIPS = 8
+# except for 16-bit caches at D 128 on the targets whose ptxas already needs the per-address
+# ldmatrix there (DECODE_XOR_16BIT_D128_SPILL_TARGETS): with the merge that build spills (1-5 STL)
 DECODE_MAX_STAGES = 8
 # FP8 caches: 32 tokens per warp and stage (a 16-token FP8 tile is half the bytes of a BF16 one
 # for the same per-tile softmax and barrier cost); BF16 caches keep 16 (docs/design/sm80.md#measurements)
@@ -312,14 +340,19 @@ def make_decode_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: in
     """The config the op, the warm-up and the compile matrix use for a problem on ``target``;
     ``override`` replaces any tuning field (tests force the bit-trick widening, or, with
     ``smem_target``, a ring sized for another target's shared memory: a 99 KB build run on an
-    H200; ``ldsm_xor=False``: the per-address ``ldmatrix`` form, the default below D 128)."""
+    H200; ``ldsm_xor=False``: the per-address ``ldmatrix`` form, the default below D 128;
+    ``fused_merge=False``: a split launch's merge as a second launch)."""
     fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len,
                   page_size=page_size, split=split, kv_form=kv_form, kv_layout=kv_layout,
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
     override = dict(override)
     fields.update(decode_tiling(_smem_target(override, target), kv_dtype, head_dim, group * q_len))
     fields["ldsm_xor"] = decode_ldsm_xor(target, kv_dtype, head_dim, q_len)
+    fields["fused_merge"] = split and DECODE_FUSED_MERGE and not (
+        head_dim == 128 and kv_dtype != "fp8_e4m3" and target in DECODE_XOR_16BIT_D128_SPILL_TARGETS)
     fields.update(override)
+    if not split:  # an unsplit launch has nothing to merge, whatever an override says
+        fields["fused_merge"] = False
     return Sm80DecodeConfig(**fields)
 
 
@@ -337,19 +370,34 @@ def decode_splits(items: int, max_context: int, num_sms: int, tile: int, ctas_pe
     return max(1, min(MAX_SPLITS, max_tiles, slots // max(items, 1)))
 
 
+def fused_merge_trips(config: Sm80DecodeConfig, splits: int) -> int:
+    """Dependent L2 round trips per thread of the fused merge of ``splits`` partials: the CTA's
+    threads share the rows' 4-dim chunks, and each chunk reads its splits ``merge_group`` at a time."""
+    chunks = config.group * config.q_len * config.head_dim // 4
+    return math.ceil(chunks / config.threads) * math.ceil(splits / config.merge_group)
+
+
 def plan_decode(config_for, items: int, max_context: int, num_sms: int,
-                num_splits: int | None) -> tuple[int, Sm80DecodeConfig]:
+                num_splits: int | None, keep_merge: bool = False) -> tuple[int, Sm80DecodeConfig]:
     """``(splits, config)`` of one decode launch: ``config_for(split)`` builds the config; the
-    unsplit one's tile sizes the split schedule."""
+    unsplit one's tile sizes the split schedule. A split launch merges in its last CTAs up to
+    ``DECODE_FUSED_MERGE_MAX_TRIPS`` (:func:`fused_merge_trips`), in a second launch past it
+    (``keep_merge``: the config's ``fused_merge`` stands, a tuning override's)."""
     probe = config_for(False)
     splits = decode_splits(items, max_context, num_sms, probe.tile, num_splits=num_splits)
-    return splits, (probe if splits <= 1 else config_for(True))
+    if splits <= 1:
+        return splits, probe
+    config = config_for(True)
+    if config.fused_merge and not keep_merge and fused_merge_trips(config, splits) > DECODE_FUSED_MERGE_MAX_TRIPS:
+        config = replace(config, fused_merge=False)
+    return splits, config
 
 
 def decode_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
                     kv_dtypes=("fp8_e4m3",), q_dtype: str = "bf16", q_lens=(1,), scale_tensors=(False, True),
                     kv_layouts=("HND",), kv_forms=("single",), **override) -> list[KernelConfig]:
-    """The ``sm80.decode`` configs (split and not, with the split's merge) that a model shape
+    """The ``sm80.decode`` configs (split and not; a split's merge as a second launch too where
+    :func:`plan_decode` chooses it for some split count, with that merge) that a model shape
     reaches on ``target`` (the warm-up's list)."""
     group = num_q_heads // num_kv_heads
     out: list[KernelConfig] = []
@@ -360,7 +408,10 @@ def decode_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_head
                                  head_dim=head_dim, group=group, q_len=q_len, page_size=page_size, split=split,
                                  k_scale_tensor=st, v_scale_tensor=st, kv_form=form, kv_layout=layout, **override)
         out.append(cfg)
-        if split and cfg.merge_config() not in merges:
+        if split and cfg.fused_merge and fused_merge_trips(cfg, MAX_SPLITS) > DECODE_FUSED_MERGE_MAX_TRIPS:
+            cfg = replace(cfg, fused_merge=False)  # what plan_decode launches for the most splits
+            out.append(cfg)
+        if split and not cfg.fused_merge and cfg.merge_config() not in merges:
             merges.append(cfg.merge_config())
     return out + merges
 
@@ -611,177 +662,3 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
                                  override.get("tw"), lean, d256_x, d128_s, d256_w8, d128_lean))
     fields.update(override)
     return Sm80PrefillConfig(**fields)
-
-
-# ------------------------------------------------------------------------------------------------
-# compile matrix
-# ------------------------------------------------------------------------------------------------
-
-
-def _q_for(kv: str) -> str:
-    return "fp16" if kv == "fp16" else "bf16"
-
-
-def old_form(config: KernelConfig) -> KernelConfig:
-    """The form an explicit override still selects where the plan's default moved on
-    (docs/design/sm80.md#defaults): the decode with per-address ``ldmatrix`` (``ldsm_xor=False``),
-    the prefill's 64-row CTA with its 32-token stages, 16 at D 256 (``m_tiles=1, tw=...``)."""
-    if isinstance(config, Sm80DecodeConfig):
-        return replace(config, ldsm_xor=False)
-    assert isinstance(config, Sm80PrefillConfig)
-    return replace(config, **prefill_tiling(config.target, config.kv_dtype, config.head_dim, 1,
-                                            16 if config.head_dim == 256 else 32))
-
-
-def rows128_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
-    """The 128-row prefill that ``m_tiles=2`` selects for ``config``'s variant (up to D 128): with
-    32-token stages the default where measured (at D 128 the default before ``PREFILL_D128_TW64S``
-    on sm_80 / sm_86), else an override with 16-token stages at D 128 (docs/design/sm80.md#defaults)."""
-    return replace(config, **prefill_tiling(config.target, config.kv_dtype, config.head_dim, 2, None, config.lean))
-
-
-def d256_tw32x_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
-    """The head-dim-256 prefill that ``PREFILL_D256_TW32X`` selects for ``config``'s variant (its
-    ring the deepest that fits, two CTAs per SM where they fit): the default where
-    :func:`prefill_d256_tw32x`, an override elsewhere."""
-    assert config.head_dim == 256
-    tiling = prefill_tiling(config.target, config.kv_dtype, 256, PREFILL_D256_TW32X["m_tiles"],
-                            PREFILL_D256_TW32X["tw"])
-    return replace(config, **{**tiling, "ldsm_xor": bool(PREFILL_D256_TW32X["ldsm_xor"])})
-
-
-def d128_tw64_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
-    """The head-dim-128 prefill that the ``PREFILL_D128_TW64`` override selects for ``config``'s
-    variant (128-row CTAs, 64-token stages, the deepest ring that fits: two stages and two CTAs per
-    SM on sm_90a)."""
-    assert config.head_dim == 128
-    tiling = prefill_tiling(config.target, config.kv_dtype, 128, PREFILL_D128_TW64["m_tiles"],
-                            PREFILL_D128_TW64["tw"])
-    return replace(config, **tiling)
-
-
-def d128_tw64s_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
-    """The head-dim-128 prefill that ``PREFILL_D128_TW64S`` selects for ``config``'s variant: the
-    ``PREFILL_D128_TW64`` tiling and ring with the row statistics in shared memory and the
-    one-base gather."""
-    return replace(d128_tw64_form(config), **_D128_MARGIN)
-
-
-def _d128_tw64s_registered(config: KernelConfig) -> bool:
-    """The lean GQA-4 page-16 builds of ``PREFILL_D128_TW64S`` that ptxas keeps without spills
-    (``PREFILL_D128_TW64S_TARGETS``; the default on ``PREFILL_D128_TW64S_DEFAULT_TARGETS``)."""
-    if not (isinstance(config, Sm80PrefillConfig) and config.head_dim == 128 and config.group == 4
-            and config.page_size == 16 and config.kv_layout == "HND"):
-        return False
-    return config.lean and config.target in PREFILL_D128_TW64S_TARGETS[config.kv_dtype]
-
-
-def _d128_tw64_registered(config: KernelConfig) -> bool:
-    """The builds of the ``PREFILL_D128_TW64`` override that ptxas keeps without spills."""
-    return (isinstance(config, Sm80PrefillConfig) and config.head_dim == 128 and config.kv_dtype == "bf16"
-            and config.q_dtype == "bf16" and config.group == 4 and config.page_size == 16
-            and config.target in PREFILL_D128_TW64_TARGETS and config.kv_form == "single"
-            and not (config.k_scale_tensor or config.v_scale_tensor))
-
-
-def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
-    """The variants of ``kernel_id`` (both kernels: None) in every target's full set
-    (``cute-kernels compile --arch <target> --kernel sm80.``), each in the plan's default form and
-    in the forms the overrides select where they differ from it (``ldsm_xor=False`` for the decode
-    from D 128 on; ``m_tiles=1`` with the old stage and ``m_tiles=2`` for the prefill,
-    :func:`d256_tw32x_form` for each prefill at D 256,
-    :func:`d128_tw64_form` for the BF16 D 128
-    prefill, lean and with the LSE, and :func:`d128_tw64s_form` for the lean one, where they build
-    without spills): decode for
-    each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
-    (four); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
-    prefill for each cache dtype x head dim, and a (K, V) pair in NHD with the LSE and no causal
-    mask. Plus :func:`ci_variants` (on SM90: a 99 KB ring)."""
-    out: list[KernelConfig] = []
-    for t in TARGETS:
-        for kv in KV_DTYPES:
-            for d in HEAD_DIMS:
-                shape: dict[str, Any] = dict(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=d, page_size=16)
-                out += [make_decode_config(group=8, q_len=1, split=s, **shape) for s in (False, True)]
-                out.append(make_prefill_config(group=4, **shape))
-            out.append(make_decode_config(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=128, group=16, q_len=4,
-                                          page_size=16, split=True))
-        out.append(make_decode_config(target=t, q_dtype="bf16", kv_dtype="fp16", head_dim=128, group=8, q_len=1,
-                                      page_size=16, split=False))
-        if t in CVT_TARGETS:
-            out.append(make_decode_config(target=t, q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=128, group=8,
-                                          q_len=1, page_size=16, split=True, widen="bits"))
-        out.append(make_prefill_config(target=t, q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=8, page_size=64,
-                                       causal=False, write_lse=True, kv_form="pair", kv_layout="NHD"))
-    out += ci_variants()
-    rows128: list[KernelConfig] = [rows128_form(c) for c in out
-                                   if isinstance(c, Sm80PrefillConfig) and c.head_dim <= PREFILL_M2_MAX_HEAD_DIM]
-    d256: list[KernelConfig] = [d256_tw32x_form(c) for c in out
-                                if isinstance(c, Sm80PrefillConfig) and c.head_dim == 256]
-    d128: list[KernelConfig] = [d128_tw64_form(v) for c in out
-                                if isinstance(c, Sm80PrefillConfig) and _d128_tw64_registered(c)
-                                for v in (c, replace(c, write_lse=True))]
-    d128 += [d128_tw64s_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and _d128_tw64s_registered(c)]
-    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128)
-            if kernel_id in (None, c.kernel_id)]
-
-
-def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
-    """The variants of ``kernel_id`` (both: None) in the representative set the CPU test suite
-    compiles per target (the full set is one command away), in the plan's default forms: decode
-    with a BF16 cache (split and not, the second as a (K, V) pair in NHD) and with an FP8 cache (the
-    target's widening, scale tensors), prefill with an FP8 cache and the LSE (the 64-row default)
-    and its 128-row override (16-token stages, unmeasured: asserted spill-free on every target);
-    on SM80 also the bit-trick decode at D 64 / 256, a BF16 D 256 prefill and the lean BF16 D 128
-    prefill (its default with the lean softmax); on SM90 the shapes
-    SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a ring sized for
-    99 KB (run on the H200 as the SM86 build's stand-in), an fp16 D 64 prefill, and old forms (the
-    FP8 decode without ``ldsm_xor``, the 64-row BF16 prefill, the 16-token D 256 prefill); the lean
-    128-row prefill with a BF16 cache on SM90 (``PREFILL_D128_TW64S``, the default there) and its
-    32-token form (the default before ``PREFILL_D128_TW64S``) with an FP8 cache on SM86; the
-    head-dim-256 decode on SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``); the lean BF16
-    D 256 prefill on SM80 (``PREFILL_D256_W8``), SM90 (``PREFILL_D256_TW32X``, two CTAs per SM),
-    SM86 and SM120 (99 KB; 255 registers there); the ``PREFILL_D128_TW64`` override of the lean BF16 D 128 prefill on sm_90a;
-    ``PREFILL_D128_TW64S`` (the default there) of the lean D 128 prefill with a BF16 cache on SM80
-    and an FP8 cache on SM86."""
-    shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
-    out: list[KernelConfig] = []
-    for t in TARGETS:
-        out += [
-            make_decode_config(target=t, kv_dtype="bf16", group=8, q_len=1, split=False, **shape),
-            make_decode_config(target=t, kv_dtype="bf16", group=4, q_len=2, split=True, kv_form="pair",
-                               kv_layout="NHD", **shape),
-            make_decode_config(target=t, kv_dtype="fp8_e4m3", group=8, q_len=1, split=True, k_scale_tensor=True,
-                               v_scale_tensor=True, **shape),
-            make_prefill_config(target=t, kv_dtype="fp8_e4m3", group=4, write_lse=True, **shape),
-            make_prefill_config(target=t, kv_dtype="fp8_e4m3", group=4, write_lse=True, m_tiles=2, **shape),
-        ]
-    sm80: dict[str, Any] = dict(target="sm_80", q_dtype="bf16", kv_dtype="fp8_e4m3", page_size=16, split=False)
-    out += [make_decode_config(head_dim=64, group=8, q_len=1, **sm80),
-            make_decode_config(head_dim=256, group=16, q_len=4, **sm80),
-            make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,
-                                page_size=64, causal=False),
-            make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=4,
-                                page_size=16)]
-    out += [make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, **shape),
-            make_prefill_config(target="sm_86", kv_dtype="fp8_e4m3", group=4, m_tiles=2, **shape)]
-    out.append(make_decode_config(target="sm_120a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8, q_len=1,
-                                  page_size=16, split=True))
-    out += [make_decode_config(target="sm_90a", kv_dtype="fp16", group=4, q_len=1, split=False, **shape),
-            make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, widen="bits",
-                               smem_target="sm_86", **shape),
-            make_prefill_config(target="sm_90a", q_dtype="fp16", kv_dtype="fp16", head_dim=64, group=1,
-                                page_size=32),
-            make_prefill_config(target="sm_90a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8,
-                                page_size=16, tw=16),
-            make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, ldsm_xor=False,
-                               **shape),
-            make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, m_tiles=1, **shape)]
-    d256: dict[str, Any] = dict(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=2, page_size=16)
-    out += [make_prefill_config(target=t, **d256) for t in ("sm_80", "sm_90a", "sm_86")]
-    out.append(make_prefill_config(target="sm_120a", **dict(d256, group=4)))
-    out += [make_prefill_config(target=t, kv_dtype="bf16", group=4, **shape, **PREFILL_D128_TW64)
-            for t in PREFILL_D128_TW64_TARGETS]
-    out += [make_prefill_config(target=t, kv_dtype=kv, group=4, **shape, **PREFILL_D128_TW64S)
-            for t, kv in (("sm_80", "bf16"), ("sm_86", "fp8_e4m3"))]
-    return [c for c in out if kernel_id in (None, c.kernel_id)]

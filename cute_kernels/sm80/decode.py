@@ -6,7 +6,9 @@ One CTA per (split, KV head, request). Its query rows are the KV group's ``group
 (row r: draft token r // group, head r % group), padded to 16-row MMA tiles; the ``warps_n``
 warps of a row tile split each stage's tokens and keep separate softmax states, merged once at
 the end (:mod:`~cute_kernels.roles.warp_attention`). Split s takes tiles s, s + S, ...; a split
-launch writes fp32 partials and their base-2 LSE for :mod:`cute_kernels.common.merge`.
+launch writes fp32 partials and their base-2 LSE, which the last split CTA of each (request, KV
+head) merges (``fused_merge``, :mod:`~cute_kernels.roles.split_merge`) or
+:mod:`cute_kernels.common.merge` does in a second launch.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from cutlass import Float32, Int32, const_expr
 
 from ..jit.spec import bind_arguments
 from ..roles.cp_async_pages import cache_views
+from ..roles.split_merge import SplitMerge
 from ..roles.warp_attention import LOG2E, engine_for
 
 
@@ -30,6 +33,11 @@ class Sm80PagedDecode:
         self.R = cfg.group * cfg.q_len
         self.engine, self.gather, self.kv_region = engine_for(cfg)
         self.stages = cfg.stages
+        # the SM90 decode's global merge: partials read back from L2 (no shared-memory staging)
+        self.split_merge = SplitMerge(
+            D=cfg.head_dim, N=self.R, G=self.G, q_len=self.q_len, merge="global" if cfg.fused_merge else None,
+            smem_merge=False, dynamic=False, merge_slots=0, merge_slot_bytes=0, merge_group=cfg.merge_group,
+            cluster_group=1, warps=self.engine.warps, num_threads=self.engine.threads)
 
     @cute.jit
     def __call__(self, *args):
@@ -40,26 +48,32 @@ class Sm80PagedDecode:
             mKc = mVc = a["kv_cache"]
         else:
             mKc, mVc = a["k_cache"], a["v_cache"]
-        if const_expr(self.cfg.split):
+        merge = ()  # the fused merge's (partials, partial LSEs, arrival counters): kernel parameters only there
+        if const_expr(self.cfg.fused_merge):
+            mO, mLse, num_splits = a["out"], a["lse"], a["part_out"].shape[0]
+            merge = (a["part_out"], a["part_lse"], a["counters"])
+        elif const_expr(self.cfg.split):
             mO, mLse, num_splits = a["part_out"], a["part_lse"], a["part_out"].shape[0]
         else:
             mO, mLse, num_splits = a["out"], a["lse"], 1
         self.launch(a["q"], mKc, mVc, a["block_table"], a["seq_lens"], mO, mLse, a["k_scale"], a["v_scale"],
-                    a["sm_scale"], num_splits, a["stream"])
+                    a["sm_scale"], num_splits, merge, a["stream"])
 
     @cute.jit
     def launch(self, mQ, mKc, mVc, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale: Float32,
-               num_splits, stream):
+               num_splits, merge, stream):
         cfg, eng = self.cfg, self.engine
         mK, mV, num_pages, num_kv_heads = cache_views(mKc, mVc, cfg.kv_form, cfg.kv_layout)
         self.storage = eng.storage(self.kv_region)
-        kernel = self.kernel(mQ, mK, mV, num_pages, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale)
+        kernel = self.kernel(mQ, mK, mV, num_pages, mBlockTable, mSeqLens, mO, mLse, k_scale, v_scale, sm_scale,
+                             *merge)
         kernel.launch(grid=[num_splits, num_kv_heads, mBlockTable.shape[0]], block=[eng.threads, 1, 1],
                       smem=self.storage.size_in_bytes(), stream=stream, use_pdl=cfg.pdl)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, num_pages: Int32, mBlockTable: cute.Tensor,
-               mSeqLens: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, k_scale, v_scale, sm_scale: Float32):
+               mSeqLens: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, k_scale, v_scale, sm_scale: Float32,
+               mPartO: cute.Tensor = None, mPartLse: cute.Tensor = None, mCounter: cute.Tensor = None):
         cfg, eng, G = self.cfg, self.engine, self.G
         tidx, _, _ = cute.arch.thread_idx()
         split, kv_head, batch_idx = cute.arch.block_idx()
@@ -121,12 +135,21 @@ class Sm80PagedDecode:
 
         sO = cute.make_tensor(cute.recast_ptr(storage.kv.data_ptr(), dtype=Float32), eng.o_layout())
         eng.finish(state, sO, sStats, wm, wn, lane, vs)
-        self.store(mO, mLse, sO, sStats, batch_idx, kv_head, split, tidx)
+        if const_expr(cfg.fused_merge):
+            self.store(mPartO, mPartLse, sO, sStats, batch_idx, kv_head, split, tidx)
+            # the arrival flag overlays the logit scales, dead since the main loop began
+            sFlag = cute.make_tensor(cute.recast_ptr(storage.scale.data_ptr(), dtype=Int32), cute.make_layout(4))
+            # (no staged merge: the ring's address only fills the role's never-taken staging branch)
+            self.split_merge.merge_splits(mO, mLse, mPartO, mPartLse, mCounter, sFlag, num_splits, batch_idx,
+                                          kv_head, tidx, (kv_base, kv_base))
+        else:
+            self.store(mO, mLse, sO, sStats, batch_idx, kv_head, split, tidx)
 
     @cute.jit
     def store(self, mO, mLse, sO, sStats, batch_idx, kv_head, split, tidx):
         """Coalesced output: four dims per thread and step, row by row. Split: fp32 partial
-        ``mO[split, token, head, d]`` and ``mLse[split, token, head]``; else the query's dtype."""
+        ``mO[split, token, head, d]`` and ``mLse[split, token, head]`` (the partials); else the
+        query's dtype."""
         G = self.G
         chunks = self.engine.D // 4
         work = self.R * chunks
@@ -138,7 +161,7 @@ class Sm80PagedDecode:
                 token = batch_idx * self.q_len + r // G
                 head = kv_head * G + r % G
                 vals = self.engine.output_chunk(sO, r, d0)
-                if const_expr(self.cfg.split):
+                if const_expr(self.cfg.split):  # fp32 partials (fused_merge too)
                     cute.local_tile(mO[split, token, head, None], (4,), (d0 // 4,)).store(vals.load())
                     if d0 == 0:
                         mLse[split, token, head] = sStats[2 * self.engine.warps_n, r]

@@ -342,7 +342,8 @@ def test_warmups_read_the_registry(monkeypatch):
     assert {c.kernel_id for c in warmup_module.warmup(arch="sm_90a", prefill=False, **shape)} == {"sm90.decode"}
     for arch in ("sm_120a", "sm_86"):
         configs = warmup_module.warmup(arch=arch, **shape)
-        assert {c.kernel_id for c in configs} == {"sm80.decode", "common.merge_states", "sm80.prefill"}
+        # (split launches merge in their last CTAs: no merge_states)
+        assert {c.kernel_id for c in configs} == {"sm80.decode", "sm80.prefill"}
         assert all(c.target == arch for c in configs if c.kernel_id.startswith("sm80."))
         assert all(c.causal and not c.write_lse for c in configs if c.kernel_id == "sm80.prefill")  # the layer's
     mixed = warmup_module.warmup(arch="sm_90a", kv_dtypes=("fp16", "fp8"), **shape)  # bf16 query
@@ -441,7 +442,7 @@ BAD_DECODE_OVERRIDES = [
     (dict(widen="fast"), ValueError, "bad widen/tile fast/64"),
     # the portable kernel, against its own config (backend="sm80")
     (dict(backend="sm80", cluster=True), ValueError, "'cluster' is not a tuning field of sm80.decode; its fields: "
-     "balanced, gather_one_base, ldsm_xor, lean_softmax, m_tiles, pdl, q_regs, smem_target, stages, stats_smem, tw, warps_m, "
+     "balanced, fused_merge, gather_one_base, ldsm_xor, lean_softmax, m_tiles, pdl, q_regs, smem_target, stages, stats_smem, tw, warps_m, "
      "warps_n, widen$"),
     (dict(backend="sm80", tile=128), ValueError, "'tile' is not a tuning field of sm80.decode"),
     (dict(backend="sm80", target="sm_80"), ValueError, "'target' is not a tuning field of sm80.decode \\(the call's"),

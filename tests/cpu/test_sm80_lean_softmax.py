@@ -10,12 +10,8 @@ from dataclasses import fields, replace
 
 import pytest
 
-from cute_kernels.plans.sm80 import (
-    PREFILL_D128_LEAN_SOFTMAX_TARGETS,
-    Sm80DecodeConfig,
-    Sm80PrefillConfig,
-    compile_variants,
-)
+from cute_kernels.plans.sm80 import PREFILL_D128_LEAN_SOFTMAX_TARGETS, Sm80DecodeConfig, Sm80PrefillConfig
+from cute_kernels.plans.sm80_matrix import compile_variants
 from cute_kernels.registry import KERNELS
 
 

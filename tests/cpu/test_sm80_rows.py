@@ -24,16 +24,18 @@ from cute_kernels.plans.sm80 import (
     PREFILL_D256_W8_TARGETS,
     PREFILL_M2_TW32_TARGETS,
     TARGETS,
+    make_decode_config,
+    make_prefill_config,
+    mma_dtype,
+    prefill_d128_tw64s,
+    prefill_d256_tw32x,
+)
+from cute_kernels.plans.sm80_matrix import (
     ci_variants,
     compile_variants,
     d128_tw64_form,
     d256_tw32x_form,
-    make_decode_config,
-    make_prefill_config,
-    mma_dtype,
     old_form,
-    prefill_d128_tw64s,
-    prefill_d256_tw32x,
     rows128_form,
 )
 from cute_kernels.roles.cp_async_pages import swizzle, swizzle_period
@@ -344,8 +346,9 @@ def test_head_dim_128_tw64_override(target, kv, extra):
 def test_decode_ldsm_xor_default_changes_nothing_but_the_addressing(target, kv, D, rows):
     """The decode's default addressing: one ``ldmatrix`` base per operand from D 128 on (not for
     16-bit caches at D 128 and q_len 1 where ptxas spills it), per address below; ``ldsm_xor`` either way
-    selects the other form with the same tiling, ring and shared memory; both forms of GQA 8 at
-    q_len 1 are in every target's compile list."""
+    selects the other form with the same tiling, ring and shared memory; the default and the old
+    form (per-address, a split's merge as a second launch) of GQA 8 at q_len 1 are in every
+    target's compile list."""
     group, q_len = rows
     shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=D, group=group,
                  q_len=q_len, page_size=16)
@@ -355,10 +358,11 @@ def test_decode_ldsm_xor_default_changes_nothing_but_the_addressing(target, kv, 
         cfg = make_decode_config(split=split, **shape)
         assert cfg.ldsm_xor == xor_default and ("ldsm_xor" in cfg.label()) == xor_default
         for other in (make_decode_config(split=split, ldsm_xor=not xor_default, **shape), old_form(cfg)):
-            assert replace(other, ldsm_xor=cfg.ldsm_xor) == cfg and other.smem_bytes() == cfg.smem_bytes()
+            assert replace(other, ldsm_xor=cfg.ldsm_xor, fused_merge=cfg.fused_merge) == cfg
+            assert other.smem_bytes() == cfg.smem_bytes()
             assert engine_for(other)[2] == engine_for(cfg)[2]
         if rows == (8, 1):
-            assert {cfg, replace(cfg, ldsm_xor=False)} <= set(compile_variants("sm80.decode"))
+            assert {cfg, old_form(cfg)} <= set(compile_variants("sm80.decode"))
         # a ring sized for a 99 KB target keeps the compile target's addressing
         assert make_decode_config(split=split, smem_target="sm_86", **shape).ldsm_xor == xor_default
     with pytest.raises(ValueError, match="no exact common 16-bit type"):

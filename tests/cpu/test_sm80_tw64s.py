@@ -22,15 +22,17 @@ from cute_kernels.plans.sm80 import (
     PREFILL_D128_TW64S_TARGETS,
     TARGETS,
     Sm80PrefillConfig,
+    make_decode_config,
+    make_prefill_config,
+    prefill_d128_tw64s,
+    prefill_lean,
+)
+from cute_kernels.plans.sm80_matrix import (
     ci_variants,
     compile_variants,
     d128_tw64_form,
     d128_tw64s_form,
-    make_decode_config,
-    make_prefill_config,
     old_form,
-    prefill_d128_tw64s,
-    prefill_lean,
     rows128_form,
 )
 from cute_kernels.roles.cp_async_pages import PagedKVGather, swizzle
