@@ -204,6 +204,7 @@ class Sm80DecodeConfig(_Sm80Common):
         ks, vs = self._scales()
         parts = (TensorArg("part_out", "fp32", ("S", "T", "Hq", D), align=16),
                  TensorArg("part_lse", "fp32", ("S", "T", "Hq"), align=4))
+        outs: tuple[TensorArg, ...]
         if self.fused_merge:
             outs = (TensorArg("out", self.q_dtype, ("T", "Hq", D), align=8),
                     TensorArg("lse", "fp32", ("T", "Hq"), align=4),

@@ -136,7 +136,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
                                 if isinstance(c, Sm80PrefillConfig) and _d128_tw64_registered(c)
                                 for v in (c, replace(c, write_lse=True))]
     d128 += [d128_tw64s_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and _d128_tw64s_registered(c)]
-    merge_launch = [replace(c, fused_merge=False) for c in out if isinstance(c, Sm80DecodeConfig) and c.fused_merge]
+    merge_launch: list[KernelConfig] = [replace(c, fused_merge=False) for c in out
+                                        if isinstance(c, Sm80DecodeConfig) and c.fused_merge]
     return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128 + merge_launch)
             if kernel_id in (None, c.kernel_id)]
 
