@@ -247,6 +247,10 @@ CASES: dict[str, Callable[[Ctx], None]] = {
     "sm80-fp8-bits-split1": partial(sm80_decode, kv=FP8, layout="HND", splits=1, extra={"widen": "bits"}),
     "sm80-fp8-nhd-split5": partial(sm80_decode, kv=FP8, layout="NHD", splits=5, extra={}),
     "sm80-bf16-sm86-split3": partial(sm80_decode, kv=BF16, layout="HND", splits=3, extra={"smem_target": "sm_86"}),
+    # the opt-in fused merge: partials, fence, arrival atomic, the last CTA's merge through L2
+    "sm80-fused-fp8-nhd-split5": partial(sm80_decode, kv=FP8, layout="NHD", splits=5, extra={"fused_merge": True}),
+    "sm80-fused-bf16-sm86-split3": partial(sm80_decode, kv=BF16, layout="HND", splits=3,
+                                           extra={"smem_target": "sm_86", "fused_merge": True}),
     "sm80-prefill-fp8": partial(sm80_prefill, kv=FP8),
     "sm80-prefill-bf16": partial(sm80_prefill, kv=BF16),
     "sm80-prefill-causal-bf16": partial(sm80_prefill_causal, kv=BF16, head_dim=128, extra={}),

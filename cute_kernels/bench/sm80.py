@@ -59,10 +59,10 @@ PREFILL_D256_VARIANTS = {"tw16": dict(m_tiles=1, tw=16), "a100": dict(smem_targe
 # row statistics in shared memory and the one-base gather (spill-free on the SM80-class targets),
 # docs/design/sm80.md#64-token-stages-at-head-dim-128
 PREFILL_D128_VARIANTS = {"m2t64": PREFILL_D128_TW64, "m2t64s": PREFILL_D128_TW64S}
-# `launch`: a split's merge as a second launch, the form before the fused merge (the same build
-# where the plan does not split), docs/design/sm80.md#the-fused-merge
+# `fused`: the opt-in merge in the split launch's last CTA (the same build where the plan does not
+# split), docs/design/sm80.md#the-fused-merge
 DECODE_VARIANTS: dict[str, dict] = {"noxor": dict(ldsm_xor=False), "lean": dict(lean_softmax=True),
-                                    "launch": dict(fused_merge=False)}
+                                    "fused": dict(fused_merge=True)}
 
 
 def parse_named_variants(text: str | None) -> dict[str, dict]:

@@ -253,7 +253,7 @@ def _prepare(q, k, v, pair, block_table, seq_lens, kv_layout, q_len, sm_scale, k
                 cpu_plan = sm80.plan_decode(
                     _sm80_config_for(q, k, pair, kv_layout, q_len, Hq // Hkv, page, ks_t, vs_t, _CPU_TARGET,
                                      features.without_balanced(override)),
-                    items, table_tokens, hw.H200_SMS, num_splits, keep_merge="fused_merge" in override)
+                    items, table_tokens, hw.H200_SMS, num_splits)
             else:
                 cpu_plan = launch_config(**_sm90_plan(q, k, pair, block_table, kv_layout, q_len, Hkv, page, ks_t,
                                                       vs_t, num_splits, deterministic, window_left, sinks,
@@ -355,14 +355,14 @@ def _prepare_sm80(q, k, pair, block_table, kv_layout, q_len, group, page, scale,
                   num_splits, target, override, sources, workspace) -> _Launch:
     """The portable kernel's launch: the split count from shapes only
     (:func:`cute_kernels.plans.sm80.plan_decode`), and for a split launch the fp32 partials in this
-    stream's workspace (or the caller's), merged by the kernel's last split CTAs (``fused_merge``:
-    with the arrival counters) or by ``common.merge_states`` as a second step of the caller."""
+    stream's workspace (or the caller's), merged by ``common.merge_states`` as a second step of the
+    caller, or by the kernel's last split CTAs (the opt-in ``fused_merge``: with the arrival
+    counters)."""
     T, Hq, D = q.shape
     B = block_table.shape[0]
     config_for = _sm80_config_for(q, k, pair, kv_layout, q_len, group, page, ks_t, vs_t, target, override)
     splits, config = sm80.plan_decode(config_for, B * (Hq // group), block_table.shape[1] * page,
-                                      device_sm_count(q.device.index or 0), num_splits,
-                                      keep_merge="fused_merge" in override)
+                                      device_sm_count(q.device.index or 0), num_splits)
     numel, counters_numel = workspace_numel(config, splits, B, Hq // group, T, Hq, D, return_lse)
     counters = None
     if workspace is not None:  # the caller's memory: nothing of ours
@@ -413,7 +413,8 @@ def workspace_numel(config, num_splits: int, B: int, Hkv: int, T: int, Hq: int, 
     """(fp32 elements, int32 counters) of a launch's workspaces: a global merge's partials and
     LSEs (a balanced launch: ``num_splits`` slots of one request's rows), the LSE target when the
     caller asks for none; the arrival (and, SM90's dynamic split, chunk) counters of a merge fused
-    into the kernel (the portable kernel's ``fused_merge``; without it a second launch merges: none).
+    into the kernel (the portable kernel's opt-in ``fused_merge``; without it a second launch merges:
+    none).
     Shapes only: a balanced launch's size does not depend on the lengths."""
     global_merge = num_splits > 1 and not getattr(config, "cluster", False)
     sm90 = config.kernel_id == "sm90.decode"

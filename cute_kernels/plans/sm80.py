@@ -9,7 +9,7 @@ the shared-memory capacity of each target comes from :mod:`.hw`. Design: docs/de
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, ClassVar
 
@@ -176,9 +176,10 @@ def smem_bytes(D: int, kv_bytes: int, tile: int, stages: int, rows: int, warps_n
 class Sm80DecodeConfig(_Sm80Common):
     """Compile key of ``sm80.decode``: the KV group's ``group x q_len`` query rows against one
     request's pages. ``split``: fp32 partials ``[S, T, Hq, D]`` and their LSE instead of the
-    output, merged by ``common.merge_states`` in a second launch or, ``fused_merge``, by the last
-    of a (request, KV head)'s split CTAs to finish (:class:`~cute_kernels.roles.split_merge.SplitMerge`,
-    the SM90 decode's global merge: one launch, arrival counters in ``counters``)."""
+    output, merged by ``common.merge_states`` in a second launch or, ``fused_merge`` (opt-in), by
+    the last of a (request, KV head)'s split CTAs to finish
+    (:class:`~cute_kernels.roles.split_merge.SplitMerge`, the SM90 decode's global merge: one
+    launch, arrival counters in ``counters``)."""
 
     group: int = 8
     q_len: int = 1
@@ -246,14 +247,9 @@ class Sm80DecodeConfig(_Sm80Common):
 # ------------------------------------------------------------------------------------------------
 
 DECODE_CTAS_PER_SM = 2  # the split schedule fills one wave of two CTAs per SM
-# a split launch merges its partials in its last CTA per (request, KV head), not in a second launch,
-# where that CTA's merge takes at most DECODE_FUSED_MERGE_MAX_TRIPS dependent L2 round trips per
-# thread (fused_merge_trips); past that the second launch, which spreads the merge over many CTAs,
-# ends sooner (docs/design/sm80.md#the-fused-merge)
-DECODE_FUSED_MERGE = True
-DECODE_FUSED_MERGE_MAX_TRIPS = 8
-# except for 16-bit caches at D 128 on the targets whose ptxas already needs the per-address
-# ldmatrix there (DECODE_XOR_16BIT_D128_SPILL_TARGETS): with the merge that build spills (1-5 STL)
+# a split launch's partials merge in a second launch (common.merge_states): the merge fused into the
+# kernel's last CTA per (request, KV head) is an opt-in (fused_merge), slower wherever measured, with
+# PDL and without (docs/design/sm80.md#the-fused-merge)
 DECODE_MAX_STAGES = 8
 # FP8 caches: 32 tokens per warp and stage (a 16-token FP8 tile is half the bytes of a BF16 one
 # for the same per-tile softmax and barrier cost); BF16 caches keep 16 (docs/design/sm80.md#measurements)
@@ -342,15 +338,13 @@ def make_decode_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: in
     ``override`` replaces any tuning field (tests force the bit-trick widening, or, with
     ``smem_target``, a ring sized for another target's shared memory: a 99 KB build run on an
     H200; ``ldsm_xor=False``: the per-address ``ldmatrix`` form, the default below D 128;
-    ``fused_merge=False``: a split launch's merge as a second launch)."""
+    ``fused_merge=True``: a split launch's merge in its last CTAs, the opt-in)."""
     fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len,
                   page_size=page_size, split=split, kv_form=kv_form, kv_layout=kv_layout,
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
     override = dict(override)
     fields.update(decode_tiling(_smem_target(override, target), kv_dtype, head_dim, group * q_len))
     fields["ldsm_xor"] = decode_ldsm_xor(target, kv_dtype, head_dim, q_len)
-    fields["fused_merge"] = split and DECODE_FUSED_MERGE and not (
-        head_dim == 128 and kv_dtype != "fp8_e4m3" and target in DECODE_XOR_16BIT_D128_SPILL_TARGETS)
     fields.update(override)
     if not split:  # an unsplit launch has nothing to merge, whatever an override says
         fields["fused_merge"] = False
@@ -372,34 +366,27 @@ def decode_splits(items: int, max_context: int, num_sms: int, tile: int, ctas_pe
 
 
 def fused_merge_trips(config: Sm80DecodeConfig, splits: int) -> int:
-    """Dependent L2 round trips per thread of the fused merge of ``splits`` partials: the CTA's
-    threads share the rows' 4-dim chunks, and each chunk reads its splits ``merge_group`` at a time."""
+    """Dependent L2 round trips per thread of the fused merge (``fused_merge``) of ``splits``
+    partials: the CTA's threads share the rows' 4-dim chunks, and each chunk reads its splits
+    ``merge_group`` at a time (the measurements: docs/design/sm80.md#the-fused-merge)."""
     chunks = config.group * config.q_len * config.head_dim // 4
     return math.ceil(chunks / config.threads) * math.ceil(splits / config.merge_group)
 
 
 def plan_decode(config_for, items: int, max_context: int, num_sms: int,
-                num_splits: int | None, keep_merge: bool = False) -> tuple[int, Sm80DecodeConfig]:
+                num_splits: int | None) -> tuple[int, Sm80DecodeConfig]:
     """``(splits, config)`` of one decode launch: ``config_for(split)`` builds the config; the
-    unsplit one's tile sizes the split schedule. A split launch merges in its last CTAs up to
-    ``DECODE_FUSED_MERGE_MAX_TRIPS`` (:func:`fused_merge_trips`), in a second launch past it
-    (``keep_merge``: the config's ``fused_merge`` stands, a tuning override's)."""
+    unsplit one's tile sizes the split schedule."""
     probe = config_for(False)
     splits = decode_splits(items, max_context, num_sms, probe.tile, num_splits=num_splits)
-    if splits <= 1:
-        return splits, probe
-    config = config_for(True)
-    if config.fused_merge and not keep_merge and fused_merge_trips(config, splits) > DECODE_FUSED_MERGE_MAX_TRIPS:
-        config = replace(config, fused_merge=False)
-    return splits, config
+    return splits, (probe if splits <= 1 else config_for(True))
 
 
 def decode_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
                     kv_dtypes=("fp8_e4m3",), q_dtype: str = "bf16", q_lens=(1,), scale_tensors=(False, True),
                     kv_layouts=("HND",), kv_forms=("single",), **override) -> list[KernelConfig]:
-    """The ``sm80.decode`` configs (split and not; a split's merge as a second launch too where
-    :func:`plan_decode` chooses it for some split count, with that merge) that a model shape
-    reaches on ``target`` (the warm-up's list)."""
+    """The ``sm80.decode`` configs (split and not, with the split's merge unless ``fused_merge``)
+    that a model shape reaches on ``target`` (the warm-up's list)."""
     group = num_q_heads // num_kv_heads
     out: list[KernelConfig] = []
     merges: list[KernelConfig] = []
@@ -409,9 +396,6 @@ def decode_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_head
                                  head_dim=head_dim, group=group, q_len=q_len, page_size=page_size, split=split,
                                  k_scale_tensor=st, v_scale_tensor=st, kv_form=form, kv_layout=layout, **override)
         out.append(cfg)
-        if split and cfg.fused_merge and fused_merge_trips(cfg, MAX_SPLITS) > DECODE_FUSED_MERGE_MAX_TRIPS:
-            cfg = replace(cfg, fused_merge=False)  # what plan_decode launches for the most splits
-            out.append(cfg)
         if split and not cfg.fused_merge and cfg.merge_config() not in merges:
             merges.append(cfg.merge_config())
     return out + merges

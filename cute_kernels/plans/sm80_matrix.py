@@ -13,6 +13,7 @@ from ..jit.spec import KernelConfig
 from .sm80 import (
     _D128_MARGIN,
     CVT_TARGETS,
+    DECODE_XOR_16BIT_D128_SPILL_TARGETS,
     HEAD_DIMS,
     KV_DTYPES,
     PREFILL_D128_TW64,
@@ -97,6 +98,13 @@ def _d128_tw64_registered(config: KernelConfig) -> bool:
             and not (config.k_scale_tensor or config.v_scale_tensor))
 
 
+def fused_merge_registered(config: Sm80DecodeConfig) -> bool:
+    """Whether the compile matrix registers the opt-in fused merge of ``config`` (a split decode):
+    everywhere but 16-bit caches at D 128 on ``DECODE_XOR_16BIT_D128_SPILL_TARGETS``, whose ptxas
+    needs the per-address ``ldmatrix`` there already and spills the fused build (1-5 ``STL``)."""
+    return not (config.head_dim == 128 and not config.fp8 and config.target in DECODE_XOR_16BIT_D128_SPILL_TARGETS)
+
+
 def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     """The variants of ``kernel_id`` (both kernels: None) in every target's full set
     (``cute-kernels compile --arch <target> --kernel sm80.``), each in the plan's default form and
@@ -107,8 +115,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     prefill, lean and with the LSE, and :func:`d128_tw64s_form` for the lean one, where they build
     without spills): decode for
     each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
-    (four), each split one also with its merge as a second launch (``fused_merge=False``); an fp16
-    cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
+    (four), each split one also with the opt-in fused merge (``fused_merge=True``) where it builds
+    without spills (:func:`fused_merge_registered`); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
     prefill for each cache dtype x head dim, and a (K, V) pair in NHD with the LSE and no causal
     mask. Plus :func:`ci_variants` (on SM90: a 99 KB ring)."""
     out: list[KernelConfig] = []
@@ -136,9 +144,9 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
                                 if isinstance(c, Sm80PrefillConfig) and _d128_tw64_registered(c)
                                 for v in (c, replace(c, write_lse=True))]
     d128 += [d128_tw64s_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and _d128_tw64s_registered(c)]
-    merge_launch: list[KernelConfig] = [replace(c, fused_merge=False) for c in out
-                                        if isinstance(c, Sm80DecodeConfig) and c.fused_merge]
-    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128 + merge_launch)
+    fused: list[KernelConfig] = [replace(c, fused_merge=True) for c in out
+                                 if isinstance(c, Sm80DecodeConfig) and c.split and fused_merge_registered(c)]
+    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128 + fused)
             if kernel_id in (None, c.kernel_id)]
 
 
@@ -152,7 +160,7 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     prefill (its default with the lean softmax); on SM90 the shapes
     SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a ring sized for
     99 KB (run on the H200 as the SM86 build's stand-in), an fp16 D 64 prefill, and old forms (the
-    FP8 decode without ``ldsm_xor``, its split with the merge as a second launch, the 64-row BF16
+    FP8 decode without ``ldsm_xor``, its split with the opt-in fused merge, the 64-row BF16
     prefill, the 16-token D 256 prefill); the lean
     128-row prefill with a BF16 cache on SM90 (``PREFILL_D128_TW64S``, the default there) and its
     32-token form (the default before ``PREFILL_D128_TW64S``) with an FP8 cache on SM86; the
@@ -193,7 +201,7 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
                                 page_size=16, tw=16),
             make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=False, ldsm_xor=False,
                                **shape),
-            make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=True, fused_merge=False,
+            make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=True, fused_merge=True,
                                **shape),
             make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, m_tiles=1, **shape)]
     d256: dict[str, Any] = dict(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=2, page_size=16)

@@ -342,8 +342,7 @@ def test_warmups_read_the_registry(monkeypatch):
     assert {c.kernel_id for c in warmup_module.warmup(arch="sm_90a", prefill=False, **shape)} == {"sm90.decode"}
     for arch in ("sm_120a", "sm_86"):
         configs = warmup_module.warmup(arch=arch, **shape)
-        # (split launches merge in their last CTAs: no merge_states)
-        assert {c.kernel_id for c in configs} == {"sm80.decode", "sm80.prefill"}
+        assert {c.kernel_id for c in configs} == {"sm80.decode", "common.merge_states", "sm80.prefill"}
         assert all(c.target == arch for c in configs if c.kernel_id.startswith("sm80."))
         assert all(c.causal and not c.write_lse for c in configs if c.kernel_id == "sm80.prefill")  # the layer's
     mixed = warmup_module.warmup(arch="sm_90a", kv_dtypes=("fp16", "fp8"), **shape)  # bf16 query

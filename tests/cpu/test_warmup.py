@@ -209,26 +209,21 @@ def test_layer_steps_ask_only_for_listed_variants(fake_sm90, cache, tensors, q_l
 @pytest.mark.parametrize("arch", ["sm86", "sm120"])
 @pytest.mark.parametrize("Hq, Hkv, D, cache, page, tensors, q_lens, kv_form", LAYERS[:3])
 def test_warmup_lists_every_portable_decode_variant(arch, Hq, Hkv, D, cache, page, tensors, q_lens, kv_form):
-    """Where the plan takes sm80.decode: every (split or not) variant of every batch and width (the
-    split ones merge in their last CTAs, or in a merge launch past the fused merge's limit), the
-    portable prefill, and the largest workspace and arrival counters any shape asks for."""
+    """Where the plan takes sm80.decode: every (split or not) variant of every batch and width, the
+    merges of the split ones, the portable prefill, and the largest workspace any shape asks for."""
     from dispatch.warmup import sm80_decode_launches
 
     scale = (lambda v: torch.tensor(v)) if tensors else float
     layer = AttentionLayer(Hq, Hkv, D, kv_cache_dtype=cache, page_size=page, arch=arch,
                            model_dtype="fp16" if cache == "fp16" else "bf16", k_scale=scale(0.5), v_scale=scale(0.25))
     listed = set(layer.warmup_variants(MAX_SEQS, MAX_LEN, q_lens=q_lens, kv_form=kv_form))
-    reached, numel, counters, split_items = set(), 0, 0, 0
+    reached, numel = set(), 0
     for q_len in q_lens:
         for b, _, s, cfg in sm80_decode_launches(layer, arch=arch, max_num_seqs=MAX_SEQS, max_model_len=MAX_LEN,
                                                  q_len=q_len, kv_form=kv_form, widths=range(1, -(-MAX_LEN // page) + 1)):
-            assert cfg.fused_merge <= cfg.split
-            reached |= {cfg, cfg.merge_config()} if cfg.split and not cfg.fused_merge else {cfg}
-            n, c = workspace_numel(cfg, s, b, Hkv, b * q_len, Hq, D, False)
-            numel, counters = max(numel, n), max(counters, c)
-            split_items = max(split_items, b * Hkv if cfg.fused_merge else 0)
+            reached |= {cfg, cfg.merge_config()} if cfg.split else {cfg}
+            numel = max(numel, workspace_numel(cfg, s, b, Hkv, b * q_len, Hq, D, False)[0])
     assert {c for c in reached if c.kernel_id == "sm80.decode"} == {c for c in listed if c.kernel_id == "sm80.decode"}
-    assert reached <= listed and any(getattr(c, "split", False) for c in reached)  # some split
+    assert reached <= listed and any(c.kernel_id == "common.merge_states" for c in reached)  # some split
     assert [c.kernel_id for c in listed if "prefill" in c.kernel_id] == ["sm80.prefill"]
-    assert counters == split_items > 0  # one arrival counter per (request, KV head) of the largest split batch
-    assert decode_workspace(layer, MAX_SEQS, MAX_LEN, q_lens=q_lens, kv_form=kv_form) == (numel, counters)
+    assert decode_workspace(layer, MAX_SEQS, MAX_LEN, q_lens=q_lens, kv_form=kv_form) == (numel, 0)

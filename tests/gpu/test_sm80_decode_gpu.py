@@ -3,8 +3,8 @@
 FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, draft lengths, split-KV,
 an fp16 cache with a bf16 query, a ring sized for 99 KB of shared memory (SM86/89/120/121),
 CUDA-graph replay, the cases from head dim 128 on again without ``ldsm_xor``, every case again with the
-opt-in lean softmax, the split cases again with the merge as a second launch, the fused merge over
-many splits and empty ones. Outputs are poisoned with NaN;
+opt-in lean softmax, the split cases again with the opt-in fused merge, the fused merge over many
+splits and empty ones. Outputs are poisoned with NaN;
 the seed is in every failure message."""
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ CASES = [
 CASES += [(*c[:-1], dict(c[-1], ldsm_xor=False)) for c in CASES if c[2] >= 128]
 # the opt-in lean softmax (docs/design/sm80.md#the-lean-softmax-opt-in) on every case above
 CASES += [(*c[:-1], dict(c[-1], lean_softmax=True)) for c in list(CASES)]
-# split launches merge in their last CTA by default; the merge as a second launch (fused_merge=False)
-# on the split cases of the first list (docs/design/sm80.md#the-fused-merge)
-CASES += [(*c[:-1], dict(c[-1], fused_merge=False)) for c in CASES[:24] if c[9] > 1]
+# split launches merge in a second launch by default; the opt-in merge in their last CTA
+# (fused_merge=True) on the split cases of the first list (docs/design/sm80.md#the-fused-merge)
+CASES += [(*c[:-1], dict(c[-1], fused_merge=True)) for c in CASES[:24] if c[9] > 1]
 
 
 def _ids(c):
@@ -174,21 +174,21 @@ def test_lengths_past_the_block_table_are_not_attended(splits, gen):
 @pytest.mark.parametrize("kv", [BF16, FP8])
 @pytest.mark.parametrize("splits", [17, 64])
 def test_fused_merge_over_many_and_empty_splits(kv, splits, gen):
-    """The last split CTA of each (request, KV head) merges: more splits than one merge group (16),
-    requests shorter than one split's first tile (empty splits, LSE -inf partials) and an empty
-    request beside long ones. The arrival counters are zero again after every launch, a second
-    call gives the same bits (the merge order is the split order, not the arrival order), and the
-    merge as a second launch agrees with the reference too."""
+    """The opt-in fused merge (the last split CTA of each (request, KV head) merges): more splits
+    than one merge group (16), requests shorter than one split's first tile (empty splits, LSE -inf
+    partials) and an empty request beside long ones. The arrival counters are zero again after
+    every launch, a second call gives the same bits (the merge order is the split order, not the
+    arrival order), and the default merge (a second launch) agrees with the reference too."""
     from cute_kernels.ops import paged_decode as op
 
     seed = gen.initial_seed()
     lens = [0, 1, 7, 3000, 40, 1500]
     c = make_paged_decode_case(batch=len(lens), num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
                                seq_lens=lens, kv_dtype=kv, q_len=1, generator=gen)
-    out, lse = _run(c, splits)
+    out, lse = _run(c, splits, fused_merge=True)
     _check(c, out, lse, seed)
     assert all(bool((b == 0).all()) for b in op._counters.buffers.values()), f"seed {seed}: counters left set"
-    again, lse2 = _run(c, splits)
+    again, lse2 = _run(c, splits, fused_merge=True)
     assert torch.equal(again, out) and torch.equal(lse2, lse), f"seed {seed}: not deterministic"
-    out3, lse3 = _run(c, splits, fused_merge=False)
+    out3, lse3 = _run(c, splits)
     _check(c, out3, lse3, seed)
