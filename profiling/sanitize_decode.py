@@ -260,6 +260,10 @@ CASES: dict[str, Callable[[Ctx], None]] = {
     "sm80-prefill-causal-d256-bf16": partial(sm80_prefill_causal, kv=BF16, head_dim=256, extra={}),
     "sm80-prefill-causal-d256-fp8": partial(sm80_prefill_causal, kv=FP8, head_dim=256, extra={}),
     "sm80-prefill-causal-d256-w8-bf16": partial(sm80_prefill_causal, kv=BF16, head_dim=256, extra=PREFILL_D256_W8),
+    # the opt-in kv_first: the ring's first copies in flight while Q is staged
+    "sm80-kvfirst-fp8-nhd-split5": partial(sm80_decode, kv=FP8, layout="NHD", splits=5, extra={"kv_first": True}),
+    "sm80-prefill-causal-kvfirst-bf16": partial(sm80_prefill_causal, kv=BF16, head_dim=128,
+                                                extra={"kv_first": True}),
     "merge-states": merge,
 }
 # the cases that merge in 16-CTA (non-portable) clusters: synccheck cannot check their TMA + mbarrier

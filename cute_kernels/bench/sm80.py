@@ -47,8 +47,10 @@ KV_DTYPES = ("bf16", "fp8")
 # adds more. ``m1`` / ``noxor``: the forms the plan chose before its measured defaults (at D 256
 # ``m1`` is the plan's form; the ones before are ``tw64`` and ``tw16``), docs/design/sm80.md#defaults
 # `lean`: the default tiling with the opt-in lean softmax (docs/design/sm80.md#the-lean-softmax-opt-in)
+# `kvfirst`: the default tiling with the ring's first copies issued before Q is staged (opt-in,
+# docs/design/sm80.md#kv-copies-before-the-query)
 PREFILL_VARIANTS = {"m1": dict(m_tiles=1), "tw64": dict(m_tiles=1, tw=64, q_regs=False),
-                    "lean": dict(lean_softmax=True)}
+                    "lean": dict(lean_softmax=True), "kvfirst": dict(kv_first=True)}
 # head dim 256 only: the plan's form on SM90 (`sm80`, `m1`) is PREFILL_D256_TW32X, `tw16` the one
 # before (per-address ldmatrix); `a100` the four-warp form with its ring sized for sm_80 and `w8`
 # sm_80's default (PREFILL_D256_W8; one CTA per SM on the H200 as on the A100); `w8t64` eight warps
@@ -62,7 +64,7 @@ PREFILL_D128_VARIANTS = {"m2t64": PREFILL_D128_TW64, "m2t64s": PREFILL_D128_TW64
 # `fused`: the opt-in merge in the split launch's last CTA (the same build where the plan does not
 # split), docs/design/sm80.md#the-fused-merge
 DECODE_VARIANTS: dict[str, dict] = {"noxor": dict(ldsm_xor=False), "lean": dict(lean_softmax=True),
-                                    "fused": dict(fused_merge=True)}
+                                    "fused": dict(fused_merge=True), "kvfirst": dict(kv_first=True)}
 
 
 def parse_named_variants(text: str | None) -> dict[str, dict]:

@@ -71,7 +71,9 @@ class _Sm80Common(KernelConfig):
     shared-memory destinations as one base plus immediates (both for the 64-token 128-row prefill,
     docs/design/sm80.md#64-token-stages-at-head-dim-128); ``lean_softmax``: the softmax's max over
     the raw scores, one FFMA per score before its exp2 and O's rescale skipped by a warp whose rows'
-    max did not move (opt-in tuning, docs/design/sm80.md#the-lean-softmax-opt-in). ``target``: the one
+    max did not move (opt-in tuning, docs/design/sm80.md#the-lean-softmax-opt-in); ``kv_first``: the
+    ring's first stages' copies issued before the query rows are staged, their latencies overlapped
+    (opt-in, docs/design/sm80.md#kv-copies-before-the-query). ``target``: the one
     compile target the tiling was chosen for (the plan sizes the ring by its shared memory)."""
 
     target: str = "sm_80"
@@ -95,6 +97,7 @@ class _Sm80Common(KernelConfig):
     stats_smem: bool = field(default=False, metadata=LABEL_IF_SET)
     gather_one_base: bool = field(default=False, metadata=LABEL_IF_SET)
     lean_softmax: bool = field(default=False, metadata=LABEL_IF_SET)
+    kv_first: bool = field(default=False, metadata=LABEL_IF_SET)
 
     def _validate(self):
         if self.target not in TARGETS:

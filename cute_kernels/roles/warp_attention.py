@@ -512,13 +512,24 @@ class WarpTileAttention:
     # ---------------------------------------------------------------------------------------
 
     @cute.jit
+    def prologue(self, issue, tile_of, n_tiles, stages: cutlass.Constexpr, kv_base, stage_bytes):
+        """The ring's first ``stages - 1`` tiles' copies, one commit group each (empty past
+        ``n_tiles``): :meth:`mainloop` issues them itself unless the kernel did first (``kv_first``:
+        before staging Q, so that their latencies overlap)."""
+        for s in cutlass.range_constexpr(stages - 1):
+            if s < n_tiles:
+                issue(tile_of(s), kv_base + s * stage_bytes)
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
     def mainloop(self, issue, tile_of, n_tiles, stages: cutlass.Constexpr, kv_base, stage_bytes, tile_bytes,
-                 state, sq_base, row_scale, limits, min_limit, wm, wn, lane, sStats=None):
+                 state, sq_base, row_scale, limits, min_limit, wm, wn, lane, sStats=None,
+                 issued: cutlass.Constexpr = False):
         """Stream this CTA's ``n_tiles`` tiles (``tile_of(i)``: the i-th tile's index) through a
         ``stages``-deep cp.async ring: ``issue(tile, stage_address)`` starts a tile's copies;
         one commit group per tile, one barrier per tile (it also frees the stage that the next
         copies overwrite). ``sStats``: the per-row statistics (``stats_smem`` keeps the running
-        max and sum there)."""
+        max and sum there). ``issued``: the kernel ran :meth:`prologue` already."""
         acc_o, acc_s, tSrQ, row_max, row_sum = state
         stats = None
         if const_expr(self.stats_smem):
@@ -526,10 +537,8 @@ class WarpTileAttention:
             for slot in cutlass.range_constexpr(2 * self.m_tiles):
                 stats.store(slot // 2, slot % 2, -Float32.inf, Float32(0.0))
             cute.arch.sync_warp()
-        for s in cutlass.range_constexpr(stages - 1):
-            if s < n_tiles:
-                issue(tile_of(s), kv_base + s * stage_bytes)
-            cute.arch.cp_async_commit_group()
+        if const_expr(not issued):
+            self.prologue(issue, tile_of, n_tiles, stages, kv_base, stage_bytes)
         for i in cutlass.range(n_tiles, unroll=1):
             cute.arch.cp_async_wait_group(stages - 2)
             cute.arch.barrier()

@@ -104,6 +104,21 @@ class Sm80PagedDecode:
         def row_valid(r):
             return r < self.R
 
+        def tile_of(i):
+            return split + i * num_splits
+
+        def issue(tile_idx, stage_addr):
+            self.gather.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, kv_end, stage_addr, tidx)
+
+        def tiles_mine():  # tiles split, split + S, ...
+            num_tiles = (kv_end + eng.tile - 1) // eng.tile
+            return cutlass.max((num_tiles - split + num_splits - 1) // num_splits, Int32(0))
+
+        g = self.gather
+        if const_expr(cfg.kv_first):  # the first stages' copies in flight while Q is staged
+            n_mine = tiles_mine()
+            eng.prologue(issue, tile_of, n_mine, self.stages, kv_base, g.stage_bytes)
+
         logit_scale = sm_scale * ks * Float32(LOG2E * 2.0 ** eng.widen_log2)
         eng.stage_q(mQ, row_token_head, row_valid, logit_scale, sq_base, sScale, tidx)
         cute.arch.barrier()
@@ -117,19 +132,10 @@ class Sm80PagedDecode:
         row_scale, limits = eng.row_setup(sScale, wm, lane, row_limit)
         min_limit = cutlass.min(seq_len - q_len + 1, kv_end)
 
-        num_tiles = (kv_end + eng.tile - 1) // eng.tile
-        n_mine = (num_tiles - split + num_splits - 1) // num_splits  # tiles split, split + S, ...
-        n_mine = cutlass.max(n_mine, Int32(0))
-
-        def tile_of(i):
-            return split + i * num_splits
-
-        def issue(tile_idx, stage_addr):
-            self.gather.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, kv_end, stage_addr, tidx)
-
-        g = self.gather
+        if const_expr(not cfg.kv_first):
+            n_mine = tiles_mine()
         eng.mainloop(issue, tile_of, n_mine, self.stages, kv_base, g.stage_bytes, g.tile_bytes, state, sq_base,
-                   row_scale, limits, min_limit, wm, wn, lane)
+                     row_scale, limits, min_limit, wm, wn, lane, issued=cfg.kv_first)
         if const_expr(cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 

@@ -108,27 +108,36 @@ class Sm80PagedPrefill:
                 lim = cutlass.min(prefix + (row0 + r) // G + 1, kv_cap)
             return lim
 
+        def tile_of(i):
+            return i
+
+        def tiles():  # what the tile's last row sees: no tile past it is loaded
+            last_row = cutlass.min(row0 + eng.rows, q_len * G) - 1 - row0
+            kv_end = row_limit(last_row)
+            return kv_end, cutlass.max((kv_end + eng.tile - 1) // eng.tile, Int32(0))
+
+        def issue_to(kv_end):
+            def issue(tile_idx, stage_addr):
+                self.gather.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, kv_end, stage_addr,
+                                  tidx)
+            return issue
+
+        g = self.gather
+        if const_expr(cfg.kv_first):  # the first stages' copies in flight while Q is staged
+            kv_end, n_tiles = tiles()
+            eng.prologue(issue_to(kv_end), tile_of, n_tiles, cfg.stages, kv_base, g.stage_bytes)
+
         logit_scale = sm_scale * ks * Float32(LOG2E * 2.0 ** eng.widen_log2)
         eng.stage_q(mQ, row_token_head, row_valid, logit_scale, sq_base, sScale, tidx)
         cute.arch.barrier()
         state = eng.make_state()
         eng.load_q_all(state[2], sq_base, wm, lane)
         row_scale, limits = eng.row_setup(sScale, wm, lane, row_limit)
-        last_row = cutlass.min(row0 + eng.rows, q_len * G) - 1 - row0
-        kv_end = row_limit(last_row)  # what the tile's last row sees: no tile past it is loaded
+        if const_expr(not cfg.kv_first):
+            kv_end, n_tiles = tiles()
         min_limit = row_limit(Int32(0))
-        n_tiles = cutlass.max((kv_end + eng.tile - 1) // eng.tile, Int32(0))
-
-        def tile_of(i):
-            return i
-
-        def issue(tile_idx, stage_addr):
-            self.gather.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, kv_end, stage_addr,
-                              tidx)
-
-        g = self.gather
-        eng.mainloop(issue, tile_of, n_tiles, cfg.stages, kv_base, g.stage_bytes, g.tile_bytes, state, sq_base,
-                     row_scale, limits, min_limit, wm, wn, lane, sStats)
+        eng.mainloop(issue_to(kv_end), tile_of, n_tiles, cfg.stages, kv_base, g.stage_bytes, g.tile_bytes, state,
+                     sq_base, row_scale, limits, min_limit, wm, wn, lane, sStats, issued=cfg.kv_first)
         sO = cute.make_tensor(cute.recast_ptr(storage.kv.data_ptr(), dtype=Float32), eng.o_layout())
         eng.finish(state, sO, sStats, wm, wn, lane, vs)
         self.store(mO, mLse, sO, sStats, q_start, q_len, row0, kv_head, tidx)

@@ -4,7 +4,7 @@ FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, draft len
 an fp16 cache with a bf16 query, a ring sized for 99 KB of shared memory (SM86/89/120/121),
 CUDA-graph replay, the cases from head dim 128 on again without ``ldsm_xor``, every case again with the
 opt-in lean softmax, the split cases again with the opt-in fused merge, the fused merge over many
-splits and empty ones. Outputs are poisoned with NaN;
+splits and empty ones, the first cases again with the opt-in ``kv_first``. Outputs are poisoned with NaN;
 the seed is in every failure message."""
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ CASES += [(*c[:-1], dict(c[-1], lean_softmax=True)) for c in list(CASES)]
 # split launches merge in a second launch by default; the opt-in merge in their last CTA
 # (fused_merge=True) on the split cases of the first list (docs/design/sm80.md#the-fused-merge)
 CASES += [(*c[:-1], dict(c[-1], fused_merge=True)) for c in CASES[:24] if c[9] > 1]
+# the opt-in kv_first (the ring's first copies issued before Q is staged,
+# docs/design/sm80.md#kv-copies-before-the-query) on the cases of the first list
+CASES += [(*c[:-1], dict(c[-1], kv_first=True)) for c in CASES[:24]]
 
 
 def _ids(c):

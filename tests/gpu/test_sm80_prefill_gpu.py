@@ -4,7 +4,7 @@ both FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, a ri
 of shared memory, and CUDA-graph replay; the plan's tilings (128-row CTAs up to D 128 for lean variants, else
 64-row ones; 32-token stages with one ldmatrix base at D 256) and the others, with and without the LSE, and
 the 64-token 128-row overrides at D 128 (with the row statistics in shared memory too), each with the opt-in
-lean softmax too. Runs on any SM80+ GPU (the H200 included): the op runs the
+lean softmax too, and the opt-in ``kv_first`` on the base and lean default cases. Runs on any SM80+ GPU (the H200 included): the op runs the
 portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
 
@@ -43,6 +43,7 @@ CASES = [
     (FP8, BF16, 256, 32, 8, 16, "NHD", "single", True, dict(smem_target="sm_120a", widen="bits")),
 ]
 # the 128-row tiling on the same cases up to D 128: with the LSE (and under smem_target="sm_120a")
+BASE = list(CASES)
 # an override with 16-token stages at D 128, not a default (docs/design/sm80.md#defaults)
 M1, M2 = dict(m_tiles=1), dict(m_tiles=2)
 CASES += [(*c[:-1], {**c[-1], **M2}) for c in CASES if c[2] <= 128]
@@ -86,6 +87,10 @@ LEAN += [(*c[:-1], {**c[-1], **M1, "tw": 16 if c[2] == 256 else 32}) for c in LE
 LEAN += [(*c[:-1], {**c[-1], **D256X}) for c in LEAN_D256 if c[5] == 32]
 LEAN += [(*c[:-1], {**c[-1], **D256W8}) for c in LEAN_D256 if c[0] != FP8]
 LEAN += LEAN_D128X + LEAN_SOFTMAX
+# the opt-in kv_first (the ring's first copies issued before Q is staged,
+# docs/design/sm80.md#kv-copies-before-the-query) on the base cases and the lean defaults
+CASES += [(*c[:-1], {**c[-1], "kv_first": True}) for c in BASE]
+LEAN += [(*c[:-1], {**c[-1], "kv_first": True}) for c in LEAN if set(c[-1]) <= {"smem_target"}]
 
 
 def _ids(c):
