@@ -160,7 +160,8 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     prefill (its default with the lean softmax); on SM90 the shapes
     SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a ring sized for
     99 KB (run on the H200 as the SM86 build's stand-in), an fp16 D 64 prefill, and old forms (the
-    FP8 decode without ``ldsm_xor``, its split with the opt-in fused merge, the 64-row BF16
+    FP8 decode without ``ldsm_xor``, its split with the opt-in fused merge and with the opt-in
+    ``kv_first`` (and the lean BF16 D 128 prefill with it), the 64-row BF16
     prefill, the 16-token D 256 prefill); the lean
     128-row prefill with a BF16 cache on SM90 (``PREFILL_D128_TW64S``, the default there) and its
     32-token form (the default before ``PREFILL_D128_TW64S``) with an FP8 cache on SM86; the
@@ -203,6 +204,9 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
                                **shape),
             make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=True, fused_merge=True,
                                **shape),
+            make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=True, kv_first=True,
+                               **shape),
+            make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, kv_first=True, **shape),
             make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, m_tiles=1, **shape)]
     d256: dict[str, Any] = dict(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=2, page_size=16)
     out += [make_prefill_config(target=t, **d256) for t in ("sm_80", "sm_90a", "sm_86")]

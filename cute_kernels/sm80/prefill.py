@@ -111,10 +111,12 @@ class Sm80PagedPrefill:
         def tile_of(i):
             return i
 
-        def tiles():  # what the tile's last row sees: no tile past it is loaded
+        def tile_span():  # what the tile's last row sees: no tile past it is loaded
             last_row = cutlass.min(row0 + eng.rows, q_len * G) - 1 - row0
-            kv_end = row_limit(last_row)
-            return kv_end, cutlass.max((kv_end + eng.tile - 1) // eng.tile, Int32(0))
+            return row_limit(last_row)
+
+        def tile_count(kv_end):
+            return cutlass.max((kv_end + eng.tile - 1) // eng.tile, Int32(0))
 
         def issue_to(kv_end):
             def issue(tile_idx, stage_addr):
@@ -124,7 +126,8 @@ class Sm80PagedPrefill:
 
         g = self.gather
         if const_expr(cfg.kv_first):  # the first stages' copies in flight while Q is staged
-            kv_end, n_tiles = tiles()
+            kv_end = tile_span()
+            n_tiles = tile_count(kv_end)
             eng.prologue(issue_to(kv_end), tile_of, n_tiles, cfg.stages, kv_base, g.stage_bytes)
 
         logit_scale = sm_scale * ks * Float32(LOG2E * 2.0 ** eng.widen_log2)
@@ -134,8 +137,10 @@ class Sm80PagedPrefill:
         eng.load_q_all(state[2], sq_base, wm, lane)
         row_scale, limits = eng.row_setup(sScale, wm, lane, row_limit)
         if const_expr(not cfg.kv_first):
-            kv_end, n_tiles = tiles()
+            kv_end = tile_span()
         min_limit = row_limit(Int32(0))
+        if const_expr(not cfg.kv_first):
+            n_tiles = tile_count(kv_end)
         eng.mainloop(issue_to(kv_end), tile_of, n_tiles, cfg.stages, kv_base, g.stage_bytes, g.tile_bytes, state,
                      sq_base, row_scale, limits, min_limit, wm, wn, lane, sStats, issued=cfg.kv_first)
         sO = cute.make_tensor(cute.recast_ptr(storage.kv.data_ptr(), dtype=Float32), eng.o_layout())
