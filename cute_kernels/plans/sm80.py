@@ -187,6 +187,8 @@ class Sm80DecodeConfig(_Sm80Common):
     group: int = 8
     q_len: int = 1
     split: bool = False
+    # opt-in: slower than the merge launch wherever measured, with PDL and without
+    # (docs/design/sm80.md#the-fused-merge)
     fused_merge: bool = field(default=False, metadata=LABEL_IF_SET)
     merge_group: ClassVar[int] = MERGE_GROUP  # splits in flight per thread of the fused merge (the SM90 decode's)
 
@@ -250,9 +252,6 @@ class Sm80DecodeConfig(_Sm80Common):
 # ------------------------------------------------------------------------------------------------
 
 DECODE_CTAS_PER_SM = 2  # the split schedule fills one wave of two CTAs per SM
-# a split launch's partials merge in a second launch (common.merge_states): the merge fused into the
-# kernel's last CTA per (request, KV head) is an opt-in (fused_merge), slower wherever measured, with
-# PDL and without (docs/design/sm80.md#the-fused-merge)
 DECODE_MAX_STAGES = 8
 # FP8 caches: 32 tokens per warp and stage (a 16-token FP8 tile is half the bytes of a BF16 one
 # for the same per-tile softmax and barrier cost); BF16 caches keep 16 (docs/design/sm80.md#measurements)

@@ -136,6 +136,7 @@ class Sm80PagedPrefill:
         state = eng.make_state()
         eng.load_q_all(state[2], sq_base, wm, lane)
         row_scale, limits = eng.row_setup(sScale, wm, lane, row_limit)
+        # (the default keeps its statements' order: its PTX is the one before kv_first existed)
         if const_expr(not cfg.kv_first):
             kv_end = tile_span()
         min_limit = row_limit(Int32(0))
