@@ -49,8 +49,12 @@ KV_DTYPES = ("bf16", "fp8")
 # `lean`: the default tiling with the opt-in lean softmax (docs/design/sm80.md#the-lean-softmax-opt-in)
 # `kvfirst`: the default tiling with the ring's first copies issued before Q is staged (opt-in,
 # docs/design/sm80.md#kv-copies-before-the-query)
+# `hfirst` / `rfirst`: the grid with the KV heads / the row tiles fastest, whichever the plan's form
+# is not (docs/design/sm80.md#the-grid-order); `leanhf`: the lean softmax in the heads-first grid
 PREFILL_VARIANTS = {"m1": dict(m_tiles=1), "tw64": dict(m_tiles=1, tw=64, q_regs=False),
-                    "lean": dict(lean_softmax=True), "kvfirst": dict(kv_first=True)}
+                    "lean": dict(lean_softmax=True), "kvfirst": dict(kv_first=True),
+                    "hfirst": dict(heads_first=True), "rfirst": dict(heads_first=False),
+                    "leanhf": dict(lean_softmax=True, heads_first=True)}
 # head dim 256 only: the plan's form on SM90 (`sm80`, `m1`) is PREFILL_D256_TW32X, `tw16` the one
 # before (per-address ldmatrix); `a100` the four-warp form with its ring sized for sm_80 and `w8`
 # sm_80's default (PREFILL_D256_W8; one CTA per SM on the H200 as on the A100); `w8t64` eight warps

@@ -82,6 +82,20 @@ class _Launch:
     out_dtype: torch.dtype
     reference: bool = False
     empty: bool = False  # T == 0 or B == 0: nothing to launch
+    tall: Optional[_RowsFirst] = None  # sm80.prefill with heads_first: the grid a longer max_query_len takes
+
+
+class _RowsFirst:
+    """The portable prefill's grid with the row tiles first, for a ``max_query_len`` whose row
+    tiles the ``heads_first`` grid cannot hold (above ``max_q``); compiled on first use."""
+
+    def __init__(self, max_q: int, make) -> None:
+        self.max_q, self._make, self._fn = max_q, make, None
+
+    def fn(self):
+        if self._fn is None:
+            self._fn = self._make()
+        return self._fn
 
 
 def tuning_override(**fields: object) -> TuningOverride:
@@ -287,7 +301,13 @@ def _prepare(q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_le
     if getattr(config, "persistent", False):  # one wave of resident CTAs on this device (no sync: a property)
         constants["num_ctas"] = plan.persistent_ctas(device_sm_count(device.index or 0))
     call = _launcher.bind(_CALL_PARAMS, (fn, config.signature(), sources, constants))
-    return _Launch(on_device(call, device), shape, out_dtype)
+    tall = None
+    if isinstance(config, sm80.Sm80PrefillConfig) and config.heads_first:
+        rows_first = replace(config, heads_first=False)
+        tall = _RowsFirst(sm80.prefill_heads_first_max_q(config.group, config.rows), lambda: on_device(
+            _launcher.bind(_CALL_PARAMS, (get_kernel(rows_first, target), rows_first.signature(), sources, constants)),
+            device))
+    return _Launch(on_device(call, device), shape, out_dtype, tall=tall)
 
 
 def _check_window_sinks(window_left, sinks, Hq: int, device) -> None:
@@ -441,9 +461,10 @@ def paged_prefill(
     if launch.empty:  # no rows, or no requests (then no rows either): nothing to launch
         return out if lse is None else (out, lse)
     max_q = q.shape[0] if max_query_len is None else min(max_query_len, q.shape[0])
+    fn = launch.fn if launch.tall is None or max_q <= launch.tall.max_q else launch.tall.fn()
     try:
-        launch.fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q, sinks,
-                  window_left, q_residual)
+        fn(q, k, v, block_table, seq_lens, query_start_loc, out, lse, k_scale, v_scale, q_scale, max_q, sinks,
+           window_left, q_residual)
     except Exception:  # raises the error that names the argument
         _launcher.refused((q, k, v, pair, block_table, seq_lens, query_start_loc, max_query_len, kv_layout, causal,
                            sm_scale, q_scale, k_scale, v_scale, out, return_lse, window_left, sinks, q_residual))

@@ -413,11 +413,15 @@ class Sm80PrefillConfig(_Sm80Common):
     """Compile key of ``sm80.prefill``: varlen query tiles against paged K/V, FA2-style. A CTA
     takes ``rows`` packed query rows (row p of a request: token p // group, head p % group) of one
     request and KV head. ``causal``: query j of a request sees positions < seq_len - q_len + j + 1
-    (else all seq_len). ``write_lse``: the base-2 LSE is an argument and is written."""
+    (else all seq_len). ``write_lse``: the base-2 LSE is an argument and is written.
+    ``heads_first``: the grid ``(KV heads, row tiles, requests)``, so that each request's
+    longest row tiles of every KV head start first, instead of ``(row tiles, KV heads, requests)``
+    (docs/design/sm80.md#the-grid-order)."""
 
     group: int = 4
     causal: bool = True
     write_lse: bool = False
+    heads_first: bool = field(default=False, metadata=LABEL_IF_SET)
 
     kernel_id = "sm80.prefill"
 
@@ -455,6 +459,13 @@ class Sm80PrefillConfig(_Sm80Common):
         from ..sm80.prefill import Sm80PagedPrefill  # the kernel module imports the DSL: only here
 
         return Sm80PagedPrefill(self)
+
+
+def prefill_heads_first_max_q(group: int, rows: int) -> int:
+    """The longest request (``max_query_len``) whose row tiles of ``rows`` packed rows fit the
+    ``heads_first`` grid's y extent (``hw.MAX_GRID_Y``); past it the op launches the grid with the
+    row tiles first (docs/design/sm80.md#the-grid-order)."""
+    return hw.MAX_GRID_Y * rows // group
 
 
 def prefill_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
@@ -567,6 +578,22 @@ def prefill_d128_tw64s(target: str, kv_dtype: str, lean: bool) -> bool:
     return lean and target in PREFILL_D128_TW64S_DEFAULT_TARGETS and target in PREFILL_D128_TW64S_TARGETS[kv_dtype]
 
 
+# the grid with the KV heads fastest (``heads_first``: every head's longest causal row tiles of a
+# request start first) up to head dim 128: 1.13-1.17x at B1 S4096 and D 64 B1 S8192 on the H200,
+# within 1.5 % on the other shapes; 0.97x at D 256, which keeps the row tiles fastest. Not in sm_80's
+# 128-row 32-token form without the lean softmax (an override), whose build spills with it (4 STL)
+# (docs/design/sm80.md#the-grid-order)
+PREFILL_HEADS_FIRST_MAX_HEAD_DIM = 128
+PREFILL_ROWS_FIRST_FORMS = (("sm_80", 2, 32, False),)  # (target, m_tiles, tw, lean_softmax)
+
+
+def prefill_heads_first(target: str, head_dim: int, m_tiles: int, tw: int, lean_softmax: bool) -> bool:
+    """Whether the prefill form launches the ``heads_first`` grid (``PREFILL_HEADS_FIRST_MAX_HEAD_DIM``,
+    ``PREFILL_ROWS_FIRST_FORMS``)."""
+    return head_dim <= PREFILL_HEADS_FIRST_MAX_HEAD_DIM and \
+        (target, m_tiles, tw, lean_softmax) not in PREFILL_ROWS_FIRST_FORMS
+
+
 def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | None = None, tw: int | None = None,
                    lean: bool = True, d256_x: bool = False, d128_s: bool = False, d256_w8: bool = False,
                    d128_lean: bool = False) -> dict:
@@ -595,7 +622,7 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
         w8 = {k: PREFILL_D256_W8[k] for k in ("warps_m", "m_tiles", "tw")}
         if fit_stages(target, dict(kv_dtype=kv_dtype, head_dim=256, warps_n=1, **w8), 1,
                       PREFILL_D256_W8["stages"]) == PREFILL_D256_W8["stages"]:
-            return dict(warps_n=1, **PREFILL_D256_W8, **no_margin, lean_softmax=False)
+            return dict(warps_n=1, **PREFILL_D256_W8, **no_margin, lean_softmax=False, heads_first=False)
     m2_tw32 = lean and target in PREFILL_M2_TW32_TARGETS
     margin = d128_s and head_dim == 128 and m_tiles is None and tw is None
     if margin:
@@ -619,6 +646,7 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
     # the PREFILL_D128_TW64S fields: the default's where d128_s, else an override's (every form
     # derived from a variant with m_tiles or tw given leaves them off)
     off = dict(_D128_MARGIN, lean_softmax=lean_softmax) if margin else dict(no_margin, lean_softmax=lean_softmax)
+    off["heads_first"] = prefill_heads_first(target, head_dim, m_tiles, tw, lean_softmax)
     if m_tiles == 2:
         return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True, **off)
     return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128,

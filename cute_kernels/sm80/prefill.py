@@ -2,7 +2,9 @@
 on warp-level ``mma.sync``: a tile of packed query rows in registers, K/V pages gathered with
 16-byte ``cp.async`` into a shared-memory ring. Design: docs/design/sm80.md.
 
-One CTA per (row tile, KV head, request). Request b's new tokens are ``q[query_start_loc[b] :
+One CTA per (row tile, KV head, request); with ``heads_first`` the KV heads are the grid's fastest
+dimension, so each request's longest row tiles of every head start first
+(docs/design/sm80.md#the-grid-order). Request b's new tokens are ``q[query_start_loc[b] :
 query_start_loc[b + 1]]``, the last ``q_len`` of its ``seq_lens[b]`` positions; its query rows
 are packed (row p: token p // group, head p % group) so that one K/V tile serves the whole GQA
 group. Causal: tiles past the tile's last row are never loaded, and only tiles that cross a
@@ -51,8 +53,11 @@ class Sm80PagedPrefill:
         m_blocks = (max_query_len * self.G + eng.rows - 1) // eng.rows
         kernel = self.kernel(mQ, mK, mV, num_pages, mBlockTable, mSeqLens, mQStart, mO, mLse, k_scale, v_scale,
                              sm_scale)
-        kernel.launch(grid=[m_blocks, num_kv_heads, mBlockTable.shape[0]], block=[eng.threads, 1, 1],
-                      smem=self.storage.size_in_bytes(), stream=stream, use_pdl=cfg.pdl)
+        # heads_first: the op keeps m_blocks within the grid's y extent (plans.sm80.prefill_heads_first_max_q)
+        grid = [num_kv_heads, m_blocks, mBlockTable.shape[0]] if const_expr(cfg.heads_first) else \
+            [m_blocks, num_kv_heads, mBlockTable.shape[0]]
+        kernel.launch(grid=grid, block=[eng.threads, 1, 1], smem=self.storage.size_in_bytes(), stream=stream,
+                      use_pdl=cfg.pdl)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, num_pages: Int32, mBlockTable: cute.Tensor,
@@ -61,7 +66,11 @@ class Sm80PagedPrefill:
         cfg, eng, G = self.cfg, self.engine, self.G
         tidx, _, _ = cute.arch.thread_idx()
         bx, kv_head, batch_idx = cute.arch.block_idx()
-        m_block = cute.arch.grid_dim()[0] - 1 - bx  # the longest causal rows first
+        if const_expr(cfg.heads_first):  # block indices, not computed values: ptxas re-reads them at will
+            kv_head, by = bx, kv_head
+            m_block = cute.arch.grid_dim()[1] - 1 - by  # every head's longest causal rows first
+        else:
+            m_block = cute.arch.grid_dim()[0] - 1 - bx  # the longest causal rows first
         warp_id = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         wm = warp_id // eng.warps_n

@@ -170,6 +170,7 @@ def test_signatures_name_the_contract_arguments_in_order():
     p = make_prefill_config(target="sm_120a", q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=4, page_size=16)
     assert p.arg_names() == ("q", "kv_cache", "block_table", "seq_lens", "query_start_loc", "out", "k_scale",
                              "v_scale", "sm_scale", "max_query_len")
+    assert p.heads_first and replace(p, heads_first=False).arg_names() == p.arg_names()  # the grid order only
     p = make_prefill_config(target="sm_120a", q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=4, page_size=16,
                             write_lse=True)
     assert "lse" in p.arg_names()
@@ -296,3 +297,28 @@ def test_the_fused_merge_is_an_opt_in_that_the_compile_matrix_keeps_building():
     assert not any(c.fused_merge for c in full if c.target in DECODE_XOR_16BIT_D128_SPILL_TARGETS
                    and c.head_dim == 128 and not c.fp8)
     assert sum(c.fused_merge for c in ci_variants("sm80.decode")) == 1
+
+
+def test_prefill_grid_order_per_head_dim_and_its_height():
+    """The grid with the KV heads fastest (docs/design/sm80.md#the-grid-order) is every prefill
+    form's up to head dim 128 but the one whose build spills with it; D 256 keeps the row tiles
+    fastest. Its y extent holds ``prefill_heads_first_max_q`` tokens' row tiles, no more."""
+    from cute_kernels.plans.sm80 import (
+        PREFILL_ROWS_FIRST_FORMS,
+        prefill_heads_first,
+        prefill_heads_first_max_q,
+    )
+
+    for target in TARGETS:
+        for D in (64, 128, 256):
+            for kv in ("bf16", "fp8_e4m3"):
+                for extra in ({}, dict(write_lse=True), dict(m_tiles=1), dict(m_tiles=2) if D <= 128 else {}):
+                    cfg = make_prefill_config(target=target, q_dtype="bf16", kv_dtype=kv, head_dim=D, group=4,
+                                              page_size=16, **extra)
+                    rows_first = (target, cfg.m_tiles, cfg.tw, cfg.lean_softmax) in PREFILL_ROWS_FIRST_FORMS
+                    assert cfg.heads_first == (D <= 128 and not rows_first), cfg.label()
+                    assert cfg.heads_first == prefill_heads_first(target, D, cfg.m_tiles, cfg.tw, cfg.lean_softmax)
+                    assert ("heads_first=True" in cfg.label()) == cfg.heads_first
+    for group, rows in ((1, 64), (4, 128), (8, 64), (16, 64), (5, 128)):
+        top = prefill_heads_first_max_q(group, rows)
+        assert -(-top * group // rows) <= hw.MAX_GRID_Y < -(-(top + 1) * group // rows)

@@ -29,6 +29,7 @@ from cute_kernels.plans.sm80 import (
     mma_dtype,
     prefill_d128_tw64s,
     prefill_d256_tw32x,
+    prefill_heads_first,
 )
 from cute_kernels.plans.sm80_matrix import (
     ci_variants,
@@ -153,7 +154,9 @@ def test_128_row_tiling_per_target(target, kv, D):
         # at D 128 the lean default on PREFILL_D128_LEAN_SOFTMAX_TARGETS adds the lean softmax to it
         lean_sm = D == 128 and not extra and target in PREFILL_D128_LEAN_SOFTMAX_TARGETS
         assert cfg.lean_softmax == lean_sm and not m2.lean_softmax
-        assert m2 == rows128_form(cfg) and (m2 == replace(cfg, lean_softmax=False)) == (measured and not tw64s), extra
+        assert m2 == rows128_form(cfg) and (m2 == replace(cfg, lean_softmax=False, heads_first=m2.heads_first)) == (
+            measured and not tw64s), extra
+        assert m2.heads_first == prefill_heads_first(target, D, 2, m2.tw, False)  # docs/design/sm80.md#the-grid-order
         assert (m2.rows, m2.q_regs, m2.ldsm_xor) == (128, False, True)
         assert m2.tw == (32 if D == 64 or measured else 16), extra
         if not (measured or tw64s):  # the 64-row form, as before the measured defaults

@@ -4,7 +4,9 @@ both FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, a ri
 of shared memory, and CUDA-graph replay; the plan's tilings (128-row CTAs up to D 128 for lean variants, else
 64-row ones; 32-token stages with one ldmatrix base at D 256) and the others, with and without the LSE, and
 the 64-token 128-row overrides at D 128 (with the row statistics in shared memory too), each with the opt-in
-lean softmax too, and the opt-in ``kv_first`` on the base and lean default cases. Runs on any SM80+ GPU (the H200 included): the op runs the
+lean softmax too, the opt-in ``kv_first`` on the base and lean default cases, and both grid orders
+(``heads_first`` or not) on the same cases, with many requests under a grid sized far past them and a
+``max_query_len`` past the heads-first grid's height. Runs on any SM80+ GPU (the H200 included): the op runs the
 portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
 
@@ -91,6 +93,10 @@ LEAN += LEAN_D128X + LEAN_SOFTMAX
 # docs/design/sm80.md#kv-copies-before-the-query) on the base cases and the lean defaults
 CASES += [(*c[:-1], {**c[-1], "kv_first": True}) for c in BASE]
 LEAN += [(*c[:-1], {**c[-1], "kv_first": True}) for c in LEAN if set(c[-1]) <= {"smem_target"}]
+# every case above runs the grid the plan chooses (the KV heads fastest up to D 128); the grid
+# with the row tiles fastest on the base cases and the lean defaults (docs/design/sm80.md#the-grid-order)
+CASES += [(*c[:-1], {**c[-1], "heads_first": False}) for c in BASE]
+LEAN += [(*c[:-1], {**c[-1], "heads_first": False}) for c in LEAN if set(c[-1]) <= {"smem_target"}]
 
 
 def _ids(c):
@@ -207,3 +213,46 @@ def test_sm80_prefill_lengths_past_the_block_table(causal, override, gen):
     c.seq_lens.copy_(torch.tensor([W * 16 + 7, 2**31 - 1, 120], dtype=torch.int32, device="cuda"))
     out, lse = _run(c, qsl, causal, **override)
     _check(c, qsl, causal, out, lse, seed)
+
+
+@pytest.mark.parametrize("override", [{}, {"heads_first": False}, M1], ids=["default", "rows-first", "rows64"])
+def test_sm80_prefill_many_requests_in_an_oversized_grid(override, gen):
+    """33 requests of random lengths (empty ones too) over three KV heads with ``max_query_len``
+    far past every q_len: each CTA maps to one (row tile, KV head, request), and the row tiles past
+    a request's rows write nothing (docs/design/sm80.md#the-grid-order)."""
+    seed = gen.initial_seed()
+    q_lens = torch.randint(0, 90, (33,), generator=gen, device=gen.device).tolist()
+    q_lens[5] = q_lens[17] = 0
+    prefixes = torch.randint(0, 300, (33,), generator=gen, device=gen.device).tolist()
+    c, qsl = _case(gen, q_lens=q_lens, prefixes=prefixes, kv=BF16, q=BF16, D=128, Hq=24, Hkv=3, page=16,
+                   layout="HND", container="single")
+    out = torch.full_like(c.q, float("nan"))
+    out, lse = _call(c, qsl, out, 4 * sum(q_lens), True, True, **override)
+    _check(c, qsl, True, out, lse, seed)
+
+
+def test_sm80_prefill_max_query_len_past_the_heads_first_grid(gen):
+    """A ``max_query_len`` whose row tiles exceed the heads-first grid's y extent (65535): the op
+    launches the grid with the row tiles first instead. 1100 requests of 238-240 tokens, GQA 16,
+    64-row CTAs, ``max_query_len`` left to T (over 262,140 rows: over 65,535 row tiles); checked
+    against the reference on a sample of the requests (each request is independent)."""
+    from cute_kernels.plans.sm80 import prefill_heads_first_max_q
+
+    seed = gen.initial_seed()
+    B = 1100
+    q_lens = (240 - torch.randint(0, 3, (B,), generator=gen, device=gen.device)).tolist()
+    assert sum(q_lens) > prefill_heads_first_max_q(16, 64)
+    c, qsl = _case(gen, q_lens=q_lens, prefixes=[0] * B, kv=BF16, q=BF16, D=64, Hq=16, Hkv=1, page=16,
+                   layout="HND", container="single", poison_tail=False)
+    out = torch.full_like(c.q, float("nan"))
+    with tuning_override(backend="sm80", m_tiles=1, heads_first=True):
+        out = cute_kernels.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, kv_layout=c.kv_layout,
+                                         k_scale=c.k_scale, v_scale=c.v_scale, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), f"seed {seed}: rows left unwritten"
+    for b in (0, 1, 547, B - 2, B - 1):
+        lo, hi = int(qsl[b]), int(qsl[b + 1])
+        sub_qsl = torch.tensor([0, hi - lo], dtype=torch.int32, device="cuda")
+        ref = reference.paged_prefill(c.q[lo:hi], c.kv_cache, c.block_table[b:b + 1], c.seq_lens[b:b + 1], sub_qsl,
+                                      kv_layout=c.kv_layout, k_scale=c.k_scale, v_scale=c.v_scale)
+        assert rel_err(out[lo:hi], ref) <= TOL, f"seed {seed}: request {b}: {rel_err(out[lo:hi], ref):.2e}"
