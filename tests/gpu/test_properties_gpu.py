@@ -20,6 +20,7 @@ see ``_precompile``).
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -68,6 +69,34 @@ def _scale(rng, tensor: bool, lo=0.05, hi=2.0):
         return v
     shape = [(), (1,), (1, 1)][int(rng.integers(3))]
     return torch.full(shape, v, device="cuda")
+
+
+# the portable kernels' compile axes the sm80 cases draw: either FP8 widening (the bit trick is
+# SM80 / SM86's; cvt the others'), and the ring of the default target or one sized for 99 KB
+SM80_WIDEN = ("cvt", "bits")
+SM80_SMEM = (None, "sm_86")
+
+
+def _sm80_override(rng, kv) -> dict:
+    """The tuning fields of one portable-kernel case (drawn even where unused: a case's draws do
+    not depend on its family)."""
+    widen, smem = SM80_WIDEN[int(rng.integers(2))], SM80_SMEM[int(rng.integers(2))]
+    fields = dict(widen=widen) if kv == FP8 else {}
+    if smem:
+        fields["smem_target"] = smem
+    return fields
+
+
+def _backend(rng, kv, sm80: bool, decode: bool):
+    """The op's own dispatch, or (``sm80``) the portable kernel forced with drawn tuning fields."""
+    import contextlib
+
+    if not sm80:
+        return contextlib.nullcontext()
+    from cute_kernels.ops.paged_decode import tuning_override as decode_override
+    from cute_kernels.ops.paged_prefill import tuning_override as prefill_override
+
+    return (decode_override if decode else prefill_override)(backend="sm80", **_sm80_override(rng, kv))
 
 
 def _check_attention(out, lse, ref, ref_lse, tol):
@@ -141,19 +170,28 @@ def _decode_case(family, rng, g):
         kv_layout=layout, q_len_per_req=q_len, k_scale=ks, v_scale=vs), splits
 
 
-@pytest.mark.parametrize("name", ["paged_decode"])
-def test_paged_decode_properties(name):
-    def one(rng, g):
-        family = DECODE_FAMILIES[int(rng.integers(len(DECODE_FAMILIES)))]
-        q, kv_cache, table, lens, kw, splits = _decode_case(family, rng, g)
-        out = torch.full_like(q, float("nan"))
+def _decode_one(rng, g, sm80: bool) -> None:
+    family = DECODE_FAMILIES[int(rng.integers(len(DECODE_FAMILIES)))]
+    q, kv_cache, table, lens, kw, splits = _decode_case(family, rng, g)
+    out = torch.full_like(q, float("nan"))
+    with _backend(rng, family[0], sm80, decode=True):
         res, lse = cute_kernels.paged_decode(q, kv_cache, table, lens, out=out, return_lse=True, num_splits=splits,
                                              **kw)
-        assert res is out
-        ref, ref_lse = reference.paged_decode(q, kv_cache, table, lens, return_lse=True, float64=True, **kw)
-        _check_attention(out, lse, ref.to(out.dtype), ref_lse, 5e-3)
+    assert res is out
+    ref, ref_lse = reference.paged_decode(q, kv_cache, table, lens, return_lse=True, float64=True, **kw)
+    _check_attention(out, lse, ref.to(out.dtype), ref_lse, 5e-3)
 
-    _run_cases(name, one)
+
+@pytest.mark.parametrize("name", ["paged_decode"])
+def test_paged_decode_properties(name):
+    _run_cases(name, lambda rng, g: _decode_one(rng, g, sm80=False))
+
+
+@pytest.mark.parametrize("name", ["paged_decode_sm80"])
+def test_sm80_paged_decode_properties(name):
+    """The same cases on the portable ``sm80.decode`` (the kernel of SM80 / 86 / 89 / 120 / 121),
+    forced on this GPU, with either FP8 widening and rings sized for 99 KB."""
+    _run_cases(name, lambda rng, g: _decode_one(rng, g, sm80=True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,7 +405,6 @@ def test_paged_prefill_properties(name):
     from cute_kernels.ops import _selfcheck
     from cute_kernels.ops.paged_prefill import self_check_cases
     from cute_kernels.plans.sm90_prefill import config_family
-    from cute_kernels.testing import make_paged_prefill_case
 
     for family in PREFILL_FAMILIES:  # each family's self-check cases, run now on the kernel
         config = _prefill_config(family)
@@ -375,45 +412,64 @@ def test_paged_prefill_properties(name):
                                    self_check_cases(config, torch.device("cuda")))
         assert rec.ok, f"{family}: {rec.reason}"
 
-    def one(rng, _cpu_generator):
-        g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))  # the builder draws on the GPU
-        kv, qk, D, Hq, Hkv, page, layout, container, tensors, qs, causal, lse = \
-            PREFILL_FAMILIES[int(rng.integers(len(PREFILL_FAMILIES)))]
-        B = int(rng.integers(1, 7))
-        reqs = []
-        for _ in range(B):
-            prefix = int(rng.choice([0, int(rng.integers(1, 64)), int(rng.integers(64, 2500))]))
-            n = int(rng.choice([0, 1, int(rng.integers(2, 200)), page, page + 1]))
-            reqs.append((prefix, n))
-        past = rng.random() < 0.2  # a length past the block table (its positions there are not attended)
-        c = make_paged_prefill_case(reqs=reqs, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=page,
-                                    kv_dtype=kv, q_dtype=FP16 if kv == FP16 else BF16, kv_layout=layout,
-                                    container=container, fused_qkv=bool(rng.random() < 0.5),
-                                    invalid_pages=int(rng.integers(0, 3)), generator=g, device="cuda",
-                                    k_scale=0.02 if kv == FP8 else 0.9, v_scale=0.03 if kv == FP8 else 1.1,
-                                    poison_tail=not past)  # the longer length makes the stale tail visible
-        if past:
-            b = int(rng.integers(B))
-            c.seq_lens[b] = c.block_table.shape[1] * page + int(rng.integers(1, 3 * page))
-        kw = dict(c.kwargs(), causal=causal)
-        if tensors:
-            kw.update(k_scale=_scale_of(rng, c.k_scale), v_scale=_scale_of(rng, c.v_scale))
-        q = c.q
-        if qk == "fp8":
-            q_scale = torch.tensor(rng.uniform(0.02, 0.1, Hkv), dtype=torch.float32, device="cuda")
-            q = cute_kernels.quantize_query(c.q, q_scale)
-            kw["q_scale"] = q_scale
-        max_q = c.max_query_len if rng.random() < 0.5 else None
-        out = torch.full(q.shape, float("nan"), dtype=BF16 if qk == "fp8" else q.dtype, device="cuda")
+    _run_cases(name, lambda rng, _cpu_generator: _prefill_one(rng, PREFILL_FAMILIES, sm80=False))
+
+
+# the portable kernel's: the 16-bit-query families (no SM80-class kernel takes an FP8 query), the
+# D 256 lean default at page 32 (where its 32-token form spills, so the form before runs) and the
+# D 128 FP8 lean default at page 64
+SM80_PREFILL_FAMILIES = [f for f in PREFILL_FAMILIES if f[1] == "16"] + [
+    (BF16, "16", 256, 16, 8, 32, "NHD", "single", False, None, True, False),
+    (FP8, "16", 128, 32, 8, 64, "HND", "single", False, None, True, False),
+]
+
+
+@pytest.mark.parametrize("name", ["paged_prefill_sm80"])
+def test_sm80_paged_prefill_properties(name):
+    """The same kind of cases on the portable ``sm80.prefill``, forced on this GPU, with either FP8
+    widening and rings sized for 99 KB."""
+    _run_cases(name, lambda rng, _cpu_generator: _prefill_one(rng, SM80_PREFILL_FAMILIES, sm80=True))
+
+
+def _prefill_one(rng, families, sm80: bool) -> None:
+    from cute_kernels.testing import make_paged_prefill_case
+
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))  # the builder draws on the GPU
+    kv, qk, D, Hq, Hkv, page, layout, container, tensors, qs, causal, lse = families[int(rng.integers(len(families)))]
+    B = int(rng.integers(1, 7))
+    reqs = []
+    for _ in range(B):
+        prefix = int(rng.choice([0, int(rng.integers(1, 64)), int(rng.integers(64, 2500))]))
+        n = int(rng.choice([0, 1, int(rng.integers(2, 200)), page, page + 1]))
+        reqs.append((prefix, n))
+    past = rng.random() < 0.2  # a length past the block table (its positions there are not attended)
+    c = make_paged_prefill_case(reqs=reqs, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=page,
+                                kv_dtype=kv, q_dtype=FP16 if kv == FP16 else BF16, kv_layout=layout,
+                                container=container, fused_qkv=bool(rng.random() < 0.5),
+                                invalid_pages=int(rng.integers(0, 3)), generator=g, device="cuda",
+                                k_scale=0.02 if kv == FP8 else 0.9, v_scale=0.03 if kv == FP8 else 1.1,
+                                poison_tail=not past)  # the longer length makes the stale tail visible
+    if past:
+        b = int(rng.integers(B))
+        c.seq_lens[b] = c.block_table.shape[1] * page + int(rng.integers(1, 3 * page))
+    kw = dict(c.kwargs(), causal=causal)
+    if tensors:
+        kw.update(k_scale=_scale_of(rng, c.k_scale), v_scale=_scale_of(rng, c.v_scale))
+    q = c.q
+    if qk == "fp8":
+        q_scale = torch.tensor(rng.uniform(0.02, 0.1, Hkv), dtype=torch.float32, device="cuda")
+        q = cute_kernels.quantize_query(c.q, q_scale)
+        kw["q_scale"] = q_scale
+    max_q = c.max_query_len if rng.random() < 0.5 else None
+    out = torch.full(q.shape, float("nan"), dtype=BF16 if qk == "fp8" else q.dtype, device="cuda")
+    with _backend(rng, kv, sm80, decode=False):
         res = cute_kernels.paged_prefill(q, c.kv_cache, c.block_table, c.seq_lens, c.query_start_loc, out=out,
                                          return_lse=lse, max_query_len=max_q, **kw)
-        got, got_lse = res if lse else (res, None)
-        ref = reference.paged_prefill(q, c.kv_cache, c.block_table, c.seq_lens, c.query_start_loc, return_lse=lse,
-                                      out_dtype=out.dtype, float64=True, **kw)
-        ref, ref_lse = ref if lse else (ref, None)
-        _check_attention(got, got_lse, ref.to(got.dtype), ref_lse, 2e-2 if qk == "fp8" else 5e-3)
-
-    _run_cases(name, one)
+    got, got_lse = res if lse else (res, None)
+    ref = reference.paged_prefill(q, c.kv_cache, c.block_table, c.seq_lens, c.query_start_loc, return_lse=lse,
+                                  out_dtype=out.dtype, float64=True, **kw)
+    ref, ref_lse = ref if lse else (ref, None)
+    _check_attention(got, got_lse, ref.to(got.dtype), ref_lse, 2e-2 if qk == "fp8" else 5e-3)
 
 
 def _scale_of(rng, value: float):
@@ -422,14 +478,41 @@ def _scale_of(rng, value: float):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _precompile():
-    """The decode variants the families reach with forced split counts (unsplit, split, cluster
-    merge, each at the maximum occupancy), the QSA families' variants (the split table of TOPK up
-    to 256 and their merges) and the merges, compiled in parallel before the cases run."""
+def _precompile(request):
+    """The variants the selected tests reach, compiled in parallel before their cases run: the
+    decode families' with forced split counts (unsplit, split, cluster merge, each at the maximum
+    occupancy), the QSA families' (the split table of TOPK up to 256 and their merges), the merges,
+    the prefill families' and the portable kernels' (:func:`_sm80_configs`)."""
     from cute_kernels.jit.parallel import precompile
+
+    selected = {item.name.split("[")[0] for item in request.session.items}
+    names = {FP8: "fp8_e4m3", BF16: "bf16", FP16: "fp16"}
+    configs = []
+    if "test_paged_decode_properties" in selected:
+        configs += _sm90_decode_configs(names)
+    if "test_qsa_sparse_attention_properties" in selected:
+        from cute_kernels.qsa_warmup import qsa_variants
+
+        for kv, qd, D, Hq, Hkv, page, gate, tensors in QSA_FAMILIES:
+            configs += qsa_variants(head_dim=D, num_q_heads=Hq, num_kv_heads=Hkv, page_size=page,
+                                    kv_cache_dtype=names[kv], q_dtype=names[qd], topk=256, gates=(gate,),
+                                    scale_tensors=(tensors,))
+    if selected & {"test_merge_states_properties", "test_paged_decode_properties", "test_sm80_paged_decode_properties",
+                   "test_qsa_sparse_attention_properties"}:
+        from cute_kernels.plans.merge_states import MergeStatesConfig
+
+        configs += [MergeStatesConfig(out_dtype=dt, head_dim=D, vec=4) for dt in ("fp32", "bf16", "fp16")
+                    for D in (64, 128, 256)]
+    if "test_paged_prefill_properties" in selected:
+        configs += [_prefill_config(family) for family in PREFILL_FAMILIES]
+    configs += _sm80_configs(names, decode="test_sm80_paged_decode_properties" in selected,
+                             prefill="test_sm80_paged_prefill_properties" in selected)
+    precompile(configs, "sm_90a", progress=False)
+
+
+def _sm90_decode_configs(names) -> list:
     from cute_kernels.plans.sm90_decode import launch_config
 
-    names = {FP8: "fp8_e4m3", BF16: "bf16", FP16: "fp16"}
     configs = set()
     for kv, qd, D, Hq, Hkv, page, q_len, layout, container, tensors in DECODE_FAMILIES:
         for B in range(1, 10):
@@ -440,14 +523,29 @@ def _precompile():
                                           items=B * Hkv, max_context=80 * page,
                                           num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
                                           num_splits=splits)[1])
-    from cute_kernels.plans.merge_states import MergeStatesConfig
-    from cute_kernels.qsa_warmup import qsa_variants
+    return sorted(configs, key=lambda c: c.label())
 
-    configs = sorted(configs, key=lambda c: c.label())
-    for kv, qd, D, Hq, Hkv, page, gate, tensors in QSA_FAMILIES:
-        configs += qsa_variants(head_dim=D, num_q_heads=Hq, num_kv_heads=Hkv, page_size=page, kv_cache_dtype=names[kv],
-                                q_dtype=names[qd], topk=256, gates=(gate,), scale_tensors=(tensors,))
-    configs += [MergeStatesConfig(out_dtype=dt, head_dim=D, vec=4) for dt in ("fp32", "bf16", "fp16")
-                for D in (64, 128, 256)]
-    configs += [_prefill_config(family) for family in PREFILL_FAMILIES]
-    precompile(configs, "sm_90a", progress=False)
+
+def _sm80_configs(names, decode: bool = True, prefill: bool = True) -> list:
+    """The portable kernels' variants the sm80 families reach (unsplit and split decode, every
+    drawn widening and ring), as the ops build them on this GPU."""
+    from cute_kernels.plans import sm80
+
+    configs = set()
+    for kv, qd, D, Hq, Hkv, page, q_len, layout, container, tensors in DECODE_FAMILIES if decode else ():
+        for widen, smem, split in itertools.product(SM80_WIDEN, SM80_SMEM, (False, True)):
+            fields = (dict(widen=widen) if kv == FP8 else {}) | (dict(smem_target=smem) if smem else {})
+            configs.add(sm80.make_decode_config(
+                target="sm_90a", q_dtype=names[qd], kv_dtype=names[kv], head_dim=D, group=Hq // Hkv, q_len=q_len,
+                page_size=page, split=split, kv_form="pair" if container == "tuple" else "single", kv_layout=layout,
+                k_scale_tensor=tensors, v_scale_tensor=tensors, **fields))
+    for kv, _qk, D, Hq, Hkv, page, layout, container, tensors, _qs, causal, lse in (
+            SM80_PREFILL_FAMILIES if prefill else ()):
+        for widen, smem in itertools.product(SM80_WIDEN, SM80_SMEM):
+            fields = (dict(widen=widen) if kv == FP8 else {}) | (dict(smem_target=smem) if smem else {})
+            configs.add(sm80.make_prefill_config(
+                target="sm_90a", q_dtype="fp16" if kv == FP16 else "bf16", kv_dtype=names[kv], head_dim=D,
+                group=Hq // Hkv, page_size=page, causal=causal, write_lse=lse,
+                kv_form="pair" if container == "tuple" else "single", kv_layout=layout, k_scale_tensor=tensors,
+                v_scale_tensor=tensors, **fields))
+    return sorted(configs, key=lambda c: c.label())
