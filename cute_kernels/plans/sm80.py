@@ -535,9 +535,16 @@ PREFILL_D128_TW64S_DEFAULT_TARGETS = ("sm_86", "sm_89", "sm_90a")
 # the lean softmax (fields.lean_softmax) in the D 128 default of lean variants where that default is
 # the 32-token 128-row CTA: 1.8-3.8 % on that form's sm_90a build once the row swizzle removed the
 # bank conflicts; every sm_80 build of it spill-free (BF16 / FP16 / FP8, pages 16-128, GQA 1-16,
-# both layouts: 248-255 registers). Not on the 64-token form yet: with it that build spills on sm_90a
-# and in some GQA / page combinations on sm_86 (docs/design/sm80.md#next-to-fa2-with-the-row-swizzle)
+# both layouts: 248-255 registers) (docs/design/sm80.md#next-to-fa2-with-the-row-swizzle)
 PREFILL_D128_LEAN_SOFTMAX_TARGETS = ("sm_80",)
+# and in PREFILL_D128_TW64S where that is the default, for BF16 caches up to page 64: its one vote for
+# a warp's row slots after the exponentials (roles/warp_attention.py) gains 1.5-7 % on sm_90a's build on
+# the H200 (B16 S512 level) and builds without spills on sm_86 / sm_89 / sm_90a at pages 16-64 for every
+# GQA swept (1-16, 20, 24, 32, 64) and both layouts; page 128 spills at some GQA (1 STL: GQA 1 on sm_90a,
+# 7, 14 and 15 on sm_86 / sm_89) and keeps the scaled softmax; FP16 caches spill with it (1-12 STL), FP8
+# ones were not measured (docs/design/sm80.md#in-the-64-token-form)
+PREFILL_D128_TW64S_LEAN_KV_DTYPES = ("bf16",)
+PREFILL_D128_TW64S_LEAN_PAGE_SIZES = (16, 32, 64)
 # the fields PREFILL_D128_TW64S adds to the PREFILL_D128_TW64 tiling
 _D128_MARGIN = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}
 
@@ -565,10 +572,17 @@ def prefill_d256_w8(target: str, kv_dtype: str, lean: bool) -> bool:
     return lean and kv_dtype != "fp8_e4m3" and target in PREFILL_D256_W8_TARGETS
 
 
-def prefill_d128_lean_softmax(target: str, lean: bool) -> bool:
-    """Whether the head-dim-128 default on compile target ``target`` takes the lean softmax
-    (``PREFILL_D128_LEAN_SOFTMAX_TARGETS``, lean variants)."""
-    return lean and target in PREFILL_D128_LEAN_SOFTMAX_TARGETS
+def prefill_d128_lean_softmax(target: str, lean: bool, kv_dtype: str, group: int, page_size: int) -> bool:
+    """Whether the head-dim-128 default on compile target ``target`` takes the lean softmax: lean
+    variants on ``PREFILL_D128_LEAN_SOFTMAX_TARGETS``, and where ``PREFILL_D128_TW64S`` is the default
+    with a cache dtype of ``PREFILL_D128_TW64S_LEAN_KV_DTYPES`` and a page size of
+    ``PREFILL_D128_TW64S_LEAN_PAGE_SIZES`` (any ``group``: spill-free at every one swept)."""
+    if not lean:
+        return False
+    if target in PREFILL_D128_LEAN_SOFTMAX_TARGETS:
+        return True
+    return (prefill_d128_tw64s(target, kv_dtype, lean) and kv_dtype in PREFILL_D128_TW64S_LEAN_KV_DTYPES
+            and page_size in PREFILL_D128_TW64S_LEAN_PAGE_SIZES)
 
 
 def prefill_d128_tw64s(target: str, kv_dtype: str, lean: bool) -> bool:
@@ -672,7 +686,7 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
     d256_x = head_dim == 256 and prefill_d256_tw32x(target, kv_dtype, page_size, k_scale_tensor or v_scale_tensor)
     d128_s = head_dim == 128 and prefill_d128_tw64s(target, kv_dtype, lean)
     d256_w8 = head_dim == 256 and prefill_d256_w8(target, kv_dtype, lean)
-    d128_lean = head_dim == 128 and prefill_d128_lean_softmax(target, lean)
+    d128_lean = head_dim == 128 and prefill_d128_lean_softmax(target, lean, kv_dtype, group, page_size)
     fields.update(prefill_tiling(_smem_target(override, target), kv_dtype, head_dim, override.get("m_tiles"),
                                  override.get("tw"), lean, d256_x, d128_s, d256_w8, d128_lean))
     fields.update(override)

@@ -382,6 +382,12 @@ class WarpTileAttention:
         col0 = tile_start + wn * self.tw + 2 * (lane % 4)
         if const_expr(stats is not None):
             new_stats = cute.make_rmem_tensor((2 * mt_n, 2), Float32)
+        # the lean softmax with the statistics in shared memory votes once for the warp's row slots,
+        # after the exponentials: one branch where a vote per slot cuts the tile into four, which
+        # keeps the 64-token 128-row BF16 builds within 255 registers (docs/design/sm80.md#in-the-64-token-form)
+        one_vote = self.lean_softmax and stats is not None
+        if const_expr(one_vote):
+            alphas = cute.make_rmem_tensor((2 * mt_n,), Float32)
         for mt in cutlass.range_constexpr(mt_n):
             for h in cutlass.range_constexpr(2):
                 slot = 2 * mt + h
@@ -418,7 +424,9 @@ class WarpTileAttention:
                     alpha = cute.math.exp2(old_max - safe, fastmath=True)
                     new_stats[slot, 0] = new_max
                     total = Float32(0.0)
-                if const_expr(self.lean_softmax):
+                if const_expr(one_vote):
+                    alphas[slot] = alpha
+                elif const_expr(self.lean_softmax):
                     # alpha <= 1, and exactly 1 where the max did not move: o * 1 = o, so a warp
                     # with every row's alpha 1 skips the rescale bit-identically
                     if cute.arch.vote_any_sync(alpha < Float32(1.0)):
@@ -441,6 +449,13 @@ class WarpTileAttention:
                     total = total + cute.arch.shuffle_sync_bfly(total, 1)
                     total = total + cute.arch.shuffle_sync_bfly(total, 2)
                     new_stats[slot, 1] = stats.sum(mt, h) * alpha + total
+        if const_expr(one_vote):
+            lowest = alphas[0]
+            for slot in cutlass.range_constexpr(1, 2 * mt_n):
+                lowest = cute.arch.fmin(lowest, alphas[slot])
+            if cute.arch.vote_any_sync(lowest < Float32(1.0)):
+                for slot in cutlass.range_constexpr(2 * mt_n):
+                    self.rescale_rows(acc_o, alphas[slot], slot // 2, slot % 2)
         if const_expr(stats is not None):
             cute.arch.sync_warp()  # every lane of a row's quad has read the old values
             for slot in cutlass.range_constexpr(2 * mt_n):

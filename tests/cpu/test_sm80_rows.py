@@ -16,7 +16,6 @@ import pytest
 from cute_kernels.plans import hw
 from cute_kernels.plans.sm80 import (
     KV_DTYPES,
-    PREFILL_D128_LEAN_SOFTMAX_TARGETS,
     PREFILL_D128_TW64,
     PREFILL_D128_TW64_TARGETS,
     PREFILL_D256_TW32X,
@@ -27,6 +26,7 @@ from cute_kernels.plans.sm80 import (
     make_decode_config,
     make_prefill_config,
     mma_dtype,
+    prefill_d128_lean_softmax,
     prefill_d128_tw64s,
     prefill_d256_tw32x,
     prefill_heads_first,
@@ -151,8 +151,9 @@ def test_128_row_tiling_per_target(target, kv, D):
         tw64s = D == 128 and prefill_d128_tw64s(target, kv, not extra)
         cfg = make_prefill_config(**shape, **extra)
         m2 = make_prefill_config(**shape, **extra, m_tiles=2)
-        # at D 128 the lean default on PREFILL_D128_LEAN_SOFTMAX_TARGETS adds the lean softmax to it
-        lean_sm = D == 128 and not extra and target in PREFILL_D128_LEAN_SOFTMAX_TARGETS
+        # at D 128 the lean default adds the lean softmax where the plan says (PREFILL_D128_LEAN_SOFTMAX_TARGETS,
+        # PREFILL_D128_TW64S with a BF16 cache: tests/cpu/test_sm80_lean_softmax.py)
+        lean_sm = D == 128 and not extra and prefill_d128_lean_softmax(target, True, kv, 4, 16)
         assert cfg.lean_softmax == lean_sm and not m2.lean_softmax
         assert m2 == rows128_form(cfg) and (m2 == replace(cfg, lean_softmax=False, heads_first=m2.heads_first)) == (
             measured and not tw64s), extra

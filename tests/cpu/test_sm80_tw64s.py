@@ -9,7 +9,7 @@ the D 128 default of the lean variants exactly where :func:`prefill_d128_tw64s` 
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 
@@ -24,6 +24,7 @@ from cute_kernels.plans.sm80 import (
     Sm80PrefillConfig,
     make_decode_config,
     make_prefill_config,
+    prefill_d128_lean_softmax,
     prefill_d128_tw64s,
     prefill_lean,
 )
@@ -66,7 +67,8 @@ def test_tw64s_form_is_the_tw64_tiling_with_the_two_fields(target, kv, extra):
     """The override is ``PREFILL_D128_TW64``'s 128-row CTA, 64-token stages and ring (same stages,
     same shared memory: the statistics use slots the one token warp leaves free) plus the fields;
     registered exactly for the lean GQA-4 page-16 variant on its dtype's targets; the CI set holds
-    the BF16 one on sm_80 (an override there) and the FP8 one on sm_86 (the default there)."""
+    the BF16 one on sm_80 (an override there), the FP8 one on sm_86 and the BF16 one on sm_90a (the
+    defaults there, the last with the lean softmax)."""
     default = make_prefill_config(**_shape(target, kv, **extra))
     cfg = make_prefill_config(**_shape(target, kv, **extra), **PREFILL_D128_TW64S)
     tw64 = make_prefill_config(**_shape(target, kv, **extra), **PREFILL_D128_TW64)
@@ -74,8 +76,9 @@ def test_tw64s_form_is_the_tw64_tiling_with_the_two_fields(target, kv, extra):
     assert d128_tw64_form(default) == tw64
     assert (cfg.m_tiles, cfg.tw, cfg.stages, cfg.q_regs, cfg.ldsm_xor) == (2, 64, tw64.stages, False, True)
     assert cfg.stats_smem and cfg.gather_one_base
-    assert (default == cfg) == (default.stats_smem or default.gather_one_base) == (not extra and prefill_d128_tw64s(
-        target, kv, True))
+    # the default may add the lean softmax to the form (tests/cpu/test_sm80_lean_softmax.py)
+    assert (replace(default, lean_softmax=False) == cfg) == (default.stats_smem or default.gather_one_base) == (
+        not extra and prefill_d128_tw64s(target, kv, True))
     assert cfg.smem_bytes() == tw64.smem_bytes() <= hw.max_smem_per_cta(target)
     eng, gather, ring = engine_for(cfg)
     eng0, gather0, ring0 = engine_for(tw64)
@@ -83,9 +86,9 @@ def test_tw64s_form_is_the_tw64_tiling_with_the_two_fields(target, kv, extra):
     assert eng.warps_n == 1  # the statistics' slots 0 and 1 are free during the main loop with one token warp
     registered = not extra and target in PREFILL_D128_TW64S_TARGETS[kv]
     assert (cfg in compile_variants("sm80.prefill")) == registered
-    assert (cfg in ci_variants("sm80.prefill")) == (not extra and (target, kv) in (("sm_80", "bf16"),
-                                                                                    ("sm_86", "fp8_e4m3"),
-                                                                                    ("sm_90a", "bf16")))
+    ci = ci_variants("sm80.prefill")
+    assert (cfg in ci or replace(cfg, lean_softmax=True) in ci) == (
+        not extra and (target, kv) in (("sm_80", "bf16"), ("sm_86", "fp8_e4m3"), ("sm_90a", "bf16")))
 
 
 # every GQA, page size and layout reachable: the rule is per target and cache dtype (a fact of
@@ -115,7 +118,10 @@ def test_d128_default_is_the_margin_form_exactly_where_spill_free(target, kv):
             cfg = make_prefill_config(**base)
             assert prefill_d128_tw64s(target, kv, lean) == (rule and lean)
             if rule and lean:
-                assert cfg == make_prefill_config(**base, **PREFILL_D128_TW64S) == d128_tw64s_form(cfg)
+                assert cfg.lean_softmax == prefill_d128_lean_softmax(target, lean, kv, shape["group"],
+                                                                     shape["page_size"])
+                assert replace(cfg, lean_softmax=False) == make_prefill_config(**base, **PREFILL_D128_TW64S) == \
+                    d128_tw64s_form(cfg)
                 assert (cfg.m_tiles, cfg.tw) == (2, 64) and "stats_smem=True" in cfg.label()
                 # the overrides reach the forms before: the 32-token 128-row CTA on sm_80 / sm_86,
                 # the 64-row CTA everywhere, PREFILL_D128_TW64 without the margin
