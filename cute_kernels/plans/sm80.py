@@ -572,11 +572,11 @@ def prefill_d256_w8(target: str, kv_dtype: str, lean: bool) -> bool:
     return lean and kv_dtype != "fp8_e4m3" and target in PREFILL_D256_W8_TARGETS
 
 
-def prefill_d128_lean_softmax(target: str, lean: bool, kv_dtype: str, group: int, page_size: int) -> bool:
+def prefill_d128_lean_softmax(target: str, lean: bool, kv_dtype: str, page_size: int) -> bool:
     """Whether the head-dim-128 default on compile target ``target`` takes the lean softmax: lean
     variants on ``PREFILL_D128_LEAN_SOFTMAX_TARGETS``, and where ``PREFILL_D128_TW64S`` is the default
     with a cache dtype of ``PREFILL_D128_TW64S_LEAN_KV_DTYPES`` and a page size of
-    ``PREFILL_D128_TW64S_LEAN_PAGE_SIZES`` (any ``group``: spill-free at every one swept)."""
+    ``PREFILL_D128_TW64S_LEAN_PAGE_SIZES`` (at any GQA: spill-free at every one swept)."""
     if not lean:
         return False
     if target in PREFILL_D128_LEAN_SOFTMAX_TARGETS:
@@ -686,7 +686,7 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
     d256_x = head_dim == 256 and prefill_d256_tw32x(target, kv_dtype, page_size, k_scale_tensor or v_scale_tensor)
     d128_s = head_dim == 128 and prefill_d128_tw64s(target, kv_dtype, lean)
     d256_w8 = head_dim == 256 and prefill_d256_w8(target, kv_dtype, lean)
-    d128_lean = head_dim == 128 and prefill_d128_lean_softmax(target, lean, kv_dtype, group, page_size)
+    d128_lean = head_dim == 128 and prefill_d128_lean_softmax(target, lean, kv_dtype, page_size)
     fields.update(prefill_tiling(_smem_target(override, target), kv_dtype, head_dim, override.get("m_tiles"),
                                  override.get("tw"), lean, d256_x, d128_s, d256_w8, d128_lean))
     fields.update(override)

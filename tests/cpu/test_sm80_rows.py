@@ -153,7 +153,7 @@ def test_128_row_tiling_per_target(target, kv, D):
         m2 = make_prefill_config(**shape, **extra, m_tiles=2)
         # at D 128 the lean default adds the lean softmax where the plan says (PREFILL_D128_LEAN_SOFTMAX_TARGETS,
         # PREFILL_D128_TW64S with a BF16 cache: tests/cpu/test_sm80_lean_softmax.py)
-        lean_sm = D == 128 and not extra and prefill_d128_lean_softmax(target, True, kv, 4, 16)
+        lean_sm = D == 128 and not extra and prefill_d128_lean_softmax(target, True, kv, 16)
         assert cfg.lean_softmax == lean_sm and not m2.lean_softmax
         assert m2 == rows128_form(cfg) and (m2 == replace(cfg, lean_softmax=False, heads_first=m2.heads_first)) == (
             measured and not tw64s), extra

@@ -118,8 +118,7 @@ def test_d128_default_is_the_margin_form_exactly_where_spill_free(target, kv):
             cfg = make_prefill_config(**base)
             assert prefill_d128_tw64s(target, kv, lean) == (rule and lean)
             if rule and lean:
-                assert cfg.lean_softmax == prefill_d128_lean_softmax(target, lean, kv, shape["group"],
-                                                                     shape["page_size"])
+                assert cfg.lean_softmax == prefill_d128_lean_softmax(target, lean, kv, shape["page_size"])
                 assert replace(cfg, lean_softmax=False) == make_prefill_config(**base, **PREFILL_D128_TW64S) == \
                     d128_tw64s_form(cfg)
                 assert (cfg.m_tiles, cfg.tw) == (2, 64) and "stats_smem=True" in cfg.label()

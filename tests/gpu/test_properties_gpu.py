@@ -20,6 +20,7 @@ see ``_precompile``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 
@@ -77,20 +78,19 @@ SM80_WIDEN = ("cvt", "bits")
 SM80_SMEM = (None, "sm_86")
 
 
+def _sm80_fields(kv, widen: str, smem: str | None) -> dict:
+    """The portable kernel's tuning fields of a case: the widening (FP8 caches only) and the ring."""
+    return (dict(widen=widen) if kv == FP8 else {}) | (dict(smem_target=smem) if smem else {})
+
+
 def _sm80_override(rng, kv) -> dict:
     """The tuning fields of one portable-kernel case (drawn even where unused: a case's draws do
     not depend on its family)."""
-    widen, smem = SM80_WIDEN[int(rng.integers(2))], SM80_SMEM[int(rng.integers(2))]
-    fields = dict(widen=widen) if kv == FP8 else {}
-    if smem:
-        fields["smem_target"] = smem
-    return fields
+    return _sm80_fields(kv, SM80_WIDEN[int(rng.integers(2))], SM80_SMEM[int(rng.integers(2))])
 
 
 def _backend(rng, kv, sm80: bool, decode: bool):
     """The op's own dispatch, or (``sm80``) the portable kernel forced with drawn tuning fields."""
-    import contextlib
-
     if not sm80:
         return contextlib.nullcontext()
     from cute_kernels.ops.paged_decode import tuning_override as decode_override
@@ -534,7 +534,7 @@ def _sm80_configs(names, decode: bool = True, prefill: bool = True) -> list:
     configs = set()
     for kv, qd, D, Hq, Hkv, page, q_len, layout, container, tensors in DECODE_FAMILIES if decode else ():
         for widen, smem, split in itertools.product(SM80_WIDEN, SM80_SMEM, (False, True)):
-            fields = (dict(widen=widen) if kv == FP8 else {}) | (dict(smem_target=smem) if smem else {})
+            fields = _sm80_fields(kv, widen, smem)
             configs.add(sm80.make_decode_config(
                 target="sm_90a", q_dtype=names[qd], kv_dtype=names[kv], head_dim=D, group=Hq // Hkv, q_len=q_len,
                 page_size=page, split=split, kv_form="pair" if container == "tuple" else "single", kv_layout=layout,
@@ -542,7 +542,7 @@ def _sm80_configs(names, decode: bool = True, prefill: bool = True) -> list:
     for kv, _qk, D, Hq, Hkv, page, layout, container, tensors, _qs, causal, lse in (
             SM80_PREFILL_FAMILIES if prefill else ()):
         for widen, smem in itertools.product(SM80_WIDEN, SM80_SMEM):
-            fields = (dict(widen=widen) if kv == FP8 else {}) | (dict(smem_target=smem) if smem else {})
+            fields = _sm80_fields(kv, widen, smem)
             configs.add(sm80.make_prefill_config(
                 target="sm_90a", q_dtype="fp16" if kv == FP16 else "bf16", kv_dtype=names[kv], head_dim=D,
                 group=Hq // Hkv, page_size=page, causal=causal, write_lse=lse,
