@@ -31,6 +31,7 @@
 #               softmax, D 128 B1 S16384 and D 256 B1 S8192 (docs/design/sm80.md#open-items)
 #   ncu-source  per-instruction stall samples of the QSA row-tile kernel, summarized
 #   gather      the memory system's ceiling for QSA's scattered row reads
+#   mma         the mma.sync m16n8k16 ceiling the portable prefill and FA2 share (docs/design/sm80.md#the-mma-ceiling)
 #   schedule    static against dynamic split scheduling of the paged decode
 #   clocks      SM clock and power while the 1 x 16384 QSA prefill is timed again and again
 #   host        the host-side pieces of an eager paged_decode call
@@ -155,6 +156,7 @@ for tier in "$@"; do
                   step 60 "hotspots_$sh" "$PY" -m profiling.ncu_sass_hotspots "$OUT/ncu_source_${sh}_sass.csv.gz"
                 done ;;
     gather) step 200 gather "$PY" -m profiling.gather_ceiling --json "$OUT/gather.json" ;;
+    mma) step 200 mma "$PY" -m profiling.mma_peak --json "$OUT/mma_peak.json" ;;
     schedule) step 300 schedule "$PY" -m profiling.split_schedule --json "$OUT/schedule.json" ;;
     clocks) step 200 clocks_bf16 "$PY" -m profiling.probe_clocks --kv bf16 --rounds 4 --json "$OUT/clocks_bf16.json"
             step 200 clocks_fp8 "$PY" -m profiling.probe_clocks --kv fp8 --rounds 3 --json "$OUT/clocks_fp8.json" ;;

@@ -122,6 +122,9 @@ class _Sm80Common(KernelConfig):
             raise ValueError(f"bad tiling: tw {self.tw}, warps {self.warps_m}x{self.warps_n}, stages {self.stages}")
         if self.widen not in ("bits", "cvt"):
             raise ValueError(f"widen must be 'bits' or 'cvt', got {self.widen}")
+        if self.smem_bytes() > hw.max_smem_per_cta(self.target):
+            raise ValueError(f"the tiling takes {self.smem_bytes()} bytes of shared memory per CTA, more than "
+                             f"{self.target}'s {hw.max_smem_per_cta(self.target)}: fewer stages, rows or tokens fit")
 
     @property
     def mma_dtype(self) -> str:
@@ -416,12 +419,15 @@ class Sm80PrefillConfig(_Sm80Common):
     (else all seq_len). ``write_lse``: the base-2 LSE is an argument and is written.
     ``heads_first``: the grid ``(KV heads, row tiles, requests)``, so that each request's
     longest row tiles of every KV head start first, instead of ``(row tiles, KV heads, requests)``
-    (docs/design/sm80.md#the-grid-order)."""
+    (docs/design/sm80.md#the-grid-order). ``pingpong``: the two halves of an eight-warp CTA take
+    turns at the tensor pipe, the second half's QK of a tile after the first's, so that one half's
+    softmax overlaps the other's MMAs (docs/design/sm80.md#ping-pong-warps)."""
 
     group: int = 4
     causal: bool = True
     write_lse: bool = False
     heads_first: bool = field(default=False, metadata=LABEL_IF_SET)
+    pingpong: bool = field(default=False, metadata=LABEL_IF_SET)
 
     kernel_id = "sm80.prefill"
 
@@ -431,6 +437,9 @@ class Sm80PrefillConfig(_Sm80Common):
             raise ValueError(f"group must be >= 1, got {self.group}")
         if self.stats_smem and self.warps_n != 1:
             raise ValueError(f"stats_smem needs one token warp, not warps_n={self.warps_n}")
+        if self.pingpong and (self.warps_m, self.warps_n) != PINGPONG_WARPS:
+            raise ValueError(f"pingpong pairs warps w and w + 4 (one scheduler): it needs warps "
+                             f"{PINGPONG_WARPS[0]}x{PINGPONG_WARPS[1]}, not {self.warps_m}x{self.warps_n}")
 
     @property
     def lean(self) -> bool:
@@ -545,6 +554,15 @@ PREFILL_D128_LEAN_SOFTMAX_TARGETS = ("sm_80",)
 # ones were not measured (docs/design/sm80.md#in-the-64-token-form)
 PREFILL_D128_TW64S_LEAN_KV_DTYPES = ("bf16",)
 PREFILL_D128_TW64S_LEAN_PAGE_SIZES = (16, 32, 64)
+# pingpong's warps: two halves of four warps, warp w and w + 4 on one scheduler (warp index mod 4)
+# (docs/design/sm80.md#ping-pong-warps)
+PINGPONG_WARPS = (8, 1)
+# and the D 128 default where PREFILL_D128_TW64S takes the lean softmax on sm_90a: eight warps
+# (256 rows, one CTA per SM) whose halves take turns at the tensor pipe, two 64-token stages (three
+# were slower); 1.025-1.05x the four-warp form on the H200's long rows (0.98x at B16 S512), spill-free
+# at every GQA swept; its 136 KB leave out the 99 KB targets (docs/design/sm80.md#ping-pong-warps)
+PREFILL_D128_PINGPONG: dict[str, Any] = dict(warps_m=8, stages=2, pingpong=True)
+PREFILL_D128_PINGPONG_TARGETS = ("sm_90a",)
 # the fields PREFILL_D128_TW64S adds to the PREFILL_D128_TW64 tiling
 _D128_MARGIN = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}
 
@@ -636,7 +654,8 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
         w8 = {k: PREFILL_D256_W8[k] for k in ("warps_m", "m_tiles", "tw")}
         if fit_stages(target, dict(kv_dtype=kv_dtype, head_dim=256, warps_n=1, **w8), 1,
                       PREFILL_D256_W8["stages"]) == PREFILL_D256_W8["stages"]:
-            return dict(warps_n=1, **PREFILL_D256_W8, **no_margin, lean_softmax=False, heads_first=False)
+            return dict(warps_n=1, **PREFILL_D256_W8, **no_margin, lean_softmax=False, heads_first=False,
+                        pingpong=False)
     m2_tw32 = lean and target in PREFILL_M2_TW32_TARGETS
     margin = d128_s and head_dim == 128 and m_tiles is None and tw is None
     if margin:
@@ -661,7 +680,10 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
     # derived from a variant with m_tiles or tw given leaves them off)
     off = dict(_D128_MARGIN, lean_softmax=lean_softmax) if margin else dict(no_margin, lean_softmax=lean_softmax)
     off["heads_first"] = prefill_heads_first(target, head_dim, m_tiles, tw, lean_softmax)
+    off["pingpong"] = False
     if m_tiles == 2:
+        if margin and lean_softmax and target in PREFILL_D128_PINGPONG_TARGETS:
+            return dict(warps_n=1, m_tiles=2, tw=tw, q_regs=False, ldsm_xor=True, **{**off, **PREFILL_D128_PINGPONG})
         return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True, **off)
     return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128,
                 ldsm_xor=head_dim == 256 and tw == 32 and d256_x, **off)

@@ -81,6 +81,12 @@ def d128_tw64s_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
     return replace(d128_tw64_form(config), **_D128_MARGIN)
 
 
+def four_warp_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
+    """The four-warp 128-row form of a ``pingpong`` default (``warps_m=4, pingpong=False``: the
+    default before ``PREFILL_D128_PINGPONG``, two CTAs per SM, its ring unchanged)."""
+    return replace(config, warps_m=4, pingpong=False)
+
+
 def _d128_tw64s_registered(config: KernelConfig) -> bool:
     """The lean GQA-4 page-16 builds of ``PREFILL_D128_TW64S`` that ptxas keeps without spills
     (``PREFILL_D128_TW64S_TARGETS``; the default on ``PREFILL_D128_TW64S_DEFAULT_TARGETS``)."""
@@ -113,7 +119,7 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     :func:`d256_tw32x_form` for each prefill at D 256,
     :func:`d128_tw64_form` for the BF16 D 128
     prefill, lean and with the LSE, and :func:`d128_tw64s_form` for the lean one, where they build
-    without spills): decode for
+    without spills, :func:`four_warp_form` for each ``pingpong`` default): decode for
     each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four), each split one also with the opt-in fused merge (``fused_merge=True``) where it builds
     without spills (:func:`fused_merge_registered`); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
@@ -146,7 +152,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     d128 += [d128_tw64s_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and _d128_tw64s_registered(c)]
     fused: list[KernelConfig] = [replace(c, fused_merge=True) for c in out
                                  if isinstance(c, Sm80DecodeConfig) and c.split and fused_merge_registered(c)]
-    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128 + fused)
+    four: list[KernelConfig] = [four_warp_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.pingpong]
+    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128 + fused + four)
             if kernel_id in (None, c.kernel_id)]
 
 

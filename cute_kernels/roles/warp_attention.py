@@ -40,6 +40,8 @@ from .fragments import (
 )
 
 LOG2E = math.log2(math.e)
+# the named barrier of pingpong's turns (0 is the CTA's)
+PINGPONG_BARRIER = 1
 FP16_TARGET_LOG2 = 14  # a row's largest |q| is scaled to [2^13, 2^16) for an fp16 MMA
 
 
@@ -89,7 +91,7 @@ class WarpTileAttention:
 
     def __init__(self, *, D: int, q_dtype: str, kv_dtype: str, mma_dtype: str, widen_method: str,
                  warps_m: int, warps_n: int, m_tiles: int, tw: int, q_regs: bool, ldsm_xor: bool = False,
-                 stats_smem: bool = False, lean_softmax: bool = False):
+                 stats_smem: bool = False, lean_softmax: bool = False, pingpong: bool = False):
         self.D = D
         self.q_name, self.kv_name, self.mma_name = q_dtype, kv_dtype, mma_dtype
         self.fp8 = kv_dtype == "fp8_e4m3"
@@ -109,6 +111,11 @@ class WarpTileAttention:
         # the max over the raw scores, one FFMA per score before its exp2, O's rescale skipped by a
         # warp whose rows' max did not move (docs/design/sm80.md#the-lean-softmax-opt-in)
         self.lean_softmax = lean_softmax
+        # the second half of the warps starts a tile's QK once the first half's is issued, so that a
+        # half's softmax overlaps the other's MMAs (docs/design/sm80.md#ping-pong-warps)
+        if pingpong and (warps_m * warps_n != 8 or warps_n != 1):
+            raise ValueError("pingpong pairs warp w with w + 4 on one scheduler: it needs 8x1 warps")
+        self.pingpong = pingpong
         # 64-token stages in 128-row CTAs: the causal mask compares one per-row limit relative to
         # the tile (``limit - col0``) with immediates, which keeps that build within 255 registers
         # where the absolute compare spills it (docs/design/sm80.md#64-token-stages-at-head-dim-128)
@@ -563,7 +570,13 @@ class WarpTileAttention:
             cute.arch.cp_async_commit_group()
             tile = tile_of(i)
             stage_base = kv_base + (i % stages) * stage_bytes
+            if const_expr(self.pingpong):
+                if wm >= self.warps_m // 2:  # the second half waits for the first half's QK
+                    cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=self.threads)
             self.qk(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
+            if const_expr(self.pingpong):
+                if wm < self.warps_m // 2:
+                    cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=self.threads)
             masked = (tile + 1) * self.tile > min_limit
             self.softmax(acc_s, acc_o, row_max, row_sum, row_scale, limits, tile * self.tile, masked, wn, lane,
                          stats)
@@ -654,6 +667,7 @@ def engine_for(cfg):
         D=cfg.head_dim, q_dtype=cfg.q_dtype, kv_dtype=cfg.kv_dtype, mma_dtype=cfg.mma_dtype, widen_method=cfg.widen,
         warps_m=cfg.warps_m, warps_n=cfg.warps_n, m_tiles=cfg.m_tiles, tw=cfg.tw, q_regs=cfg.q_regs,
         ldsm_xor=cfg.ldsm_xor, stats_smem=cfg.stats_smem, lean_softmax=cfg.lean_softmax,
+        pingpong=getattr(cfg, "pingpong", False),
     )
     gather = PagedKVGather(engine.tile, cfg.head_dim, engine.kv_bytes, engine.threads, cfg.page_size,
                            one_base=cfg.gather_one_base)

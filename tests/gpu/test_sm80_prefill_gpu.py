@@ -98,6 +98,15 @@ LEAN += [(*c[:-1], {**c[-1], "kv_first": True}) for c in LEAN if set(c[-1]) <= {
 CASES += [(*c[:-1], {**c[-1], "heads_first": False}) for c in BASE]
 LEAN += [(*c[:-1], {**c[-1], "heads_first": False}) for c in LEAN if set(c[-1]) <= {"smem_target"}]
 
+# eight-warp CTAs whose halves take turns at the tensor pipe (pingpong, an override,
+# docs/design/sm80.md#ping-pong-warps), on the 64-token D 128 tiling: every cache dtype and widening,
+# pairs, both layouts, a non-causal mask with the LSE, GQA 1-16, pages 16-128, the lean defaults (its
+# 64 KB of Q beside the ring needs more than the 99 KB targets have). On sm_90a the lean BF16
+# defaults up to page 64 are this form with the lean softmax (PREFILL_D128_PINGPONG)
+PINGPONG = dict(D128S, warps_m=8, pingpong=True)
+CASES += [(*c[:-1], {**c[-1], **PINGPONG}) for c in D128_BASE if "smem_target" not in c[-1]]
+LEAN += [(*c[:-1], {**c[-1], **PINGPONG}) for c in LEAN if c[2] == 128 and not c[-1]]
+
 
 def _ids(c):
     kv, q, D, Hq, Hkv, page, lay, cont, causal, ov = c
