@@ -122,6 +122,9 @@ class _Sm80Common(KernelConfig):
             raise ValueError(f"bad tiling: tw {self.tw}, warps {self.warps_m}x{self.warps_n}, stages {self.stages}")
         if self.widen not in ("bits", "cvt"):
             raise ValueError(f"widen must be 'bits' or 'cvt', got {self.widen}")
+
+    def _check_smem(self):
+        """After the structural checks: a tiling (an override's) whose CTA cannot launch on its target."""
         if self.smem_bytes() > hw.max_smem_per_cta(self.target):
             raise ValueError(f"the tiling takes {self.smem_bytes()} bytes of shared memory per CTA, more than "
                              f"{self.target}'s {hw.max_smem_per_cta(self.target)}: fewer stages, rows or tokens fit")
@@ -207,6 +210,7 @@ class Sm80DecodeConfig(_Sm80Common):
             raise ValueError("stats_smem is a prefill field (the decode merges warps_n > 1 token warps)")
         if self.fused_merge and not self.split:
             raise ValueError("fused_merge merges a split launch's partials: it needs split=True")
+        self._check_smem()
 
     def signature(self):
         D = self.head_dim
@@ -440,6 +444,7 @@ class Sm80PrefillConfig(_Sm80Common):
         if self.pingpong and (self.warps_m, self.warps_n) != PINGPONG_WARPS:
             raise ValueError(f"pingpong pairs warps w and w + 4 (one scheduler): it needs warps "
                              f"{PINGPONG_WARPS[0]}x{PINGPONG_WARPS[1]}, not {self.warps_m}x{self.warps_n}")
+        self._check_smem()
 
     @property
     def lean(self) -> bool:

@@ -20,7 +20,7 @@ from cute_kernels.plans.sm80 import (
     prefill_d128_tw64s,
     prefill_heads_first,
 )
-from cute_kernels.plans.sm80_matrix import compile_variants
+from cute_kernels.plans.sm80_matrix import compile_variants, four_warp_form
 from cute_kernels.registry import KERNELS
 
 
@@ -42,7 +42,9 @@ def test_off_by_default_but_in_the_d128_lean_prefill_default_where_chosen(cls):
             if cfg.lean_softmax:
                 # the form without it: the grid its build keeps without spills (docs/design/sm80.md#the-grid-order)
                 rows_first = not prefill_heads_first(cfg.target, 128, 2, cfg.tw, False)
-                assert chosen and replace(cfg, lean_softmax=False, heads_first=not rows_first) in compile_variants(kid), \
+                # (the ping-pong default's form without it: its four-warp form's, plans.sm80_matrix.four_warp_form)
+                base = four_warp_form(cfg) if getattr(cfg, "pingpong", False) else cfg
+                assert chosen and replace(base, lean_softmax=False, heads_first=not rows_first) in compile_variants(kid), \
                     cfg.label()
     for t in PREFILL_D128_LEAN_SOFTMAX_TARGETS:
         assert any(c.lean_softmax and c.target == t for c in compile_variants("sm80.prefill"))

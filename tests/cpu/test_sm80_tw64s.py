@@ -16,6 +16,8 @@ import pytest
 from cute_kernels.plans import hw
 from cute_kernels.plans.sm80 import (
     KV_DTYPES,
+    PREFILL_D128_PINGPONG,
+    PREFILL_D128_PINGPONG_TARGETS,
     PREFILL_D128_TW64,
     PREFILL_D128_TW64S,
     PREFILL_D128_TW64S_DEFAULT_TARGETS,
@@ -33,6 +35,7 @@ from cute_kernels.plans.sm80_matrix import (
     compile_variants,
     d128_tw64_form,
     d128_tw64s_form,
+    four_warp_form,
     old_form,
     rows128_form,
 )
@@ -40,6 +43,11 @@ from cute_kernels.roles.cp_async_pages import PagedKVGather, swizzle
 from cute_kernels.roles.warp_attention import WarpTileAttention, engine_for
 
 NEW_FIELDS = ("stats_smem", "gather_one_base")
+
+
+def _four(cfg):
+    """A default in its four-warp form: the ping-pong default's four warps (test_sm80_pingpong.py)."""
+    return four_warp_form(cfg) if cfg.pingpong else cfg
 
 
 def _shape(target, kv, **extra):
@@ -77,7 +85,7 @@ def test_tw64s_form_is_the_tw64_tiling_with_the_two_fields(target, kv, extra):
     assert (cfg.m_tiles, cfg.tw, cfg.stages, cfg.q_regs, cfg.ldsm_xor) == (2, 64, tw64.stages, False, True)
     assert cfg.stats_smem and cfg.gather_one_base
     # the default may add the lean softmax to the form (tests/cpu/test_sm80_lean_softmax.py)
-    assert (replace(default, lean_softmax=False) == cfg) == (default.stats_smem or default.gather_one_base) == (
+    assert (replace(_four(default), lean_softmax=False) == cfg) == (default.stats_smem or default.gather_one_base) == (
         not extra and prefill_d128_tw64s(target, kv, True))
     assert cfg.smem_bytes() == tw64.smem_bytes() <= hw.max_smem_per_cta(target)
     eng, gather, ring = engine_for(cfg)
@@ -87,7 +95,8 @@ def test_tw64s_form_is_the_tw64_tiling_with_the_two_fields(target, kv, extra):
     registered = not extra and target in PREFILL_D128_TW64S_TARGETS[kv]
     assert (cfg in compile_variants("sm80.prefill")) == registered
     ci = ci_variants("sm80.prefill")
-    assert (cfg in ci or replace(cfg, lean_softmax=True) in ci) == (
+    pingpong = [replace(cfg, lean_softmax=True, **PREFILL_D128_PINGPONG)] if target in PREFILL_D128_PINGPONG_TARGETS else []
+    assert (cfg in ci or replace(cfg, lean_softmax=True) in ci or any(c in ci for c in pingpong)) == (
         not extra and (target, kv) in (("sm_80", "bf16"), ("sm_86", "fp8_e4m3"), ("sm_90a", "bf16")))
 
 
@@ -119,7 +128,7 @@ def test_d128_default_is_the_margin_form_exactly_where_spill_free(target, kv):
             assert prefill_d128_tw64s(target, kv, lean) == (rule and lean)
             if rule and lean:
                 assert cfg.lean_softmax == prefill_d128_lean_softmax(target, lean, kv, shape["page_size"])
-                assert replace(cfg, lean_softmax=False) == make_prefill_config(**base, **PREFILL_D128_TW64S) == \
+                assert replace(_four(cfg), lean_softmax=False) == make_prefill_config(**base, **PREFILL_D128_TW64S) == \
                     d128_tw64s_form(cfg)
                 assert (cfg.m_tiles, cfg.tw) == (2, 64) and "stats_smem=True" in cfg.label()
                 # the overrides reach the forms before: the 32-token 128-row CTA on sm_80 / sm_86,
@@ -137,12 +146,12 @@ def test_d128_default_is_the_margin_form_exactly_where_spill_free(target, kv):
 
 def test_d128_default_follows_the_compile_target():
     """The rule is a fact of the compile target's ptxas: sm_80 keeps the 32-token 128-row CTA
-    with a ring sized for sm_86, and an sm_86 build sized for sm_80's shared memory keeps the
-    margin form (its ring the deepest that fits sm_80)."""
+    with a ring sized for sm_86; an sm_86 build sized for sm_80's shared memory is refused."""
     on_80 = make_prefill_config(**_shape("sm_80", "bf16"), smem_target="sm_86")
     assert (on_80.m_tiles, on_80.tw, on_80.stats_smem) == (2, 32, False)
-    on_86 = make_prefill_config(**_shape("sm_86", "bf16"), smem_target="sm_80")
-    assert (on_86.m_tiles, on_86.tw, on_86.stats_smem, on_86.stages) == (2, 64, True, 3)
+    # a ring sized for sm_80's 164 KB cannot launch on an SM86: the plan refuses it by name
+    with pytest.raises(ValueError, match="more than sm_86's"):
+        make_prefill_config(**_shape("sm_86", "bf16"), smem_target="sm_80")
 
 
 def test_stats_smem_is_refused_where_it_cannot_hold():

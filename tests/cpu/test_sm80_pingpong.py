@@ -1,0 +1,102 @@
+"""The portable prefill's ping-pong warps (docs/design/sm80.md#ping-pong-warps): where the plan
+chooses the eight-warp form, the four-warp form one override away, the refusals, and (compile
+tier) the named-barrier turns in the PTX of the default."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cute_kernels.plans import hw
+from cute_kernels.plans.sm80 import (
+    PINGPONG_WARPS,
+    PREFILL_D128_PINGPONG,
+    PREFILL_D128_PINGPONG_TARGETS,
+    PREFILL_D128_TW64S,
+    TARGETS,
+    make_prefill_config,
+    prefill_d128_lean_softmax,
+    prefill_d128_tw64s,
+)
+from cute_kernels.plans.sm80_matrix import ci_variants, compile_variants, four_warp_form
+from cute_kernels.roles.warp_attention import PINGPONG_BARRIER, WarpTileAttention, engine_for
+
+
+def _cfg(target, kv="bf16", page=16, **extra):
+    return make_prefill_config(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=128,
+                               group=4, page_size=page, **extra)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8_e4m3"])
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
+def test_pingpong_is_the_default_exactly_where_the_64_token_form_is_lean(target, kv, page):
+    """Where PREFILL_D128_TW64S takes the lean softmax on a PREFILL_D128_PINGPONG_TARGETS target:
+    eight warps of 32 rows (256), two stages, one CTA that fits the target; elsewhere off."""
+    cfg = _cfg(target, kv, page)
+    rule = (target in PREFILL_D128_PINGPONG_TARGETS and prefill_d128_tw64s(target, kv, True)
+            and prefill_d128_lean_softmax(target, True, kv, page))
+    assert cfg.pingpong == rule
+    if rule:
+        assert (cfg.warps_m, cfg.warps_n) == PINGPONG_WARPS and cfg.rows == 256 and cfg.stages == 2
+        assert cfg.lean_softmax and cfg.stats_smem and (cfg.m_tiles, cfg.tw) == (2, 64)
+        assert cfg.smem_bytes() <= hw.max_smem_per_cta(target)
+        # the four-warp form: an override away, the default before (no pingpong in its label)
+        four = four_warp_form(cfg)
+        assert four == _cfg(target, kv, page, warps_m=4, pingpong=False)
+        assert four.rows == 128 and "pingpong" not in four.label()
+        assert 2 * four.smem_bytes() + 2 * hw.SMEM_RESERVED_PER_CTA <= hw.SMEM_PER_SM_OF[target]  # two per SM
+    for extra in (dict(write_lse=True), dict(causal=False), dict(kv_form="pair")):
+        assert not _cfg(target, kv, page, **extra).pingpong  # non-lean variants keep their forms
+
+
+def test_registered_and_in_the_ci_set():
+    """The compile matrix holds each ping-pong default with its four-warp form; the CI set compiles
+    the sm_90a one."""
+    variants = compile_variants("sm80.prefill")
+    pingpong = [c for c in variants if c.pingpong]
+    assert pingpong and all(four_warp_form(c) in variants for c in pingpong)
+    assert _cfg("sm_90a") in ci_variants("sm80.prefill")
+
+
+def test_pingpong_refusals_name_the_problem():
+    """Any other warp grid is refused (the turns pair warp w with w + 4 on one scheduler), and so is
+    the form on a target whose shared memory cannot hold its 136 KB."""
+    with pytest.raises(ValueError, match="needs warps 8x1, not 4x1"):
+        _cfg("sm_90a", **PREFILL_D128_TW64S, pingpong=True)
+    with pytest.raises(ValueError, match="more than sm_86's 101376"):
+        _cfg("sm_86", **PREFILL_D128_TW64S, **PREFILL_D128_PINGPONG)
+    with pytest.raises(ValueError, match="8x1 warps"):
+        WarpTileAttention(D=128, q_dtype="bf16", kv_dtype="bf16", mma_dtype="bf16", widen_method="bits", warps_m=4,
+                          warps_n=1, m_tiles=2, tw=64, q_regs=False, pingpong=True)
+    # the same override fits sm_80's 164 KB (an override there; sm_80's default is the 32-token form)
+    assert _cfg("sm_80", **PREFILL_D128_TW64S, **PREFILL_D128_PINGPONG).pingpong
+
+
+def test_engine_of_the_default():
+    cfg = _cfg("sm_90a")
+    eng, gather, ring = engine_for(cfg)
+    assert eng.pingpong and eng.threads == 256 and eng.rows == 256 and gather.threads == 256
+    assert ring + eng.q_bytes <= cfg.smem_bytes()
+
+
+@pytest.mark.compile
+def test_default_build_takes_turns_on_a_named_barrier():
+    """The sm_90a default's PTX: the second half waits (``bar.sync``) and the first half arrives
+    (``bar.arrive``) on PINGPONG_BARRIER for all 256 threads, once each per tile; SM80 instructions
+    only, 256 MMAs per 64-token stage per warp, no spills."""
+    from cute_kernels.jit.compiler import compile_config
+    from cute_kernels.jit.evidence import evidence_of
+
+    cfg = _cfg("sm_90a")
+    compiled = compile_config(cfg, "sm_90a", artifacts=True)
+    ptx = compiled.ptx or ""
+    assert len(re.findall(rf"bar\.sync\s+{PINGPONG_BARRIER}, 256;", ptx)) == 1
+    assert len(re.findall(rf"bar\.arrive\s+{PINGPONG_BARRIER}, 256;", ptx)) == 1
+    assert "wgmma" not in ptx and "cp.async.bulk" not in ptx
+    ev = evidence_of(compiled)
+    assert not ev.missing
+    if compiled.sass is None:
+        pytest.skip("no nvdisasm: the spill check needs SASS")
+    assert "STL" not in ev.sass and "LDL" not in ev.sass and ev.sass.get("HMMA") == 256
