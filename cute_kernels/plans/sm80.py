@@ -562,12 +562,17 @@ PREFILL_D128_TW64S_LEAN_PAGE_SIZES = (16, 32, 64)
 # pingpong's warps: two halves of four warps, warp w and w + 4 on one scheduler (warp index mod 4)
 # (docs/design/sm80.md#ping-pong-warps)
 PINGPONG_WARPS = (8, 1)
-# and the D 128 default where PREFILL_D128_TW64S takes the lean softmax on sm_90a: eight warps
-# (256 rows, one CTA per SM) whose halves take turns at the tensor pipe, two 64-token stages (three
-# were slower); 1.025-1.05x the four-warp form on the H200's long rows (0.98x at B16 S512), spill-free
-# at every GQA swept; its 136 KB leave out the 99 KB targets (docs/design/sm80.md#ping-pong-warps)
+# and the D 128 default of lean variants with a BF16 cache on sm_90a (pages 16-64, where
+# PREFILL_D128_TW64S takes the lean softmax) and sm_80 (pages 16-32): PREFILL_D128_TW64S with the
+# lean softmax in eight warps (256 rows, one CTA per SM) whose halves take turns at the tensor pipe,
+# two 64-token stages (three were slower). On the H200 1.01-1.05x the four-warp form on the long rows
+# (0.98x at B16 S512) and 1.12-1.16x sm_80's 32-token 128-row default (the sm_90a build; 1.05x at B16
+# S512). Spill-free at every GQA swept; sm_80's build spills at page 64 (1 STL). Its 136 KB leave out
+# the 99 KB targets (docs/design/sm80.md#ping-pong-warps)
 PREFILL_D128_PINGPONG: dict[str, Any] = dict(warps_m=8, stages=2, pingpong=True)
-PREFILL_D128_PINGPONG_TARGETS = ("sm_90a",)
+PREFILL_D128_PINGPONG_KV_DTYPES = ("bf16",)
+PREFILL_D128_PINGPONG_PAGE_SIZES: dict[str, tuple[int, ...]] = {"sm_80": (16, 32), "sm_90a": (16, 32, 64)}
+PREFILL_D128_PINGPONG_TARGETS = tuple(PREFILL_D128_PINGPONG_PAGE_SIZES)
 # the fields PREFILL_D128_TW64S adds to the PREFILL_D128_TW64 tiling
 _D128_MARGIN = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}
 
@@ -608,6 +613,16 @@ def prefill_d128_lean_softmax(target: str, lean: bool, kv_dtype: str, page_size:
             and page_size in PREFILL_D128_TW64S_LEAN_PAGE_SIZES)
 
 
+def prefill_d128_pingpong(target: str, lean: bool, kv_dtype: str, page_size: int) -> bool:
+    """Whether the head-dim-128 default on compile target ``target`` is the ping-pong form
+    (``PREFILL_D128_TW64S`` with the lean softmax and ``PREFILL_D128_PINGPONG``): lean variants with
+    a cache dtype of ``PREFILL_D128_PINGPONG_KV_DTYPES`` at the target's
+    ``PREFILL_D128_PINGPONG_PAGE_SIZES`` (at any GQA: spill-free at every one swept), where the ring
+    is sized for a target that holds it."""
+    return lean and kv_dtype in PREFILL_D128_PINGPONG_KV_DTYPES and page_size in PREFILL_D128_PINGPONG_PAGE_SIZES.get(
+        target, ())
+
+
 def prefill_d128_tw64s(target: str, kv_dtype: str, lean: bool) -> bool:
     """Whether the head-dim-128 default on compile target ``target`` is ``PREFILL_D128_TW64S``: for
     lean variants on ``PREFILL_D128_TW64S_DEFAULT_TARGETS`` wherever ptxas keeps it without spills
@@ -633,7 +648,7 @@ def prefill_heads_first(target: str, head_dim: int, m_tiles: int, tw: int, lean_
 
 def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | None = None, tw: int | None = None,
                    lean: bool = True, d256_x: bool = False, d128_s: bool = False, d256_w8: bool = False,
-                   d128_lean: bool = False) -> dict:
+                   d128_lean: bool = False, d128_pp: bool = False) -> dict:
     """FA2-style prefill tiling on ``target``: four warps of ``m_tiles`` 16-row tiles each, each
     warp reading the whole stage; the deepest ring (2 or 3 stages) that lets two CTAs share an
     SM, else one. ``m_tiles``, ``tw``: the plan's unless given (the fit is for the given ones).
@@ -644,6 +659,8 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
     neither given: the eight warps of ``PREFILL_D256_W8`` where their ring fits ``target``).
     ``d128_lean``: :func:`prefill_d128_lean_softmax` of the variant (at D 128 with neither given:
     the lean softmax; every form with either given, and every other head dim, leaves it off).
+    ``d128_pp``: :func:`prefill_d128_pingpong` of the variant (at D 128 with neither given, where
+    ``target``'s shared memory holds it: the ping-pong form).
 
     ``m_tiles=2`` (the default up to D 128 for ``lean`` variants on ``PREFILL_M2_TW32_TARGETS``,
     with 64-token stages where ``d128_s``): 128 rows per CTA. O takes 128 registers at D 128, so
@@ -661,6 +678,14 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
                       PREFILL_D256_W8["stages"]) == PREFILL_D256_W8["stages"]:
             return dict(warps_n=1, **PREFILL_D256_W8, **no_margin, lean_softmax=False, heads_first=False,
                         pingpong=False)
+    pp_smem = smem_bytes(128, 2, PREFILL_D128_TW64S["tw"], PREFILL_D128_PINGPONG["stages"],
+                         16 * PREFILL_D128_TW64S["m_tiles"] * PINGPONG_WARPS[0], 1)
+    if (d128_pp and head_dim == 128 and m_tiles is None and tw is None and kv_dtype in PREFILL_D128_PINGPONG_KV_DTYPES
+            and pp_smem <= hw.max_smem_per_cta(target)):
+        return dict(warps_n=1, m_tiles=PREFILL_D128_TW64S["m_tiles"], tw=PREFILL_D128_TW64S["tw"], q_regs=False,
+                    ldsm_xor=True, **_D128_MARGIN, lean_softmax=True,
+                    heads_first=prefill_heads_first(target, 128, 2, PREFILL_D128_TW64S["tw"], True),
+                    **PREFILL_D128_PINGPONG)
     m2_tw32 = lean and target in PREFILL_M2_TW32_TARGETS
     margin = d128_s and head_dim == 128 and m_tiles is None and tw is None
     if margin:
@@ -687,8 +712,6 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
     off["heads_first"] = prefill_heads_first(target, head_dim, m_tiles, tw, lean_softmax)
     off["pingpong"] = False
     if m_tiles == 2:
-        if margin and lean_softmax and target in PREFILL_D128_PINGPONG_TARGETS:
-            return dict(warps_n=1, m_tiles=2, tw=tw, q_regs=False, ldsm_xor=True, **{**off, **PREFILL_D128_PINGPONG})
         return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True, **off)
     return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128,
                 ldsm_xor=head_dim == 256 and tw == 32 and d256_x, **off)
@@ -714,7 +737,8 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
     d128_s = head_dim == 128 and prefill_d128_tw64s(target, kv_dtype, lean)
     d256_w8 = head_dim == 256 and prefill_d256_w8(target, kv_dtype, lean)
     d128_lean = head_dim == 128 and prefill_d128_lean_softmax(target, lean, kv_dtype, page_size)
+    d128_pp = head_dim == 128 and prefill_d128_pingpong(target, lean, kv_dtype, page_size)
     fields.update(prefill_tiling(_smem_target(override, target), kv_dtype, head_dim, override.get("m_tiles"),
-                                 override.get("tw"), lean, d256_x, d128_s, d256_w8, d128_lean))
+                                 override.get("tw"), lean, d256_x, d128_s, d256_w8, d128_lean, d128_pp))
     fields.update(override)
     return Sm80PrefillConfig(**fields)

@@ -19,6 +19,7 @@ from .sm80 import (
     PREFILL_D128_TW64,
     PREFILL_D128_TW64_TARGETS,
     PREFILL_D128_TW64S,
+    PREFILL_D128_TW64S_DEFAULT_TARGETS,
     PREFILL_D128_TW64S_TARGETS,
     PREFILL_D256_TW32X,
     PREFILL_M2_MAX_HEAD_DIM,
@@ -27,6 +28,7 @@ from .sm80 import (
     Sm80PrefillConfig,
     make_decode_config,
     make_prefill_config,
+    prefill_heads_first,
     prefill_tiling,
 )
 
@@ -82,9 +84,15 @@ def d128_tw64s_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
 
 
 def four_warp_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
-    """The four-warp 128-row form of a ``pingpong`` default (``warps_m=4, pingpong=False``: the
-    default before ``PREFILL_D128_PINGPONG``, two CTAs per SM, its ring unchanged)."""
-    return replace(config, warps_m=4, pingpong=False)
+    """The default before ``PREFILL_D128_PINGPONG`` of a ``pingpong`` default, four warps of 128
+    rows: where ``PREFILL_D128_TW64S`` is the default the same form in four warps
+    (``warps_m=4, pingpong=False``, two CTAs per SM, its ring unchanged); on sm_80 the 32-token CTA
+    with the lean softmax (``m_tiles=2, lean_softmax=True``)."""
+    if config.target in PREFILL_D128_TW64S_DEFAULT_TARGETS:
+        return replace(config, warps_m=4, pingpong=False)
+    tiling = prefill_tiling(config.target, config.kv_dtype, 128, 2, None, config.lean)
+    return replace(config, **{**tiling, "lean_softmax": True,
+                              "heads_first": prefill_heads_first(config.target, 128, 2, tiling["tw"], True)})
 
 
 def _d128_tw64s_registered(config: KernelConfig) -> bool:
@@ -164,18 +172,18 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     target's widening, scale tensors), prefill with an FP8 cache and the LSE (the 64-row default)
     and its 128-row override (16-token stages, unmeasured: asserted spill-free on every target);
     on SM80 also the bit-trick decode at D 64 / 256, a BF16 D 256 prefill and the lean BF16 D 128
-    prefill (its default with the lean softmax); on SM90 the shapes
+    prefill (its default: the ping-pong form); on SM90 the shapes
     SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a ring sized for
     99 KB (run on the H200 as the SM86 build's stand-in), an fp16 D 64 prefill, and old forms (the
     FP8 decode without ``ldsm_xor``, its split with the opt-in fused merge and with the opt-in
     ``kv_first`` (and the lean BF16 D 128 prefill with it), the 64-row BF16
     prefill, the 16-token D 256 prefill); the lean
-    128-row prefill with a BF16 cache on SM90 (``PREFILL_D128_TW64S``, the default there) and its
+    prefill with a BF16 cache on SM90 (``PREFILL_D128_TW64S`` in the ping-pong form, the default there) and its
     32-token form (the default before ``PREFILL_D128_TW64S``) with an FP8 cache on SM86; the
     head-dim-256 decode on SM120 (a BF16 split: 28 ``STL`` without ``ldsm_xor``); the lean BF16
     D 256 prefill on SM80 (``PREFILL_D256_W8``), SM90 (``PREFILL_D256_TW32X``, two CTAs per SM),
     SM86 and SM120 (99 KB; 255 registers there); the ``PREFILL_D128_TW64`` override of the lean BF16 D 128 prefill on sm_90a;
-    ``PREFILL_D128_TW64S`` (the default there) of the lean D 128 prefill with a BF16 cache on SM80
+    ``PREFILL_D128_TW64S`` (four warps; an override there) of the lean D 128 prefill with a BF16 cache on SM80
     and an FP8 cache on SM86."""
     shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
     out: list[KernelConfig] = []

@@ -37,13 +37,14 @@ def test_off_by_default_but_in_the_d128_lean_prefill_default_where_chosen(cls):
             tw64s = (cfg.kv_dtype in PREFILL_D128_TW64S_LEAN_KV_DTYPES and cfg.m_tiles == 2 and cfg.tw == 64
                      and cfg.stats_smem and prefill_d128_tw64s(cfg.target, cfg.kv_dtype, True)) if \
                 kid == "sm80.prefill" else False
-            chosen = kid == "sm80.prefill" and cfg.head_dim == 128 and cfg.lean and (tw32 or tw64s)
+            pingpong = getattr(cfg, "pingpong", False)
+            chosen = kid == "sm80.prefill" and cfg.head_dim == 128 and cfg.lean and (tw32 or tw64s or pingpong)
             assert cfg.lean_softmax == ("lean_softmax=True" in cfg.label()), cfg.label()
             if cfg.lean_softmax:
                 # the form without it: the grid its build keeps without spills (docs/design/sm80.md#the-grid-order)
-                rows_first = not prefill_heads_first(cfg.target, 128, 2, cfg.tw, False)
                 # (the ping-pong default's form without it: its four-warp form's, plans.sm80_matrix.four_warp_form)
-                base = four_warp_form(cfg) if getattr(cfg, "pingpong", False) else cfg
+                base = four_warp_form(cfg) if pingpong else cfg
+                rows_first = not prefill_heads_first(cfg.target, 128, 2, base.tw, False)
                 assert chosen and replace(base, lean_softmax=False, heads_first=not rows_first) in compile_variants(kid), \
                     cfg.label()
     for t in PREFILL_D128_LEAN_SOFTMAX_TARGETS:
@@ -87,6 +88,8 @@ def test_d128_tw64s_default_takes_the_lean_softmax_for_bf16_caches(target, kv):
         shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=128,
                      group=group, page_size=page, kv_layout=layout)
         cfg = make_prefill_config(**shape)
+        if cfg.pingpong:  # the ping-pong default (tests/cpu/test_sm80_pingpong.py): its form before
+            cfg = four_warp_form(cfg)
         tw64s = prefill_d128_tw64s(target, kv, True)
         assert cfg.stats_smem == tw64s
         want = target in PREFILL_D128_LEAN_SOFTMAX_TARGETS or (

@@ -14,9 +14,10 @@ from cute_kernels.plans.sm80 import (
     PREFILL_D128_PINGPONG,
     PREFILL_D128_PINGPONG_TARGETS,
     PREFILL_D128_TW64S,
+    PREFILL_D128_TW64S_DEFAULT_TARGETS,
     TARGETS,
     make_prefill_config,
-    prefill_d128_lean_softmax,
+    prefill_d128_pingpong,
     prefill_d128_tw64s,
 )
 from cute_kernels.plans.sm80_matrix import ci_variants, compile_variants, four_warp_form
@@ -31,29 +32,39 @@ def _cfg(target, kv="bf16", page=16, **extra):
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8_e4m3"])
 @pytest.mark.parametrize("page", [16, 32, 64, 128])
-def test_pingpong_is_the_default_exactly_where_the_64_token_form_is_lean(target, kv, page):
-    """Where PREFILL_D128_TW64S takes the lean softmax on a PREFILL_D128_PINGPONG_TARGETS target:
-    eight warps of 32 rows (256), two stages, one CTA that fits the target; elsewhere off."""
+def test_pingpong_is_the_default_exactly_where_chosen(target, kv, page):
+    """Lean BF16 variants on sm_90a at pages 16-64 (where PREFILL_D128_TW64S takes the lean
+    softmax) and on sm_80 at pages 16-32: the 64-token form with the lean softmax in eight warps of
+    32 rows (256), two stages, one CTA that fits the target; elsewhere off."""
     cfg = _cfg(target, kv, page)
-    rule = (target in PREFILL_D128_PINGPONG_TARGETS and prefill_d128_tw64s(target, kv, True)
-            and prefill_d128_lean_softmax(target, True, kv, page))
-    assert cfg.pingpong == rule
+    rule = prefill_d128_pingpong(target, True, kv, page)
+    assert rule == (kv == "bf16" and (target, page) in {("sm_90a", 16), ("sm_90a", 32), ("sm_90a", 64),
+                                                         ("sm_80", 16), ("sm_80", 32)})
+    assert cfg.pingpong == rule and (not rule or target in PREFILL_D128_PINGPONG_TARGETS)
     if rule:
         assert (cfg.warps_m, cfg.warps_n) == PINGPONG_WARPS and cfg.rows == 256 and cfg.stages == 2
-        assert cfg.lean_softmax and cfg.stats_smem and (cfg.m_tiles, cfg.tw) == (2, 64)
+        assert cfg.lean_softmax and cfg.stats_smem and cfg.gather_one_base and (cfg.m_tiles, cfg.tw) == (2, 64)
         assert cfg.smem_bytes() <= hw.max_smem_per_cta(target)
-        # the four-warp form: an override away, the default before (no pingpong in its label)
+        # the default before, four warps of 128 rows (no pingpong in its label), an override away:
+        # the same form on sm_90a, sm_80's 32-token CTA with the lean softmax
         four = four_warp_form(cfg)
-        assert four == _cfg(target, kv, page, warps_m=4, pingpong=False)
-        assert four.rows == 128 and "pingpong" not in four.label()
+        if target in PREFILL_D128_TW64S_DEFAULT_TARGETS:
+            assert prefill_d128_tw64s(target, kv, True)
+            assert four == _cfg(target, kv, page, warps_m=4, pingpong=False)
+        else:
+            assert four == _cfg(target, kv, page, m_tiles=2, lean_softmax=True, heads_first=True)
+            assert (four.tw, four.stats_smem) == (32, False)
+        assert four.rows == 128 and four.lean_softmax and "pingpong" not in four.label()
         assert 2 * four.smem_bytes() + 2 * hw.SMEM_RESERVED_PER_CTA <= hw.SMEM_PER_SM_OF[target]  # two per SM
+    # a ring sized for a 99 KB target keeps the four-warp forms
+    assert not _cfg(target, kv, page, smem_target="sm_86").pingpong
     for extra in (dict(write_lse=True), dict(causal=False), dict(kv_form="pair")):
         assert not _cfg(target, kv, page, **extra).pingpong  # non-lean variants keep their forms
 
 
 def test_registered_and_in_the_ci_set():
     """The compile matrix holds each ping-pong default with its four-warp form; the CI set compiles
-    the sm_90a one."""
+    the sm_90a one (and the compile tier the sm_80 one)."""
     variants = compile_variants("sm80.prefill")
     pingpong = [c for c in variants if c.pingpong]
     assert pingpong and all(four_warp_form(c) in variants for c in pingpong)
@@ -70,8 +81,9 @@ def test_pingpong_refusals_name_the_problem():
     with pytest.raises(ValueError, match="8x1 warps"):
         WarpTileAttention(D=128, q_dtype="bf16", kv_dtype="bf16", mma_dtype="bf16", widen_method="bits", warps_m=4,
                           warps_n=1, m_tiles=2, tw=64, q_regs=False, pingpong=True)
-    # the same override fits sm_80's 164 KB (an override there; sm_80's default is the 32-token form)
-    assert _cfg("sm_80", **PREFILL_D128_TW64S, **PREFILL_D128_PINGPONG).pingpong
+    # the same override fits sm_80's 164 KB at page 128, where sm_80's default is the 32-token form
+    assert _cfg("sm_80", page=128, **PREFILL_D128_TW64S, **PREFILL_D128_PINGPONG).pingpong
+    assert not _cfg("sm_80", page=128).pingpong
 
 
 def test_engine_of_the_default():

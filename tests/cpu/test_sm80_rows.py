@@ -36,6 +36,7 @@ from cute_kernels.plans.sm80_matrix import (
     compile_variants,
     d128_tw64_form,
     d256_tw32x_form,
+    four_warp_form,
     old_form,
     rows128_form,
 )
@@ -150,6 +151,8 @@ def test_128_row_tiling_per_target(target, kv, D):
         measured = target in PREFILL_M2_TW32_TARGETS and not extra
         tw64s = D == 128 and prefill_d128_tw64s(target, kv, not extra)
         cfg = make_prefill_config(**shape, **extra)
+        if cfg.pingpong:  # the ping-pong default (tests/cpu/test_sm80_pingpong.py): its form before
+            cfg = four_warp_form(cfg)
         m2 = make_prefill_config(**shape, **extra, m_tiles=2)
         # at D 128 the lean default adds the lean softmax where the plan says (PREFILL_D128_LEAN_SOFTMAX_TARGETS,
         # PREFILL_D128_TW64S with a BF16 cache: tests/cpu/test_sm80_lean_softmax.py)

@@ -46,7 +46,7 @@ NEW_FIELDS = ("stats_smem", "gather_one_base")
 
 
 def _four(cfg):
-    """A default in its four-warp form: the ping-pong default's four warps (test_sm80_pingpong.py)."""
+    """A default in its four-warp form: the ping-pong default's form before (test_sm80_pingpong.py)."""
     return four_warp_form(cfg) if cfg.pingpong else cfg
 
 
@@ -77,7 +77,7 @@ def test_tw64s_form_is_the_tw64_tiling_with_the_two_fields(target, kv, extra):
     registered exactly for the lean GQA-4 page-16 variant on its dtype's targets; the CI set holds
     the BF16 one on sm_80 (an override there), the FP8 one on sm_86 and the BF16 one on sm_90a (the
     defaults there, the last with the lean softmax)."""
-    default = make_prefill_config(**_shape(target, kv, **extra))
+    default = _four(make_prefill_config(**_shape(target, kv, **extra)))
     cfg = make_prefill_config(**_shape(target, kv, **extra), **PREFILL_D128_TW64S)
     tw64 = make_prefill_config(**_shape(target, kv, **extra), **PREFILL_D128_TW64)
     assert cfg == d128_tw64s_form(default) == d128_tw64s_form(tw64) != tw64
@@ -124,7 +124,7 @@ def test_d128_default_is_the_margin_form_exactly_where_spill_free(target, kv):
                                 k_scale_tensor=base.get("k_scale_tensor", False),
                                 v_scale_tensor=base.get("v_scale_tensor", False), kv_form=base.get("kv_form", "single"))
             assert lean == (not extra)
-            cfg = make_prefill_config(**base)
+            cfg = _four(make_prefill_config(**base))
             assert prefill_d128_tw64s(target, kv, lean) == (rule and lean)
             if rule and lean:
                 assert cfg.lean_softmax == prefill_d128_lean_softmax(target, lean, kv, shape["page_size"])
