@@ -19,6 +19,8 @@
 #               each checked against the reference, then timed (log tune_prefill.log, tune_prefill.json)
 #   smoke       a few decode split counts against the reference, in seconds
 #   sanitize    compute-sanitizer memcheck, racecheck, synccheck, initcheck of the decode/merge, QSA, glue drivers
+#   sanitize-sm80  compute-sanitizer memcheck, racecheck and synccheck of the portable prefill's D 128 forms
+#               (sanitize_sm80_prefill: the ping-pong default, its four-warp form, kv_first, the LSE)
 #   sanitize-cases  synccheck of the decode/merge driver one named case per process after a plain run
 #               (profiling/sanitize_cases.sh; a line per case, logs synccheck_sanitize_decode_CASE.log)
 #   bench       cute-kernels bench decode (uniform shapes, FP8 and BF16 with every installed peer), merge, layer, latency
@@ -107,6 +109,10 @@ for tier in "$@"; do
                   step 900 "${d}_$tool" "${SANITIZE[@]}" --tool "$tool" "${extra[@]}" "$PY" -m "profiling.$d"
                 done
               done ;;
+    sanitize-sm80) step 300 sanitize_sm80_plain "$PY" -m profiling.sanitize_sm80_prefill
+                   for tool in memcheck racecheck synccheck; do
+                     step 400 "${tool}_sm80_prefill" "${SANITIZE[@]}" --tool "$tool" "$PY" -m profiling.sanitize_sm80_prefill
+                   done ;;
     sanitize-cases) TAIL=40 step 1800 sanitize_cases env OUT="$OUT" PYTHON="$PY" bash profiling/sanitize_cases.sh \
                       synccheck profiling.sanitize_decode ;;
     bench) TAIL=40 step 420 decode_fp8 "${CK[@]}" bench decode --shapes ctx --kv fp8 --peers xqa,xqa_nopdl,fi,sdpa \

@@ -36,7 +36,7 @@ def test_runner_tiers_and_modules():
     readme = (LAB / "README.md").read_text()
     for tier in listed:
         assert f"| `{tier}` |" in readme, tier
-    for module in set(re.findall(r"-m profiling\.([a-z_]+)", run)):
+    for module in set(re.findall(r"-m profiling\.([a-z0-9_]+)", run)):
         assert module in SCRIPTS, module
     for what in set(re.findall(r"bench ([a-z]+) ", run)):
         from cute_kernels.bench import BENCHMARKS
