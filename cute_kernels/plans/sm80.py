@@ -443,7 +443,8 @@ class Sm80PrefillConfig(_Sm80Common):
             raise ValueError(f"stats_smem needs one token warp, not warps_n={self.warps_n}")
         if self.pingpong and (self.warps_m, self.warps_n) != PINGPONG_WARPS:
             raise ValueError(f"pingpong pairs warps w and w + 4 (one scheduler): it needs warps "
-                             f"{PINGPONG_WARPS[0]}x{PINGPONG_WARPS[1]}, not {self.warps_m}x{self.warps_n}")
+                             f"{PINGPONG_WARPS[0]}x{PINGPONG_WARPS[1]}, not {self.warps_m}x{self.warps_n} "
+                             f"(pingpong=False with other warps)")
         self._check_smem()
 
     @property
