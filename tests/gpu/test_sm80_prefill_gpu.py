@@ -5,7 +5,8 @@ of shared memory, and CUDA-graph replay; the plan's tilings (128-row CTAs up to 
 64-row ones; 32-token stages with one ldmatrix base at D 256) and the others, with and without the LSE, and
 the 64-token 128-row overrides at D 128 (with the row statistics in shared memory too), each with the opt-in
 lean softmax too, the opt-in ``kv_first`` on the base and lean default cases, and both grid orders
-(``heads_first`` or not) on the same cases, with many requests under a grid sized far past them and a
+(``heads_first`` or not) on the same cases, the eight-warp ping-pong form (the lean BF16 D 128 default on
+sm_90a and sm_80) as an override on the D 128 cases, with many requests under a grid sized far past them and a
 ``max_query_len`` past the heads-first grid's height. Runs on any SM80+ GPU (the H200 included): the op runs the
 portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
