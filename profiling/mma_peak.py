@@ -4,9 +4,10 @@ The portable prefill (``sm80.prefill``) and FlashInfer's fa2 both run on ``mma.s
 fp32 accumulation; on SM90 that is not the tensor cores' peak (WGMMA's is). This kernel measures
 the ceiling the two share: every warp keeps ``m_tiles x n_tiles`` independent accumulators and
 issues nothing but the MMAs of one register-resident A / B pair, ``iters`` times, with no shared
-memory, no softmax and no loads in the loop. Sweeping the warps per CTA (the CTAs per SM follow
-from the registers) shows how many warps per scheduler the pipe needs to be full; the attention
-kernels' TFLOP/s divided by this ceiling is the fraction of the pipe they use.
+memory, no softmax and no loads in the loop. Sweeping the four-warp CTAs launched per SM (one warp
+per scheduler each, as many resident as the registers allow) shows how many warps per scheduler
+the pipe needs to be full; the attention kernels' TFLOP/s divided by this ceiling is the fraction
+of the pipe they use.
 
 ``python -m profiling.mma_peak [--json PATH]`` (GPU only). docs/design/sm80.md#the-mma-ceiling.
 """

@@ -679,10 +679,11 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
                       PREFILL_D256_W8["stages"]) == PREFILL_D256_W8["stages"]:
             return dict(warps_n=1, **PREFILL_D256_W8, **no_margin, lean_softmax=False, heads_first=False,
                         pingpong=False)
-    pp_smem = smem_bytes(128, 2, PREFILL_D128_TW64S["tw"], PREFILL_D128_PINGPONG["stages"],
-                         16 * PREFILL_D128_TW64S["m_tiles"] * PINGPONG_WARPS[0], 1)
-    if (d128_pp and head_dim == 128 and m_tiles is None and tw is None and kv_dtype in PREFILL_D128_PINGPONG_KV_DTYPES
-            and pp_smem <= hw.max_smem_per_cta(target)):
+    pp = dict(warps_m=PINGPONG_WARPS[0], warps_n=PINGPONG_WARPS[1], m_tiles=PREFILL_D128_TW64S["m_tiles"],
+              tw=PREFILL_D128_TW64S["tw"])
+    if (d128_pp and head_dim == 128 and m_tiles is None and tw is None
+            and fit_stages(target, dict(kv_dtype=kv_dtype, head_dim=128, **pp), 1,
+                           PREFILL_D128_PINGPONG["stages"]) == PREFILL_D128_PINGPONG["stages"]):
         return dict(warps_n=1, m_tiles=PREFILL_D128_TW64S["m_tiles"], tw=PREFILL_D128_TW64S["tw"], q_regs=False,
                     ldsm_xor=True, **_D128_MARGIN, lean_softmax=True,
                     heads_first=prefill_heads_first(target, 128, 2, PREFILL_D128_TW64S["tw"], True),
