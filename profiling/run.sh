@@ -19,7 +19,7 @@
 #               each checked against the reference, then timed (log tune_prefill.log, tune_prefill.json)
 #   smoke       a few decode split counts against the reference, in seconds
 #   sanitize    compute-sanitizer memcheck, racecheck, synccheck, initcheck of the decode/merge, QSA, glue drivers
-#   sanitize-sm80  compute-sanitizer memcheck, racecheck and synccheck of the portable prefill's D 128 forms
+#   sanitize-sm80  compute-sanitizer memcheck, racecheck, synccheck and initcheck of the portable prefill's D 128 forms
 #               (sanitize_sm80_prefill: the ping-pong default, its four-warp form, kv_first, the LSE)
 #   sanitize-cases  synccheck of the decode/merge driver one named case per process after a plain run
 #               (profiling/sanitize_cases.sh; a line per case, logs synccheck_sanitize_decode_CASE.log)
@@ -110,7 +110,7 @@ for tier in "$@"; do
                 done
               done ;;
     sanitize-sm80) step 300 sanitize_sm80_plain "$PY" -m profiling.sanitize_sm80_prefill
-                   for tool in memcheck racecheck synccheck; do
+                   for tool in memcheck racecheck synccheck initcheck; do
                      step 400 "${tool}_sm80_prefill" "${SANITIZE[@]}" --tool "$tool" "$PY" -m profiling.sanitize_sm80_prefill
                    done ;;
     sanitize-cases) TAIL=40 step 1800 sanitize_cases env OUT="$OUT" PYTHON="$PY" bash profiling/sanitize_cases.sh \

@@ -20,10 +20,14 @@ from cute_kernels.plans.sm80 import PREFILL_D128_PINGPONG, PREFILL_D128_TW64S
 from cute_kernels.testing import make_paged_prefill_case, rel_err
 
 # name -> (tuning fields, return the LSE): the default (the ping-pong form on sm_90a with a BF16
-# cache), its four-warp form, with kv_first, and the ping-pong override with the scaled softmax and the LSE
+# cache), its four-warp form, its eight warps without the turns, the 99 KB targets' 128-row
+# ping-pong (a ring sized for sm_86), with kv_first, and the ping-pong override with the scaled
+# softmax and the LSE
 CASES = {
     "default": ({}, False),
     "four_warp": (dict(warps_m=4, pingpong=False), False),
+    "eight_warp": (dict(pingpong=False), False),
+    "pingpong16": (dict(smem_target="sm_86"), False),
     "kv_first": (dict(kv_first=True), False),
     "pingpong_lse": (dict(PREFILL_D128_TW64S, **PREFILL_D128_PINGPONG), True),
 }

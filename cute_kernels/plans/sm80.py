@@ -425,13 +425,17 @@ class Sm80PrefillConfig(_Sm80Common):
     longest row tiles of every KV head start first, instead of ``(row tiles, KV heads, requests)``
     (docs/design/sm80.md#the-grid-order). ``pingpong``: the two halves of an eight-warp CTA take
     turns at the tensor pipe, the second half's QK of a tile after the first's, so that one half's
-    softmax overlaps the other's MMAs (docs/design/sm80.md#ping-pong-warps)."""
+    softmax overlaps the other's MMAs (docs/design/sm80.md#ping-pong-warps). ``max_ctas_per_sm``
+    (a measurement knob, 0: off): the launch asks for enough shared memory that at most that many
+    CTAs share an SM of ``target``, so that a larger GPU runs a tiling at the occupancy of a target
+    with less shared memory (docs/design/sm80.md#ping-pong-in-99-kb)."""
 
     group: int = 4
     causal: bool = True
     write_lse: bool = False
     heads_first: bool = field(default=False, metadata=LABEL_IF_SET)
     pingpong: bool = field(default=False, metadata=LABEL_IF_SET)
+    max_ctas_per_sm: int = field(default=0, metadata=LABEL_IF_SET)
 
     kernel_id = "sm80.prefill"
 
@@ -445,7 +449,20 @@ class Sm80PrefillConfig(_Sm80Common):
             raise ValueError(f"pingpong pairs warps w and w + 4 (one scheduler): it needs warps "
                              f"{PINGPONG_WARPS[0]}x{PINGPONG_WARPS[1]}, not {self.warps_m}x{self.warps_n} "
                              f"(pingpong=False with other warps)")
+        if self.max_ctas_per_sm < 0:
+            raise ValueError(f"max_ctas_per_sm must be >= 0 (0: no cap), got {self.max_ctas_per_sm}")
         self._check_smem()
+        if self.launch_smem_bytes() > hw.max_smem_per_cta(self.target):
+            raise ValueError(f"max_ctas_per_sm={self.max_ctas_per_sm} needs {self.launch_smem_bytes()} bytes of "
+                             f"shared memory per CTA, more than {self.target}'s {hw.max_smem_per_cta(self.target)}")
+
+    def launch_smem_bytes(self) -> int:
+        """The dynamic shared memory the launch asks for: :meth:`smem_bytes`, raised under
+        ``max_ctas_per_sm`` to one byte past what ``max_ctas_per_sm + 1`` CTAs could share."""
+        if not self.max_ctas_per_sm:
+            return self.smem_bytes()
+        floor = hw.SMEM_PER_SM_OF[self.target] // (self.max_ctas_per_sm + 1) - hw.SMEM_RESERVED_PER_CTA + 1
+        return max(self.smem_bytes(), floor)
 
     @property
     def lean(self) -> bool:
@@ -574,6 +591,17 @@ PREFILL_D128_PINGPONG: dict[str, Any] = dict(warps_m=8, stages=2, pingpong=True)
 PREFILL_D128_PINGPONG_KV_DTYPES = ("bf16",)
 PREFILL_D128_PINGPONG_PAGE_SIZES: dict[str, tuple[int, ...]] = {"sm_80": (16, 32), "sm_90a": (16, 32, 64)}
 PREFILL_D128_PINGPONG_TARGETS = tuple(PREFILL_D128_PINGPONG_PAGE_SIZES)
+# and where the 256-row form does not fit the target's shared memory (the 99 KB targets, where every
+# D 128 form runs one CTA of four warps per SM): the same turns in 128 rows, eight warps of one 16-row
+# tile each with Q in registers, PREFILL_D128_TW64S's two 64-token stages (98 KB), the lean softmax,
+# one ldmatrix base per operand. Lean variants with a BF16 cache, pages 16-64: spill-free on every
+# target listed at every GQA swept (1-16, 20, 24, 32, 64), both layouts, 204-226 registers. On the
+# H200 with one CTA per SM (as on those targets): 1.03-1.07x sm_86's PREFILL_D128_TW64S on the long
+# rows, 1.22x at B16 S512 (docs/design/sm80.md#ping-pong-in-99-kb)
+PREFILL_D128_PINGPONG16: dict[str, Any] = dict(warps_m=8, m_tiles=1, tw=64, stages=2, pingpong=True, q_regs=True,
+                                               ldsm_xor=True)
+PREFILL_D128_PINGPONG16_TARGETS = ("sm_86", "sm_89", "sm_90a", "sm_120a", "sm_121a")
+PREFILL_D128_PINGPONG16_PAGE_SIZES = (16, 32, 64)
 # the fields PREFILL_D128_TW64S adds to the PREFILL_D128_TW64 tiling
 _D128_MARGIN = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}
 
@@ -624,6 +652,15 @@ def prefill_d128_pingpong(target: str, lean: bool, kv_dtype: str, page_size: int
         target, ())
 
 
+def prefill_d128_pingpong16(target: str, lean: bool, kv_dtype: str, page_size: int) -> bool:
+    """Whether the head-dim-128 default on compile target ``target`` is ``PREFILL_D128_PINGPONG16``
+    where the ring's shared memory cannot hold the 256-row ping-pong form: lean variants with a cache
+    dtype of ``PREFILL_D128_PINGPONG_KV_DTYPES`` at ``PREFILL_D128_PINGPONG16_PAGE_SIZES`` on
+    ``PREFILL_D128_PINGPONG16_TARGETS`` (a fact of the target's ptxas: spill-free at every GQA swept)."""
+    return (lean and kv_dtype in PREFILL_D128_PINGPONG_KV_DTYPES and page_size in PREFILL_D128_PINGPONG16_PAGE_SIZES
+            and target in PREFILL_D128_PINGPONG16_TARGETS)
+
+
 def prefill_d128_tw64s(target: str, kv_dtype: str, lean: bool) -> bool:
     """Whether the head-dim-128 default on compile target ``target`` is ``PREFILL_D128_TW64S``: for
     lean variants on ``PREFILL_D128_TW64S_DEFAULT_TARGETS`` wherever ptxas keeps it without spills
@@ -649,7 +686,7 @@ def prefill_heads_first(target: str, head_dim: int, m_tiles: int, tw: int, lean_
 
 def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | None = None, tw: int | None = None,
                    lean: bool = True, d256_x: bool = False, d128_s: bool = False, d256_w8: bool = False,
-                   d128_lean: bool = False, d128_pp: bool = False) -> dict:
+                   d128_lean: bool = False, d128_pp: bool = False, d128_pp16: bool = False) -> dict:
     """FA2-style prefill tiling on ``target``: four warps of ``m_tiles`` 16-row tiles each, each
     warp reading the whole stage; the deepest ring (2 or 3 stages) that lets two CTAs share an
     SM, else one. ``m_tiles``, ``tw``: the plan's unless given (the fit is for the given ones).
@@ -661,7 +698,10 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
     ``d128_lean``: :func:`prefill_d128_lean_softmax` of the variant (at D 128 with neither given:
     the lean softmax; every form with either given, and every other head dim, leaves it off).
     ``d128_pp``: :func:`prefill_d128_pingpong` of the variant (at D 128 with neither given, where
-    ``target``'s shared memory holds it: the ping-pong form).
+    ``target``'s shared memory holds it: the ping-pong form). ``d128_pp16``:
+    :func:`prefill_d128_pingpong16` of the variant (at D 128 with neither given, where the 256-row
+    ping-pong form does not fit ``target``'s shared memory and ``PREFILL_D128_PINGPONG16`` does:
+    that form).
 
     ``m_tiles=2`` (the default up to D 128 for ``lean`` variants on ``PREFILL_M2_TW32_TARGETS``,
     with 64-token stages where ``d128_s``): 128 rows per CTA. O takes 128 registers at D 128, so
@@ -688,6 +728,12 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
                     ldsm_xor=True, **_D128_MARGIN, lean_softmax=True,
                     heads_first=prefill_heads_first(target, 128, 2, PREFILL_D128_TW64S["tw"], True),
                     **PREFILL_D128_PINGPONG)
+    pp16 = {k: PREFILL_D128_PINGPONG16[k] for k in ("warps_m", "m_tiles", "tw")}
+    if (d128_pp16 and head_dim == 128 and m_tiles is None and tw is None
+            and fit_stages(target, dict(kv_dtype=kv_dtype, head_dim=128, warps_n=1, **pp16), 1,
+                           PREFILL_D128_PINGPONG16["stages"]) == PREFILL_D128_PINGPONG16["stages"]):
+        return dict(warps_n=1, **PREFILL_D128_PINGPONG16, **_D128_MARGIN, lean_softmax=True,
+                    heads_first=prefill_heads_first(target, 128, pp16["m_tiles"], pp16["tw"], True))
     m2_tw32 = lean and target in PREFILL_M2_TW32_TARGETS
     margin = d128_s and head_dim == 128 and m_tiles is None and tw is None
     if margin:
@@ -740,7 +786,8 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
     d256_w8 = head_dim == 256 and prefill_d256_w8(target, kv_dtype, lean)
     d128_lean = head_dim == 128 and prefill_d128_lean_softmax(target, lean, kv_dtype, page_size)
     d128_pp = head_dim == 128 and prefill_d128_pingpong(target, lean, kv_dtype, page_size)
+    d128_pp16 = head_dim == 128 and prefill_d128_pingpong16(target, lean, kv_dtype, page_size)
     fields.update(prefill_tiling(_smem_target(override, target), kv_dtype, head_dim, override.get("m_tiles"),
-                                 override.get("tw"), lean, d256_x, d128_s, d256_w8, d128_lean, d128_pp))
+                                 override.get("tw"), lean, d256_x, d128_s, d256_w8, d128_lean, d128_pp, d128_pp16))
     fields.update(override)
     return Sm80PrefillConfig(**fields)

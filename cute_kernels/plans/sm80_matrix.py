@@ -84,12 +84,15 @@ def d128_tw64s_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
 
 
 def four_warp_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
-    """The default before ``PREFILL_D128_PINGPONG`` of a ``pingpong`` default, four warps of 128
-    rows: where ``PREFILL_D128_TW64S`` is the default the same form in four warps
-    (``warps_m=4, pingpong=False``, two CTAs per SM, its ring unchanged); on sm_80 the 32-token CTA
-    with the lean softmax (``m_tiles=2, lean_softmax=True``)."""
+    """The default before ``PREFILL_D128_PINGPONG`` / ``PREFILL_D128_PINGPONG16`` of a ``pingpong``
+    default, four warps of 128 rows: where ``PREFILL_D128_TW64S`` is the default the same form in
+    four warps (``warps_m=4, pingpong=False``, two 16-row tiles per warp, its ring unchanged); on
+    sm_80 the 32-token CTA with the lean softmax (``m_tiles=2, lean_softmax=True``); on sm_120a /
+    sm_121a (``PREFILL_D128_PINGPONG16``) the 64-row CTA of :func:`old_form`."""
     if config.target in PREFILL_D128_TW64S_DEFAULT_TARGETS:
-        return replace(config, warps_m=4, pingpong=False)
+        return replace(config, warps_m=4, m_tiles=2, q_regs=False, pingpong=False)
+    if config.m_tiles == 1:
+        return old_form(config)
     tiling = prefill_tiling(config.target, config.kv_dtype, 128, 2, None, config.lean)
     return replace(config, **{**tiling, "lean_softmax": True,
                               "heads_first": prefill_heads_first(config.target, 128, 2, tiling["tw"], True)})
@@ -184,7 +187,8 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     D 256 prefill on SM80 (``PREFILL_D256_W8``), SM90 (``PREFILL_D256_TW32X``, two CTAs per SM),
     SM86 and SM120 (99 KB; 255 registers there); the ``PREFILL_D128_TW64`` override of the lean BF16 D 128 prefill on sm_90a;
     ``PREFILL_D128_TW64S`` (four warps; an override there) of the lean D 128 prefill with a BF16 cache on SM80
-    and an FP8 cache on SM86."""
+    and an FP8 cache on SM86; the lean BF16 D 128 prefill on SM86 and on SM90 with a ring sized for
+    sm_86 (``PREFILL_D128_PINGPONG16``, the 99 KB targets' default, and the H200's stand-in for it)."""
     shape: dict[str, Any] = dict(q_dtype="bf16", head_dim=128, page_size=16)
     out: list[KernelConfig] = []
     for t in TARGETS:
@@ -205,7 +209,9 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
             make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=4,
                                 page_size=16)]
     out += [make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, **shape),
-            make_prefill_config(target="sm_86", kv_dtype="fp8_e4m3", group=4, m_tiles=2, **shape)]
+            make_prefill_config(target="sm_86", kv_dtype="fp8_e4m3", group=4, m_tiles=2, **shape),
+            make_prefill_config(target="sm_86", kv_dtype="bf16", group=4, **shape),
+            make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, smem_target="sm_86", **shape)]
     out.append(make_decode_config(target="sm_120a", q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=8, q_len=1,
                                   page_size=16, split=True))
     out += [make_decode_config(target="sm_90a", kv_dtype="fp16", group=4, q_len=1, split=False, **shape),

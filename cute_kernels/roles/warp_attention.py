@@ -570,13 +570,16 @@ class WarpTileAttention:
             cute.arch.cp_async_commit_group()
             tile = tile_of(i)
             stage_base = kv_base + (i % stages) * stage_bytes
+            # pingpong: the second half meets the first half on PINGPONG_BARRIER once the first half's
+            # QK is issued. A rendezvous (both bar.sync), not an arrive: with bar.arrive racecheck
+            # reports the ring's ordered accesses as races (docs/design/sm80.md#under-compute-sanitizer)
             if const_expr(self.pingpong):
-                if wm >= self.warps_m // 2:  # the second half waits for the first half's QK
+                if wm >= self.warps_m // 2:
                     cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=self.threads)
             self.qk(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
             if const_expr(self.pingpong):
                 if wm < self.warps_m // 2:
-                    cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=self.threads)
+                    cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=self.threads)
             masked = (tile + 1) * self.tile > min_limit
             self.softmax(acc_s, acc_o, row_max, row_sum, row_scale, limits, tile * self.tile, masked, wn, lane,
                          stats)

@@ -56,8 +56,11 @@ class Sm80PagedPrefill:
         # heads_first: the op keeps m_blocks within the grid's y extent (plans.sm80.prefill_heads_first_max_q)
         grid = [num_kv_heads, m_blocks, mBlockTable.shape[0]] if const_expr(cfg.heads_first) else \
             [m_blocks, num_kv_heads, mBlockTable.shape[0]]
-        kernel.launch(grid=grid, block=[eng.threads, 1, 1], smem=self.storage.size_in_bytes(), stream=stream,
-                      use_pdl=cfg.pdl)
+        # max_ctas_per_sm: a launch padded to cap the CTAs per SM (docs/design/sm80.md#ping-pong-in-99-kb)
+        smem = self.storage.size_in_bytes()
+        if const_expr(cfg.max_ctas_per_sm > 0):
+            smem = max(smem, cfg.launch_smem_bytes())
+        kernel.launch(grid=grid, block=[eng.threads, 1, 1], smem=smem, stream=stream, use_pdl=cfg.pdl)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, num_pages: Int32, mBlockTable: cute.Tensor,

@@ -26,6 +26,7 @@ from cute_kernels.plans.sm80 import (
     make_prefill_config,
     mma_dtype,
     prefill_d128_pingpong,
+    prefill_d128_pingpong16,
     prefill_d128_tw64s,
     prefill_d256_w8,
 )
@@ -123,10 +124,13 @@ def test_every_target_gets_configs_within_its_shared_memory(target, kv, D):
     assert p.smem_bytes() <= hw.max_smem_per_cta(target)
     tw64s = D == 128 and prefill_d128_tw64s(target, kv, True)
     w8 = D == 256 and prefill_d256_w8(target, kv, True)
-    # and on sm_90a with a BF16 cache the eight-warp ping-pong form of 256 rows (PREFILL_D128_PINGPONG)
-    assert p.pingpong == (D == 128 and prefill_d128_pingpong(target, True, kv, 16))
-    assert p.rows == (256 if p.pingpong else 128 if (D <= 128 and (target in PREFILL_M2_TW32_TARGETS or tw64s))
-                      or w8 else 64)
+    # and on sm_80 / sm_90a with a BF16 cache the eight-warp ping-pong form of 256 rows
+    # (PREFILL_D128_PINGPONG), on the 99 KB targets its 128-row form of 16-row warps (PREFILL_D128_PINGPONG16)
+    pp256 = D == 128 and prefill_d128_pingpong(target, True, kv, 16)
+    pp128 = D == 128 and not pp256 and prefill_d128_pingpong16(target, True, kv, 16)
+    assert p.pingpong == (pp256 or pp128)
+    assert p.rows == (256 if pp256 else 128 if (D <= 128 and (target in PREFILL_M2_TW32_TARGETS or tw64s))
+                      or w8 or pp128 else 64)
     assert (p.tw == 64) == (tw64s or p.pingpong)
     lse = make_prefill_config(target=target, q_dtype="bf16", kv_dtype=kv, head_dim=D, group=4, page_size=16,
                               write_lse=True)

@@ -12,12 +12,15 @@ from cute_kernels.plans import hw
 from cute_kernels.plans.sm80 import (
     PINGPONG_WARPS,
     PREFILL_D128_PINGPONG,
+    PREFILL_D128_PINGPONG16,
+    PREFILL_D128_PINGPONG16_TARGETS,
     PREFILL_D128_PINGPONG_TARGETS,
     PREFILL_D128_TW64S,
     PREFILL_D128_TW64S_DEFAULT_TARGETS,
     TARGETS,
     make_prefill_config,
     prefill_d128_pingpong,
+    prefill_d128_pingpong16,
     prefill_d128_tw64s,
 )
 from cute_kernels.plans.sm80_matrix import ci_variants, compile_variants, four_warp_form
@@ -35,12 +38,17 @@ def _cfg(target, kv="bf16", page=16, **extra):
 def test_pingpong_is_the_default_exactly_where_chosen(target, kv, page):
     """Lean BF16 variants on sm_90a at pages 16-64 (where PREFILL_D128_TW64S takes the lean
     softmax) and on sm_80 at pages 16-32: the 64-token form with the lean softmax in eight warps of
-    32 rows (256), two stages, one CTA that fits the target; elsewhere off."""
+    32 rows (256), two stages, one CTA that fits the target. Where that form does not fit (the 99 KB
+    targets, and a ring sized for one), lean BF16 variants at pages 16-64 on the targets that build
+    it without spills: the same turns in eight warps of 16 rows (128, 98 KB). Elsewhere off."""
     cfg = _cfg(target, kv, page)
     rule = prefill_d128_pingpong(target, True, kv, page)
     assert rule == (kv == "bf16" and (target, page) in {("sm_90a", 16), ("sm_90a", 32), ("sm_90a", 64),
                                                          ("sm_80", 16), ("sm_80", 32)})
-    assert cfg.pingpong == rule and (not rule or target in PREFILL_D128_PINGPONG_TARGETS)
+    rule16 = prefill_d128_pingpong16(target, True, kv, page)
+    assert rule16 == (kv == "bf16" and page <= 64 and target in {"sm_86", "sm_89", "sm_90a", "sm_120a", "sm_121a"})
+    assert cfg.pingpong == (rule or (rule16 and hw.SMEM_PER_SM_OF[target] < 128 * 1024))
+    assert not cfg.pingpong or target in PREFILL_D128_PINGPONG_TARGETS + PREFILL_D128_PINGPONG16_TARGETS
     if rule:
         assert (cfg.warps_m, cfg.warps_n) == PINGPONG_WARPS and cfg.rows == 256 and cfg.stages == 2
         assert cfg.lean_softmax and cfg.stats_smem and cfg.gather_one_base and (cfg.m_tiles, cfg.tw) == (2, 64)
@@ -56,10 +64,30 @@ def test_pingpong_is_the_default_exactly_where_chosen(target, kv, page):
             assert (four.tw, four.stats_smem) == (32, False)
         assert four.rows == 128 and four.lean_softmax and "pingpong" not in four.label()
         assert 2 * four.smem_bytes() + 2 * hw.SMEM_RESERVED_PER_CTA <= hw.SMEM_PER_SM_OF[target]  # two per SM
-    # a ring sized for a 99 KB target keeps the four-warp forms
-    assert not _cfg(target, kv, page, smem_target="sm_86").pingpong
+    elif cfg.pingpong:
+        _check_pingpong16(cfg, target)
+        # the default before, an override away: the four-warp PREFILL_D128_TW64S form with the lean
+        # softmax on sm_86 / sm_89, the 64-row 32-token CTA on sm_120a / sm_121a
+        four = four_warp_form(cfg)
+        if target in PREFILL_D128_TW64S_DEFAULT_TARGETS:
+            assert four == _cfg(target, kv, page, **PREFILL_D128_TW64S, lean_softmax=True, heads_first=True)
+        else:
+            assert four == _cfg(target, kv, page, m_tiles=1, tw=32)
+        assert "pingpong" not in four.label() and four.warps_m == 4
+    # a ring sized for a 99 KB target: the 128-row form where the compile target builds it
+    s86 = _cfg(target, kv, page, smem_target="sm_86")
+    assert s86.pingpong == rule16
+    if rule16:
+        _check_pingpong16(s86, "sm_86")
     for extra in (dict(write_lse=True), dict(causal=False), dict(kv_form="pair")):
         assert not _cfg(target, kv, page, **extra).pingpong  # non-lean variants keep their forms
+
+
+def _check_pingpong16(cfg, smem_target):
+    assert (cfg.warps_m, cfg.warps_n) == PINGPONG_WARPS and cfg.rows == 128 and cfg.stages == 2
+    assert {k: getattr(cfg, k) for k in PREFILL_D128_PINGPONG16} == PREFILL_D128_PINGPONG16
+    assert cfg.lean_softmax and cfg.stats_smem and cfg.gather_one_base and cfg.heads_first
+    assert cfg.smem_bytes() <= hw.max_smem_per_cta(smem_target)
 
 
 def test_registered_and_in_the_ci_set():
@@ -68,7 +96,9 @@ def test_registered_and_in_the_ci_set():
     variants = compile_variants("sm80.prefill")
     pingpong = [c for c in variants if c.pingpong]
     assert pingpong and all(four_warp_form(c) in variants for c in pingpong)
-    assert _cfg("sm_90a") in ci_variants("sm80.prefill")
+    ci = ci_variants("sm80.prefill")
+    assert _cfg("sm_90a") in ci and _cfg("sm_86") in ci and _cfg("sm_90a", smem_target="sm_86") in ci
+    assert _cfg("sm_86").rows == 128 and _cfg("sm_86").pingpong
 
 
 def test_pingpong_refusals_name_the_problem():
@@ -94,21 +124,43 @@ def test_engine_of_the_default():
 
 
 @pytest.mark.compile
-def test_default_build_takes_turns_on_a_named_barrier():
-    """The sm_90a default's PTX: the second half waits (``bar.sync``) and the first half arrives
-    (``bar.arrive``) on PINGPONG_BARRIER for all 256 threads, once each per tile; SM80 instructions
-    only, 256 MMAs per 64-token stage per warp, no spills."""
+@pytest.mark.parametrize("target, hmma", [("sm_90a", 256), ("sm_86", 128)])
+def test_default_build_takes_turns_on_a_named_barrier(target, hmma):
+    """The sm_90a and sm_86 defaults' PTX: the two halves meet on PINGPONG_BARRIER for all 256
+    threads (a ``bar.sync`` each, the second half's before its QK, the first half's after; no
+    ``bar.arrive``, which racecheck cannot follow), once each per tile; SM80 instructions only, 256
+    MMAs per 64-token stage per warp of 32 rows (sm_90a), 128 per warp of 16 rows (sm_86), no
+    spills."""
     from cute_kernels.jit.compiler import compile_config
     from cute_kernels.jit.evidence import evidence_of
 
-    cfg = _cfg("sm_90a")
-    compiled = compile_config(cfg, "sm_90a", artifacts=True)
+    cfg = _cfg(target)
+    compiled = compile_config(cfg, target, artifacts=True)
     ptx = compiled.ptx or ""
-    assert len(re.findall(rf"bar\.sync\s+{PINGPONG_BARRIER}, 256;", ptx)) == 1
-    assert len(re.findall(rf"bar\.arrive\s+{PINGPONG_BARRIER}, 256;", ptx)) == 1
+    assert len(re.findall(rf"bar\.sync\s+{PINGPONG_BARRIER}, 256;", ptx)) == 2
+    assert "bar.arrive" not in ptx
     assert "wgmma" not in ptx and "cp.async.bulk" not in ptx
     ev = evidence_of(compiled)
     assert not ev.missing
     if compiled.sass is None:
         pytest.skip("no nvdisasm: the spill check needs SASS")
-    assert "STL" not in ev.sass and "LDL" not in ev.sass and ev.sass.get("HMMA") == 256
+    assert "STL" not in ev.sass and "LDL" not in ev.sass and ev.sass.get("HMMA") == hmma
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_max_ctas_per_sm_caps_the_occupancy_by_shared_memory(target, cap):
+    """The measurement knob pads the launch's shared memory so that ``cap`` CTAs fit an SM of the
+    target and ``cap + 1`` do not; off (0) it asks for the tiling's own bytes and leaves the label
+    (and so every registered digest) as it was."""
+    plain = _cfg(target, smem_target="sm_86")
+    assert plain.launch_smem_bytes() == plain.smem_bytes() and "max_ctas_per_sm" not in plain.label()
+    capped = _cfg(target, smem_target="sm_86", max_ctas_per_sm=cap)
+    per_sm, reserved = hw.SMEM_PER_SM_OF[target], hw.SMEM_RESERVED_PER_CTA
+    launch = capped.launch_smem_bytes()
+    assert launch >= capped.smem_bytes() and f"max_ctas_per_sm={cap}" in capped.label()
+    assert (cap + 1) * (launch + reserved) > per_sm
+    if launch > capped.smem_bytes():  # padded: exactly the cap fits
+        assert cap * (launch + reserved) <= per_sm
+    with pytest.raises(ValueError, match="max_ctas_per_sm must be >= 0"):
+        _cfg(target, max_ctas_per_sm=-1)

@@ -50,9 +50,9 @@ def _four(cfg):
     return four_warp_form(cfg) if cfg.pingpong else cfg
 
 
-def _shape(target, kv, **extra):
+def _shape(target, kv, page_size=16, **extra):
     return dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=128, group=4,
-                page_size=16, **extra)
+                page_size=page_size, **extra)
 
 
 def test_new_fields_default_off_and_out_of_every_existing_label():
@@ -146,12 +146,13 @@ def test_d128_default_is_the_margin_form_exactly_where_spill_free(target, kv):
 
 def test_d128_default_follows_the_compile_target():
     """The rule is a fact of the compile target's ptxas: sm_80 keeps the 32-token 128-row CTA
-    with a ring sized for sm_86; an sm_86 build sized for sm_80's shared memory is refused."""
+    with a ring sized for sm_86; an sm_86 build sized for sm_80's shared memory is refused (at
+    page 128, where sm_86's default is PREFILL_D128_TW64S: three stages sized for sm_80)."""
     on_80 = make_prefill_config(**_shape("sm_80", "bf16"), smem_target="sm_86")
     assert (on_80.m_tiles, on_80.tw, on_80.stats_smem) == (2, 32, False)
     # a ring sized for sm_80's 164 KB cannot launch on an SM86: the plan refuses it by name
     with pytest.raises(ValueError, match="more than sm_86's"):
-        make_prefill_config(**_shape("sm_86", "bf16"), smem_target="sm_80")
+        make_prefill_config(**_shape("sm_86", "bf16", page_size=128), smem_target="sm_80")
 
 
 def test_stats_smem_is_refused_where_it_cannot_hold():
@@ -212,4 +213,6 @@ def test_registered_tw64s_builds_do_not_spill(cfg):
     if compiled.sass is None:
         pytest.skip("no nvdisasm: the spill check needs SASS")
     assert "STL" not in ev.sass and "LDL" not in ev.sass, f"{cfg.label()}: {ev.sass}"
-    assert ev.sass.get("HMMA") == 256  # one 64-token stage of two 16-row tiles per warp: 4 x 64 MMAs
+    # one 64-token stage: 64 MMAs per 16-row tile for QK, 64 for PV; two tiles per warp but in the
+    # 16-row warps of PREFILL_D128_PINGPONG16
+    assert ev.sass.get("HMMA") == 128 * cfg.m_tiles

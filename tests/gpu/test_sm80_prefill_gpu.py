@@ -6,7 +6,8 @@ of shared memory, and CUDA-graph replay; the plan's tilings (128-row CTAs up to 
 the 64-token 128-row overrides at D 128 (with the row statistics in shared memory too), each with the opt-in
 lean softmax too, the opt-in ``kv_first`` on the base and lean default cases, and both grid orders
 (``heads_first`` or not) on the same cases, the eight-warp ping-pong form (the lean BF16 D 128 default on
-sm_90a and sm_80) as an override on the D 128 cases, with many requests under a grid sized far past them and a
+sm_90a and sm_80) as an override on the D 128 cases, its 128-row form of 16-row warps (the 99 KB targets'
+default) likewise, with many requests under a grid sized far past them and a
 ``max_query_len`` past the heads-first grid's height. Runs on any SM80+ GPU (the H200 included): the op runs the
 portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
@@ -19,7 +20,13 @@ import torch
 import cute_kernels
 from cute_kernels import reference
 from cute_kernels.ops.paged_prefill import tuning_override
-from cute_kernels.plans.sm80 import PREFILL_D128_TW64, PREFILL_D128_TW64S, PREFILL_D256_TW32X, PREFILL_D256_W8
+from cute_kernels.plans.sm80 import (
+    PREFILL_D128_PINGPONG16,
+    PREFILL_D128_TW64,
+    PREFILL_D128_TW64S,
+    PREFILL_D256_TW32X,
+    PREFILL_D256_W8,
+)
 from cute_kernels.testing import capture_graph, check_attention, make_paged_prefill_case, rel_err
 
 pytestmark = pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="needs SM80 or newer")
@@ -107,6 +114,12 @@ LEAN += [(*c[:-1], {**c[-1], "heads_first": False}) for c in LEAN if set(c[-1]) 
 PINGPONG = dict(D128S, warps_m=8, pingpong=True)
 CASES += [(*c[:-1], {**c[-1], **PINGPONG}) for c in D128_BASE if "smem_target" not in c[-1]]
 LEAN += [(*c[:-1], {**c[-1], **PINGPONG}) for c in LEAN if c[2] == 128 and not c[-1]]
+# the same turns in 128 rows, eight warps of one 16-row tile (PREFILL_D128_PINGPONG16: 98 KB, the lean
+# BF16 default up to page 64 on the 99 KB targets, and so of the lean case above with a ring sized for
+# sm_86), as an override on the same D 128 cases, the 99 KB ring included
+PINGPONG16 = dict(D128S, **PREFILL_D128_PINGPONG16)
+CASES += [(*c[:-1], {**c[-1], **PINGPONG16}) for c in D128_BASE]
+LEAN += [(*c[:-1], {**c[-1], **PINGPONG16}) for c in LEAN if c[2] == 128 and not c[-1]]
 
 
 def _ids(c):

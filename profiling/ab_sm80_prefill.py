@@ -1,0 +1,89 @@
+"""An interleaved A/B of portable-prefill tilings (``sm80.prefill`` forced with
+``backend="sm80"``) on the D 128 shapes of ``cute-kernels bench sm80 prefill``: each named tiling
+is compiled, checked against the reference where the batch is small enough, then timed (CUDA-graph
+medians) in alternating order, five rounds, so that clock drift falls on every tiling alike.
+
+``python -m profiling.ab_sm80_prefill --variants "a:smem_target=sm_86+max_ctas_per_sm=1;b:..." [--shapes S] [--json PATH]``
+
+The variant syntax is the benchmark's (``name:field=value+field=value;...``); ``plan`` (no field)
+is the plan's own tiling. ``max_ctas_per_sm=1`` runs a tiling at the occupancy of a target whose
+shared memory holds one CTA (docs/design/sm80.md#ping-pong-in-99-kb).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+import cute_kernels
+from cute_kernels import reference
+from cute_kernels.bench.sm80 import PAGE, PREFILL_SHAPES, _causal_flops, parse_named_variants
+from cute_kernels.bench.timing import bench_setup, time_graph
+from cute_kernels.ops.paged_prefill import tuning_override
+from cute_kernels.testing import make_paged_prefill_case, rel_err
+
+ROUNDS = 5
+CHECK_MAX_ROWS = 4096  # the reference runs where the batch has at most this many query tokens
+
+
+def run(variants: dict[str, dict], shapes: str | None) -> list[dict]:
+    _, g = bench_setup()
+    wanted = [s.strip() for s in shapes.split(",")] if shapes else None
+    rows = []
+    for name, Hq, Hkv, D, B, q_len, prefix in PREFILL_SHAPES:
+        if D != 128 or (wanted and not any(w in name for w in wanted)):
+            continue
+        c = make_paged_prefill_case(reqs=[(prefix, q_len)] * B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                                    page_size=PAGE, generator=g, poison_tail=False)
+        qsl = c.query_start_loc
+        ref = (reference.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl)
+               if B * q_len <= CHECK_MAX_ROWS else None)
+        outs = {k: torch.full_like(c.q, float("nan")) for k in variants}
+
+        def call(k):
+            def fn():
+                with tuning_override(backend="sm80", **variants[k]):
+                    cute_kernels.paged_prefill(c.q, c.kv_cache, c.block_table, c.seq_lens, qsl, max_query_len=q_len,
+                                               out=outs[k])
+            return fn
+
+        fns = {k: call(k) for k in variants}
+        row: dict = dict(shape=name)
+        for k, fn in fns.items():
+            fn()
+            torch.cuda.synchronize()
+            if ref is not None:
+                row[k + "_err"] = rel_err(outs[k].float(), ref.float())  # NaN where a row was never written
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        order = list(variants)
+        for r in range(ROUNDS):
+            for k in (order if r % 2 == 0 else order[::-1]):
+                times[k].append(time_graph(fns[k], reps=3, rounds=5))
+        flops = _causal_flops([q_len] * B, [prefix] * B, Hq, D)
+        for k in variants:
+            row[k + "_tflops"] = round(flops / statistics.median(times[k]) / 1e12, 1)
+        first = order[0]
+        for k in order[1:]:
+            row[f"{k}_over_{first}"] = round(row[k + "_tflops"] / row[first + "_tflops"], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", required=True, help="name:field=value+...;... (the first is the baseline)")
+    p.add_argument("--shapes", default=None, help="comma-separated substrings of the D 128 shape names")
+    p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    args = p.parse_args()
+    rows = run(parse_named_variants(args.variants), args.shapes)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
