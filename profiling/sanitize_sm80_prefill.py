@@ -54,6 +54,7 @@ def run(only: str | None = None) -> None:
         if not (err < 5e-3):  # NaN fails too
             raise SystemExit(f"{name}: relative error {err}")
         print(f"case {name}: ok ({err:.2e})", flush=True)
+    print("sanitize run finished")
 
 
 def main() -> None:

@@ -92,7 +92,9 @@ def four_warp_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
     if config.target in PREFILL_D128_TW64S_DEFAULT_TARGETS:
         return replace(config, warps_m=4, m_tiles=2, q_regs=False, pingpong=False)
     if config.m_tiles == 1:
-        return old_form(config)
+        before = old_form(config)
+        assert isinstance(before, Sm80PrefillConfig)
+        return before
     tiling = prefill_tiling(config.target, config.kv_dtype, 128, 2, None, config.lean)
     return replace(config, **{**tiling, "lean_softmax": True,
                               "heads_first": prefill_heads_first(config.target, 128, 2, tiling["tw"], True)})

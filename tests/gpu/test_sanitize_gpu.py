@@ -2,7 +2,8 @@
 kernel family, on small shapes with every kind of invalid input (docs/design/testing.md#sanitizer).
 
 Each driver under ``profiling/`` (decode and merge, QSA with its pre-passes and merge, the layer
-glue, the SM90 prefill's smoke cases per kind) first runs plainly (so its variants compile into the
+glue, the SM90 prefill's smoke cases per kind, the portable prefill's D 128 forms with the
+ping-pong turns) first runs plainly (so its variants compile into the
 disk cache outside the sanitizer), then once under each tool; a run passes when it finishes and the
 tool's summary reports no error. synccheck runs the decode driver one named case per process
 (``--case NAME``, ``CUDA_LAUNCH_BLOCKING=1``), so a failing case leaves the others' verdicts
@@ -39,6 +40,7 @@ DRIVERS = {
     "decode": ("sanitize_decode", [], "sanitize run finished"),
     "qsa": ("sanitize_qsa", [], "sanitize run finished"),
     "glue": ("sanitize_glue", [], "sanitize run finished"),
+    "sm80-prefill": ("sanitize_sm80_prefill", [], "sanitize run finished"),
     "prefill-16": ("smoke_prefill", ["--only", "q_dtype=bf16,kv_dtype=bf16"], "smoke ok"),
     "prefill-widen": ("smoke_prefill", ["--only", "q_dtype=bf16,kv_dtype=fp8"], "smoke ok"),
     "prefill-fp8q": ("smoke_prefill", ["--only", "q_dtype=fp8"], "smoke ok"),
