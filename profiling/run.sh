@@ -20,7 +20,8 @@
 #   smoke       a few decode split counts against the reference, in seconds
 #   sanitize    compute-sanitizer memcheck, racecheck, synccheck, initcheck of the decode/merge, QSA, glue drivers
 #   sanitize-sm80  compute-sanitizer memcheck, racecheck, synccheck and initcheck of the portable prefill's D 128 forms
-#               (sanitize_sm80_prefill: the ping-pong default, its four-warp form, kv_first, the LSE)
+#               (sanitize_sm80_prefill: the ping-pong default, its four-warp form, eight warps without turns, the
+#               99 KB targets' 128-row ping-pong, kv_first, the LSE)
 #   sanitize-cases  synccheck of the decode/merge driver one named case per process after a plain run
 #               (profiling/sanitize_cases.sh; a line per case, logs synccheck_sanitize_decode_CASE.log)
 #   bench       cute-kernels bench decode (uniform shapes, FP8 and BF16 with every installed peer), merge, layer, latency

@@ -91,10 +91,8 @@ def four_warp_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
     sm_121a (``PREFILL_D128_PINGPONG16``) the 64-row CTA of :func:`old_form`."""
     if config.target in PREFILL_D128_TW64S_DEFAULT_TARGETS:
         return replace(config, warps_m=4, m_tiles=2, q_regs=False, pingpong=False)
-    if config.m_tiles == 1:
-        before = old_form(config)
-        assert isinstance(before, Sm80PrefillConfig)
-        return before
+    if config.m_tiles == 1:  # old_form's 64-row CTA
+        return replace(config, **prefill_tiling(config.target, config.kv_dtype, 128, 1, 32))
     tiling = prefill_tiling(config.target, config.kv_dtype, 128, 2, None, config.lean)
     return replace(config, **{**tiling, "lean_softmax": True,
                               "heads_first": prefill_heads_first(config.target, 128, 2, tiling["tw"], True)})
