@@ -591,14 +591,16 @@ PREFILL_D128_PINGPONG_TARGETS = tuple(PREFILL_D128_PINGPONG_PAGE_SIZES)
 # and where the 256-row form does not fit the target's shared memory (the 99 KB targets, where every
 # D 128 form runs one CTA of four warps per SM): the same turns in 128 rows, eight warps of one 16-row
 # tile each with Q in registers, PREFILL_D128_TW64S's two 64-token stages (98 KB), the lean softmax,
-# one ldmatrix base per operand. Lean variants with a BF16 cache, pages 16-64: spill-free on every
-# target listed at every GQA swept (1-16, 20, 24, 32, 64), both layouts, 205-226 registers. On the
-# H200 with one CTA per SM (as on those targets): 1.03-1.07x sm_86's PREFILL_D128_TW64S on the long
-# rows, 1.22x at B16 S512 (docs/design/sm80.md#ping-pong-in-99-kb)
+# one ldmatrix base per operand. Lean variants, every cache dtype, pages 16-128: spill-free on every
+# target listed at every GQA swept, both layouts. On the H200 with one CTA per SM (as on those
+# targets), against sm_86's D 128 default: BF16 1.03-1.07x on the long rows, 1.22x at B16 S512;
+# FP16 1.05-1.07x, 1.20x; FP8 1.14-1.15x, 1.24x; BF16 at page 128 1.01-1.03x, 1.18x
+# (docs/design/sm80.md#ping-pong-in-99-kb)
 PREFILL_D128_PINGPONG16: dict[str, Any] = dict(warps_m=8, m_tiles=1, tw=64, stages=2, pingpong=True, q_regs=True,
                                                ldsm_xor=True)
 PREFILL_D128_PINGPONG16_TARGETS = ("sm_86", "sm_89", "sm_90a", "sm_120a", "sm_121a")
-PREFILL_D128_PINGPONG16_PAGE_SIZES = (16, 32, 64)
+PREFILL_D128_PINGPONG16_KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+PREFILL_D128_PINGPONG16_PAGE_SIZES = (16, 32, 64, 128)
 # the fields PREFILL_D128_TW64S adds to the PREFILL_D128_TW64 tiling
 _D128_MARGIN = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}
 
@@ -651,10 +653,11 @@ def prefill_d128_pingpong(target: str, lean: bool, kv_dtype: str, page_size: int
 
 def prefill_d128_pingpong16(target: str, lean: bool, kv_dtype: str, page_size: int) -> bool:
     """Whether the head-dim-128 default on compile target ``target`` is ``PREFILL_D128_PINGPONG16``
-    where the ring's shared memory cannot hold the 256-row ping-pong form: lean variants with a cache
-    dtype of ``PREFILL_D128_PINGPONG_KV_DTYPES`` at ``PREFILL_D128_PINGPONG16_PAGE_SIZES`` on
-    ``PREFILL_D128_PINGPONG16_TARGETS`` (a fact of the target's ptxas: spill-free at every GQA swept)."""
-    return (lean and kv_dtype in PREFILL_D128_PINGPONG_KV_DTYPES and page_size in PREFILL_D128_PINGPONG16_PAGE_SIZES
+    where the ring's shared memory cannot hold the 256-row ping-pong form (:func:`prefill_tiling`
+    checks that): lean variants with a cache dtype of ``PREFILL_D128_PINGPONG16_KV_DTYPES`` at
+    ``PREFILL_D128_PINGPONG16_PAGE_SIZES`` on ``PREFILL_D128_PINGPONG16_TARGETS`` (a fact of the
+    target's ptxas: spill-free at every GQA swept)."""
+    return (lean and kv_dtype in PREFILL_D128_PINGPONG16_KV_DTYPES and page_size in PREFILL_D128_PINGPONG16_PAGE_SIZES
             and target in PREFILL_D128_PINGPONG16_TARGETS)
 
 
@@ -716,16 +719,23 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
                       PREFILL_D256_W8["stages"]) == PREFILL_D256_W8["stages"]:
             return dict(warps_n=1, **PREFILL_D256_W8, **no_margin, lean_softmax=False, heads_first=False,
                         pingpong=False)
-    # the ping-pong forms, the 256-row one first where the target's shared memory holds it
+    # the ping-pong forms: the 256-row one where the target's shared memory holds it, else the 128-row
+    # one (where two four-warp CTAs share an SM, they beat it: docs/design/sm80.md#ping-pong-in-99-kb)
     pp256 = dict(m_tiles=PREFILL_D128_TW64S["m_tiles"], tw=PREFILL_D128_TW64S["tw"], q_regs=False, ldsm_xor=True,
                  **PREFILL_D128_PINGPONG)
-    for chosen, form in ((d128_pp, pp256), (d128_pp16, PREFILL_D128_PINGPONG16)):
+
+    def holds(form) -> bool:
         shape = {k: form[k] for k in ("warps_m", "m_tiles", "tw")}
-        if (chosen and head_dim == 128 and m_tiles is None and tw is None
-                and fit_stages(target, dict(kv_dtype=kv_dtype, head_dim=128, warps_n=1, **shape), 1,
-                               form["stages"]) == form["stages"]):
-            return dict(warps_n=1, **form, **_D128_MARGIN, lean_softmax=True,
-                        heads_first=prefill_heads_first(target, 128, form["m_tiles"], form["tw"], True))
+        return fit_stages(target, dict(kv_dtype=kv_dtype, head_dim=128, warps_n=1, **shape), 1,
+                          form["stages"]) == form["stages"]
+
+    if head_dim == 128 and m_tiles is None and tw is None and (d128_pp or d128_pp16):
+        pp256_fits = holds(pp256)
+        for chosen, form in ((d128_pp and pp256_fits, pp256),
+                             (d128_pp16 and not pp256_fits and holds(PREFILL_D128_PINGPONG16), PREFILL_D128_PINGPONG16)):
+            if chosen:
+                return dict(warps_n=1, **form, **_D128_MARGIN, lean_softmax=True,
+                            heads_first=prefill_heads_first(target, 128, form["m_tiles"], form["tw"], True))
     m2_tw32 = lean and target in PREFILL_M2_TW32_TARGETS
     margin = d128_s and head_dim == 128 and m_tiles is None and tw is None
     if margin:

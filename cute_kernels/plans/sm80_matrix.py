@@ -28,6 +28,8 @@ from .sm80 import (
     Sm80PrefillConfig,
     make_decode_config,
     make_prefill_config,
+    prefill_d128_lean_softmax,
+    prefill_d128_tw64s,
     prefill_heads_first,
     prefill_tiling,
 )
@@ -85,17 +87,17 @@ def d128_tw64s_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
 
 def four_warp_form(config: Sm80PrefillConfig) -> Sm80PrefillConfig:
     """The default before ``PREFILL_D128_PINGPONG`` / ``PREFILL_D128_PINGPONG16`` of a ``pingpong``
-    default, four warps of 128 rows: where ``PREFILL_D128_TW64S`` is the default the same form in
-    four warps (``warps_m=4, pingpong=False``, two 16-row tiles per warp, its ring unchanged); on
-    sm_80 the 32-token CTA with the lean softmax (``m_tiles=2, lean_softmax=True``); on sm_120a /
-    sm_121a (``PREFILL_D128_PINGPONG16``) the 64-row CTA of :func:`old_form`."""
-    if config.target in PREFILL_D128_TW64S_DEFAULT_TARGETS:
-        return replace(config, warps_m=4, m_tiles=2, q_regs=False, pingpong=False)
-    if config.m_tiles == 1:  # old_form's 64-row CTA
-        return replace(config, **prefill_tiling(config.target, config.kv_dtype, 128, 1, 32))
-    tiling = prefill_tiling(config.target, config.kv_dtype, 128, 2, None, config.lean)
-    return replace(config, **{**tiling, "lean_softmax": True,
-                              "heads_first": prefill_heads_first(config.target, 128, 2, tiling["tw"], True)})
+    default: the plan's D 128 tiling with the ping-pong forms left out (``PREFILL_D128_TW64S`` in
+    four warps where it is the default, its softmax and ring as that default has them; on sm_80 the
+    32-token CTA with the lean softmax; on sm_120a / sm_121a the 64-row CTA). The ring is sized as
+    the ping-pong default's was: a 128-row ping-pong default on sm_90a exists only with a ring sized
+    for a 99 KB target."""
+    smem = "sm_86" if config.target == "sm_90a" and config.m_tiles == 1 else config.target
+    lean = config.lean
+    tiling = prefill_tiling(smem, config.kv_dtype, 128, lean=lean,
+                            d128_s=prefill_d128_tw64s(config.target, config.kv_dtype, lean),
+                            d128_lean=prefill_d128_lean_softmax(config.target, lean, config.kv_dtype, config.page_size))
+    return replace(config, **tiling)
 
 
 def _d128_tw64s_registered(config: KernelConfig) -> bool:

@@ -25,7 +25,9 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import warp
+from cutlass.cutlass_dsl import dsl_user_op
 
 from ..jit.dtypes import cute_dtype
 from .cp_async_pages import PagedKVGather, swizzle, swizzle_period
@@ -43,6 +45,15 @@ LOG2E = math.log2(math.e)
 # the named barrier of pingpong's turns (0 is the CTA's)
 PINGPONG_BARRIER = 1
 FP16_TARGET_LOG2 = 14  # a row's largest |q| is scaled to [2^13, 2^16) for an fp16 MMA
+
+
+@dsl_user_op
+def turn_barrier(barrier_id: int, threads: int, *, loc=None, ip=None):
+    """``barrier.cta.sync`` without ``.aligned``: the two halves reach the named barrier at two
+    different instructions, which the aligned form (``bar.sync``) leaves undefined; synccheck reports
+    it as divergent threads (docs/design/sm80.md#under-compute-sanitizer)."""
+    nvvm.barrier_cta_sync(Int32(barrier_id).ir_value(loc=loc, ip=ip), thread_count=Int32(threads).ir_value(loc=loc, ip=ip),
+                          aligned=False, loc=loc, ip=ip)
 
 
 class RowsOnDemand:
@@ -571,15 +582,16 @@ class WarpTileAttention:
             tile = tile_of(i)
             stage_base = kv_base + (i % stages) * stage_bytes
             # pingpong: the second half meets the first half on PINGPONG_BARRIER once the first half's
-            # QK is issued. A rendezvous (both bar.sync), not an arrive: with bar.arrive racecheck
-            # reports the ring's ordered accesses as races (docs/design/sm80.md#under-compute-sanitizer)
+            # QK is issued. A rendezvous of two unaligned syncs: with an arrive racecheck reports the
+            # ring's ordered accesses as races, and the aligned sync at two instructions is undefined
+            # (docs/design/sm80.md#under-compute-sanitizer)
             if const_expr(self.pingpong):
                 if wm >= self.warps_m // 2:
-                    cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=self.threads)
+                    turn_barrier(PINGPONG_BARRIER, self.threads)
             self.qk(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
             if const_expr(self.pingpong):
                 if wm < self.warps_m // 2:
-                    cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=self.threads)
+                    turn_barrier(PINGPONG_BARRIER, self.threads)
             masked = (tile + 1) * self.tile > min_limit
             self.softmax(acc_s, acc_o, row_max, row_sum, row_scale, limits, tile * self.tile, masked, wn, lane,
                          stats)

@@ -39,14 +39,16 @@ def test_pingpong_is_the_default_exactly_where_chosen(target, kv, page):
     """Lean BF16 variants on sm_90a at pages 16-64 (where PREFILL_D128_TW64S takes the lean
     softmax) and on sm_80 at pages 16-32: the 64-token form with the lean softmax in eight warps of
     32 rows (256), two stages, one CTA that fits the target. Where that form does not fit (the 99 KB
-    targets, and a ring sized for one), lean BF16 variants at pages 16-64 on the targets that build
-    it without spills: the same turns in eight warps of 16 rows (128, 98 KB). Elsewhere off."""
+    targets, and a ring sized for one), lean variants of every cache dtype at pages 16-128 on the
+    targets that build it without spills: the same turns in eight warps of 16 rows (128, 98 KB).
+    Elsewhere off: with a target's full shared memory (sm_80, sm_90a) FP16, FP8 and page 128 keep
+    their four-warp forms."""
     cfg = _cfg(target, kv, page)
     rule = prefill_d128_pingpong(target, True, kv, page)
     assert rule == (kv == "bf16" and (target, page) in {("sm_90a", 16), ("sm_90a", 32), ("sm_90a", 64),
                                                          ("sm_80", 16), ("sm_80", 32)})
     rule16 = prefill_d128_pingpong16(target, True, kv, page)
-    assert rule16 == (kv == "bf16" and page <= 64 and target in {"sm_86", "sm_89", "sm_90a", "sm_120a", "sm_121a"})
+    assert rule16 == (target in {"sm_86", "sm_89", "sm_90a", "sm_120a", "sm_121a"})
     assert cfg.pingpong == (rule or (rule16 and hw.SMEM_PER_SM_OF[target] < 128 * 1024))
     assert not cfg.pingpong or target in PREFILL_D128_PINGPONG_TARGETS + PREFILL_D128_PINGPONG16_TARGETS
     if rule:
@@ -66,11 +68,14 @@ def test_pingpong_is_the_default_exactly_where_chosen(target, kv, page):
         assert 2 * four.smem_bytes() + 2 * hw.SMEM_RESERVED_PER_CTA <= hw.SMEM_PER_SM_OF[target]  # two per SM
     elif cfg.pingpong:
         _check_pingpong16(cfg, target)
-        # the default before, an override away: the four-warp PREFILL_D128_TW64S form with the lean
-        # softmax on sm_86 / sm_89, the 64-row 32-token CTA on sm_120a / sm_121a
+        # the default before, an override away: the four-warp PREFILL_D128_TW64S form on sm_86 /
+        # sm_89 (the lean softmax for BF16 at pages 16-64; FP8's three-stage ring), the 64-row
+        # 32-token CTA on sm_120a / sm_121a
         four = four_warp_form(cfg)
         if target in PREFILL_D128_TW64S_DEFAULT_TARGETS:
-            assert four == _cfg(target, kv, page, **PREFILL_D128_TW64S, lean_softmax=True, heads_first=True)
+            lean16 = kv == "bf16" and page <= 64
+            assert four == _cfg(target, kv, page, **PREFILL_D128_TW64S, lean_softmax=lean16, heads_first=True,
+                                stages=3 if kv == "fp8_e4m3" else 2)
         else:
             assert four == _cfg(target, kv, page, m_tiles=1, tw=32)
         assert "pingpong" not in four.label() and four.warps_m == 4
