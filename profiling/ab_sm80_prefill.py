@@ -8,7 +8,9 @@ medians) in alternating order, five rounds, so that clock drift falls on every t
 
 The variant syntax is the benchmark's (``name:field=value+field=value;...``); ``plan`` (no field)
 is the plan's own tiling. ``max_ctas_per_sm=1`` runs a tiling at the occupancy of a target whose
-shared memory holds one CTA (docs/design/sm80.md#ping-pong-in-99-kb).
+shared memory holds one CTA (docs/design/sm80.md#ping-pong-in-99-kb). ``rr:ring_release=true``: the
+ping-pong default with its stages released at the turns instead of a CTA barrier per tile
+(docs/design/sm80.md#ping-pong-warps).
 """
 
 from __future__ import annotations

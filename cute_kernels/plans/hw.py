@@ -42,6 +42,8 @@ SMEM_PER_SM_OF = {
 FP8_CVT_TARGETS = tuple(t for t in ALL_TARGETS if t not in ("sm_80", "sm_86"))
 # programmatic dependent launch (griddepcontrol) exists from SM90 on
 PDL_TARGETS = tuple(t for t in ALL_TARGETS if t not in ("sm_80", "sm_86", "sm_89"))
+# mbarrier.try_wait (a wait that may suspend the thread) exists from SM90 on; before, test_wait polls
+MBARRIER_TRY_WAIT_TARGETS = tuple(t for t in ALL_TARGETS if t not in ("sm_80", "sm_86", "sm_89"))
 
 
 def max_smem_per_cta(target: str) -> int:

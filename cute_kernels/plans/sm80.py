@@ -428,7 +428,9 @@ class Sm80PrefillConfig(_Sm80Common):
     softmax overlaps the other's MMAs (docs/design/sm80.md#ping-pong-warps). ``max_ctas_per_sm``
     (a measurement knob, 0: off): the launch asks for enough shared memory that at most that many
     CTAs share an SM of ``target``, so that a larger GPU runs a tiling at the occupancy of a target
-    with less shared memory (docs/design/sm80.md#ping-pong-in-99-kb)."""
+    with less shared memory (docs/design/sm80.md#ping-pong-in-99-kb). ``ring_release`` (opt-in, ``pingpong``
+    only): each stage's copies tracked by an mbarrier, not a CTA barrier per tile, so that only the turns
+    pace the halves and one half's QK may overlap the other's PV (docs/design/sm80.md#ping-pong-warps)."""
 
     group: int = 4
     causal: bool = True
@@ -436,6 +438,7 @@ class Sm80PrefillConfig(_Sm80Common):
     heads_first: bool = field(default=False, metadata=LABEL_IF_SET)
     pingpong: bool = field(default=False, metadata=LABEL_IF_SET)
     max_ctas_per_sm: int = field(default=0, metadata=LABEL_IF_SET)
+    ring_release: bool = field(default=False, metadata=LABEL_IF_SET)
 
     kernel_id = "sm80.prefill"
 
@@ -449,9 +452,19 @@ class Sm80PrefillConfig(_Sm80Common):
             raise ValueError(f"pingpong pairs warps w and w + 4 (one scheduler): it needs warps "
                              f"{PINGPONG_WARPS[0]}x{PINGPONG_WARPS[1]}, not {self.warps_m}x{self.warps_n} "
                              f"(pingpong=False with other warps)")
+        if self.ring_release and not (self.pingpong and self.stages == RING_RELEASE_STAGES):
+            raise ValueError(f"ring_release frees a stage at the ping-pong turn: it needs pingpong=True and "
+                             f"stages={RING_RELEASE_STAGES}, not pingpong={self.pingpong}, stages={self.stages}")
         if self.max_ctas_per_sm < 0:
             raise ValueError(f"max_ctas_per_sm must be >= 0 (0: no cap), got {self.max_ctas_per_sm}")
         self._check_smem()  # the padding under max_ctas_per_sm (>= 1) stays below half the SM's
+
+    def smem_bytes(self) -> int:  # under ring_release with the stages' mbarriers after the rest
+        return super().smem_bytes() + (RING_RELEASE_STAGES * 8 if self.ring_release else 0)
+
+    @property
+    def ring_suspend(self) -> bool:  # ring_release's wait may suspend the thread (mbarrier.try_wait)
+        return self.target in hw.MBARRIER_TRY_WAIT_TARGETS
 
     def launch_smem_bytes(self) -> int:
         """The dynamic shared memory the launch asks for: :meth:`smem_bytes`, raised under
@@ -577,6 +590,7 @@ PREFILL_D128_TW64S_LEAN_PAGE_SIZES = (16, 32, 64)
 # pingpong's warps: two halves of four warps, warp w and w + 4 on one scheduler (warp index mod 4)
 # (docs/design/sm80.md#ping-pong-warps)
 PINGPONG_WARPS = (8, 1)
+RING_RELEASE_STAGES = 2  # ring_release: tile i + 1 into the stage of tile i - 1 at tile i's turn
 # and the D 128 default of lean variants with a BF16 cache on sm_90a (pages 16-64, where
 # PREFILL_D128_TW64S takes the lean softmax) and sm_80 (pages 16-32): PREFILL_D128_TW64S with the
 # lean softmax in eight warps (256 rows, one CTA per SM) whose halves take turns at the tensor pipe,

@@ -30,6 +30,7 @@ from cutlass.cute.nvgpu import warp
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ..jit.dtypes import cute_dtype
+from .cp_async_barriers import StageBarriers
 from .cp_async_pages import PagedKVGather, swizzle, swizzle_period
 from .fragments import (
     WIDEN_SHIFT_LOG2,
@@ -102,7 +103,8 @@ class WarpTileAttention:
 
     def __init__(self, *, D: int, q_dtype: str, kv_dtype: str, mma_dtype: str, widen_method: str,
                  warps_m: int, warps_n: int, m_tiles: int, tw: int, q_regs: bool, ldsm_xor: bool = False,
-                 stats_smem: bool = False, lean_softmax: bool = False, pingpong: bool = False):
+                 stats_smem: bool = False, lean_softmax: bool = False, pingpong: bool = False,
+                 ring_release: bool = False, ring_suspend: bool = False):
         self.D = D
         self.q_name, self.kv_name, self.mma_name = q_dtype, kv_dtype, mma_dtype
         self.fp8 = kv_dtype == "fp8_e4m3"
@@ -127,6 +129,13 @@ class WarpTileAttention:
         if pingpong and (warps_m * warps_n != 8 or warps_n != 1):
             raise ValueError("pingpong pairs warp w with w + 4 on one scheduler: it needs 8x1 warps")
         self.pingpong = pingpong
+        # ring_release: a stage's copies tracked by its own mbarrier instead of the per-tile CTA
+        # barrier, so the turns alone pace the halves (docs/design/sm80.md#ping-pong-warps);
+        # ring_suspend: the wait may suspend the thread (mbarrier.try_wait, SM90+)
+        if ring_release and not pingpong:
+            raise ValueError("ring_release frees a stage at the ping-pong turn: it needs pingpong")
+        self.ring_release = ring_release
+        self.ring = StageBarriers(2, self.threads, ring_suspend) if ring_release else None
         # 64-token stages in 128-row CTAs: the causal mask compares one per-row limit relative to
         # the tile (``limit - col0``) with immediates, which keeps that build within 255 registers
         # where the absolute compare spills it (docs/design/sm80.md#64-token-stages-at-head-dim-128)
@@ -268,6 +277,16 @@ class WarpTileAttention:
             stats: cute.struct.MemRange[Float32, (2 * self.warps_n + 1) * self.rows]
             scale: cute.struct.MemRange[Float32, self.rows]
 
+        if self.ring_release:
+            @cute.struct
+            class RingStorage:  # the stages' full barriers, outside the ring that sO overlays
+                kv: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, kv_region], 1024]
+                q: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.q_bytes], 1024]
+                stats: cute.struct.MemRange[Float32, (2 * self.warps_n + 1) * self.rows]
+                scale: cute.struct.MemRange[Float32, self.rows]
+                full: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, self.ring.stages], 8]
+
+            return RingStorage
         return Storage
 
     def thread_row(self, wm, lane, mt, h):
@@ -552,7 +571,19 @@ class WarpTileAttention:
         for s in cutlass.range_constexpr(stages - 1):
             if s < n_tiles:
                 issue(tile_of(s), kv_base + s * stage_bytes)
-            cute.arch.cp_async_commit_group()
+            if const_expr(not self.ring_release):  # ring_release: the stages' barriers count them
+                cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def loop_stats(self, sStats, wm, lane):
+        """The :class:`SharedRowStats` of ``stats_smem`` (set to -inf and 0), else None."""
+        stats = None
+        if const_expr(self.stats_smem):
+            stats = SharedRowStats(sStats, lambda mt, h: self.thread_row(wm, lane, mt, h))
+            for slot in cutlass.range_constexpr(2 * self.m_tiles):
+                stats.store(slot // 2, slot % 2, -Float32.inf, Float32(0.0))
+            cute.arch.sync_warp()
+        return stats
 
     @cute.jit
     def mainloop(self, issue, tile_of, n_tiles, stages: cutlass.Constexpr, kv_base, stage_bytes, tile_bytes,
@@ -564,12 +595,7 @@ class WarpTileAttention:
         copies overwrite). ``sStats``: the per-row statistics (``stats_smem`` keeps the running
         max and sum there). ``issued``: the kernel ran :meth:`prologue` already."""
         acc_o, acc_s, tSrQ, row_max, row_sum = state
-        stats = None
-        if const_expr(self.stats_smem):
-            stats = SharedRowStats(sStats, lambda mt, h: self.thread_row(wm, lane, mt, h))
-            for slot in cutlass.range_constexpr(2 * self.m_tiles):
-                stats.store(slot // 2, slot % 2, -Float32.inf, Float32(0.0))
-            cute.arch.sync_warp()
+        stats = self.loop_stats(sStats, wm, lane)
         if const_expr(not issued):
             self.prologue(issue, tile_of, n_tiles, stages, kv_base, stage_bytes)
         for i in cutlass.range(n_tiles, unroll=1):
@@ -597,6 +623,53 @@ class WarpTileAttention:
                          stats)
             self.pv(acc_o, acc_s, stage_base + tile_bytes, wn, lane)
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def init_ring(self, full_base, tidx):
+        """``ring_release``: the stages' full barriers (one thread), before the CTA barrier that
+        follows the query's staging (no thread arrives before it)."""
+        self.ring.init(full_base, tidx)
+
+    @cute.jit
+    def released_mainloop(self, issue, tile_of, n_tiles, kv_base, stage_bytes, tile_bytes, state, sq_base,
+                          row_scale, limits, min_limit, wm, wn, lane, sStats, full_base, issued: cutlass.Constexpr):
+        """The ping-pong main loop with the stages released at the turn (``ring_release``): every
+        thread waits on the full barrier of the tile it reads, and no CTA barrier re-aligns the
+        halves, so the first half's QK of tile i + 1 may overlap the second half's PV of tile i
+        (docs/design/sm80.md#ping-pong-warps). Two stages: tiles 0 and 1 are issued here (tile 0
+        before the query was staged under ``issued``), tile i + 1 at tile i's turn, where both halves
+        are past their PV of tile i - 1, the stage's last reader. Every issued tile is waited for by
+        every thread, so no copy is in flight after the loop (the epilogue overlays the ring).
+        ``full_base``: the stages' barriers (:meth:`init_ring`); otherwise :meth:`mainloop`'s
+        arguments."""
+        acc_o, acc_s, tSrQ, row_max, row_sum = state
+        stats = self.loop_stats(sStats, wm, lane)
+        if n_tiles > 0:
+            if const_expr(not issued):
+                issue(tile_of(0), kv_base)
+            self.ring.arrive(full_base, 0)
+        if n_tiles > 1:
+            issue(tile_of(1), kv_base + stage_bytes)
+            self.ring.arrive(full_base, 1)
+        for i in cutlass.range(n_tiles, unroll=1):
+            self.ring.wait(full_base, i)
+            tile = tile_of(i)
+            stage_base = kv_base + (i % 2) * stage_bytes
+            # the turn: a rendezvous of both halves on PINGPONG_BARRIER (see mainloop)
+            if wm >= self.warps_m // 2:
+                cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=self.threads)
+            self.qk(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
+            if wm < self.warps_m // 2:
+                cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=self.threads)
+            nxt = i + 1
+            if nxt < n_tiles:
+                if i > 0:  # tile 1 came before the loop
+                    issue(tile_of(nxt), kv_base + (nxt % 2) * stage_bytes)
+                    self.ring.arrive(full_base, nxt % 2)
+            masked = (tile + 1) * self.tile > min_limit
+            self.softmax(acc_s, acc_o, row_max, row_sum, row_scale, limits, tile * self.tile, masked, wn, lane,
+                         stats)
+            self.pv(acc_o, acc_s, stage_base + tile_bytes, wn, lane)
 
     @cute.jit
     def finish(self, state, sO, sStats, wm, wn, lane, v_scale):
@@ -682,7 +755,8 @@ def engine_for(cfg):
         D=cfg.head_dim, q_dtype=cfg.q_dtype, kv_dtype=cfg.kv_dtype, mma_dtype=cfg.mma_dtype, widen_method=cfg.widen,
         warps_m=cfg.warps_m, warps_n=cfg.warps_n, m_tiles=cfg.m_tiles, tw=cfg.tw, q_regs=cfg.q_regs,
         ldsm_xor=cfg.ldsm_xor, stats_smem=cfg.stats_smem, lean_softmax=cfg.lean_softmax,
-        pingpong=getattr(cfg, "pingpong", False),
+        pingpong=getattr(cfg, "pingpong", False), ring_release=getattr(cfg, "ring_release", False),
+        ring_suspend=getattr(cfg, "ring_suspend", False),
     )
     gather = PagedKVGather(engine.tile, cfg.head_dim, engine.kv_bytes, engine.threads, cfg.page_size,
                            one_base=cfg.gather_one_base)

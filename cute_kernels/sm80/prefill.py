@@ -137,6 +137,9 @@ class Sm80PagedPrefill:
             return issue
 
         g = self.gather
+        if const_expr(cfg.ring_release):  # the stages' barriers, made visible by the barrier after Q
+            full_base = storage.full.data_ptr().toint()
+            eng.init_ring(full_base, tidx)
         if const_expr(cfg.kv_first):  # the first stages' copies in flight while Q is staged
             kv_end = tile_span()
             n_tiles = tile_count(kv_end)
@@ -154,8 +157,13 @@ class Sm80PagedPrefill:
         min_limit = row_limit(Int32(0))
         if const_expr(not cfg.kv_first):
             n_tiles = tile_count(kv_end)
-        eng.mainloop(issue_to(kv_end), tile_of, n_tiles, cfg.stages, kv_base, g.stage_bytes, g.tile_bytes, state,
-                     sq_base, row_scale, limits, min_limit, wm, wn, lane, sStats, issued=cfg.kv_first)
+        if const_expr(cfg.ring_release):
+            eng.released_mainloop(issue_to(kv_end), tile_of, n_tiles, kv_base, g.stage_bytes, g.tile_bytes, state,
+                                  sq_base, row_scale, limits, min_limit, wm, wn, lane, sStats, full_base,
+                                  cfg.kv_first)
+        else:
+            eng.mainloop(issue_to(kv_end), tile_of, n_tiles, cfg.stages, kv_base, g.stage_bytes, g.tile_bytes,
+                         state, sq_base, row_scale, limits, min_limit, wm, wn, lane, sStats, issued=cfg.kv_first)
         sO = cute.make_tensor(cute.recast_ptr(storage.kv.data_ptr(), dtype=Float32), eng.o_layout())
         eng.finish(state, sO, sStats, wm, wn, lane, vs)
         self.store(mO, mLse, sO, sStats, q_start, q_len, row0, kv_head, tidx)

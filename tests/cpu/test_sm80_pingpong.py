@@ -4,6 +4,7 @@ tier) the named-barrier turns in the PTX of the default."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -169,3 +170,78 @@ def test_max_ctas_per_sm_caps_the_occupancy_by_shared_memory(target, cap):
         assert cap * (launch + reserved) <= per_sm
     with pytest.raises(ValueError, match="max_ctas_per_sm must be >= 0"):
         _cfg(target, max_ctas_per_sm=-1)
+
+
+@pytest.mark.parametrize("target, smem_target", [("sm_90a", None), ("sm_90a", "sm_86"), ("sm_86", None),
+                                                 ("sm_80", None)])
+def test_ring_release_is_an_opt_in_of_the_pingpong_forms(target, smem_target):
+    """``ring_release`` enters the label only when set (every registered label and digest stays as
+    it was), adds the stages' two mbarriers to the shared memory, still fits the target, and waits
+    with ``try_wait`` from SM90 on."""
+    extra = dict(smem_target=smem_target) if smem_target else {}
+    plain = _cfg(target, **extra)
+    released = _cfg(target, ring_release=True, **extra)
+    assert plain.pingpong and not plain.ring_release and "ring_release" not in plain.label()
+    assert "ring_release=True" in released.label() and released.label().startswith(plain.label()[:-1])
+    assert released.smem_bytes() == plain.smem_bytes() + 2 * 8
+    assert released.smem_bytes() <= hw.max_smem_per_cta(smem_target or target)
+    assert released.ring_suspend == (target in hw.MBARRIER_TRY_WAIT_TARGETS)
+    eng, _, _ = engine_for(released)
+    assert eng.ring_release and eng.ring.stages == 2 and eng.ring.threads == released.threads
+    assert not engine_for(plain)[0].ring_release
+
+
+def test_ring_release_refusals_name_the_field():
+    """Without the turns nothing frees a stage (the four-warp form, eight warps without turns), and
+    a third stage would need another release point: both refused, naming the field."""
+    with pytest.raises(ValueError, match="ring_release .* needs pingpong=True .* not pingpong=False"):
+        _cfg("sm_90a", warps_m=4, pingpong=False, ring_release=True)
+    with pytest.raises(ValueError, match="ring_release .* needs pingpong=True"):
+        _cfg("sm_90a", pingpong=False, ring_release=True)
+    with pytest.raises(ValueError, match=r"needs pingpong=True and stages=2, not pingpong=True, stages=3"):
+        _cfg("sm_90a", stages=3, ring_release=True)
+    with pytest.raises(ValueError, match="needs pingpong"):
+        WarpTileAttention(D=128, q_dtype="bf16", kv_dtype="bf16", mma_dtype="bf16", widen_method="bits", warps_m=8,
+                          warps_n=1, m_tiles=2, tw=64, q_regs=False, ring_release=True)
+    assert _cfg("sm_90a", ring_release=True, kv_first=True).kv_first  # kv_first composes with it
+
+
+def test_ring_release_is_a_benchmark_override():
+    """``--variants "plan:;rr:ring_release=true"`` parses, passes the override check of the portable
+    kernel and builds the default with the field set (what ``tuning_override(backend="sm80", ...)``
+    hands ``make_prefill_config``)."""
+    from cute_kernels.bench.sm80 import parse_named_variants
+    from cute_kernels.ops.paged_prefill import check_tuning_override
+
+    variants = parse_named_variants("plan:;rr:ring_release=true")
+    assert variants == {"plan": {}, "rr": {"ring_release": True}}
+    check_tuning_override("sm80.prefill", dict(backend="sm80", **variants["rr"]))
+    assert _cfg("sm_90a", **variants["rr"]) == dataclasses.replace(_cfg("sm_90a"), ring_release=True)
+    with pytest.raises(TypeError, match="ring_release must be a bool"):
+        check_tuning_override("sm80.prefill", dict(backend="sm80", ring_release="yes"))
+
+
+@pytest.mark.compile
+def test_ring_release_build_waits_on_stage_barriers():
+    """sm_86's build of the 128-row form with ``ring_release``: one CTA barrier fewer than the
+    default's (the main loop's; the one after the query's staging and the epilogue's two stay), the
+    turns' two ``bar.sync 1``, three ``cp.async`` arrivals (tiles 0 and 1 before the loop, tile
+    i + 1 in it) on the stages' barriers and one polling wait (SM86 has no ``try_wait``), no commit
+    groups; 128 MMAs per 64-token stage per warp and no spills."""
+    from cute_kernels.jit.compiler import compile_config
+    from cute_kernels.jit.evidence import evidence_of
+
+    cfg = _cfg("sm_86", ring_release=True)
+    compiled = compile_config(cfg, "sm_86", artifacts=True)
+    ptx = compiled.ptx or ""
+    assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 3
+    assert len(re.findall(rf"bar\.sync\s+{PINGPONG_BARRIER}, 256;", ptx)) == 2
+    assert len(re.findall(r"mbarrier\.init\.shared\.b64 \[%r\d+\], 256;", ptx)) == 2
+    assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64", ptx)) == 3
+    assert len(re.findall(r"mbarrier\.test_wait\.parity\.shared\.b64", ptx)) == 1 and "try_wait" not in ptx
+    assert "cp.async.commit_group" not in ptx and "cp.async.wait_group" not in ptx and "bar.arrive" not in ptx
+    ev = evidence_of(compiled)
+    assert not ev.missing
+    if compiled.sass is None:
+        pytest.skip("no nvdisasm: the spill check needs SASS")
+    assert "STL" not in ev.sass and "LDL" not in ev.sass and ev.sass.get("HMMA") == 128
