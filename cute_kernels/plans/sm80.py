@@ -552,45 +552,41 @@ PREFILL_D256_TW32X_SCALES_SPILL_TARGETS = ("sm_120a", "sm_121a")
 # (docs/design/sm80.md#eight-warps-at-head-dim-256)
 PREFILL_D256_W8: dict[str, Any] = dict(warps_m=8, m_tiles=1, tw=32, stages=2, q_regs=False, ldsm_xor=True)
 PREFILL_D256_W8_TARGETS = ("sm_80",)
-# head dim 128, an override: 128-row CTAs with 64-token stages, FA2's 128 x 64 tile of four warps,
-# half the per-token softmax, O-rescale and barrier work of the 32-token default (1.14-1.15x it on the
-# H200). It sits at 255 registers: spill-free only for BF16 caches at GQA 4, page 16 on sm_90a (the
-# lean variant and the LSE), so only those are registered (docs/design/sm80.md#64-token-stages-at-head-dim-128)
+# head dim 128, an override: 128-row CTAs with 64-token stages, FA2's 128 x 64 tile of four warps
+# (1.14-1.15x the 32-token default on the H200). At 255 registers it is spill-free only for BF16 at GQA
+# 4, page 16 on sm_90a, so only those are registered (docs/design/sm80.md#64-token-stages-at-head-dim-128)
 PREFILL_D128_TW64: dict[str, Any] = dict(m_tiles=2, tw=64)
 PREFILL_D128_TW64_TARGETS = ("sm_90a",)
-# the same tile with the register margin won back: each row's softmax max and sum in shared memory
-# between tiles, the page gather's destinations one base plus immediates (1.13x the 32-token 128-row
-# CTA on the H200, 0.98-0.99x PREFILL_D128_TW64). Spill-free for lean variants (every GQA, page size
-# and layout) with 16-bit caches on sm_80 / sm_86 / sm_89 / sm_90a and with FP8 caches on sm_86 / sm_89
-# (sm_80 FP8: 3-12 STL) (docs/design/sm80.md#64-token-stages-at-head-dim-128)
+# the same tile with the register margin won back: the rows' softmax max and sum in shared memory, the
+# gather's destinations one base plus immediates (1.13x the 32-token 128-row CTA on the H200). Spill-free
+# for lean variants with 16-bit caches on sm_80 / 86 / 89 / 90a, FP8 on sm_86 / 89 (sm_80 FP8: 3-12 STL)
+# (docs/design/sm80.md#64-token-stages-at-head-dim-128)
 PREFILL_D128_TW64S: dict[str, Any] = dict(PREFILL_D128_TW64, stats_smem=True, gather_one_base=True)
 PREFILL_D128_TW64S_TARGETS: dict[str, tuple[str, ...]] = {
     "bf16": ("sm_80", "sm_86", "sm_89", "sm_90a"), "fp16": ("sm_80", "sm_86", "sm_89", "sm_90a"),
     "fp8_e4m3": ("sm_86", "sm_89")}
-# the D 128 default for lean variants on sm_86 / sm_89, where it is spill-free and runs one CTA per
-# SM as the 32-token form did, and on sm_90a (16-bit caches; 1.12-1.15x the 32-token 128-row CTA
-# there, and the H200 then runs the build the SM86 / SM89 default is); sm_80 keeps the 32-token
-# 128-row CTA (two CTAs per SM at its 164 KB, where this form's one is 8-19 % slower, measured with
-# the rings sized for sm_80), the other variants their 64-row CTA (without the causal mask, with an
-# FP8 cache and the LSE or in combinations 1-7 STL) (docs/design/sm80.md#defaults)
+# the D 128 default for lean variants on sm_86 / sm_89 (spill-free, one CTA per SM as the 32-token
+# form) and sm_90a (16-bit caches; 1.12-1.15x the 32-token 128-row CTA there); sm_80 keeps the 32-token
+# 128-row CTA (two per SM at its 164 KB: this form's one is 8-19 % slower), the other variants their
+# 64-row CTA (1-7 STL without the mask, with FP8 and the LSE) (docs/design/sm80.md#defaults)
 PREFILL_D128_TW64S_DEFAULT_TARGETS = ("sm_86", "sm_89", "sm_90a")
 # the lean softmax (fields.lean_softmax) in the D 128 default of lean variants where that default is
 # the 32-token 128-row CTA: 1.8-3.8 % on that form's sm_90a build once the row swizzle removed the
 # bank conflicts; every sm_80 build of it spill-free (BF16 / FP16 / FP8, pages 16-128, GQA 1-16,
 # both layouts: 248-255 registers) (docs/design/sm80.md#next-to-fa2-with-the-row-swizzle)
 PREFILL_D128_LEAN_SOFTMAX_TARGETS = ("sm_80",)
-# and in PREFILL_D128_TW64S where that is the default, for BF16 caches up to page 64: its one vote for
-# a warp's row slots after the exponentials (roles/warp_attention.py) gains 1.5-7 % on sm_90a's build on
-# the H200 (B16 S512 level) and builds without spills on sm_86 / sm_89 / sm_90a at pages 16-64 for every
-# GQA swept (1-16, 20, 24, 32, 64) and both layouts; page 128 spills at some GQA (1 STL: GQA 1 on sm_90a,
-# 7, 14 and 15 on sm_86 / sm_89) and keeps the scaled softmax; FP16 caches spill with it (1-12 STL), FP8
-# ones were not measured (docs/design/sm80.md#in-the-64-token-form)
+# and in PREFILL_D128_TW64S where that is the default, for BF16 caches up to page 64: 1.5-7 % on the
+# H200, spill-free on sm_86 / sm_89 / sm_90a at every GQA swept, both layouts; page 128 (1 STL at some
+# GQA) and FP16 (1-12 STL) keep the scaled softmax (docs/design/sm80.md#in-the-64-token-form)
 PREFILL_D128_TW64S_LEAN_KV_DTYPES = ("bf16",)
 PREFILL_D128_TW64S_LEAN_PAGE_SIZES = (16, 32, 64)
 # pingpong's warps: two halves of four warps, warp w and w + 4 on one scheduler (warp index mod 4)
 # (docs/design/sm80.md#ping-pong-warps)
 PINGPONG_WARPS = (8, 1)
 RING_RELEASE_STAGES = 2  # ring_release: tile i + 1 into the stage of tile i - 1 at tile i's turn
+# the 256-row ping-pong's default where its stage wait may suspend (mbarrier.try_wait): 1.01-1.05x
+# on the H200's long D 128 rows, 1.02x at B16 S512 (docs/design/sm80.md#stages-released-at-the-turn)
+PREFILL_D128_RING_RELEASE_TARGETS = ("sm_90a",)
 # and the D 128 default of lean variants with a BF16 cache on sm_90a (pages 16-64, where
 # PREFILL_D128_TW64S takes the lean softmax) and sm_80 (pages 16-32): PREFILL_D128_TW64S with the
 # lean softmax in eight warps (256 rows, one CTA per SM) whose halves take turns at the tensor pipe,
@@ -606,10 +602,9 @@ PREFILL_D128_PINGPONG_TARGETS = tuple(PREFILL_D128_PINGPONG_PAGE_SIZES)
 # D 128 form runs one CTA of four warps per SM): the same turns in 128 rows, eight warps of one 16-row
 # tile each with Q in registers, PREFILL_D128_TW64S's two 64-token stages (98 KB), the lean softmax,
 # one ldmatrix base per operand. Lean variants, every cache dtype, pages 16-128: spill-free on every
-# target listed at every GQA swept, both layouts. On the H200 with one CTA per SM (as on those
-# targets), against sm_86's D 128 default: BF16 1.03-1.07x on the long rows, 1.22x at B16 S512;
-# FP16 1.05-1.07x, 1.20x; FP8 1.14-1.15x, 1.24x; BF16 at page 128 1.01-1.03x, 1.18x
-# (docs/design/sm80.md#ping-pong-in-99-kb)
+# target listed at every GQA swept. At one CTA per SM on the H200, against sm_86's form before, long
+# rows / B16 S512: BF16 1.03-1.07x / 1.22x, FP16 1.05-1.07x / 1.20x, FP8 1.14-1.15x / 1.24x, BF16 at
+# page 128 1.01-1.03x / 1.18x (docs/design/sm80.md#ping-pong-in-99-kb)
 PREFILL_D128_PINGPONG16: dict[str, Any] = dict(warps_m=8, m_tiles=1, tw=64, stages=2, pingpong=True, q_regs=True,
                                                ldsm_xor=True)
 PREFILL_D128_PINGPONG16_TARGETS = ("sm_86", "sm_89", "sm_90a", "sm_120a", "sm_121a")
@@ -667,12 +662,11 @@ def prefill_d128_pingpong(target: str, lean: bool, kv_dtype: str, page_size: int
 
 def prefill_d128_pingpong16(target: str, lean: bool, kv_dtype: str, page_size: int) -> bool:
     """Whether the head-dim-128 default on compile target ``target`` is ``PREFILL_D128_PINGPONG16``
-    where the ring's shared memory cannot hold the 256-row ping-pong form (:func:`prefill_tiling`
-    checks that): lean variants with a cache dtype of ``PREFILL_D128_PINGPONG16_KV_DTYPES`` at
-    ``PREFILL_D128_PINGPONG16_PAGE_SIZES`` on ``PREFILL_D128_PINGPONG16_TARGETS`` (a fact of the
-    target's ptxas: spill-free at every GQA swept)."""
+    where the ring cannot hold the 256-row form (:func:`prefill_tiling` checks): lean variants of
+    ``PREFILL_D128_PINGPONG16_KV_DTYPES`` / ``_PAGE_SIZES`` / ``_TARGETS`` (spill-free at every GQA swept),
+    FP8 only where it is widened with ``cvt`` (0.89-0.92x sm_86's form with the bit trick)."""
     return (lean and kv_dtype in PREFILL_D128_PINGPONG16_KV_DTYPES and page_size in PREFILL_D128_PINGPONG16_PAGE_SIZES
-            and target in PREFILL_D128_PINGPONG16_TARGETS)
+            and target in PREFILL_D128_PINGPONG16_TARGETS and (kv_dtype != "fp8_e4m3" or target in CVT_TARGETS))
 
 
 def prefill_d128_tw64s(target: str, kv_dtype: str, lean: bool) -> bool:
@@ -712,10 +706,8 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
     ``d128_lean``: :func:`prefill_d128_lean_softmax` of the variant (at D 128 with neither given:
     the lean softmax; every form with either given, and every other head dim, leaves it off).
     ``d128_pp``: :func:`prefill_d128_pingpong` of the variant (at D 128 with neither given, where
-    ``target``'s shared memory holds it: the ping-pong form). ``d128_pp16``:
-    :func:`prefill_d128_pingpong16` of the variant (at D 128 with neither given, where the 256-row
-    ping-pong form does not fit ``target``'s shared memory and ``PREFILL_D128_PINGPONG16`` does:
-    that form).
+    ``target``'s shared memory holds it: the ping-pong form). ``d128_pp16``: :func:`prefill_d128_pingpong16`
+    (likewise, where only ``PREFILL_D128_PINGPONG16`` fits: that form).
 
     ``m_tiles=2`` (the default up to D 128 for ``lean`` variants on ``PREFILL_M2_TW32_TARGETS``,
     with 64-token stages where ``d128_s``): 128 rows per CTA. O takes 128 registers at D 128, so
@@ -732,24 +724,19 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
         if fit_stages(target, dict(kv_dtype=kv_dtype, head_dim=256, warps_n=1, **w8), 1,
                       PREFILL_D256_W8["stages"]) == PREFILL_D256_W8["stages"]:
             return dict(warps_n=1, **PREFILL_D256_W8, **no_margin, lean_softmax=False, heads_first=False,
-                        pingpong=False)
+                        pingpong=False, ring_release=False)
     # the ping-pong forms: the 256-row one where the target's shared memory holds it, else the 128-row
     # one (where two four-warp CTAs share an SM, they beat it: docs/design/sm80.md#ping-pong-in-99-kb)
     pp256 = dict(m_tiles=PREFILL_D128_TW64S["m_tiles"], tw=PREFILL_D128_TW64S["tw"], q_regs=False, ldsm_xor=True,
                  **PREFILL_D128_PINGPONG)
-
-    def holds(form) -> bool:
-        shape = {k: form[k] for k in ("warps_m", "m_tiles", "tw")}
-        return fit_stages(target, dict(kv_dtype=kv_dtype, head_dim=128, warps_n=1, **shape), 1,
-                          form["stages"]) == form["stages"]
-
-    if head_dim == 128 and m_tiles is None and tw is None and (d128_pp or d128_pp16):
-        pp256_fits = holds(pp256)
-        for chosen, form in ((d128_pp and pp256_fits, pp256),
-                             (d128_pp16 and not pp256_fits and holds(PREFILL_D128_PINGPONG16), PREFILL_D128_PINGPONG16)):
-            if chosen:
-                return dict(warps_n=1, **form, **_D128_MARGIN, lean_softmax=True,
-                            heads_first=prefill_heads_first(target, 128, form["m_tiles"], form["tw"], True))
+    fits = [fit_stages(target, dict(kv_dtype=kv_dtype, head_dim=128, warps_n=1, warps_m=f["warps_m"],
+                                    m_tiles=f["m_tiles"], tw=f["tw"]), 1, f["stages"]) == f["stages"]
+            for f in (pp256, PREFILL_D128_PINGPONG16)]
+    for chosen, form in ((d128_pp and fits[0], pp256),
+                         (d128_pp16 and fits[1] and not fits[0], PREFILL_D128_PINGPONG16)):
+        if chosen and head_dim == 128 and m_tiles is None and tw is None:
+            return dict(warps_n=1, **form, **_D128_MARGIN, lean_softmax=True, ring_release=False,
+                        heads_first=prefill_heads_first(target, 128, form["m_tiles"], form["tw"], True))
     m2_tw32 = lean and target in PREFILL_M2_TW32_TARGETS
     margin = d128_s and head_dim == 128 and m_tiles is None and tw is None
     if margin:
@@ -774,7 +761,7 @@ def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | Non
     # derived from a variant with m_tiles or tw given leaves them off)
     off = dict(_D128_MARGIN, lean_softmax=lean_softmax) if margin else dict(no_margin, lean_softmax=lean_softmax)
     off["heads_first"] = prefill_heads_first(target, head_dim, m_tiles, tw, lean_softmax)
-    off["pingpong"] = False
+    off["pingpong"] = off["ring_release"] = False
     if m_tiles == 2:
         return dict(warps_m=4, warps_n=1, m_tiles=2, tw=tw, stages=stages, q_regs=False, ldsm_xor=True, **off)
     return dict(warps_m=4, warps_n=1, m_tiles=1, tw=tw, stages=stages, q_regs=head_dim <= 128,
@@ -806,4 +793,7 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
     fields.update(prefill_tiling(_smem_target(override, target), kv_dtype, head_dim, override.get("m_tiles"),
                                  override.get("tw"), lean, d256_x, d128_s, d256_w8, d128_lean, d128_pp, d128_pp16))
     fields.update(override)
+    if (fields.get("pingpong") and fields["m_tiles"] == 2 and fields["stages"] == RING_RELEASE_STAGES
+            and target in PREFILL_D128_RING_RELEASE_TARGETS and "ring_release" not in override):
+        fields["ring_release"] = True
     return Sm80PrefillConfig(**fields)

@@ -19,7 +19,6 @@ from .sm80 import (
     PREFILL_D128_TW64,
     PREFILL_D128_TW64_TARGETS,
     PREFILL_D128_TW64S,
-    PREFILL_D128_TW64S_DEFAULT_TARGETS,
     PREFILL_D128_TW64S_TARGETS,
     PREFILL_D256_TW32X,
     PREFILL_M2_MAX_HEAD_DIM,
@@ -30,7 +29,6 @@ from .sm80 import (
     make_prefill_config,
     prefill_d128_lean_softmax,
     prefill_d128_tw64s,
-    prefill_heads_first,
     prefill_tiling,
 )
 
@@ -132,7 +130,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     :func:`d256_tw32x_form` for each prefill at D 256,
     :func:`d128_tw64_form` for the BF16 D 128
     prefill, lean and with the LSE, and :func:`d128_tw64s_form` for the lean one, where they build
-    without spills, :func:`four_warp_form` for each ``pingpong`` default): decode for
+    without spills, :func:`four_warp_form` for each ``pingpong`` default and the ``ring_release`` ones
+    without it): decode for
     each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four), each split one also with the opt-in fused merge (``fused_merge=True``) where it builds
     without spills (:func:`fused_merge_registered`); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
@@ -166,6 +165,7 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     fused: list[KernelConfig] = [replace(c, fused_merge=True) for c in out
                                  if isinstance(c, Sm80DecodeConfig) and c.split and fused_merge_registered(c)]
     four: list[KernelConfig] = [four_warp_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.pingpong]
+    four += [replace(c, ring_release=False) for c in out if isinstance(c, Sm80PrefillConfig) and c.ring_release]
     return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128 + fused + four)
             if kernel_id in (None, c.kernel_id)]
 

@@ -657,10 +657,10 @@ class WarpTileAttention:
             stage_base = kv_base + (i % 2) * stage_bytes
             # the turn: a rendezvous of both halves on PINGPONG_BARRIER (see mainloop)
             if wm >= self.warps_m // 2:
-                cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=self.threads)
+                turn_barrier(PINGPONG_BARRIER, self.threads)
             self.qk(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
             if wm < self.warps_m // 2:
-                cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=self.threads)
+                turn_barrier(PINGPONG_BARRIER, self.threads)
             nxt = i + 1
             if nxt < n_tiles:
                 if i > 0:  # tile 1 came before the loop

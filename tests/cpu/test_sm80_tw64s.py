@@ -95,7 +95,8 @@ def test_tw64s_form_is_the_tw64_tiling_with_the_two_fields(target, kv, extra):
     registered = not extra and target in PREFILL_D128_TW64S_TARGETS[kv]
     assert (cfg in compile_variants("sm80.prefill")) == registered
     ci = ci_variants("sm80.prefill")
-    pingpong = [replace(cfg, lean_softmax=True, **PREFILL_D128_PINGPONG)] if target in PREFILL_D128_PINGPONG_TARGETS else []
+    pingpong = [replace(cfg, lean_softmax=True, **PREFILL_D128_PINGPONG, ring_release=rr)
+                for rr in (False, True)] if target in PREFILL_D128_PINGPONG_TARGETS else []
     assert (cfg in ci or replace(cfg, lean_softmax=True) in ci or any(c in ci for c in pingpong)) == (
         not extra and (target, kv) in (("sm_80", "bf16"), ("sm_86", "fp8_e4m3"), ("sm_90a", "bf16")))
 

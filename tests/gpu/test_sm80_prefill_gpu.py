@@ -120,6 +120,14 @@ LEAN += [(*c[:-1], {**c[-1], **PINGPONG}) for c in LEAN if c[2] == 128 and not c
 PINGPONG16 = dict(D128S, **PREFILL_D128_PINGPONG16)
 CASES += [(*c[:-1], {**c[-1], **PINGPONG16}) for c in D128_BASE]
 LEAN += [(*c[:-1], {**c[-1], **PINGPONG16}) for c in LEAN if c[2] == 128 and not c[-1]]
+# both ping-pong forms with the stages released at the turn (ring_release: per-stage mbarriers, no
+# CTA barrier per tile, two stages; docs/design/sm80.md#ping-pong-warps) on the same cases, kv_first on the
+# lean ones
+RELEASED = dict(ring_release=True, stages=2)
+CASES += [(*c[:-1], {**c[-1], **form, **RELEASED}) for form in (PINGPONG, PINGPONG16) for c in D128_BASE
+          if form is PINGPONG16 or "smem_target" not in c[-1]]
+LEAN += [(*c[:-1], {**c[-1], **form, **RELEASED, "kv_first": kvf}) for form in (PINGPONG, PINGPONG16)
+         for kvf in (False, True) for c in LEAN if c[2] == 128 and not c[-1]]
 
 
 def _ids(c):
