@@ -137,8 +137,9 @@ def test_engine_of_the_default():
 @pytest.mark.parametrize("target, hmma", [("sm_90a", 256), ("sm_86", 128)])
 def test_default_build_takes_turns_on_a_named_barrier(target, hmma):
     """The sm_90a and sm_86 defaults' PTX: the two halves meet on PINGPONG_BARRIER for all 256
-    threads (a ``bar.sync`` each, the second half's before its QK, the first half's after; no
-    ``bar.arrive``, which racecheck cannot follow), once each per tile; SM80 instructions only, 256
+    threads (an unaligned ``barrier.sync`` each, the second half's before its QK, the first half's
+    after: no ``bar.arrive``, which racecheck cannot follow, and no aligned ``bar.sync`` at two
+    instructions, which synccheck refuses), once each per tile; SM80 instructions only, 256
     MMAs per 64-token stage per warp of 32 rows (sm_90a), 128 per warp of 16 rows (sm_86), no
     spills."""
     from cute_kernels.jit.compiler import compile_config
@@ -147,8 +148,8 @@ def test_default_build_takes_turns_on_a_named_barrier(target, hmma):
     cfg = _cfg(target)
     compiled = compile_config(cfg, target, artifacts=True)
     ptx = compiled.ptx or ""
-    assert len(re.findall(rf"bar\.sync\s+{PINGPONG_BARRIER}, 256;", ptx)) == 2
-    assert "bar.arrive" not in ptx
+    assert len(re.findall(rf"\bbarrier\.sync\s+{PINGPONG_BARRIER}, 256;", ptx)) == 2
+    assert not re.search(rf"\bbar\.sync\s+{PINGPONG_BARRIER}\b", ptx) and "bar.arrive" not in ptx
     assert "wgmma" not in ptx and "cp.async.bulk" not in ptx
     ev = evidence_of(compiled)
     assert not ev.missing
@@ -239,7 +240,7 @@ def test_ring_release_build_waits_on_stage_barriers():
     compiled = compile_config(cfg, "sm_86", artifacts=True)
     ptx = compiled.ptx or ""
     assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 3
-    assert len(re.findall(rf"bar\.sync\s+{PINGPONG_BARRIER}, 256;", ptx)) == 2
+    assert len(re.findall(rf"\bbarrier\.sync\s+{PINGPONG_BARRIER}, 256;", ptx)) == 2
     assert len(re.findall(r"mbarrier\.init\.shared\.b64 \[%r\d+\], 256;", ptx)) == 2
     assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64", ptx)) == 3
     assert len(re.findall(r"mbarrier\.test_wait\.parity\.shared\.b64", ptx)) == 1 and "try_wait" not in ptx
