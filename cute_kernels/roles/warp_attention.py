@@ -586,6 +586,20 @@ class WarpTileAttention:
         return stats
 
     @cute.jit
+    def qk_in_turn(self, acc_s, tSrQ, sq_base, stage_base, wm, wn, lane):
+        """:meth:`qk`, inside the ping-pong turn where ``pingpong``: the second half meets the first
+        half on PINGPONG_BARRIER once the first half's QK is issued. A rendezvous of two unaligned
+        syncs: with an arrive racecheck reports the ring's ordered accesses as races, and the aligned
+        sync at two instructions is undefined (docs/design/sm80.md#under-compute-sanitizer)."""
+        if const_expr(self.pingpong):
+            if wm >= self.warps_m // 2:
+                turn_barrier(PINGPONG_BARRIER, self.threads)
+        self.qk(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
+        if const_expr(self.pingpong):
+            if wm < self.warps_m // 2:
+                turn_barrier(PINGPONG_BARRIER, self.threads)
+
+    @cute.jit
     def mainloop(self, issue, tile_of, n_tiles, stages: cutlass.Constexpr, kv_base, stage_bytes, tile_bytes,
                  state, sq_base, row_scale, limits, min_limit, wm, wn, lane, sStats=None,
                  issued: cutlass.Constexpr = False):
@@ -607,17 +621,7 @@ class WarpTileAttention:
             cute.arch.cp_async_commit_group()
             tile = tile_of(i)
             stage_base = kv_base + (i % stages) * stage_bytes
-            # pingpong: the second half meets the first half on PINGPONG_BARRIER once the first half's
-            # QK is issued. A rendezvous of two unaligned syncs: with an arrive racecheck reports the
-            # ring's ordered accesses as races, and the aligned sync at two instructions is undefined
-            # (docs/design/sm80.md#under-compute-sanitizer)
-            if const_expr(self.pingpong):
-                if wm >= self.warps_m // 2:
-                    turn_barrier(PINGPONG_BARRIER, self.threads)
-            self.qk(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
-            if const_expr(self.pingpong):
-                if wm < self.warps_m // 2:
-                    turn_barrier(PINGPONG_BARRIER, self.threads)
+            self.qk_in_turn(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
             masked = (tile + 1) * self.tile > min_limit
             self.softmax(acc_s, acc_o, row_max, row_sum, row_scale, limits, tile * self.tile, masked, wn, lane,
                          stats)
@@ -655,12 +659,7 @@ class WarpTileAttention:
             self.ring.wait(full_base, i)
             tile = tile_of(i)
             stage_base = kv_base + (i % 2) * stage_bytes
-            # the turn: a rendezvous of both halves on PINGPONG_BARRIER (see mainloop)
-            if wm >= self.warps_m // 2:
-                turn_barrier(PINGPONG_BARRIER, self.threads)
-            self.qk(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
-            if wm < self.warps_m // 2:
-                turn_barrier(PINGPONG_BARRIER, self.threads)
+            self.qk_in_turn(acc_s, tSrQ, sq_base, stage_base, wm, wn, lane)
             nxt = i + 1
             if nxt < n_tiles:
                 if i > 0:  # tile 1 came before the loop
