@@ -15,16 +15,15 @@ ping-pong default with its stages released at the turns instead of a CTA barrier
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 
 import torch
 
 import cute_kernels
 from cute_kernels import reference
+from cute_kernels.bench.harness import ab_parser
 from cute_kernels.bench.sm80 import PAGE, PREFILL_SHAPES, _causal_flops, parse_named_variants
-from cute_kernels.bench.timing import bench_setup, time_graph
+from cute_kernels.bench.timing import bench_setup, interleaved_medians, speedups
 from cute_kernels.ops.paged_prefill import tuning_override
 from cute_kernels.testing import make_paged_prefill_case, rel_err
 
@@ -66,29 +65,20 @@ def run(variants: dict[str, dict], shapes: str | None, kv_dtype: str = "bf16", p
             torch.cuda.synchronize()
             if ref is not None:
                 row[k + "_err"] = rel_err(outs[k].float(), ref.float())  # NaN where a row was never written
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        order = list(variants)
-        for r in range(ROUNDS):
-            for k in (order if r % 2 == 0 else order[::-1]):
-                times[k].append(time_graph(fns[k], reps=3, rounds=5))
+        medians = interleaved_medians(fns, rounds=ROUNDS, reps=3, graph_rounds=5)
         flops = _causal_flops([q_len] * B, [prefix] * B, Hq, D)
-        for k in variants:
-            row[k + "_tflops"] = round(flops / statistics.median(times[k]) / 1e12, 1)
-        first = order[0]
-        for k in order[1:]:
-            row[f"{k}_over_{first}"] = round(row[k + "_tflops"] / row[first + "_tflops"], 3)
+        for k, t in medians.items():
+            row[k + "_tflops"] = round(flops / t / 1e12, 1)
+        row.update(speedups(medians))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", required=True, help="name:field=value+...;... (the first is the baseline)")
-    p.add_argument("--shapes", default=None, help="comma-separated substrings of the D 128 shape names")
+    p = ab_parser(__doc__, "comma-separated substrings of the D 128 shape names")
     p.add_argument("--kv-dtype", default="bf16", choices=sorted(KV_DTYPES), help="the cache dtype (fp16: an fp16 query)")
     p.add_argument("--page-size", type=int, default=PAGE)
-    p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args()
     rows = run(parse_named_variants(args.variants), args.shapes, args.kv_dtype, args.page_size)
     if args.json:

@@ -251,6 +251,10 @@ CASES: dict[str, Callable[[Ctx], None]] = {
     "sm80-fused-fp8-nhd-split5": partial(sm80_decode, kv=FP8, layout="NHD", splits=5, extra={"fused_merge": True}),
     "sm80-fused-bf16-sm86-split3": partial(sm80_decode, kv=BF16, layout="HND", splits=3,
                                            extra={"smem_target": "sm_86", "fused_merge": True}),
+    # page ids read a tile ahead (the default at D 64 / 256) over the bad page ids and the length past the table
+    "sm80-prefetch-fp8-nhd-split5": partial(sm80_decode, kv=FP8, layout="NHD", splits=5,
+                                            extra={"page_prefetch": True}),
+    "sm80-prefetch-bf16-split1": partial(sm80_decode, kv=BF16, layout="HND", splits=1, extra={"page_prefetch": True}),
     "sm80-prefill-fp8": partial(sm80_prefill, kv=FP8),
     "sm80-prefill-bf16": partial(sm80_prefill, kv=BF16),
     "sm80-prefill-causal-bf16": partial(sm80_prefill_causal, kv=BF16, head_dim=128, extra={}),

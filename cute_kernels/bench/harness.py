@@ -69,6 +69,16 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                         "so that a profiler can select one op (default: off)")
 
 
+def ab_parser(doc: str, shapes_help: str) -> argparse.ArgumentParser:
+    """The A/B tools' common arguments (``profiling.ab_sm80_*``): the named variants, the shapes,
+    the JSON path."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--variants", required=True, help="name:field=value+...;... (the first is the baseline)")
+    p.add_argument("--shapes", default=None, help=shapes_help)
+    p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    return p
+
+
 def gpu_problem(need: GpuNeed, cuda_available: Callable[[], bool] | None = None,
                 capability: Callable[[], tuple[int, int]] | None = None,
                 device_name: Callable[[], str] | None = None) -> str | None:

@@ -77,6 +77,24 @@ def time_graph_fresh(fn, **kw) -> tuple[float, float]:
     return time_graph(fn, **kw), first
 
 
+def interleaved_medians(fns: dict, *, rounds: int = 5, reps: int = 20, graph_rounds: int = 7) -> dict:
+    """``{name: median seconds}`` of each ``fns[name]``, timed by :func:`time_graph` (``reps``,
+    ``graph_rounds``) in ``rounds`` rounds whose order alternates (forward, then reversed), so that
+    clock drift falls on every one alike (the A/B tools' timing)."""
+    order = list(fns)
+    times: dict = {k: [] for k in order}
+    for r in range(rounds):
+        for k in (order if r % 2 == 0 else order[::-1]):
+            times[k].append(time_graph(fns[k], reps=reps, rounds=graph_rounds))
+    return {k: statistics.median(times[k]) for k in order}
+
+
+def speedups(medians: dict) -> dict:
+    """``{"<name>_over_<first>": speed of name / speed of the first}`` of :func:`interleaved_medians`."""
+    first, *rest = medians
+    return {f"{k}_over_{first}": round(medians[first] / medians[k], 3) for k in rest}
+
+
 def host_overhead(fn, *, calls: int = 2000) -> float:
     """Seconds of host time per call when calls are issued back to back (GPU work is tiny)."""
     for _ in range(20):

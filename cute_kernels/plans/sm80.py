@@ -196,6 +196,7 @@ class Sm80DecodeConfig(_Sm80Common):
     # opt-in: slower than the merge launch wherever measured, with PDL and without
     # (docs/design/sm80.md#the-fused-merge)
     fused_merge: bool = field(default=False, metadata=LABEL_IF_SET)
+    page_prefetch: bool = field(default=False, metadata=LABEL_IF_SET)  # docs/design/sm80.md#page-ids-a-tile-ahead
     merge_group: ClassVar[int] = MERGE_GROUP  # splits in flight per thread of the fused merge (the SM90 decode's)
 
     kernel_id = "sm80.decode"
@@ -260,16 +261,17 @@ class Sm80DecodeConfig(_Sm80Common):
 
 DECODE_CTAS_PER_SM = 2  # the split schedule fills one wave of two CTAs per SM
 DECODE_MAX_STAGES = 8
-# FP8 caches: 32 tokens per warp and stage (a 16-token FP8 tile is half the bytes of a BF16 one
-# for the same per-tile softmax and barrier cost); BF16 caches keep 16 (docs/design/sm80.md#measurements)
+# FP8 caches: 32 tokens per warp and stage (a 16-token FP8 tile is half the bytes of a BF16 one for the same
+# per-tile softmax and barrier cost); BF16 caches keep 16 (docs/design/sm80.md#measurements)
 DECODE_FP8_TW = 32
-# one ldmatrix base per operand from head dim 128 on: D 256 reaches the read roofline with it, FP8 at
-# D 128 is as fast or faster, at D 64 it was slower (docs/design/sm80.md#defaults)
+# one ldmatrix base per operand from head dim 128 on: D 256 reaches the read roofline with it, FP8 at D 128 is
+# as fast or faster, at D 64 it was slower (docs/design/sm80.md#defaults)
 DECODE_XOR_MIN_HEAD_DIM = 128
-# but not for 16-bit caches at D 128 and one query token here: ptxas spills their split build at GQA 8
-# with it (10 STL), and the per-address build of q_len 2 at GQA 4 (10-12 STL), every layout and
-# container (docs/design/sm80.md#the-swizzle-per-row-length)
+# but not for 16-bit caches at D 128 and one query token here: ptxas spills their split build at GQA 8 with it
+# (10 STL), the per-address build of q_len 2 at GQA 4 (10-12 STL) (docs/design/sm80.md#the-swizzle-per-row-length)
 DECODE_XOR_16BIT_D128_SPILL_TARGETS = ("sm_100a", "sm_103a")
+# page ids read a tile ahead: 1.01-1.06x at D 64 / 256, 0.90-1.04x at D 128 (docs/design/sm80.md#page-ids-a-tile-ahead)
+DECODE_PAGE_PREFETCH_HEAD_DIMS = (64, 256)
 
 
 def default_widen(target: str) -> str:
@@ -347,13 +349,14 @@ def make_decode_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: in
     ``override`` replaces any tuning field (tests force the bit-trick widening, or, with
     ``smem_target``, a ring sized for another target's shared memory: a 99 KB build run on an
     H200; ``ldsm_xor=False``: the per-address ``ldmatrix`` form, the default below D 128;
-    ``fused_merge=True``: a split launch's merge in its last CTAs, the opt-in)."""
+    ``fused_merge=True``: a split launch's merge in its last CTAs, the opt-in; ``page_prefetch``)."""
     fields = dict(target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, q_len=q_len,
                   page_size=page_size, split=split, kv_form=kv_form, kv_layout=kv_layout,
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
     override = dict(override)
     fields.update(decode_tiling(_smem_target(override, target), kv_dtype, head_dim, group * q_len))
-    fields["ldsm_xor"] = decode_ldsm_xor(target, kv_dtype, head_dim, q_len)
+    fields.update(ldsm_xor=decode_ldsm_xor(target, kv_dtype, head_dim, q_len),
+                  page_prefetch=head_dim in DECODE_PAGE_PREFETCH_HEAD_DIMS)
     fields.update(override)
     if not split:  # an unsplit launch has nothing to merge, whatever an override says
         fields["fused_merge"] = False
@@ -527,21 +530,19 @@ PREFILL_CTAS_PER_SM = 2
 PREFILL_MAX_STAGES = 3
 # 128-row CTAs (two 16-row tiles per warp) reach up to D 128 (D 256 cannot hold two tiles' O: 256 registers)
 PREFILL_M2_MAX_HEAD_DIM = 128
-# where ptxas keeps the 128-row CTA's 32-token stages without spills for lean variants (causal, one
-# cache tensor, no LSE, no scale tensors; each of the others adds 2-31 STL at D 128 there): the
-# only 128-row form measured (1.09-1.45x the 64-row CTA on the H200), so the only one the plan
-# chooses (at D 128 the 64-token PREFILL_D128_TW64S below where it applies); everything else keeps
-# the 64-row CTA, the 128-row one with 16-token stages at D 128 is an unmeasured override
-# (docs/design/sm80.md#defaults)
+# where ptxas keeps the 128-row CTA's 32-token stages without spills for lean variants (causal, one cache
+# tensor, no LSE, no scale tensors; each of the others adds 2-31 STL at D 128 there): the only 128-row form
+# measured (1.09-1.45x the 64-row CTA on the H200), so the only one the plan chooses (at D 128 the 64-token
+# PREFILL_D128_TW64S below where it applies); everything else keeps the 64-row CTA, the 128-row one with
+# 16-token stages at D 128 is an unmeasured override (docs/design/sm80.md#defaults)
 PREFILL_M2_TW32_TARGETS = ("sm_80", "sm_86", "sm_90a")
 # head dim 256, the default: 32-token stages with one ldmatrix base per operand (1.23x the 64-token
 # ring on the H200). Two stages take 97 KB, so two CTAs (eight warps) share a 227 KB SM, FA2's H100
 # occupancy at this head dim; the one-base addressing keeps the build spill-free where the
 # per-address one needs 254 registers (docs/design/sm80.md#prefill-tilings-measured)
 PREFILL_D256_TW32X: dict[str, Any] = dict(m_tiles=1, tw=32, ldsm_xor=True)
-# where ptxas spills it, the 16-token form before stays the default: a 16-bit cache at page 32 (3-32
-# STL; not on sm_80), a 16-bit cache with scale tensors on sm_120a / sm_121a (1 STL)
-# (docs/design/sm80.md#head-dim-256-prefill)
+# where ptxas spills it, the 16-token form before stays the default: a 16-bit cache at page 32 (3-32 STL; not
+# on sm_80), a 16-bit cache with scale tensors on sm_120a / sm_121a (1 STL) (docs/design/sm80.md#head-dim-256-prefill)
 PREFILL_D256_TW32X_PAGE32_SPILL_TARGETS = tuple(t for t in TARGETS if t != "sm_80")
 PREFILL_D256_TW32X_SCALES_SPILL_TARGETS = ("sm_120a", "sm_121a")
 # head dim 256 on sm_80: eight warps of one 16-row tile (128-row CTAs, Q and the merge rows sharing

@@ -131,7 +131,7 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     :func:`d128_tw64_form` for the BF16 D 128
     prefill, lean and with the LSE, and :func:`d128_tw64s_form` for the lean one, where they build
     without spills, :func:`four_warp_form` for each ``pingpong`` default and the ``ring_release`` ones
-    without it): decode for
+    without it, and the decode without ``page_prefetch`` where it is the default): decode for
     each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four), each split one also with the opt-in fused merge (``fused_merge=True``) where it builds
     without spills (:func:`fused_merge_registered`); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
@@ -166,7 +166,10 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
                                  if isinstance(c, Sm80DecodeConfig) and c.split and fused_merge_registered(c)]
     four: list[KernelConfig] = [four_warp_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.pingpong]
     four += [replace(c, ring_release=False) for c in out if isinstance(c, Sm80PrefillConfig) and c.ring_release]
-    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128 + fused + four)
+    # the decode's page ids read with the copies of their own tile, the form before page_prefetch
+    nopf: list[KernelConfig] = [replace(c, page_prefetch=False) for c in out + [old_form(c) for c in out] + fused
+                                if isinstance(c, Sm80DecodeConfig) and c.page_prefetch]
+    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128 + fused + four + nopf)
             if kernel_id in (None, c.kernel_id)]
 
 

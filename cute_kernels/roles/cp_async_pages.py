@@ -99,18 +99,22 @@ class PagedKVGather:
     def page_ids_per_thread(self) -> int:
         return max(self.page_slot(k) for k in range(self.rows_per_thread)) + 1
 
+    def make_page_ids(self):
+        """(Traced.) A thread's page ids of one stage (:meth:`load_page_ids`)."""
+        return cute.make_rmem_tensor((self.page_ids_per_thread,), Int32)
+
     @cute.jit
-    def issue(self, mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, limit, smem_base, tidx):
-        """Issue the copies of tile ``tile_idx`` (tokens ``tile * tile_idx ...``) of this request and
-        KV head into the stage at shared address ``smem_base`` (K, then V). ``mK`` / ``mV`` are
-        (token-in-page, d, head, page) views of the cache."""
-        t0 = tile_idx * self.tile
+    def load_page_ids(self, mBlockTable, batch_idx, tile_idx, limit, tidx, pids):
+        """This thread's page ids of tile ``tile_idx`` into ``pids`` (-1: a row past ``limit`` or
+        the block-table row), for :meth:`issue`. Loaded a tile ahead, the block-table read leaves the
+        copies' critical path (``page_prefetch``, docs/design/sm80.md#page-ids-a-tile-ahead)."""
         r0 = tidx // self.chunks if const_expr(self.chunks <= self.threads) else Int32(0)
-        c0 = tidx % self.chunks if const_expr(self.chunks <= self.threads) else tidx
+        self._page_ids(mBlockTable, batch_idx, tile_idx * self.tile, r0, limit, pids)
+
+    @cute.jit
+    def _page_ids(self, mBlockTable, batch_idx, t0, r0, limit, pids):
         width = mBlockTable.shape[1]
-        npid = self.page_ids_per_thread
-        pids = cute.make_rmem_tensor((npid,), Int32)
-        for j in cutlass.range_constexpr(npid):
+        for j in cutlass.range_constexpr(self.page_ids_per_thread):
             # first row of the thread that uses page id j
             k = next(k for k in range(self.rows_per_thread) if self.page_slot(k) == j)
             lp = (t0 + r0 + self.step * k) // self.page
@@ -118,6 +122,20 @@ class PagedKVGather:
             if lp < width and t0 + r0 + self.step * k < limit:
                 pid = mBlockTable[batch_idx, lp]
             pids[j] = pid
+
+    @cute.jit
+    def issue(self, mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, limit, smem_base, tidx,
+              pids=None):
+        """Issue the copies of tile ``tile_idx`` (tokens ``tile * tile_idx ...``) of this request and
+        KV head into the stage at shared address ``smem_base`` (K, then V). ``mK`` / ``mV`` are
+        (token-in-page, d, head, page) views of the cache. ``pids``: the tile's page ids, loaded
+        already (:meth:`load_page_ids`); else they are read here."""
+        t0 = tile_idx * self.tile
+        r0 = tidx // self.chunks if const_expr(self.chunks <= self.threads) else Int32(0)
+        c0 = tidx % self.chunks if const_expr(self.chunks <= self.threads) else tidx
+        if const_expr(pids is None):
+            pids = self.make_page_ids()
+            self._page_ids(mBlockTable, batch_idx, t0, r0, limit, pids)
         for k in cutlass.range_constexpr(self.rows_per_thread):
             row = r0 + self.step * k
             token = t0 + row

@@ -107,14 +107,23 @@ class Sm80PagedDecode:
         def tile_of(i):
             return split + i * num_splits
 
-        def issue(tile_idx, stage_addr):
-            self.gather.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, kv_end, stage_addr, tidx)
+        g = self.gather
+        pids = None
+        if const_expr(cfg.page_prefetch):  # tile_of(0)'s page ids; each issue loads its successor's
+            pids = g.make_page_ids()
+            g.load_page_ids(mBlockTable, batch_idx, tile_of(0), kv_end, tidx, pids)
+
+        def issue(tile_idx, stage_addr):  # the ring issues this split's tiles in order
+            if const_expr(cfg.page_prefetch):
+                g.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, kv_end, stage_addr, tidx, pids)
+                g.load_page_ids(mBlockTable, batch_idx, tile_idx + num_splits, kv_end, tidx, pids)
+            else:
+                g.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, kv_end, stage_addr, tidx)
 
         def tiles_mine():  # tiles split, split + S, ...
             num_tiles = (kv_end + eng.tile - 1) // eng.tile
             return cutlass.max((num_tiles - split + num_splits - 1) // num_splits, Int32(0))
 
-        g = self.gather
         if const_expr(cfg.kv_first):  # the first stages' copies in flight while Q is staged
             n_mine = tiles_mine()
             eng.prologue(issue, tile_of, n_mine, self.stages, kv_base, g.stage_bytes)

@@ -332,3 +332,26 @@ def test_prefill_grid_order_per_head_dim_and_its_height():
     for group, rows in ((1, 64), (4, 128), (8, 64), (16, 64), (5, 128)):
         top = prefill_heads_first_max_q(group, rows)
         assert -(-top * group // rows) <= hw.MAX_GRID_Y < -(-(top + 1) * group // rows)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_page_prefetch_is_the_default_at_head_dims_64_and_256(target):
+    """Each tile's page ids read a tile ahead (docs/design/sm80.md#page-ids-a-tile-ahead): the
+    decode's default at D 64 and 256 on every target and cache dtype, not at D 128; either value is
+    one override away and changes no other field; the compile matrix keeps the form without it
+    beside every default that takes it (their labels, and so their digests, are the ones before)."""
+    from cute_kernels.plans.sm80 import DECODE_PAGE_PREFETCH_HEAD_DIMS
+
+    assert DECODE_PAGE_PREFETCH_HEAD_DIMS == (64, 256)
+    full = set(compile_variants("sm80.decode"))
+    for kv in ("bf16", "fp16", "fp8_e4m3"):
+        for D in (64, 128, 256):
+            for split in (False, True):
+                shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=D,
+                             group=8, q_len=1, page_size=16, split=split)
+                cfg = make_decode_config(**shape)
+                assert cfg.page_prefetch == (D != 128) and ("page_prefetch" in cfg.label()) == (D != 128)
+                other = make_decode_config(page_prefetch=not cfg.page_prefetch, **shape)
+                assert replace(other, page_prefetch=cfg.page_prefetch) == cfg
+                assert cfg in full and replace(cfg, page_prefetch=False) in full
+    assert not any(c.page_prefetch for c in full if c.head_dim == 128)

@@ -4,7 +4,8 @@ FP8 widenings, layouts, containers, page sizes, head dims, GQA ratios, draft len
 an fp16 cache with a bf16 query, a ring sized for 99 KB of shared memory (SM86/89/120/121),
 CUDA-graph replay, the cases from head dim 128 on again without ``ldsm_xor``, every case again with the
 opt-in lean softmax, the split cases again with the opt-in fused merge, the fused merge over many
-splits and empty ones, the first cases again with the opt-in ``kv_first``. Outputs are poisoned with NaN;
+splits and empty ones, the first cases again with the opt-in ``kv_first`` and
+with ``page_prefetch``. Outputs are poisoned with NaN;
 the seed is in every failure message."""
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ CASES += [(*c[:-1], dict(c[-1], fused_merge=True)) for c in CASES[:24] if c[9] >
 # the opt-in kv_first (the ring's first copies issued before Q is staged,
 # docs/design/sm80.md#kv-copies-before-the-query) on the cases of the first list
 CASES += [(*c[:-1], dict(c[-1], kv_first=True)) for c in CASES[:24]]
+# page ids read a tile ahead (docs/design/sm80.md#page-ids-a-tile-ahead) on the cases of the first list
+CASES += [(*c[:-1], dict(c[-1], page_prefetch=True)) for c in CASES[:24]]
 
 
 def _ids(c):
@@ -160,8 +163,9 @@ def test_sm90_sends_what_its_kernel_refuses_to_the_portable_one(gen):
     _check(c, out, lse, seed)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_lengths_past_the_block_table_are_not_attended(splits, gen):
+def test_lengths_past_the_block_table_are_not_attended(splits, prefetch, gen):
     """A stale or corrupted length beyond the table's capacity W x page (2^31 - 1 too): each row's
     causal limit is clamped to the capacity, as in the reference (docs/design/inputs.md#lengths)."""
     seed = gen.initial_seed()
@@ -170,7 +174,7 @@ def test_lengths_past_the_block_table_are_not_attended(splits, gen):
                                poison_tail=False)  # the longer lengths make every page's tail visible
     W = c.block_table.shape[1]
     c.seq_lens.copy_(torch.tensor([W * 16 + 3, 2**31 - 1, 90], dtype=torch.int32, device="cuda"))
-    out, lse = _run(c, splits)
+    out, lse = _run(c, splits, page_prefetch=prefetch)
     _check(c, out, lse, seed)
 
 
