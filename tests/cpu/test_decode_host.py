@@ -441,7 +441,8 @@ BAD_DECODE_OVERRIDES = [
     (dict(widen="fast"), ValueError, "bad widen/tile fast/64"),
     # the portable kernel, against its own config (backend="sm80")
     (dict(backend="sm80", cluster=True), ValueError, "'cluster' is not a tuning field of sm80.decode; its fields: "
-     "balanced, fused_merge, gather_one_base, kv_first, ldsm_xor, lean_softmax, m_tiles, pdl, q_regs, smem_target, stages, stats_smem, tw, "
+     "balanced, fused_merge, gather_one_base, kv_first, ldsm_xor, lean_softmax, m_tiles, page_prefetch, pdl, q_regs, smem_target, "
+     "stages, stats_smem, tw, "
      "warps_m, warps_n, widen$"),
     (dict(backend="sm80", tile=128), ValueError, "'tile' is not a tuning field of sm80.decode"),
     (dict(backend="sm80", target="sm_80"), ValueError, "'target' is not a tuning field of sm80.decode \\(the call's"),
