@@ -2,7 +2,9 @@
 the instructions with the most warp-stall samples, their dominant stall reasons, and the samples
 per stall reason over the whole kernel.
 
-Usage: ``python -m profiling.ncu_sass_hotspots FILE.csv[.gz] [--top 25]``.
+Usage: ``python -m profiling.ncu_sass_hotspots FILE.csv[.gz] [--top 25]``. Also the samples before,
+inside and after the main loop (the backward branch whose body holds the most MMA instructions),
+with each part's top reasons: a kernel's fixed cost per CTA against its loop.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import gzip
+import re
 from collections import Counter
 
 
@@ -40,11 +43,39 @@ def main(argv=None):
             per_reason[s] += _num(r[col[s]])
     print(f"{len(body)} instructions, {total:.0f} samples")
     print("by reason:", ", ".join(f"{k[6:]} {v / total:.1%}" for k, v in per_reason.most_common(8)))
+    _regions(body, col, stalls, samples, total)
     print(f"{'addr':>6} {'share':>6}  top reasons  |  sass")
     for r in sorted(body, key=lambda r: -_num(r[samples]))[:a.top]:
         reasons = sorted(((_num(r[col[s]]), s[6:]) for s in stalls), reverse=True)[:2]
         why = ", ".join(f"{n} {v:.0f}" for v, n in reasons if v)
         print(f"{r[col['Address']]:>6} {_num(r[samples]) / total:6.1%}  {why:<28} | {r[col['Source']].strip()[:90]}")
+
+
+def _regions(body, col, stalls, samples, total):
+    """Samples before, inside and after the main loop: the backward branch whose body holds the most
+    MMA instructions (HMMA, HGMMA, UTCHMMA)."""
+    src = col["Source"]
+    addr = [int(r[col["Address"]], 16) for r in body]
+    loops = []
+    for i, r in enumerate(body):
+        m = re.search(r"BRA\s+(0x[0-9a-f]+)", r[src])
+        if m and int(m.group(1), 16) < addr[i]:
+            loops.append((int(m.group(1), 16), addr[i]))
+    mma = [addr[i] for i, r in enumerate(body) if re.search(r"\b(HMMA|HGMMA|UTCHMMA)", r[src])]
+    if not loops or not mma:
+        return
+    lo, hi = max(loops, key=lambda L: sum(L[0] <= a <= L[1] for a in mma))
+    parts = {"before the main loop": lambda a: a < lo, "main loop": lambda a: lo <= a <= hi,
+             "after it": lambda a: a > hi}
+    for name, inside in parts.items():
+        rows = [r for a, r in zip(addr, body) if inside(a)]
+        reasons = Counter()
+        for r in rows:
+            for s in stalls:
+                reasons[s] += _num(r[col[s]])
+        share = sum(_num(r[samples]) for r in rows) / total
+        top = ", ".join(f"{k[6:]} {v / total:.1%}" for k, v in reasons.most_common(4))
+        print(f"{name}: {share:.1%} ({top})")
 
 
 if __name__ == "__main__":
