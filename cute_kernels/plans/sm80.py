@@ -270,8 +270,10 @@ DECODE_XOR_MIN_HEAD_DIM = 128
 # but not for 16-bit caches at D 128 and one query token here: ptxas spills their split build at GQA 8 with it
 # (10 STL), the per-address build of q_len 2 at GQA 4 (10-12 STL) (docs/design/sm80.md#the-swizzle-per-row-length)
 DECODE_XOR_16BIT_D128_SPILL_TARGETS = ("sm_100a", "sm_103a")
-# page ids read a tile ahead: 1.01-1.06x at D 64 / 256, 0.90-1.04x at D 128 (docs/design/sm80.md#page-ids-a-tile-ahead)
+# page ids read a tile ahead: 1.01-1.06x at D 64 / 256, 0.90-1.04x at D 128 (docs/design/sm80.md#page-ids-a-tile-ahead);
+# not for FP8 at D 64 on sm_100a, whose ptxas spills that unsplit build with it (1 STL)
 DECODE_PAGE_PREFETCH_HEAD_DIMS = (64, 256)
+DECODE_PAGE_PREFETCH_SPILLS = (("sm_100a", "fp8_e4m3", 64),)  # (compile target, cache dtype, head dim)
 
 
 def default_widen(target: str) -> str:
@@ -309,8 +311,7 @@ def decode_tiling(target: str, kv_dtype: str, head_dim: int, rows: int) -> dict:
 
 
 def decode_ldsm_xor(target: str, kv_dtype: str, head_dim: int, q_len: int) -> bool:
-    """The decode's default ``ldmatrix`` addressing on compile target ``target`` (a spill is a
-    fact of the target's ptxas, not of the ring's shared memory)."""
+    """The decode's default ``ldmatrix`` addressing on compile target ``target`` (a spill is its ptxas's)."""
     if head_dim < DECODE_XOR_MIN_HEAD_DIM:
         return False
     return not (head_dim == 128 and kv_dtype != "fp8_e4m3" and q_len == 1
@@ -330,8 +331,7 @@ def fit_stages(target: str, cfg_fields: dict, ctas_per_sm: int, max_stages: int)
 
 
 def _smem_target(override: dict, target: str) -> str:
-    """The target whose shared memory sizes the ring: ``override``'s ``smem_target`` (taken out of
-    it), else ``target``."""
+    """The target sizing the ring: ``override``'s ``smem_target`` (taken out of it), else ``target``."""
     smem_target = override.pop("smem_target", target)
     if smem_target not in TARGETS:
         raise ValueError(f"smem_target must be one of {TARGETS}, got {smem_target!r}")
@@ -355,8 +355,8 @@ def make_decode_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: in
                   k_scale_tensor=k_scale_tensor, v_scale_tensor=v_scale_tensor, **_scale_fields(kv_dtype, target))
     override = dict(override)
     fields.update(decode_tiling(_smem_target(override, target), kv_dtype, head_dim, group * q_len))
-    fields.update(ldsm_xor=decode_ldsm_xor(target, kv_dtype, head_dim, q_len),
-                  page_prefetch=head_dim in DECODE_PAGE_PREFETCH_HEAD_DIMS)
+    fields.update(ldsm_xor=decode_ldsm_xor(target, kv_dtype, head_dim, q_len), page_prefetch=head_dim in
+                  DECODE_PAGE_PREFETCH_HEAD_DIMS and (target, kv_dtype, head_dim) not in DECODE_PAGE_PREFETCH_SPILLS)
     fields.update(override)
     if not split:  # an unsplit launch has nothing to merge, whatever an override says
         fields["fused_merge"] = False
