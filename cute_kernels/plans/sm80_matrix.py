@@ -167,9 +167,10 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     four: list[KernelConfig] = [four_warp_form(c) for c in out if isinstance(c, Sm80PrefillConfig) and c.pingpong]
     four += [replace(c, ring_release=False) for c in out if isinstance(c, Sm80PrefillConfig) and c.ring_release]
     # the decode's page ids read with the copies of their own tile, the form before page_prefetch
-    nopf: list[KernelConfig] = [replace(c, page_prefetch=False) for c in out + [old_form(c) for c in out] + fused
+    old: list[KernelConfig] = [old_form(c) for c in out]
+    nopf: list[KernelConfig] = [replace(c, page_prefetch=False) for c in out + old + fused
                                 if isinstance(c, Sm80DecodeConfig) and c.page_prefetch]
-    return [c for c in dict.fromkeys(out + [old_form(c) for c in out] + rows128 + d256 + d128 + fused + four + nopf)
+    return [c for c in dict.fromkeys(out + old + rows128 + d256 + d128 + fused + four + nopf)
             if kernel_id in (None, c.kernel_id)]
 
 

@@ -114,11 +114,9 @@ class Sm80PagedDecode:
             g.load_page_ids(mBlockTable, batch_idx, tile_of(0), kv_end, tidx, pids)
 
         def issue(tile_idx, stage_addr):  # the ring issues this split's tiles in order
+            g.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, kv_end, stage_addr, tidx, pids)
             if const_expr(cfg.page_prefetch):
-                g.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, kv_end, stage_addr, tidx, pids)
                 g.load_page_ids(mBlockTable, batch_idx, tile_idx + num_splits, kv_end, tidx, pids)
-            else:
-                g.issue(mK, mV, mBlockTable, num_pages, batch_idx, kv_head, tile_idx, kv_end, stage_addr, tidx)
 
         def tiles_mine():  # tiles split, split + S, ...
             num_tiles = (kv_end + eng.tile - 1) // eng.tile
