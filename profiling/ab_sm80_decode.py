@@ -21,49 +21,38 @@ import torch
 import cute_kernels
 from cute_kernels import reference
 from cute_kernels.bench.decode import SHAPES
-from cute_kernels.bench.harness import ab_parser
-from cute_kernels.bench.sm80 import PAGE, _fi_decode, parse_named_variants
+from cute_kernels.bench.harness import ab_parser, choice_list, select_named
+from cute_kernels.bench.sm80 import PAGE, _fi_decode, decode_case, parse_named_variants
 from cute_kernels.bench.timing import bench_setup, interleaved_medians, speedups
 from cute_kernels.jit.parallel import precompile
 from cute_kernels.jit.spec import normalize_target
 from cute_kernels.ops.paged_decode import tuning_override
 from cute_kernels.plans.sm80 import decode_variants
-from cute_kernels.testing import make_paged_decode_case, rel_err
+from cute_kernels.testing import rel_err
 
 ROUNDS = 5
-KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-
-
-def _shapes(shapes: str | None) -> list[tuple]:
-    wanted = [s.strip() for s in shapes.split(",")] if shapes else None
-    return [s for s in SHAPES if not wanted or any(w in s[0] for w in wanted)]
+KV_DTYPES = ("bf16", "fp8")
 
 
 def warm(variants: dict[str, dict], shapes: list[tuple], kv_dtypes) -> None:
     """Every variant's configs (split and not, and the merge) compiled in parallel first: the
     op would compile them one by one."""
-    cc = torch.cuda.get_device_capability()
-    target = normalize_target((cc[0], cc[1]))
-    kvs = tuple("fp8_e4m3" if k == "fp8" else k for k in kv_dtypes)
+    target = normalize_target(torch.cuda.get_device_capability())
     configs = [c for f in variants.values() for _, Hq, Hkv, D, _, _, q_len in shapes
                for c in decode_variants(target=target, head_dim=D, num_q_heads=Hq, num_kv_heads=Hkv, page_size=PAGE,
-                                        kv_dtypes=kvs, q_lens=(q_len,), scale_tensors=(False,), **f)]
+                                        kv_dtypes=kv_dtypes, q_lens=(q_len,), scale_tensors=(False,), **f)]
     precompile(configs, target, progress=False)
 
 
-def run(variants: dict[str, dict], shapes: str | None, kv_dtypes=("bf16", "fp8"), fi: bool = False) -> list[dict]:
+def run(variants: dict[str, dict], shapes: str | None, kv_dtypes=KV_DTYPES, fi: bool = False) -> list[dict]:
     bw, g = bench_setup()
     rows = []
-    chosen = _shapes(shapes)
+    chosen = select_named("--shapes", shapes, SHAPES)
     warm(variants, chosen, kv_dtypes)
-    for name, Hq, Hkv, D, B, ctx, q_len in chosen:
+    for shape in chosen:
+        name, D, q_len = shape[0], shape[3], shape[6]
         for kvn in kv_dtypes:
-            fp8 = kvn == "fp8"
-            c = make_paged_decode_case(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=PAGE,
-                                       seq_lens=ctx, kv_dtype=KV_DTYPES[kvn], q_len=q_len, generator=g,
-                                       poison_tail=False, k_scale=0.0625 if fp8 else 1.0,
-                                       v_scale=0.03125 if fp8 else 1.0)
-            nbytes = c.visible_kv_bytes() + 2 * c.q.numel() * c.q.element_size()
+            c, nbytes = decode_case(shape, kvn, g)
             ref = reference.paged_decode(c.q, c.kv_cache, c.block_table, c.seq_lens, **c.kwargs())
             outs = {k: torch.full_like(c.q, float("nan")) for k in variants}
 
@@ -97,10 +86,7 @@ def main() -> None:
     p.add_argument("--kv", default="bf16,fp8", help="comma-separated cache dtypes: bf16, fp8")
     p.add_argument("--fi", action="store_true", help="add FlashInfer's tensor-core decode wrapper (fi_tc)")
     args = p.parse_args()
-    kvs = tuple(k.strip() for k in args.kv.split(",") if k.strip())
-    if not kvs or any(k not in KV_DTYPES for k in kvs):
-        p.error(f"--kv takes a comma-separated subset of {sorted(KV_DTYPES)}, not {args.kv!r}")
-    rows = run(parse_named_variants(args.variants), args.shapes, kvs, args.fi)
+    rows = run(parse_named_variants(args.variants), args.shapes, choice_list("--kv", args.kv, KV_DTYPES), args.fi)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

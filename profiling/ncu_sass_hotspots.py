@@ -37,10 +37,7 @@ def main(argv=None):
     stalls = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
     samples = col["Warp Stall Sampling (All Samples)"]
     total = sum(_num(r[samples]) for r in body)
-    per_reason = Counter()
-    for r in body:
-        for s in stalls:
-            per_reason[s] += _num(r[col[s]])
+    per_reason = _by_reason(body, col, stalls)
     print(f"{len(body)} instructions, {total:.0f} samples")
     print("by reason:", ", ".join(f"{k[6:]} {v / total:.1%}" for k, v in per_reason.most_common(8)))
     _regions(body, col, stalls, samples, total)
@@ -49,6 +46,15 @@ def main(argv=None):
         reasons = sorted(((_num(r[col[s]]), s[6:]) for s in stalls), reverse=True)[:2]
         why = ", ".join(f"{n} {v:.0f}" for v, n in reasons if v)
         print(f"{r[col['Address']]:>6} {_num(r[samples]) / total:6.1%}  {why:<28} | {r[col['Source']].strip()[:90]}")
+
+
+def _by_reason(rows, col, stalls) -> Counter:
+    """Stall samples of ``rows`` per stall reason."""
+    out: Counter = Counter()
+    for r in rows:
+        for s in stalls:
+            out[s] += _num(r[col[s]])
+    return out
 
 
 def _regions(body, col, stalls, samples, total):
@@ -69,10 +75,7 @@ def _regions(body, col, stalls, samples, total):
              "after it": lambda a: a > hi}
     for name, inside in parts.items():
         rows = [r for a, r in zip(addr, body) if inside(a)]
-        reasons = Counter()
-        for r in rows:
-            for s in stalls:
-                reasons[s] += _num(r[col[s]])
+        reasons = _by_reason(rows, col, stalls)
         share = sum(_num(r[samples]) for r in rows) / total
         top = ", ".join(f"{k[6:]} {v / total:.1%}" for k, v in reasons.most_common(4))
         print(f"{name}: {share:.1%} ({top})")

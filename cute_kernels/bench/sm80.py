@@ -156,17 +156,24 @@ def _fi_decode(case, sm_scale, tensor_cores):
     return lambda: w.run(case.q, case.kv_cache, out=out, k_scale=case.k_scale, v_scale=case.v_scale), out
 
 
+def decode_case(shape: tuple, kvn: str, g):
+    """``(case, bytes read)`` of a decode shape (``DECODE_SHAPES`` row) with a ``kvn`` ("bf16" / "fp8")
+    cache: the visible K/V plus the query read and the output written (the roofline's bytes)."""
+    _, Hq, Hkv, D, B, ctx, q_len = shape
+    fp8 = kvn == "fp8"
+    case = make_paged_decode_case(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=PAGE,
+                                  seq_lens=ctx, kv_dtype=FP8 if fp8 else BF16, q_len=q_len, generator=g,
+                                  poison_tail=False, k_scale=0.0625 if fp8 else 1.0, v_scale=0.03125 if fp8 else 1.0)
+    return case, case.visible_kv_bytes() + 2 * case.q.numel() * case.q.element_size()
+
+
 def bench_decode(kv_dtypes=("bf16", "fp8"), shapes=None, out_json=None):
     bw, g = bench_setup()
     rows = []
-    for name, Hq, Hkv, D, B, ctx, q_len in shapes or DECODE_SHAPES:
+    for shape in shapes or DECODE_SHAPES:
+        name, Hq, Hkv, D, B, ctx, q_len = shape
         for kvn in kv_dtypes:
-            kv = FP8 if kvn == "fp8" else BF16
-            case = make_paged_decode_case(batch=B, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=PAGE,
-                                          seq_lens=ctx, kv_dtype=kv, q_len=q_len, generator=g, poison_tail=False,
-                                          k_scale=0.0625 if kvn == "fp8" else 1.0,
-                                          v_scale=0.03125 if kvn == "fp8" else 1.0)
-            nbytes = case.visible_kv_bytes() + 2 * case.q.numel() * case.q.element_size()
+            case, nbytes = decode_case(shape, kvn, g)
             ref = reference.paged_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, **case.kwargs())
             row = dict(shape=name, kv=kvn, kv_mb=case.visible_kv_bytes() / 1e6)
             out = torch.empty_like(case.q)
