@@ -270,8 +270,7 @@ DECODE_XOR_MIN_HEAD_DIM = 128
 # but not for 16-bit caches at D 128 and one query token here: ptxas spills their split build at GQA 8 with it
 # (10 STL), the per-address build of q_len 2 at GQA 4 (10-12 STL) (docs/design/sm80.md#the-swizzle-per-row-length)
 DECODE_XOR_16BIT_D128_SPILL_TARGETS = ("sm_100a", "sm_103a")
-# page ids read a tile ahead: 1.01-1.06x at D 64 / 256, 0.90-1.04x at D 128 (docs/design/sm80.md#page-ids-a-tile-ahead);
-# not for FP8 at D 64 on sm_100a, whose ptxas spills that unsplit build with it (1 STL)
+# page ids a tile ahead: 1.01-1.06x at D 64 / 256, 0.90-1.04x at D 128, not FP8 D 64 on sm_100a (1 STL) (docs/design/sm80.md#page-ids-a-tile-ahead)
 DECODE_PAGE_PREFETCH_HEAD_DIMS = (64, 256)
 DECODE_PAGE_PREFETCH_SPILLS = (("sm_100a", "fp8_e4m3", 64),)  # (compile target, cache dtype, head dim)
 
@@ -433,12 +432,15 @@ class Sm80PrefillConfig(_Sm80Common):
     CTAs share an SM of ``target``, so that a larger GPU runs a tiling at the occupancy of a target
     with less shared memory (docs/design/sm80.md#ping-pong-in-99-kb). ``ring_release`` (opt-in, ``pingpong``
     only): each stage's copies tracked by an mbarrier, not a CTA barrier per tile, so that only the turns
-    pace the halves and one half's QK may overlap the other's PV (docs/design/sm80.md#ping-pong-warps)."""
+    pace the halves and one half's QK may overlap the other's PV (docs/design/sm80.md#ping-pong-warps).
+    ``q_loads_first``: every load of the query's staging issued before the first is used
+    (docs/design/sm80.md#the-query-loads-at-once)."""
 
     group: int = 4
     causal: bool = True
     write_lse: bool = False
     heads_first: bool = field(default=False, metadata=LABEL_IF_SET)
+    q_loads_first: bool = field(default=False, metadata=LABEL_IF_SET)
     pingpong: bool = field(default=False, metadata=LABEL_IF_SET)
     max_ctas_per_sm: int = field(default=0, metadata=LABEL_IF_SET)
     ring_release: bool = field(default=False, metadata=LABEL_IF_SET)
@@ -528,6 +530,9 @@ def prefill_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_hea
 
 PREFILL_CTAS_PER_SM = 2
 PREFILL_MAX_STAGES = 3
+# the query's loads issued at once, not one round trip per item: every prefill build but these (target, cache
+# dtype, head dim), where ptxas spills with them (docs/design/sm80.md#the-query-loads-at-once)
+PREFILL_Q_LOADS_FIRST_SPILLS = (("sm_89", "fp8_e4m3", 128), ("sm_90a", "fp16", 128))
 # 128-row CTAs (two 16-row tiles per warp) reach up to D 128 (D 256 cannot hold two tiles' O: 256 registers)
 PREFILL_M2_MAX_HEAD_DIM = 128
 # where ptxas keeps the 128-row CTA's 32-token stages without spills for lean variants (causal, one cache
@@ -545,12 +550,11 @@ PREFILL_D256_TW32X: dict[str, Any] = dict(m_tiles=1, tw=32, ldsm_xor=True)
 # on sm_80), a 16-bit cache with scale tensors on sm_120a / sm_121a (1 STL) (docs/design/sm80.md#head-dim-256-prefill)
 PREFILL_D256_TW32X_PAGE32_SPILL_TARGETS = tuple(t for t in TARGETS if t != "sm_80")
 PREFILL_D256_TW32X_SCALES_SPILL_TARGETS = ("sm_120a", "sm_121a")
-# head dim 256 on sm_80: eight warps of one 16-row tile (128-row CTAs, Q and the merge rows sharing
-# their shared memory), 32-token stages, a two-stage ring: one CTA of eight warps per SM where the
-# four-warp form's 132 KB ring left one CTA of four. 1.42x it with the rings sized for sm_80 on the
-# H200 (one CTA per SM there too). Lean variants with 16-bit caches, spill-free at every page size
-# and GQA; the 99 KB targets cannot hold its 64 KB of Q beside a ring
-# (docs/design/sm80.md#eight-warps-at-head-dim-256)
+# head dim 256 on sm_80: eight warps of one 16-row tile (128-row CTAs, Q and the merge rows sharing their shared
+# memory), 32-token stages, a two-stage ring: one CTA of eight warps per SM where the four-warp form's 132 KB
+# ring left one CTA of four. 1.42x it with the rings sized for sm_80 on the H200 (one CTA per SM there too).
+# Lean variants with 16-bit caches, spill-free at every page size and GQA; the 99 KB targets cannot hold its 64
+# KB of Q beside a ring (docs/design/sm80.md#eight-warps-at-head-dim-256)
 PREFILL_D256_W8: dict[str, Any] = dict(warps_m=8, m_tiles=1, tw=32, stages=2, q_regs=False, ldsm_xor=True)
 PREFILL_D256_W8_TARGETS = ("sm_80",)
 # head dim 128, an override: 128-row CTAs with 64-token stages, FA2's 128 x 64 tile of four warps
@@ -581,9 +585,7 @@ PREFILL_D128_LEAN_SOFTMAX_TARGETS = ("sm_80",)
 # GQA) and FP16 (1-12 STL) keep the scaled softmax (docs/design/sm80.md#in-the-64-token-form)
 PREFILL_D128_TW64S_LEAN_KV_DTYPES = ("bf16",)
 PREFILL_D128_TW64S_LEAN_PAGE_SIZES = (16, 32, 64)
-# pingpong's warps: two halves of four warps, warp w and w + 4 on one scheduler (warp index mod 4)
-# (docs/design/sm80.md#ping-pong-warps)
-PINGPONG_WARPS = (8, 1)
+PINGPONG_WARPS = (8, 1)  # two halves of four warps, w and w + 4 on one scheduler (docs/design/sm80.md#ping-pong-warps)
 RING_RELEASE_STAGES = 2  # ring_release: tile i + 1 into the stage of tile i - 1 at tile i's turn
 # the 256-row ping-pong's default where its stage wait may suspend (mbarrier.try_wait): 1.01-1.05x
 # on the H200's long D 128 rows, 1.02x at B16 S512 (docs/design/sm80.md#stages-released-at-the-turn)
@@ -611,8 +613,7 @@ PREFILL_D128_PINGPONG16: dict[str, Any] = dict(warps_m=8, m_tiles=1, tw=64, stag
 PREFILL_D128_PINGPONG16_TARGETS = ("sm_86", "sm_89", "sm_90a", "sm_120a", "sm_121a")
 PREFILL_D128_PINGPONG16_KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
 PREFILL_D128_PINGPONG16_PAGE_SIZES = (16, 32, 64, 128)
-# the fields PREFILL_D128_TW64S adds to the PREFILL_D128_TW64 tiling
-_D128_MARGIN = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}
+_D128_MARGIN = {k: v for k, v in PREFILL_D128_TW64S.items() if k not in PREFILL_D128_TW64}  # what TW64S adds
 
 
 def prefill_lean(*, causal: bool, write_lse: bool, k_scale_tensor: bool, v_scale_tensor: bool, kv_form: str) -> bool:
@@ -696,19 +697,18 @@ def prefill_heads_first(target: str, head_dim: int, m_tiles: int, tw: int, lean_
 def prefill_tiling(target: str, kv_dtype: str, head_dim: int, m_tiles: int | None = None, tw: int | None = None,
                    lean: bool = True, d256_x: bool = False, d128_s: bool = False, d256_w8: bool = False,
                    d128_lean: bool = False, d128_pp: bool = False, d128_pp16: bool = False) -> dict:
-    """FA2-style prefill tiling on ``target``: four warps of ``m_tiles`` 16-row tiles each, each
-    warp reading the whole stage; the deepest ring (2 or 3 stages) that lets two CTAs share an
-    SM, else one. ``m_tiles``, ``tw``: the plan's unless given (the fit is for the given ones).
-    ``d256_x``: :func:`prefill_d256_tw32x` of the variant (32-token stages with one ``ldmatrix``
-    base at D 256; without it the 16-token ring with per-address ``ldmatrix``). ``d128_s``:
-    :func:`prefill_d128_tw64s` of the variant (at D 128 with neither ``m_tiles`` nor ``tw`` given:
-    ``PREFILL_D128_TW64S``). ``d256_w8``: :func:`prefill_d256_w8` of the variant (at D 256 with
-    neither given: the eight warps of ``PREFILL_D256_W8`` where their ring fits ``target``).
-    ``d128_lean``: :func:`prefill_d128_lean_softmax` of the variant (at D 128 with neither given:
-    the lean softmax; every form with either given, and every other head dim, leaves it off).
-    ``d128_pp``: :func:`prefill_d128_pingpong` of the variant (at D 128 with neither given, where
-    ``target``'s shared memory holds it: the ping-pong form). ``d128_pp16``: :func:`prefill_d128_pingpong16`
-    (likewise, where only ``PREFILL_D128_PINGPONG16`` fits: that form).
+    """FA2-style prefill tiling on ``target``: four warps of ``m_tiles`` 16-row tiles each, each warp reading
+    the whole stage; the deepest ring (2 or 3 stages) that lets two CTAs share an SM, else one. ``m_tiles``,
+    ``tw``: the plan's unless given (the fit is for the given ones). ``d256_x``: :func:`prefill_d256_tw32x` of
+    the variant (32-token stages with one ``ldmatrix`` base at D 256; without it the 16-token ring with
+    per-address ``ldmatrix``). ``d128_s``: :func:`prefill_d128_tw64s` of the variant (at D 128 with neither
+    ``m_tiles`` nor ``tw`` given: ``PREFILL_D128_TW64S``). ``d256_w8``: :func:`prefill_d256_w8` of the variant
+    (at D 256 with neither given: the eight warps of ``PREFILL_D256_W8`` where their ring fits ``target``).
+    ``d128_lean``: :func:`prefill_d128_lean_softmax` of the variant (at D 128 with neither given: the lean
+    softmax; every form with either given, and every other head dim, leaves it off). ``d128_pp``:
+    :func:`prefill_d128_pingpong` of the variant (at D 128 with neither given, where ``target``'s shared memory
+    holds it: the ping-pong form). ``d128_pp16``: :func:`prefill_d128_pingpong16` (likewise, where only
+    ``PREFILL_D128_PINGPONG16`` fits: that form).
 
     ``m_tiles=2`` (the default up to D 128 for ``lean`` variants on ``PREFILL_M2_TW32_TARGETS``,
     with 64-token stages where ``d128_s``): 128 rows per CTA. O takes 128 registers at D 128, so
@@ -793,7 +793,7 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
     d128_pp16 = head_dim == 128 and prefill_d128_pingpong16(target, lean, kv_dtype, page_size)
     fields.update(prefill_tiling(_smem_target(override, target), kv_dtype, head_dim, override.get("m_tiles"),
                                  override.get("tw"), lean, d256_x, d128_s, d256_w8, d128_lean, d128_pp, d128_pp16))
-    fields.update(override)
+    fields.update({"q_loads_first": (target, kv_dtype, head_dim) not in PREFILL_Q_LOADS_FIRST_SPILLS, **override})
     if (fields.get("pingpong") and fields["m_tiles"] == 2 and fields["stages"] == RING_RELEASE_STAGES
             and target in PREFILL_D128_RING_RELEASE_TARGETS and "ring_release" not in override):
         fields["ring_release"] = True

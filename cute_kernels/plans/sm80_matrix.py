@@ -131,7 +131,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     :func:`d128_tw64_form` for the BF16 D 128
     prefill, lean and with the LSE, and :func:`d128_tw64s_form` for the lean one, where they build
     without spills, :func:`four_warp_form` for each ``pingpong`` default and the ``ring_release`` ones
-    without it, and the decode without ``page_prefetch`` where it is the default): decode for
+    without it, the decode without ``page_prefetch`` where it is the default, each default prefill, and its
+    derived forms, without ``q_loads_first``): decode for
     each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four), each split one also with the opt-in fused merge (``fused_merge=True``) where it builds
     without spills (:func:`fused_merge_registered`); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
@@ -154,6 +155,9 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
         out.append(make_prefill_config(target=t, q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=8, page_size=64,
                                        causal=False, write_lse=True, kv_form="pair", kv_layout="NHD"))
     out += ci_variants()
+    # the prefill's query staged one load round trip per item, the form before q_loads_first, beside
+    # each default prefill (its derived forms below with it)
+    out += [replace(c, q_loads_first=False) for c in out if isinstance(c, Sm80PrefillConfig) and c.q_loads_first]
     rows128: list[KernelConfig] = [rows128_form(c) for c in out
                                    if isinstance(c, Sm80PrefillConfig) and c.head_dim <= PREFILL_M2_MAX_HEAD_DIM]
     d256: list[KernelConfig] = [d256_tw32x_form(c) for c in out

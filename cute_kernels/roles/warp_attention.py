@@ -104,7 +104,7 @@ class WarpTileAttention:
     def __init__(self, *, D: int, q_dtype: str, kv_dtype: str, mma_dtype: str, widen_method: str,
                  warps_m: int, warps_n: int, m_tiles: int, tw: int, q_regs: bool, ldsm_xor: bool = False,
                  stats_smem: bool = False, lean_softmax: bool = False, pingpong: bool = False,
-                 ring_release: bool = False, ring_suspend: bool = False):
+                 ring_release: bool = False, ring_suspend: bool = False, q_loads_first: bool = False):
         self.D = D
         self.q_name, self.kv_name, self.mma_name = q_dtype, kv_dtype, mma_dtype
         self.fp8 = kv_dtype == "fp8_e4m3"
@@ -146,6 +146,9 @@ class WarpTileAttention:
         # log2 of the factor the widened values are smaller than the e4m3 values by (bits: 2^-8)
         self.widen_log2 = WIDEN_SHIFT_LOG2["fp16"] if self.fp8 and widen_method == "bits" else 0
         self.atom_dtype = self.mma_dtype
+        # every query load of the staging issued before the first is used, not one round trip per
+        # 16-element item (docs/design/sm80.md#the-query-loads-at-once)
+        self.q_loads_first = q_loads_first
 
     def widen(self, x, pair_tokens: bool):
         """(Traced.) Four e4m3 bytes of one ``ldmatrix`` register -> two fp16x2 registers. The bit
@@ -187,16 +190,31 @@ class WarpTileAttention:
         blocks = D // 16
         work = self.rows * blocks
         iters = (work + self.threads - 1) // self.threads
+        raws = []
+        if const_expr(self.q_loads_first):  # no branch around a load: ptxas issues them all at once
+            for it in cutlass.range_constexpr(iters):
+                idx = it * self.threads + tidx
+                q_row = idx // blocks
+                q_token, q_head = row_token_head(q_row)
+                ok = idx < work and row_valid(q_row)
+                raw = cute.make_rmem_tensor((16,), mQ.element_type)
+                raw.store(cute.local_tile(mQ[q_token if ok else Int32(0), q_head if ok else Int32(0), None], (16,),
+                                          (idx % blocks,)).load())
+                raws.append((raw, ok))
         for it in cutlass.range_constexpr(iters):
             idx = it * self.threads + tidx
             r = idx // blocks
             c = idx % blocks
             vals = cute.make_rmem_tensor((16,), Float32)
             vals.fill(0.0)
-            if idx < work:
-                if row_valid(r):
-                    token, head = row_token_head(r)
-                    vals.store(cute.local_tile(mQ[token, head, None], (16,), (c,)).load().to(Float32))
+            if const_expr(self.q_loads_first):
+                if raws[it][1]:  # a padding row or item read row 0: zeros instead
+                    vals.store(raws[it][0].load().to(Float32))
+            else:
+                if idx < work:
+                    if row_valid(r):
+                        token, head = row_token_head(r)
+                        vals.store(cute.local_tile(mQ[token, head, None], (16,), (c,)).load().to(Float32))
             e_shift = Int32(0)
             if const_expr(self.row_scaled):
                 amax = Float32(0.0)
@@ -755,7 +773,7 @@ def engine_for(cfg):
         warps_m=cfg.warps_m, warps_n=cfg.warps_n, m_tiles=cfg.m_tiles, tw=cfg.tw, q_regs=cfg.q_regs,
         ldsm_xor=cfg.ldsm_xor, stats_smem=cfg.stats_smem, lean_softmax=cfg.lean_softmax,
         pingpong=getattr(cfg, "pingpong", False), ring_release=getattr(cfg, "ring_release", False),
-        ring_suspend=getattr(cfg, "ring_suspend", False),
+        ring_suspend=getattr(cfg, "ring_suspend", False), q_loads_first=getattr(cfg, "q_loads_first", False),
     )
     gather = PagedKVGather(engine.tile, cfg.head_dim, engine.kv_bytes, engine.threads, cfg.page_size,
                            one_base=cfg.gather_one_base)

@@ -358,3 +358,28 @@ def test_page_prefetch_is_the_default_at_head_dims_64_and_256(target):
                 assert replace(other, page_prefetch=cfg.page_prefetch) == cfg
                 assert cfg in full and replace(cfg, page_prefetch=False) in full
     assert not any(c.page_prefetch for c in full if c.head_dim == 128)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_q_loads_first_is_the_prefill_default(target):
+    """The query's loads issued at once (docs/design/sm80.md#the-query-loads-at-once): the default
+    of every prefill (each head dim, cache dtype, mask and LSE form) but the two D 128 builds whose
+    ptxas spills with it; either value is one override away and changes no other field; the compile
+    matrix keeps the form without it beside every default that takes it (their labels, and so their
+    digests, are the ones before)."""
+    from cute_kernels.plans.sm80 import PREFILL_Q_LOADS_FIRST_SPILLS
+
+    assert PREFILL_Q_LOADS_FIRST_SPILLS == (("sm_89", "fp8_e4m3", 128), ("sm_90a", "fp16", 128))
+    full = set(compile_variants("sm80.prefill"))
+    for kv in ("bf16", "fp16", "fp8_e4m3"):
+        for D in (64, 128, 256):
+            for causal, lse in ((True, False), (False, True)):
+                shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=D,
+                             group=4, page_size=16, causal=causal, write_lse=lse)
+                cfg = make_prefill_config(**shape)
+                on = (target, kv, D) not in PREFILL_Q_LOADS_FIRST_SPILLS
+                assert cfg.q_loads_first == on and ("q_loads_first" in cfg.label()) == on
+                other = make_prefill_config(q_loads_first=not cfg.q_loads_first, **shape)
+                assert replace(other, q_loads_first=cfg.q_loads_first) == cfg
+                if causal:  # the lean default of each (dtype, head dim) is registered, and its form before
+                    assert cfg in full and replace(cfg, q_loads_first=False) in full

@@ -129,6 +129,14 @@ CASES += [(*c[:-1], {**c[-1], **form, **RELEASED}) for form in (PINGPONG, PINGPO
 LEAN += [(*c[:-1], {**c[-1], **form, **RELEASED, "kv_first": kvf}) for form in (PINGPONG, PINGPONG16)
          for kvf in (False, True) for c in LEAN if c[2] == 128 and not c[-1]]
 
+# the query staged one load round trip per item, the form before the default q_loads_first
+# (docs/design/sm80.md#the-query-loads-at-once), on the base cases (the 64-row, 128-row and D 256 forms,
+# padding rows of a varlen batch) and both ping-pong forms
+QLF = dict(q_loads_first=False)
+CASES += [(*c[:-1], {**c[-1], **QLF}) for c in BASE]
+LEAN += [(*c[:-1], {**c[-1], **form, **RELEASED, **QLF}) for form in (PINGPONG, PINGPONG16) for c in LEAN
+         if c[2] == 128 and not c[-1]]
+
 
 def _ids(c):
     kv, q, D, Hq, Hkv, page, lay, cont, causal, ov = c
