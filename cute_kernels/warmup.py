@@ -7,7 +7,7 @@ registry's choice: :func:`cute_kernels.plans.sm90_decode.decode_variants` on SM9
 :func:`cute_kernels.plans.sm80.decode_variants` where the portable kernel runs; ``sm100.decode``
 has no list, its first call compiles) and the prefill variants ``AttentionLayer`` can launch for
 them (:func:`cute_kernels.plans.sm90_prefill.prefill_variants`,
-:func:`cute_kernels.plans.sm80.prefill_variants`), compiles the missing ones in parallel processes
+:func:`cute_kernels.plans.sm80_matrix.prefill_variants`), compiles the missing ones in parallel processes
 into the on-disk cache, with a progress bar, then loads them into memory. On a GPU of the target
 arch it also runs the SM90 prefill kernel's one-time runtime self-check of each variant family
 while the registry lists that kernel as compile-verified (it synchronizes, so it must not first
@@ -21,7 +21,7 @@ from typing import Any
 from ._facade import make_callable
 from .jit.parallel import precompile
 from .jit.spec import KernelConfig, normalize_target
-from .plans import sm80
+from .plans import sm80, sm80_matrix
 from .plans.args import (
     check_choices,
     check_flags,
@@ -84,7 +84,7 @@ def warmup(*, arch: str | int | tuple[int, int] = "sm_90a", workers: int | None 
         prefill_configs = prefill_variants(kv_dtypes=tuple(sm90_prefill_kvs), **shared, **prefill_only)
     portable = {k: v for k, v in prefill_only.items() if k in ("causal", "return_lse")}
     if sm80_prefill_kvs:
-        configs += sm80.prefill_variants(target=target, kv_dtypes=tuple(sm80_prefill_kvs), **shared, **portable)
+        configs += sm80_matrix.prefill_variants(target=target, kv_dtypes=tuple(sm80_prefill_kvs), **shared, **portable)
     precompile([*configs, *prefill_configs], target, workers=workers, progress=progress)
     _self_check(prefill_configs, target)
     return [*configs, *prefill_configs]

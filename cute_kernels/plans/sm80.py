@@ -434,13 +434,15 @@ class Sm80PrefillConfig(_Sm80Common):
     only): each stage's copies tracked by an mbarrier, not a CTA barrier per tile, so that only the turns
     pace the halves and one half's QK may overlap the other's PV (docs/design/sm80.md#ping-pong-warps).
     ``q_loads_first``: every load of the query's staging issued before the first is used
-    (docs/design/sm80.md#the-query-loads-at-once)."""
+    (docs/design/sm80.md#the-query-loads-at-once). ``one_cta_bound``: the launch bound of one CTA per
+    SM, so that ptxas does not cap the build at 128 registers (docs/design/sm80.md#the-one-cta-bound)."""
 
     group: int = 4
     causal: bool = True
     write_lse: bool = False
     heads_first: bool = field(default=False, metadata=LABEL_IF_SET)
     q_loads_first: bool = field(default=False, metadata=LABEL_IF_SET)
+    one_cta_bound: bool = field(default=False, metadata=LABEL_IF_SET)
     pingpong: bool = field(default=False, metadata=LABEL_IF_SET)
     max_ctas_per_sm: int = field(default=0, metadata=LABEL_IF_SET)
     ring_release: bool = field(default=False, metadata=LABEL_IF_SET)
@@ -515,24 +517,14 @@ def prefill_heads_first_max_q(group: int, rows: int) -> int:
     return hw.MAX_GRID_Y * rows // group
 
 
-def prefill_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
-                     kv_dtypes=("fp8_e4m3",), q_dtype: str = "bf16", scale_tensors=(False, True),
-                     kv_layouts=("HND",), kv_forms=("single",), causal=(True,), return_lse=(False,)) -> list:
-    """The ``sm80.prefill`` configs that a model shape reaches on ``target`` (the warm-up's list):
-    per cache dtype, scale form, layout, container, mask and LSE output."""
-    return [make_prefill_config(target=target, q_dtype=q_dtype, kv_dtype={"fp8": "fp8_e4m3"}.get(kv, kv),
-                                head_dim=head_dim, group=num_q_heads // num_kv_heads, page_size=page_size,
-                                causal=mask, write_lse=lse, kv_form=form, kv_layout=layout, k_scale_tensor=st,
-                                v_scale_tensor=st)
-            for kv, st, layout, form, mask, lse in product(kv_dtypes, scale_tensors, kv_layouts, kv_forms, causal,
-                                                            return_lse)]
-
-
 PREFILL_CTAS_PER_SM = 2
 PREFILL_MAX_STAGES = 3
 # the query's loads issued at once, not one round trip per item: every prefill build but these (target, cache
 # dtype, head dim), where ptxas spills with them (docs/design/sm80.md#the-query-loads-at-once)
 PREFILL_Q_LOADS_FIRST_SPILLS = (("sm_89", "fp8_e4m3", 128), ("sm_90a", "fp16", 128))
+# (target, cache dtype, head dim) launched with one CTA per SM as the bound: ptxas caps them at 128 registers
+# and spills without it, at any bound only some other builds (docs/design/sm80.md#the-one-cta-bound)
+PREFILL_ONE_CTA_BOUND = tuple((t, "fp8_e4m3", 64) for t in ("sm_103a", "sm_120a", "sm_121a"))
 # 128-row CTAs (two 16-row tiles per warp) reach up to D 128 (D 256 cannot hold two tiles' O: 256 registers)
 PREFILL_M2_MAX_HEAD_DIM = 128
 # where ptxas keeps the 128-row CTA's 32-token stages without spills for lean variants (causal, one cache
@@ -590,24 +582,22 @@ RING_RELEASE_STAGES = 2  # ring_release: tile i + 1 into the stage of tile i - 1
 # the 256-row ping-pong's default where its stage wait may suspend (mbarrier.try_wait): 1.01-1.05x
 # on the H200's long D 128 rows, 1.02x at B16 S512 (docs/design/sm80.md#stages-released-at-the-turn)
 PREFILL_D128_RING_RELEASE_TARGETS = ("sm_90a",)
-# and the D 128 default of lean variants with a BF16 cache on sm_90a (pages 16-64, where
-# PREFILL_D128_TW64S takes the lean softmax) and sm_80 (pages 16-32): PREFILL_D128_TW64S with the
-# lean softmax in eight warps (256 rows, one CTA per SM) whose halves take turns at the tensor pipe,
-# two 64-token stages (three were slower). On the H200 1.01-1.05x the four-warp form on the long rows
-# (0.98x at B16 S512) and 1.12-1.16x sm_80's 32-token 128-row default (the sm_90a build; 1.05x at B16
-# S512). Spill-free at every GQA swept; sm_80's build spills at page 64 (1 STL). Its 136 KB leave out
-# the 99 KB targets (docs/design/sm80.md#ping-pong-warps)
+# and the D 128 default of lean variants with a BF16 cache on sm_90a (pages 16-64, where PREFILL_D128_TW64S takes
+# the lean softmax) and sm_80 (pages 16-32): PREFILL_D128_TW64S with the lean softmax in eight warps (256 rows, one
+# CTA per SM) whose halves take turns at the tensor pipe, two 64-token stages (three were slower). On the H200
+# 1.01-1.05x the four-warp form on the long rows (0.98x at B16 S512) and 1.12-1.16x sm_80's 32-token 128-row default
+# (the sm_90a build; 1.05x at B16 S512). Spill-free at every GQA swept; sm_80's build spills at page 64 (1 STL). Its
+# 136 KB leave out the 99 KB targets (docs/design/sm80.md#ping-pong-warps)
 PREFILL_D128_PINGPONG: dict[str, Any] = dict(warps_m=8, stages=2, pingpong=True)
 PREFILL_D128_PINGPONG_KV_DTYPES = ("bf16",)
 PREFILL_D128_PINGPONG_PAGE_SIZES: dict[str, tuple[int, ...]] = {"sm_80": (16, 32), "sm_90a": (16, 32, 64)}
 PREFILL_D128_PINGPONG_TARGETS = tuple(PREFILL_D128_PINGPONG_PAGE_SIZES)
-# and where the 256-row form does not fit the target's shared memory (the 99 KB targets, where every
-# D 128 form runs one CTA of four warps per SM): the same turns in 128 rows, eight warps of one 16-row
-# tile each with Q in registers, PREFILL_D128_TW64S's two 64-token stages (98 KB), the lean softmax,
-# one ldmatrix base per operand. Lean variants, every cache dtype, pages 16-128: spill-free on every
-# target listed at every GQA swept. At one CTA per SM on the H200, against sm_86's form before, long
-# rows / B16 S512: BF16 1.03-1.07x / 1.22x, FP16 1.05-1.07x / 1.20x, FP8 1.14-1.15x / 1.24x, BF16 at
-# page 128 1.01-1.03x / 1.18x (docs/design/sm80.md#ping-pong-in-99-kb)
+# and where the 256-row form does not fit the target's shared memory (the 99 KB targets, where every D 128 form runs
+# one CTA of four warps per SM): the same turns in 128 rows, eight warps of one 16-row tile each with Q in
+# registers, PREFILL_D128_TW64S's two 64-token stages (98 KB), the lean softmax, one ldmatrix base per operand. Lean
+# variants, every cache dtype, pages 16-128: spill-free on every target listed at every GQA swept. At one CTA per SM
+# on the H200, against sm_86's form before, long rows / B16 S512: BF16 1.03-1.07x / 1.22x, FP16 1.05-1.07x / 1.20x,
+# FP8 1.14-1.15x / 1.24x, BF16 at page 128 1.01-1.03x / 1.18x (docs/design/sm80.md#ping-pong-in-99-kb)
 PREFILL_D128_PINGPONG16: dict[str, Any] = dict(warps_m=8, m_tiles=1, tw=64, stages=2, pingpong=True, q_regs=True,
                                                ldsm_xor=True)
 PREFILL_D128_PINGPONG16_TARGETS = ("sm_86", "sm_89", "sm_90a", "sm_120a", "sm_121a")
@@ -678,11 +668,10 @@ def prefill_d128_tw64s(target: str, kv_dtype: str, lean: bool) -> bool:
     return lean and target in PREFILL_D128_TW64S_DEFAULT_TARGETS and target in PREFILL_D128_TW64S_TARGETS[kv_dtype]
 
 
-# the grid with the KV heads fastest (``heads_first``: every head's longest causal row tiles of a
-# request start first) up to head dim 128: 1.13-1.17x at B1 S4096 and D 64 B1 S8192 on the H200,
-# within 1.5 % on the other shapes; 0.97x at D 256, which keeps the row tiles fastest. Not in sm_80's
-# 128-row 32-token form without the lean softmax (an override), whose build spills with it (4 STL)
-# (docs/design/sm80.md#the-grid-order)
+# the grid with the KV heads fastest (``heads_first``: every head's longest causal row tiles of a request start
+# first) up to head dim 128: 1.13-1.17x at B1 S4096 and D 64 B1 S8192 on the H200, within 1.5 % on the other shapes;
+# 0.97x at D 256, which keeps the row tiles fastest. Not in sm_80's 128-row 32-token form without the lean softmax
+# (an override), whose build spills with it (4 STL) (docs/design/sm80.md#the-grid-order)
 PREFILL_HEADS_FIRST_MAX_HEAD_DIM = 128
 PREFILL_ROWS_FIRST_FORMS = (("sm_80", 2, 32, False),)  # (target, m_tiles, tw, lean_softmax)
 
@@ -793,7 +782,9 @@ def make_prefill_config(*, target: str, q_dtype: str, kv_dtype: str, head_dim: i
     d128_pp16 = head_dim == 128 and prefill_d128_pingpong16(target, lean, kv_dtype, page_size)
     fields.update(prefill_tiling(_smem_target(override, target), kv_dtype, head_dim, override.get("m_tiles"),
                                  override.get("tw"), lean, d256_x, d128_s, d256_w8, d128_lean, d128_pp, d128_pp16))
-    fields.update({"q_loads_first": (target, kv_dtype, head_dim) not in PREFILL_Q_LOADS_FIRST_SPILLS, **override})
+    key = (target, kv_dtype, head_dim)
+    fields.update({"q_loads_first": key not in PREFILL_Q_LOADS_FIRST_SPILLS,
+                   "one_cta_bound": key in PREFILL_ONE_CTA_BOUND, **override})
     if (fields.get("pingpong") and fields["m_tiles"] == 2 and fields["stages"] == RING_RELEASE_STAGES
             and target in PREFILL_D128_RING_RELEASE_TARGETS and "ring_release" not in override):
         fields["ring_release"] = True

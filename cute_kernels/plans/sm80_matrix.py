@@ -1,12 +1,14 @@
 """The compile matrix of the portable SM80-class kernels: the variants ``cute-kernels compile``
-builds per target (the plan's defaults and the forms the overrides still select) and the
-representative set the CPU suite compiles. Host-only; the limits and forms are the plan's
+builds per target (the plan's defaults and the forms the overrides still select), the
+representative set the CPU suite compiles and the prefill variants a model shape reaches (the
+warm-up's list). Host-only; the limits and forms are the plan's
 (:mod:`.sm80`). Design: docs/design/sm80.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import product
 from typing import Any
 
 from ..jit.spec import KernelConfig
@@ -35,6 +37,19 @@ from .sm80 import (
 
 def _q_for(kv: str) -> str:
     return "fp16" if kv == "fp16" else "bf16"
+
+
+def prefill_variants(*, target: str, head_dim: int, num_q_heads: int, num_kv_heads: int, page_size: int,
+                     kv_dtypes=("fp8_e4m3",), q_dtype: str = "bf16", scale_tensors=(False, True),
+                     kv_layouts=("HND",), kv_forms=("single",), causal=(True,), return_lse=(False,)) -> list:
+    """The ``sm80.prefill`` configs that a model shape reaches on ``target`` (the warm-up's list):
+    per cache dtype, scale form, layout, container, mask and LSE output."""
+    return [make_prefill_config(target=target, q_dtype=q_dtype, kv_dtype={"fp8": "fp8_e4m3"}.get(kv, kv),
+                                head_dim=head_dim, group=num_q_heads // num_kv_heads, page_size=page_size,
+                                causal=mask, write_lse=lse, kv_form=form, kv_layout=layout, k_scale_tensor=st,
+                                v_scale_tensor=st)
+            for kv, st, layout, form, mask, lse in product(kv_dtypes, scale_tensors, kv_layouts, kv_forms, causal,
+                                                            return_lse)]
 
 
 def old_form(config: KernelConfig) -> KernelConfig:
@@ -132,7 +147,7 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     prefill, lean and with the LSE, and :func:`d128_tw64s_form` for the lean one, where they build
     without spills, :func:`four_warp_form` for each ``pingpong`` default and the ``ring_release`` ones
     without it, the decode without ``page_prefetch`` where it is the default, each default prefill, and its
-    derived forms, without ``q_loads_first``): decode for
+    derived forms, without ``q_loads_first`` and without ``one_cta_bound``): decode for
     each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four), each split one also with the opt-in fused merge (``fused_merge=True``) where it builds
     without spills (:func:`fused_merge_registered`); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
@@ -158,6 +173,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     # the prefill's query staged one load round trip per item, the form before q_loads_first, beside
     # each default prefill (its derived forms below with it)
     out += [replace(c, q_loads_first=False) for c in out if isinstance(c, Sm80PrefillConfig) and c.q_loads_first]
+    # and the launch without the one-CTA bound where the plan sets it
+    out += [replace(c, one_cta_bound=False) for c in out if isinstance(c, Sm80PrefillConfig) and c.one_cta_bound]
     rows128: list[KernelConfig] = [rows128_form(c) for c in out
                                    if isinstance(c, Sm80PrefillConfig) and c.head_dim <= PREFILL_M2_MAX_HEAD_DIM]
     d256: list[KernelConfig] = [d256_tw32x_form(c) for c in out

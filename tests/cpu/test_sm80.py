@@ -383,3 +383,24 @@ def test_q_loads_first_is_the_prefill_default(target):
                 assert replace(other, q_loads_first=cfg.q_loads_first) == cfg
                 if causal:  # the lean default of each (dtype, head dim) is registered, and its form before
                     assert cfg in full and replace(cfg, q_loads_first=False) in full
+
+
+def test_one_cta_bound_where_ptxas_caps_the_build_at_128_registers():
+    """FP8 at D 64 on sm_103a / sm_120a / sm_121a launches with one CTA per SM as its bound
+    (docs/design/sm80.md#the-one-cta-bound): the PTX declares ``.minnctapersm 1`` exactly there, and
+    the GQA-1 build that ptxas spilled at 128 registers without it builds spill-free."""
+    from cute_kernels.jit.evidence import compile_with_evidence
+    from cute_kernels.plans.sm80 import PREFILL_ONE_CTA_BOUND
+
+    assert PREFILL_ONE_CTA_BOUND == tuple((t, "fp8_e4m3", 64) for t in ("sm_103a", "sm_120a", "sm_121a"))
+    for target in TARGETS:
+        for kv in ("bf16", "fp8_e4m3"):
+            for D in (64, 128):
+                cfg = make_prefill_config(target=target, q_dtype="bf16", kv_dtype=kv, head_dim=D, group=4, page_size=16)
+                assert cfg.one_cta_bound == ((target, kv, D) in PREFILL_ONE_CTA_BOUND), cfg.label()
+    cfg = make_prefill_config(target="sm_120a", q_dtype="bf16", kv_dtype="fp8_e4m3", head_dim=64, group=1,
+                              page_size=16)
+    for bound in (True, False):
+        compiled, ev = compile_with_evidence(replace(cfg, one_cta_bound=bound), "sm_120a")
+        assert (".minnctapersm 1" in compiled.ptx) == bound
+        assert ("STL" in ev.sass) == (not bound), ev.summary()  # 6 STL at 128 registers without it

@@ -137,6 +137,11 @@ CASES += [(*c[:-1], {**c[-1], **QLF}) for c in BASE]
 LEAN += [(*c[:-1], {**c[-1], **form, **RELEASED, **QLF}) for form in (PINGPONG, PINGPONG16) for c in LEAN
          if c[2] == 128 and not c[-1]]
 
+# the launch bounded to one CTA per SM (one_cta_bound, the default of FP8 at D 64 on sm_103a / sm_120a /
+# sm_121a; docs/design/sm80.md#the-one-cta-bound) on the base cases of every head dim
+BOUND = dict(one_cta_bound=True)
+CASES += [(*c[:-1], {**c[-1], **BOUND}) for c in BASE if "smem_target" not in c[-1]]
+
 
 def _ids(c):
     kv, q, D, Hq, Hkv, page, lay, cont, causal, ov = c
