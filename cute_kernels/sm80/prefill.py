@@ -60,11 +60,9 @@ class Sm80PagedPrefill:
         smem = self.storage.size_in_bytes()
         if const_expr(cfg.max_ctas_per_sm > 0):
             smem = max(smem, cfg.launch_smem_bytes())
-        if const_expr(cfg.one_cta_bound):  # else ptxas may cap it at 128 registers (docs/design/sm80.md#the-one-cta-bound)
-            kernel.launch(grid=grid, block=[eng.threads, 1, 1], smem=smem, stream=stream, use_pdl=cfg.pdl,
-                          min_blocks_per_mp=1)
-        else:
-            kernel.launch(grid=grid, block=[eng.threads, 1, 1], smem=smem, stream=stream, use_pdl=cfg.pdl)
+        # one_cta_bound: else ptxas may cap the build at 128 registers (docs/design/sm80.md#the-one-cta-bound); 0: no bound
+        kernel.launch(grid=grid, block=[eng.threads, 1, 1], smem=smem, stream=stream, use_pdl=cfg.pdl,
+                      min_blocks_per_mp=int(cfg.one_cta_bound))
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, num_pages: Int32, mBlockTable: cute.Tensor,
