@@ -22,7 +22,8 @@ from cute_kernels.testing import make_paged_prefill_case, rel_err
 # name -> (tuning fields, return the LSE): the default (the ping-pong form on sm_90a with a BF16
 # cache), its four-warp form, its eight warps without the turns, the 99 KB targets' 128-row
 # ping-pong (a ring sized for sm_86), with kv_first, the ping-pong override with the scaled
-# softmax and the LSE, and both ping-pong forms with the stages released at the turn (ring_release)
+# softmax and the LSE, both ping-pong forms with the stages released at the turn (ring_release), and
+# the opt-in output per warp (warp_store) on the default, the 128-row ping-pong and with the LSE
 CASES = {
     "default": ({}, False),
     "four_warp": (dict(warps_m=4, pingpong=False), False),
@@ -33,6 +34,9 @@ CASES = {
     "ring_release": (dict(ring_release=True), False),
     "ring_release16": (dict(smem_target="sm_86", ring_release=True), False),
     "ring_release_kv_first": (dict(ring_release=True, kv_first=True), False),
+    "warp_store": (dict(warp_store=True), False),
+    "warp_store16": (dict(smem_target="sm_86", warp_store=True), False),
+    "warp_store_lse": (dict(PREFILL_D128_TW64S, **PREFILL_D128_PINGPONG, warp_store=True), True),
 }
 
 

@@ -435,7 +435,9 @@ class Sm80PrefillConfig(_Sm80Common):
     pace the halves and one half's QK may overlap the other's PV (docs/design/sm80.md#ping-pong-warps).
     ``q_loads_first``: every load of the query's staging issued before the first is used
     (docs/design/sm80.md#the-query-loads-at-once). ``one_cta_bound``: the launch bound of one CTA per
-    SM, so that ptxas does not cap the build at 128 registers (docs/design/sm80.md#the-one-cta-bound)."""
+    SM, so that ptxas does not cap the build at 128 registers (docs/design/sm80.md#the-one-cta-bound).
+    ``warp_store`` (opt-in): each warp writes its own rows' output through its staged query rows, with
+    no CTA barrier or fp32 merge rows (docs/design/sm80.md#the-output-per-warp)."""
 
     group: int = 4
     causal: bool = True
@@ -446,6 +448,7 @@ class Sm80PrefillConfig(_Sm80Common):
     pingpong: bool = field(default=False, metadata=LABEL_IF_SET)
     max_ctas_per_sm: int = field(default=0, metadata=LABEL_IF_SET)
     ring_release: bool = field(default=False, metadata=LABEL_IF_SET)
+    warp_store: bool = field(default=False, metadata=LABEL_IF_SET)
 
     kernel_id = "sm80.prefill"
 
@@ -462,6 +465,9 @@ class Sm80PrefillConfig(_Sm80Common):
         if self.ring_release and not (self.pingpong and self.stages == RING_RELEASE_STAGES):
             raise ValueError(f"ring_release frees a stage at the ping-pong turn: it needs pingpong=True and "
                              f"stages={RING_RELEASE_STAGES}, not pingpong={self.pingpong}, stages={self.stages}")
+        if self.warp_store and self.warps_n != 1:
+            raise ValueError(f"warp_store writes each row from the one warp that holds it: it needs warps_n=1, "
+                             f"not {self.warps_n}")
         if self.max_ctas_per_sm < 0:
             raise ValueError(f"max_ctas_per_sm must be >= 0 (0: no cap), got {self.max_ctas_per_sm}")
         self._check_smem()  # the padding under max_ctas_per_sm (>= 1) stays below half the SM's

@@ -147,7 +147,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     prefill, lean and with the LSE, and :func:`d128_tw64s_form` for the lean one, where they build
     without spills, :func:`four_warp_form` for each ``pingpong`` default and the ``ring_release`` ones
     without it, the decode without ``page_prefetch`` where it is the default, each default prefill, and its
-    derived forms, without ``q_loads_first`` and without ``one_cta_bound``): decode for
+    derived forms, without ``q_loads_first`` and without ``one_cta_bound``; the opt-in ``warp_store`` on
+    the default prefill of each cache dtype and head dim): decode for
     each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four), each split one also with the opt-in fused merge (``fused_merge=True``) where it builds
     without spills (:func:`fused_merge_registered`); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
@@ -191,7 +192,11 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     old: list[KernelConfig] = [old_form(c) for c in out]
     nopf: list[KernelConfig] = [replace(c, page_prefetch=False) for c in out + old + fused
                                 if isinstance(c, Sm80DecodeConfig) and c.page_prefetch]
-    return [c for c in dict.fromkeys(out + old + rows128 + d256 + d128 + fused + four + nopf)
+    # the opt-in output per warp on each target's default prefill of every cache dtype and head dim
+    per_warp: list[KernelConfig] = [make_prefill_config(target=t, q_dtype=_q_for(kv), kv_dtype=kv, head_dim=d, group=4,
+                                                        page_size=16, warp_store=True)
+                                    for t in TARGETS for kv in KV_DTYPES for d in HEAD_DIMS]
+    return [c for c in dict.fromkeys(out + old + rows128 + d256 + d128 + fused + four + nopf + per_warp)
             if kernel_id in (None, c.kernel_id)]
 
 
@@ -206,7 +211,7 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     SM90 sends here (an fp16 cache with a bf16 query), the bit-trick widening with a ring sized for
     99 KB (run on the H200 as the SM86 build's stand-in), an fp16 D 64 prefill, and old forms (the
     FP8 decode without ``ldsm_xor``, its split with the opt-in fused merge and with the opt-in
-    ``kv_first`` (and the lean BF16 D 128 prefill with it), the 64-row BF16
+    ``kv_first`` (and the lean BF16 D 128 prefill with it, and with the opt-in ``warp_store``), the 64-row BF16
     prefill, the 16-token D 256 prefill); the lean
     prefill with a BF16 cache on SM90 (``PREFILL_D128_TW64S`` in the ping-pong form, the default there) and its
     32-token form (the default before ``PREFILL_D128_TW64S``) with an FP8 cache on SM86; the
@@ -255,6 +260,7 @@ def ci_variants(kernel_id: str | None = None) -> list[KernelConfig]:
             make_decode_config(target="sm_90a", kv_dtype="fp8_e4m3", group=8, q_len=1, split=True, kv_first=True,
                                **shape),
             make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, kv_first=True, **shape),
+            make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, warp_store=True, **shape),
             make_prefill_config(target="sm_90a", kv_dtype="bf16", group=4, m_tiles=1, **shape)]
     d256: dict[str, Any] = dict(q_dtype="bf16", kv_dtype="bf16", head_dim=256, group=2, page_size=16)
     out += [make_prefill_config(target=t, **d256) for t in ("sm_80", "sm_90a", "sm_86")]

@@ -13,6 +13,7 @@ or torch: what they need arrives through their constructor. Map: docs/design/arc
 - :mod:`.softmax`: the swap-AB MMAs, per-thread state and online-softmax step (tokens on M), and the
   quad-local online softmax of the query-on-M form;
 - :mod:`.query`: Q staging into shared memory (with the FP8 path's scaling and permutation);
+- :mod:`.warp_rows_out`: the portable prefill's output per warp, through the warp's own staged query rows;
 - :mod:`.qsa_gather`: the QSA gather (index and page lookups, zero-filling cp.async, the pipeline);
 - the paged prefill's roles: :mod:`.prefill_blocks` (its index math, pure Python), :mod:`.paged_kv_tma`
   (K/V page boxes per tile), :mod:`.online_softmax` (the masked online softmax with the query rows on

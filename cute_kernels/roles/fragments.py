@@ -256,3 +256,18 @@ def store_shared_b32x4(smem_addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32,
     """``st.shared.v4.b32``: one 16-byte store."""
     asm([], [Int32(smem_addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
         "r,r,r,r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def store_shared_b32(smem_addr: Int32, a: Int32, *, loc=None, ip=None) -> None:
+    """``st.shared.b32``: one 4-byte store (kept in order with the warp barriers around it)."""
+    asm([], [Int32(smem_addr), Int32(a)], "st.shared.b32 [$0], $1;", "r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_shared_b32x2(smem_addr: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32]:
+    """``ld.shared.v2.b32``: 8 bytes at an 8-byte aligned shared-window address (volatile: it stays
+    behind the barrier that publishes them)."""
+    regs = asm([T.i32()] * 2, [Int32(smem_addr)], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r",
+               side_effects=True, loc=loc, ip=ip)
+    return tuple(Int32(r) for r in regs)

@@ -20,6 +20,7 @@ from cutlass import Float32, Int32, const_expr
 from ..jit.spec import bind_arguments
 from ..roles.cp_async_pages import cache_views
 from ..roles.warp_attention import LOG2E, engine_for
+from ..roles.warp_rows_out import stage_own_rows, store_own_rows
 
 
 class Sm80PagedPrefill:
@@ -166,9 +167,18 @@ class Sm80PagedPrefill:
         else:
             eng.mainloop(issue_to(kv_end), tile_of, n_tiles, cfg.stages, kv_base, g.stage_bytes, g.tile_bytes,
                          state, sq_base, row_scale, limits, min_limit, wm, wn, lane, sStats, issued=cfg.kv_first)
-        sO = cute.make_tensor(cute.recast_ptr(storage.kv.data_ptr(), dtype=Float32), eng.o_layout())
-        eng.finish(state, sO, sStats, wm, wn, lane, vs)
-        self.store(mO, mLse, sO, sStats, q_start, q_len, row0, kv_head, tidx)
+        if const_expr(cfg.warp_store):  # each warp's rows out on their own (docs/design/sm80.md#the-output-per-warp)
+            def out_row(r):  # (real row, token, head) of CTA row r
+                p = row0 + r
+                return p < q_len * G, q_start + p // G, kv_head * G + p % G
+
+            stage_own_rows(eng, state, sq_base, sStats, wm, lane, vs, mO.element_type, out_row,
+                           mLse if const_expr(cfg.write_lse) else None)
+            store_own_rows(eng, sq_base, wm, lane, out_row, mO)
+        else:
+            sO = cute.make_tensor(cute.recast_ptr(storage.kv.data_ptr(), dtype=Float32), eng.o_layout())
+            eng.finish(state, sO, sStats, wm, wn, lane, vs)
+            self.store(mO, mLse, sO, sStats, q_start, q_len, row0, kv_head, tidx)
 
     @cute.jit
     def store(self, mO, mLse, sO, sStats, q_start, q_len, row0, kv_head, tidx):

@@ -404,3 +404,41 @@ def test_one_cta_bound_where_ptxas_caps_the_build_at_128_registers():
         compiled, ev = compile_with_evidence(replace(cfg, one_cta_bound=bound), "sm_120a")
         assert (".minnctapersm 1" in compiled.ptx) == bound
         assert ("STL" in ev.sass) == (not bound), ev.summary()  # 6 STL at 128 registers without it
+
+
+def test_warp_store_is_an_opt_in_on_one_token_warp_registered_on_every_target():
+    """Each warp writes its own rows' output through its staged query rows (``warp_store``,
+    docs/design/sm80.md#the-output-per-warp): an opt-in (1-2 % slower on the long rows than the fp32
+    merge rows, measured), one override away on every prefill tiling (all have one token warp) and
+    changing no other field, refused with more than one token warp; the compile matrix registers it
+    on the default of every cache dtype and head dim, on every target."""
+    full = set(compile_variants("sm80.prefill"))
+    for target in TARGETS:
+        for kv in ("bf16", "fp16", "fp8_e4m3"):
+            for D in (64, 128, 256):
+                shape = dict(target=target, q_dtype="fp16" if kv == "fp16" else "bf16", kv_dtype=kv, head_dim=D,
+                             group=4, page_size=16)
+                cfg = make_prefill_config(**shape)
+                assert not cfg.warp_store and cfg.warps_n == 1 and "warp_store" not in cfg.label()
+                on = make_prefill_config(warp_store=True, **shape)
+                assert on == replace(cfg, warp_store=True) and on in full
+    with pytest.raises(ValueError, match="warp_store .* warps_n=1"):
+        make_prefill_config(target="sm_80", q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=4, page_size=16,
+                            warps_m=2, warps_n=2, m_tiles=1, tw=16, warp_store=True)
+
+
+def test_warp_store_writes_through_the_query_rows_without_a_cta_barrier():
+    """The ping-pong default on sm_90a: with ``warp_store`` its epilogue is the warp's own 32-bit
+    shared stores and 8-byte reads (rows / 8 x D / 16 of them per thread) with no CTA barrier after
+    the main loop; the form before reads its fp32 merge rows 16 bytes at a time behind two."""
+    from cute_kernels.jit.evidence import compile_with_evidence
+
+    cfg = make_prefill_config(target="sm_90a", q_dtype="bf16", kv_dtype="bf16", head_dim=128, group=4, page_size=16,
+                              warp_store=True)
+    assert cfg.pingpong and cfg.m_tiles == 2
+    new, _ = compile_with_evidence(cfg, "sm_90a")
+    old, _ = compile_with_evidence(replace(cfg, warp_store=False), "sm_90a")
+    assert new.ptx.count("ld.shared.v2.b32") == (32 // 8) * (128 // 16)
+    assert new.ptx.count("st.shared.b32") >= 2 * 2 * 128 // 8  # a 32-bit pair per n8 tile and row slot
+    assert "ld.shared.v2.b32" not in old.ptx
+    assert old.ptx.count("bar.sync \t0;") - new.ptx.count("bar.sync \t0;") == 2, "the epilogue's two CTA barriers"

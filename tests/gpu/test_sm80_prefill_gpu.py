@@ -8,7 +8,8 @@ lean softmax too, the opt-in ``kv_first`` on the base and lean default cases, an
 (``heads_first`` or not) on the same cases, the eight-warp ping-pong form (the lean BF16 D 128 default on
 sm_90a and sm_80) as an override on the D 128 cases, its 128-row form of 16-row warps (the 99 KB targets'
 default) likewise, with many requests under a grid sized far past them and a
-``max_query_len`` past the heads-first grid's height. Runs on any SM80+ GPU (the H200 included): the op runs the
+``max_query_len`` past the heads-first grid's height, and the opt-in output per warp (``warp_store``) on
+the base and ping-pong cases. Runs on any SM80+ GPU (the H200 included): the op runs the
 portable kernel when ``tuning_override(backend="sm80")`` forces it, whatever the arch. Outputs are
 poisoned with NaN; the seed is in every failure message."""
 
@@ -135,6 +136,16 @@ LEAN += [(*c[:-1], {**c[-1], **form, **RELEASED, "kv_first": kvf}) for form in (
 QLF = dict(q_loads_first=False)
 CASES += [(*c[:-1], {**c[-1], **QLF}) for c in BASE]
 LEAN += [(*c[:-1], {**c[-1], **form, **RELEASED, **QLF}) for form in (PINGPONG, PINGPONG16) for c in LEAN
+         if c[2] == 128 and not c[-1]]
+
+# each warp's rows out through its own staged query rows (the opt-in warp_store,
+# docs/design/sm80.md#the-output-per-warp) on the base cases (64-row, 128-row and D 256 forms, every cache
+# dtype and widening, the LSE, padding rows of a varlen batch) and both ping-pong forms
+WS = dict(warp_store=True)
+CASES += [(*c[:-1], {**c[-1], **WS}) for c in BASE]
+CASES += [(*c[:-1], {**c[-1], **form, **RELEASED, **WS}) for form in (PINGPONG, PINGPONG16) for c in D128_BASE
+          if form is PINGPONG16 or "smem_target" not in c[-1]]
+LEAN += [(*c[:-1], {**c[-1], **form, **RELEASED, **WS}) for form in (PINGPONG, PINGPONG16) for c in LEAN
          if c[2] == 128 and not c[-1]]
 
 # the launch bounded to one CTA per SM (one_cta_bound, the default of FP8 at D 64 on sm_103a / sm_120a /
