@@ -49,9 +49,35 @@ def check_arguments(module, args: argparse.Namespace) -> None:
         check(args)
 
 
+# ``bench decode|prefill --kernel K``: the benchmark of those kernels, ``bench K decode|prefill``
+KERNEL_BENCHMARKS = {"sm80": "sm80"}
+
+
+def route(what: str, argv: list[str]) -> tuple[str, list[str]]:
+    """``bench decode --kernel sm80 ARGS`` is ``bench sm80 decode ARGS`` (likewise prefill): the
+    portable kernels against FlashInfer's FA2 paths. ``--kernel sm90`` (the default) or a value
+    not routed stays with ``what``, whose parser names a bad value."""
+    if what not in ("decode", "prefill"):
+        return what, argv
+    rest: list[str] = []
+    kernel, i = None, 0
+    while i < len(argv):
+        if argv[i] == "--kernel" and i + 1 < len(argv):
+            kernel, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--kernel="):
+            kernel, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    if kernel in KERNEL_BENCHMARKS:
+        return KERNEL_BENCHMARKS[kernel], [what, *rest]
+    return what, argv
+
+
 def main(what: str, argv: list[str]) -> int:
     """Run benchmark ``what`` with its command-line arguments ``argv``; 2 when this machine
     cannot run it (the reason on one line of stderr)."""
+    what, argv = route(what, argv)
     parser, module = build_parser(what)
     args = parser.parse_args(argv)
     try:  # the values first: a bad one is named on any machine, before the GPU check

@@ -352,6 +352,9 @@ def check_arguments(args) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernel", default="sm90", choices=("sm90", "sm80"),
+                   help="sm90: this benchmark; sm80: the portable sm80.prefill against FlashInfer's fa2 prefill "
+                        "(the same as cute-kernels bench sm80 prefill; its own flags then apply)")
     p.add_argument("--peers", default=None,
                    help="comma-separated entries besides ours: " + ", ".join(PEERS) + " (default: all)")
     p.add_argument("--kv", default=",".join(KV_DTYPES), help="cache dtypes: bf16,fp8")

@@ -76,6 +76,30 @@ def test_no_gpu_is_one_line_and_exit_code_2(what, capsys, monkeypatch):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("what", ["decode", "prefill"])
+def test_kernel_sm80_runs_the_portable_benchmark(what, capsys, monkeypatch):
+    """``bench decode|prefill --kernel sm80`` is ``bench sm80 decode|prefill`` with the other flags
+    (either spelling of the flag); ``--kernel sm90`` or none stays with the SM90 benchmark, and a
+    bad value is an argparse error naming the flag."""
+    import torch
+
+    from cute_kernels.bench import route
+
+    assert route(what, ["--kernel", "sm80", "--shapes", "B1"]) == ("sm80", [what, "--shapes", "B1"])
+    assert route(what, ["--shapes", "B1", "--kernel=sm80"]) == ("sm80", [what, "--shapes", "B1"])
+    assert route(what, ["--kernel", "sm90", "--quick"]) == (what, ["--kernel", "sm90", "--quick"])
+    assert route("merge", ["--kernel", "sm80"]) == ("merge", ["--kernel", "sm80"])
+    assert build_parser(what)[0].parse_args(["--kernel", "sm90"]).kernel == "sm90"
+    args = build_parser("sm80")[0].parse_args(route(what, ["--kernel", "sm80", "--variants", "a:tw=16"])[1])
+    assert (args.what, args.variants) == (what, "a:tw=16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli_main(["bench", what, "--kernel", "sm80"]) == 2  # the portable benchmark refuses a machine without a GPU
+    assert capsys.readouterr().err.startswith("error: cute-kernels bench sm80 needs ")
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", what, "--kernel", "sm70"])
+    assert e.value.code == 2 and "--kernel" in capsys.readouterr().err
+
+
 def test_bench_help_needs_no_gpu(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["bench", "decode", "--help"])
