@@ -40,7 +40,7 @@ def test_off_by_default_but_in_the_d128_lean_prefill_default_where_chosen(cls):
             pingpong = getattr(cfg, "pingpong", False)
             chosen = kid == "sm80.prefill" and cfg.head_dim == 128 and cfg.lean and (tw32 or tw64s or pingpong)
             assert cfg.lean_softmax == ("lean_softmax=True" in cfg.label()), cfg.label()
-            if cfg.lean_softmax:
+            if cfg.lean_softmax and not getattr(cfg, "warp_store", False):  # (the opt-in warp_store: registered alone)
                 # the form without it: the grid its build keeps without spills (docs/design/sm80.md#the-grid-order)
                 # (the ping-pong default's form without it: its four-warp form's, plans.sm80_matrix.four_warp_form)
                 base = four_warp_form(cfg) if pingpong else cfg
