@@ -14,7 +14,7 @@ import argparse
 import importlib
 import sys
 
-from .harness import add_common_arguments, check_output_path, gpu_problem
+from .harness import KERNEL_BENCHMARKS, add_common_arguments, check_output_path, gpu_problem
 
 # name -> what it measures (the module cute_kernels.bench.<name> runs it)
 BENCHMARKS = {
@@ -49,10 +49,6 @@ def check_arguments(module, args: argparse.Namespace) -> None:
         check(args)
 
 
-# ``bench decode|prefill --kernel K``: the benchmark of those kernels, ``bench K decode|prefill``
-KERNEL_BENCHMARKS = {"sm80": "sm80"}
-
-
 def route(what: str, argv: list[str]) -> tuple[str, list[str]]:
     """``bench decode --kernel sm80 ARGS`` is ``bench sm80 decode ARGS`` (likewise prefill): the
     portable kernels against FlashInfer's FA2 paths. ``--kernel sm90`` (the default) or a value
@@ -70,7 +66,7 @@ def route(what: str, argv: list[str]) -> tuple[str, list[str]]:
             rest.append(argv[i])
             i += 1
     if kernel in KERNEL_BENCHMARKS:
-        return KERNEL_BENCHMARKS[kernel], [what, *rest]
+        return kernel, [what, *rest]
     return what, argv
 
 

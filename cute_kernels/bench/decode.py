@@ -40,6 +40,7 @@ from .harness import (
     SM90,
     NvtxRanges,
     Peer,
+    add_kernel_argument,
     bar_chart,
     check_unused,
     choice_list,
@@ -448,9 +449,7 @@ def _plot(rows, peers, path, device):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--kernel", default="sm90", choices=("sm90", "sm80"),
-                   help="sm90: this benchmark; sm80: the portable sm80.decode against FlashInfer's decode wrapper "
-                        "(the same as cute-kernels bench sm80 decode; its own flags then apply)")
+    add_kernel_argument(p, "decode", "FlashInfer's decode wrapper")
     p.add_argument("--peers", default=None,
                    help=f"comma list of peers ({', '.join(PEERS)}) and our tuning variants (default: "
                         f"{','.join(DEFAULT_PEERS)})")

@@ -62,6 +62,18 @@ class Peer:
     distribution: str
 
 
+# ``bench decode|prefill --kernel K`` runs ``bench K decode|prefill`` (``bench.route``); sm90 is theirs
+KERNEL_BENCHMARKS = ("sm80",)
+
+
+def add_kernel_argument(p: argparse.ArgumentParser, what: str, peer: str) -> None:
+    """``--kernel`` of ``bench decode`` / ``bench prefill``: what the portable benchmark is named by
+    (``bench.route`` hands the call to it before this parser sees it; a bad value is named here)."""
+    p.add_argument("--kernel", default="sm90", choices=("sm90", *KERNEL_BENCHMARKS),
+                   help=f"sm90: this benchmark; sm80: the portable sm80.{what} against {peer} (the same as "
+                        f"cute-kernels bench sm80 {what}; its own flags then apply)")
+
+
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--nvtx", action="store_true",

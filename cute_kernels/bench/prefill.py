@@ -45,6 +45,7 @@ from .harness import (
     SM90,
     NvtxRanges,
     Peer,
+    add_kernel_argument,
     bar_chart,
     check_unused,
     choice_list,
@@ -352,9 +353,7 @@ def check_arguments(args) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kernel", default="sm90", choices=("sm90", "sm80"),
-                   help="sm90: this benchmark; sm80: the portable sm80.prefill against FlashInfer's fa2 prefill "
-                        "(the same as cute-kernels bench sm80 prefill; its own flags then apply)")
+    add_kernel_argument(p, "prefill", "FlashInfer's fa2 prefill")
     p.add_argument("--peers", default=None,
                    help="comma-separated entries besides ours: " + ", ".join(PEERS) + " (default: all)")
     p.add_argument("--kv", default=",".join(KV_DTYPES), help="cache dtypes: bf16,fp8")

@@ -148,7 +148,8 @@ def compile_variants(kernel_id: str | None = None) -> list[KernelConfig]:
     without spills, :func:`four_warp_form` for each ``pingpong`` default and the ``ring_release`` ones
     without it, the decode without ``page_prefetch`` where it is the default, each default prefill, and its
     derived forms, without ``q_loads_first`` and without ``one_cta_bound``; the opt-in ``warp_store`` on
-    the default prefill of each cache dtype and head dim): decode for
+    the default prefill of each cache dtype and head dim, and through the CI set's sm_90a one on that
+    default's derived forms): decode for
     each cache dtype x head dim, split and not, at GQA 8 (one warp row) and at 64 query rows
     (four), each split one also with the opt-in fused merge (``fused_merge=True``) where it builds
     without spills (:func:`fused_merge_registered`); an fp16 cache with a bf16 query; the bit-trick widening where ``cvt`` is the default;
